@@ -1,0 +1,408 @@
+#include "core/check_inputs.h"
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+
+namespace kvl {
+namespace {
+
+constexpr const char* kOp = "ai.kvlayout::GroupQueryAttention: ";
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  std::ostringstream out;
+  out << "(";
+  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
+  out << (shape.size() == 1 ? ",)" : ")");
+  return out.str();
+}
+
+template <typename... Args>
+Status Fail(Args&&... args) {
+  std::ostringstream out;
+  out << kOp;
+  (out << ... << args);
+  return Status::Error(out.str());
+}
+
+const TensorInfo& In(const GqaInputInfos& inputs, GqaInput which) {
+  return inputs[static_cast<int>(which)];
+}
+
+Status CheckRank(const GqaInputInfos& inputs, GqaInput which, size_t rank, const char* dims) {
+  const TensorInfo& t = In(inputs, which);
+  if (t.shape.size() != rank) {
+    return Fail("input '", GqaInputName(which), "' must have rank ", rank, " ", dims, ", got shape ",
+                ShapeString(t.shape));
+  }
+  return Status::Ok();
+}
+
+Status CheckDType(const GqaInputInfos& inputs, GqaInput which, DType expected) {
+  const TensorInfo& t = In(inputs, which);
+  if (t.dtype != expected) {
+    return Fail("input '", GqaInputName(which), "' must be ", DTypeName(expected), " (the type of ",
+                expected == DType::kInt32 || expected == DType::kInt64 ? "the contract" : "query",
+                "), got ", DTypeName(t.dtype));
+  }
+  return Status::Ok();
+}
+
+Status CheckPair(const GqaInputInfos& inputs, GqaInput a, GqaInput b) {
+  if (In(inputs, a).exists != In(inputs, b).exists) {
+    return Fail("inputs '", GqaInputName(a), "' and '", GqaInputName(b),
+                "' must be both present or both absent; got only '",
+                GqaInputName(In(inputs, a).exists ? a : b), "'");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status CheckGqaAttributes(const GqaAttributes& a) {
+  if (a.kv_layout != 0 && a.kv_layout != 1) {
+    return Fail("attribute 'kv_layout' must be 0 (head-major BNSH) or 1 (seq-major BSNH), got ",
+                a.kv_layout);
+  }
+  if (a.num_heads <= 0 || a.kv_num_heads <= 0) {
+    return Fail("attributes 'num_heads' and 'kv_num_heads' must be positive, got num_heads=",
+                a.num_heads, ", kv_num_heads=", a.kv_num_heads);
+  }
+  if (a.num_heads % a.kv_num_heads != 0) {
+    return Fail("attribute 'num_heads' (", a.num_heads, ") must be a multiple of 'kv_num_heads' (",
+                a.kv_num_heads, ")");
+  }
+  if (a.local_window_size != -1 && a.local_window_size <= 0) {
+    return Fail("attribute 'local_window_size' must be -1 (off) or positive, got ",
+                a.local_window_size);
+  }
+  if (!(a.softcap >= 0.0f) || std::isinf(a.softcap)) {
+    return Fail("attribute 'softcap' must be a finite value >= 0 (0 = off), got ", a.softcap);
+  }
+  if (!std::isfinite(a.scale)) return Fail("attribute 'scale' must be finite, got ", a.scale);
+  if (a.smooth_softmax < -1 || a.smooth_softmax > 1) {
+    return Fail("attribute 'smooth_softmax' must be -1, 0 or 1, got ", a.smooth_softmax);
+  }
+  if (a.do_rotary != 0 && a.do_rotary != 1) {
+    return Fail("attribute 'do_rotary' must be 0 or 1, got ", a.do_rotary);
+  }
+  if (a.causal != 1) {
+    return Fail("attribute 'causal' = ", a.causal,
+                " is not supported: GroupQueryAttention is causal (causal=1)");
+  }
+  if (a.sliding_window_cache != 0 && a.sliding_window_cache != 1) {
+    return Fail("attribute 'sliding_window_cache' must be 0 or 1, got ", a.sliding_window_cache);
+  }
+  if (a.sliding_window_cache == 1 && a.local_window_size <= 0) {
+    return Fail("attribute 'sliding_window_cache'=1 needs 'local_window_size' > 0, got ",
+                a.local_window_size);
+  }
+  if (a.k_quant_type != "NONE" || a.v_quant_type != "NONE" || a.kv_cache_bit_width != 0) {
+    return Fail("quantized KV cache (k_quant_type=", a.k_quant_type, ", v_quant_type=",
+                a.v_quant_type, ", kv_cache_bit_width=", a.kv_cache_bit_width,
+                ") is not supported by ort-kvlayout v1");
+  }
+  if (a.qk_output != 0) {
+    return Fail("attribute 'qk_output' = ", a.qk_output,
+                ": output_qk is not supported by ort-kvlayout v1");
+  }
+  if (a.output_qk_requested) {
+    return Fail("output 'output_qk' is not supported by ort-kvlayout v1; remove the 4th output");
+  }
+  if (!(a.qk_norm_epsilon >= 0.0f)) {
+    return Fail("attribute 'qk_norm_epsilon' must be >= 0, got ", a.qk_norm_epsilon);
+  }
+  return Status::Ok();
+}
+
+Status CheckGqaInputs(const GqaAttributes& attrs, const GqaInputInfos& inputs,
+                      int32_t total_sequence_length, GqaShape* out) {
+  KVL_RETURN_IF_ERROR(CheckGqaAttributes(attrs));
+  GqaShape s;
+  s.num_heads = attrs.num_heads;
+  s.kv_num_heads = attrs.kv_num_heads;
+  s.layout = static_cast<KvLayout>(attrs.kv_layout);
+
+  for (GqaInput unsupported : {GqaInput::kKScale, GqaInput::kVScale}) {
+    if (In(inputs, unsupported).exists) {
+      return Fail("input '", GqaInputName(unsupported),
+                  "': quantized KV cache is not supported by ort-kvlayout v1");
+    }
+  }
+  if (In(inputs, GqaInput::kQuerySeqlens).exists) {
+    return Fail("input 'query_seqlens' is not supported by ort-kvlayout v1; chunked prefill takes "
+                "each batch entry's past length from seqlens_k");
+  }
+
+  // query: (B, S, N*H) or packed (B, S, (N + 2*Nkv)*H).
+  const TensorInfo& q = In(inputs, GqaInput::kQuery);
+  KVL_RETURN_IF_ERROR(CheckRank(inputs, GqaInput::kQuery, 3, "(batch, sequence, hidden)"));
+  if (q.dtype != DType::kFloat32 && q.dtype != DType::kFloat16 && q.dtype != DType::kBFloat16) {
+    return Fail("input 'query' must be float32, float16 or bfloat16, got ", DTypeName(q.dtype));
+  }
+  s.dtype = q.dtype;
+  s.batch = q.shape[0];
+  s.seq_len = q.shape[1];
+  if (s.batch <= 0 || s.seq_len <= 0) {
+    return Fail("input 'query' must have batch and sequence length >= 1, got shape ",
+                ShapeString(q.shape));
+  }
+  KVL_RETURN_IF_ERROR(CheckPair(inputs, GqaInput::kKey, GqaInput::kValue));
+  s.packed_qkv = !In(inputs, GqaInput::kKey).exists;
+  const int64_t hidden = q.shape[2];
+  if (s.packed_qkv) {
+    const int64_t heads = s.num_heads + 2 * s.kv_num_heads;
+    if (hidden <= 0 || hidden % heads != 0) {
+      return Fail("input 'query' is packed QKV (key and value absent): its last dim (", hidden,
+                  ") must be (num_heads + 2*kv_num_heads) * head_size = ", heads, " * head_size");
+    }
+    s.head_size = hidden / heads;
+  } else {
+    if (hidden <= 0 || hidden % s.num_heads != 0) {
+      return Fail("input 'query': last dim (", hidden, ") must be num_heads (", s.num_heads,
+                  ") * head_size");
+    }
+    s.head_size = hidden / s.num_heads;
+    for (GqaInput which : {GqaInput::kKey, GqaInput::kValue}) {
+      const TensorInfo& t = In(inputs, which);
+      KVL_RETURN_IF_ERROR(CheckRank(inputs, which, 3, "(batch, sequence, kv_hidden)"));
+      KVL_RETURN_IF_ERROR(CheckDType(inputs, which, s.dtype));
+      if (t.shape[0] != s.batch || t.shape[1] != s.seq_len ||
+          t.shape[2] != s.kv_num_heads * s.head_size) {
+        return Fail("input '", GqaInputName(which), "' must have shape (batch, sequence, ",
+                    "kv_num_heads*head_size) = (", s.batch, ", ", s.seq_len, ", ",
+                    s.kv_num_heads * s.head_size, "), got ", ShapeString(t.shape));
+      }
+    }
+  }
+
+  // seqlens_k: (B) int32; total_sequence_length: int32 scalar, already read from host memory.
+  const TensorInfo& seqlens = In(inputs, GqaInput::kSeqlensK);
+  KVL_RETURN_IF_ERROR(CheckDType(inputs, GqaInput::kSeqlensK, DType::kInt32));
+  if (seqlens.NumElements() != s.batch || seqlens.shape.size() > 2) {
+    return Fail("input 'seqlens_k' must have shape (batch,) = (", s.batch, ",), got ",
+                ShapeString(seqlens.shape));
+  }
+  const TensorInfo& total = In(inputs, GqaInput::kTotalSequenceLength);
+  KVL_RETURN_IF_ERROR(CheckDType(inputs, GqaInput::kTotalSequenceLength, DType::kInt32));
+  if (total.NumElements() != 1) {
+    return Fail("input 'total_sequence_length' must hold one value, got shape ",
+                ShapeString(total.shape));
+  }
+  if (total_sequence_length < s.seq_len) {
+    return Fail("input 'total_sequence_length' (", total_sequence_length,
+                ") must be >= the query's sequence length (", s.seq_len, ")");
+  }
+  s.total_seq_len = total_sequence_length;
+  if (s.seq_len == total_sequence_length) {
+    s.gqa_case = GqaCase::kFirstPrompt;
+  } else if (s.seq_len == 1) {
+    s.gqa_case = GqaCase::kTokenGeneration;
+  } else {
+    s.gqa_case = GqaCase::kSubsequentPrompt;
+  }
+
+  // past_key / past_value: (B, Nkv, C, H) in the byte order of kv_layout.
+  KVL_RETURN_IF_ERROR(CheckPair(inputs, GqaInput::kPastKey, GqaInput::kPastValue));
+  s.has_past = In(inputs, GqaInput::kPastKey).exists;
+  if (s.has_past) {
+    for (GqaInput which : {GqaInput::kPastKey, GqaInput::kPastValue}) {
+      const TensorInfo& t = In(inputs, which);
+      KVL_RETURN_IF_ERROR(
+          CheckRank(inputs, which, 4, "(batch, kv_num_heads, capacity, head_size)"));
+      if (t.dtype != s.dtype) {
+        return Fail("input '", GqaInputName(which), "' must have the type of query (",
+                    DTypeName(s.dtype), "), got ", DTypeName(t.dtype),
+                    " (a quantized KV cache is not supported by ort-kvlayout v1)");
+      }
+      if (t.shape[0] != s.batch || t.shape[1] != s.kv_num_heads || t.shape[3] != s.head_size) {
+        return Fail("input '", GqaInputName(which),
+                    "' must have shape (batch, kv_num_heads, capacity, head_size) = (", s.batch,
+                    ", ", s.kv_num_heads, ", C, ", s.head_size, "), got ", ShapeString(t.shape));
+      }
+    }
+    if (In(inputs, GqaInput::kPastKey).shape != In(inputs, GqaInput::kPastValue).shape) {
+      return Fail("inputs 'past_key' ", ShapeString(In(inputs, GqaInput::kPastKey).shape),
+                  " and 'past_value' ", ShapeString(In(inputs, GqaInput::kPastValue).shape),
+                  " must have the same shape");
+    }
+    s.past_capacity = In(inputs, GqaInput::kPastKey).shape[2];
+  } else if (!s.is_first_prompt()) {
+    return Fail("inputs 'past_key' and 'past_value' are required when the query's sequence length (",
+                s.seq_len, ") is less than total_sequence_length (", total_sequence_length, ")");
+  }
+  if (!s.is_first_prompt() && s.past_capacity < total_sequence_length - s.seq_len) {
+    return Fail("input 'past_key' capacity (", s.past_capacity,
+                ") is shorter than the past it must hold: total_sequence_length - sequence length = ",
+                total_sequence_length - s.seq_len);
+  }
+  s.present_capacity = std::max<int64_t>(total_sequence_length, s.past_capacity);
+
+  // Rotary: cos_cache / sin_cache (max_positions, rotary_dim / 2).
+  KVL_RETURN_IF_ERROR(CheckPair(inputs, GqaInput::kCosCache, GqaInput::kSinCache));
+  if (attrs.do_rotary == 1) {
+    if (!In(inputs, GqaInput::kCosCache).exists) {
+      return Fail("attribute 'do_rotary'=1 requires inputs 'cos_cache' and 'sin_cache'");
+    }
+    for (GqaInput which : {GqaInput::kCosCache, GqaInput::kSinCache}) {
+      const TensorInfo& t = In(inputs, which);
+      KVL_RETURN_IF_ERROR(CheckRank(inputs, which, 2, "(max_positions, rotary_dim / 2)"));
+      KVL_RETURN_IF_ERROR(CheckDType(inputs, which, s.dtype));
+      if (t.shape != In(inputs, GqaInput::kCosCache).shape) {
+        return Fail("inputs 'cos_cache' and 'sin_cache' must have the same shape, got ",
+                    ShapeString(In(inputs, GqaInput::kCosCache).shape), " and ",
+                    ShapeString(t.shape));
+      }
+    }
+    const auto& cs = In(inputs, GqaInput::kCosCache).shape;
+    if (cs[0] <= 0 || cs[1] <= 0 || 2 * cs[1] > s.head_size) {
+      return Fail("input 'cos_cache' must have shape (max_positions >= 1, rotary_dim / 2) with ",
+                  "1 <= rotary_dim / 2 <= head_size / 2 = ", s.head_size / 2, ", got ",
+                  ShapeString(cs));
+    }
+    s.rotary_dim = 2 * cs[1];
+    s.rotary_max_positions = cs[0];
+    s.interleaved = attrs.rotary_interleaved != 0;
+  }
+  if (In(inputs, GqaInput::kPositionIds).exists) {
+    const TensorInfo& t = In(inputs, GqaInput::kPositionIds);
+    KVL_RETURN_IF_ERROR(CheckDType(inputs, GqaInput::kPositionIds, DType::kInt64));
+    KVL_RETURN_IF_ERROR(CheckRank(inputs, GqaInput::kPositionIds, 2, "(batch, sequence)"));
+    if (t.shape[0] != s.batch || t.shape[1] != s.seq_len) {
+      return Fail("input 'position_ids' must have shape (batch, sequence) = (", s.batch, ", ",
+                  s.seq_len, "), got ", ShapeString(t.shape));
+    }
+    s.has_position_ids = s.rotary_dim > 0;  // without rotary, positions have no effect
+  }
+
+  // attention_bias: (B or 1, N or 1, S, total_sequence_length), added to the scores.
+  if (In(inputs, GqaInput::kAttentionBias).exists) {
+    const TensorInfo& t = In(inputs, GqaInput::kAttentionBias);
+    KVL_RETURN_IF_ERROR(
+        CheckRank(inputs, GqaInput::kAttentionBias, 4, "(batch or 1, num_heads or 1, S, total)"));
+    KVL_RETURN_IF_ERROR(CheckDType(inputs, GqaInput::kAttentionBias, s.dtype));
+    if ((t.shape[0] != 1 && t.shape[0] != s.batch) ||
+        (t.shape[1] != 1 && t.shape[1] != s.num_heads) || t.shape[2] != s.seq_len ||
+        t.shape[3] != total_sequence_length) {
+      return Fail("input 'attention_bias' must have shape (batch or 1, num_heads or 1, sequence, ",
+                  "total_sequence_length) = (", s.batch, " or 1, ", s.num_heads, " or 1, ",
+                  s.seq_len, ", ", total_sequence_length, "), got ", ShapeString(t.shape));
+    }
+    s.has_attention_bias = true;
+    s.bias_batch = t.shape[0];
+    s.bias_heads = t.shape[1];
+    s.bias_total = t.shape[3];
+  }
+  if (In(inputs, GqaInput::kHeadSink).exists) {
+    const TensorInfo& t = In(inputs, GqaInput::kHeadSink);
+    KVL_RETURN_IF_ERROR(CheckDType(inputs, GqaInput::kHeadSink, s.dtype));
+    if (t.shape.size() != 1 || t.shape[0] != s.num_heads) {
+      return Fail("input 'head_sink' must have shape (num_heads,) = (", s.num_heads, ",), got ",
+                  ShapeString(t.shape));
+    }
+    s.has_head_sink = true;
+  }
+  for (GqaInput which : {GqaInput::kQNormWeight, GqaInput::kKNormWeight}) {
+    const TensorInfo& t = In(inputs, which);
+    if (!t.exists) continue;
+    KVL_RETURN_IF_ERROR(CheckDType(inputs, which, s.dtype));
+    if (t.shape.size() != 1 || t.shape[0] != s.head_size) {
+      return Fail("input '", GqaInputName(which), "' must have shape (head_size,) = (",
+                  s.head_size, ",), got ", ShapeString(t.shape));
+    }
+  }
+  s.has_q_norm = In(inputs, GqaInput::kQNormWeight).exists;
+  s.has_k_norm = In(inputs, GqaInput::kKNormWeight).exists;
+
+  if (attrs.sliding_window_cache == 1) {
+    return Fail("attribute 'sliding_window_cache'=1 is not supported by ort-kvlayout v1 yet; ",
+                "export the model with a full-length KV cache");
+  }
+  s.smooth_softmax = attrs.smooth_softmax == 1;
+  s.scale = attrs.scale == 0.0f ? 1.0f / std::sqrt(static_cast<float>(s.head_size)) : attrs.scale;
+  s.softcap = attrs.softcap;
+  s.qk_norm_epsilon = attrs.qk_norm_epsilon;
+  s.local_window = attrs.local_window_size;
+  *out = s;
+  return Status::Ok();
+}
+
+Status CheckLengthsOnHost(const GqaShape& s, const int32_t* seqlens_k,
+                          const int64_t* position_ids, bool shared_kv) {
+  if (shared_kv && s.total_seq_len > s.past_capacity) {
+    return Fail("input 'total_sequence_length' (", s.total_seq_len,
+                ") exceeds the capacity of the shared past/present buffer (", s.past_capacity, ")");
+  }
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const int64_t total_b = static_cast<int64_t>(seqlens_k[b]) + 1;
+    if (total_b < 1 || total_b > s.total_seq_len) {
+      return Fail("input 'seqlens_k'[", b, "] = ", seqlens_k[b], " is out of range: it must be in ",
+                  "[0, total_sequence_length - 1] = [0, ", s.total_seq_len - 1, "]");
+    }
+    if (!s.is_first_prompt() && total_b < s.seq_len) {
+      return Fail("input 'seqlens_k'[", b, "] = ", seqlens_k[b], " is too small: a batch entry ",
+                  "with past must have seqlens_k + 1 >= the query's sequence length (", s.seq_len,
+                  ")");
+    }
+    if (s.has_past && !s.is_first_prompt() && total_b - s.seq_len > s.past_capacity) {
+      return Fail("input 'seqlens_k'[", b, "] = ", seqlens_k[b], " implies a past of ",
+                  total_b - s.seq_len, " tokens, beyond the capacity of 'past_key' (",
+                  s.past_capacity, ")");
+    }
+  }
+  if (s.rotary_dim == 0) return Status::Ok();
+  // Every position used to index cos_cache/sin_cache must exist.
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const int64_t past = PastLength(s, seqlens_k[b]);
+    for (int64_t i = 0; i < s.seq_len; ++i) {
+      int64_t pos;
+      if (s.is_first_prompt()) {
+        pos = (s.has_position_ids ? position_ids[0] : 0) + i;
+      } else {
+        pos = s.has_position_ids ? position_ids[b * s.seq_len + i] : past + i;
+      }
+      if (pos < 0 || pos >= s.rotary_max_positions) {
+        return Fail(s.has_position_ids ? "input 'position_ids'" : "the implied position",
+                    " gives position ", pos, " for batch ", b, " token ", i,
+                    ", outside 'cos_cache'/'sin_cache' rows [0, ", s.rotary_max_positions, ")");
+      }
+    }
+    if (s.is_first_prompt()) break;  // the same positions for every batch entry
+  }
+  return Status::Ok();
+}
+
+int64_t TensorInfo::NumElements() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+const char* GqaInputName(GqaInput input) {
+  static constexpr const char* kNames[kGqaInputCount] = {
+      "query",     "key",        "value",          "past_key",      "past_value",
+      "seqlens_k", "total_sequence_length", "cos_cache", "sin_cache", "position_ids",
+      "attention_bias", "head_sink", "k_scale", "v_scale", "q_norm_weight", "k_norm_weight",
+      "query_seqlens"};
+  return kNames[static_cast<int>(input)];
+}
+
+const char* GqaOutputName(GqaOutput output) {
+  static constexpr const char* kNames[kGqaOutputCount] = {"output", "present_key",
+                                                          "present_value", "output_qk"};
+  return kNames[static_cast<int>(output)];
+}
+
+const char* DTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return "float32";
+    case DType::kFloat16: return "float16";
+    case DType::kBFloat16: return "bfloat16";
+    case DType::kInt32: return "int32";
+    case DType::kInt64: return "int64";
+    case DType::kUndefined: return "undefined";
+    default: return "an unsupported type";
+  }
+}
+
+}  // namespace kvl

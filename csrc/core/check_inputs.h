@@ -1,0 +1,30 @@
+// Input validation shared by the CPU and CUDA ops: pure functions returning a Status whose message
+// names the input or attribute, the rule, and the offending value.
+#pragma once
+
+#include <cstdint>
+
+#include "core/gqa_types.h"
+#include "core/status.h"
+
+namespace kvl {
+
+// Attribute rules that do not depend on the inputs; run when the kernel is created.
+Status CheckGqaAttributes(const GqaAttributes& attrs);
+
+// Shapes, types and presence of the inputs, plus total_sequence_length (always host memory).
+// Fills `shape` on success.
+Status CheckGqaInputs(const GqaAttributes& attrs, const GqaInputInfos& inputs,
+                      int32_t total_sequence_length, GqaShape* shape);
+
+// Value checks that need seqlens_k / position_ids on the host (the CPU op; the CUDA kernels clamp
+// on the device instead). `shared_kv` is true when past and present are the same memory.
+Status CheckLengthsOnHost(const GqaShape& shape, const int32_t* seqlens_k,
+                          const int64_t* position_ids, bool shared_kv);
+
+// Past length of batch entry b: its new rows go at [past, past + S).
+inline int64_t PastLength(const GqaShape& shape, int32_t seqlens_k_b) {
+  return shape.is_first_prompt() ? 0 : static_cast<int64_t>(seqlens_k_b) + 1 - shape.seq_len;
+}
+
+}  // namespace kvl

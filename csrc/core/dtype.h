@@ -1,0 +1,87 @@
+// Storage types of the op (float32, float16, bfloat16) and their exact conversions to and from
+// float32. Kernels store in T and compute in float32.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace kvl {
+
+struct Half {
+  uint16_t bits;
+};
+struct BFloat16 {
+  uint16_t bits;
+};
+
+inline float BitsToFloat(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline uint32_t FloatToBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+// IEEE binary16 -> binary32, exact (normals, subnormals, inf, nan).
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  if (exp == 0x1fu) return BitsToFloat(sign | 0x7f800000u | (mant << 13));  // inf / nan
+  if (exp == 0) {
+    if (mant == 0) return BitsToFloat(sign);
+    // Subnormal: value = mant * 2^-24, exactly representable in float32.
+    const float v = static_cast<float>(mant) * 5.9604644775390625e-8f;
+    return sign ? -v : v;
+  }
+  return BitsToFloat(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+// binary32 -> binary16 with round-to-nearest-even, overflow to inf, nan kept.
+inline uint16_t FloatToHalf(float f) {
+  const uint32_t u = FloatToBits(f);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t abs = u & 0x7fffffffu;
+  if (abs >= 0x7f800000u) return sign | (abs > 0x7f800000u ? 0x7e00u : 0x7c00u);
+  if (abs >= 0x477ff000u) return sign | 0x7c00u;  // rounds to >= 65520 -> inf
+  if (abs < 0x38800000u) {                        // below the smallest normal half: subnormal
+    // Adding 0.5 (2^-1) aligns the value so float rounding performs the half's RNE.
+    const float shifted = BitsToFloat(abs) + 0.5f;
+    return sign | static_cast<uint16_t>(FloatToBits(shifted) - 0x3f000000u);
+  }
+  const uint32_t mant_odd = (abs >> 13) & 1u;
+  const uint32_t rounded = abs + 0xc8000fffu + mant_odd;  // rebias exponent (-112 << 23) + round
+  return sign | static_cast<uint16_t>(rounded >> 13);
+}
+
+inline float BFloat16ToFloat(uint16_t b) { return BitsToFloat(static_cast<uint32_t>(b) << 16); }
+
+inline uint16_t FloatToBFloat16(float f) {
+  const uint32_t u = FloatToBits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // nan
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float ToFloat(float v) { return v; }
+inline float ToFloat(Half v) { return HalfToFloat(v.bits); }
+inline float ToFloat(BFloat16 v) { return BFloat16ToFloat(v.bits); }
+
+template <typename T>
+inline T FromFloat(float v);
+template <>
+inline float FromFloat<float>(float v) {
+  return v;
+}
+template <>
+inline Half FromFloat<Half>(float v) {
+  return Half{FloatToHalf(v)};
+}
+template <>
+inline BFloat16 FromFloat<BFloat16>(float v) {
+  return BFloat16{FloatToBFloat16(v)};
+}
+
+}  // namespace kvl

@@ -1,0 +1,118 @@
+// The operator's vocabulary: input/output indices, attributes, and the validated shape struct.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/kv_strides.h"
+
+namespace kvl {
+
+// Input indices of com.microsoft::GroupQueryAttention (ORT 1.32), named once.
+enum class GqaInput : int {
+  kQuery = 0,
+  kKey,
+  kValue,
+  kPastKey,
+  kPastValue,
+  kSeqlensK,
+  kTotalSequenceLength,
+  kCosCache,
+  kSinCache,
+  kPositionIds,
+  kAttentionBias,
+  kHeadSink,
+  kKScale,
+  kVScale,
+  kQNormWeight,
+  kKNormWeight,
+  kQuerySeqlens,
+  kCount
+};
+constexpr int kGqaInputCount = static_cast<int>(GqaInput::kCount);
+
+enum class GqaOutput : int { kOutput = 0, kPresentKey, kPresentValue, kOutputQk, kCount };
+constexpr int kGqaOutputCount = static_cast<int>(GqaOutput::kCount);
+
+const char* GqaInputName(GqaInput input);
+const char* GqaOutputName(GqaOutput output);
+
+enum class DType { kUndefined, kFloat32, kFloat16, kBFloat16, kInt32, kInt64, kOther };
+const char* DTypeName(DType dtype);
+
+// Shape and type of one input as the op sees it; `exists` is false for an absent optional input.
+struct TensorInfo {
+  bool exists = false;
+  DType dtype = DType::kUndefined;
+  std::vector<int64_t> shape;
+
+  int64_t NumElements() const;
+};
+using GqaInputInfos = std::array<TensorInfo, kGqaInputCount>;
+
+struct GqaAttributes {
+  int64_t num_heads = 0;
+  int64_t kv_num_heads = 0;
+  float scale = 0.0f;    // 0 -> 1/sqrt(head_size)
+  float softcap = 0.0f;  // 0 -> off
+  int64_t local_window_size = -1;
+  int64_t do_rotary = 0;
+  int64_t rotary_interleaved = 0;
+  int64_t smooth_softmax = -1;
+  float qk_norm_epsilon = 1e-6f;
+  int64_t causal = 1;
+  int64_t sliding_window_cache = 0;
+  std::string k_quant_type = "NONE";
+  std::string v_quant_type = "NONE";
+  int64_t kv_cache_bit_width = 0;
+  int64_t qk_output = 0;
+  int64_t kv_layout = 0;
+  // Node facts: true when the node names a 4th output (output_qk).
+  bool output_qk_requested = false;
+};
+
+enum class GqaCase { kFirstPrompt, kTokenGeneration, kSubsequentPrompt };
+
+// Everything the kernels need to know about sizes, derived once by CheckGqaInputs.
+struct GqaShape {
+  DType dtype = DType::kUndefined;
+  int64_t batch = 0;
+  int64_t seq_len = 0;  // S, new tokens per batch entry
+  int64_t num_heads = 0;
+  int64_t kv_num_heads = 0;
+  int64_t head_size = 0;
+  bool packed_qkv = false;
+  bool has_past = false;
+  int64_t past_capacity = 0;     // C of past_key/past_value (0 without past)
+  int64_t present_capacity = 0;  // C' = max(total_sequence_length, C)
+  int64_t total_seq_len = 0;
+  GqaCase gqa_case = GqaCase::kFirstPrompt;
+  KvLayout layout = KvLayout::kHeadMajorBnsh;
+
+  int64_t rotary_dim = 0;  // 0 when do_rotary is off
+  int64_t rotary_max_positions = 0;
+  bool interleaved = false;
+  bool has_position_ids = false;
+
+  bool has_attention_bias = false;
+  int64_t bias_batch = 0;  // 1 or batch
+  int64_t bias_heads = 0;  // 1 or num_heads
+  int64_t bias_total = 0;  // last dim of attention_bias
+
+  bool has_head_sink = false;
+  bool has_q_norm = false;
+  bool has_k_norm = false;
+  bool smooth_softmax = false;
+
+  float scale = 0.0f;
+  float softcap = 0.0f;
+  float qk_norm_epsilon = 1e-6f;
+  int64_t local_window = -1;  // -1: off; else the number of keys a query sees, itself included
+
+  bool is_first_prompt() const { return gqa_case == GqaCase::kFirstPrompt; }
+  int64_t group_size() const { return num_heads / kv_num_heads; }
+};
+
+}  // namespace kvl

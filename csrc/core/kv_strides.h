@@ -1,0 +1,47 @@
+// KvStrides: the one place where the KV-cache layout becomes arithmetic.
+//
+// The declared shape of past/present is (B, Nkv, C, H) in both layouts; the layout decides where
+// logical element (b, h, s, d) lives:
+//   head-major BNSH: b*Nkv*C*H + h*C*H + s*H + d
+//   seq-major  BSNH: b*C*Nkv*H + s*Nkv*H + h*H + d
+// In BSNH the address of token s of batch b does not depend on C beyond the batch stride, so a
+// cache can grow in place. Every CPU and CUDA kernel indexes the cache only through this struct;
+// python/ort_kvlayout/layout.py mirrors it.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define KVL_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define KVL_HOST_DEVICE inline
+#endif
+
+namespace kvl {
+
+enum class KvLayout : int { kHeadMajorBnsh = 0, kSeqMajorBsnh = 1 };
+
+// Element strides of batch, kv head and sequence position; the head dimension is contiguous.
+struct KvStrides {
+  int64_t batch;
+  int64_t head;
+  int64_t seq;
+
+  KVL_HOST_DEVICE int64_t Offset(int64_t b, int64_t h, int64_t s) const {
+    return b * batch + h * head + s * seq;
+  }
+};
+
+KVL_HOST_DEVICE KvStrides MakeKvStrides(KvLayout layout, int64_t kv_heads, int64_t capacity,
+                                        int64_t head_dim) {
+  if (layout == KvLayout::kSeqMajorBsnh) {
+    return KvStrides{capacity * kv_heads * head_dim, head_dim, kv_heads * head_dim};
+  }
+  return KvStrides{kv_heads * capacity * head_dim, capacity * head_dim, head_dim};
+}
+
+inline const char* KvLayoutName(KvLayout layout) {
+  return layout == KvLayout::kSeqMajorBsnh ? "seq_major_bsnh" : "head_major_bnsh";
+}
+
+}  // namespace kvl

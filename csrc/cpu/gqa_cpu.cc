@@ -1,0 +1,507 @@
+#include "cpu/gqa_cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "core/check_inputs.h"
+#include "core/dtype.h"
+#include "core/kv_strides.h"
+
+namespace kvl {
+namespace {
+
+// ---- float32 vectors through GCC/Clang vector extensions: the widest the target has ----------
+#if defined(__AVX512F__)
+constexpr int kVW = 16;
+#elif defined(__AVX__)
+constexpr int kVW = 8;
+#else
+constexpr int kVW = 4;
+#endif
+typedef float VecF __attribute__((vector_size(kVW * sizeof(float))));
+typedef int32_t VecI __attribute__((vector_size(kVW * sizeof(int32_t))));
+
+inline VecF Load(const float* p) {
+  VecF v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void Store(float* p, VecF v) { std::memcpy(p, &v, sizeof v); }
+inline VecF Splat(float x) { return VecF{} + x; }
+
+// exp(x) for a vector, relative error ~2e-7; inputs below -87 (and -inf) give exactly 0.
+inline VecF VecExp(VecF x) {
+  const VecF lo = Splat(-87.0f), hi = Splat(88.0f);
+  const auto underflow = x < lo;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  // x = n*ln2 + r, |r| <= ln2/2; the magic constant rounds to nearest.
+  const VecF magic = Splat(12582912.0f);
+  const VecF n = (x * 1.44269504088896341f + magic) - magic;
+  VecF r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  VecF p = Splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const VecI bits = (__builtin_convertvector(n, VecI) + 127) << 23;
+  VecF scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  const VecF result = p * scale;
+  return underflow ? Splat(0.0f) : result;
+}
+
+// ---- tiling --------------------------------------------------------------------------------
+constexpr int kTileKeys = 64;  // keys per tile: a multiple of 2*kVW for every vector width
+constexpr int kRowBlock = 4;   // query rows per micro-kernel call
+constexpr int kDimStep = 2 * kVW;
+
+int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+template <typename T>
+inline float Get(const void* base, int64_t index) {
+  return ToFloat(static_cast<const T*>(base)[index]);
+}
+
+// Everything an attention or preparation task reads; built once per call.
+template <typename T>
+struct Call {
+  const GqaShape& s;
+  const GqaCpuBuffers& buf;
+  KvStrides past_strides;
+  KvStrides present_strides;
+  bool shared;
+  int64_t head_pad;  // H rounded up to kDimStep: row pitch of the float32 scratch
+  std::vector<float>& q_scaled;  // (B, N, S, head_pad): normed, rotated, scaled queries
+
+  // Attention task grid.
+  int64_t q_block;     // query positions per task
+  int64_t num_q_blocks;
+  int64_t num_splits;  // key splits per (b, kv head, q block)
+  int64_t split_keys;  // keys per split (multiple of kTileKeys)
+  // Split partials: (task, split, row, head_pad) for o; (task, split, row) for m and l.
+  std::vector<float>* part_o;
+  std::vector<float>* part_m;
+  std::vector<float>* part_l;
+
+  const T* present_k() const { return static_cast<const T*>(buf.present_key); }
+  const T* present_v() const { return static_cast<const T*>(buf.present_value); }
+  int64_t rows_per_task() const { return q_block * s.group_size(); }
+  float eps() const { return s.qk_norm_epsilon; }
+  int64_t past_len(int64_t b) const { return PastLength(s, buf.seqlens_k[b]); }
+  int64_t valid_len(int64_t b) const { return static_cast<int64_t>(buf.seqlens_k[b]) + 1; }
+};
+
+// Rotary position of token i of batch entry b (ORT's rule: a first prompt takes only
+// position_ids[0, 0] as the offset of every batch entry).
+template <typename T>
+int64_t Position(const Call<T>& c, int64_t b, int64_t i) {
+  if (c.s.is_first_prompt()) return (c.s.has_position_ids ? c.buf.position_ids[0] : 0) + i;
+  return c.s.has_position_ids ? c.buf.position_ids[b * c.s.seq_len + i] : c.past_len(b) + i;
+}
+
+// RMS norm (optional), rotary (optional) on one head vector x[0, H) in float32.
+template <typename T>
+void NormAndRotate(const Call<T>& c, float* x, const void* norm_weight, int64_t pos) {
+  const int64_t H = c.s.head_size;
+  if (norm_weight != nullptr) {
+    double sum_sq = 0.0;
+    for (int64_t d = 0; d < H; ++d) sum_sq += static_cast<double>(x[d]) * x[d];
+    const float inv = 1.0f / std::sqrt(static_cast<float>(sum_sq / H) + c.eps());
+    for (int64_t d = 0; d < H; ++d) x[d] = x[d] * inv * Get<T>(norm_weight, d);
+  }
+  if (c.s.rotary_dim == 0) return;
+  const int64_t half = c.s.rotary_dim / 2;
+  const int64_t row = pos * half;
+  for (int64_t i = 0; i < half; ++i) {
+    const float cs = Get<T>(c.buf.cos_cache, row + i);
+    const float sn = Get<T>(c.buf.sin_cache, row + i);
+    const int64_t i1 = c.s.interleaved ? 2 * i : i;
+    const int64_t i2 = c.s.interleaved ? 2 * i + 1 : i + half;
+    const float x1 = x[i1], x2 = x[i2];
+    x[i1] = x1 * cs - x2 * sn;
+    x[i2] = x2 * cs + x1 * sn;
+  }
+}
+
+// Task (b, i): queries of token i of batch b -> q_scaled; its new K/V rows -> present.
+template <typename T>
+void PrepareToken(void* state, size_t task) {
+  const Call<T>& c = *static_cast<const Call<T>*>(state);
+  const GqaShape& s = c.s;
+  const int64_t b = static_cast<int64_t>(task) / s.seq_len, i = static_cast<int64_t>(task) % s.seq_len;
+  const int64_t H = s.head_size, N = s.num_heads, Nkv = s.kv_num_heads;
+  const int64_t pos = s.rotary_dim ? Position(c, b, i) : 0;
+  const int64_t q_pitch = s.packed_qkv ? (N + 2 * Nkv) * H : N * H;
+  const int64_t q_row = (b * s.seq_len + i) * q_pitch;
+  std::vector<float> x(static_cast<size_t>(H));
+  for (int64_t h = 0; h < N; ++h) {
+    for (int64_t d = 0; d < H; ++d) x[d] = Get<T>(c.buf.query, q_row + h * H + d);
+    NormAndRotate(c, x.data(), c.buf.q_norm_weight, pos);
+    float* dst = c.q_scaled.data() + ((b * N + h) * s.seq_len + i) * c.head_pad;
+    for (int64_t d = 0; d < H; ++d) dst[d] = x[d] * s.scale;
+  }
+  const int64_t row = c.past_len(b) + i;  // < present capacity by validation
+  const void* k_src = s.packed_qkv ? c.buf.query : c.buf.key;
+  const void* v_src = s.packed_qkv ? c.buf.query : c.buf.value;
+  const int64_t kv_row = s.packed_qkv ? q_row + N * H : (b * s.seq_len + i) * Nkv * H;
+  const int64_t v_offset = s.packed_qkv ? Nkv * H : 0;
+  T* pk = static_cast<T*>(c.buf.present_key);
+  T* pv = static_cast<T*>(c.buf.present_value);
+  for (int64_t h = 0; h < Nkv; ++h) {
+    for (int64_t d = 0; d < H; ++d) x[d] = Get<T>(k_src, kv_row + h * H + d);
+    NormAndRotate(c, x.data(), c.buf.k_norm_weight, pos);
+    const int64_t dst = c.present_strides.Offset(b, h, row);
+    for (int64_t d = 0; d < H; ++d) pk[dst + d] = FromFloat<T>(x[d]);
+    const T* vs = static_cast<const T*>(v_src) + kv_row + v_offset + h * H;
+    std::memcpy(pv + dst, vs, static_cast<size_t>(H) * sizeof(T));
+  }
+}
+
+// Task (b, kv head): copies the past rows [0, past) into a separate present and zeroes the rows
+// no token of this call defines, so present never exposes uninitialized memory.
+template <typename T>
+void CopyPast(void* state, size_t task) {
+  const Call<T>& c = *static_cast<const Call<T>*>(state);
+  const GqaShape& s = c.s;
+  const int64_t b = static_cast<int64_t>(task) / s.kv_num_heads;
+  const int64_t h = static_cast<int64_t>(task) % s.kv_num_heads;
+  const int64_t H = s.head_size;
+  const int64_t past = c.past_len(b);
+  const size_t row_bytes = static_cast<size_t>(H) * sizeof(T);
+  for (int which = 0; which < 2; ++which) {
+    const T* src = static_cast<const T*>(which ? c.buf.past_value : c.buf.past_key);
+    T* dst = static_cast<T*>(which ? c.buf.present_value : c.buf.present_key);
+    for (int64_t r = 0; r < past; ++r) {
+      std::memcpy(dst + c.present_strides.Offset(b, h, r), src + c.past_strides.Offset(b, h, r),
+                  row_bytes);
+    }
+    for (int64_t r = past + s.seq_len; r < s.present_capacity; ++r) {
+      std::memset(dst + c.present_strides.Offset(b, h, r), 0, row_bytes);
+    }
+  }
+}
+
+// Normalizes one row's (o, m, l) state, adding the extra softmax term (smooth_softmax: a zero
+// logit; head_sink: that head's sink logit), and stores it into output (B, S, N*H).
+template <typename T>
+void WriteOutputRow(const Call<T>& c, int64_t b, int64_t i, int64_t h, const float* o, float m,
+                    float l) {
+  const GqaShape& s = c.s;
+  T* out = static_cast<T*>(c.buf.output) + (b * s.seq_len + i) * s.num_heads * s.head_size +
+           h * s.head_size;
+  float factor = 0.0f;
+  if (l > 0.0f) {
+    if (s.has_head_sink || s.smooth_softmax) {
+      const float sink = s.has_head_sink ? Get<T>(c.buf.head_sink, h) : 0.0f;
+      const float top = std::max(m, sink);
+      const float kept = std::exp(m - top);
+      factor = kept / (l * kept + std::exp(sink - top));
+    } else {
+      factor = 1.0f / l;
+    }
+  }
+  for (int64_t d = 0; d < s.head_size; ++d) out[d] = FromFloat<T>(o[d] * factor);
+}
+
+// scores[r][j] = q_r . k_j for 4 query rows and kTileKeys keys (k transposed: kt[d][j]).
+inline void ScoreBlock(const float* const* q, const float* kt, int64_t H, float* scores) {
+  for (int j0 = 0; j0 < kTileKeys; j0 += 2 * kVW) {
+    VecF acc[kRowBlock][2] = {};
+    for (int64_t d = 0; d < H; ++d) {
+      const VecF k0 = Load(kt + d * kTileKeys + j0);
+      const VecF k1 = Load(kt + d * kTileKeys + j0 + kVW);
+      for (int r = 0; r < kRowBlock; ++r) {
+        const VecF qd = Splat(q[r][d]);
+        acc[r][0] += qd * k0;
+        acc[r][1] += qd * k1;
+      }
+    }
+    for (int r = 0; r < kRowBlock; ++r) {
+      Store(scores + r * kTileKeys + j0, acc[r][0]);
+      Store(scores + r * kTileKeys + j0 + kVW, acc[r][1]);
+    }
+  }
+}
+
+// o[r][:] += sum_j p[r][j] * v_j for 4 rows; v rows are head_pad long (zero padded).
+inline void AccumulateBlock(const float* p, const float* const* v, int tile, int64_t head_pad,
+                            float* const* o) {
+  for (int64_t d0 = 0; d0 < head_pad; d0 += kDimStep) {
+    VecF acc[kRowBlock][2];
+    for (int r = 0; r < kRowBlock; ++r) {
+      acc[r][0] = Load(o[r] + d0);
+      acc[r][1] = Load(o[r] + d0 + kVW);
+    }
+    for (int j = 0; j < tile; ++j) {
+      const VecF v0 = Load(v[j] + d0);
+      const VecF v1 = Load(v[j] + d0 + kVW);
+      for (int r = 0; r < kRowBlock; ++r) {
+        const VecF pj = Splat(p[r * kTileKeys + j]);
+        acc[r][0] += pj * v0;
+        acc[r][1] += pj * v1;
+      }
+    }
+    for (int r = 0; r < kRowBlock; ++r) {
+      Store(o[r] + d0, acc[r][0]);
+      Store(o[r] + d0 + kVW, acc[r][1]);
+    }
+  }
+}
+
+// Per-thread scratch, reused across calls (ORT's pool threads persist).
+struct Scratch {
+  std::vector<float> kt, v, scores, o, m, l, zero_q;
+  std::vector<const float*> q_rows, v_rows;
+  std::vector<float*> o_rows;
+  std::vector<int64_t> lo, hi, head, token;
+};
+
+template <typename T>
+void AttentionTask(void* state, size_t task_index) {
+  const Call<T>& c = *static_cast<const Call<T>*>(state);
+  const GqaShape& s = c.s;
+  const int64_t H = s.head_size, N = s.num_heads, G = s.group_size();
+  const int64_t split = static_cast<int64_t>(task_index) % c.num_splits;
+  const int64_t base = static_cast<int64_t>(task_index) / c.num_splits;
+  const int64_t qb = base % c.num_q_blocks;
+  const int64_t g = (base / c.num_q_blocks) % s.kv_num_heads;
+  const int64_t b = base / (c.num_q_blocks * s.kv_num_heads);
+  const int64_t i0 = qb * c.q_block, i1 = std::min(s.seq_len, i0 + c.q_block);
+  const int64_t rows = (i1 - i0) * G;
+  const int64_t rows_pad = RoundUp(rows, kRowBlock);
+  const int64_t hp = c.head_pad;
+
+  thread_local Scratch t;
+  t.kt.assign(static_cast<size_t>(H * kTileKeys), 0.0f);
+  t.v.resize(static_cast<size_t>(kTileKeys * hp));
+  t.scores.resize(static_cast<size_t>(kRowBlock * kTileKeys));
+  t.o.assign(static_cast<size_t>(rows_pad * hp), 0.0f);
+  t.m.assign(static_cast<size_t>(rows_pad), -std::numeric_limits<float>::infinity());
+  t.l.assign(static_cast<size_t>(rows_pad), 0.0f);
+  t.zero_q.assign(static_cast<size_t>(hp), 0.0f);
+  t.q_rows.resize(rows_pad);
+  t.o_rows.resize(rows_pad);
+  t.v_rows.resize(kTileKeys);
+  t.lo.assign(rows_pad, 0);
+  t.hi.assign(rows_pad, 0);  // empty key range: padding rows
+  t.head.assign(rows_pad, 0);
+  t.token.assign(rows_pad, 0);
+
+  // Rows are token-major so the rows of one micro-block usually share their key range.
+  const int64_t past = c.past_len(b), valid = c.valid_len(b);
+  int64_t key_lo = std::numeric_limits<int64_t>::max(), key_hi = 0;
+  for (int64_t r = 0; r < rows_pad; ++r) {
+    t.o_rows[r] = t.o.data() + r * hp;
+    t.q_rows[r] = t.zero_q.data();
+    if (r >= rows) continue;
+    const int64_t i = i0 + r / G, h = g * G + r % G;
+    t.head[r] = h;
+    t.token[r] = i;
+    t.q_rows[r] = c.q_scaled.data() + ((b * N + h) * s.seq_len + i) * hp;
+    const int64_t p = past + i;   // absolute position of this query
+    if (p >= valid) continue;     // right padding of a first prompt: no keys, output 0
+    t.hi[r] = p + 1;
+    t.lo[r] = s.local_window > 0 ? std::max<int64_t>(0, p + 1 - s.local_window) : 0;
+    key_lo = std::min(key_lo, t.lo[r]);
+    key_hi = std::max(key_hi, t.hi[r]);
+  }
+  // This task's key split.
+  key_lo = std::max(key_lo, split * c.split_keys);
+  key_hi = std::min(key_hi, (split + 1) * c.split_keys);
+
+  const T* pk = c.present_k();
+  const T* pv = c.present_v();
+  const bool direct_v = std::is_same<T, float>::value && H == hp;
+  const float softcap = s.softcap;
+  const T* bias = static_cast<const T*>(c.buf.attention_bias);
+  for (int64_t k0 = key_lo; k0 < key_hi; k0 += kTileKeys) {
+    const int tile = static_cast<int>(std::min<int64_t>(kTileKeys, key_hi - k0));
+    // K tile transposed into kt[d][j]; V tile rows (direct pointers for float32).
+    for (int j = 0; j < tile; ++j) {
+      const int64_t off = c.present_strides.Offset(b, g, k0 + j);
+      for (int64_t d = 0; d < H; ++d) t.kt[d * kTileKeys + j] = ToFloat(pk[off + d]);
+      if (direct_v) {
+        t.v_rows[j] = reinterpret_cast<const float*>(pv + off);
+      } else {
+        float* dst = t.v.data() + j * hp;
+        for (int64_t d = 0; d < H; ++d) dst[d] = ToFloat(pv[off + d]);
+        for (int64_t d = H; d < hp; ++d) dst[d] = 0.0f;
+        t.v_rows[j] = dst;
+      }
+    }
+    for (int j = tile; j < kTileKeys; ++j) {
+      for (int64_t d = 0; d < H; ++d) t.kt[d * kTileKeys + j] = 0.0f;
+    }
+    for (int64_t r0 = 0; r0 < rows_pad; r0 += kRowBlock) {
+      bool any = false;
+      for (int r = 0; r < kRowBlock; ++r) {
+        any |= t.lo[r0 + r] < k0 + tile && t.hi[r0 + r] > k0;
+      }
+      if (!any) continue;
+      ScoreBlock(t.q_rows.data() + r0, t.kt.data(), H, t.scores.data());
+      for (int r = 0; r < kRowBlock; ++r) {
+        float* sc = t.scores.data() + r * kTileKeys;
+        const int64_t row = r0 + r;
+        const int64_t jlo = std::max<int64_t>(t.lo[row] - k0, 0);
+        const int64_t jhi = std::min<int64_t>(t.hi[row] - k0, tile);
+        if (jlo >= jhi) {
+          std::fill(sc, sc + kTileKeys, 0.0f);
+          continue;
+        }
+        if (softcap > 0.0f) {
+          // c * tanh(x / c), tanh(y) = 1 - 2 / (exp(2y) + 1)
+          for (int j = 0; j < kTileKeys; j += kVW) {
+            const VecF e = VecExp(Load(sc + j) * (2.0f / softcap));
+            Store(sc + j, softcap - (2.0f * softcap) / (e + 1.0f));
+          }
+        }
+        if (bias != nullptr) {
+          const int64_t bb = s.bias_batch == 1 ? 0 : b;
+          const int64_t bh = s.bias_heads == 1 ? 0 : t.head[row];
+          const T* brow = bias + ((bb * s.bias_heads + bh) * s.seq_len + t.token[row]) * s.bias_total;
+          for (int64_t j = jlo; j < jhi; ++j) sc[j] += ToFloat(brow[k0 + j]);
+        }
+        float tile_max = -std::numeric_limits<float>::infinity();
+        for (int64_t j = jlo; j < jhi; ++j) tile_max = std::max(tile_max, sc[j]);
+        for (int64_t j = 0; j < jlo; ++j) sc[j] = -std::numeric_limits<float>::infinity();
+        for (int64_t j = jhi; j < kTileKeys; ++j) sc[j] = -std::numeric_limits<float>::infinity();
+        const float m_old = t.m[row];
+        const float m_new = std::max(m_old, tile_max);
+        if (m_new == -std::numeric_limits<float>::infinity()) {
+          std::fill(sc, sc + kTileKeys, 0.0f);  // every score -inf (e.g. a -inf bias)
+          continue;
+        }
+        VecF sum = Splat(0.0f);
+        for (int j = 0; j < kTileKeys; j += kVW) {
+          const VecF e = VecExp(Load(sc + j) - m_new);
+          Store(sc + j, e);
+          sum += e;
+        }
+        float tile_sum = 0.0f;
+        for (int k = 0; k < kVW; ++k) tile_sum += sum[k];
+        const float alpha = m_old == -std::numeric_limits<float>::infinity()
+                                ? 0.0f
+                                : VecExp(Splat(m_old - m_new))[0];
+        t.l[row] = t.l[row] * alpha + tile_sum;
+        t.m[row] = m_new;
+        if (alpha != 1.0f) {
+          float* o = t.o_rows[row];
+          for (int64_t d = 0; d < hp; d += kVW) Store(o + d, Load(o + d) * alpha);
+        }
+      }
+      AccumulateBlock(t.scores.data(), t.v_rows.data(), tile, hp, t.o_rows.data() + r0);
+    }
+  }
+
+  if (c.num_splits > 1) {  // partial state; MergeSplits finishes
+    const int64_t slot = base * c.num_splits + split;
+    const int64_t rpt = c.rows_per_task();
+    std::memcpy(c.part_o->data() + slot * rpt * hp, t.o.data(), rows * hp * sizeof(float));
+    std::memcpy(c.part_m->data() + slot * rpt, t.m.data(), rows * sizeof(float));
+    std::memcpy(c.part_l->data() + slot * rpt, t.l.data(), rows * sizeof(float));
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    WriteOutputRow(c, b, t.token[r], t.head[r], t.o_rows[r], t.m[r], t.l[r]);
+  }
+}
+
+// Task (b, kv head, q block): merges the key splits' partial states in a fixed order.
+template <typename T>
+void MergeSplits(void* state, size_t task_index) {
+  const Call<T>& c = *static_cast<const Call<T>*>(state);
+  const GqaShape& s = c.s;
+  const int64_t G = s.group_size(), hp = c.head_pad, rpt = c.rows_per_task();
+  const int64_t base = static_cast<int64_t>(task_index);
+  const int64_t qb = base % c.num_q_blocks;
+  const int64_t g = (base / c.num_q_blocks) % s.kv_num_heads;
+  const int64_t b = base / (c.num_q_blocks * s.kv_num_heads);
+  const int64_t i0 = qb * c.q_block, i1 = std::min(s.seq_len, i0 + c.q_block);
+  std::vector<float> o(static_cast<size_t>(hp));
+  for (int64_t r = 0; r < (i1 - i0) * G; ++r) {
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t sp = 0; sp < c.num_splits; ++sp) {
+      m = std::max(m, (*c.part_m)[(base * c.num_splits + sp) * rpt + r]);
+    }
+    std::fill(o.begin(), o.end(), 0.0f);
+    float l = 0.0f;
+    if (m != -std::numeric_limits<float>::infinity()) {
+      for (int64_t sp = 0; sp < c.num_splits; ++sp) {
+        const int64_t slot = base * c.num_splits + sp;
+        const float ms = (*c.part_m)[slot * rpt + r];
+        if (ms == -std::numeric_limits<float>::infinity()) continue;
+        const float w = std::exp(ms - m);
+        l += (*c.part_l)[slot * rpt + r] * w;
+        const float* os = c.part_o->data() + (slot * rpt + r) * hp;
+        for (int64_t d = 0; d < hp; ++d) o[d] += os[d] * w;
+      }
+    }
+    WriteOutputRow(c, b, i0 + r / G, g * G + r % G, o.data(), m, l);
+  }
+}
+
+template <typename T>
+Status Run(const GqaShape& s, const GqaCpuBuffers& buf, const Parallel& parallel) {
+  std::vector<float> q_scaled, part_o, part_m, part_l;
+  const bool shared = buf.past_key != nullptr && buf.past_key == buf.present_key;
+  if (buf.past_key != nullptr && (buf.past_key == buf.present_key) !=
+                                     (buf.past_value == buf.present_value)) {
+    return Status::Error(
+        "ai.kvlayout::GroupQueryAttention: past_key/present_key and past_value/present_value "
+        "must either both share memory or both not");
+  }
+  Call<T> c{s, buf, {}, {}, shared, RoundUp(s.head_size, kDimStep), q_scaled, 1, 1, 1, 1,
+            &part_o, &part_m, &part_l};
+  c.past_strides = MakeKvStrides(s.layout, s.kv_num_heads, s.past_capacity, s.head_size);
+  c.present_strides = MakeKvStrides(s.layout, s.kv_num_heads, s.present_capacity, s.head_size);
+  q_scaled.assign(static_cast<size_t>(s.batch * s.num_heads * s.seq_len * c.head_pad), 0.0f);
+
+  // 1. Past rows into a separate present (before the new rows land, which they never overlap).
+  if (!shared) parallel.For(static_cast<size_t>(s.batch * s.kv_num_heads), CopyPast<T>, &c);
+  // A first prompt ignores past content: CopyPast copied nothing (past length 0).
+  // 2. Queries normed/rotated/scaled; new K/V rows normed/rotated into present.
+  parallel.For(static_cast<size_t>(s.batch * s.seq_len), PrepareToken<T>, &c);
+
+  // 3. Attention. Query blocks give a prefill enough rows to reuse each K/V tile; key splits
+  //    give a decode (one query block) enough tasks to use every thread. The grid depends on
+  //    sizes and thread count only, so results are deterministic for a given machine.
+  const int64_t G = s.group_size();
+  c.q_block = std::max<int64_t>(1, 32 / G);
+  c.num_q_blocks = (s.seq_len + c.q_block - 1) / c.q_block;
+  const int64_t base_tasks = s.batch * s.kv_num_heads * c.num_q_blocks;
+  const int64_t want = 4 * static_cast<int64_t>(parallel.NumThreads());
+  const int64_t max_splits = std::max<int64_t>(1, s.total_seq_len / (4 * kTileKeys));
+  c.num_splits = base_tasks >= want ? 1 : std::min(max_splits, (want + base_tasks - 1) / base_tasks);
+  c.split_keys = RoundUp((s.total_seq_len + c.num_splits - 1) / c.num_splits, kTileKeys);
+  if (c.num_splits > 1) {
+    const int64_t slots = base_tasks * c.num_splits * c.rows_per_task();
+    part_o.assign(static_cast<size_t>(slots * c.head_pad), 0.0f);
+    part_m.assign(static_cast<size_t>(slots), -std::numeric_limits<float>::infinity());
+    part_l.assign(static_cast<size_t>(slots), 0.0f);
+  }
+  parallel.For(static_cast<size_t>(base_tasks * c.num_splits), AttentionTask<T>, &c);
+  if (c.num_splits > 1) parallel.For(static_cast<size_t>(base_tasks), MergeSplits<T>, &c);
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status RunGqaCpu(const GqaShape& shape, const GqaCpuBuffers& buffers, const Parallel& parallel) {
+  switch (shape.dtype) {
+    case DType::kFloat32: return Run<float>(shape, buffers, parallel);
+    case DType::kFloat16: return Run<Half>(shape, buffers, parallel);
+    case DType::kBFloat16: return Run<BFloat16>(shape, buffers, parallel);
+    default:
+      return Status::Error(std::string("ai.kvlayout::GroupQueryAttention: unsupported type ") +
+                           DTypeName(shape.dtype));
+  }
+}
+
+}  // namespace kvl

@@ -1,0 +1,70 @@
+"""KV-cache layouts: names, ids and the stride arithmetic (the Python mirror of csrc/core/kv_strides.h).
+
+The declared shape of a past/present buffer is (B, Nkv, C, H) in both layouts; the layout decides
+where logical element (b, h, s, d) lives in it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+HEAD_MAJOR = 0
+SEQ_MAJOR = 1
+HEAD_MAJOR_BNSH = "head_major_bnsh"
+SEQ_MAJOR_BSNH = "seq_major_bsnh"
+
+LAYOUT_NAMES = {HEAD_MAJOR: HEAD_MAJOR_BNSH, SEQ_MAJOR: SEQ_MAJOR_BSNH}
+LAYOUT_IDS = {name: layout for layout, name in LAYOUT_NAMES.items()}
+
+
+class KvStrides(NamedTuple):
+    """Element strides of (batch, kv head, sequence position, head dim)."""
+
+    batch: int
+    head: int
+    seq: int
+    dim: int
+
+
+def layout_id(layout: int | str) -> int:
+    """Accepts 0/1, the metadata names, or the CLI names (head-major, seq-major)."""
+    if isinstance(layout, str):
+        key = layout.strip().lower().replace("-", "_")
+        aliases = {"head_major": HEAD_MAJOR, "bnsh": HEAD_MAJOR, "seq_major": SEQ_MAJOR,
+                   "bsnh": SEQ_MAJOR}
+        if key in LAYOUT_IDS:
+            return LAYOUT_IDS[key]
+        if key in aliases:
+            return aliases[key]
+        raise ValueError(f"unknown KV layout {layout!r}: expected one of "
+                         f"{sorted(LAYOUT_IDS)} or 0/1")
+    if layout not in LAYOUT_NAMES:
+        raise ValueError(f"kv_layout must be 0 (head-major BNSH) or 1 (seq-major BSNH), got {layout}")
+    return int(layout)
+
+
+def kv_strides(layout: int | str, kv_heads: int, capacity: int, head_dim: int) -> KvStrides:
+    """Element strides of a (B, kv_heads, capacity, head_dim)-declared cache in `layout`."""
+    if layout_id(layout) == HEAD_MAJOR:
+        return KvStrides(kv_heads * capacity * head_dim, capacity * head_dim, head_dim, 1)
+    return KvStrides(capacity * kv_heads * head_dim, head_dim, kv_heads * head_dim, 1)
+
+
+def to_layout(bnsh, layout: int | str):
+    """A logical (B, Nkv, C, H) numpy array -> the buffer (same declared shape) in `layout`."""
+    import numpy as np
+
+    if layout_id(layout) == HEAD_MAJOR:
+        return np.ascontiguousarray(bnsh)
+    b, n, c, h = bnsh.shape
+    return np.ascontiguousarray(bnsh.transpose(0, 2, 1, 3)).reshape(b, n, c, h)
+
+
+def from_layout(buf, layout: int | str):
+    """A (B, Nkv, C, H)-declared buffer in `layout` -> the logical (B, Nkv, C, H) array."""
+    import numpy as np
+
+    if layout_id(layout) == HEAD_MAJOR:
+        return np.asarray(buf)
+    b, n, c, h = buf.shape
+    return np.asarray(buf).reshape(b, c, n, h).transpose(0, 2, 1, 3)
