@@ -72,10 +72,6 @@ Status CheckGqaAttributes(const GqaAttributes& a) {
     return Fail("attribute 'num_heads' (", a.num_heads, ") must be a multiple of 'kv_num_heads' (",
                 a.kv_num_heads, ")");
   }
-  if (a.local_window_size != -1 && a.local_window_size <= 0) {
-    return Fail("attribute 'local_window_size' must be -1 (off) or positive, got ",
-                a.local_window_size);
-  }
   if (!(a.softcap >= 0.0f) || std::isinf(a.softcap)) {
     return Fail("attribute 'softcap' must be a finite value >= 0 (0 = off), got ", a.softcap);
   }
@@ -86,9 +82,12 @@ Status CheckGqaAttributes(const GqaAttributes& a) {
   if (a.do_rotary != 0 && a.do_rotary != 1) {
     return Fail("attribute 'do_rotary' must be 0 or 1, got ", a.do_rotary);
   }
-  if (a.causal != 1) {
-    return Fail("attribute 'causal' = ", a.causal,
-                " is not supported: GroupQueryAttention is causal (causal=1)");
+  if (a.causal != 0 && a.causal != 1) {
+    return Fail("attribute 'causal' must be 0 or 1, got ", a.causal);
+  }
+  if (a.causal == 0 && a.local_window_size != -1) {
+    return Fail("attribute 'local_window_size' must be -1 when 'causal' is 0 (a window is ",
+                "causal), got ", a.local_window_size);
   }
   if (a.sliding_window_cache != 0 && a.sliding_window_cache != 1) {
     return Fail("attribute 'sliding_window_cache' must be 0 or 1, got ", a.sliding_window_cache);
@@ -112,6 +111,9 @@ Status CheckGqaAttributes(const GqaAttributes& a) {
   if (!(a.qk_norm_epsilon >= 0.0f)) {
     return Fail("attribute 'qk_norm_epsilon' must be >= 0, got ", a.qk_norm_epsilon);
   }
+  if (std::isnan(a.q_norm_epsilon) || std::isnan(a.k_norm_epsilon)) {
+    return Fail("attributes 'q_norm_epsilon' and 'k_norm_epsilon' must not be NaN");
+  }
   return Status::Ok();
 }
 
@@ -128,10 +130,6 @@ Status CheckGqaInputs(const GqaAttributes& attrs, const GqaInputInfos& inputs,
       return Fail("input '", GqaInputName(unsupported),
                   "': quantized KV cache is not supported by ort-kvlayout v1");
     }
-  }
-  if (In(inputs, GqaInput::kQuerySeqlens).exists) {
-    return Fail("input 'query_seqlens' is not supported by ort-kvlayout v1; chunked prefill takes "
-                "each batch entry's past length from seqlens_k");
   }
 
   // query: (B, S, N*H) or packed (B, S, (N + 2*Nkv)*H).
@@ -194,7 +192,19 @@ Status CheckGqaInputs(const GqaAttributes& attrs, const GqaInputInfos& inputs,
                 ") must be >= the query's sequence length (", s.seq_len, ")");
   }
   s.total_seq_len = total_sequence_length;
-  if (s.seq_len == total_sequence_length) {
+  if (In(inputs, GqaInput::kQuerySeqlens).exists) {
+    const TensorInfo& t = In(inputs, GqaInput::kQuerySeqlens);
+    KVL_RETURN_IF_ERROR(CheckDType(inputs, GqaInput::kQuerySeqlens, DType::kInt32));
+    if (t.NumElements() != s.batch || t.shape.size() != 1) {
+      return Fail("input 'query_seqlens' must have shape (batch,) = (", s.batch, ",), got ",
+                  ShapeString(t.shape));
+    }
+    s.has_query_seqlens = true;
+  }
+  s.sliding_window_cache = attrs.sliding_window_cache == 1;
+  if (s.has_query_seqlens) {  // a chunk of a longer sequence: never a first prompt
+    s.gqa_case = s.seq_len == 1 ? GqaCase::kTokenGeneration : GqaCase::kSubsequentPrompt;
+  } else if (s.seq_len == total_sequence_length) {
     s.gqa_case = GqaCase::kFirstPrompt;
   } else if (s.seq_len == 1) {
     s.gqa_case = GqaCase::kTokenGeneration;
@@ -231,12 +241,24 @@ Status CheckGqaInputs(const GqaAttributes& attrs, const GqaInputInfos& inputs,
     return Fail("inputs 'past_key' and 'past_value' are required when the query's sequence length (",
                 s.seq_len, ") is less than total_sequence_length (", total_sequence_length, ")");
   }
-  if (!s.is_first_prompt() && s.past_capacity < total_sequence_length - s.seq_len) {
-    return Fail("input 'past_key' capacity (", s.past_capacity,
-                ") is shorter than the past it must hold: total_sequence_length - sequence length = ",
-                total_sequence_length - s.seq_len);
+  if (s.sliding_window_cache) {
+    // A window-sized cache: present has the past's capacity, which must hold the window.
+    if (!s.has_past || s.past_capacity < attrs.local_window_size) {
+      return Fail("attribute 'sliding_window_cache'=1 needs past_key/past_value with capacity >= ",
+                  "local_window_size (", attrs.local_window_size, "), got capacity ",
+                  s.past_capacity);
+    }
+    s.present_capacity = s.past_capacity;
+  } else {
+    if (!s.is_first_prompt() && s.past_capacity != total_sequence_length - s.seq_len &&
+        s.past_capacity < total_sequence_length) {
+      return Fail("input 'past_key' has capacity ", s.past_capacity,
+                  ": total_sequence_length (", total_sequence_length, ") must equal the past ",
+                  "capacity + sequence length (", s.seq_len, ") for a growing cache, or be no ",
+                  "greater than the past capacity for a preallocated (shared) cache");
+    }
+    s.present_capacity = std::max<int64_t>(total_sequence_length, s.past_capacity);
   }
-  s.present_capacity = std::max<int64_t>(total_sequence_length, s.past_capacity);
 
   // Rotary: cos_cache / sin_cache (max_positions, rotary_dim / 2).
   KVL_RETURN_IF_ERROR(CheckPair(inputs, GqaInput::kCosCache, GqaInput::kSinCache));
@@ -311,25 +333,24 @@ Status CheckGqaInputs(const GqaAttributes& attrs, const GqaInputInfos& inputs,
                   s.head_size, ",), got ", ShapeString(t.shape));
     }
   }
+  KVL_RETURN_IF_ERROR(CheckPair(inputs, GqaInput::kQNormWeight, GqaInput::kKNormWeight));
   s.has_q_norm = In(inputs, GqaInput::kQNormWeight).exists;
   s.has_k_norm = In(inputs, GqaInput::kKNormWeight).exists;
 
-  if (attrs.sliding_window_cache == 1) {
-    return Fail("attribute 'sliding_window_cache'=1 is not supported by ort-kvlayout v1 yet; ",
-                "export the model with a full-length KV cache");
-  }
   s.smooth_softmax = attrs.smooth_softmax == 1;
   s.scale = attrs.scale == 0.0f ? 1.0f / std::sqrt(static_cast<float>(s.head_size)) : attrs.scale;
   s.softcap = attrs.softcap;
-  s.qk_norm_epsilon = attrs.qk_norm_epsilon;
+  s.q_norm_epsilon = attrs.q_norm_epsilon >= 0.0f ? attrs.q_norm_epsilon : attrs.qk_norm_epsilon;
+  s.k_norm_epsilon = attrs.k_norm_epsilon >= 0.0f ? attrs.k_norm_epsilon : attrs.qk_norm_epsilon;
+  s.causal = attrs.causal == 1;
   s.local_window = attrs.local_window_size;
   *out = s;
   return Status::Ok();
 }
 
-Status CheckLengthsOnHost(const GqaShape& s, const int32_t* seqlens_k,
+Status CheckLengthsOnHost(const GqaShape& s, const int32_t* seqlens_k, const int32_t* query_seqlens,
                           const int64_t* position_ids, bool shared_kv) {
-  if (shared_kv && s.total_seq_len > s.past_capacity) {
+  if (shared_kv && s.total_seq_len > s.past_capacity && !s.sliding_window_cache) {
     return Fail("input 'total_sequence_length' (", s.total_seq_len,
                 ") exceeds the capacity of the shared past/present buffer (", s.past_capacity, ")");
   }
@@ -339,35 +360,40 @@ Status CheckLengthsOnHost(const GqaShape& s, const int32_t* seqlens_k,
       return Fail("input 'seqlens_k'[", b, "] = ", seqlens_k[b], " is out of range: it must be in ",
                   "[0, total_sequence_length - 1] = [0, ", s.total_seq_len - 1, "]");
     }
-    if (!s.is_first_prompt() && total_b < s.seq_len) {
+    if (s.has_query_seqlens && (query_seqlens[b] < 0 || query_seqlens[b] > s.seq_len ||
+                                query_seqlens[b] > total_b)) {
+      return Fail("input 'query_seqlens'[", b, "] = ", query_seqlens[b], " is out of range: it ",
+                  "must be in [0, min(sequence length, seqlens_k + 1)] = [0, ",
+                  std::min<int64_t>(s.seq_len, total_b), "]");
+    }
+    if (!s.is_first_prompt() && !s.has_query_seqlens && total_b < s.seq_len) {
       return Fail("input 'seqlens_k'[", b, "] = ", seqlens_k[b], " is too small: a batch entry ",
                   "with past must have seqlens_k + 1 >= the query's sequence length (", s.seq_len,
                   ")");
     }
-    if (s.has_past && !s.is_first_prompt() && total_b - s.seq_len > s.past_capacity) {
-      return Fail("input 'seqlens_k'[", b, "] = ", seqlens_k[b], " implies a past of ",
-                  total_b - s.seq_len, " tokens, beyond the capacity of 'past_key' (",
-                  s.past_capacity, ")");
+    if (s.sliding_window_cache && s.is_first_prompt() && total_b != s.seq_len) {
+      return Fail("input 'seqlens_k'[", b, "] = ", seqlens_k[b], " is too small for sequence ",
+                  "length ", s.seq_len, ": a sliding window cache takes no right-padded prompt");
+    }
+    const BatchGeometry g = GetBatchGeometry(s, seqlens_k[b], s.has_query_seqlens ? query_seqlens[b] : 0);
+    if (!s.sliding_window_cache && g.past > s.past_capacity) {
+      return Fail("input 'seqlens_k'[", b, "] = ", seqlens_k[b], " implies a past of ", g.past,
+                  " tokens, beyond the capacity of 'past_key' (", s.past_capacity, ")");
     }
   }
   if (s.rotary_dim == 0) return Status::Ok();
   // Every position used to index cos_cache/sin_cache must exist.
   for (int64_t b = 0; b < s.batch; ++b) {
-    const int64_t past = PastLength(s, seqlens_k[b]);
-    for (int64_t i = 0; i < s.seq_len; ++i) {
-      int64_t pos;
-      if (s.is_first_prompt()) {
-        pos = (s.has_position_ids ? position_ids[0] : 0) + i;
-      } else {
-        pos = s.has_position_ids ? position_ids[b * s.seq_len + i] : past + i;
-      }
+    const BatchGeometry g = GetBatchGeometry(s, seqlens_k[b], s.has_query_seqlens ? query_seqlens[b] : 0);
+    const int64_t rows = s.is_first_prompt() ? s.seq_len : g.new_rows;
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t pos = RotaryPosition(s, g, position_ids, b, i);
       if (pos < 0 || pos >= s.rotary_max_positions) {
         return Fail(s.has_position_ids ? "input 'position_ids'" : "the implied position",
                     " gives position ", pos, " for batch ", b, " token ", i,
                     ", outside 'cos_cache'/'sin_cache' rows [0, ", s.rotary_max_positions, ")");
       }
     }
-    if (s.is_first_prompt()) break;  // the same positions for every batch entry
   }
   return Status::Ok();
 }

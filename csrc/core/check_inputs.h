@@ -19,12 +19,17 @@ Status CheckGqaInputs(const GqaAttributes& attrs, const GqaInputInfos& inputs,
 
 // Value checks that need seqlens_k / position_ids on the host (the CPU op; the CUDA kernels clamp
 // on the device instead). `shared_kv` is true when past and present are the same memory.
+// `query_seqlens` may be null when the input is absent.
 Status CheckLengthsOnHost(const GqaShape& shape, const int32_t* seqlens_k,
-                          const int64_t* position_ids, bool shared_kv);
+                          const int32_t* query_seqlens, const int64_t* position_ids,
+                          bool shared_kv);
 
-// Past length of batch entry b: its new rows go at [past, past + S).
-inline int64_t PastLength(const GqaShape& shape, int32_t seqlens_k_b) {
-  return shape.is_first_prompt() ? 0 : static_cast<int64_t>(seqlens_k_b) + 1 - shape.seq_len;
+// Rotary position of new token i of batch entry b. ORT's rule: a first prompt reads only
+// position_ids[0, 0], the offset of every entry; otherwise position_ids[b, i], or past + i.
+inline int64_t RotaryPosition(const GqaShape& s, const BatchGeometry& g,
+                              const int64_t* position_ids, int64_t b, int64_t i) {
+  if (s.is_first_prompt()) return (s.has_position_ids ? position_ids[0] : 0) + i;
+  return s.has_position_ids ? position_ids[b * s.seq_len + i] : g.past + i;
 }
 
 }  // namespace kvl

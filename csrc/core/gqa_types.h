@@ -62,6 +62,8 @@ struct GqaAttributes {
   int64_t rotary_interleaved = 0;
   int64_t smooth_softmax = -1;
   float qk_norm_epsilon = 1e-6f;
+  float q_norm_epsilon = -1.0f;  // < 0: use qk_norm_epsilon
+  float k_norm_epsilon = -1.0f;  // < 0: use qk_norm_epsilon
   int64_t causal = 1;
   int64_t sliding_window_cache = 0;
   std::string k_quant_type = "NONE";
@@ -105,14 +107,58 @@ struct GqaShape {
   bool has_q_norm = false;
   bool has_k_norm = false;
   bool smooth_softmax = false;
+  bool has_query_seqlens = false;  // per-entry count of valid new rows (chunked prefill)
+  bool causal = true;
+  bool sliding_window_cache = false;  // window-sized cache, rows shifted as it fills
 
   float scale = 0.0f;
   float softcap = 0.0f;
-  float qk_norm_epsilon = 1e-6f;
-  int64_t local_window = -1;  // -1: off; else the number of keys a query sees, itself included
+  float q_norm_epsilon = 1e-6f;
+  float k_norm_epsilon = 1e-6f;
+  int64_t local_window = -1;  // < 0: off; else the number of keys a query sees, itself included
 
   bool is_first_prompt() const { return gqa_case == GqaCase::kFirstPrompt; }
   int64_t group_size() const { return num_heads / kv_num_heads; }
 };
+
+// L(T): the number of rows a window-sized cache (capacity C >= window W) holds after T tokens.
+// Rows [0, L) hold positions T - L .. T - 1; when full it drops the oldest G = C - W + 1 rows.
+inline int64_t SlidingResidentRows(int64_t total, int64_t capacity, int64_t window) {
+  if (total <= capacity) return total;
+  const int64_t g = capacity - window + 1;
+  return total - g * ((total - capacity + g - 1) / g);
+}
+
+// Where one batch entry's tokens are this call: `past` cached tokens, `new_rows` valid new
+// tokens (at positions past .. past + new_rows - 1), `total` = past + new_rows valid keys.
+// `cache_base`: the position held by row 0 of the past buffer (non-zero only for a sliding
+// window cache); `present_base`: the same for present after this call.
+struct BatchGeometry {
+  int64_t past;
+  int64_t new_rows;
+  int64_t total;
+  int64_t cache_base;
+  int64_t present_base;
+};
+
+inline BatchGeometry GetBatchGeometry(const GqaShape& s, int32_t seqlens_k_b,
+                                      int32_t query_seqlens_b) {
+  BatchGeometry g;
+  g.total = static_cast<int64_t>(seqlens_k_b) + 1;
+  if (s.is_first_prompt()) {
+    g.new_rows = g.total;  // right padding: rows >= total are padding
+    g.past = 0;
+  } else {
+    g.new_rows = s.has_query_seqlens ? query_seqlens_b : s.seq_len;
+    g.past = g.total - g.new_rows;
+  }
+  g.cache_base = 0;
+  g.present_base = 0;
+  if (s.sliding_window_cache) {
+    g.cache_base = g.past - SlidingResidentRows(g.past, s.past_capacity, s.local_window);
+    g.present_base = g.total - SlidingResidentRows(g.total, s.past_capacity, s.local_window);
+  }
+  return g;
+}
 
 }  // namespace kvl

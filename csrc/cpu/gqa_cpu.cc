@@ -90,30 +90,42 @@ struct Call {
   std::vector<float>* part_m;
   std::vector<float>* part_l;
 
-  const T* present_k() const { return static_cast<const T*>(buf.present_key); }
-  const T* present_v() const { return static_cast<const T*>(buf.present_value); }
-  int64_t rows_per_task() const { return q_block * s.group_size(); }
-  float eps() const { return s.qk_norm_epsilon; }
-  int64_t past_len(int64_t b) const { return PastLength(s, buf.seqlens_k[b]); }
-  int64_t valid_len(int64_t b) const { return static_cast<int64_t>(buf.seqlens_k[b]) + 1; }
-};
+  // A sliding window cache keeps this call's new K/V rows apart, (B, Nkv, S, H), until the
+  // attention has read the past rows that the shift of present overwrites.
+  std::vector<T>* new_k;
+  std::vector<T>* new_v;
 
-// Rotary position of token i of batch entry b (ORT's rule: a first prompt takes only
-// position_ids[0, 0] as the offset of every batch entry).
-template <typename T>
-int64_t Position(const Call<T>& c, int64_t b, int64_t i) {
-  if (c.s.is_first_prompt()) return (c.s.has_position_ids ? c.buf.position_ids[0] : 0) + i;
-  return c.s.has_position_ids ? c.buf.position_ids[b * c.s.seq_len + i] : c.past_len(b) + i;
-}
+  int64_t rows_per_task() const { return q_block * s.group_size(); }
+  BatchGeometry geo(int64_t b) const {
+    return GetBatchGeometry(s, buf.seqlens_k[b], s.has_query_seqlens ? buf.query_seqlens[b] : 0);
+  }
+  // New rows written to the cache: a first prompt writes its padding rows too (as ORT does).
+  int64_t written_rows(const BatchGeometry& g) const {
+    return s.is_first_prompt() ? s.seq_len : g.new_rows;
+  }
+  // Key/value row of absolute position `pos` (valid for this call's attention).
+  const T* key_row(int64_t b, int64_t h, int64_t pos, const BatchGeometry& g, bool value) const {
+    if (s.sliding_window_cache) {
+      if (pos >= g.past) {
+        const std::vector<T>& src = value ? *new_v : *new_k;
+        return src.data() + ((b * s.kv_num_heads + h) * s.seq_len + (pos - g.past)) * s.head_size;
+      }
+      const T* past = static_cast<const T*>(value ? buf.past_value : buf.past_key);
+      return past + past_strides.Offset(b, h, pos - g.cache_base);
+    }
+    const T* present = static_cast<const T*>(value ? buf.present_value : buf.present_key);
+    return present + present_strides.Offset(b, h, pos);
+  }
+};
 
 // RMS norm (optional), rotary (optional) on one head vector x[0, H) in float32.
 template <typename T>
-void NormAndRotate(const Call<T>& c, float* x, const void* norm_weight, int64_t pos) {
+void NormAndRotate(const Call<T>& c, float* x, const void* norm_weight, float eps, int64_t pos) {
   const int64_t H = c.s.head_size;
   if (norm_weight != nullptr) {
     double sum_sq = 0.0;
     for (int64_t d = 0; d < H; ++d) sum_sq += static_cast<double>(x[d]) * x[d];
-    const float inv = 1.0f / std::sqrt(static_cast<float>(sum_sq / H) + c.eps());
+    const float inv = 1.0f / std::sqrt(static_cast<float>(sum_sq / H) + eps);
     for (int64_t d = 0; d < H; ++d) x[d] = x[d] * inv * Get<T>(norm_weight, d);
   }
   if (c.s.rotary_dim == 0) return;
@@ -137,17 +149,21 @@ void PrepareToken(void* state, size_t task) {
   const GqaShape& s = c.s;
   const int64_t b = static_cast<int64_t>(task) / s.seq_len, i = static_cast<int64_t>(task) % s.seq_len;
   const int64_t H = s.head_size, N = s.num_heads, Nkv = s.kv_num_heads;
-  const int64_t pos = s.rotary_dim ? Position(c, b, i) : 0;
+  const BatchGeometry geo = c.geo(b);
+  const bool writes_kv = i < c.written_rows(geo);
+  if (!s.is_first_prompt() && i >= geo.new_rows) return;  // beyond query_seqlens: unused
+  const int64_t pos = s.rotary_dim ? RotaryPosition(s, geo, c.buf.position_ids, b, i) : 0;
   const int64_t q_pitch = s.packed_qkv ? (N + 2 * Nkv) * H : N * H;
   const int64_t q_row = (b * s.seq_len + i) * q_pitch;
   std::vector<float> x(static_cast<size_t>(H));
   for (int64_t h = 0; h < N; ++h) {
     for (int64_t d = 0; d < H; ++d) x[d] = Get<T>(c.buf.query, q_row + h * H + d);
-    NormAndRotate(c, x.data(), c.buf.q_norm_weight, pos);
+    NormAndRotate(c, x.data(), c.buf.q_norm_weight, s.q_norm_epsilon, pos);
     float* dst = c.q_scaled.data() + ((b * N + h) * s.seq_len + i) * c.head_pad;
     for (int64_t d = 0; d < H; ++d) dst[d] = x[d] * s.scale;
   }
-  const int64_t row = c.past_len(b) + i;  // < present capacity by validation
+  if (!writes_kv) return;
+  const int64_t row = geo.past + i;  // < present capacity by validation
   const void* k_src = s.packed_qkv ? c.buf.query : c.buf.key;
   const void* v_src = s.packed_qkv ? c.buf.query : c.buf.value;
   const int64_t kv_row = s.packed_qkv ? q_row + N * H : (b * s.seq_len + i) * Nkv * H;
@@ -156,11 +172,39 @@ void PrepareToken(void* state, size_t task) {
   T* pv = static_cast<T*>(c.buf.present_value);
   for (int64_t h = 0; h < Nkv; ++h) {
     for (int64_t d = 0; d < H; ++d) x[d] = Get<T>(k_src, kv_row + h * H + d);
-    NormAndRotate(c, x.data(), c.buf.k_norm_weight, pos);
-    const int64_t dst = c.present_strides.Offset(b, h, row);
-    for (int64_t d = 0; d < H; ++d) pk[dst + d] = FromFloat<T>(x[d]);
+    NormAndRotate(c, x.data(), c.buf.k_norm_weight, s.k_norm_epsilon, pos);
+    T* kdst = pk + c.present_strides.Offset(b, h, row);
+    T* vdst = pv + c.present_strides.Offset(b, h, row);
+    if (s.sliding_window_cache) {
+      kdst = c.new_k->data() + ((b * Nkv + h) * s.seq_len + i) * H;
+      vdst = c.new_v->data() + ((b * Nkv + h) * s.seq_len + i) * H;
+    }
+    for (int64_t d = 0; d < H; ++d) kdst[d] = FromFloat<T>(x[d]);
     const T* vs = static_cast<const T*>(v_src) + kv_row + v_offset + h * H;
-    std::memcpy(pv + dst, vs, static_cast<size_t>(H) * sizeof(T));
+    std::memcpy(vdst, vs, static_cast<size_t>(H) * sizeof(T));
+  }
+}
+
+// Copies past rows [r0, r1) of (b, kv head h) into present, in the longest contiguous runs the
+// strides allow: a head's rows (seq stride H: head-major), or, when all heads of a row are
+// adjacent (head stride H, seq stride Nkv*H: seq-major), a 1/Nkv share of every head's rows,
+// so the Nkv tasks of batch b together copy each row range once.
+template <typename T>
+void CopyRows(const Call<T>& c, int64_t b, int64_t h, T* dst, const T* src, int64_t r0,
+              int64_t r1) {
+  const int64_t H = c.s.head_size, Nkv = c.s.kv_num_heads;
+  const size_t row_bytes = static_cast<size_t>(H) * sizeof(T);
+  const KvStrides& ps = c.past_strides;
+  const KvStrides& qs = c.present_strides;
+  if (ps.seq == H && qs.seq == H) {
+    std::memcpy(dst + qs.Offset(b, h, r0), src + ps.Offset(b, h, r0), (r1 - r0) * row_bytes);
+  } else if (ps.head == H && qs.head == H && ps.seq == Nkv * H && qs.seq == Nkv * H) {
+    const int64_t n = r1 - r0, lo = r0 + n * h / Nkv, hi = r0 + n * (h + 1) / Nkv;
+    std::memcpy(dst + qs.Offset(b, 0, lo), src + ps.Offset(b, 0, lo), (hi - lo) * Nkv * row_bytes);
+  } else {
+    for (int64_t r = r0; r < r1; ++r) {
+      std::memcpy(dst + qs.Offset(b, h, r), src + ps.Offset(b, h, r), row_bytes);
+    }
   }
 }
 
@@ -173,16 +217,14 @@ void CopyPast(void* state, size_t task) {
   const int64_t b = static_cast<int64_t>(task) / s.kv_num_heads;
   const int64_t h = static_cast<int64_t>(task) % s.kv_num_heads;
   const int64_t H = s.head_size;
-  const int64_t past = c.past_len(b);
+  const BatchGeometry geo = c.geo(b);
+  const int64_t past = geo.past;
   const size_t row_bytes = static_cast<size_t>(H) * sizeof(T);
   for (int which = 0; which < 2; ++which) {
     const T* src = static_cast<const T*>(which ? c.buf.past_value : c.buf.past_key);
     T* dst = static_cast<T*>(which ? c.buf.present_value : c.buf.present_key);
-    for (int64_t r = 0; r < past; ++r) {
-      std::memcpy(dst + c.present_strides.Offset(b, h, r), src + c.past_strides.Offset(b, h, r),
-                  row_bytes);
-    }
-    for (int64_t r = past + s.seq_len; r < s.present_capacity; ++r) {
+    CopyRows(c, b, h, dst, src, 0, past);
+    for (int64_t r = past + c.written_rows(geo); r < s.present_capacity; ++r) {
       std::memset(dst + c.present_strides.Offset(b, h, r), 0, row_bytes);
     }
   }
@@ -210,6 +252,32 @@ void WriteOutputRow(const Call<T>& c, int64_t b, int64_t i, int64_t h, const flo
   for (int64_t d = 0; d < s.head_size; ++d) out[d] = FromFloat<T>(o[d] * factor);
 }
 
+// Task (b, kv head), sliding window cache, after the attention: present rows [0, L) take
+// positions present_base .. total - 1 from the past rows and the new rows. With a shared buffer
+// rows only move down (present_base >= cache_base), so ascending memmove is safe in place.
+template <typename T>
+void WriteSlidingPresent(void* state, size_t task) {
+  const Call<T>& c = *static_cast<const Call<T>*>(state);
+  const GqaShape& s = c.s;
+  const int64_t b = static_cast<int64_t>(task) / s.kv_num_heads;
+  const int64_t h = static_cast<int64_t>(task) % s.kv_num_heads;
+  const BatchGeometry geo = c.geo(b);
+  const int64_t rows = geo.total - geo.present_base;
+  const size_t row_bytes = static_cast<size_t>(s.head_size) * sizeof(T);
+  for (int which = 0; which < 2; ++which) {
+    T* dst = static_cast<T*>(which ? c.buf.present_value : c.buf.present_key);
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* src = c.key_row(b, h, geo.present_base + r, geo, which == 1);
+      T* out = dst + c.present_strides.Offset(b, h, r);
+      if (out != src) std::memmove(out, src, row_bytes);
+    }
+    if (c.shared) continue;  // rows past L keep their content, as in ORT
+    for (int64_t r = rows; r < s.present_capacity; ++r) {
+      std::memset(dst + c.present_strides.Offset(b, h, r), 0, row_bytes);
+    }
+  }
+}
+
 // scores[r][j] = q_r . k_j for 4 query rows and kTileKeys keys (k transposed: kt[d][j]).
 inline void ScoreBlock(const float* const* q, const float* kt, int64_t H, float* scores) {
   for (int j0 = 0; j0 < kTileKeys; j0 += 2 * kVW) {
@@ -227,6 +295,27 @@ inline void ScoreBlock(const float* const* q, const float* kt, int64_t H, float*
       Store(scores + r * kTileKeys + j0, acc[r][0]);
       Store(scores + r * kTileKeys + j0 + kVW, acc[r][1]);
     }
+  }
+}
+
+// The same scores by dot products over key rows (k rows head_pad long, zero padded): cheaper
+// than transposing the tile when a task has a single row block (token generation).
+inline void ScoreDot(const float* const* q, const float* const* k, int tile, int64_t head_pad,
+                     float* scores) {
+  for (int j = 0; j < tile; ++j) {
+    VecF acc[kRowBlock] = {};
+    for (int64_t d = 0; d < head_pad; d += kVW) {
+      const VecF kv = Load(k[j] + d);
+      for (int r = 0; r < kRowBlock; ++r) acc[r] += Load(q[r] + d) * kv;
+    }
+    for (int r = 0; r < kRowBlock; ++r) {
+      float sum = 0.0f;
+      for (int l = 0; l < kVW; ++l) sum += acc[r][l];
+      scores[r * kTileKeys + j] = sum;
+    }
+  }
+  for (int r = 0; r < kRowBlock; ++r) {
+    std::fill(scores + r * kTileKeys + tile, scores + (r + 1) * kTileKeys, 0.0f);
   }
 }
 
@@ -257,8 +346,8 @@ inline void AccumulateBlock(const float* p, const float* const* v, int tile, int
 
 // Per-thread scratch, reused across calls (ORT's pool threads persist).
 struct Scratch {
-  std::vector<float> kt, v, scores, o, m, l, zero_q;
-  std::vector<const float*> q_rows, v_rows;
+  std::vector<float> kt, k, v, scores, o, m, l, zero_q;
+  std::vector<const float*> q_rows, k_rows, v_rows;
   std::vector<float*> o_rows;
   std::vector<int64_t> lo, hi, head, token;
 };
@@ -279,8 +368,15 @@ void AttentionTask(void* state, size_t task_index) {
   const int64_t hp = c.head_pad;
 
   thread_local Scratch t;
-  t.kt.assign(static_cast<size_t>(H * kTileKeys), 0.0f);
+  // One row block (token generation): dot products over key rows; else a transposed K tile.
+  const bool dot_scores = rows_pad == kRowBlock;
+  if (dot_scores) {
+    t.k.resize(static_cast<size_t>(kTileKeys * hp));
+  } else {
+    t.kt.assign(static_cast<size_t>(H * kTileKeys), 0.0f);
+  }
   t.v.resize(static_cast<size_t>(kTileKeys * hp));
+  t.k_rows.resize(kTileKeys);
   t.scores.resize(static_cast<size_t>(kRowBlock * kTileKeys));
   t.o.assign(static_cast<size_t>(rows_pad * hp), 0.0f);
   t.m.assign(static_cast<size_t>(rows_pad), -std::numeric_limits<float>::infinity());
@@ -295,7 +391,7 @@ void AttentionTask(void* state, size_t task_index) {
   t.token.assign(rows_pad, 0);
 
   // Rows are token-major so the rows of one micro-block usually share their key range.
-  const int64_t past = c.past_len(b), valid = c.valid_len(b);
+  const BatchGeometry geo = c.geo(b);
   int64_t key_lo = std::numeric_limits<int64_t>::max(), key_hi = 0;
   for (int64_t r = 0; r < rows_pad; ++r) {
     t.o_rows[r] = t.o.data() + r * hp;
@@ -305,10 +401,17 @@ void AttentionTask(void* state, size_t task_index) {
     t.head[r] = h;
     t.token[r] = i;
     t.q_rows[r] = c.q_scaled.data() + ((b * N + h) * s.seq_len + i) * hp;
-    const int64_t p = past + i;   // absolute position of this query
-    if (p >= valid) continue;     // right padding of a first prompt: no keys, output 0
-    t.hi[r] = p + 1;
-    t.lo[r] = s.local_window > 0 ? std::max<int64_t>(0, p + 1 - s.local_window) : 0;
+    // Right padding of a first prompt, rows beyond query_seqlens: no keys, output 0.
+    if (i >= geo.new_rows) continue;
+    const int64_t p = geo.past + i;  // absolute position of this query
+    t.hi[r] = s.causal ? p + 1 : geo.total;
+    if (s.local_window > 0) {
+      t.lo[r] = std::max<int64_t>(0, p + 1 - s.local_window);
+    } else {
+      t.lo[r] = s.local_window == 0 ? t.hi[r] : 0;  // a zero window sees nothing (as ORT)
+    }
+    if (s.sliding_window_cache) t.lo[r] = std::max(t.lo[r], geo.cache_base);  // the window stays inside
+    if (t.lo[r] >= t.hi[r]) continue;
     key_lo = std::min(key_lo, t.lo[r]);
     key_hi = std::max(key_hi, t.hi[r]);
   }
@@ -316,27 +419,46 @@ void AttentionTask(void* state, size_t task_index) {
   key_lo = std::max(key_lo, split * c.split_keys);
   key_hi = std::min(key_hi, (split + 1) * c.split_keys);
 
-  const T* pk = c.present_k();
-  const T* pv = c.present_v();
   const bool direct_v = std::is_same<T, float>::value && H == hp;
   const float softcap = s.softcap;
   const T* bias = static_cast<const T*>(c.buf.attention_bias);
   for (int64_t k0 = key_lo; k0 < key_hi; k0 += kTileKeys) {
     const int tile = static_cast<int>(std::min<int64_t>(kTileKeys, key_hi - k0));
-    // K tile transposed into kt[d][j]; V tile rows (direct pointers for float32).
+    // K tile: rows or transposed into kt[d][j]; V rows (float32 rows are used in place).
     for (int j = 0; j < tile; ++j) {
-      const int64_t off = c.present_strides.Offset(b, g, k0 + j);
-      for (int64_t d = 0; d < H; ++d) t.kt[d * kTileKeys + j] = ToFloat(pk[off + d]);
+      const T* krow = c.key_row(b, g, k0 + j, geo, false);
+      const T* vrow = c.key_row(b, g, k0 + j, geo, true);
+      if (!dot_scores) {
+        for (int64_t d = 0; d < H; ++d) t.kt[d * kTileKeys + j] = ToFloat(krow[d]);
+      } else if (direct_v) {
+        t.k_rows[j] = reinterpret_cast<const float*>(krow);
+      } else {
+        float* dst = t.k.data() + j * hp;
+        for (int64_t d = 0; d < H; ++d) dst[d] = ToFloat(krow[d]);
+        for (int64_t d = H; d < hp; ++d) dst[d] = 0.0f;
+        t.k_rows[j] = dst;
+      }
       if (direct_v) {
-        t.v_rows[j] = reinterpret_cast<const float*>(pv + off);
+        t.v_rows[j] = reinterpret_cast<const float*>(vrow);
       } else {
         float* dst = t.v.data() + j * hp;
-        for (int64_t d = 0; d < H; ++d) dst[d] = ToFloat(pv[off + d]);
+        for (int64_t d = 0; d < H; ++d) dst[d] = ToFloat(vrow[d]);
         for (int64_t d = H; d < hp; ++d) dst[d] = 0.0f;
         t.v_rows[j] = dst;
       }
     }
-    for (int j = tile; j < kTileKeys; ++j) {
+    // Prefetch the next tile: a head's rows are Nkv*H apart in seq-major order, so each lands
+    // on its own page, where hardware prefetchers stop; without this the loop waits on DRAM.
+    const int64_t next_hi = std::min<int64_t>(key_hi, k0 + 2 * kTileKeys);
+    for (int64_t pos = k0 + kTileKeys; pos < next_hi; ++pos) {
+      const char* kp = reinterpret_cast<const char*>(c.key_row(b, g, pos, geo, false));
+      const char* vp = reinterpret_cast<const char*>(c.key_row(b, g, pos, geo, true));
+      for (size_t off = 0; off < static_cast<size_t>(H) * sizeof(T); off += 64) {
+        __builtin_prefetch(kp + off, 0, 2);
+        __builtin_prefetch(vp + off, 0, 2);
+      }
+    }
+    for (int j = tile; j < kTileKeys && !dot_scores; ++j) {
       for (int64_t d = 0; d < H; ++d) t.kt[d * kTileKeys + j] = 0.0f;
     }
     for (int64_t r0 = 0; r0 < rows_pad; r0 += kRowBlock) {
@@ -345,7 +467,11 @@ void AttentionTask(void* state, size_t task_index) {
         any |= t.lo[r0 + r] < k0 + tile && t.hi[r0 + r] > k0;
       }
       if (!any) continue;
-      ScoreBlock(t.q_rows.data() + r0, t.kt.data(), H, t.scores.data());
+      if (dot_scores) {
+        ScoreDot(t.q_rows.data() + r0, t.k_rows.data(), tile, hp, t.scores.data());
+      } else {
+        ScoreBlock(t.q_rows.data() + r0, t.kt.data(), H, t.scores.data());
+      }
       for (int r = 0; r < kRowBlock; ++r) {
         float* sc = t.scores.data() + r * kTileKeys;
         const int64_t row = r0 + r;
@@ -450,6 +576,7 @@ void MergeSplits(void* state, size_t task_index) {
 template <typename T>
 Status Run(const GqaShape& s, const GqaCpuBuffers& buf, const Parallel& parallel) {
   std::vector<float> q_scaled, part_o, part_m, part_l;
+  std::vector<T> new_k, new_v;
   const bool shared = buf.past_key != nullptr && buf.past_key == buf.present_key;
   if (buf.past_key != nullptr && (buf.past_key == buf.present_key) !=
                                      (buf.past_value == buf.present_value)) {
@@ -458,13 +585,20 @@ Status Run(const GqaShape& s, const GqaCpuBuffers& buf, const Parallel& parallel
         "must either both share memory or both not");
   }
   Call<T> c{s, buf, {}, {}, shared, RoundUp(s.head_size, kDimStep), q_scaled, 1, 1, 1, 1,
-            &part_o, &part_m, &part_l};
+            &part_o, &part_m, &part_l, &new_k, &new_v};
   c.past_strides = MakeKvStrides(s.layout, s.kv_num_heads, s.past_capacity, s.head_size);
   c.present_strides = MakeKvStrides(s.layout, s.kv_num_heads, s.present_capacity, s.head_size);
   q_scaled.assign(static_cast<size_t>(s.batch * s.num_heads * s.seq_len * c.head_pad), 0.0f);
 
-  // 1. Past rows into a separate present (before the new rows land, which they never overlap).
-  if (!shared) parallel.For(static_cast<size_t>(s.batch * s.kv_num_heads), CopyPast<T>, &c);
+  const size_t kv_tasks = static_cast<size_t>(s.batch * s.kv_num_heads);
+  if (s.sliding_window_cache) {
+    const size_t rows = static_cast<size_t>(s.batch * s.kv_num_heads * s.seq_len * s.head_size);
+    new_k.resize(rows);
+    new_v.resize(rows);
+  } else if (!shared) {
+    // 1. Past rows into a separate present (the new rows, written next, never overlap them).
+    parallel.For(kv_tasks, CopyPast<T>, &c);
+  }
   // A first prompt ignores past content: CopyPast copied nothing (past length 0).
   // 2. Queries normed/rotated/scaled; new K/V rows normed/rotated into present.
   parallel.For(static_cast<size_t>(s.batch * s.seq_len), PrepareToken<T>, &c);
@@ -473,10 +607,15 @@ Status Run(const GqaShape& s, const GqaCpuBuffers& buf, const Parallel& parallel
   //    give a decode (one query block) enough tasks to use every thread. The grid depends on
   //    sizes and thread count only, so results are deterministic for a given machine.
   const int64_t G = s.group_size();
-  c.q_block = std::max<int64_t>(1, 32 / G);
+  // ~128 rows per task amortize the K tile's transposition; fewer when that starves threads.
+  const int64_t want = 4 * static_cast<int64_t>(parallel.NumThreads());
+  c.q_block = std::max<int64_t>(1, 128 / G);
+  while (c.q_block > 1 &&
+         s.batch * s.kv_num_heads * ((s.seq_len + c.q_block - 1) / c.q_block) < want) {
+    c.q_block /= 2;
+  }
   c.num_q_blocks = (s.seq_len + c.q_block - 1) / c.q_block;
   const int64_t base_tasks = s.batch * s.kv_num_heads * c.num_q_blocks;
-  const int64_t want = 4 * static_cast<int64_t>(parallel.NumThreads());
   const int64_t max_splits = std::max<int64_t>(1, s.total_seq_len / (4 * kTileKeys));
   c.num_splits = base_tasks >= want ? 1 : std::min(max_splits, (want + base_tasks - 1) / base_tasks);
   c.split_keys = RoundUp((s.total_seq_len + c.num_splits - 1) / c.num_splits, kTileKeys);
@@ -488,6 +627,8 @@ Status Run(const GqaShape& s, const GqaCpuBuffers& buf, const Parallel& parallel
   }
   parallel.For(static_cast<size_t>(base_tasks * c.num_splits), AttentionTask<T>, &c);
   if (c.num_splits > 1) parallel.For(static_cast<size_t>(base_tasks), MergeSplits<T>, &c);
+  // 4. A sliding window cache's present, once the attention no longer reads the past.
+  if (s.sliding_window_cache) parallel.For(kv_tasks, WriteSlidingPresent<T>, &c);
   return Status::Ok();
 }
 

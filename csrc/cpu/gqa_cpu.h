@@ -21,6 +21,7 @@ struct GqaCpuBuffers {
   const void* cos_cache = nullptr;       // (max_pos, rotary_dim/2)
   const void* sin_cache = nullptr;       // (max_pos, rotary_dim/2)
   const int64_t* position_ids = nullptr; // (B, S) int64
+  const int32_t* query_seqlens = nullptr; // (B) int32, host memory
   const void* attention_bias = nullptr;  // (B or 1, N or 1, S, total)
   const void* head_sink = nullptr;       // (N)
   const void* q_norm_weight = nullptr;   // (H)

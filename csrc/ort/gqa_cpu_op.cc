@@ -56,6 +56,7 @@ Status Compute(Ort::KernelContext& ctx, const GqaAttributes& attrs) {
     buf.sin_cache = InputData<void>(ctx, GqaInput::kSinCache);
   }
   buf.position_ids = InputData<int64_t>(ctx, GqaInput::kPositionIds);
+  buf.query_seqlens = InputData<int32_t>(ctx, GqaInput::kQuerySeqlens);
   buf.attention_bias = InputData<void>(ctx, GqaInput::kAttentionBias);
   buf.head_sink = InputData<void>(ctx, GqaInput::kHeadSink);
   buf.q_norm_weight = InputData<void>(ctx, GqaInput::kQNormWeight);
@@ -78,7 +79,7 @@ Status Compute(Ort::KernelContext& ctx, const GqaAttributes& attrs) {
   buf.present_key = outputs.present_key;
   buf.present_value = outputs.present_value;
   const bool shared = buf.past_key != nullptr && buf.past_key == buf.present_key;
-  KVL_RETURN_IF_ERROR(CheckLengthsOnHost(shape, buf.seqlens_k, buf.position_ids, shared));
+  KVL_RETURN_IF_ERROR(CheckLengthsOnHost(shape, buf.seqlens_k, buf.query_seqlens, buf.position_ids, shared));
 
   OrtParallel parallel(ctx);
   parallel.set_threads(EstimateThreads());

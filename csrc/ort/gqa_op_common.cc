@@ -3,6 +3,8 @@
 #include <cstdlib>
 #include <string>
 
+#include "core/gqa_attributes.h"
+
 namespace kvl {
 namespace {
 
@@ -17,40 +19,42 @@ DType FromOrtType(ONNXTensorElementDataType type) {
   }
 }
 
-// Attribute helpers: the contract's default when the node does not carry the attribute.
-int64_t AttrInt(const OrtApi& api, const OrtKernelInfo* info, const char* name, int64_t dflt) {
-  int64_t value = dflt;
-  if (OrtStatus* st = api.KernelInfoGetAttribute_int64(info, name, &value)) {
-    api.ReleaseStatus(st);
-    return dflt;
-  }
-  return value;
-}
+// Reads attributes from an OrtKernelInfo; absent ones keep the contract's defaults.
+struct KernelInfoAttrs {
+  const OrtApi& api;
+  const OrtKernelInfo* info;
 
-float AttrFloat(const OrtApi& api, const OrtKernelInfo* info, const char* name, float dflt) {
-  float value = dflt;
-  if (OrtStatus* st = api.KernelInfoGetAttribute_float(info, name, &value)) {
-    api.ReleaseStatus(st);
-    return dflt;
+  int64_t Int(const char* name, int64_t dflt) const {
+    int64_t value = dflt;
+    if (OrtStatus* st = api.KernelInfoGetAttribute_int64(info, name, &value)) {
+      api.ReleaseStatus(st);
+      return dflt;
+    }
+    return value;
   }
-  return value;
-}
-
-std::string AttrString(const OrtApi& api, const OrtKernelInfo* info, const char* name,
-                       const char* dflt) {
-  size_t size = 0;
-  if (OrtStatus* st = api.KernelInfoGetAttribute_string(info, name, nullptr, &size)) {
-    api.ReleaseStatus(st);
-    return dflt;
+  float Float(const char* name, float dflt) const {
+    float value = dflt;
+    if (OrtStatus* st = api.KernelInfoGetAttribute_float(info, name, &value)) {
+      api.ReleaseStatus(st);
+      return dflt;
+    }
+    return value;
   }
-  std::string value(size, '\0');
-  if (OrtStatus* st = api.KernelInfoGetAttribute_string(info, name, value.data(), &size)) {
-    api.ReleaseStatus(st);
-    return dflt;
+  std::string String(const char* name, const char* dflt) const {
+    size_t size = 0;
+    if (OrtStatus* st = api.KernelInfoGetAttribute_string(info, name, nullptr, &size)) {
+      api.ReleaseStatus(st);
+      return dflt;
+    }
+    std::string value(size, '\0');
+    if (OrtStatus* st = api.KernelInfoGetAttribute_string(info, name, value.data(), &size)) {
+      api.ReleaseStatus(st);
+      return dflt;
+    }
+    while (!value.empty() && value.back() == '\0') value.pop_back();
+    return value;
   }
-  while (!value.empty() && value.back() == '\0') value.pop_back();
-  return value;
-}
+};
 
 ONNXTensorElementDataType InputType(size_t index) {
   switch (static_cast<GqaInput>(index)) {
@@ -181,23 +185,7 @@ void ReleaseMayInplace(int* input_index, int* output_index) {
 }  // namespace
 
 GqaAttributes ReadGqaAttributes(const OrtApi& api, const OrtKernelInfo* info) {
-  GqaAttributes a;
-  a.num_heads = AttrInt(api, info, "num_heads", 0);
-  a.kv_num_heads = AttrInt(api, info, "kv_num_heads", 0);
-  a.scale = AttrFloat(api, info, "scale", 0.0f);
-  a.softcap = AttrFloat(api, info, "softcap", 0.0f);
-  a.local_window_size = AttrInt(api, info, "local_window_size", -1);
-  a.do_rotary = AttrInt(api, info, "do_rotary", 0);
-  a.rotary_interleaved = AttrInt(api, info, "rotary_interleaved", 0);
-  a.smooth_softmax = AttrInt(api, info, "smooth_softmax", -1);
-  a.qk_norm_epsilon = AttrFloat(api, info, "qk_norm_epsilon", 1e-6f);
-  a.causal = AttrInt(api, info, "causal", 1);
-  a.sliding_window_cache = AttrInt(api, info, "sliding_window_cache", 0);
-  a.k_quant_type = AttrString(api, info, "k_quant_type", "NONE");
-  a.v_quant_type = AttrString(api, info, "v_quant_type", "NONE");
-  a.kv_cache_bit_width = AttrInt(api, info, "kv_cache_bit_width", 0);
-  a.qk_output = AttrInt(api, info, "qk_output", 0);
-  a.kv_layout = AttrInt(api, info, "kv_layout", 0);
+  GqaAttributes a = ParseGqaAttributes(KernelInfoAttrs{api, info});
   size_t outputs = 0;
   if (OrtStatus* st = api.KernelInfo_GetOutputCount(info, &outputs)) {
     api.ReleaseStatus(st);

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "core/check_inputs.h"
+#include "core/gqa_attributes.h"
 #include "cpu/gqa_cpu.h"
 #include "cpu/thread_pool.h"
 
@@ -25,10 +26,19 @@ kvl::DType DTypeOf(const py::array& a) {
   return kvl::DType::kOther;
 }
 
-template <typename V>
-V Get(const py::dict& d, const char* key, V dflt) {
-  return d.contains(key) ? d[key].cast<V>() : dflt;
-}
+// Reads attributes from a dict; absent keys keep the contract's defaults.
+struct DictAttrs {
+  const py::dict& d;
+  int64_t Int(const char* key, int64_t dflt) const {
+    return d.contains(key) ? d[key].cast<int64_t>() : dflt;
+  }
+  float Float(const char* key, float dflt) const {
+    return d.contains(key) ? d[key].cast<float>() : dflt;
+  }
+  std::string String(const char* key, const char* dflt) const {
+    return d.contains(key) ? d[key].cast<std::string>() : std::string(dflt);
+  }
+};
 
 py::dict BuildInfo() {
   py::dict info;
@@ -47,19 +57,7 @@ py::dict BuildInfo() {
 // inputs: name -> array (absent or None = not given), names as in the ONNX schema.
 // shared=True appends into past_key/past_value in place (they are then the presents).
 py::tuple GqaCpu(const py::dict& inputs, const py::dict& attrs_dict, bool shared, int threads) {
-  kvl::GqaAttributes attrs;
-  attrs.num_heads = Get<int64_t>(attrs_dict, "num_heads", 0);
-  attrs.kv_num_heads = Get<int64_t>(attrs_dict, "kv_num_heads", 0);
-  attrs.scale = Get<float>(attrs_dict, "scale", 0.0f);
-  attrs.softcap = Get<float>(attrs_dict, "softcap", 0.0f);
-  attrs.local_window_size = Get<int64_t>(attrs_dict, "local_window_size", -1);
-  attrs.do_rotary = Get<int64_t>(attrs_dict, "do_rotary", 0);
-  attrs.rotary_interleaved = Get<int64_t>(attrs_dict, "rotary_interleaved", 0);
-  attrs.smooth_softmax = Get<int64_t>(attrs_dict, "smooth_softmax", -1);
-  attrs.qk_norm_epsilon = Get<float>(attrs_dict, "qk_norm_epsilon", 1e-6f);
-  attrs.causal = Get<int64_t>(attrs_dict, "causal", 1);
-  attrs.sliding_window_cache = Get<int64_t>(attrs_dict, "sliding_window_cache", 0);
-  attrs.kv_layout = Get<int64_t>(attrs_dict, "kv_layout", 0);
+  const kvl::GqaAttributes attrs = kvl::ParseGqaAttributes(DictAttrs{attrs_dict});
 
   std::array<py::array, kvl::kGqaInputCount> arrays;
   kvl::GqaInputInfos infos;
@@ -114,6 +112,7 @@ py::tuple GqaCpu(const py::dict& inputs, const py::dict& attrs_dict, bool shared
   buf.cos_cache = shape.rotary_dim ? raw(kvl::GqaInput::kCosCache) : nullptr;
   buf.sin_cache = shape.rotary_dim ? raw(kvl::GqaInput::kSinCache) : nullptr;
   buf.position_ids = static_cast<const int64_t*>(raw(kvl::GqaInput::kPositionIds));
+  buf.query_seqlens = static_cast<const int32_t*>(raw(kvl::GqaInput::kQuerySeqlens));
   buf.attention_bias = raw(kvl::GqaInput::kAttentionBias);
   buf.head_sink = raw(kvl::GqaInput::kHeadSink);
   buf.q_norm_weight = raw(kvl::GqaInput::kQNormWeight);
@@ -121,7 +120,7 @@ py::tuple GqaCpu(const py::dict& inputs, const py::dict& attrs_dict, bool shared
   buf.output = output.mutable_data();
   buf.present_key = present_k.mutable_data();
   buf.present_value = present_v.mutable_data();
-  st = kvl::CheckLengthsOnHost(shape, buf.seqlens_k, buf.position_ids, shared);
+  st = kvl::CheckLengthsOnHost(shape, buf.seqlens_k, buf.query_seqlens, buf.position_ids, shared);
   if (!st.ok()) throw py::value_error(st.message());
   {
     py::gil_scoped_release release;

@@ -1,0 +1,244 @@
+"""Invalid inputs to ai.kvlayout::GroupQueryAttention raise an onnxruntime error (at session
+creation or at run) whose message names the problem (the input or attribute name)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from gqa_case import KV_DOMAIN, GqaCase, build_model, compare, make_session, run_session
+
+_BASE = GqaCase(batch=2, kind="decode", past_len=5, num_heads=4, kv_num_heads=2, head_size=16)
+
+
+def _raise(feeds, attrs, layout=1, match="", shared=False, input_types=None):
+    """Builds, creates and runs; the error may come at either point, and must match."""
+    with pytest.raises(Exception, match=match) as ei:
+        model = build_model(feeds, attrs, KV_DOMAIN, layout, input_types=input_types)
+        sess = make_session(model, KV_DOMAIN)
+        run_session(sess, feeds, shared)
+    return ei
+
+
+def _f(**kw):
+    f = dict(_BASE.feeds())
+    f.update(kw)
+    return f
+
+
+A = _BASE.attrs()
+F32 = np.float32
+COS = np.ones((32, 8), F32)
+
+
+@pytest.mark.parametrize("layout", [2, -1, 7])
+def test_kv_layout_out_of_range(layout):
+    _raise(_f(), A, layout=layout, match=r"kv_layout")
+
+
+@pytest.mark.parametrize("layout", [0, 1])
+def test_heads_not_multiple(layout):
+    _raise(_f(), dict(A, kv_num_heads=3), layout, match=r"num_heads|kv_num_heads")
+
+
+@pytest.mark.parametrize("attrs", [dict(A, num_heads=0), dict(A, kv_num_heads=0)])
+def test_zero_heads(attrs):
+    _raise(_f(), attrs, match=r"num_heads")
+
+
+@pytest.mark.parametrize(
+    "name,feeds,match",
+    [
+        ("query_rank2", _f(query=np.zeros((2, 64), F32)), r"query"),
+        ("query_rank4", _f(query=np.zeros((2, 1, 4, 16), F32)), r"query"),
+        ("query_hidden", _f(query=np.zeros((2, 1, 60), F32)), r"query|head_size|hidden"),
+        ("key_rank2", _f(key=np.zeros((2, 32), F32), value=np.zeros((2, 32), F32)), r"key"),
+        ("key_hidden", _f(key=np.zeros((2, 1, 24), F32), value=np.zeros((2, 1, 24), F32)),
+         r"key|kv_num_heads|head_size"),
+        ("key_seq", _f(key=np.zeros((2, 2, 32), F32), value=np.zeros((2, 2, 32), F32)),
+         r"key|sequence"),
+        ("value_shape", _f(value=np.zeros((2, 1, 16), F32)), r"value"),
+        ("past_rank3", _f(past_key=np.zeros((2, 2, 80), F32), past_value=np.zeros((2, 2, 80), F32)),
+         r"past_key"),
+        ("past_kv_heads", _f(past_key=np.zeros((2, 3, 5, 16), F32),
+                             past_value=np.zeros((2, 3, 5, 16), F32)), r"past_key"),
+        ("past_head_size", _f(past_key=np.zeros((2, 2, 5, 8), F32),
+                              past_value=np.zeros((2, 2, 5, 8), F32)), r"past_key"),
+        ("past_kv_differ", _f(past_value=np.zeros((2, 2, 7, 16), F32)), r"past_value|past_key"),
+        ("past_too_short", _f(past_key=np.zeros((2, 2, 3, 16), F32),
+                              past_value=np.zeros((2, 2, 3, 16), F32)),
+         r"past_key|total_sequence_length"),
+        ("batch_key", _f(key=np.zeros((3, 1, 32), F32), value=np.zeros((3, 1, 32), F32)),
+         r"batch|key"),
+        ("batch_past", _f(past_key=np.zeros((3, 2, 5, 16), F32),
+                          past_value=np.zeros((3, 2, 5, 16), F32)), r"batch|past_key"),
+        ("batch_seqlens", _f(seqlens_k=np.array([5, 5, 5], np.int32)), r"seqlens_k"),
+        ("seqlens_negative", _f(seqlens_k=np.array([-1, 5], np.int32)), r"seqlens_k"),
+        ("seqlens_huge", _f(seqlens_k=np.array([10**6, 5], np.int32)), r"seqlens_k"),
+        ("seqlens_beyond_total", _f(seqlens_k=np.array([5, 6], np.int32)), r"seqlens_k"),
+        ("total_two_elems", _f(total_sequence_length=np.array([6, 6], np.int32)),
+         r"total_sequence_length"),
+        ("head_sink_len", _f(head_sink=np.ones(3, F32)), r"head_sink"),
+        ("bias_last_dim", _f(attention_bias=np.ones((2, 4, 1, 5), F32)), r"attention_bias"),
+        ("bias_batch", _f(attention_bias=np.ones((3, 4, 1, 6), F32)), r"attention_bias"),
+        ("bias_rank3", _f(attention_bias=np.ones((4, 1, 6), F32)), r"attention_bias"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "",
+)  # fmt: skip
+@pytest.mark.parametrize("layout", [0, 1])
+def test_bad_shapes(name, feeds, match, layout):
+    _raise(feeds, A, layout, match=match)
+
+
+@pytest.mark.parametrize("missing", ["key", "value"])
+def test_only_one_of_key_value(missing):
+    _raise(_f(**{missing: None}), A, match=r"key|value")
+
+
+def test_only_one_of_past():
+    _raise(_f(past_value=None), A, match=r"past_key|past_value")
+
+
+def test_rotary_without_caches():
+    _raise(_f(), dict(A, do_rotary=1), match=r"cos_cache|sin_cache")
+    _raise(_f(cos_cache=COS), dict(A, do_rotary=1), match=r"cos_cache|sin_cache")
+
+
+def test_rotary_bad_caches():
+    _raise(_f(cos_cache=COS, sin_cache=np.ones((33, 8), F32)), dict(A, do_rotary=1),
+           match=r"cos_cache|sin_cache")  # fmt: skip
+    _raise(_f(cos_cache=np.ones((32, 12), F32), sin_cache=np.ones((32, 12), F32)),
+           dict(A, do_rotary=1), match=r"cos_cache|rotary")  # fmt: skip
+    _raise(_f(cos_cache=np.ones((3, 8), F32), sin_cache=np.ones((3, 8), F32)),
+           dict(A, do_rotary=1), match=r"cos_cache|position")  # fmt: skip
+
+
+def test_position_ids_beyond_cos_cache():
+    f = _f(cos_cache=COS, sin_cache=COS, position_ids=np.array([[1000], [2]], np.int64))
+    _raise(f, dict(A, do_rotary=1), match=r"position_ids|cos_cache")
+
+
+@pytest.mark.parametrize("layout", [0, 1])
+def test_shared_total_beyond_capacity(layout):
+    c = _BASE.replace(shared=True, extra_capacity=2, kv_layout=layout)
+    f = dict(c.feeds(), total_sequence_length=np.array(100, np.int32))
+    _raise(f, A, layout, match=r"total_sequence_length|capacity|present_key", shared=True)
+
+
+@pytest.mark.parametrize("layout", [0, 1])
+@pytest.mark.parametrize("seqlen", [10**6, 2**31 - 1, -5])
+def test_shared_seqlens_out_of_range_raises(layout, seqlen):
+    c = _BASE.replace(shared=True, extra_capacity=2, kv_layout=layout)
+    f = dict(c.feeds(), seqlens_k=np.array([seqlen, 3], np.int32))
+    _raise(f, A, layout, match=r"seqlens_k", shared=True)
+
+
+def test_shared_huge_seqlens_does_not_crash_process():
+    """In a child process, so a crash shows as a signal instead of killing the test run."""
+    code = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {sys.path[0]!r})
+        import numpy as np
+        from gqa_case import GqaCase, KV_DOMAIN, build_model, make_session, run_session
+        for layout in (0, 1):
+            c = GqaCase(batch=2, kind="decode", past_len=5, head_size=16, shared=True,
+                        extra_capacity=2, kv_layout=layout, do_rotary=True)
+            f = dict(c.feeds(), seqlens_k=np.array([10**6, 2**31 - 1], np.int32),
+                     total_sequence_length=np.array(2**31 - 1, np.int32))
+            sess = make_session(build_model(f, c.attrs(), KV_DOMAIN, layout), KV_DOMAIN)
+            try:
+                run_session(sess, f, shared=True)
+            except Exception as e:
+                print("RAISED", type(e).__name__)
+            else:
+                print("NO ERROR")
+        """
+    )
+    import os
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = code.replace(repr(sys.path[0]), repr(here))
+    p = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert p.returncode == 0, f"child died (rc {p.returncode}): {p.stderr[-2000:]}"
+    assert p.stdout.count("RAISED") == 2, p.stdout + p.stderr[-2000:]
+
+
+def test_dtype_mismatch_query_vs_past():
+    c = _BASE.replace(dtype="fp16")
+    f = dict(c.feeds())
+    f["past_key"] = f["past_key"].astype(F32)
+    f["past_value"] = f["past_value"].astype(F32)
+    _raise(f, A, match=r"past_key|past_value|type")
+
+
+def test_dtype_mismatch_query_vs_key():
+    f = _f(key=_BASE.feeds()["key"].astype(np.float16))
+    _raise(f, A, match=r"key|type")
+
+
+def test_quantized_kv_refused():
+    f = _f(k_scale=np.ones(1, F32), v_scale=np.ones(1, F32))
+    a = dict(A, k_quant_type="PER_TENSOR", v_quant_type="PER_TENSOR", kv_cache_bit_width=8)
+    _raise(f, a, match=r"k_scale|quant")
+    u8 = np.zeros((2, 2, 5, 16), np.uint8)
+    _raise(_f(past_key=u8, past_value=u8, k_scale=np.ones(1, F32), v_scale=np.ones(1, F32)), a,
+           match=r"k_scale|quant|past_key|present_key")  # fmt: skip
+
+
+def test_qk_output_refused():
+    with pytest.raises(Exception, match=r"qk_output|output_qk"):
+        f = _f()
+        model = build_model(f, dict(A, qk_output=1), KV_DOMAIN, 1, n_outputs=4)
+        sess = make_session(model, KV_DOMAIN)
+        sess.run(None, {k: v for k, v in f.items() if v is not None})
+
+
+def test_chunk_batch_without_query_seqlens():
+    """ORT refuses chunked prefill with batch > 1 (no query_seqlens).  Our op may refuse it by
+    name, or extend the contract naturally (P_b = seqlens_k[b] + 1 - S): then it must be right."""
+    c = GqaCase(batch=2, seq=3, kind="chunk", past_len=7, pad=2, kv_layout=1)
+    try:
+        got = c.run(KV_DOMAIN)
+    except Exception as e:  # noqa: BLE001
+        assert re.search(r"batch|query_seqlens|sequence", str(e)), str(e)
+        return
+    compare(c, got, c.reference())
+
+
+def test_query_seqlens_out_of_range():
+    c = GqaCase(batch=2, seq=3, kind="chunk", past_len=7, kv_layout=1, query_seqlens=True)
+    _raise(dict(c.feeds(), query_seqlens=np.array([4, 3], np.int32)), c.attrs(), 1,
+           match=r"query_seqlens")  # fmt: skip
+    _raise(dict(c.feeds(), query_seqlens=np.array([-1, 3], np.int32)), c.attrs(), 1,
+           match=r"query_seqlens")  # fmt: skip
+
+
+def test_sliding_window_cache_needs_window():
+    _raise(_f(), dict(A, sliding_window_cache=1), match=r"local_window_size|sliding_window")
+    _raise(_f(), dict(A, sliding_window_cache=1, local_window_size=8),
+           match=r"local_window_size|capacity|sliding_window_cache")  # fmt: skip
+
+
+def test_causal_zero_with_window():
+    _raise(_f(), dict(A, causal=0, local_window_size=3), match=r"causal|local_window_size")
+
+
+def test_norm_weight_sizes():
+    f = _f(q_norm_weight=np.ones(8, F32), k_norm_weight=np.ones(8, F32))
+    _raise(f, A, match=r"q_norm_weight|k_norm_weight")
+    _raise(_f(q_norm_weight=np.ones(16, F32)), A, match=r"q_norm_weight|k_norm_weight")
+
+
+def test_valid_base_case_runs():
+    """The base of every error case is itself valid (so the errors above are the edits)."""
+    for layout in (0, 1):
+        c = _BASE.replace(kv_layout=layout)
+        run_session(make_session(build_model(c.feeds(), A, KV_DOMAIN, layout), KV_DOMAIN),
+                    c.feeds())  # fmt: skip
