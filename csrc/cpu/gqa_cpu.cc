@@ -59,7 +59,9 @@ inline VecF VecExp(VecF x) {
 
 // ---- tiling --------------------------------------------------------------------------------
 constexpr int kTileKeys = 64;  // keys per tile: a multiple of 2*kVW for every vector width
-constexpr int kRowBlock = 4;   // query rows per micro-kernel call
+// Query rows per micro-kernel call: 8 rows x 2 vectors = 16 accumulators fit AVX-512's 32
+// registers; AVX2's 16 take 4 rows.
+constexpr int kRowBlock = kVW >= 16 ? 8 : 4;
 constexpr int kDimStep = 2 * kVW;
 
 int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -494,10 +496,15 @@ void AttentionTask(void* state, size_t task_index) {
           const T* brow = bias + ((bb * s.bias_heads + bh) * s.seq_len + t.token[row]) * s.bias_total;
           for (int64_t j = jlo; j < jhi; ++j) sc[j] += ToFloat(brow[k0 + j]);
         }
-        float tile_max = -std::numeric_limits<float>::infinity();
-        for (int64_t j = jlo; j < jhi; ++j) tile_max = std::max(tile_max, sc[j]);
         for (int64_t j = 0; j < jlo; ++j) sc[j] = -std::numeric_limits<float>::infinity();
         for (int64_t j = jhi; j < kTileKeys; ++j) sc[j] = -std::numeric_limits<float>::infinity();
+        VecF vmax = Load(sc);
+        for (int j = kVW; j < kTileKeys; j += kVW) {
+          const VecF x = Load(sc + j);
+          vmax = x > vmax ? x : vmax;
+        }
+        float tile_max = vmax[0];
+        for (int l = 1; l < kVW; ++l) tile_max = std::max(tile_max, vmax[l]);
         const float m_old = t.m[row];
         const float m_new = std::max(m_old, tile_max);
         if (m_new == -std::numeric_limits<float>::infinity()) {

@@ -1,8 +1,8 @@
 """ort-kvlayout: GroupQueryAttention for ONNX Runtime with a choice of KV-cache layout.
 
-    import onnxruntime as ort, ort_kvlayout
-    so = ort.SessionOptions()
-    ort_kvlayout.register(so)   # -> "ai.kvlayout"
+import onnxruntime as ort, ort_kvlayout
+so = ort.SessionOptions()
+ort_kvlayout.register(so)   # -> "ai.kvlayout"
 """
 
 from __future__ import annotations

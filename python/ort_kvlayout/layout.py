@@ -30,16 +30,23 @@ def layout_id(layout: int | str) -> int:
     """Accepts 0/1, the metadata names, or the CLI names (head-major, seq-major)."""
     if isinstance(layout, str):
         key = layout.strip().lower().replace("-", "_")
-        aliases = {"head_major": HEAD_MAJOR, "bnsh": HEAD_MAJOR, "seq_major": SEQ_MAJOR,
-                   "bsnh": SEQ_MAJOR}
+        aliases = {
+            "head_major": HEAD_MAJOR,
+            "bnsh": HEAD_MAJOR,
+            "seq_major": SEQ_MAJOR,
+            "bsnh": SEQ_MAJOR,
+        }
         if key in LAYOUT_IDS:
             return LAYOUT_IDS[key]
         if key in aliases:
             return aliases[key]
-        raise ValueError(f"unknown KV layout {layout!r}: expected one of "
-                         f"{sorted(LAYOUT_IDS)} or 0/1")
+        raise ValueError(
+            f"unknown KV layout {layout!r}: expected one of {sorted(LAYOUT_IDS)} or 0/1"
+        )
     if layout not in LAYOUT_NAMES:
-        raise ValueError(f"kv_layout must be 0 (head-major BNSH) or 1 (seq-major BSNH), got {layout}")
+        raise ValueError(
+            f"kv_layout must be 0 (head-major BNSH) or 1 (seq-major BSNH), got {layout}"
+        )
     return int(layout)
 
 
