@@ -24,12 +24,5 @@ Status CheckLengthsOnHost(const GqaShape& shape, const int32_t* seqlens_k,
                           const int32_t* query_seqlens, const int64_t* position_ids,
                           bool shared_kv);
 
-// Rotary position of new token i of batch entry b. ORT's rule: a first prompt reads only
-// position_ids[0, 0], the offset of every entry; otherwise position_ids[b, i], or past + i.
-inline int64_t RotaryPosition(const GqaShape& s, const BatchGeometry& g,
-                              const int64_t* position_ids, int64_t b, int64_t i) {
-  if (s.is_first_prompt()) return (s.has_position_ids ? position_ids[0] : 0) + i;
-  return s.has_position_ids ? position_ids[b * s.seq_len + i] : g.past + i;
-}
 
 }  // namespace kvl

@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include <cmath>
+
 #include "core/kv_strides.h"
 
 namespace kvl {
@@ -117,13 +119,13 @@ struct GqaShape {
   float k_norm_epsilon = 1e-6f;
   int64_t local_window = -1;  // < 0: off; else the number of keys a query sees, itself included
 
-  bool is_first_prompt() const { return gqa_case == GqaCase::kFirstPrompt; }
-  int64_t group_size() const { return num_heads / kv_num_heads; }
+  KVL_HOST_DEVICE bool is_first_prompt() const { return gqa_case == GqaCase::kFirstPrompt; }
+  KVL_HOST_DEVICE int64_t group_size() const { return num_heads / kv_num_heads; }
 };
 
 // L(T): the number of rows a window-sized cache (capacity C >= window W) holds after T tokens.
 // Rows [0, L) hold positions T - L .. T - 1; when full it drops the oldest G = C - W + 1 rows.
-inline int64_t SlidingResidentRows(int64_t total, int64_t capacity, int64_t window) {
+KVL_HOST_DEVICE int64_t SlidingResidentRows(int64_t total, int64_t capacity, int64_t window) {
   if (total <= capacity) return total;
   const int64_t g = capacity - window + 1;
   return total - g * ((total - capacity + g - 1) / g);
@@ -141,8 +143,8 @@ struct BatchGeometry {
   int64_t present_base;
 };
 
-inline BatchGeometry GetBatchGeometry(const GqaShape& s, int32_t seqlens_k_b,
-                                      int32_t query_seqlens_b) {
+KVL_HOST_DEVICE BatchGeometry GetBatchGeometry(const GqaShape& s, int32_t seqlens_k_b,
+                                               int32_t query_seqlens_b) {
   BatchGeometry g;
   g.total = static_cast<int64_t>(seqlens_k_b) + 1;
   if (s.is_first_prompt()) {
@@ -159,6 +161,52 @@ inline BatchGeometry GetBatchGeometry(const GqaShape& s, int32_t seqlens_k_b,
     g.present_base = g.total - SlidingResidentRows(g.total, s.past_capacity, s.local_window);
   }
   return g;
+}
+
+// The same, for kernels that read lengths on the device and cannot report an error: every length
+// is clamped so that no row index leaves the buffers (total <= present capacity, past <= past
+// capacity). Equal to GetBatchGeometry for inputs that CheckLengthsOnHost accepts.
+// (A sliding window cache is refused on the device path.)
+KVL_HOST_DEVICE BatchGeometry ClampedBatchGeometry(const GqaShape& s, int32_t seqlens_k_b,
+                                                   int32_t query_seqlens_b) {
+  BatchGeometry g;
+  int64_t total = static_cast<int64_t>(seqlens_k_b) + 1;
+  total = total < 1 ? 1 : (total > s.present_capacity ? s.present_capacity : total);
+  if (s.is_first_prompt()) {
+    g.new_rows = total < s.seq_len ? total : s.seq_len;
+    g.past = 0;
+  } else {
+    int64_t rows = s.has_query_seqlens ? query_seqlens_b : s.seq_len;
+    rows = rows < 0 ? 0 : (rows > s.seq_len ? s.seq_len : rows);
+    rows = rows > total ? total : rows;
+    g.new_rows = rows;
+    g.past = total - rows;
+    if (g.past > s.past_capacity) g.past = s.past_capacity;
+  }
+  g.total = g.past + g.new_rows;
+  g.cache_base = 0;
+  g.present_base = 0;
+  return g;
+}
+
+// Rotary position of new token i of batch entry b. ORT's rule: a first prompt reads only
+// position_ids[0, 0], the offset of every entry; otherwise position_ids[b, i], or past + i.
+KVL_HOST_DEVICE int64_t RotaryPosition(const GqaShape& s, const BatchGeometry& g,
+                                       const int64_t* position_ids, int64_t b, int64_t i) {
+  if (s.is_first_prompt()) return (s.has_position_ids ? position_ids[0] : 0) + i;
+  return s.has_position_ids ? position_ids[b * s.seq_len + i] : g.past + i;
+}
+
+// Normalization of one query row's softmax state (running max m, sum l of exp(score - m), o
+// unnormalized): the factor applied to o. smooth_softmax adds exp(0) to the denominator and a
+// head sink exp(sink); both are taken relative to max(m, extra) so nothing overflows. A row
+// that saw no key (l == 0) outputs zeros.
+KVL_HOST_DEVICE float OutputScale(float m, float l, bool extra_term, float extra_logit) {
+  if (!(l > 0.0f)) return 0.0f;
+  if (!extra_term) return 1.0f / l;
+  const float top = m > extra_logit ? m : extra_logit;
+  const float kept = expf(m - top);
+  return kept / (l * kept + expf(extra_logit - top));
 }
 
 }  // namespace kvl

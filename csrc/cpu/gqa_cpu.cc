@@ -240,17 +240,8 @@ void WriteOutputRow(const Call<T>& c, int64_t b, int64_t i, int64_t h, const flo
   const GqaShape& s = c.s;
   T* out = static_cast<T*>(c.buf.output) + (b * s.seq_len + i) * s.num_heads * s.head_size +
            h * s.head_size;
-  float factor = 0.0f;
-  if (l > 0.0f) {
-    if (s.has_head_sink || s.smooth_softmax) {
-      const float sink = s.has_head_sink ? Get<T>(c.buf.head_sink, h) : 0.0f;
-      const float top = std::max(m, sink);
-      const float kept = std::exp(m - top);
-      factor = kept / (l * kept + std::exp(sink - top));
-    } else {
-      factor = 1.0f / l;
-    }
-  }
+  const float sink = s.has_head_sink ? Get<T>(c.buf.head_sink, h) : 0.0f;
+  const float factor = OutputScale(m, l, s.has_head_sink || s.smooth_softmax, sink);
   for (int64_t d = 0; d < s.head_size; ++d) out[d] = FromFloat<T>(o[d] * factor);
 }
 

@@ -126,7 +126,12 @@ OrtStatusPtr InferOutputShape(const OrtCustomOp*, OrtShapeInferContext* ctx) {
     if (OrtStatus* st = api.ShapeInferContext_GetInputTypeShape(ctx, 1, &key_info)) {
       api.ReleaseStatus(st);
     } else {
-      packed = key_info == nullptr;
+      // An empty optional input comes back as an info of UNDEFINED type, not as null.
+      ONNXTensorElementDataType key_type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+      if (key_info != nullptr && !ok(api.GetTensorElementType(key_info, &key_type))) {
+        key_type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+      }
+      packed = key_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
     }
   }
   int64_t head_size = -1, hidden = -1;

@@ -1,0 +1,478 @@
+// CUDA GroupQueryAttention (portable path): copy past -> present, fused norm + RoPE + append,
+// split-K online-softmax attention over the cache, and a deterministic combine.
+#include "cuda/gqa_cuda.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <string>
+
+#include "core/kv_strides.h"
+
+namespace kvl {
+namespace {
+
+// ---- element conversions ---------------------------------------------------------------------
+__device__ __forceinline__ float ToF(float x) { return x; }
+__device__ __forceinline__ float ToF(__half x) { return __half2float(x); }
+__device__ __forceinline__ float ToF(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T FromF(float x);
+template <>
+__device__ __forceinline__ float FromF<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __half FromF<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// The two (or one, for float) elements of a 32-bit word of a row.
+__device__ __forceinline__ float2 Unpack(uint32_t w, const __half*) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&w));
+}
+__device__ __forceinline__ float2 Unpack(uint32_t w, const __nv_bfloat16*) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+}
+
+constexpr int kWarp = 32;
+constexpr int kRowsPerWarp = 4;
+constexpr int kWarps = 4;
+constexpr int kRowsPerCta = kRowsPerWarp * kWarps;  // query rows (token x head) per CTA
+constexpr int kTileKeys = 32;                       // one key per lane
+constexpr int kMaxHeadSize = 256;
+constexpr int kPrepareWarps = 8;
+
+__device__ __forceinline__ float WarpMax(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ float WarpSum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ BatchGeometry Geo(const GqaShape& s, const GqaCudaBuffers& buf,
+                                             int64_t b) {
+  return ClampedBatchGeometry(s, buf.seqlens_k[b],
+                              s.has_query_seqlens ? buf.query_seqlens[b] : 0);
+}
+
+__device__ __forceinline__ int64_t WrittenRows(const GqaShape& s, const BatchGeometry& g) {
+  return s.is_first_prompt() ? s.seq_len : g.new_rows;  // a first prompt writes padding rows
+}
+
+// ---- 1. past -> separate present; rows nobody writes this call are zeroed --------------------
+template <typename T>
+__global__ void CopyPastKernel(GqaShape s, GqaCudaBuffers buf, KvStrides past_st,
+                               KvStrides present_st) {
+  const int64_t H = s.head_size, C = s.present_capacity;
+  const int64_t n = s.batch * s.kv_num_heads * C * H;
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t d = idx % H, r = (idx / H) % C, h = (idx / (H * C)) % s.kv_num_heads;
+    const int64_t b = idx / (H * C * s.kv_num_heads);
+    const BatchGeometry g = Geo(s, buf, b);
+    const int64_t dst = present_st.Offset(b, h, r) + d;
+    if (r < g.past) {
+      const int64_t src = past_st.Offset(b, h, r) + d;
+      static_cast<T*>(buf.present_key)[dst] = static_cast<const T*>(buf.past_key)[src];
+      static_cast<T*>(buf.present_value)[dst] = static_cast<const T*>(buf.past_value)[src];
+    } else if (r >= g.past + WrittenRows(s, g)) {
+      static_cast<T*>(buf.present_key)[dst] = FromF<T>(0.0f);
+      static_cast<T*>(buf.present_value)[dst] = FromF<T>(0.0f);
+    }
+  }
+}
+
+// ---- 2. per token: queries normed + rotated + scaled -> float workspace; K normed + rotated
+//         and V appended to present at row past + i. One warp per head. ----------------------
+template <typename T>
+__global__ void PrepareKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_st,
+                              float* q_ws) {
+  __shared__ float xs[kPrepareWarps][kMaxHeadSize];
+  const int64_t b = blockIdx.x / s.seq_len, i = blockIdx.x % s.seq_len;
+  const int lane = threadIdx.x, warp = threadIdx.y;
+  const int64_t H = s.head_size, N = s.num_heads, Nkv = s.kv_num_heads;
+  const BatchGeometry g = Geo(s, buf, b);
+  if (!s.is_first_prompt() && i >= g.new_rows) return;  // beyond query_seqlens: unused
+  const bool writes_kv = i < WrittenRows(s, g);
+  int64_t pos = 0;
+  if (s.rotary_dim > 0) {
+    pos = RotaryPosition(s, g, buf.position_ids, b, i);
+    pos = pos < 0 ? 0 : (pos >= s.rotary_max_positions ? s.rotary_max_positions - 1 : pos);
+  }
+  const int64_t q_pitch = s.packed_qkv ? (N + 2 * Nkv) * H : N * H;
+  const int64_t q_row = (b * s.seq_len + i) * q_pitch;
+  const int64_t kv_row = s.packed_qkv ? q_row + N * H : (b * s.seq_len + i) * Nkv * H;
+  const T* k_src = static_cast<const T*>(s.packed_qkv ? buf.query : buf.key);
+  const T* v_src = static_cast<const T*>(s.packed_qkv ? buf.query : buf.value);
+  const int64_t v_offset = s.packed_qkv ? Nkv * H : 0;
+  float* x = xs[warp];
+  for (int64_t h = warp; h < N + Nkv; h += kPrepareWarps) {
+    const bool is_q = h < N;
+    if (!is_q && !writes_kv) break;
+    const int64_t hk = h - N;
+    const T* src = is_q ? static_cast<const T*>(buf.query) + q_row + h * H : k_src + kv_row + hk * H;
+    for (int64_t d = lane; d < H; d += kWarp) x[d] = ToF(src[d]);
+    __syncwarp();
+    const void* w = is_q ? buf.q_norm_weight : buf.k_norm_weight;
+    if (w != nullptr) {
+      float ss = 0.0f;
+      for (int64_t d = lane; d < H; d += kWarp) ss += x[d] * x[d];
+      ss = WarpSum(ss);
+      const float inv = rsqrtf(ss / H + (is_q ? s.q_norm_epsilon : s.k_norm_epsilon));
+      for (int64_t d = lane; d < H; d += kWarp) x[d] = x[d] * inv * ToF(static_cast<const T*>(w)[d]);
+      __syncwarp();
+    }
+    if (s.rotary_dim > 0) {
+      const int64_t half = s.rotary_dim / 2;
+      const T* cs = static_cast<const T*>(buf.cos_cache) + pos * half;
+      const T* sn = static_cast<const T*>(buf.sin_cache) + pos * half;
+      for (int64_t p = lane; p < half; p += kWarp) {
+        const int64_t i1 = s.interleaved ? 2 * p : p, i2 = s.interleaved ? 2 * p + 1 : p + half;
+        const float c = ToF(cs[p]), sv = ToF(sn[p]);
+        const float x1 = x[i1], x2 = x[i2];
+        x[i1] = x1 * c - x2 * sv;
+        x[i2] = x2 * c + x1 * sv;
+      }
+      __syncwarp();
+    }
+    if (is_q) {
+      float* dst = q_ws + ((b * N + h) * s.seq_len + i) * H;
+      for (int64_t d = lane; d < H; d += kWarp) dst[d] = x[d] * s.scale;
+    } else {
+      const int64_t off = present_st.Offset(b, hk, g.past + i);
+      T* kd = static_cast<T*>(buf.present_key) + off;
+      T* vd = static_cast<T*>(buf.present_value) + off;
+      const T* vs = v_src + kv_row + v_offset + hk * H;
+      for (int64_t d = lane; d < H; d += kWarp) {
+        kd[d] = FromF<T>(x[d]);
+        vd[d] = vs[d];
+      }
+    }
+    __syncwarp();
+  }
+}
+
+// ---- 3. attention: CTA = (16 query rows of one KV group, batch x kv head, key split) ---------
+struct AttnPlan {
+  int64_t row_blocks = 1;  // per (b, kv head): ceil(S * G / kRowsPerCta)
+  int64_t splits = 1;      // key splits; from sizes and SM count only (capture-safe)
+  int64_t split_keys = 0;  // keys per split, a multiple of kTileKeys
+  size_t q_bytes = 0, part_o_bytes = 0, part_ml_bytes = 0;
+};
+
+AttnPlan MakePlan(const GqaShape& s, const CudaDeviceInfo& dev) {
+  AttnPlan p;
+  p.row_blocks = (s.seq_len * s.group_size() + kRowsPerCta - 1) / kRowsPerCta;
+  const int64_t base = s.batch * s.kv_num_heads * p.row_blocks;
+  // Two waves of CTAs fill the GPU; a split below ~256 keys is not worth its combine.
+  const int64_t target = 2 * std::max(1, dev.sm_count);
+  const int64_t max_splits = std::max<int64_t>(1, s.present_capacity / 256);
+  p.splits = base >= target ? 1 : std::min(max_splits, (target + base - 1) / base);
+  const int64_t per = (s.present_capacity + p.splits - 1) / p.splits;
+  p.split_keys = (per + kTileKeys - 1) / kTileKeys * kTileKeys;
+  auto align = [](size_t x) { return (x + 255) / 256 * 256; };
+  p.q_bytes = align(sizeof(float) * s.batch * s.num_heads * s.seq_len * s.head_size);
+  if (p.splits > 1) {
+    const size_t rows = size_t(base) * p.splits * kRowsPerCta;
+    p.part_o_bytes = align(sizeof(float) * rows * s.head_size);
+    p.part_ml_bytes = align(sizeof(float) * rows);
+  }
+  return p;
+}
+
+size_t SmemBytes(const GqaShape& s, size_t elem) {
+  const size_t words = s.head_size * elem / 4 + 1;  // +1 word: lanes hit distinct banks
+  return sizeof(float) * kRowsPerCta * s.head_size + sizeof(uint32_t) * kTileKeys * words +
+         elem * kTileKeys * s.head_size + sizeof(float) * kWarps * kTileKeys;
+}
+
+template <typename T>
+__device__ __forceinline__ float DotRow(const float* q, const uint32_t* k, int64_t words) {
+  float acc = 0.0f;
+  if constexpr (sizeof(T) == 4) {
+    for (int64_t w = 0; w < words; ++w) acc += q[w] * __uint_as_float(k[w]);
+  } else {
+    for (int64_t w = 0; w < words; ++w) {
+      const float2 kv = Unpack(k[w], static_cast<const T*>(nullptr));
+      acc += q[2 * w] * kv.x + q[2 * w + 1] * kv.y;
+    }
+  }
+  return acc;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kWarp* kWarps)
+    AttentionKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_st, const float* q_ws,
+                    AttnPlan plan, float* part_o, float* part_m, float* part_l) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int64_t H = s.head_size, G = s.group_size();
+  const int64_t words = H * int64_t(sizeof(T)) / 4;
+  const int64_t pitch = words + 1;
+  float* qs = reinterpret_cast<float*>(smem);
+  uint32_t* ks = reinterpret_cast<uint32_t*>(qs + kRowsPerCta * H);
+  T* vs = reinterpret_cast<T*>(ks + kTileKeys * pitch);
+  float* ps = reinterpret_cast<float*>(vs + kTileKeys * H);
+
+  const int64_t b = blockIdx.y / s.kv_num_heads, g = blockIdx.y % s.kv_num_heads;
+  const int64_t rb = blockIdx.x, split = blockIdx.z;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const BatchGeometry geo = Geo(s, buf, b);
+
+  // Rows of this CTA: flattened (token, head of the group), token-major.
+  int64_t row_lo[kRowsPerWarp], row_hi[kRowsPerWarp], row_tok[kRowsPerWarp], row_head[kRowsPerWarp];
+  int64_t key_lo = INT64_MAX, key_hi = 0;
+  for (int k = 0; k < kRowsPerCta; ++k) {
+    const int64_t r = rb * kRowsPerCta + k;
+    const int64_t tok = r / G, head = g * G + r % G;
+    int64_t lo = 0, hi = 0;
+    if (r < s.seq_len * G && tok < geo.new_rows) {
+      const int64_t p = geo.past + tok;
+      hi = s.causal ? p + 1 : geo.total;
+      if (s.has_attention_bias && hi > s.bias_total) hi = s.bias_total;  // bias columns exist
+      lo = s.local_window > 0 ? (p + 1 - s.local_window > 0 ? p + 1 - s.local_window : 0)
+                              : (s.local_window == 0 ? hi : 0);
+    }
+    if (lo < hi) {
+      key_lo = min(key_lo, lo);
+      key_hi = max(key_hi, hi);
+    }
+    if (k / kRowsPerWarp == warp) {
+      row_lo[k % kRowsPerWarp] = lo;
+      row_hi[k % kRowsPerWarp] = hi;
+      row_tok[k % kRowsPerWarp] = tok;
+      row_head[k % kRowsPerWarp] = head;
+    }
+    // Stage this row's query (zeros for rows without keys).
+    const float* qsrc = q_ws + ((b * s.num_heads + head) * s.seq_len + tok) * H;
+    for (int64_t d = threadIdx.x; d < H; d += blockDim.x) {
+      qs[k * H + d] = lo < hi ? qsrc[d] : 0.0f;
+    }
+  }
+  key_lo = max(key_lo, split * plan.split_keys);
+  key_hi = min(key_hi, (split + 1) * plan.split_keys);
+
+  constexpr int kDims = kMaxHeadSize / kWarp;
+  float o[kRowsPerWarp][kDims];
+  float m[kRowsPerWarp], l[kRowsPerWarp];
+  for (int k = 0; k < kRowsPerWarp; ++k) {
+    m[k] = -INFINITY;
+    l[k] = 0.0f;
+    for (int e = 0; e < kDims; ++e) o[k][e] = 0.0f;
+  }
+  const T* pk = static_cast<const T*>(buf.present_key);
+  const T* pv = static_cast<const T*>(buf.present_value);
+  const T* bias = static_cast<const T*>(buf.attention_bias);
+  for (int64_t k0 = key_lo; k0 < key_hi; k0 += kTileKeys) {
+    __syncthreads();  // previous tile fully consumed (and qs staged, on the first tile)
+    for (int64_t idx = threadIdx.x; idx < kTileKeys * words; idx += blockDim.x) {
+      const int64_t j = idx / words, w = idx % words;
+      uint32_t kw = 0;
+      if (k0 + j < key_hi) {
+        kw = reinterpret_cast<const uint32_t*>(pk + present_st.Offset(b, g, k0 + j))[w];
+      }
+      ks[j * pitch + w] = kw;
+    }
+    for (int64_t idx = threadIdx.x; idx < kTileKeys * H; idx += blockDim.x) {
+      const int64_t j = idx / H, d = idx % H;
+      vs[idx] = k0 + j < key_hi ? pv[present_st.Offset(b, g, k0 + j) + d] : FromF<T>(0.0f);
+    }
+    __syncthreads();
+    for (int k = 0; k < kRowsPerWarp; ++k) {
+      if (row_lo[k] >= k0 + kTileKeys || row_hi[k] <= k0 || row_lo[k] >= row_hi[k]) continue;
+      const int64_t key = k0 + lane;
+      float sc = DotRow<T>(qs + (warp * kRowsPerWarp + k) * H, ks + lane * pitch, words);
+      if (s.softcap > 0.0f) sc = s.softcap * tanhf(sc / s.softcap);
+      const bool live = key >= row_lo[k] && key < row_hi[k];
+      if (bias != nullptr && live) {
+        const int64_t bb = s.bias_batch == 1 ? 0 : b, bh = s.bias_heads == 1 ? 0 : row_head[k];
+        sc += ToF(bias[((bb * s.bias_heads + bh) * s.seq_len + row_tok[k]) * s.bias_total + key]);
+      }
+      if (!live) sc = -INFINITY;
+      const float tile_max = WarpMax(sc);
+      if (tile_max == -INFINITY) continue;  // every live score is -inf (a -inf bias)
+      const float m_new = fmaxf(m[k], tile_max);
+      const float p = live ? __expf(sc - m_new) : 0.0f;
+      const float alpha = m[k] == -INFINITY ? 0.0f : __expf(m[k] - m_new);
+      l[k] = l[k] * alpha + WarpSum(p);
+      m[k] = m_new;
+      ps[warp * kTileKeys + lane] = p;
+      __syncwarp();
+      for (int e = 0; e < kDims; ++e) {
+        const int64_t d = lane + e * kWarp;
+        if (d >= H) break;
+        float acc = o[k][e] * alpha;
+        for (int j = 0; j < kTileKeys; ++j) acc += ps[warp * kTileKeys + j] * ToF(vs[j * H + d]);
+        o[k][e] = acc;
+      }
+      __syncwarp();
+    }
+  }
+
+  for (int k = 0; k < kRowsPerWarp; ++k) {
+    const int64_t r = rb * kRowsPerCta + warp * kRowsPerWarp + k;
+    if (r >= s.seq_len * G) continue;
+    if (plan.splits > 1) {
+      const int64_t slot = ((blockIdx.y * plan.row_blocks + rb) * plan.splits + split) *
+                               kRowsPerCta + warp * kRowsPerWarp + k;
+      if (lane == 0) {
+        part_m[slot] = m[k];
+        part_l[slot] = l[k];
+      }
+      for (int e = 0; e < kDims; ++e) {
+        const int64_t d = lane + e * kWarp;
+        if (d < H) part_o[slot * H + d] = o[k][e];
+      }
+      continue;
+    }
+    const bool extra = s.has_head_sink || s.smooth_softmax;
+    const float sink = s.has_head_sink ? ToF(static_cast<const T*>(buf.head_sink)[row_head[k]]) : 0.0f;
+    const float scale = OutputScale(m[k], l[k], extra, sink);
+    T* out = static_cast<T*>(buf.output) +
+             ((b * s.seq_len + row_tok[k]) * s.num_heads + row_head[k]) * H;
+    for (int e = 0; e < kDims; ++e) {
+      const int64_t d = lane + e * kWarp;
+      if (d < H) out[d] = FromF<T>(o[k][e] * scale);
+    }
+  }
+}
+
+// ---- 4. combine the key splits in a fixed order -------------------------------------------------
+template <typename T>
+__global__ void CombineKernel(GqaShape s, GqaCudaBuffers buf, AttnPlan plan,
+                              const float* part_o, const float* part_m, const float* part_l) {
+  const int64_t H = s.head_size, G = s.group_size();
+  const int64_t rb = blockIdx.x, bg = blockIdx.y;
+  const int64_t b = bg / s.kv_num_heads, g = bg % s.kv_num_heads;
+  for (int64_t idx = threadIdx.x; idx < kRowsPerCta * H; idx += blockDim.x) {
+    const int64_t k = idx / H, d = idx % H;
+    const int64_t r = rb * kRowsPerCta + k;
+    if (r >= s.seq_len * G) continue;
+    const int64_t tok = r / G, head = g * G + r % G;
+    const int64_t first = ((bg * plan.row_blocks + rb) * plan.splits) * kRowsPerCta + k;
+    float mx = -INFINITY;
+    for (int64_t sp = 0; sp < plan.splits; ++sp) mx = fmaxf(mx, part_m[first + sp * kRowsPerCta]);
+    float l = 0.0f, acc = 0.0f;
+    if (mx != -INFINITY) {
+      for (int64_t sp = 0; sp < plan.splits; ++sp) {
+        const int64_t slot = first + sp * kRowsPerCta;
+        if (part_m[slot] == -INFINITY) continue;
+        const float w = __expf(part_m[slot] - mx);
+        l += part_l[slot] * w;
+        acc += part_o[slot * H + d] * w;
+      }
+    }
+    const bool extra = s.has_head_sink || s.smooth_softmax;
+    const float sink = s.has_head_sink ? ToF(static_cast<const T*>(buf.head_sink)[head]) : 0.0f;
+    T* out = static_cast<T*>(buf.output) + ((b * s.seq_len + tok) * s.num_heads + head) * H;
+    out[d] = FromF<T>(acc * OutputScale(mx, l, extra, sink));
+  }
+}
+
+Status CudaCheck(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return Status::Ok();
+  return Status::Error(std::string("ai.kvlayout::GroupQueryAttention (CUDA): ") + what + ": " +
+                       cudaGetErrorString(err));
+}
+
+template <typename T>
+Status Launch(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo& dev,
+              void* workspace, cudaStream_t stream) {
+  const AttnPlan plan = MakePlan(s, dev);
+  char* ws = static_cast<char*>(workspace);
+  float* q_ws = reinterpret_cast<float*>(ws);
+  float* part_o = reinterpret_cast<float*>(ws + plan.q_bytes);
+  float* part_m = reinterpret_cast<float*>(ws + plan.q_bytes + plan.part_o_bytes);
+  float* part_l = reinterpret_cast<float*>(ws + plan.q_bytes + plan.part_o_bytes + plan.part_ml_bytes);
+  const KvStrides past_st = MakeKvStrides(s.layout, s.kv_num_heads, s.past_capacity, s.head_size);
+  const KvStrides present_st =
+      MakeKvStrides(s.layout, s.kv_num_heads, s.present_capacity, s.head_size);
+
+  const bool shared = buf.past_key != nullptr && buf.past_key == buf.present_key;
+  if (!shared) {
+    const int64_t n = s.batch * s.kv_num_heads * s.present_capacity * s.head_size;
+    const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 8 * dev.sm_count));
+    CopyPastKernel<T><<<std::max(blocks, 1), 256, 0, stream>>>(s, buf, past_st, present_st);
+    KVL_RETURN_IF_ERROR(CudaCheck(cudaGetLastError(), "copy past launch"));
+  }
+  PrepareKernel<T><<<static_cast<unsigned>(s.batch * s.seq_len), dim3(kWarp, kPrepareWarps), 0,
+                     stream>>>(s, buf, present_st, q_ws);
+  KVL_RETURN_IF_ERROR(CudaCheck(cudaGetLastError(), "prepare launch"));
+
+  const size_t smem = SmemBytes(s, sizeof(T));
+  static bool smem_raised = false;  // per instantiation: lift the 48 KB default once
+  if (!smem_raised) {
+    KVL_RETURN_IF_ERROR(CudaCheck(
+        cudaFuncSetAttribute(AttentionKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(SmemBytes(GqaShape{}, 0) + 160 * 1024)),
+        "shared memory attribute"));
+    smem_raised = true;
+  }
+  const dim3 grid(static_cast<unsigned>(plan.row_blocks),
+                  static_cast<unsigned>(s.batch * s.kv_num_heads),
+                  static_cast<unsigned>(plan.splits));
+  AttentionKernel<T><<<grid, kWarp * kWarps, smem, stream>>>(s, buf, present_st, q_ws, plan,
+                                                             part_o, part_m, part_l);
+  KVL_RETURN_IF_ERROR(CudaCheck(cudaGetLastError(), "attention launch"));
+  if (plan.splits > 1) {
+    const dim3 cgrid(static_cast<unsigned>(plan.row_blocks),
+                     static_cast<unsigned>(s.batch * s.kv_num_heads));
+    CombineKernel<T><<<cgrid, 256, 0, stream>>>(s, buf, plan, part_o, part_m, part_l);
+    KVL_RETURN_IF_ERROR(CudaCheck(cudaGetLastError(), "combine launch"));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status QueryCudaDevice(CudaDeviceInfo* info) {
+  KVL_RETURN_IF_ERROR(CudaCheck(cudaGetDevice(&info->device), "cudaGetDevice"));
+  return CudaCheck(
+      cudaDeviceGetAttribute(&info->sm_count, cudaDevAttrMultiProcessorCount, info->device),
+      "cudaDeviceGetAttribute");
+}
+
+Status CheckCudaSupport(const GqaShape& s) {
+  const char* op = "ai.kvlayout::GroupQueryAttention (CUDA): ";
+  if (s.sliding_window_cache) {
+    return Status::Error(std::string(op) +
+                         "attribute 'sliding_window_cache'=1 is not supported on the CUDA "
+                         "execution provider in v1 (it is on CPU)");
+  }
+  if (s.head_size % 8 != 0 || s.head_size > kMaxHeadSize) {
+    return Status::Error(std::string(op) + "head_size " + std::to_string(s.head_size) +
+                         " is not supported on CUDA: it must be a multiple of 8 and <= " +
+                         std::to_string(kMaxHeadSize));
+  }
+  return Status::Ok();
+}
+
+size_t GqaCudaWorkspaceBytes(const GqaShape& s, const CudaDeviceInfo& dev) {
+  const AttnPlan p = MakePlan(s, dev);
+  return p.q_bytes + p.part_o_bytes + 2 * p.part_ml_bytes;
+}
+
+Status LaunchGqaCuda(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo& dev,
+                     void* workspace, void* stream) {
+  KVL_RETURN_IF_ERROR(CheckCudaSupport(s));
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  switch (s.dtype) {
+    case DType::kFloat32: return Launch<float>(s, buf, dev, workspace, st);
+    case DType::kFloat16: return Launch<__half>(s, buf, dev, workspace, st);
+    case DType::kBFloat16: return Launch<__nv_bfloat16>(s, buf, dev, workspace, st);
+    default:
+      return Status::Error(std::string("ai.kvlayout::GroupQueryAttention (CUDA): unsupported type ") +
+                           DTypeName(s.dtype));
+  }
+}
+
+}  // namespace kvl

