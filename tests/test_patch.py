@@ -60,6 +60,8 @@ VARIANTS = {
     "local_window": Variant(local_window_size=4),
     "sliding_window_cache": Variant(local_window_size=8, sliding_window_cache=1),
     "qk_norm": Variant(qk_norm=True),
+    # ORT 1.32's per-tensor epsilons: the op reads them, so the patcher keeps them.
+    "qk_norm_per_tensor_eps": Variant(qk_norm=True, extra_attrs={"q_norm_epsilon": 1e-5}),
 }
 
 
@@ -151,10 +153,6 @@ REFUSED = {
     "output_qk": (Variant(output_qk="output"), "output_qk"),
     "qk_output_attr": (Variant(output_qk="attr"), "qk_output"),
     "unknown_attr": (Variant(extra_attrs={"future_knob": 3}), "future_knob"),
-    "norm_eps_mismatch": (
-        Variant(qk_norm=True, extra_attrs={"q_norm_epsilon": 1e-5}),
-        "q_norm_epsilon",
-    ),
 }
 
 

@@ -56,12 +56,10 @@ OUTPUT_QK = GQA_OUTPUTS.index("output_qk")
 # in ORT, so an attribute outside this set would be silently ignored: refuse it instead.
 SUPPORTED_ATTRIBUTES = frozenset({
     "num_heads", "kv_num_heads", "scale", "softcap", "local_window_size", "do_rotary",
-    "rotary_interleaved", "smooth_softmax", "qk_norm_epsilon", "causal", "sliding_window_cache",
-    "k_quant_type", "v_quant_type", "kv_cache_bit_width", "qk_output", KV_LAYOUT_ATTR,
+    "rotary_interleaved", "smooth_softmax", "qk_norm_epsilon", "q_norm_epsilon", "k_norm_epsilon",
+    "causal", "sliding_window_cache", "k_quant_type", "v_quant_type", "kv_cache_bit_width",
+    "qk_output", KV_LAYOUT_ATTR,
 })  # fmt: skip
-# ORT 1.32 also declares per-tensor norm epsilons; accepted only where they equal qk_norm_epsilon.
-PER_TENSOR_EPSILONS = ("q_norm_epsilon", "k_norm_epsilon")
-DEFAULT_QK_NORM_EPSILON = 1e-6
 
 # Files at least this large are hard-linked rather than copied (weights, never written by a runtime).
 LINK_MIN_BYTES = 16 << 20
@@ -181,11 +179,7 @@ def unsupported_reason(node: onnx.NodeProto) -> str | None:
         )
     if _present(node.output, OUTPUT_QK) or int(attrs.get("qk_output", 0)) != 0:  # type: ignore[arg-type]
         reasons.append("output_qk / qk_output is not supported")
-    qk_eps = float(attrs.get("qk_norm_epsilon", DEFAULT_QK_NORM_EPSILON))  # type: ignore[arg-type]
-    for name in PER_TENSOR_EPSILONS:
-        if name in attrs and not _same_float32(float(attrs[name]), qk_eps):  # type: ignore[arg-type]
-            reasons.append(f"{name}={attrs[name]} differs from qk_norm_epsilon={qk_eps}")
-    unknown = sorted(set(attrs) - SUPPORTED_ATTRIBUTES - set(PER_TENSOR_EPSILONS))
+    unknown = sorted(set(attrs) - SUPPORTED_ATTRIBUTES)
     if unknown:
         reasons.append(f"attribute(s) {', '.join(unknown)} not in the ai.kvlayout contract")
     if KV_LAYOUT_ATTR in attrs and node.domain == MS_DOMAIN:
@@ -193,13 +187,6 @@ def unsupported_reason(node: onnx.NodeProto) -> str | None:
     elif KV_LAYOUT_ATTR in attrs and attrs[KV_LAYOUT_ATTR] not in LAYOUT_NAMES:
         reasons.append(f"kv_layout={attrs[KV_LAYOUT_ATTR]} (must be 0 or 1)")
     return "; ".join(reasons) or None
-
-
-def _same_float32(a: float, b: float) -> bool:
-    """Attributes are float32: 1e-6 read back is 9.99999997e-07."""
-    import struct
-
-    return struct.pack("f", a) == struct.pack("f", b)
 
 
 def check_model(model: onnx.ModelProto) -> list[tuple[str, str]]:
