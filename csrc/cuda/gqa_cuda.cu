@@ -292,7 +292,8 @@ __global__ void __launch_bounds__(kWarp* kWarps)
       const int64_t key = k0 + lane;
       float sc = DotRow<T>(qs + (warp * kRowsPerWarp + k) * H, ks + lane * pitch, words);
       if (s.softcap > 0.0f) sc = s.softcap * tanhf(sc / s.softcap);
-      const bool live = key >= row_lo[k] && key < row_hi[k];
+      // Keys of the tile past this split's end are zero-filled rows: never live.
+      const bool live = key >= row_lo[k] && key < row_hi[k] && key < key_hi;
       if (bias != nullptr && live) {
         const int64_t bb = s.bias_batch == 1 ? 0 : b, bh = s.bias_heads == 1 ? 0 : row_head[k];
         sc += ToF(bias[((bb * s.bias_heads + bh) * s.seq_len + row_tok[k]) * s.bias_total + key]);
@@ -409,13 +410,11 @@ Status Launch(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo
   KVL_RETURN_IF_ERROR(CudaCheck(cudaGetLastError(), "prepare launch"));
 
   const size_t smem = SmemBytes(s, sizeof(T));
-  static bool smem_raised = false;  // per instantiation: lift the 48 KB default once
-  if (!smem_raised) {
+  if (smem > 48 * 1024) {  // large heads in float32: lift the 48 KB default (a host call)
     KVL_RETURN_IF_ERROR(CudaCheck(
         cudaFuncSetAttribute(AttentionKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(SmemBytes(GqaShape{}, 0) + 160 * 1024)),
+                             static_cast<int>(smem)),
         "shared memory attribute"));
-    smem_raised = true;
   }
   const dim3 grid(static_cast<unsigned>(plan.row_blocks),
                   static_cast<unsigned>(s.batch * s.kv_num_heads),
