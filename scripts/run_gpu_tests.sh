@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The GPU test suite of ort-kvlayout, run from anywhere on the GPU machine (H200).
+#
+#   bash scripts/run_gpu_tests.sh                      # the GPU suite (target: < 3 min)
+#   SANITIZER=memcheck  bash scripts/run_gpu_tests.sh  # + compute-sanitizer memcheck (small subset)
+#   SANITIZER=racecheck bash scripts/run_gpu_tests.sh  # + racecheck (same subset)
+#   SANITIZER=all SUITE=0 bash scripts/run_gpu_tests.sh  # both sanitizers, without the full suite
+#
+# Environment:
+#   GQA_GPU_SEED   data seed (default: drawn here and printed; rerun with it to reproduce)
+#   SUITE=0        skip the full suite        SANITIZER=none|memcheck|racecheck|all (default none)
+#   ALLOW_SKIP=1   do not fail when no GPU test ran (e.g. no CUDAExecutionProvider)
+#   LOG_DIR        where logs go (default: $OUT when set, else /tmp/ort_kvlayout_gpu_tests)
+#   PYTEST_ARGS    extra pytest arguments (e.g. "-k graph")
+# Exit status: 0 when every selected pass succeeded, else the first failing pass's status
+# (sanitizer errors give 3; "no test ran" gives 4).
+set -u
+cd "$(dirname "$0")/.."
+
+# onnxruntime-gpu lives in /opt/devwheels on the GPU machine (see shared/GPU.md).
+if [ -d /opt/devwheels ] && ! python3 -c 'import onnxruntime as o, sys; sys.exit("CUDAExecutionProvider" not in o.get_available_providers())' 2>/dev/null; then
+  export PYTHONPATH="/opt/devwheels${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export GQA_GPU_SEED="${GQA_GPU_SEED:-$(python3 -c 'import random; print(random.randrange(1, 10**9))')}"
+LOG_DIR="${LOG_DIR:-${OUT:-/tmp/ort_kvlayout_gpu_tests}}"
+mkdir -p "$LOG_DIR"
+SANITIZER="${SANITIZER:-none}"
+SUITE="${SUITE:-1}"
+PYTEST_ARGS="${PYTEST_ARGS:-}"
+FILES="tests/test_gqa_cuda.py tests/test_cuda_graph.py"
+
+echo "== preflight (GQA_GPU_SEED=$GQA_GPU_SEED, logs in $LOG_DIR)"
+python3 - <<'EOF'
+import sys
+import onnxruntime as ort
+print("python", sys.version.split()[0], "| onnxruntime", ort.__version__, ort.__file__)
+print("providers:", ort.get_available_providers())
+try:
+    import ort_kvlayout
+    print("ort_kvlayout", ort_kvlayout.__file__)
+    print("library:", ort_kvlayout.library_path())
+    print("build_info:", ort_kvlayout.build_info())
+    print("cuda_available:", ort_kvlayout.cuda_available())
+except Exception as e:
+    print("ort_kvlayout NOT usable:", type(e).__name__, e)
+EOF
+command -v nvidia-smi >/dev/null && nvidia-smi -L
+
+declare -a SUMMARY=()
+STATUS=0
+
+run_pass() {  # name, log file, command...
+  local name="$1" log="$2"
+  shift 2
+  echo
+  echo "== $name: $*"
+  local t0=$SECONDS
+  "$@" 2>&1 | tee "$log"
+  local rc=${PIPESTATUS[0]}
+  local line
+  line=$(grep -E "[0-9]+ (passed|failed|skipped|error)" "$log" | tail -1)
+  if [ "$rc" -eq 0 ] && [ "${ALLOW_SKIP:-0}" != "1" ] && ! grep -qE "[0-9]+ passed" <<<"$line"; then
+    echo "!! $name: no test passed (all skipped?): see the skip reasons above; ALLOW_SKIP=1 to accept"
+    rc=4
+  fi
+  SUMMARY+=("$(printf '%-22s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "${line:-no pytest summary}")")
+  if [ "$rc" -ne 0 ] && [ "$STATUS" -eq 0 ]; then STATUS=$rc; fi
+}
+
+if [ "$SUITE" != "0" ]; then
+  # shellcheck disable=SC2086
+  run_pass "gpu suite" "$LOG_DIR/gpu_suite.log" \
+    python3 -m pytest -q -m gpu -rs -p no:cacheprovider --durations=15 $FILES $PYTEST_ARGS
+fi
+
+# The sanitizer subset: GQA_GPU_QUICK=1 thins every grid (core cases, features, errors,
+# out-of-range lengths in child processes, a 12-step graph replay); ORT's own kernels are left
+# out (-k) so reports are about ours.  Child processes are followed (--target-processes all).
+SAN_K="not vs_ort_cuda and not ort_builtin and not deterministic"
+sanitize() {  # tool
+  local tool="$1"
+  # shellcheck disable=SC2086
+  run_pass "sanitizer $tool" "$LOG_DIR/sanitizer_$tool.log" \
+    env GQA_GPU_QUICK=1 compute-sanitizer --tool "$tool" --error-exitcode 3 --target-processes all \
+    --report-api-errors no --print-limit 20 \
+    python3 -m pytest -q -x -m gpu -rs -p no:cacheprovider $FILES -k "$SAN_K" $PYTEST_ARGS
+}
+case "$SANITIZER" in
+  none | "") ;;
+  memcheck | racecheck) sanitize "$SANITIZER" ;;
+  all) sanitize memcheck; sanitize racecheck ;;
+  *) echo "unknown SANITIZER=$SANITIZER (none|memcheck|racecheck|all)"; STATUS=2 ;;
+esac
+
+echo
+echo "== summary (GQA_GPU_SEED=$GQA_GPU_SEED; logs in $LOG_DIR)"
+for s in "${SUMMARY[@]}"; do echo "  $s"; done
+echo "exit $STATUS"
+exit "$STATUS"

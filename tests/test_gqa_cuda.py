@@ -1,0 +1,704 @@
+"""ai.kvlayout::GroupQueryAttention on the CUDA EP: against the float64 oracle, against ORT's
+built-in com.microsoft GroupQueryAttention on the CUDA EP, layout 0 vs layout 1, shared vs
+unshared KV, a prompt + decode + chunk loop kept on the device, invalid inputs (errors that name
+the input), and out-of-range device-side lengths (no crash, no write outside the cache, next run
+right; in a child process).
+
+Skips without CUDAExecutionProvider or without a CUDA build of ort_kvlayout.  Input data are
+fresh per process (seeded from $GQA_GPU_SEED or the clock; failures print the seed); the case
+structure is fixed, so test ids are stable.  GQA_GPU_QUICK=1 keeps a small subset (the
+compute-sanitizer passes of scripts/run_gpu_tests.sh).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import numpy as np
+import pytest
+import reference as ref
+from gpu_util import (
+    BASE_SEED,
+    DEVICE,
+    GPU_TOLS,
+    QUICK,
+    SKIP_REASON,
+    NotOnCuda,
+    assert_close,
+    case_seed,
+    cuda_session,
+    from_device,
+    hm,
+    run_case_cuda,
+    run_cuda,
+    run_robustness_child,
+    seed_note,
+    to_device,
+)
+from gqa_case import KV_DOMAIN, MS_DOMAIN, GqaCase, as_f64, build_model, head_major_twin, refusal
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(SKIP_REASON is not None, reason=f"GPU tests: {SKIP_REASON}"),
+]
+
+
+def _label(c: GqaCase) -> str:
+    """A stable test id (no seed)."""
+    parts = [c.dtype, f"L{c.kv_layout}", c.kind, f"B{c.batch}", f"S{c.seq}", f"P{c.past_len}"]
+    parts.append(f"{c.num_heads}x{c.kv_num_heads}x{c.head_size}")
+    flags = {
+        "pad": c.pad,
+        "packed": c.packed,
+        "shared": c.shared,
+        "extra": c.extra_capacity,
+        "rot": c.do_rotary,
+        "inter": c.rotary_interleaved,
+        "rd": c.rotary_dim,
+        "pos": c.position_ids,
+        "scale": c.scale,
+        "softcap": c.softcap,
+        "win": c.local_window_size if c.local_window_size != -1 else 0,
+        "smooth": c.smooth_softmax if c.smooth_softmax != -1 else 0,
+        "sink": c.head_sink,
+        "bias": c.attention_bias,
+        "qsl": c.query_seqlens,
+        "swc": c.sliding_window_cache,
+        "qknorm": c.qk_norm,
+    }
+    for k, v in flags.items():
+        if v is True:
+            parts.append(k)
+        elif v not in (False, 0, 0.0, ""):
+            parts.append(f"{k}{v:g}" if isinstance(v, float) else f"{k}{v}")
+    return "-".join(parts)
+
+
+def ours(case: GqaCase):
+    """Our op on CUDA; a refusal the contract allows (naming the feature) skips, visibly."""
+    try:
+        return run_case_cuda(case, KV_DOMAIN)
+    except NotOnCuda:
+        raise
+    except Exception as e:
+        r = refusal(case.refusable_features(), e)
+        if r is None:
+            raise AssertionError(f"ai.kvlayout on CUDA failed for {case!r}: {e}") from e
+        pytest.skip(f"CUDA op refuses (allowed): {r}")
+
+
+def check_oracle(case: GqaCase, got, what: str = ""):
+    return assert_close(got, case.reference(), case.masks(), case.dtype, f"{what}{case!r}: ")
+
+
+# --------------------------------------------------------------------------------------------
+# The core grid: layouts x dtypes x head configurations x lengths
+# --------------------------------------------------------------------------------------------
+HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1), "gqa6": (6, 3)}
+# (kind, S, past).  Odd lengths: past 0 / 1 / 37 / 300 (many splits), S 1 / 5 / 17 / 130
+# (beyond a 128-row tile); "decode" with past 0 is S == total, i.e. a first prompt of one row.
+STEPS = [
+    ("prompt", 1, 0),
+    ("prompt", 5, 0),
+    ("prompt", 17, 0),
+    ("prompt", 130, 0),
+    ("decode", 1, 0),
+    ("decode", 1, 1),
+    ("decode", 1, 37),
+    ("decode", 1, 300),
+    ("chunk", 5, 1),
+    ("chunk", 17, 37),
+    ("chunk", 5, 200),
+]
+HEAD_SIZES = (64, 128, 64, 128, 32, 96, 256)
+
+
+def _core_grid():
+    cases = []
+    combos = itertools.product(["fp16", "bf16", "fp32"], [0, 1], HEADS, STEPS)
+    for i, (dt, layout, heads, (kind, s, past)) in enumerate(combos):
+        n, nkv = HEADS[heads]
+        h = HEAD_SIZES[(i * 5) % len(HEAD_SIZES)]
+        if h == 256 and (s > 17 or past > 37):
+            h = 128  # keeps the oracle fast
+        rot = i % 3 != 0
+        # Chunked prefill with B > 1 needs query_seqlens (ORT's rule): every 4th chunk case.
+        qsl = kind == "chunk" and i % 4 == 1
+        batch = (1 + i % 3) if kind != "chunk" else (3 if qsl else 1)
+        pad = 0
+        if batch > 1 and kind == "prompt" and s > 1:
+            pad = 1 + i % (s - 1) if s > 2 else 1
+        elif batch > 1 and kind != "prompt" and past > 1:
+            pad = 1 + i % min(past - 1, 9)
+        cases.append(
+            GqaCase(
+                batch=batch,
+                seq=s,
+                kind=kind,
+                past_len=past,
+                num_heads=n,
+                kv_num_heads=nkv,
+                head_size=h,
+                dtype=dt,
+                kv_layout=layout,
+                packed=bool(i % 2),
+                shared=bool((i // 2) % 2),
+                pad=pad,
+                extra_capacity=(3 + i % 5) if i % 5 == 0 else 0,
+                do_rotary=rot,
+                rotary_interleaved=bool(i % 5 < 2),
+                rotary_dim=h // 2 if rot and i % 7 == 0 and h >= 32 else 0,
+                position_ids=rot and i % 6 == 1,
+                query_seqlens=qsl,
+                seed=case_seed(i),
+            )
+        )
+    return cases
+
+
+CORE = _core_grid()
+if QUICK:
+    CORE = CORE[::19]
+
+
+@pytest.mark.parametrize("case", CORE, ids=_label)
+def test_vs_oracle(case):
+    check_oracle(case, ours(case))
+
+
+# --------------------------------------------------------------------------------------------
+# Features (each in both layouts, fp16 and bf16, in every case kind)
+# --------------------------------------------------------------------------------------------
+FEATURES = {
+    "softcap": {"softcap": 2.5},
+    "softcap_bias_scale": {"softcap": 1.5, "attention_bias": "bn", "scale": 0.3},
+    "bias_b1": {"attention_bias": "b1"},
+    "bias_1n": {"attention_bias": "1n"},
+    "bias_11": {"attention_bias": "11"},
+    "window1": {"local_window_size": 1},
+    "window5": {"local_window_size": 5},
+    "window200": {"local_window_size": 200},
+    "smooth": {"smooth_softmax": 1},
+    "smooth0": {"smooth_softmax": 0},
+    "sink": {"head_sink": True},
+    "sink_smooth": {"head_sink": True, "smooth_softmax": 1},
+    "rotary": {"do_rotary": True},
+    "rotary_inter": {"do_rotary": True, "rotary_interleaved": True},
+    "rotary_partial": {"do_rotary": True, "rotary_dim": 32},
+    "rotary_partial_inter": {"do_rotary": True, "rotary_dim": 32, "rotary_interleaved": True},
+    "position_ids": {"do_rotary": True, "position_ids": True},
+    "scale": {"scale": 0.05},
+    "all": {"do_rotary": True, "softcap": 3.0, "local_window_size": 9, "head_sink": True,
+            "attention_bias": "b1"},
+    "qk_norm": {"qk_norm": True},
+    "swc": {"sliding_window_cache": True, "local_window_size": 8},
+}  # fmt: skip
+KINDS = {
+    "prompt": {"batch": 3, "seq": 12, "kind": "prompt", "pad": 5},
+    "decode": {"batch": 3, "seq": 1, "kind": "decode", "past_len": 23, "pad": 7},
+    "chunk": {"batch": 1, "seq": 6, "kind": "chunk", "past_len": 23},
+    "chunk_qsl": {
+        "batch": 3,
+        "seq": 6,
+        "kind": "chunk",
+        "past_len": 23,
+        "pad": 4,
+        "query_seqlens": True,
+    },
+}
+
+
+def _feature_cases():
+    out = []
+    for j, (feat, kind, dt, layout) in enumerate(
+        itertools.product(FEATURES, KINDS, ["fp16", "bf16"], [0, 1])
+    ):
+        kw = dict(KINDS[kind])
+        if feat == "swc" and kind == "prompt":
+            kw["pad"] = 0  # a right-padded first prompt is refused with sliding_window_cache
+        out.append(
+            GqaCase(
+                num_heads=8,
+                kv_num_heads=2,
+                head_size=64,
+                dtype=dt,
+                kv_layout=layout,
+                shared=bool(j % 2),
+                packed=bool((j // 3) % 2),
+                seed=case_seed(10_000 + j),
+                **kw,
+                **FEATURES[feat],
+            )
+        )
+    return out
+
+
+FEATURE_CASES = _feature_cases()
+if QUICK:
+    FEATURE_CASES = FEATURE_CASES[::23]
+
+
+@pytest.mark.parametrize("case", FEATURE_CASES, ids=_label)
+def test_features_vs_oracle(case):
+    check_oracle(case, ours(case))
+
+
+@pytest.mark.parametrize("layout", [0, 1])
+@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
+def test_many_features_at_once(layout, dtype):
+    """Rotary, softcap, window, bias and smooth softmax together, in every case kind; fp32 is
+    checked against the oracle only (ORT's CUDA GQA has no fp32 kernel)."""
+    for k, kind in enumerate(KINDS):
+        c = GqaCase(num_heads=6, kv_num_heads=2, head_size=128, dtype=dtype, kv_layout=layout,
+                    do_rotary=True, rotary_interleaved=bool(k % 2), softcap=4.0,
+                    local_window_size=11, attention_bias="bn", smooth_softmax=1,
+                    shared=bool(k % 2), seed=case_seed(20_000 + k), **KINDS[kind])  # fmt: skip
+        try:
+            got = run_case_cuda(c)
+        except Exception as e:
+            if refusal(c.refusable_features(), e) is None:
+                raise
+            continue
+        check_oracle(c, got)
+
+
+@pytest.mark.parametrize("layout", [0, 1])
+def test_causal_zero(layout):
+    c = GqaCase(batch=2, seq=9, pad=3, kv_layout=layout, head_size=64, dtype="fp16",
+                seed=case_seed(30_000 + layout))  # fmt: skip
+    f, a = c.feeds(), dict(c.attrs(), causal=0)
+    try:
+        got = run_cuda(cuda_session(build_model(f, a, KV_DOMAIN, layout), KV_DOMAIN), f, a)
+    except Exception as e:
+        r = refusal(["causal"], e)
+        if r is None:
+            raise
+        pytest.skip(str(r))
+    want = ref.gqa_reference(f, a, layout)
+    assert_close(got, want, ref.defined_masks(f, a, layout), "fp16", f"causal=0 {c!r}: ")
+
+
+# --------------------------------------------------------------------------------------------
+# Against ORT's own com.microsoft GroupQueryAttention on the CUDA EP
+# --------------------------------------------------------------------------------------------
+# ORT's CUDA GQA (1.31): float16 / bfloat16 only (no float32 kernel); no attention_bias ("not
+# supported in GroupQueryAttention cuda kernel"); no query_seqlens / q-k norm / causal=0 /
+# sliding_window_cache in our reading; rotary needs head_size % 16 == 0.  Cases with those are
+# left out; anything else ORT refuses at run time skips with ORT's message.  ORT 1.31's CUDA
+# kernel may read parts of the contract (settled on ORT 1.32's CPU) differently (e.g. window
+# edges, padded prompts): where ORT's own result is off the oracle, the comparison skips and
+# says so -- our op is held to the oracle by the tests above either way.
+def _ms_ok(c: GqaCase) -> bool:
+    return (
+        c.dtype in ("fp16", "bf16")
+        and not c.attention_bias
+        and not c.query_seqlens
+        and not c.qk_norm
+        and not c.sliding_window_cache
+    )
+
+
+MS_CASES = [c for c in CORE if _ms_ok(c)][:: (9 if QUICK else 2)] + [
+    c for c in FEATURE_CASES if _ms_ok(c)
+][:: (30 if QUICK else 3)]
+
+
+@pytest.mark.parametrize("case", MS_CASES, ids=_label)
+def test_vs_ort_cuda(case):
+    mine = ours(case)
+    twin = head_major_twin(case)
+    try:
+        theirs = run_case_cuda(twin, MS_DOMAIN)
+    except NotOnCuda as e:
+        pytest.skip(f"ORT's com.microsoft GQA is not on CUDA for this case: {e}")
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"ORT's CUDA GQA refuses this case: {str(e)[-300:]}")
+    want, masks = twin.reference(), twin.masks()
+    try:
+        e_ort = assert_close(theirs, want, masks, case.dtype, "ORT vs oracle: ")
+    except AssertionError as e:
+        pytest.skip(f"ORT's CUDA GQA itself is off the contract oracle here: {str(e)[:500]}")
+    mine_hm = (mine[0], hm(mine[1], case.kv_layout), hm(mine[2], case.kv_layout))
+    e_ours = assert_close(mine_hm, theirs, masks, case.dtype, f"ours vs ORT CUDA {case!r}: ", 2.0)
+    print(f"max errs ours-vs-ORT {e_ours}, ORT-vs-oracle {e_ort}")
+
+
+# --------------------------------------------------------------------------------------------
+# Layout 0 vs layout 1, shared vs unshared, determinism
+# --------------------------------------------------------------------------------------------
+EQUIV = [c for i, c in enumerate(CORE + FEATURE_CASES) if c.kv_layout == 0 and i % 3 == 0]
+if QUICK:
+    EQUIV = EQUIV[::10]
+
+
+def _ulp_tol(a, dtype):
+    eps = {"fp32": 2.0**-23, "fp16": 2.0**-10, "bf16": 2.0**-7}[dtype]
+    return 1e-6 + eps * np.abs(a)
+
+
+@pytest.mark.parametrize("case", EQUIV, ids=_label)
+def test_layouts_agree(case):
+    """The same logical case in layout 0 and layout 1 (unshared and shared): equal outputs
+    (within one ulp of the storage type; the kernels should be bit-identical) and equal presents
+    after permutation (exactly: rows are copies, or rotary done the same way).  GqaCase draws
+    the same logical data whatever the layout."""
+    for shared in (False, True):
+        c0 = case.replace(kv_layout=0, shared=shared)
+        c1 = case.replace(kv_layout=1, shared=shared)
+        if "past_key" in c0.feeds():
+            assert np.array_equal(
+                ref.from_layout(as_f64(c0.feeds()["past_key"]), 0),
+                ref.from_layout(as_f64(c1.feeds()["past_key"]), 1),
+            ), "harness: the two layouts got different logical pasts"
+        r0, r1 = ours(c0), ours(c1)
+        what = f"layout 1 vs layout 0 (shared={shared}) {c1!r} {seed_note()}"
+        rows, pm0 = c0.masks()
+        osel = np.broadcast_to(rows[:, :, None], np.shape(r0[0]))
+        a, b = as_f64(r1[0])[osel], as_f64(r0[0])[osel]
+        d = np.abs(a - b)
+        assert np.all(d <= _ulp_tol(b, case.dtype)), (
+            f"output differs by up to {np.nanmax(d):.3g} "
+            f"({int(np.sum(~(d <= _ulp_tol(b, case.dtype))))} elements): {what}"
+        )
+        pm = ref.from_layout(pm0, 0)
+        for name, p1, p0 in (("present_key", r1[1], r0[1]), ("present_value", r1[2], r0[2])):
+            x = ref.from_layout(as_f64(p1), 1)[pm]
+            y = ref.from_layout(as_f64(p0), 0)[pm]
+            assert np.array_equal(x, y), (
+                f"{name} differs after permutation (max {np.nanmax(np.abs(x - y)):.3g}, "
+                f"{int(np.sum(x != y))} elements): {what}"
+            )
+        check_oracle(c1, r1, f"layout 1 shared={shared}: ")
+
+
+@pytest.mark.parametrize("layout", [0, 1])
+@pytest.mark.parametrize("kind", ["prompt", "decode", "chunk"])
+def test_shared_equals_unshared(layout, kind):
+    """One logical case, once with the past bound to its own buffer (capacity total - S) and
+    once through a shared buffer (capacity total + extra): same output, same defined rows."""
+    kw = {"prompt": {"seq": 33, "pad": 9}, "decode": {"past_len": 77, "pad": 30},
+          "chunk": {"seq": 9, "past_len": 41}}[kind]  # fmt: skip
+    base = GqaCase(batch=1 if kind == "chunk" else 2, kind=kind, num_heads=8, kv_num_heads=2,
+                   head_size=128, dtype="fp16", kv_layout=layout, do_rotary=True,
+                   seed=case_seed(40_000 + layout), **kw)  # fmt: skip
+    un = base.replace(shared=False)
+    sh = base.replace(shared=True, extra_capacity=6)
+    f_un, f_sh = un.feeds(), dict(sh.feeds())
+    for k in ("query", "key", "value", "cos_cache", "sin_cache"):
+        if f_un.get(k) is not None:
+            f_sh[k] = f_un[k]
+    if "past_key" in f_un and kind != "prompt":
+        P = f_un["past_key"].shape[2]
+        for k in ("past_key", "past_value"):
+            lg = ref.from_layout(f_sh[k], layout)
+            lg[:, :, :P] = ref.from_layout(f_un[k], layout)
+            f_sh[k] = ref.to_layout(lg, layout)
+    sh = sh.replace(_feeds=f_sh)
+    r_un, r_sh = ours(un), ours(sh)
+    check_oracle(un, r_un, "unshared: ")
+    check_oracle(sh, r_sh, "shared: ")
+    rows, _ = un.masks()
+    osel = np.broadcast_to(rows[:, :, None], r_un[0].shape)
+    d = np.abs(as_f64(r_un[0]) - as_f64(r_sh[0]))[osel]
+    assert np.all(d <= _ulp_tol(as_f64(r_un[0])[osel], "fp16")), (
+        f"shared vs unshared output differs by {d.max():.3g} {seed_note()}"
+    )
+    _, pm_un = un.masks()
+    cu = pm_un.shape[2]
+    for p_un, p_sh in ((r_un[1], r_sh[1]), (r_un[2], r_sh[2])):
+        a = ref.from_layout(as_f64(p_un), layout)
+        b = ref.from_layout(as_f64(p_sh), layout)[:, :, :cu]
+        m = ref.from_layout(pm_un, layout)
+        assert np.array_equal(a[m], b[m]), f"shared vs unshared presents differ {seed_note()}"
+
+
+@pytest.mark.parametrize("layout", [0, 1])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_deterministic(layout, dtype):
+    """Repeated runs give bit-identical results (split-K merges are deterministic)."""
+    for kind, kw in (("decode", {"past_len": 1000, "batch": 2, "pad": 100}),
+                     ("prompt", {"seq": 200, "batch": 2, "pad": 31}),
+                     ("chunk", {"seq": 40, "past_len": 300})):  # fmt: skip
+        c = GqaCase(kind=kind, num_heads=8, kv_num_heads=2, head_size=128, dtype=dtype,
+                    kv_layout=layout, do_rotary=True, seed=case_seed(50_000), **kw)  # fmt: skip
+        a = ours(c)
+        b = ours(c)
+        for name, x, y in zip(("output", "present_key", "present_value"), a, b, strict=True):
+            assert np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8)), (
+                f"{kind}: {name} differs between two identical runs {c!r}"
+            )
+        if kind == "decode":  # long decode: the split-K path against the oracle too
+            check_oracle(c, a)
+
+
+# --------------------------------------------------------------------------------------------
+# Generation loop on the device: prompt, decode steps, a chunk, on one shared cache that never
+# leaves the GPU (the onnxruntime-genai flow), checked step by step against the oracle.
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", [0, 1])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+def test_generation_loop_on_device(layout, dtype):
+    B, N, Nkv, H, C = 2, 8, 2, 64, 96
+    rng = np.random.default_rng(case_seed(60_000 + layout))
+    base = GqaCase(batch=B, num_heads=N, kv_num_heads=Nkv, head_size=H, dtype=dtype,
+                   kv_layout=layout, do_rotary=True, shared=True, packed=True)  # fmt: skip
+    dt = base.np_dtype
+    attrs = base.attrs()
+    inv = 1.0 / (10000.0 ** (np.arange(0, H, 2) / H))
+    ang = np.arange(C + 8)[:, None] * inv[None, :]
+    cos, sin = np.cos(ang).astype(dt), np.sin(ang).astype(dt)
+    cache_init = [rng.standard_normal((B, Nkv, C, H)).astype(dt) for _ in range(2)]
+    kbuf = to_device(ref.to_layout(cache_init[0], layout))
+    vbuf = to_device(ref.to_layout(cache_init[1], layout))
+    # Steps: a right-padded prompt (lengths 13 and 6), 6 decode steps, one query_seqlens chunk
+    # of 5 (lengths 3 and 5; skipped if refused), 3 decode steps.
+    T = np.array([13, 6])
+    plan = [("prompt", 13)] + [("decode", 1)] * 6 + [("chunk", 5)] + [("decode", 1)] * 3
+    sessions = {}
+    for step, (kind, S) in enumerate(plan):
+        qsl = None
+        if kind == "prompt":
+            newT = T
+        elif kind == "decode":
+            newT = T + 1
+        else:
+            qsl = np.array([3, 5], np.int32)
+            newT = T + qsl
+        total = int(newT.max()) if kind != "prompt" else S
+        feeds = {
+            "query": rng.standard_normal((B, S, (N + 2 * Nkv) * H)).astype(dt),
+            "past_key": None,
+            "past_value": None,
+            "seqlens_k": (newT - 1).astype(np.int32),
+            "total_sequence_length": np.array(total, np.int32),
+            "cos_cache": cos,
+            "sin_cache": sin,
+        }
+        if qsl is not None:
+            feeds["query_seqlens"] = qsl
+        past_k, past_v = from_device(kbuf), from_device(vbuf)  # host copies for the oracle
+        ref_feeds = dict(feeds, past_key=past_k, past_value=past_v)
+        key = (kind, qsl is not None)
+        if key not in sessions:
+            sessions[key] = cuda_session(build_model(ref_feeds, attrs, KV_DOMAIN, layout),
+                                         KV_DOMAIN)  # fmt: skip
+        sess = sessions[key]
+        io = sess.io_binding()
+        dev = []
+        for k, v in feeds.items():
+            if v is None:
+                continue
+            if k == "total_sequence_length":
+                io.bind_cpu_input(k, v)
+            else:
+                dev.append(to_device(v))
+                io.bind_ortvalue_input(k, dev[-1])
+        io.bind_output("output", DEVICE)  # bound first: get_outputs()[0]; ORT allocates it
+        io.bind_ortvalue_input("past_key", kbuf)
+        io.bind_ortvalue_input("past_value", vbuf)
+        io.bind_ortvalue_output("present_key", kbuf)
+        io.bind_ortvalue_output("present_value", vbuf)
+        try:
+            sess.run_with_iobinding(io)
+        except Exception as e:
+            if qsl is not None and refusal(["query_seqlens"], e) is not None:
+                continue  # chunk with query_seqlens refused (allowed): go on decoding
+            raise
+        got = (from_device(io.get_outputs()[0]), from_device(kbuf), from_device(vbuf))
+        want = ref.gqa_reference(ref_feeds, attrs, layout)
+        masks = ref.defined_masks(ref_feeds, attrs, layout)
+        assert_close(got, want, masks, dtype, f"step {step} ({kind}, T={newT.tolist()}): ")
+        T = newT
+
+
+# --------------------------------------------------------------------------------------------
+# Invalid inputs: the same validation as the CPU op, so the same messages naming the input
+# --------------------------------------------------------------------------------------------
+_BASE = GqaCase(batch=2, kind="decode", past_len=5, num_heads=4, kv_num_heads=2, head_size=16,
+                dtype="fp16")  # fmt: skip
+_A = _BASE.attrs()
+F16 = np.float16
+
+
+def _f(**kw):
+    f = dict(_BASE.feeds())
+    f.update(kw)
+    return f
+
+
+def _z(*shape):
+    return np.zeros(shape, F16)
+
+
+def _cuda_raise(feeds, attrs, layout, match, shared=False):
+    """Creating the CUDA session and running must raise an error matching ``match`` (either at
+    session creation or at run)."""
+    try:
+        sess = cuda_session(build_model(feeds, attrs, KV_DOMAIN, layout), KV_DOMAIN)
+        run_cuda(sess, feeds, attrs, shared)
+    except NotOnCuda as e:
+        pytest.fail(f"expected an error naming {match!r}; instead the node left CUDA: {e}")
+    except Exception as e:  # noqa: BLE001
+        msg = str(e)
+        assert re.search(match, msg), f"error does not match {match!r}: {msg[-500:]}"
+        return msg
+    pytest.fail(f"no error; expected one matching {match!r}")
+
+
+BAD = {
+    "query_rank2": (_f(query=_z(2, 64)), r"query"),
+    "query_hidden": (_f(query=_z(2, 1, 60)), r"query|head_size|hidden"),
+    "key_hidden": (_f(key=_z(2, 1, 24), value=_z(2, 1, 24)), r"key|kv_num_heads|head_size"),
+    "key_seq": (_f(key=_z(2, 2, 32), value=_z(2, 2, 32)), r"key|sequence"),
+    "value_shape": (_f(value=_z(2, 1, 16)), r"value"),
+    "past_rank3": (_f(past_key=_z(2, 2, 80), past_value=_z(2, 2, 80)), r"past_key"),
+    "past_kv_heads": (_f(past_key=_z(2, 3, 5, 16), past_value=_z(2, 3, 5, 16)), r"past_key"),
+    "past_head_size": (_f(past_key=_z(2, 2, 5, 8), past_value=_z(2, 2, 5, 8)), r"past_key"),
+    "past_kv_differ": (_f(past_value=_z(2, 2, 7, 16)), r"past_value|past_key"),
+    "past_too_short": (_f(past_key=_z(2, 2, 3, 16), past_value=_z(2, 2, 3, 16)),
+                       r"past_key|total_sequence_length"),
+    "batch_key": (_f(key=_z(3, 1, 32), value=_z(3, 1, 32)), r"batch|key"),
+    "batch_past": (_f(past_key=_z(3, 2, 5, 16), past_value=_z(3, 2, 5, 16)), r"batch|past_key"),
+    "batch_seqlens": (_f(seqlens_k=np.array([5, 5, 5], np.int32)), r"seqlens_k"),
+    "total_two_elems": (_f(total_sequence_length=np.array([6, 6], np.int32)),
+                        r"total_sequence_length"),
+    "head_sink_len": (_f(head_sink=np.ones(3, F16)), r"head_sink"),
+    "bias_last_dim": (_f(attention_bias=np.ones((2, 4, 1, 5), F16)), r"attention_bias"),
+    "bias_batch": (_f(attention_bias=np.ones((3, 4, 1, 6), F16)), r"attention_bias"),
+    "bias_rank3": (_f(attention_bias=np.ones((4, 1, 6), F16)), r"attention_bias"),
+    "key_without_value": (_f(value=None), r"key|value"),
+    "rotary_no_caches": (_f(), r"cos_cache|sin_cache"),
+    "cos_sin_differ": (_f(cos_cache=np.ones((32, 8), F16), sin_cache=np.ones((33, 8), F16)),
+                       r"cos_cache|sin_cache"),
+    "cos_too_short": (_f(cos_cache=np.ones((3, 8), F16), sin_cache=np.ones((3, 8), F16)),
+                      r"cos_cache|position"),
+    "dtype_query_vs_key": (_f(key=_BASE.feeds()["key"].astype(np.float32)), r"key|type"),
+    "dtype_query_vs_past": (_f(past_key=_BASE.feeds()["past_key"].astype(np.float32),
+                               past_value=_BASE.feeds()["past_value"].astype(np.float32)),
+                            r"past_key|past_value|type"),
+}  # fmt: skip
+_ROTARY_BAD = {"rotary_no_caches", "cos_sin_differ", "cos_too_short"}
+
+
+@pytest.mark.parametrize("layout", [0, 1])
+@pytest.mark.parametrize("name", list(BAD))
+def test_invalid_inputs_raise(name, layout):
+    feeds, match = BAD[name]
+    attrs = dict(_A, do_rotary=1) if name in _ROTARY_BAD else _A
+    _cuda_raise(feeds, attrs, layout, match)
+
+
+@pytest.mark.parametrize("layout", [0, 1])
+def test_invalid_attributes_raise(layout):
+    _cuda_raise(_f(), dict(_A, kv_num_heads=3), layout, r"num_heads|kv_num_heads")
+    for bad_layout in (2, -1):
+        _cuda_raise(_f(), _A, bad_layout, r"kv_layout")
+
+
+@pytest.mark.parametrize("layout", [0, 1])
+def test_shared_total_beyond_capacity_raises(layout):
+    """total_sequence_length is a CPU input: checked on the host, as on the CPU op."""
+    c = _BASE.replace(shared=True, extra_capacity=2, kv_layout=layout)
+    f = dict(c.feeds(), total_sequence_length=np.array(100, np.int32))
+    _cuda_raise(f, _A, layout, r"total_sequence_length|capacity|present_key", shared=True)
+
+
+def test_quantized_and_qk_output_refused():
+    f = _f(k_scale=np.ones(1, np.float32), v_scale=np.ones(1, np.float32))
+    a = dict(_A, k_quant_type="PER_TENSOR", v_quant_type="PER_TENSOR", kv_cache_bit_width=8)
+    _cuda_raise(f, a, 1, r"k_scale|quant")
+    with pytest.raises(Exception, match=r"qk_output|output_qk"):
+        m = build_model(_f(), dict(_A, qk_output=1), KV_DOMAIN, 1, n_outputs=4)
+        sess = cuda_session(m, KV_DOMAIN)
+        io = sess.io_binding()
+        for k, v in _f().items():
+            if v is not None:
+                io.bind_cpu_input(k, np.asarray(v))
+        for o in ("output", "present_key", "present_value", "output_qk"):
+            io.bind_output(o, DEVICE)
+        sess.run_with_iobinding(io)
+
+
+def test_valid_base_runs_after_errors():
+    """The base of the error cases is valid and right on CUDA (so the errors are the edits, and
+    a failed run leaves the op usable)."""
+    for layout in (0, 1):
+        c = _BASE.replace(kv_layout=layout)
+        check_oracle(c, ours(c))
+
+
+# --------------------------------------------------------------------------------------------
+# Out-of-range device-side lengths: seqlens_k (and position_ids, query_seqlens) live on the GPU,
+# so the op cannot check them on the host; they must never crash the process or write outside
+# the cache.  Each scenario runs in a child process on a shared fp16 cache bound as a view into
+# a larger buffer with guard regions on both sides; afterwards the guards must be intact, the
+# cached rows of batch entries with valid lengths unchanged, and the next valid run right.
+# --------------------------------------------------------------------------------------------
+I32_MAX, I32_MIN = 2**31 - 1, -(2**31)
+SEQLENS_SCENARIOS = [
+    {"kind": "decode", "bad": {"seqlens_k": [10**6, 8]}},
+    {"kind": "decode", "bad": {"seqlens_k": [I32_MAX, 8]}},
+    {"kind": "decode", "bad": {"seqlens_k": [-5, 8]}},
+    {"kind": "decode", "bad": {"seqlens_k": [I32_MIN, I32_MAX]}, "bad_entries": [0, 1]},
+    {"kind": "decode", "bad": {"seqlens_k": [16, 8]}},  # last row of the capacity: valid-ish
+    {"kind": "decode", "bad": {"seqlens_k": [17, 8]}},  # one past the capacity
+    {"kind": "chunk", "batch": 1, "bad": {"seqlens_k": [10**6]}},
+    {"kind": "chunk", "batch": 1, "bad": {"seqlens_k": [1]}},  # T < S: negative past
+    {"kind": "chunk", "batch": 1, "bad": {"seqlens_k": [-100]}},
+    {"kind": "prompt", "bad": {"seqlens_k": [10**6, 3]}},
+    {"kind": "prompt", "bad": {"seqlens_k": [-7, 3]}},
+    {"kind": "prompt", "bad": {"seqlens_k": [I32_MAX, I32_MIN]}, "bad_entries": [0, 1]},
+]
+OTHER_SCENARIOS = [
+    {"kind": "decode", "position_ids": True, "bad": {"position_ids": [10**6, 9]}},
+    {"kind": "decode", "position_ids": True, "bad": {"position_ids": [-3, 2**62]}},
+    {"kind": "chunk", "query_seqlens": True, "bad": {"query_seqlens": [9, 4]}},
+    {"kind": "chunk", "query_seqlens": True, "bad": {"query_seqlens": [-1, I32_MAX]},
+     "bad_entries": [0, 1]},
+    {"kind": "chunk", "query_seqlens": True,
+     "bad": {"query_seqlens": [4, 4], "seqlens_k": [10**6, -9]}, "bad_entries": [0, 1]},
+]  # fmt: skip
+if QUICK:
+    SEQLENS_SCENARIOS = SEQLENS_SCENARIOS[::3]
+    OTHER_SCENARIOS = OTHER_SCENARIOS[::2]
+
+
+@pytest.mark.parametrize("layout", [0, 1])
+@pytest.mark.parametrize("group", ["seqlens_k", "position_ids_query_seqlens"])
+def test_out_of_range_lengths_do_not_crash_or_write_out_of_bounds(group, layout):
+    scen = SEQLENS_SCENARIOS if group == "seqlens_k" else OTHER_SCENARIOS
+    scen = [dict(s, seed=BASE_SEED + i) for i, s in enumerate(scen)]
+    rc, recs, out, err = run_robustness_child({"layout": layout, "scenarios": scen})
+    started = [ln[6:] for ln in out.splitlines() if ln.startswith("START ")]
+    assert rc == 0, (
+        f"child process died (rc {rc}) during scenario {started[-1] if started else '?'} "
+        f"{seed_note()}\nstdout tail:\n{out[-1500:]}\nstderr tail:\n{err[-3000:]}"
+    )
+    assert len(recs) == len(scen), f"{len(recs)} results for {len(scen)} scenarios:\n{out[-2000:]}"
+    problems = []
+    for r in recs:
+        sc = r["scenario"]
+        if "setup_error" in r:
+            if refusal(["query_seqlens"], Exception(r["setup_error"])) is None:
+                problems.append(f"{sc}: session creation failed: {r['setup_error']}")
+            continue
+        if not r["guard_ok"]:
+            problems.append(f"{sc}: WROTE OUTSIDE THE CACHE (guard region changed)")
+        if not r["valid_entries_untouched"]:
+            problems.append(f"{sc}: changed cached rows of valid entries {r['clobbered']}")
+        if not r["guard_ok_after_valid"]:
+            problems.append(f"{sc}: the valid run wrote outside the cache")
+        refused = refusal(["query_seqlens"], Exception(r["valid_after"])) is not None
+        if not refused and not r["valid_after"].startswith("ok"):
+            problems.append(f"{sc}: next valid run: {r['valid_after']}")
+    summary = "\n".join(f"  {r['scenario']['bad']}: {r.get('invalid_run')}" for r in recs)
+    print(f"invalid runs ({group}, layout {layout}):\n{summary}")
+    assert not problems, "\n".join(problems) + f"\n{seed_note()}\nall:\n{summary}"
+
+
+def test_grid_sizes_reported():
+    """Not a check of the op: prints the size of each grid (useful in the log)."""
+    print(f"core {len(CORE)}, features {len(FEATURE_CASES)}, vs ORT {len(MS_CASES)}, "
+          f"equivalence {len(EQUIV)}; GQA_GPU_SEED={BASE_SEED}; tolerances {GPU_TOLS}")  # fmt: skip
+    assert CORE and FEATURE_CASES
