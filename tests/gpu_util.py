@@ -119,7 +119,8 @@ def cuda_providers(graph: bool = False):
     opts = {"device_id": "0"}
     if graph:
         opts["enable_cuda_graph"] = "1"
-    return [(CUDA_EP, opts), "CPUExecutionProvider"]
+    # No CPU EP in the list: ORT refuses it together with disable_cpu_ep_fallback.
+    return [(CUDA_EP, opts)]
 
 
 def new_cuda_session(model: bytes, domain: str, graph: bool = False) -> ort.InferenceSession:
