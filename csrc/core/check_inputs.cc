@@ -296,6 +296,12 @@ Status CheckGqaInputs(const GqaAttributes& attrs, const GqaInputInfos& inputs,
     }
     s.has_position_ids = s.rotary_dim > 0;  // without rotary, positions have no effect
   }
+  // Without position_ids the positions are 0 .. total_sequence_length - 1: checkable here, so
+  // the CUDA op (which reads lengths on the device) refuses it too.
+  if (s.rotary_dim > 0 && !s.has_position_ids && total_sequence_length > s.rotary_max_positions) {
+    return Fail("input 'cos_cache'/'sin_cache' has ", s.rotary_max_positions, " positions, fewer ",
+                "than total_sequence_length (", total_sequence_length, ") needs");
+  }
 
   // attention_bias: (B or 1, N or 1, S, total_sequence_length), added to the scores.
   if (In(inputs, GqaInput::kAttentionBias).exists) {
