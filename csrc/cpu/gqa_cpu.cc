@@ -82,11 +82,14 @@ struct Call {
   int64_t head_pad;  // H rounded up to kDimStep: row pitch of the float32 scratch
   std::vector<float>& q_scaled;  // (B, N, S, head_pad): normed, rotated, scaled queries
 
-  // Attention task grid.
+  // Attention task grid: (b, head group, q block, key split).
   int64_t q_block;     // query positions per task
   int64_t num_q_blocks;
-  int64_t num_splits;  // key splits per (b, kv head, q block)
-  int64_t split_keys;  // keys per split (multiple of kTileKeys)
+  int64_t group_heads;  // KV heads per task: all of them when a token's heads are adjacent
+  int64_t num_groups;   // kv_num_heads / group_heads
+  int64_t row_block;    // micro-kernel rows: 4 or 8
+  int64_t num_splits;   // key splits per (b, head group, q block)
+  int64_t split_keys;   // keys per split (multiple of kTileKeys)
   // Split partials: (task, split, row, head_pad) for o; (task, split, row) for m and l.
   std::vector<float>* part_o;
   std::vector<float>* part_m;
@@ -97,7 +100,9 @@ struct Call {
   std::vector<T>* new_k;
   std::vector<T>* new_v;
 
-  int64_t rows_per_task() const { return q_block * s.group_size(); }
+  // Rows of one KV head in a task, padded to the micro-kernel block; heads' rows follow.
+  int64_t head_rows_pad() const { return RoundUp(q_block * s.group_size(), row_block); }
+  int64_t rows_per_task() const { return group_heads * head_rows_pad(); }
   BatchGeometry geo(int64_t b) const {
     return GetBatchGeometry(s, buf.seqlens_k[b], s.has_query_seqlens ? buf.query_seqlens[b] : 0);
   }
@@ -292,45 +297,47 @@ inline void ScoreBlock(const float* const* q, const float* kt, int64_t H, float*
 }
 
 // The same scores by dot products over key rows (k rows head_pad long, zero padded): cheaper
-// than transposing the tile when a task has a single row block (token generation).
+// than transposing the tile when a head has a single row block (token generation).
+template <int RB>
 inline void ScoreDot(const float* const* q, const float* const* k, int tile, int64_t head_pad,
                      float* scores) {
   for (int j = 0; j < tile; ++j) {
-    VecF acc[kRowBlock] = {};
+    VecF acc[RB] = {};
     for (int64_t d = 0; d < head_pad; d += kVW) {
       const VecF kv = Load(k[j] + d);
-      for (int r = 0; r < kRowBlock; ++r) acc[r] += Load(q[r] + d) * kv;
+      for (int r = 0; r < RB; ++r) acc[r] += Load(q[r] + d) * kv;
     }
-    for (int r = 0; r < kRowBlock; ++r) {
+    for (int r = 0; r < RB; ++r) {
       float sum = 0.0f;
       for (int l = 0; l < kVW; ++l) sum += acc[r][l];
       scores[r * kTileKeys + j] = sum;
     }
   }
-  for (int r = 0; r < kRowBlock; ++r) {
+  for (int r = 0; r < RB; ++r) {
     std::fill(scores + r * kTileKeys + tile, scores + (r + 1) * kTileKeys, 0.0f);
   }
 }
 
-// o[r][:] += sum_j p[r][j] * v_j for 4 rows; v rows are head_pad long (zero padded).
+// o[r][:] += sum_j p[r][j] * v_j for RB rows; v rows are head_pad long (zero padded).
+template <int RB>
 inline void AccumulateBlock(const float* p, const float* const* v, int tile, int64_t head_pad,
                             float* const* o) {
   for (int64_t d0 = 0; d0 < head_pad; d0 += kDimStep) {
-    VecF acc[kRowBlock][2];
-    for (int r = 0; r < kRowBlock; ++r) {
+    VecF acc[RB][2];
+    for (int r = 0; r < RB; ++r) {
       acc[r][0] = Load(o[r] + d0);
       acc[r][1] = Load(o[r] + d0 + kVW);
     }
     for (int j = 0; j < tile; ++j) {
       const VecF v0 = Load(v[j] + d0);
       const VecF v1 = Load(v[j] + d0 + kVW);
-      for (int r = 0; r < kRowBlock; ++r) {
+      for (int r = 0; r < RB; ++r) {
         const VecF pj = Splat(p[r * kTileKeys + j]);
         acc[r][0] += pj * v0;
         acc[r][1] += pj * v1;
       }
     }
-    for (int r = 0; r < kRowBlock; ++r) {
+    for (int r = 0; r < RB; ++r) {
       Store(o[r] + d0, acc[r][0]);
       Store(o[r] + d0 + kVW, acc[r][1]);
     }
@@ -345,6 +352,93 @@ struct Scratch {
   std::vector<int64_t> lo, hi, head, token;
 };
 
+// Where row r of a task lives: its KV head, query head and token (valid = false for padding).
+struct TaskRow {
+  bool valid;
+  int64_t kv_head, head, token;
+};
+inline TaskRow MapRow(int64_t r, int64_t g0, int64_t i0, int64_t q_rows, int64_t G,
+                      int64_t head_rows_pad) {
+  const int64_t gl = r / head_rows_pad, rr = r % head_rows_pad;
+  if (rr >= q_rows * G) return TaskRow{false, g0 + gl, 0, 0};
+  return TaskRow{true, g0 + gl, (g0 + gl) * G + rr % G, i0 + rr / G};
+}
+
+template <typename T, int RB>
+void AttentionRows(const Call<T>& c, Scratch& t, int64_t b, int64_t r_begin, int64_t r_end,
+                   int64_t k0, int tile, bool dot_scores) {
+  const GqaShape& s = c.s;
+  const int64_t H = s.head_size, hp = c.head_pad;
+  const T* bias = static_cast<const T*>(c.buf.attention_bias);
+  const float softcap = s.softcap;
+  for (int64_t r0 = r_begin; r0 < r_end; r0 += RB) {
+    bool any = false;
+    for (int r = 0; r < RB; ++r) any |= t.lo[r0 + r] < k0 + tile && t.hi[r0 + r] > k0;
+    if (!any) continue;
+    if (dot_scores) {
+      ScoreDot<RB>(t.q_rows.data() + r0, t.k_rows.data(), tile, hp, t.scores.data());
+    } else {
+      ScoreBlock(t.q_rows.data() + r0, t.kt.data(), H, t.scores.data());
+    }
+    for (int r = 0; r < RB; ++r) {
+      float* sc = t.scores.data() + r * kTileKeys;
+      const int64_t row = r0 + r;
+      const int64_t jlo = std::max<int64_t>(t.lo[row] - k0, 0);
+      const int64_t jhi = std::min<int64_t>(t.hi[row] - k0, tile);
+      if (jlo >= jhi) {
+        std::fill(sc, sc + kTileKeys, 0.0f);
+        continue;
+      }
+      if (softcap > 0.0f) {
+        // c * tanh(x / c), tanh(y) = 1 - 2 / (exp(2y) + 1)
+        for (int j = 0; j < kTileKeys; j += kVW) {
+          const VecF e = VecExp(Load(sc + j) * (2.0f / softcap));
+          Store(sc + j, softcap - (2.0f * softcap) / (e + 1.0f));
+        }
+      }
+      if (bias != nullptr) {
+        const int64_t bb = s.bias_batch == 1 ? 0 : b;
+        const int64_t bh = s.bias_heads == 1 ? 0 : t.head[row];
+        const T* brow = bias + ((bb * s.bias_heads + bh) * s.seq_len + t.token[row]) * s.bias_total;
+        for (int64_t j = jlo; j < jhi; ++j) sc[j] += ToFloat(brow[k0 + j]);
+      }
+      for (int64_t j = 0; j < jlo; ++j) sc[j] = -std::numeric_limits<float>::infinity();
+      for (int64_t j = jhi; j < kTileKeys; ++j) sc[j] = -std::numeric_limits<float>::infinity();
+      VecF vmax = Load(sc);
+      for (int j = kVW; j < kTileKeys; j += kVW) {
+        const VecF x = Load(sc + j);
+        vmax = x > vmax ? x : vmax;
+      }
+      float tile_max = vmax[0];
+      for (int l = 1; l < kVW; ++l) tile_max = std::max(tile_max, vmax[l]);
+      const float m_old = t.m[row];
+      const float m_new = std::max(m_old, tile_max);
+      if (m_new == -std::numeric_limits<float>::infinity()) {
+        std::fill(sc, sc + kTileKeys, 0.0f);  // every score -inf (e.g. a -inf bias)
+        continue;
+      }
+      VecF sum = Splat(0.0f);
+      for (int j = 0; j < kTileKeys; j += kVW) {
+        const VecF e = VecExp(Load(sc + j) - m_new);
+        Store(sc + j, e);
+        sum += e;
+      }
+      float tile_sum = 0.0f;
+      for (int k = 0; k < kVW; ++k) tile_sum += sum[k];
+      const float alpha = m_old == -std::numeric_limits<float>::infinity()
+                              ? 0.0f
+                              : VecExp(Splat(m_old - m_new))[0];
+      t.l[row] = t.l[row] * alpha + tile_sum;
+      t.m[row] = m_new;
+      if (alpha != 1.0f) {
+        float* o = t.o_rows[row];
+        for (int64_t d = 0; d < hp; d += kVW) Store(o + d, Load(o + d) * alpha);
+      }
+    }
+    AccumulateBlock<RB>(t.scores.data(), t.v_rows.data(), tile, hp, t.o_rows.data() + r0);
+  }
+}
+
 template <typename T>
 void AttentionTask(void* state, size_t task_index) {
   const Call<T>& c = *static_cast<const Call<T>*>(state);
@@ -353,16 +447,17 @@ void AttentionTask(void* state, size_t task_index) {
   const int64_t split = static_cast<int64_t>(task_index) % c.num_splits;
   const int64_t base = static_cast<int64_t>(task_index) / c.num_splits;
   const int64_t qb = base % c.num_q_blocks;
-  const int64_t g = (base / c.num_q_blocks) % s.kv_num_heads;
-  const int64_t b = base / (c.num_q_blocks * s.kv_num_heads);
+  const int64_t g0 = (base / c.num_q_blocks) % c.num_groups * c.group_heads;
+  const int64_t b = base / (c.num_q_blocks * c.num_groups);
   const int64_t i0 = qb * c.q_block, i1 = std::min(s.seq_len, i0 + c.q_block);
-  const int64_t rows = (i1 - i0) * G;
-  const int64_t rows_pad = RoundUp(rows, kRowBlock);
+  const int64_t head_rows = c.head_rows_pad();
+  const int64_t rows_pad = c.group_heads * head_rows;
   const int64_t hp = c.head_pad;
+  // One row block per head (token generation): dot products over key rows; else a transposed
+  // K tile shared by the head's row blocks.
+  const bool dot_scores = head_rows == c.row_block;
 
   thread_local Scratch t;
-  // One row block (token generation): dot products over key rows; else a transposed K tile.
-  const bool dot_scores = rows_pad == kRowBlock;
   if (dot_scores) {
     t.k.resize(static_cast<size_t>(kTileKeys * hp));
   } else {
@@ -383,20 +478,20 @@ void AttentionTask(void* state, size_t task_index) {
   t.head.assign(rows_pad, 0);
   t.token.assign(rows_pad, 0);
 
-  // Rows are token-major so the rows of one micro-block usually share their key range.
+  // Rows: per KV head of the task, token-major, so a micro-block usually shares a key range.
   const BatchGeometry geo = c.geo(b);
   int64_t key_lo = std::numeric_limits<int64_t>::max(), key_hi = 0;
   for (int64_t r = 0; r < rows_pad; ++r) {
     t.o_rows[r] = t.o.data() + r * hp;
     t.q_rows[r] = t.zero_q.data();
-    if (r >= rows) continue;
-    const int64_t i = i0 + r / G, h = g * G + r % G;
-    t.head[r] = h;
-    t.token[r] = i;
-    t.q_rows[r] = c.q_scaled.data() + ((b * N + h) * s.seq_len + i) * hp;
+    const TaskRow row = MapRow(r, g0, i0, i1 - i0, G, head_rows);
+    if (!row.valid) continue;
+    t.head[r] = row.head;
+    t.token[r] = row.token;
+    t.q_rows[r] = c.q_scaled.data() + ((b * N + row.head) * s.seq_len + row.token) * hp;
     // Right padding of a first prompt, rows beyond query_seqlens: no keys, output 0.
-    if (i >= geo.new_rows) continue;
-    const int64_t p = geo.past + i;  // absolute position of this query
+    if (row.token >= geo.new_rows) continue;
+    const int64_t p = geo.past + row.token;  // absolute position of this query
     t.hi[r] = s.causal ? p + 1 : geo.total;
     if (s.local_window > 0) {
       t.lo[r] = std::max<int64_t>(0, p + 1 - s.local_window);
@@ -413,131 +508,85 @@ void AttentionTask(void* state, size_t task_index) {
   key_hi = std::min(key_hi, (split + 1) * c.split_keys);
 
   const bool direct_v = std::is_same<T, float>::value && H == hp;
-  const float softcap = s.softcap;
-  const T* bias = static_cast<const T*>(c.buf.attention_bias);
-  for (int64_t k0 = key_lo; k0 < key_hi; k0 += kTileKeys) {
-    const int tile = static_cast<int>(std::min<int64_t>(kTileKeys, key_hi - k0));
-    // K tile: rows or transposed into kt[d][j]; V rows (float32 rows are used in place).
-    for (int j = 0; j < tile; ++j) {
-      const T* krow = c.key_row(b, g, k0 + j, geo, false);
-      const T* vrow = c.key_row(b, g, k0 + j, geo, true);
-      if (!dot_scores) {
-        for (int64_t d = 0; d < H; ++d) t.kt[d * kTileKeys + j] = ToFloat(krow[d]);
-      } else if (direct_v) {
-        t.k_rows[j] = reinterpret_cast<const float*>(krow);
-      } else {
-        float* dst = t.k.data() + j * hp;
-        for (int64_t d = 0; d < H; ++d) dst[d] = ToFloat(krow[d]);
-        for (int64_t d = H; d < hp; ++d) dst[d] = 0.0f;
-        t.k_rows[j] = dst;
-      }
-      if (direct_v) {
-        t.v_rows[j] = reinterpret_cast<const float*>(vrow);
-      } else {
-        float* dst = t.v.data() + j * hp;
-        for (int64_t d = 0; d < H; ++d) dst[d] = ToFloat(vrow[d]);
-        for (int64_t d = H; d < hp; ++d) dst[d] = 0.0f;
-        t.v_rows[j] = dst;
+  // A task over all heads walks each tile once per head: keep a tile of every head's K near
+  // 64 KB so the tile stays in L2 across those passes (measured: 32/8/128 fp32 seq-major decode
+  // 12 -> 16 GB/s with 16-key tiles; 9/3/64 keeps 64).
+  int64_t tile_keys = kTileKeys;
+  if (c.group_heads > 1) {
+    const int64_t fit = (64 << 10) / (c.group_heads * H * static_cast<int64_t>(sizeof(T)));
+    tile_keys = std::min<int64_t>(kTileKeys, std::max<int64_t>(16, fit / 16 * 16));
+  }
+  for (int64_t k0 = key_lo; k0 < key_hi; k0 += tile_keys) {
+    const int tile = static_cast<int>(std::min<int64_t>(tile_keys, key_hi - k0));
+    // Prefetch the next tile of the task's heads (into L2): in seq-major order one head's rows
+    // are Nkv*H apart, each on its own page, where hardware prefetchers stop; the rows of all
+    // heads of a tile are one contiguous run, which the tile size above keeps small.
+    const int64_t next_hi = std::min<int64_t>(key_hi, k0 + 2 * tile_keys);
+    for (int64_t pos = k0 + tile_keys; pos < next_hi; ++pos) {
+      for (int64_t g = g0; g < g0 + c.group_heads; ++g) {
+        const char* kp = reinterpret_cast<const char*>(c.key_row(b, g, pos, geo, false));
+        const char* vp = reinterpret_cast<const char*>(c.key_row(b, g, pos, geo, true));
+        for (size_t off = 0; off < static_cast<size_t>(H) * sizeof(T); off += 64) {
+          __builtin_prefetch(kp + off, 0, 2);
+          __builtin_prefetch(vp + off, 0, 2);
+        }
       }
     }
-    // Prefetch the next tile: a head's rows are Nkv*H apart in seq-major order, so each lands
-    // on its own page, where hardware prefetchers stop; without this the loop waits on DRAM.
-    const int64_t next_hi = std::min<int64_t>(key_hi, k0 + 2 * kTileKeys);
-    for (int64_t pos = k0 + kTileKeys; pos < next_hi; ++pos) {
-      const char* kp = reinterpret_cast<const char*>(c.key_row(b, g, pos, geo, false));
-      const char* vp = reinterpret_cast<const char*>(c.key_row(b, g, pos, geo, true));
-      for (size_t off = 0; off < static_cast<size_t>(H) * sizeof(T); off += 64) {
-        __builtin_prefetch(kp + off, 0, 2);
-        __builtin_prefetch(vp + off, 0, 2);
-      }
-    }
-    for (int j = tile; j < kTileKeys && !dot_scores; ++j) {
-      for (int64_t d = 0; d < H; ++d) t.kt[d * kTileKeys + j] = 0.0f;
-    }
-    for (int64_t r0 = 0; r0 < rows_pad; r0 += kRowBlock) {
+    for (int64_t gl = 0; gl < c.group_heads; ++gl) {
+      const int64_t g = g0 + gl;
+      const int64_t r_begin = gl * head_rows, r_end = r_begin + head_rows;
       bool any = false;
-      for (int r = 0; r < kRowBlock; ++r) {
-        any |= t.lo[r0 + r] < k0 + tile && t.hi[r0 + r] > k0;
-      }
+      for (int64_t r = r_begin; r < r_end; ++r) any |= t.lo[r] < k0 + tile && t.hi[r] > k0;
       if (!any) continue;
-      if (dot_scores) {
-        ScoreDot(t.q_rows.data() + r0, t.k_rows.data(), tile, hp, t.scores.data());
+      // K tile: rows or transposed into kt[d][j]; V rows (float32 rows are used in place).
+      for (int j = 0; j < tile; ++j) {
+        const T* krow = c.key_row(b, g, k0 + j, geo, false);
+        const T* vrow = c.key_row(b, g, k0 + j, geo, true);
+        if (!dot_scores) {
+          for (int64_t d = 0; d < H; ++d) t.kt[d * kTileKeys + j] = ToFloat(krow[d]);
+        } else if (direct_v) {
+          t.k_rows[j] = reinterpret_cast<const float*>(krow);
+        } else {
+          float* dst = t.k.data() + j * hp;
+          for (int64_t d = 0; d < H; ++d) dst[d] = ToFloat(krow[d]);
+          for (int64_t d = H; d < hp; ++d) dst[d] = 0.0f;
+          t.k_rows[j] = dst;
+        }
+        if (direct_v) {
+          t.v_rows[j] = reinterpret_cast<const float*>(vrow);
+        } else {
+          float* dst = t.v.data() + j * hp;
+          for (int64_t d = 0; d < H; ++d) dst[d] = ToFloat(vrow[d]);
+          for (int64_t d = H; d < hp; ++d) dst[d] = 0.0f;
+          t.v_rows[j] = dst;
+        }
+      }
+      for (int j = tile; j < kTileKeys && !dot_scores; ++j) {
+        for (int64_t d = 0; d < H; ++d) t.kt[d * kTileKeys + j] = 0.0f;
+      }
+      if (c.row_block == 4) {
+        AttentionRows<T, 4>(c, t, b, r_begin, r_end, k0, tile, dot_scores);
       } else {
-        ScoreBlock(t.q_rows.data() + r0, t.kt.data(), H, t.scores.data());
+        AttentionRows<T, kRowBlock>(c, t, b, r_begin, r_end, k0, tile, dot_scores);
       }
-      for (int r = 0; r < kRowBlock; ++r) {
-        float* sc = t.scores.data() + r * kTileKeys;
-        const int64_t row = r0 + r;
-        const int64_t jlo = std::max<int64_t>(t.lo[row] - k0, 0);
-        const int64_t jhi = std::min<int64_t>(t.hi[row] - k0, tile);
-        if (jlo >= jhi) {
-          std::fill(sc, sc + kTileKeys, 0.0f);
-          continue;
-        }
-        if (softcap > 0.0f) {
-          // c * tanh(x / c), tanh(y) = 1 - 2 / (exp(2y) + 1)
-          for (int j = 0; j < kTileKeys; j += kVW) {
-            const VecF e = VecExp(Load(sc + j) * (2.0f / softcap));
-            Store(sc + j, softcap - (2.0f * softcap) / (e + 1.0f));
-          }
-        }
-        if (bias != nullptr) {
-          const int64_t bb = s.bias_batch == 1 ? 0 : b;
-          const int64_t bh = s.bias_heads == 1 ? 0 : t.head[row];
-          const T* brow = bias + ((bb * s.bias_heads + bh) * s.seq_len + t.token[row]) * s.bias_total;
-          for (int64_t j = jlo; j < jhi; ++j) sc[j] += ToFloat(brow[k0 + j]);
-        }
-        for (int64_t j = 0; j < jlo; ++j) sc[j] = -std::numeric_limits<float>::infinity();
-        for (int64_t j = jhi; j < kTileKeys; ++j) sc[j] = -std::numeric_limits<float>::infinity();
-        VecF vmax = Load(sc);
-        for (int j = kVW; j < kTileKeys; j += kVW) {
-          const VecF x = Load(sc + j);
-          vmax = x > vmax ? x : vmax;
-        }
-        float tile_max = vmax[0];
-        for (int l = 1; l < kVW; ++l) tile_max = std::max(tile_max, vmax[l]);
-        const float m_old = t.m[row];
-        const float m_new = std::max(m_old, tile_max);
-        if (m_new == -std::numeric_limits<float>::infinity()) {
-          std::fill(sc, sc + kTileKeys, 0.0f);  // every score -inf (e.g. a -inf bias)
-          continue;
-        }
-        VecF sum = Splat(0.0f);
-        for (int j = 0; j < kTileKeys; j += kVW) {
-          const VecF e = VecExp(Load(sc + j) - m_new);
-          Store(sc + j, e);
-          sum += e;
-        }
-        float tile_sum = 0.0f;
-        for (int k = 0; k < kVW; ++k) tile_sum += sum[k];
-        const float alpha = m_old == -std::numeric_limits<float>::infinity()
-                                ? 0.0f
-                                : VecExp(Splat(m_old - m_new))[0];
-        t.l[row] = t.l[row] * alpha + tile_sum;
-        t.m[row] = m_new;
-        if (alpha != 1.0f) {
-          float* o = t.o_rows[row];
-          for (int64_t d = 0; d < hp; d += kVW) Store(o + d, Load(o + d) * alpha);
-        }
-      }
-      AccumulateBlock(t.scores.data(), t.v_rows.data(), tile, hp, t.o_rows.data() + r0);
     }
   }
 
   if (c.num_splits > 1) {  // partial state; MergeSplits finishes
     const int64_t slot = base * c.num_splits + split;
     const int64_t rpt = c.rows_per_task();
-    std::memcpy(c.part_o->data() + slot * rpt * hp, t.o.data(), rows * hp * sizeof(float));
-    std::memcpy(c.part_m->data() + slot * rpt, t.m.data(), rows * sizeof(float));
-    std::memcpy(c.part_l->data() + slot * rpt, t.l.data(), rows * sizeof(float));
+    std::memcpy(c.part_o->data() + slot * rpt * hp, t.o.data(), rows_pad * hp * sizeof(float));
+    std::memcpy(c.part_m->data() + slot * rpt, t.m.data(), rows_pad * sizeof(float));
+    std::memcpy(c.part_l->data() + slot * rpt, t.l.data(), rows_pad * sizeof(float));
     return;
   }
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r < rows_pad; ++r) {
+    if (!MapRow(r, g0, i0, i1 - i0, G, head_rows).valid) continue;
     WriteOutputRow(c, b, t.token[r], t.head[r], t.o_rows[r], t.m[r], t.l[r]);
   }
 }
 
-// Task (b, kv head, q block): merges the key splits' partial states in a fixed order.
+// Task (b, head group, q block): merges the key splits' partial states in a fixed order.
 template <typename T>
 void MergeSplits(void* state, size_t task_index) {
   const Call<T>& c = *static_cast<const Call<T>*>(state);
@@ -545,11 +594,13 @@ void MergeSplits(void* state, size_t task_index) {
   const int64_t G = s.group_size(), hp = c.head_pad, rpt = c.rows_per_task();
   const int64_t base = static_cast<int64_t>(task_index);
   const int64_t qb = base % c.num_q_blocks;
-  const int64_t g = (base / c.num_q_blocks) % s.kv_num_heads;
-  const int64_t b = base / (c.num_q_blocks * s.kv_num_heads);
+  const int64_t g0 = (base / c.num_q_blocks) % c.num_groups * c.group_heads;
+  const int64_t b = base / (c.num_q_blocks * c.num_groups);
   const int64_t i0 = qb * c.q_block, i1 = std::min(s.seq_len, i0 + c.q_block);
   std::vector<float> o(static_cast<size_t>(hp));
-  for (int64_t r = 0; r < (i1 - i0) * G; ++r) {
+  for (int64_t r = 0; r < rpt; ++r) {
+    const TaskRow row = MapRow(r, g0, i0, i1 - i0, G, c.head_rows_pad());
+    if (!row.valid) continue;
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t sp = 0; sp < c.num_splits; ++sp) {
       m = std::max(m, (*c.part_m)[(base * c.num_splits + sp) * rpt + r]);
@@ -567,7 +618,7 @@ void MergeSplits(void* state, size_t task_index) {
         for (int64_t d = 0; d < hp; ++d) o[d] += os[d] * w;
       }
     }
-    WriteOutputRow(c, b, i0 + r / G, g * G + r % G, o.data(), m, l);
+    WriteOutputRow(c, b, row.token, row.head, o.data(), m, l);
   }
 }
 
@@ -582,8 +633,8 @@ Status Run(const GqaShape& s, const GqaCpuBuffers& buf, const Parallel& parallel
         "ai.kvlayout::GroupQueryAttention: past_key/present_key and past_value/present_value "
         "must either both share memory or both not");
   }
-  Call<T> c{s, buf, {}, {}, shared, RoundUp(s.head_size, kDimStep), q_scaled, 1, 1, 1, 1,
-            &part_o, &part_m, &part_l, &new_k, &new_v};
+  Call<T> c{s,  buf, {}, {}, shared, RoundUp(s.head_size, kDimStep), q_scaled, 1, 1, 1, 1,
+            1,  1,   1,  &part_o, &part_m, &part_l, &new_k, &new_v};
   c.past_strides = MakeKvStrides(s.layout, s.kv_num_heads, s.past_capacity, s.head_size);
   c.present_strides = MakeKvStrides(s.layout, s.kv_num_heads, s.present_capacity, s.head_size);
   q_scaled.assign(static_cast<size_t>(s.batch * s.num_heads * s.seq_len * c.head_pad), 0.0f);
@@ -607,13 +658,21 @@ Status Run(const GqaShape& s, const GqaCpuBuffers& buf, const Parallel& parallel
   const int64_t G = s.group_size();
   // ~128 rows per task amortize the K tile's transposition; fewer when that starves threads.
   const int64_t want = 4 * static_cast<int64_t>(parallel.NumThreads());
-  c.q_block = std::max<int64_t>(1, 128 / G);
+  c.q_block = std::min(s.seq_len, std::max<int64_t>(1, 128 / G));
   while (c.q_block > 1 &&
          s.batch * s.kv_num_heads * ((s.seq_len + c.q_block - 1) / c.q_block) < want) {
     c.q_block /= 2;
   }
   c.num_q_blocks = (s.seq_len + c.q_block - 1) / c.q_block;
-  const int64_t base_tasks = s.batch * s.kv_num_heads * c.num_q_blocks;
+  // Token generation: 4-row micro-blocks when a head has <= 4 query rows (no padded FMAs), and,
+  // when a token's heads are adjacent in the cache (seq-major), one task over all of them so
+  // the cache streams in address order; key splits then provide the parallelism.
+  const bool decode_like = c.q_block * G <= kRowBlock;
+  c.row_block = c.q_block * G <= 4 ? 4 : kRowBlock;
+  const bool heads_adjacent = c.present_strides.head == s.head_size && !s.sliding_window_cache;
+  c.group_heads = decode_like && heads_adjacent ? s.kv_num_heads : 1;
+  c.num_groups = s.kv_num_heads / c.group_heads;
+  const int64_t base_tasks = s.batch * c.num_groups * c.num_q_blocks;
   const int64_t max_splits = std::max<int64_t>(1, s.total_seq_len / (4 * kTileKeys));
   c.num_splits = base_tasks >= want ? 1 : std::min(max_splits, (want + base_tasks - 1) / base_tasks);
   c.split_keys = RoundUp((s.total_seq_len + c.num_splits - 1) / c.num_splits, kTileKeys);
