@@ -46,6 +46,9 @@ constexpr int kWarp = 32;
 constexpr int kRowsPerWarp = 4;
 constexpr int kWarps = 4;
 constexpr int kRowsPerCta = kRowsPerWarp * kWarps;  // query rows (token x head) per CTA
+// Row k of a CTA belongs to warp k % kWarps (slot k / kWarps): a decode step's few rows (one
+// per query head of the group) land on different warps instead of all on warp 0.
+__device__ __forceinline__ int CtaRow(int warp, int slot) { return slot * kWarps + warp; }
 constexpr int kTileKeys = 32;                       // one key per lane
 constexpr int kMaxHeadSize = 256;
 constexpr int kPrepareWarps = 8;
@@ -174,9 +177,9 @@ AttnPlan MakePlan(const GqaShape& s, const CudaDeviceInfo& dev) {
   AttnPlan p;
   p.row_blocks = (s.seq_len * s.group_size() + kRowsPerCta - 1) / kRowsPerCta;
   const int64_t base = s.batch * s.kv_num_heads * p.row_blocks;
-  // Two waves of CTAs fill the GPU; a split below ~256 keys is not worth its combine.
+  // Two waves of CTAs fill the GPU; a split below ~64 keys (two tiles) is not worth its combine.
   const int64_t target = 2 * std::max(1, dev.sm_count);
-  const int64_t max_splits = std::max<int64_t>(1, s.present_capacity / 256);
+  const int64_t max_splits = std::max<int64_t>(1, s.present_capacity / 64);
   p.splits = base >= target ? 1 : std::min(max_splits, (target + base - 1) / base);
   const int64_t per = (s.present_capacity + p.splits - 1) / p.splits;
   p.split_keys = (per + kTileKeys - 1) / kTileKeys * kTileKeys;
@@ -246,11 +249,11 @@ __global__ void __launch_bounds__(kWarp* kWarps)
       key_lo = min(key_lo, lo);
       key_hi = max(key_hi, hi);
     }
-    if (k / kRowsPerWarp == warp) {
-      row_lo[k % kRowsPerWarp] = lo;
-      row_hi[k % kRowsPerWarp] = hi;
-      row_tok[k % kRowsPerWarp] = tok;
-      row_head[k % kRowsPerWarp] = head;
+    if (k % kWarps == warp) {
+      row_lo[k / kWarps] = lo;
+      row_hi[k / kWarps] = hi;
+      row_tok[k / kWarps] = tok;
+      row_head[k / kWarps] = head;
     }
     // Stage this row's query (zeros for rows without keys).
     const float* qsrc = q_ws + ((b * s.num_heads + head) * s.seq_len + tok) * H;
@@ -272,25 +275,44 @@ __global__ void __launch_bounds__(kWarp* kWarps)
   const T* pk = static_cast<const T*>(buf.present_key);
   const T* pv = static_cast<const T*>(buf.present_value);
   const T* bias = static_cast<const T*>(buf.attention_bias);
+  const bool aligned16 =
+      (reinterpret_cast<uintptr_t>(pk) | reinterpret_cast<uintptr_t>(pv)) % 16 == 0;
   for (int64_t k0 = key_lo; k0 < key_hi; k0 += kTileKeys) {
     __syncthreads();  // previous tile fully consumed (and qs staged, on the first tile)
-    for (int64_t idx = threadIdx.x; idx < kTileKeys * words; idx += blockDim.x) {
-      const int64_t j = idx / words, w = idx % words;
-      uint32_t kw = 0;
+    // 16-byte loads when the caches are 16-byte aligned (a row is H * sizeof(T) bytes, a
+    // multiple of 16 since H % 8 == 0); a cache bound at an odd offset takes element loads.
+    const int64_t quads = words / 4;
+    for (int64_t idx = threadIdx.x; aligned16 && idx < kTileKeys * quads; idx += blockDim.x) {
+      const int64_t j = idx / quads, w = (idx % quads) * 4;
+      uint4 kq = make_uint4(0, 0, 0, 0), vq = make_uint4(0, 0, 0, 0);
       if (k0 + j < key_hi) {
-        kw = reinterpret_cast<const uint32_t*>(pk + present_st.Offset(b, g, k0 + j))[w];
+        const int64_t off = present_st.Offset(b, g, k0 + j);
+        kq = reinterpret_cast<const uint4*>(pk + off)[w / 4];
+        vq = reinterpret_cast<const uint4*>(pv + off)[w / 4];
       }
-      ks[j * pitch + w] = kw;
+      uint32_t* kd = ks + j * pitch + w;  // odd pitch: word stores
+      kd[0] = kq.x;
+      kd[1] = kq.y;
+      kd[2] = kq.z;
+      kd[3] = kq.w;
+      reinterpret_cast<uint4*>(vs + j * H)[w / 4] = vq;
     }
-    for (int64_t idx = threadIdx.x; idx < kTileKeys * H; idx += blockDim.x) {
+    for (int64_t idx = threadIdx.x; !aligned16 && idx < kTileKeys * H; idx += blockDim.x) {
       const int64_t j = idx / H, d = idx % H;
-      vs[idx] = k0 + j < key_hi ? pv[present_st.Offset(b, g, k0 + j) + d] : FromF<T>(0.0f);
+      T kv = FromF<T>(0.0f), vv = FromF<T>(0.0f);
+      if (k0 + j < key_hi) {
+        const int64_t off = present_st.Offset(b, g, k0 + j) + d;
+        kv = pk[off];
+        vv = pv[off];
+      }
+      reinterpret_cast<T*>(ks + j * pitch)[d] = kv;
+      vs[j * H + d] = vv;
     }
     __syncthreads();
     for (int k = 0; k < kRowsPerWarp; ++k) {
       if (row_lo[k] >= k0 + kTileKeys || row_hi[k] <= k0 || row_lo[k] >= row_hi[k]) continue;
       const int64_t key = k0 + lane;
-      float sc = DotRow<T>(qs + (warp * kRowsPerWarp + k) * H, ks + lane * pitch, words);
+      float sc = DotRow<T>(qs + CtaRow(warp, k) * H, ks + lane * pitch, words);
       if (s.softcap > 0.0f) sc = s.softcap * tanhf(sc / s.softcap);
       // Keys of the tile past this split's end are zero-filled rows: never live.
       const bool live = key >= row_lo[k] && key < row_hi[k] && key < key_hi;
@@ -320,11 +342,11 @@ __global__ void __launch_bounds__(kWarp* kWarps)
   }
 
   for (int k = 0; k < kRowsPerWarp; ++k) {
-    const int64_t r = rb * kRowsPerCta + warp * kRowsPerWarp + k;
+    const int64_t r = rb * kRowsPerCta + CtaRow(warp, k);
     if (r >= s.seq_len * G) continue;
     if (plan.splits > 1) {
       const int64_t slot = ((blockIdx.y * plan.row_blocks + rb) * plan.splits + split) *
-                               kRowsPerCta + warp * kRowsPerWarp + k;
+                               kRowsPerCta + CtaRow(warp, k);
       if (lane == 0) {
         part_m[slot] = m[k];
         part_l[slot] = l[k];
