@@ -58,7 +58,8 @@ run_pass() {  # name, log file, command...
   "$@" 2>&1 | tee "$log"
   local rc=${PIPESTATUS[0]}
   local line
-  line=$(grep -E "[0-9]+ (passed|failed|skipped|error)" "$log" | tail -1)
+  # pytest's closing line ("... N passed ... in 12.3s"), not compute-sanitizer's "0 errors".
+  line=$(grep -E "[0-9]+ (passed|failed|skipped|errors?).* in [0-9.]+s" "$log" | tail -1)
   if [ "$rc" -eq 0 ] && [ "${ALLOW_SKIP:-0}" != "1" ] && ! grep -qE "[0-9]+ passed" <<<"$line"; then
     echo "!! $name: no test passed (all skipped?): see the skip reasons above; ALLOW_SKIP=1 to accept"
     rc=4
