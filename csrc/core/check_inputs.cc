@@ -404,6 +404,20 @@ Status CheckLengthsOnHost(const GqaShape& s, const int32_t* seqlens_k, const int
   return Status::Ok();
 }
 
+Status CheckSharing(const GqaBuffers& buf) {
+  if (buf.past_key != nullptr &&
+      (buf.past_key == buf.present_key) != (buf.past_value == buf.present_value)) {
+    return Fail("past_key/present_key and past_value/present_value must either both share ",
+                "memory or both not");
+  }
+  return Status::Ok();
+}
+
+size_t PresentBytes(const GqaShape& s) {
+  const size_t elem = s.dtype == DType::kFloat32 ? 4 : 2;
+  return static_cast<size_t>(s.batch * s.kv_num_heads * s.present_capacity * s.head_size) * elem;
+}
+
 int64_t TensorInfo::NumElements() const {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;

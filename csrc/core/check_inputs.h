@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "core/gqa_buffers.h"
 #include "core/gqa_types.h"
 #include "core/status.h"
 
@@ -19,6 +20,12 @@ Status CheckGqaInputs(const GqaAttributes& attrs, const GqaInputInfos& inputs,
 
 // Value checks that need seqlens_k / position_ids on the host (the CPU op; the CUDA kernels clamp
 // on the device instead). `shared_kv` is true when past and present are the same memory.
+// Past/present must share memory for both K and V or for neither.
+Status CheckSharing(const GqaBuffers& buf);
+
+// Bytes of one present cache (B, Nkv, C', H) of the op's type.
+size_t PresentBytes(const GqaShape& shape);
+
 // `query_seqlens` may be null when the input is absent.
 Status CheckLengthsOnHost(const GqaShape& shape, const int32_t* seqlens_k,
                           const int32_t* query_seqlens, const int64_t* position_ids,

@@ -626,13 +626,8 @@ template <typename T>
 Status Run(const GqaShape& s, const GqaCpuBuffers& buf, const Parallel& parallel) {
   std::vector<float> q_scaled, part_o, part_m, part_l;
   std::vector<T> new_k, new_v;
-  const bool shared = buf.past_key != nullptr && buf.past_key == buf.present_key;
-  if (buf.past_key != nullptr && (buf.past_key == buf.present_key) !=
-                                     (buf.past_value == buf.present_value)) {
-    return Status::Error(
-        "ai.kvlayout::GroupQueryAttention: past_key/present_key and past_value/present_value "
-        "must either both share memory or both not");
-  }
+  KVL_RETURN_IF_ERROR(CheckSharing(buf));
+  const bool shared = buf.shared();
   Call<T> c{s,  buf, {}, {}, shared, RoundUp(s.head_size, kDimStep), q_scaled, 1, 1, 1, 1,
             1,  1,   1,  &part_o, &part_m, &part_l, &new_k, &new_v};
   c.past_strides = MakeKvStrides(s.layout, s.kv_num_heads, s.past_capacity, s.head_size);

@@ -420,8 +420,7 @@ Status Launch(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo
   const KvStrides present_st =
       MakeKvStrides(s.layout, s.kv_num_heads, s.present_capacity, s.head_size);
 
-  const bool shared = buf.past_key != nullptr && buf.past_key == buf.present_key;
-  if (!shared) {
+  if (!buf.shared()) {
     const int64_t n = s.batch * s.kv_num_heads * s.present_capacity * s.head_size;
     const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 8 * dev.sm_count));
     CopyPastKernel<T><<<std::max(blocks, 1), 256, 0, stream>>>(s, buf, past_st, present_st);

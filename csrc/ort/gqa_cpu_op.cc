@@ -35,52 +35,19 @@ int EstimateThreads() {
 }
 
 Status Compute(Ort::KernelContext& ctx, const GqaAttributes& attrs) {
-  const GqaInputInfos inputs = DescribeInputs(ctx);
-  const int32_t* total_ptr = InputData<int32_t>(ctx, GqaInput::kTotalSequenceLength);
-  const bool total_ok = inputs[static_cast<int>(GqaInput::kTotalSequenceLength)].NumElements() == 1;
-  const int32_t total = total_ok && total_ptr ? *total_ptr : 0;
   GqaShape shape;
-  KVL_RETURN_IF_ERROR(CheckGqaInputs(attrs, inputs, total, &shape));
-
+  KVL_RETURN_IF_ERROR(ReadAndCheckInputs(ctx, attrs, &shape));
   GqaOutputs outputs;
   KVL_RETURN_IF_ERROR(AllocateOutputs(ctx, shape, &outputs));
-  GqaCpuBuffers buf;
-  buf.query = InputData<void>(ctx, GqaInput::kQuery);
-  buf.key = InputData<void>(ctx, GqaInput::kKey);
-  buf.value = InputData<void>(ctx, GqaInput::kValue);
-  buf.past_key = InputData<void>(ctx, GqaInput::kPastKey);
-  buf.past_value = InputData<void>(ctx, GqaInput::kPastValue);
-  buf.seqlens_k = InputData<int32_t>(ctx, GqaInput::kSeqlensK);
-  if (shape.rotary_dim > 0) {
-    buf.cos_cache = InputData<void>(ctx, GqaInput::kCosCache);
-    buf.sin_cache = InputData<void>(ctx, GqaInput::kSinCache);
-  }
-  buf.position_ids = InputData<int64_t>(ctx, GqaInput::kPositionIds);
-  buf.query_seqlens = InputData<int32_t>(ctx, GqaInput::kQuerySeqlens);
-  buf.attention_bias = InputData<void>(ctx, GqaInput::kAttentionBias);
-  buf.head_sink = InputData<void>(ctx, GqaInput::kHeadSink);
-  buf.q_norm_weight = InputData<void>(ctx, GqaInput::kQNormWeight);
-  buf.k_norm_weight = InputData<void>(ctx, GqaInput::kKNormWeight);
-  buf.output = outputs.output;
-
+  GqaBuffers buf = CollectBuffers(ctx, shape, outputs);
   // A node without present outputs still needs the cache for this call's attention.
-  const size_t elem = shape.dtype == DType::kFloat32 ? 4 : 2;
-  const size_t cache_bytes = static_cast<size_t>(shape.batch * shape.kv_num_heads *
-                                                 shape.present_capacity * shape.head_size) * elem;
-  std::vector<unsigned char> scratch_k, scratch_v;
-  if (outputs.present_key == nullptr) {
-    scratch_k.resize(cache_bytes);
-    outputs.present_key = scratch_k.data();
-  }
-  if (outputs.present_value == nullptr) {
-    scratch_v.resize(cache_bytes);
-    outputs.present_value = scratch_v.data();
-  }
-  buf.present_key = outputs.present_key;
-  buf.present_value = outputs.present_value;
-  const bool shared = buf.past_key != nullptr && buf.past_key == buf.present_key;
-  KVL_RETURN_IF_ERROR(CheckLengthsOnHost(shape, buf.seqlens_k, buf.query_seqlens, buf.position_ids, shared));
-
+  std::vector<unsigned char> scratch_k(buf.present_key ? 0 : PresentBytes(shape));
+  std::vector<unsigned char> scratch_v(buf.present_value ? 0 : PresentBytes(shape));
+  if (!buf.present_key) buf.present_key = scratch_k.data();
+  if (!buf.present_value) buf.present_value = scratch_v.data();
+  KVL_RETURN_IF_ERROR(CheckSharing(buf));
+  KVL_RETURN_IF_ERROR(
+      CheckLengthsOnHost(shape, buf.seqlens_k, buf.query_seqlens, buf.position_ids, buf.shared()));
   OrtParallel parallel(ctx);
   parallel.set_threads(EstimateThreads());
   return RunGqaCpu(shape, buf, parallel);

@@ -14,20 +14,9 @@ class GqaCpuKernel {
   GqaAttributes attrs_;
 };
 
-struct GqaCpuOp : Ort::CustomOpBase<GqaCpuOp, GqaCpuKernel, /*WithStatus=*/true> {
-  GqaCpuOp() { SetCommonSchema(this); }
+struct GqaCpuOp : GqaOpBase<GqaCpuOp, GqaCpuKernel> {
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const;
-  const char* GetName() const { return kOpName; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  // Unused: SetCommonSchema installs the real callbacks; CustomOpBase needs the names.
-  size_t GetInputTypeCount() const { return kGqaInputCount; }
-  ONNXTensorElementDataType GetInputType(size_t) const {
-    return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-  }
-  size_t GetOutputTypeCount() const { return kGqaOutputCount; }
-  ONNXTensorElementDataType GetOutputType(size_t) const {
-    return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-  }
 };
 
 }  // namespace kvl

@@ -30,55 +30,25 @@ class DeviceBuffer {
 };
 
 Status Compute(Ort::KernelContext& ctx, const GqaAttributes& attrs, const CudaDeviceInfo& dev) {
-  const GqaInputInfos inputs = DescribeInputs(ctx);
-  const int32_t* total_ptr = InputData<int32_t>(ctx, GqaInput::kTotalSequenceLength);  // host
-  const bool total_ok = inputs[static_cast<int>(GqaInput::kTotalSequenceLength)].NumElements() == 1;
   GqaShape shape;
-  KVL_RETURN_IF_ERROR(CheckGqaInputs(attrs, inputs, total_ok && total_ptr ? *total_ptr : 0, &shape));
+  KVL_RETURN_IF_ERROR(ReadAndCheckInputs(ctx, attrs, &shape));
   KVL_RETURN_IF_ERROR(CheckCudaSupport(shape));
-
   GqaOutputs outputs;
   KVL_RETURN_IF_ERROR(AllocateOutputs(ctx, shape, &outputs));
-  const size_t elem = shape.dtype == DType::kFloat32 ? 4 : 2;
-  const size_t cache_bytes = static_cast<size_t>(shape.batch * shape.kv_num_heads *
-                                                 shape.present_capacity * shape.head_size) * elem;
+  GqaBuffers buf = CollectBuffers(ctx, shape, outputs);
   // A node without present outputs still needs the cache for this call's attention.
-  DeviceBuffer scratch_k(ctx, dev.device, outputs.present_key ? 0 : cache_bytes);
-  DeviceBuffer scratch_v(ctx, dev.device, outputs.present_value ? 0 : cache_bytes);
+  DeviceBuffer scratch_k(ctx, dev.device, buf.present_key ? 0 : PresentBytes(shape));
+  DeviceBuffer scratch_v(ctx, dev.device, buf.present_value ? 0 : PresentBytes(shape));
   DeviceBuffer workspace(ctx, dev.device, GqaCudaWorkspaceBytes(shape, dev));
-  if ((!outputs.present_key && !scratch_k.get()) || (!outputs.present_value && !scratch_v.get()) ||
-      !workspace.get()) {
+  if (!buf.present_key) buf.present_key = scratch_k.get();
+  if (!buf.present_value) buf.present_value = scratch_v.get();
+  if (!buf.present_key || !buf.present_value || !workspace.get()) {
     return Status::Error("ai.kvlayout::GroupQueryAttention (CUDA): could not allocate the "
                          "workspace from the CUDA allocator");
   }
-
-  GqaCudaBuffers buf;
-  buf.query = InputData<void>(ctx, GqaInput::kQuery);
-  buf.key = InputData<void>(ctx, GqaInput::kKey);
-  buf.value = InputData<void>(ctx, GqaInput::kValue);
-  buf.past_key = InputData<void>(ctx, GqaInput::kPastKey);
-  buf.past_value = InputData<void>(ctx, GqaInput::kPastValue);
-  buf.seqlens_k = InputData<int32_t>(ctx, GqaInput::kSeqlensK);
-  buf.query_seqlens = InputData<int32_t>(ctx, GqaInput::kQuerySeqlens);
-  if (shape.rotary_dim > 0) {
-    buf.cos_cache = InputData<void>(ctx, GqaInput::kCosCache);
-    buf.sin_cache = InputData<void>(ctx, GqaInput::kSinCache);
-  }
-  buf.position_ids = InputData<int64_t>(ctx, GqaInput::kPositionIds);
-  buf.attention_bias = InputData<void>(ctx, GqaInput::kAttentionBias);
-  buf.head_sink = InputData<void>(ctx, GqaInput::kHeadSink);
-  buf.q_norm_weight = InputData<void>(ctx, GqaInput::kQNormWeight);
-  buf.k_norm_weight = InputData<void>(ctx, GqaInput::kKNormWeight);
-  buf.output = outputs.output;
-  buf.present_key = outputs.present_key ? outputs.present_key : scratch_k.get();
-  buf.present_value = outputs.present_value ? outputs.present_value : scratch_v.get();
-  if (buf.past_key != nullptr && (buf.past_key == buf.present_key) !=
-                                     (buf.past_value == buf.present_value)) {
-    return Status::Error("ai.kvlayout::GroupQueryAttention: past_key/present_key and "
-                         "past_value/present_value must either both share memory or both not");
-  }
-  const bool shared = buf.past_key != nullptr && buf.past_key == buf.present_key;
-  if (shared && shape.total_seq_len > shape.past_capacity) {
+  KVL_RETURN_IF_ERROR(CheckSharing(buf));
+  // seqlens_k lives on the device: its values are clamped there, the capacity is checked here.
+  if (buf.shared() && shape.total_seq_len > shape.past_capacity) {
     return Status::Error("ai.kvlayout::GroupQueryAttention: input 'total_sequence_length' (" +
                          std::to_string(shape.total_seq_len) +
                          ") exceeds the capacity of the shared past/present buffer (" +

@@ -220,6 +220,39 @@ GqaInputInfos DescribeInputs(Ort::KernelContext& ctx) {
   return infos;
 }
 
+Status ReadAndCheckInputs(Ort::KernelContext& ctx, const GqaAttributes& attrs, GqaShape* shape) {
+  const GqaInputInfos inputs = DescribeInputs(ctx);
+  const int32_t* total = InputData<int32_t>(ctx, GqaInput::kTotalSequenceLength);
+  const bool one = inputs[static_cast<int>(GqaInput::kTotalSequenceLength)].NumElements() == 1;
+  // A malformed total_sequence_length reaches CheckGqaInputs, which names it.
+  return CheckGqaInputs(attrs, inputs, one && total != nullptr ? *total : 0, shape);
+}
+
+GqaBuffers CollectBuffers(Ort::KernelContext& ctx, const GqaShape& shape,
+                          const GqaOutputs& outputs) {
+  GqaBuffers buf;
+  buf.query = InputData<void>(ctx, GqaInput::kQuery);
+  buf.key = InputData<void>(ctx, GqaInput::kKey);
+  buf.value = InputData<void>(ctx, GqaInput::kValue);
+  buf.past_key = InputData<void>(ctx, GqaInput::kPastKey);
+  buf.past_value = InputData<void>(ctx, GqaInput::kPastValue);
+  buf.seqlens_k = InputData<int32_t>(ctx, GqaInput::kSeqlensK);
+  buf.query_seqlens = InputData<int32_t>(ctx, GqaInput::kQuerySeqlens);
+  if (shape.rotary_dim > 0) {
+    buf.cos_cache = InputData<void>(ctx, GqaInput::kCosCache);
+    buf.sin_cache = InputData<void>(ctx, GqaInput::kSinCache);
+  }
+  buf.position_ids = InputData<int64_t>(ctx, GqaInput::kPositionIds);
+  buf.attention_bias = InputData<void>(ctx, GqaInput::kAttentionBias);
+  buf.head_sink = InputData<void>(ctx, GqaInput::kHeadSink);
+  buf.q_norm_weight = InputData<void>(ctx, GqaInput::kQNormWeight);
+  buf.k_norm_weight = InputData<void>(ctx, GqaInput::kKNormWeight);
+  buf.output = outputs.output;
+  buf.present_key = outputs.present_key;
+  buf.present_value = outputs.present_value;
+  return buf;
+}
+
 OrtStatusPtr ToOrtStatus(const Status& status) {
   if (status.ok()) return nullptr;
   return Ort::GetApi().CreateStatus(ORT_INVALID_ARGUMENT, status.message().c_str());

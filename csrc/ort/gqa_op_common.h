@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/check_inputs.h"
+#include "core/gqa_buffers.h"
 #include "core/gqa_types.h"
 
 namespace kvl {
@@ -23,6 +24,10 @@ GqaAttributes ReadGqaAttributes(const OrtApi& api, const OrtKernelInfo* info);
 // Shapes, types and presence of the node's inputs as the kernel sees them this call.
 GqaInputInfos DescribeInputs(Ort::KernelContext& ctx);
 
+// Describes the inputs, reads total_sequence_length (host memory for both ops) and runs
+// CheckGqaInputs: the first step of both ops' Compute.
+Status ReadAndCheckInputs(Ort::KernelContext& ctx, const GqaAttributes& attrs, GqaShape* shape);
+
 // Converts a kvl::Status into an OrtStatus (nullptr when ok).
 OrtStatusPtr ToOrtStatus(const Status& status);
 
@@ -35,9 +40,29 @@ struct GqaOutputs {
 };
 Status AllocateOutputs(Ort::KernelContext& ctx, const GqaShape& shape, GqaOutputs* outputs);
 
+// The input pointers of this call (rotary caches only when rotary is on) and the outputs.
+GqaBuffers CollectBuffers(Ort::KernelContext& ctx, const GqaShape& shape,
+                          const GqaOutputs& outputs);
+
 // Schema callbacks common to both ops: input/output types, optionality, memory types,
 // past->present in-place hints and shape inference. Installed by SetCommonSchema.
 void SetCommonSchema(OrtCustomOp* op);
+
+// What the CPU and CUDA ops share: the schema (SetCommonSchema installs the real callbacks;
+// CustomOpBase needs the names below to exist) and kernel creation returning a status.
+template <typename TOp, typename TKernel>
+struct GqaOpBase : Ort::CustomOpBase<TOp, TKernel, /*WithStatus=*/true> {
+  GqaOpBase() { SetCommonSchema(this); }
+  const char* GetName() const { return kOpName; }
+  size_t GetInputTypeCount() const { return kGqaInputCount; }
+  ONNXTensorElementDataType GetInputType(size_t) const {
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  }
+  size_t GetOutputTypeCount() const { return kGqaOutputCount; }
+  ONNXTensorElementDataType GetOutputType(size_t) const {
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  }
+};
 
 template <typename T>
 const T* InputData(Ort::KernelContext& ctx, GqaInput which) {

@@ -1,0 +1,33 @@
+// Pointers of one call, for both execution providers (host memory on CPU, device memory on
+// CUDA, except where noted). Element type is GqaShape::dtype (T) unless noted; absent inputs are
+// null.
+#pragma once
+
+#include <cstdint>
+
+namespace kvl {
+
+struct GqaBuffers {
+  const void* query = nullptr;             // (B, S, N*H) or packed (B, S, (N+2*Nkv)*H)
+  const void* key = nullptr;               // (B, S, Nkv*H), null when packed
+  const void* value = nullptr;             // (B, S, Nkv*H), null when packed
+  const void* past_key = nullptr;          // (B, Nkv, C, H) declared; byte order of the layout
+  const void* past_value = nullptr;        // same as past_key
+  const int32_t* seqlens_k = nullptr;      // (B) int32
+  const int32_t* query_seqlens = nullptr;  // (B) int32
+  const void* cos_cache = nullptr;         // (max_pos, rotary_dim/2); null without rotary
+  const void* sin_cache = nullptr;         // (max_pos, rotary_dim/2); null without rotary
+  const int64_t* position_ids = nullptr;   // (B, S) int64
+  const void* attention_bias = nullptr;    // (B or 1, N or 1, S, total)
+  const void* head_sink = nullptr;         // (N)
+  const void* q_norm_weight = nullptr;     // (H)
+  const void* k_norm_weight = nullptr;     // (H)
+  void* output = nullptr;                  // (B, S, N*H)
+  void* present_key = nullptr;             // (B, Nkv, C', H) declared; may alias past_key
+  void* present_value = nullptr;           // same as present_key
+
+  // Past and present share memory (onnxruntime-genai binds one buffer to both): append in place.
+  bool shared() const { return past_key != nullptr && past_key == present_key; }
+};
+
+}  // namespace kvl
