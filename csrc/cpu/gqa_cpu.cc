@@ -371,6 +371,9 @@ void AttentionRows(const Call<T>& c, Scratch& t, int64_t b, int64_t r_begin, int
   const int64_t H = s.head_size, hp = c.head_pad;
   const T* bias = static_cast<const T*>(c.buf.attention_bias);
   const float softcap = s.softcap;
+  // Score columns that can hold a key: short tiles (token generation over many heads) skip the
+  // softmax work on the rest.
+  const int width = static_cast<int>(RoundUp(tile, kVW));
   for (int64_t r0 = r_begin; r0 < r_end; r0 += RB) {
     bool any = false;
     for (int r = 0; r < RB; ++r) any |= t.lo[r0 + r] < k0 + tile && t.hi[r0 + r] > k0;
@@ -391,7 +394,7 @@ void AttentionRows(const Call<T>& c, Scratch& t, int64_t b, int64_t r_begin, int
       }
       if (softcap > 0.0f) {
         // c * tanh(x / c), tanh(y) = 1 - 2 / (exp(2y) + 1)
-        for (int j = 0; j < kTileKeys; j += kVW) {
+        for (int j = 0; j < width; j += kVW) {
           const VecF e = VecExp(Load(sc + j) * (2.0f / softcap));
           Store(sc + j, softcap - (2.0f * softcap) / (e + 1.0f));
         }
@@ -403,9 +406,9 @@ void AttentionRows(const Call<T>& c, Scratch& t, int64_t b, int64_t r_begin, int
         for (int64_t j = jlo; j < jhi; ++j) sc[j] += ToFloat(brow[k0 + j]);
       }
       for (int64_t j = 0; j < jlo; ++j) sc[j] = -std::numeric_limits<float>::infinity();
-      for (int64_t j = jhi; j < kTileKeys; ++j) sc[j] = -std::numeric_limits<float>::infinity();
+      for (int64_t j = jhi; j < width; ++j) sc[j] = -std::numeric_limits<float>::infinity();
       VecF vmax = Load(sc);
-      for (int j = kVW; j < kTileKeys; j += kVW) {
+      for (int j = kVW; j < width; j += kVW) {
         const VecF x = Load(sc + j);
         vmax = x > vmax ? x : vmax;
       }
@@ -418,7 +421,7 @@ void AttentionRows(const Call<T>& c, Scratch& t, int64_t b, int64_t r_begin, int
         continue;
       }
       VecF sum = Splat(0.0f);
-      for (int j = 0; j < kTileKeys; j += kVW) {
+      for (int j = 0; j < width; j += kVW) {
         const VecF e = VecExp(Load(sc + j) - m_new);
         Store(sc + j, e);
         sum += e;
