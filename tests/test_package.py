@@ -1,0 +1,62 @@
+"""The Python surface: register(), library_path(), build_info(), layout names and arithmetic.
+
+The package's layout helpers are checked against the oracle's independent copy in
+tests/reference.py, so a stride bug in either shows up here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import reference
+
+ort_kvlayout = pytest.importorskip("ort_kvlayout", reason="ort_kvlayout is not installed")
+
+
+def test_register_returns_domain_and_loads_library():
+    so = ort.SessionOptions()
+    assert ort_kvlayout.register(so) == ort_kvlayout.DOMAIN == "ai.kvlayout"
+    path = Path(ort_kvlayout.library_path())
+    assert path.is_absolute() and path.is_file() and path.name == "libort_kvlayout.so"
+
+
+def test_build_info_and_version():
+    info = ort_kvlayout.build_info()
+    assert info["version"] == ort_kvlayout.__version__
+    assert info["ort_api_version"] >= 21
+    assert info["ort_header_version"].count(".") == 2
+    assert isinstance(info["cuda"], bool)
+    assert isinstance(ort_kvlayout.cuda_available(), bool)
+    if not info["cuda"]:
+        assert ort_kvlayout.cuda_available() is False
+
+
+def test_layout_names_and_ids():
+    assert (ort_kvlayout.HEAD_MAJOR, ort_kvlayout.SEQ_MAJOR) == (0, 1)
+    assert ort_kvlayout.LAYOUT_NAMES == {0: "head_major_bnsh", 1: "seq_major_bsnh"}
+    for text, want in [("seq-major", 1), ("head_major", 0), ("seq_major_bsnh", 1), ("BNSH", 0)]:
+        assert ort_kvlayout.layout_id(text) == want
+    for bad in (2, -1, "row-major"):
+        with pytest.raises(ValueError, match="kv_layout|KV layout"):
+            ort_kvlayout.layout_id(bad)
+
+
+@pytest.mark.parametrize("layout", [0, 1])
+def test_layout_arithmetic_matches_the_oracle(layout):
+    rng = np.random.default_rng()
+    b, n, c, h = 2, 3, 7, 8
+    strides = ort_kvlayout.kv_strides(layout, n, c, h)
+    assert tuple(strides) == reference.kv_strides(layout, b, n, c, h)
+    logical = rng.standard_normal((b, n, c, h)).astype(np.float32)
+    buf = ort_kvlayout.to_layout(logical, layout)
+    assert buf.shape == logical.shape
+    np.testing.assert_array_equal(buf, reference.to_layout(logical, layout))
+    np.testing.assert_array_equal(ort_kvlayout.from_layout(buf, layout), logical)
+    # Element (b, h, s, d) sits where the strides say.
+    flat = buf.reshape(-1)
+    for idx in [(0, 0, 0, 0), (1, 2, 6, 7), (1, 0, 3, 5), (0, 2, 1, 2)]:
+        offset = sum(i * st for i, st in zip(idx, strides))
+        assert flat[offset] == logical[idx]
