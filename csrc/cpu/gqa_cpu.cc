@@ -32,6 +32,24 @@ inline VecF Load(const float* p) {
 inline void Store(float* p, VecF v) { std::memcpy(p, &v, sizeof v); }
 inline VecF Splat(float x) { return VecF{} + x; }
 
+// Sum of a vector's lanes by halving shuffles (log2(kVW) vector adds, not kVW scalar ones).
+inline float HorizontalSum(VecF v) {
+#if defined(__AVX512F__)
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+#elif defined(__AVX__)
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+#else
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2);
+#endif
+  return v[0];
+}
+
 // exp(x) for a vector, relative error ~2e-7; inputs below -87 (and -inf) give exactly 0.
 inline VecF VecExp(VecF x) {
   const VecF lo = Splat(-87.0f), hi = Splat(88.0f);
@@ -307,11 +325,7 @@ inline void ScoreDot(const float* const* q, const float* const* k, int tile, int
       const VecF kv = Load(k[j] + d);
       for (int r = 0; r < RB; ++r) acc[r] += Load(q[r] + d) * kv;
     }
-    for (int r = 0; r < RB; ++r) {
-      float sum = 0.0f;
-      for (int l = 0; l < kVW; ++l) sum += acc[r][l];
-      scores[r * kTileKeys + j] = sum;
-    }
+    for (int r = 0; r < RB; ++r) scores[r * kTileKeys + j] = HorizontalSum(acc[r]);
   }
   for (int r = 0; r < RB; ++r) {
     std::fill(scores + r * kTileKeys + tile, scores + (r + 1) * kTileKeys, 0.0f);
