@@ -294,20 +294,21 @@ void WriteSlidingPresent(void* state, size_t task) {
   }
 }
 
-// scores[r][j] = q_r . k_j for 4 query rows and kTileKeys keys (k transposed: kt[d][j]).
+// scores[r][j] = q_r . k_j for RB query rows and kTileKeys keys (k transposed: kt[d][j]).
+template <int RB>
 inline void ScoreBlock(const float* const* q, const float* kt, int64_t H, float* scores) {
   for (int j0 = 0; j0 < kTileKeys; j0 += 2 * kVW) {
-    VecF acc[kRowBlock][2] = {};
+    VecF acc[RB][2] = {};
     for (int64_t d = 0; d < H; ++d) {
       const VecF k0 = Load(kt + d * kTileKeys + j0);
       const VecF k1 = Load(kt + d * kTileKeys + j0 + kVW);
-      for (int r = 0; r < kRowBlock; ++r) {
+      for (int r = 0; r < RB; ++r) {
         const VecF qd = Splat(q[r][d]);
         acc[r][0] += qd * k0;
         acc[r][1] += qd * k1;
       }
     }
-    for (int r = 0; r < kRowBlock; ++r) {
+    for (int r = 0; r < RB; ++r) {
       Store(scores + r * kTileKeys + j0, acc[r][0]);
       Store(scores + r * kTileKeys + j0 + kVW, acc[r][1]);
     }
@@ -395,7 +396,7 @@ void AttentionRows(const Call<T>& c, Scratch& t, int64_t b, int64_t r_begin, int
     if (dot_scores) {
       ScoreDot<RB>(t.q_rows.data() + r0, t.k_rows.data(), tile, hp, t.scores.data());
     } else {
-      ScoreBlock(t.q_rows.data() + r0, t.kt.data(), H, t.scores.data());
+      ScoreBlock<RB>(t.q_rows.data() + r0, t.kt.data(), H, t.scores.data());
     }
     for (int r = 0; r < RB; ++r) {
       float* sc = t.scores.data() + r * kTileKeys;
