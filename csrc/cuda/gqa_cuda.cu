@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <mma.h>
 
 #include <algorithm>
 #include <string>
@@ -177,8 +178,9 @@ AttnPlan MakePlan(const GqaShape& s, const CudaDeviceInfo& dev) {
   AttnPlan p;
   p.row_blocks = (s.seq_len * s.group_size() + kRowsPerCta - 1) / kRowsPerCta;
   const int64_t base = s.batch * s.kv_num_heads * p.row_blocks;
-  // Two waves of CTAs fill the GPU; a split below ~64 keys (two tiles) is not worth its combine.
-  const int64_t target = 2 * std::max(1, dev.sm_count);
+  // Eight CTAs per SM keep enough tile loads in flight (a CTA waits on each of its tiles); a
+  // split below ~64 keys (two tiles) is not worth its combine.
+  const int64_t target = 8 * std::max(1, dev.sm_count);
   const int64_t max_splits = std::max<int64_t>(1, s.present_capacity / 64);
   p.splits = base >= target ? 1 : std::min(max_splits, (target + base - 1) / base);
   const int64_t per = (s.present_capacity + p.splits - 1) / p.splits;
@@ -401,10 +403,221 @@ __global__ void CombineKernel(GqaShape s, GqaCudaBuffers buf, AttnPlan plan,
   }
 }
 
+
 Status CudaCheck(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return Status::Ok();
   return Status::Error(std::string("ai.kvlayout::GroupQueryAttention (CUDA): ") + what + ": " +
                        cudaGetErrorString(err));
+}
+
+// ---- 3b. prefill on tensor cores (fp16/bf16, H = 64 or 128): CTA = 64 query tokens of one
+//          query head; S = Q K^T and O += P V with WMMA 16x16x16, online softmax in between.
+//          Q in T (rounded once), scores and O accumulated in float. -----------------------------
+constexpr int kTcRows = 64;  // query tokens per CTA: 4 warps x 16 rows
+constexpr int kTcKeys = 64;  // keys per tile
+
+template <int HD, typename T>
+size_t TcSmemBytes() {
+  return sizeof(T) * 3 * kTcRows * HD             // Q, K, V tiles
+         + sizeof(float) * kWarps * 16 * kTcKeys  // S per warp
+         + sizeof(T) * kWarps * 16 * kTcKeys      // P per warp
+         + sizeof(float) * kWarps * 16 * HD       // O per warp
+         + sizeof(float) * 3 * kTcRows;           // alpha, m, l per row
+}
+
+template <typename T, int HD>
+__global__ void __launch_bounds__(kWarp* kWarps)
+    PrefillTcKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_st, const float* q_ws) {
+  using namespace nvcuda;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* qs = reinterpret_cast<T*>(smem);
+  T* ks = qs + kTcRows * HD;
+  T* vs = ks + kTcKeys * HD;
+  float* ss = reinterpret_cast<float*>(vs + kTcKeys * HD);
+  T* ps = reinterpret_cast<T*>(ss + kWarps * 16 * kTcKeys);
+  float* os = reinterpret_cast<float*>(ps + kWarps * 16 * kTcKeys);
+  float* row_alpha = os + kWarps * 16 * HD;
+  float* row_m = row_alpha + kTcRows;
+  float* row_l = row_m + kTcRows;
+
+  const int64_t b = blockIdx.z, h = blockIdx.y, g = h / s.group_size();
+  const int64_t tok0 = int64_t(blockIdx.x) * kTcRows;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const BatchGeometry geo = Geo(s, buf, b);
+  // Key range [lo, hi) of query row r of this CTA (empty for padding and rows past S).
+  auto range = [&](int r, int64_t* lo, int64_t* hi) {
+    const int64_t tok = tok0 + r;
+    *lo = 0;
+    *hi = 0;
+    if (tok >= s.seq_len || tok >= geo.new_rows) return;
+    const int64_t p = geo.past + tok;
+    *hi = s.causal ? p + 1 : geo.total;
+    if (s.has_attention_bias && *hi > s.bias_total) *hi = s.bias_total;
+    *lo = s.local_window > 0 ? (p + 1 - s.local_window > 0 ? p + 1 - s.local_window : 0)
+                             : (s.local_window == 0 ? *hi : 0);
+  };
+  int64_t key_lo = INT64_MAX, key_hi = 0;
+  for (int r = 0; r < kTcRows; ++r) {
+    int64_t lo, hi;
+    range(r, &lo, &hi);
+    if (lo < hi) {
+      key_lo = min(key_lo, lo);
+      key_hi = max(key_hi, hi);
+    }
+  }
+  for (int64_t idx = threadIdx.x; idx < kTcRows * HD; idx += blockDim.x) {
+    const int64_t r = idx / HD, d = idx % HD, tok = tok0 + r;
+    const float q = tok < s.seq_len ? q_ws[((b * s.num_heads + h) * s.seq_len + tok) * HD + d] : 0.0f;
+    qs[idx] = FromF<T>(q);
+  }
+  for (int64_t idx = threadIdx.x; idx < kWarps * 16 * HD; idx += blockDim.x) os[idx] = 0.0f;
+  for (int r = threadIdx.x; r < kTcRows; r += blockDim.x) {
+    row_m[r] = -INFINITY;
+    row_l[r] = 0.0f;
+  }
+  const T* pk = static_cast<const T*>(buf.present_key);
+  const T* pv = static_cast<const T*>(buf.present_value);
+  const T* bias = static_cast<const T*>(buf.attention_bias);
+  const bool aligned16 =
+      (reinterpret_cast<uintptr_t>(pk) | reinterpret_cast<uintptr_t>(pv)) % 16 == 0;
+  float* my_s = ss + warp * 16 * kTcKeys;
+  T* my_p = ps + warp * 16 * kTcKeys;
+  float* my_o = os + warp * 16 * HD;
+  const int rr = lane / 2, half = lane % 2;  // softmax: two lanes per row, 32 keys each
+  const int row = warp * 16 + rr;
+  int64_t lo, hi;
+  range(row, &lo, &hi);
+
+  for (int64_t k0 = key_lo; k0 < key_hi; k0 += kTcKeys) {
+    __syncthreads();  // previous tile consumed (and Q, O, m, l initialized, on the first)
+    constexpr int kQuads = HD * sizeof(T) / 16;
+    for (int64_t idx = threadIdx.x; aligned16 && idx < kTcKeys * kQuads; idx += blockDim.x) {
+      const int64_t j = idx / kQuads, qd = idx % kQuads;
+      uint4 kq = make_uint4(0, 0, 0, 0), vq = make_uint4(0, 0, 0, 0);
+      if (k0 + j < key_hi) {
+        const int64_t off = present_st.Offset(b, g, k0 + j);
+        kq = reinterpret_cast<const uint4*>(pk + off)[qd];
+        vq = reinterpret_cast<const uint4*>(pv + off)[qd];
+      }
+      reinterpret_cast<uint4*>(ks + j * HD)[qd] = kq;
+      reinterpret_cast<uint4*>(vs + j * HD)[qd] = vq;
+    }
+    for (int64_t idx = threadIdx.x; !aligned16 && idx < kTcKeys * HD; idx += blockDim.x) {
+      const int64_t j = idx / HD, d = idx % HD;
+      const bool in = k0 + j < key_hi;
+      const int64_t off = in ? present_st.Offset(b, g, k0 + j) + d : 0;
+      ks[idx] = in ? pk[off] : FromF<T>(0.0f);
+      vs[idx] = in ? pv[off] : FromF<T>(0.0f);
+    }
+    __syncthreads();
+
+    // S (16 x 64) = Q (16 x HD) K^T: K row-major [key][d] is K^T column-major.
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> sacc[kTcKeys / 16];
+    for (int n = 0; n < kTcKeys / 16; ++n) wmma::fill_fragment(sacc[n], 0.0f);
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qa;
+      wmma::load_matrix_sync(qa, qs + warp * 16 * HD + kk * 16, HD);
+      for (int n = 0; n < kTcKeys / 16; ++n) {
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kb;
+        wmma::load_matrix_sync(kb, ks + n * 16 * HD + kk * 16, HD);
+        wmma::mma_sync(sacc[n], qa, kb, sacc[n]);
+      }
+    }
+    for (int n = 0; n < kTcKeys / 16; ++n) {
+      wmma::store_matrix_sync(my_s + n * 16, sacc[n], kTcKeys, wmma::mem_row_major);
+    }
+    __syncwarp();
+
+    // Online softmax of row `row` over this tile; lanes 2k and 2k+1 share the row.
+    float sc[kTcKeys / 2];
+    float tmax = -INFINITY;
+    for (int j = 0; j < kTcKeys / 2; ++j) {
+      const int64_t key = k0 + half * (kTcKeys / 2) + j;
+      float x = my_s[rr * kTcKeys + half * (kTcKeys / 2) + j];
+      if (s.softcap > 0.0f) x = s.softcap * tanhf(x / s.softcap);
+      const bool live = key >= lo && key < hi && key < key_hi;
+      if (bias != nullptr && live) {
+        const int64_t bb = s.bias_batch == 1 ? 0 : b, bh = s.bias_heads == 1 ? 0 : h;
+        x += ToF(bias[((bb * s.bias_heads + bh) * s.seq_len + tok0 + row) * s.bias_total + key]);
+      }
+      sc[j] = live ? x : -INFINITY;
+      tmax = fmaxf(tmax, sc[j]);
+    }
+    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
+    const float m_old = row_m[row];
+    const float m_new = fmaxf(m_old, tmax);
+    float alpha = 1.0f, sum = 0.0f;
+    if (m_new == -INFINITY) {  // nothing live in this row so far
+      for (int j = 0; j < kTcKeys / 2; ++j) my_p[rr * kTcKeys + half * (kTcKeys / 2) + j] = FromF<T>(0.0f);
+    } else {
+      alpha = m_old == -INFINITY ? 0.0f : __expf(m_old - m_new);
+      for (int j = 0; j < kTcKeys / 2; ++j) {
+        const float pj = sc[j] == -INFINITY ? 0.0f : __expf(sc[j] - m_new);
+        sum += pj;
+        my_p[rr * kTcKeys + half * (kTcKeys / 2) + j] = FromF<T>(pj);
+      }
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    if (half == 0) {
+      row_alpha[row] = alpha;
+      row_m[row] = m_new;
+      row_l[row] = row_l[row] * alpha + sum;
+    }
+    __syncwarp();
+    for (int e = lane; e < 16 * HD; e += kWarp) my_o[e] *= row_alpha[warp * 16 + e / HD];
+    __syncwarp();
+
+    // O (16 x HD) += P (16 x 64) V (64 x HD).
+    for (int dn = 0; dn < HD / 16; ++dn) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> oacc;
+      wmma::load_matrix_sync(oacc, my_o + dn * 16, HD, wmma::mem_row_major);
+      for (int kk = 0; kk < kTcKeys / 16; ++kk) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pa;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vb;
+        wmma::load_matrix_sync(pa, my_p + kk * 16, kTcKeys);
+        wmma::load_matrix_sync(vb, vs + kk * 16 * HD + dn * 16, HD);
+        wmma::mma_sync(oacc, pa, vb, oacc);
+      }
+      wmma::store_matrix_sync(my_o + dn * 16, oacc, HD, wmma::mem_row_major);
+    }
+    __syncwarp();
+  }
+  __syncthreads();
+  const bool extra = s.has_head_sink || s.smooth_softmax;
+  const float sink = s.has_head_sink ? ToF(static_cast<const T*>(buf.head_sink)[h]) : 0.0f;
+  for (int e = lane; e < 16 * HD; e += kWarp) {
+    const int r = warp * 16 + e / HD;
+    const int64_t tok = tok0 + r;
+    if (tok >= s.seq_len) continue;
+    const float scale = OutputScale(row_m[r], row_l[r], extra, sink);
+    T* out = static_cast<T*>(buf.output) + ((b * s.seq_len + tok) * s.num_heads + h) * HD;
+    out[e % HD] = FromF<T>(my_o[e] * scale);
+  }
+}
+
+// Tensor-core prefill serves fp16/bf16 with H = 64 or 128 and at least 16 new tokens; the
+// portable kernel serves everything else (float32, other head sizes, token generation).
+template <typename T>
+bool UseTensorCorePrefill(const GqaShape& s) {
+  return sizeof(T) == 2 && (s.head_size == 64 || s.head_size == 128) && s.seq_len >= 16;
+}
+
+template <typename T, int HD>
+Status LaunchPrefillTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
+                       const float* q_ws, cudaStream_t stream);
+
+template <typename T, int HD>
+Status LaunchPrefillTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
+                       const float* q_ws, cudaStream_t stream) {
+  const size_t smem = TcSmemBytes<HD, T>();
+  KVL_RETURN_IF_ERROR(CudaCheck(
+      cudaFuncSetAttribute(PrefillTcKernel<T, HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(smem)),
+      "shared memory attribute"));
+  const dim3 grid(static_cast<unsigned>((s.seq_len + kTcRows - 1) / kTcRows),
+                  static_cast<unsigned>(s.num_heads), static_cast<unsigned>(s.batch));
+  PrefillTcKernel<T, HD><<<grid, kWarp * kWarps, smem, stream>>>(s, buf, present_st, q_ws);
+  return CudaCheck(cudaGetLastError(), "tensor-core prefill launch");
 }
 
 template <typename T>
@@ -430,6 +643,12 @@ Status Launch(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo
                      stream>>>(s, buf, present_st, q_ws);
   KVL_RETURN_IF_ERROR(CudaCheck(cudaGetLastError(), "prepare launch"));
 
+  if constexpr (sizeof(T) == 2) {
+    if (UseTensorCorePrefill<T>(s)) {
+      return s.head_size == 64 ? LaunchPrefillTc<T, 64>(s, buf, present_st, q_ws, stream)
+                               : LaunchPrefillTc<T, 128>(s, buf, present_st, q_ws, stream);
+    }
+  }
   const size_t smem = SmemBytes(s, sizeof(T));
   if (smem > 48 * 1024) {  // large heads in float32: lift the 48 KB default (a host call)
     KVL_RETURN_IF_ERROR(CudaCheck(
