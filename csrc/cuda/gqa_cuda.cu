@@ -545,6 +545,7 @@ __global__ void __launch_bounds__(kWarp* kWarps)
     }
     tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
     const float m_old = row_m[row];
+    __syncwarp();  // both lanes of the row have read m before its owner lane rewrites it
     const float m_new = fmaxf(m_old, tmax);
     float alpha = 1.0f, sum = 0.0f;
     if (m_new == -INFINITY) {  // nothing live in this row so far
