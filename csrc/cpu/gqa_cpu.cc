@@ -96,7 +96,6 @@ struct Call {
   const GqaCpuBuffers& buf;
   KvStrides past_strides;
   KvStrides present_strides;
-  bool shared;
   int64_t head_pad;  // H rounded up to kDimStep: row pitch of the float32 scratch
   std::vector<float>& q_scaled;  // (B, N, S, head_pad): normed, rotated, scaled queries
 
@@ -287,7 +286,7 @@ void WriteSlidingPresent(void* state, size_t task) {
       T* out = dst + c.present_strides.Offset(b, h, r);
       if (out != src) std::memmove(out, src, row_bytes);
     }
-    if (c.shared) continue;  // rows past L keep their content, as in ORT
+    if (c.buf.shared()) continue;  // rows past L keep their content, as in ORT
     for (int64_t r = rows; r < s.present_capacity; ++r) {
       std::memset(dst + c.present_strides.Offset(b, h, r), 0, row_bytes);
     }
@@ -645,9 +644,8 @@ Status Run(const GqaShape& s, const GqaCpuBuffers& buf, const Parallel& parallel
   std::vector<float> q_scaled, part_o, part_m, part_l;
   std::vector<T> new_k, new_v;
   KVL_RETURN_IF_ERROR(CheckSharing(buf));
-  const bool shared = buf.shared();
-  Call<T> c{s,  buf, {}, {}, shared, RoundUp(s.head_size, kDimStep), q_scaled, 1, 1, 1, 1,
-            1,  1,   1,  &part_o, &part_m, &part_l, &new_k, &new_v};
+  Call<T> c{s, buf, {}, {}, RoundUp(s.head_size, kDimStep), q_scaled, 1, 1, 1, 1, 1, 1, 1,
+            &part_o, &part_m, &part_l, &new_k, &new_v};
   c.past_strides = MakeKvStrides(s.layout, s.kv_num_heads, s.past_capacity, s.head_size);
   c.present_strides = MakeKvStrides(s.layout, s.kv_num_heads, s.present_capacity, s.head_size);
   q_scaled.assign(static_cast<size_t>(s.batch * s.num_heads * s.seq_len * c.head_pad), 0.0f);
@@ -657,7 +655,7 @@ Status Run(const GqaShape& s, const GqaCpuBuffers& buf, const Parallel& parallel
     const size_t rows = static_cast<size_t>(s.batch * s.kv_num_heads * s.seq_len * s.head_size);
     new_k.resize(rows);
     new_v.resize(rows);
-  } else if (!shared) {
+  } else if (!buf.shared()) {
     // 1. Past rows into a separate present (the new rows, written next, never overlap them).
     parallel.For(kv_tasks, CopyPast<T>, &c);
   }
