@@ -12,6 +12,7 @@
 #   ALLOW_SKIP=1   do not fail when no GPU test ran (e.g. no CUDAExecutionProvider)
 #   LOG_DIR        where logs go (default: $OUT when set, else /tmp/ort_kvlayout_gpu_tests)
 #   PYTEST_ARGS    extra pytest arguments (e.g. "-k graph")
+#   SAN_EXTRA_K    a -k expression that narrows the sanitizer subset (split a pass over calls)
 # Exit status: 0 when every selected pass succeeded, else the first failing pass's status
 # (sanitizer errors give 3; "no test ran" gives 4).
 set -u
@@ -78,6 +79,10 @@ fi
 # out-of-range lengths in child processes, a 12-step graph replay); ORT's own kernels are left
 # out (-k) so reports are about ours.  Child processes are followed (--target-processes all).
 SAN_K="not vs_ort_cuda and not ort_builtin and not deterministic"
+# SAN_EXTRA_K narrows the subset further, to split a slow sanitizer pass over several calls of
+# the GPU machine (each call is limited to 10 min), e.g.
+#   SAN_EXTRA_K="vs_oracle or features"          then   SAN_EXTRA_K="not vs_oracle and not features"
+if [ -n "${SAN_EXTRA_K:-}" ]; then SAN_K="$SAN_K and ($SAN_EXTRA_K)"; fi
 sanitize() {  # tool
   local tool="$1"
   # shellcheck disable=SC2086
