@@ -1,6 +1,5 @@
 #include "ort/gqa_cpu_op.h"
 
-#include <exception>
 #include <vector>
 
 #include "cpu/gqa_cpu.h"
@@ -56,14 +55,7 @@ Status Compute(Ort::KernelContext& ctx, const GqaAttributes& attrs) {
 }  // namespace
 
 OrtStatusPtr GqaCpuKernel::ComputeV2(OrtKernelContext* context) {
-  try {
-    Ort::KernelContext ctx(context);
-    return ToOrtStatus(Compute(ctx, attrs_));
-  } catch (const Ort::Exception& e) {
-    return Ort::GetApi().CreateStatus(e.GetOrtErrorCode(), e.what());
-  } catch (const std::exception& e) {
-    return Ort::GetApi().CreateStatus(ORT_FAIL, e.what());
-  }
+  return GuardedCompute(context, [this](Ort::KernelContext& ctx) { return Compute(ctx, attrs_); });
 }
 
 OrtStatusPtr GqaCpuOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info,

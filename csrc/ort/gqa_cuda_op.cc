@@ -1,6 +1,5 @@
 #include "ort/gqa_cuda_op.h"
 
-#include <exception>
 #include <string>
 
 namespace kvl {
@@ -60,14 +59,8 @@ Status Compute(Ort::KernelContext& ctx, const GqaAttributes& attrs, const CudaDe
 }  // namespace
 
 OrtStatusPtr GqaCudaKernel::ComputeV2(OrtKernelContext* context) {
-  try {
-    Ort::KernelContext ctx(context);
-    return ToOrtStatus(Compute(ctx, attrs_, device_));
-  } catch (const Ort::Exception& e) {
-    return Ort::GetApi().CreateStatus(e.GetOrtErrorCode(), e.what());
-  } catch (const std::exception& e) {
-    return Ort::GetApi().CreateStatus(ORT_FAIL, e.what());
-  }
+  return GuardedCompute(context,
+                        [this](Ort::KernelContext& ctx) { return Compute(ctx, attrs_, device_); });
 }
 
 OrtStatusPtr GqaCudaOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info,

@@ -7,6 +7,7 @@
 #undef ORT_API_MANUAL_INIT
 
 #include <cstdint>
+#include <exception>
 #include <vector>
 
 #include "core/check_inputs.h"
@@ -30,6 +31,20 @@ Status ReadAndCheckInputs(Ort::KernelContext& ctx, const GqaAttributes& attrs, G
 
 // Converts a kvl::Status into an OrtStatus (nullptr when ok).
 OrtStatusPtr ToOrtStatus(const Status& status);
+
+// Runs an op's compute, fn(Ort::KernelContext&) -> Status, so that no exception (the C++ API
+// throws Ort::Exception) crosses the C API: every failure becomes an OrtStatus.
+template <typename Fn>
+OrtStatusPtr GuardedCompute(OrtKernelContext* context, Fn&& fn) {
+  try {
+    Ort::KernelContext ctx(context);
+    return ToOrtStatus(fn(ctx));
+  } catch (const Ort::Exception& e) {
+    return Ort::GetApi().CreateStatus(e.GetOrtErrorCode(), e.what());
+  } catch (const std::exception& e) {
+    return Ort::GetApi().CreateStatus(ORT_FAIL, e.what());
+  }
+}
 
 // The outputs of one call. Present outputs the node does not produce are backed by `scratch`
 // (the attention still reads the cache through present).
