@@ -28,8 +28,10 @@ from gpu_util import (
     assert_close,
     case_seed,
     cuda_session,
+    device_filled,
     from_device,
     hm,
+    output_shapes,
     run_case_cuda,
     run_cuda,
     run_robustness_child,
@@ -206,6 +208,10 @@ KINDS = {
         "pad": 4,
         "query_seqlens": True,
     },
+    # Long enough for the tensor-core prefill (>= 16 new tokens) and for many key splits.
+    "prompt_long": {"batch": 2, "seq": 40, "kind": "prompt", "pad": 9},
+    "chunk_long": {"batch": 1, "seq": 24, "kind": "chunk", "past_len": 45},
+    "decode_long": {"batch": 2, "seq": 1, "kind": "decode", "past_len": 700, "pad": 260},
 }
 
 
@@ -215,7 +221,7 @@ def _feature_cases():
         itertools.product(FEATURES, KINDS, ["fp16", "bf16"], [0, 1])
     ):
         kw = dict(KINDS[kind])
-        if feat == "swc" and kind == "prompt":
+        if feat == "swc" and kind.startswith("prompt"):
             kw["pad"] = 0  # a right-padded first prompt is refused with sliding_window_cache
         out.append(
             GqaCase(
@@ -242,6 +248,110 @@ if QUICK:
 @pytest.mark.parametrize("case", FEATURE_CASES, ids=_label)
 def test_features_vs_oracle(case):
     check_oracle(case, ours(case))
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatch coverage: every head size the CUDA op takes reaches the tensor-core prefill (tiles
+# of 32 columns, the rest zero) and the decode kernel (lane groups of 4..32 per key, groups of
+# 1..8 query heads per KV head; larger groups take the portable kernel).
+# --------------------------------------------------------------------------------------------
+TC_HEAD_SIZES = (8, 16, 24, 40, 80, 96, 112, 160, 192, 224, 256)
+GROUPS = ((3, 3), (6, 3), (9, 3), (8, 2), (14, 2), (16, 2), (32, 2))  # G = 1, 2, 3, 4, 7, 8, 16
+DECODE_HEAD_SIZES = (8, 40, 64, 96, 128, 256)
+
+
+def _dispatch_cases():
+    out = []
+    for i, (h, kind, layout) in enumerate(
+        itertools.product(TC_HEAD_SIZES, ["prompt", "chunk"], [0, 1])
+    ):
+        kw = ({"batch": 2, "seq": 37, "pad": 6} if kind == "prompt"
+              else {"batch": 1, "seq": 20, "past_len": 45})  # fmt: skip
+        out.append(GqaCase(kind=kind, num_heads=4, kv_num_heads=2, head_size=h,
+                           dtype=("fp16", "bf16")[i % 2], kv_layout=layout, shared=bool(i % 3 == 0),
+                           do_rotary=h % 16 == 0 and i % 4 < 2, softcap=2.0 if i % 5 == 0 else 0.0,
+                           local_window_size=17 if i % 7 == 3 else -1,
+                           seed=case_seed(30_000 + i), **kw))  # fmt: skip
+    for i, ((n, nkv), h) in enumerate(itertools.product(GROUPS, DECODE_HEAD_SIZES)):
+        past = (1, 63, 64, 333, 1100)[i % 5]
+        out.append(GqaCase(kind="decode", batch=1 + i % 3, past_len=past, pad=min(past - 1, 5 + i),
+                           num_heads=n, kv_num_heads=nkv, head_size=h,
+                           dtype=("fp16", "bf16")[i % 2], kv_layout=(i // 2) % 2,
+                           shared=bool(i % 3 == 1), extra_capacity=(0, 7, 100)[i % 3],
+                           do_rotary=h % 16 == 0 and i % 3 == 0,
+                           attention_bias="bn" if i % 4 == 2 else "",
+                           head_sink=i % 6 == 5, seed=case_seed(31_000 + i)))  # fmt: skip
+    return out
+
+
+DISPATCH_CASES = _dispatch_cases()
+if QUICK:
+    DISPATCH_CASES = DISPATCH_CASES[::11]
+
+
+@pytest.mark.parametrize("case", DISPATCH_CASES, ids=_label)
+def test_dispatch_vs_oracle(case):
+    check_oracle(case, ours(case))
+
+
+@pytest.mark.parametrize("offset", [2, 8])
+@pytest.mark.parametrize("kind", ["prompt", "decode", "chunk"])
+def test_cache_at_unaligned_address(kind, offset):
+    """A cache bound `offset` bytes past a 256-byte boundary (so not 16-byte aligned) takes the
+    element-load paths: same results as the oracle, nothing written outside the binding."""
+    kw = {"prompt": {"batch": 2, "seq": 33, "pad": 4},
+          "decode": {"batch": 2, "past_len": 300, "pad": 17},
+          "chunk": {"batch": 1, "seq": 18, "past_len": 40}}[kind]  # fmt: skip
+    c = GqaCase(
+        kind=kind,
+        num_heads=8,
+        kv_num_heads=2,
+        head_size=64,
+        dtype="fp16",
+        kv_layout=1,
+        do_rotary=True,
+        seed=case_seed(32_000 + offset),
+        **kw,
+    )
+    feeds, attrs = c.feeds(), c.attrs()
+    sess = cuda_session(build_model(feeds, attrs, KV_DOMAIN, c.kv_layout), KV_DOMAIN)
+    names = {i.name for i in sess.get_inputs()}
+    _, pres_shape = output_shapes(feeds, attrs)
+    io = sess.io_binding()
+    keep = []
+    for k, v in feeds.items():
+        if v is None or k not in names:
+            continue
+        v = np.asarray(v)
+        if k == "total_sequence_length":
+            io.bind_cpu_input(k, np.ascontiguousarray(v))
+            continue
+        keep.append(to_device(v))
+        io.bind_ortvalue_input(k, keep[-1])
+    n = int(np.prod(pres_shape))
+    slabs = {}
+    for name in ("present_key", "present_value"):
+        # A slab of NaN with `offset` bytes before the binding and 64 elements after it.
+        slab = device_filled((n + offset // 2 + 64,), np.float16)
+        slabs[name] = slab
+        io.bind_output(name, DEVICE, 0, np.float16, list(pres_shape), slab.data_ptr() + offset)
+    out = device_filled(
+        np.asarray(feeds["query"]).shape[:2] + (c.num_heads * c.head_size,), np.float16
+    )
+    io.bind_ortvalue_output("output", out)
+    sess.run_with_iobinding(io)
+    got_pk, got_pv = {}, {}
+    for name, dst in (("present_key", got_pk), ("present_value", got_pv)):
+        flat = from_device(slabs[name]).view(np.uint16)
+        head, body, tail = (
+            flat[: offset // 2],
+            flat[offset // 2 : offset // 2 + n],
+            flat[offset // 2 + n :],
+        )
+        nan_bits = np.full(1, np.nan, np.float16).view(np.uint16)[0]
+        assert (head == nan_bits).all() and (tail == nan_bits).all(), f"{name}: wrote outside"
+        dst["v"] = body.view(np.float16).reshape(pres_shape)
+    check_oracle(c, (from_device(out), got_pk["v"], got_pv["v"]), f"offset {offset}: ")
 
 
 @pytest.mark.parametrize("layout", [0, 1])
@@ -699,6 +809,7 @@ def test_out_of_range_lengths_do_not_crash_or_write_out_of_bounds(group, layout)
 
 def test_grid_sizes_reported():
     """Not a check of the op: prints the size of each grid (useful in the log)."""
-    print(f"core {len(CORE)}, features {len(FEATURE_CASES)}, vs ORT {len(MS_CASES)}, "
+    print(f"core {len(CORE)}, features {len(FEATURE_CASES)}, dispatch {len(DISPATCH_CASES)}, "
+          f"vs ORT {len(MS_CASES)}, "
           f"equivalence {len(EQUIV)}; GQA_GPU_SEED={BASE_SEED}; tolerances {GPU_TOLS}")  # fmt: skip
     assert CORE and FEATURE_CASES

@@ -189,6 +189,30 @@ KVL_HOST_DEVICE BatchGeometry ClampedBatchGeometry(const GqaShape& s, int32_t se
   return g;
 }
 
+// The keys [lo, hi) that new token `token` of a batch entry attends to (lo >= hi: none, as for
+// right padding and rows beyond query_seqlens). A zero local window sees nothing (as ORT).
+// Keys past the attention bias's last dimension are cut off: a no-op for inputs the host checks
+// accept, and what keeps a device kernel inside the bias whatever seqlens_k holds.
+struct KeyRange {
+  int64_t lo;
+  int64_t hi;
+};
+
+KVL_HOST_DEVICE KeyRange QueryKeyRange(const GqaShape& s, const BatchGeometry& g, int64_t token) {
+  KeyRange r{0, 0};
+  if (token >= g.new_rows) return r;
+  const int64_t p = g.past + token;  // absolute position of this query
+  r.hi = s.causal ? p + 1 : g.total;
+  if (s.has_attention_bias && r.hi > s.bias_total) r.hi = s.bias_total;
+  if (s.local_window > 0) {
+    r.lo = p + 1 - s.local_window > 0 ? p + 1 - s.local_window : 0;
+  } else {
+    r.lo = s.local_window == 0 ? r.hi : 0;
+  }
+  if (s.sliding_window_cache && r.lo < g.cache_base) r.lo = g.cache_base;  // the window stays inside
+  return r;
+}
+
 // Rotary position of new token i of batch entry b. ORT's rule: a first prompt reads only
 // position_ids[0, 0], the offset of every entry; otherwise position_ids[b, i], or past + i.
 KVL_HOST_DEVICE int64_t RotaryPosition(const GqaShape& s, const BatchGeometry& g,

@@ -507,16 +507,10 @@ void AttentionTask(void* state, size_t task_index) {
     t.token[r] = row.token;
     t.q_rows[r] = c.q_scaled.data() + ((b * N + row.head) * s.seq_len + row.token) * hp;
     // Right padding of a first prompt, rows beyond query_seqlens: no keys, output 0.
-    if (row.token >= geo.new_rows) continue;
-    const int64_t p = geo.past + row.token;  // absolute position of this query
-    t.hi[r] = s.causal ? p + 1 : geo.total;
-    if (s.local_window > 0) {
-      t.lo[r] = std::max<int64_t>(0, p + 1 - s.local_window);
-    } else {
-      t.lo[r] = s.local_window == 0 ? t.hi[r] : 0;  // a zero window sees nothing (as ORT)
-    }
-    if (s.sliding_window_cache) t.lo[r] = std::max(t.lo[r], geo.cache_base);  // the window stays inside
-    if (t.lo[r] >= t.hi[r]) continue;
+    const KeyRange keys = QueryKeyRange(s, geo, row.token);
+    if (keys.lo >= keys.hi) continue;
+    t.lo[r] = keys.lo;
+    t.hi[r] = keys.hi;
     key_lo = std::min(key_lo, t.lo[r]);
     key_hi = std::max(key_hi, t.hi[r]);
   }

@@ -170,21 +170,33 @@ __global__ void PrepareKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_
 struct AttnPlan {
   int64_t row_blocks = 1;  // per (b, kv head): ceil(S * G / kRowsPerCta)
   int64_t splits = 1;      // key splits; from sizes and SM count only (capture-safe)
-  int64_t split_keys = 0;  // keys per split, a multiple of kTileKeys
   size_t q_bytes = 0, part_o_bytes = 0, part_ml_bytes = 0;
 };
+
+// Keys per split when `keys` keys are spread over `splits` splits, in whole multiples of `unit`.
+__host__ __device__ __forceinline__ int64_t SplitChunk(int64_t keys, int64_t splits, int64_t unit) {
+  const int64_t per = (keys + splits - 1) / splits;
+  return (per + unit - 1) / unit * unit;
+}
+
+// The decode kernel (3c) serves one new token per entry in fp16/bf16 for groups of up to 8 query
+// heads per KV head; the portable kernel (3) everything else.
+constexpr int kDecMaxGroup = 8;
+bool UseDecodeKernel(const GqaShape& s) {
+  return (s.dtype == DType::kFloat16 || s.dtype == DType::kBFloat16) && s.seq_len == 1 &&
+         s.group_size() <= kDecMaxGroup;
+}
 
 AttnPlan MakePlan(const GqaShape& s, const CudaDeviceInfo& dev) {
   AttnPlan p;
   p.row_blocks = (s.seq_len * s.group_size() + kRowsPerCta - 1) / kRowsPerCta;
   const int64_t base = s.batch * s.kv_num_heads * p.row_blocks;
-  // Eight CTAs per SM keep enough tile loads in flight (a CTA waits on each of its tiles); a
-  // split below ~64 keys (two tiles) is not worth its combine.
-  const int64_t target = 8 * std::max(1, dev.sm_count);
+  // The portable kernel waits on each of its tiles: eight CTAs per SM keep enough loads in
+  // flight. A decode CTA keeps 2-4 KB in flight per warp by itself: four per SM suffice. A
+  // split below ~64 keys is not worth its combine.
+  const int64_t target = (UseDecodeKernel(s) ? 4 : 8) * std::max(1, dev.sm_count);
   const int64_t max_splits = std::max<int64_t>(1, s.present_capacity / 64);
   p.splits = base >= target ? 1 : std::min(max_splits, (target + base - 1) / base);
-  const int64_t per = (s.present_capacity + p.splits - 1) / p.splits;
-  p.split_keys = (per + kTileKeys - 1) / kTileKeys * kTileKeys;
   auto align = [](size_t x) { return (x + 255) / 256 * 256; };
   p.q_bytes = align(sizeof(float) * s.batch * s.num_heads * s.seq_len * s.head_size);
   if (p.splits > 1) {
@@ -240,12 +252,10 @@ __global__ void __launch_bounds__(kWarp* kWarps)
     const int64_t r = rb * kRowsPerCta + k;
     const int64_t tok = r / G, head = g * G + r % G;
     int64_t lo = 0, hi = 0;
-    if (r < s.seq_len * G && tok < geo.new_rows) {
-      const int64_t p = geo.past + tok;
-      hi = s.causal ? p + 1 : geo.total;
-      if (s.has_attention_bias && hi > s.bias_total) hi = s.bias_total;  // bias columns exist
-      lo = s.local_window > 0 ? (p + 1 - s.local_window > 0 ? p + 1 - s.local_window : 0)
-                              : (s.local_window == 0 ? hi : 0);
+    if (r < s.seq_len * G) {
+      const KeyRange keys = QueryKeyRange(s, geo, tok);
+      lo = keys.lo;
+      hi = keys.hi;
     }
     if (lo < hi) {
       key_lo = min(key_lo, lo);
@@ -263,8 +273,13 @@ __global__ void __launch_bounds__(kWarp* kWarps)
       qs[k * H + d] = lo < hi ? qsrc[d] : 0.0f;
     }
   }
-  key_lo = max(key_lo, split * plan.split_keys);
-  key_hi = min(key_hi, (split + 1) * plan.split_keys);
+  // This split's share of the CTA's keys: partitioned here, from the lengths on the device, so
+  // a grid sized by the capacity spreads whatever length is live over all of its splits.
+  if (key_lo < key_hi) {
+    const int64_t chunk = SplitChunk(key_hi - key_lo, plan.splits, kTileKeys);
+    key_lo += split * chunk;
+    key_hi = min(key_hi, key_lo + chunk);
+  }
 
   constexpr int kDims = kMaxHeadSize / kWarp;
   float o[kRowsPerWarp][kDims];
@@ -371,6 +386,181 @@ __global__ void __launch_bounds__(kWarp* kWarps)
   }
 }
 
+// ---- 3c. decode (fp16/bf16, one new token): CTA = (key split, batch x kv head), 4 warps. ------
+// A group of LPK lanes owns one key at a time, 16 bytes of its K and V rows per lane, and keeps
+// its own online softmax for the G <= GM query heads of the KV group in registers; the groups
+// merge once, at the end. The key loop has no barrier and no shared memory: each lane issues its
+// 2 x NL 16-byte loads of a step before it uses any, which is what keeps HBM busy.
+constexpr int kDecThreads = 128;
+
+int DecodeLanesPerKey(int64_t head_size) {  // 16-byte chunks of a row, a power of two >= 4
+  return head_size <= 32 ? 4 : head_size <= 64 ? 8 : head_size <= 128 ? 16 : 32;
+}
+
+template <typename T>
+__device__ __forceinline__ void Unpack8(const uint4& w, float (&x)[8]) {
+  const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = Unpack(u[i], static_cast<const T*>(nullptr));
+    x[2 * i] = f.x;
+    x[2 * i + 1] = f.y;
+  }
+}
+
+template <typename T, int LPK, int GM>
+__global__ void __launch_bounds__(kDecThreads)
+    DecodeKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_st, const float* q_ws,
+                 AttnPlan plan, float* part_o, float* part_m, float* part_l) {
+  constexpr int NL = GM >= 8 ? 4 : 8;            // keys per lane group per step
+  constexpr int kGroups = kDecThreads / LPK;      // lane groups per CTA
+  __shared__ float red_o[kGroups][GM][LPK * 8];
+  __shared__ float red_m[kGroups][GM], red_l[kGroups][GM];
+
+  const int64_t H = s.head_size, G = s.group_size();
+  const int t = threadIdx.x, dl = t % LPK, grp = t / LPK;
+  const int64_t bg = blockIdx.y, b = bg / s.kv_num_heads, g = bg % s.kv_num_heads;
+  const int64_t split = blockIdx.x;
+  const bool lane_dims = dl * 8 < H;  // this lane's 8 dimensions exist
+  const BatchGeometry geo = Geo(s, buf, b);
+  const KeyRange keys = QueryKeyRange(s, geo, 0);
+  int64_t k_begin = keys.lo, k_end = keys.lo;
+  if (keys.lo < keys.hi) {
+    const int64_t chunk = SplitChunk(keys.hi - keys.lo, plan.splits, 64);
+    k_begin = keys.lo + split * chunk;
+    k_end = min(keys.hi, k_begin + chunk);
+  }
+
+  float q[GM][8], acc[GM][8], m[GM], l[GM];
+#pragma unroll
+  for (int gi = 0; gi < GM; ++gi) {
+    m[gi] = -INFINITY;
+    l[gi] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[gi][e] = 0.0f;
+    const float* qsrc = q_ws + (b * s.num_heads + g * G + gi) * H + dl * 8;
+    const bool in = gi < G && lane_dims;
+    const float4 lo4 = in ? reinterpret_cast<const float4*>(qsrc)[0] : make_float4(0, 0, 0, 0);
+    const float4 hi4 = in ? reinterpret_cast<const float4*>(qsrc)[1] : make_float4(0, 0, 0, 0);
+    q[gi][0] = lo4.x, q[gi][1] = lo4.y, q[gi][2] = lo4.z, q[gi][3] = lo4.w;
+    q[gi][4] = hi4.x, q[gi][5] = hi4.y, q[gi][6] = hi4.z, q[gi][7] = hi4.w;
+  }
+  const T* pk = static_cast<const T*>(buf.present_key);
+  const T* pv = static_cast<const T*>(buf.present_value);
+  const T* bias = static_cast<const T*>(buf.attention_bias);
+  const int64_t bias_b = s.bias_batch == 1 ? 0 : b;
+
+  for (int64_t k0 = k_begin + grp; k0 < k_end; k0 += int64_t(kGroups) * NL) {
+    uint4 kr[NL], vr[NL];
+#pragma unroll
+    for (int i = 0; i < NL; ++i) {  // key k0 + i * kGroups: the groups interleave
+      const int64_t key = k0 + int64_t(i) * kGroups;
+      kr[i] = make_uint4(0, 0, 0, 0);
+      vr[i] = make_uint4(0, 0, 0, 0);
+      if (key < k_end && lane_dims) {
+        const int64_t off = present_st.Offset(b, g, key) + dl * 8;
+        kr[i] = *reinterpret_cast<const uint4*>(pk + off);
+        vr[i] = *reinterpret_cast<const uint4*>(pv + off);
+      }
+    }
+    float sc[NL][GM];
+#pragma unroll
+    for (int i = 0; i < NL; ++i) {
+      float k8[8];
+      Unpack8<T>(kr[i], k8);
+#pragma unroll
+      for (int gi = 0; gi < GM; ++gi) {
+        float d = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) d += q[gi][e] * k8[e];
+#pragma unroll
+        for (int o = LPK / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+        sc[i][gi] = d;
+      }
+    }
+#pragma unroll
+    for (int gi = 0; gi < GM; ++gi) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < NL; ++i) {
+        const int64_t key = k0 + int64_t(i) * kGroups;
+        float x = sc[i][gi];
+        if (s.softcap > 0.0f) x = s.softcap * tanhf(x / s.softcap);
+        if (bias != nullptr && key < k_end && gi < G) {
+          const int64_t bh = s.bias_heads == 1 ? 0 : g * G + gi;
+          x += ToF(bias[(bias_b * s.bias_heads + bh) * s.seq_len * s.bias_total + key]);
+        }
+        sc[i][gi] = key < k_end ? x : -INFINITY;
+        mx = fmaxf(mx, sc[i][gi]);
+      }
+      const float m_new = fmaxf(m[gi], mx);
+      if (m_new == -INFINITY) continue;  // nothing live for this head yet
+      const float alpha = __expf(m[gi] - m_new);  // 0 when m was -inf
+      l[gi] *= alpha;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[gi][e] *= alpha;
+      m[gi] = m_new;
+#pragma unroll
+      for (int i = 0; i < NL; ++i) sc[i][gi] = __expf(sc[i][gi] - m_new);  // -inf -> 0
+    }
+#pragma unroll
+    for (int i = 0; i < NL; ++i) {
+      float v8[8];
+      Unpack8<T>(vr[i], v8);
+#pragma unroll
+      for (int gi = 0; gi < GM; ++gi) {
+        if (m[gi] == -INFINITY) continue;
+        l[gi] += sc[i][gi];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[gi][e] += sc[i][gi] * v8[e];
+      }
+    }
+  }
+
+  // Merge the lane groups (fixed order: deterministic).
+#pragma unroll
+  for (int gi = 0; gi < GM; ++gi) {
+    if (lane_dims) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) red_o[grp][gi][dl * 8 + e] = acc[gi][e];
+    }
+    if (dl == 0) {
+      red_m[grp][gi] = m[gi];
+      red_l[grp][gi] = l[gi];
+    }
+  }
+  __syncthreads();
+  const bool extra = s.has_head_sink || s.smooth_softmax;
+  for (int64_t idx = t; idx < G * H; idx += kDecThreads) {
+    const int gi = static_cast<int>(idx / H);
+    const int64_t d = idx % H;
+    float mx = -INFINITY;
+    for (int k = 0; k < kGroups; ++k) mx = fmaxf(mx, red_m[k][gi]);
+    float lsum = 0.0f, o = 0.0f;
+    if (mx != -INFINITY) {
+      for (int k = 0; k < kGroups; ++k) {
+        if (red_m[k][gi] == -INFINITY) continue;
+        const float w = __expf(red_m[k][gi] - mx);
+        lsum += red_l[k][gi] * w;
+        o += red_o[k][gi][d] * w;
+      }
+    }
+    const int64_t head = g * G + gi;
+    if (plan.splits > 1) {  // the combine kernel's slots: row gi of row block 0
+      const int64_t slot = (bg * plan.row_blocks * plan.splits + split) * kRowsPerCta + gi;
+      part_o[slot * H + d] = o;
+      if (d == 0) {
+        part_m[slot] = mx;
+        part_l[slot] = lsum;
+      }
+      continue;
+    }
+    const float sink = s.has_head_sink ? ToF(static_cast<const T*>(buf.head_sink)[head]) : 0.0f;
+    T* out = static_cast<T*>(buf.output) + (b * s.num_heads + head) * H;
+    out[d] = FromF<T>(o * OutputScale(mx, lsum, extra, sink));
+  }
+}
+
 // ---- 4. combine the key splits in a fixed order -------------------------------------------------
 template <typename T>
 __global__ void CombineKernel(GqaShape s, GqaCudaBuffers buf, AttnPlan plan,
@@ -410,19 +600,23 @@ Status CudaCheck(cudaError_t err, const char* what) {
                        cudaGetErrorString(err));
 }
 
-// ---- 3b. prefill on tensor cores (fp16/bf16, H = 64 or 128): CTA = 64 query tokens of one
-//          query head; S = Q K^T and O += P V with WMMA 16x16x16, online softmax in between.
+// ---- 3b. prefill on tensor cores (fp16/bf16): CTA = 64 query tokens of one query head;
+//          S = Q K^T and O += P V with WMMA 16x16x16, online softmax in between.  HD is the
+//          head size rounded up to a multiple of 32; the columns past the head size are zero in
+//          Q, K and V, so they add nothing to the scores and are never written out.
 //          Q in T (rounded once), scores and O accumulated in float. -----------------------------
 constexpr int kTcRows = 64;  // query tokens per CTA: 4 warps x 16 rows
 constexpr int kTcKeys = 64;  // keys per tile
 
-template <int HD, typename T>
-size_t TcSmemBytes() {
-  return sizeof(T) * 3 * kTcRows * HD             // Q, K, V tiles
-         + sizeof(float) * kWarps * 16 * kTcKeys  // S per warp
-         + sizeof(T) * kWarps * 16 * kTcKeys      // P per warp
-         + sizeof(float) * kWarps * 16 * HD       // O per warp
-         + sizeof(float) * 3 * kTcRows;           // alpha, m, l per row
+// The tensor-core tile width of a head size: rounded up to a multiple of 32.
+constexpr int64_t TcHeadDim(int64_t head_size) { return (head_size + 31) / 32 * 32; }
+
+size_t TcSmemBytes(int64_t hd, size_t elem) {
+  return elem * 3 * kTcRows * hd                        // Q, K, V tiles
+         + sizeof(float) * kWarps * 16 * kTcKeys        // S per warp
+         + elem * kWarps * 16 * kTcKeys                 // P per warp
+         + sizeof(float) * kWarps * 16 * hd             // O per warp
+         + sizeof(float) * 3 * kTcRows;                 // alpha, m, l per row
 }
 
 template <typename T, int HD>
@@ -440,21 +634,17 @@ __global__ void __launch_bounds__(kWarp* kWarps)
   float* row_m = row_alpha + kTcRows;
   float* row_l = row_m + kTcRows;
 
+  const int64_t H = s.head_size;  // <= HD
   const int64_t b = blockIdx.z, h = blockIdx.y, g = h / s.group_size();
   const int64_t tok0 = int64_t(blockIdx.x) * kTcRows;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const BatchGeometry geo = Geo(s, buf, b);
   // Key range [lo, hi) of query row r of this CTA (empty for padding and rows past S).
   auto range = [&](int r, int64_t* lo, int64_t* hi) {
-    const int64_t tok = tok0 + r;
-    *lo = 0;
-    *hi = 0;
-    if (tok >= s.seq_len || tok >= geo.new_rows) return;
-    const int64_t p = geo.past + tok;
-    *hi = s.causal ? p + 1 : geo.total;
-    if (s.has_attention_bias && *hi > s.bias_total) *hi = s.bias_total;
-    *lo = s.local_window > 0 ? (p + 1 - s.local_window > 0 ? p + 1 - s.local_window : 0)
-                             : (s.local_window == 0 ? *hi : 0);
+    const KeyRange keys =
+        tok0 + r < s.seq_len ? QueryKeyRange(s, geo, tok0 + r) : KeyRange{0, 0};
+    *lo = keys.lo;
+    *hi = keys.hi;
   };
   int64_t key_lo = INT64_MAX, key_hi = 0;
   for (int r = 0; r < kTcRows; ++r) {
@@ -467,8 +657,15 @@ __global__ void __launch_bounds__(kWarp* kWarps)
   }
   for (int64_t idx = threadIdx.x; idx < kTcRows * HD; idx += blockDim.x) {
     const int64_t r = idx / HD, d = idx % HD, tok = tok0 + r;
-    const float q = tok < s.seq_len ? q_ws[((b * s.num_heads + h) * s.seq_len + tok) * HD + d] : 0.0f;
-    qs[idx] = FromF<T>(q);
+    const bool in = tok < s.seq_len && d < H;
+    qs[idx] = FromF<T>(in ? q_ws[((b * s.num_heads + h) * s.seq_len + tok) * H + d] : 0.0f);
+  }
+  // The tile loads below write columns [0, H) only: the padding columns stay zero.
+  for (int64_t idx = threadIdx.x; HD > H && idx < kTcKeys * HD; idx += blockDim.x) {
+    if (idx % HD >= H) {
+      ks[idx] = FromF<T>(0.0f);
+      vs[idx] = FromF<T>(0.0f);
+    }
   }
   for (int64_t idx = threadIdx.x; idx < kWarps * 16 * HD; idx += blockDim.x) os[idx] = 0.0f;
   for (int r = threadIdx.x; r < kTcRows; r += blockDim.x) {
@@ -490,9 +687,9 @@ __global__ void __launch_bounds__(kWarp* kWarps)
 
   for (int64_t k0 = key_lo; k0 < key_hi; k0 += kTcKeys) {
     __syncthreads();  // previous tile consumed (and Q, O, m, l initialized, on the first)
-    constexpr int kQuads = HD * sizeof(T) / 16;
-    for (int64_t idx = threadIdx.x; aligned16 && idx < kTcKeys * kQuads; idx += blockDim.x) {
-      const int64_t j = idx / kQuads, qd = idx % kQuads;
+    const int64_t quads = H * int64_t(sizeof(T)) / 16;  // H % 8 == 0
+    for (int64_t idx = threadIdx.x; aligned16 && idx < kTcKeys * quads; idx += blockDim.x) {
+      const int64_t j = idx / quads, qd = idx % quads;
       uint4 kq = make_uint4(0, 0, 0, 0), vq = make_uint4(0, 0, 0, 0);
       if (k0 + j < key_hi) {
         const int64_t off = present_st.Offset(b, g, k0 + j);
@@ -502,12 +699,12 @@ __global__ void __launch_bounds__(kWarp* kWarps)
       reinterpret_cast<uint4*>(ks + j * HD)[qd] = kq;
       reinterpret_cast<uint4*>(vs + j * HD)[qd] = vq;
     }
-    for (int64_t idx = threadIdx.x; !aligned16 && idx < kTcKeys * HD; idx += blockDim.x) {
-      const int64_t j = idx / HD, d = idx % HD;
+    for (int64_t idx = threadIdx.x; !aligned16 && idx < kTcKeys * H; idx += blockDim.x) {
+      const int64_t j = idx / H, d = idx % H;
       const bool in = k0 + j < key_hi;
       const int64_t off = in ? present_st.Offset(b, g, k0 + j) + d : 0;
-      ks[idx] = in ? pk[off] : FromF<T>(0.0f);
-      vs[idx] = in ? pv[off] : FromF<T>(0.0f);
+      ks[j * HD + d] = in ? pk[off] : FromF<T>(0.0f);
+      vs[j * HD + d] = in ? pv[off] : FromF<T>(0.0f);
     }
     __syncthreads();
 
@@ -589,28 +786,26 @@ __global__ void __launch_bounds__(kWarp* kWarps)
   for (int e = lane; e < 16 * HD; e += kWarp) {
     const int r = warp * 16 + e / HD;
     const int64_t tok = tok0 + r;
-    if (tok >= s.seq_len) continue;
+    if (tok >= s.seq_len || e % HD >= H) continue;
     const float scale = OutputScale(row_m[r], row_l[r], extra, sink);
-    T* out = static_cast<T*>(buf.output) + ((b * s.seq_len + tok) * s.num_heads + h) * HD;
+    T* out = static_cast<T*>(buf.output) + ((b * s.seq_len + tok) * s.num_heads + h) * H;
     out[e % HD] = FromF<T>(my_o[e] * scale);
   }
 }
 
-// Tensor-core prefill serves fp16/bf16 with H = 64 or 128 and at least 16 new tokens; the
-// portable kernel serves everything else (float32, other head sizes, token generation).
+// Tensor-core prefill serves fp16/bf16 at least 16 new tokens when its tiles fit the device's
+// shared memory (every head size up to 256 on sm_90; up to 192 on sm_80); the portable kernel
+// serves everything else (float32, token generation, and the rest).
 template <typename T>
-bool UseTensorCorePrefill(const GqaShape& s) {
-  return sizeof(T) == 2 && (s.head_size == 64 || s.head_size == 128) && s.seq_len >= 16;
+bool UseTensorCorePrefill(const GqaShape& s, const CudaDeviceInfo& dev) {
+  return sizeof(T) == 2 && s.seq_len >= 16 &&
+         TcSmemBytes(TcHeadDim(s.head_size), sizeof(T)) <= size_t(dev.max_smem_optin);
 }
 
 template <typename T, int HD>
 Status LaunchPrefillTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
-                       const float* q_ws, cudaStream_t stream);
-
-template <typename T, int HD>
-Status LaunchPrefillTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
                        const float* q_ws, cudaStream_t stream) {
-  const size_t smem = TcSmemBytes<HD, T>();
+  const size_t smem = TcSmemBytes(HD, sizeof(T));
   KVL_RETURN_IF_ERROR(CudaCheck(
       cudaFuncSetAttribute(PrefillTcKernel<T, HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(smem)),
@@ -619,6 +814,70 @@ Status LaunchPrefillTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides p
                   static_cast<unsigned>(s.num_heads), static_cast<unsigned>(s.batch));
   PrefillTcKernel<T, HD><<<grid, kWarp * kWarps, smem, stream>>>(s, buf, present_st, q_ws);
   return CudaCheck(cudaGetLastError(), "tensor-core prefill launch");
+}
+
+template <typename T>
+Status DispatchPrefillTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
+                         const float* q_ws, cudaStream_t stream) {
+  switch (TcHeadDim(s.head_size)) {
+    case 32: return LaunchPrefillTc<T, 32>(s, buf, present_st, q_ws, stream);
+    case 64: return LaunchPrefillTc<T, 64>(s, buf, present_st, q_ws, stream);
+    case 96: return LaunchPrefillTc<T, 96>(s, buf, present_st, q_ws, stream);
+    case 128: return LaunchPrefillTc<T, 128>(s, buf, present_st, q_ws, stream);
+    case 160: return LaunchPrefillTc<T, 160>(s, buf, present_st, q_ws, stream);
+    case 192: return LaunchPrefillTc<T, 192>(s, buf, present_st, q_ws, stream);
+    case 224: return LaunchPrefillTc<T, 224>(s, buf, present_st, q_ws, stream);
+    case 256: return LaunchPrefillTc<T, 256>(s, buf, present_st, q_ws, stream);
+    default:
+      return Status::Error("ai.kvlayout::GroupQueryAttention (CUDA): no tensor-core tile for "
+                           "head_size " + std::to_string(s.head_size));
+  }
+}
+
+template <typename T>
+Status LaunchCombine(const GqaShape& s, const GqaCudaBuffers& buf, const AttnPlan& plan,
+                     const float* part_o, const float* part_m, const float* part_l,
+                     cudaStream_t stream) {
+  if (plan.splits == 1) return Status::Ok();
+  const dim3 grid(static_cast<unsigned>(plan.row_blocks),
+                  static_cast<unsigned>(s.batch * s.kv_num_heads));
+  CombineKernel<T><<<grid, 256, 0, stream>>>(s, buf, plan, part_o, part_m, part_l);
+  return CudaCheck(cudaGetLastError(), "combine launch");
+}
+
+template <typename T, int LPK, int GM>
+Status LaunchDecode(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
+                    const float* q_ws, const AttnPlan& plan, float* part_o, float* part_m,
+                    float* part_l, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(plan.splits),
+                  static_cast<unsigned>(s.batch * s.kv_num_heads));
+  DecodeKernel<T, LPK, GM><<<grid, kDecThreads, 0, stream>>>(s, buf, present_st, q_ws, plan,
+                                                             part_o, part_m, part_l);
+  KVL_RETURN_IF_ERROR(CudaCheck(cudaGetLastError(), "decode launch"));
+  return LaunchCombine<T>(s, buf, plan, part_o, part_m, part_l, stream);
+}
+
+template <typename T, int LPK>
+Status DispatchDecodeGroup(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides st,
+                           const float* q_ws, const AttnPlan& plan, float* po, float* pm,
+                           float* pl, cudaStream_t stream) {
+  const int64_t G = s.group_size();
+  if (G == 1) return LaunchDecode<T, LPK, 1>(s, buf, st, q_ws, plan, po, pm, pl, stream);
+  if (G == 2) return LaunchDecode<T, LPK, 2>(s, buf, st, q_ws, plan, po, pm, pl, stream);
+  if (G <= 4) return LaunchDecode<T, LPK, 4>(s, buf, st, q_ws, plan, po, pm, pl, stream);
+  return LaunchDecode<T, LPK, kDecMaxGroup>(s, buf, st, q_ws, plan, po, pm, pl, stream);
+}
+
+template <typename T>
+Status DispatchDecode(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides st,
+                      const float* q_ws, const AttnPlan& plan, float* po, float* pm, float* pl,
+                      cudaStream_t stream) {
+  switch (DecodeLanesPerKey(s.head_size)) {
+    case 4: return DispatchDecodeGroup<T, 4>(s, buf, st, q_ws, plan, po, pm, pl, stream);
+    case 8: return DispatchDecodeGroup<T, 8>(s, buf, st, q_ws, plan, po, pm, pl, stream);
+    case 16: return DispatchDecodeGroup<T, 16>(s, buf, st, q_ws, plan, po, pm, pl, stream);
+    default: return DispatchDecodeGroup<T, 32>(s, buf, st, q_ws, plan, po, pm, pl, stream);
+  }
 }
 
 template <typename T>
@@ -645,9 +904,13 @@ Status Launch(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo
   KVL_RETURN_IF_ERROR(CudaCheck(cudaGetLastError(), "prepare launch"));
 
   if constexpr (sizeof(T) == 2) {
-    if (UseTensorCorePrefill<T>(s)) {
-      return s.head_size == 64 ? LaunchPrefillTc<T, 64>(s, buf, present_st, q_ws, stream)
-                               : LaunchPrefillTc<T, 128>(s, buf, present_st, q_ws, stream);
+    if (UseTensorCorePrefill<T>(s, dev)) return DispatchPrefillTc<T>(s, buf, present_st, q_ws, stream);
+    // 16-byte row loads need 16-byte aligned caches (rows are, since H % 8 == 0); a cache bound
+    // at an odd offset takes the portable kernel, which has an element-load path.
+    const bool aligned16 = (reinterpret_cast<uintptr_t>(buf.present_key) |
+                            reinterpret_cast<uintptr_t>(buf.present_value)) % 16 == 0;
+    if (UseDecodeKernel(s) && aligned16) {
+      return DispatchDecode<T>(s, buf, present_st, q_ws, plan, part_o, part_m, part_l, stream);
     }
   }
   const size_t smem = SmemBytes(s, sizeof(T));
@@ -663,22 +926,19 @@ Status Launch(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo
   AttentionKernel<T><<<grid, kWarp * kWarps, smem, stream>>>(s, buf, present_st, q_ws, plan,
                                                              part_o, part_m, part_l);
   KVL_RETURN_IF_ERROR(CudaCheck(cudaGetLastError(), "attention launch"));
-  if (plan.splits > 1) {
-    const dim3 cgrid(static_cast<unsigned>(plan.row_blocks),
-                     static_cast<unsigned>(s.batch * s.kv_num_heads));
-    CombineKernel<T><<<cgrid, 256, 0, stream>>>(s, buf, plan, part_o, part_m, part_l);
-    KVL_RETURN_IF_ERROR(CudaCheck(cudaGetLastError(), "combine launch"));
-  }
-  return Status::Ok();
+  return LaunchCombine<T>(s, buf, plan, part_o, part_m, part_l, stream);
 }
 
 }  // namespace
 
 Status QueryCudaDevice(CudaDeviceInfo* info) {
   KVL_RETURN_IF_ERROR(CudaCheck(cudaGetDevice(&info->device), "cudaGetDevice"));
-  return CudaCheck(
+  KVL_RETURN_IF_ERROR(CudaCheck(
       cudaDeviceGetAttribute(&info->sm_count, cudaDevAttrMultiProcessorCount, info->device),
-      "cudaDeviceGetAttribute");
+      "cudaDeviceGetAttribute(multiprocessor count)"));
+  return CudaCheck(cudaDeviceGetAttribute(&info->max_smem_optin,
+                                          cudaDevAttrMaxSharedMemoryPerBlockOptin, info->device),
+                   "cudaDeviceGetAttribute(shared memory per block)");
 }
 
 Status CheckCudaSupport(const GqaShape& s) {

@@ -21,6 +21,7 @@ using GqaCudaBuffers = GqaBuffers;
 struct CudaDeviceInfo {
   int device = 0;
   int sm_count = 0;
+  int max_smem_optin = 0;  // bytes of shared memory one CTA may opt in to
 };
 Status QueryCudaDevice(CudaDeviceInfo* info);
 
