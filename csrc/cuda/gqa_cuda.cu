@@ -450,7 +450,10 @@ __global__ void __launch_bounds__(kDecThreads)
   const T* bias = static_cast<const T*>(buf.attention_bias);
   const int64_t bias_b = s.bias_batch == 1 ? 0 : b;
 
-  for (int64_t k0 = k_begin + grp; k0 < k_end; k0 += int64_t(kGroups) * NL) {
+  // Every lane runs the same steps (the shuffles below span the warp's groups); keys past the
+  // split's end are masked.
+  for (int64_t base = k_begin; base < k_end; base += int64_t(kGroups) * NL) {
+    const int64_t k0 = base + grp;
     uint4 kr[NL], vr[NL];
 #pragma unroll
     for (int i = 0; i < NL; ++i) {  // key k0 + i * kGroups: the groups interleave
