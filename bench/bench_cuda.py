@@ -55,9 +55,16 @@ def build_model(domain: str, n: int, nkv: int, layout: int | None) -> bytes:
     return model.SerializeToString()
 
 
+LIBRARY: str | None = None  # --library: a libort_kvlayout.so to load instead of the package's
+BREAKDOWN = False  # --breakdown: per-kernel device times on stderr
+
+
 def session(model: bytes) -> ort.InferenceSession:
     so = ort.SessionOptions()
-    ort_kvlayout.register(so)
+    if LIBRARY:
+        so.register_custom_ops_library(LIBRARY)
+    else:
+        ort_kvlayout.register(so)
     so.log_severity_level = 3
     return ort.InferenceSession(model, so, providers=["CUDAExecutionProvider"])
 
@@ -81,21 +88,24 @@ def bind(sess, feeds: dict, shared: bool):
     return io, keep
 
 
-def kernel_ms(sess, io, runs: int) -> float | None:
+def kernel_ms(sess, io, runs: int) -> tuple[float | None, dict[str, float]]:
+    """Device time of one Run (ms), and per kernel name (us per Run)."""
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile
     except ImportError:
-        return None
+        return None, {}
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(runs):
             sess.run_with_iobinding(io)
         torch.cuda.synchronize()
-    total_us = sum(
-        e.device_time_total for e in prof.key_averages() if e.device_time_total > 0 and e.count
-    )
-    return total_us / runs / 1e3
+    per = {
+        e.key: e.device_time_total / runs
+        for e in prof.key_averages()
+        if e.device_time_total > 0 and e.count
+    }
+    return sum(per.values()) / 1e3, per
 
 
 def wall_ms(sess, io, runs: int) -> float:
@@ -135,8 +145,12 @@ def run_case(kind: str, b: int, length: int, heads: tuple[int, int, int], runs: 
         io, keep = bind(sess, feeds, shared=kind == "decode")
         for _ in range(3):
             sess.run_with_iobinding(io)
-        kms = kernel_ms(sess, io, runs)
+        kms, per_kernel = kernel_ms(sess, io, runs)
         wms = wall_ms(sess, io, runs)
+        if BREAKDOWN:
+            top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:6]
+            print(f"  {kind} B={b} L={length} {label}: "
+                  + ", ".join(f"{name[:60]} {us:.1f} us" for name, us in top), file=sys.stderr)  # fmt: skip
         t = kms if kms else wms
         if kind == "decode":
             metric = 2 * b * nkv * length * h * 2 / (t * 1e-3) / 1e12
@@ -156,7 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--library", default=None, help="load this libort_kvlayout.so instead")
+    p.add_argument("--breakdown", action="store_true", help="per-kernel times (stderr)")
     args = p.parse_args(argv)
+    global LIBRARY, BREAKDOWN
+    LIBRARY, BREAKDOWN = args.library, args.breakdown
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         print("CUDAExecutionProvider not available", file=sys.stderr)
         return 2
@@ -173,7 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"# CUDA GQA benchmark, {date}, onnxruntime {ort.__version__}, fp16")
     print(f"command: python {' '.join(sys.argv)}")
-    print("| case | heads | ORT built-in | ours kv_layout=0 | ours kv_layout=1 | ratio 0 | ratio 1 |")
+    if LIBRARY:
+        print(f"library: {LIBRARY}")
+    print(
+        "| case | heads | ORT built-in | ours kv_layout=0 | ours kv_layout=1 | ratio 0 | ratio 1 |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         unit = "TB/s" if r["kind"] == "decode" else "TFLOP/s"
@@ -181,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
                  for v in ("ort", "kv0", "kv1")]  # fmt: skip
         ratios = [r[v][unit] / r["ort"][unit] for v in ("kv0", "kv1")]
         name = f"{r['kind']} B={r['batch']} L={r['length']}"
-        print(f"| {name} | {r['heads']} | {' | '.join(cells)} | {ratios[0]:.2f} | {ratios[1]:.2f} |")
+        print(
+            f"| {name} | {r['heads']} | {' | '.join(cells)} | {ratios[0]:.2f} | {ratios[1]:.2f} |"
+        )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"date": date, "rows": rows}, indent=1))

@@ -120,7 +120,10 @@ __global__ void PrepareKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_
   const T* v_src = static_cast<const T*>(s.packed_qkv ? buf.query : buf.value);
   const int64_t v_offset = s.packed_qkv ? Nkv * H : 0;
   float* x = xs[warp];
-  for (int64_t h = warp; h < N + Nkv; h += kPrepareWarps) {
+  // blockIdx.y picks a block of kPrepareWarps heads: a decode step of a small batch spreads
+  // over N + Nkv warps instead of queueing them on one CTA.
+  for (int64_t h = blockIdx.y * kPrepareWarps + warp; h < N + Nkv;
+       h += int64_t(kPrepareWarps) * gridDim.y) {
     const bool is_q = h < N;
     if (!is_q && !writes_kv) break;
     const int64_t hk = h - N;
@@ -187,16 +190,25 @@ bool UseDecodeKernel(const GqaShape& s) {
          s.group_size() <= kDecMaxGroup;
 }
 
+int DecodeCtasPerSm(const GqaShape& s);  // occupancy of the decode kernel serving `s`
+
 AttnPlan MakePlan(const GqaShape& s, const CudaDeviceInfo& dev) {
   AttnPlan p;
   p.row_blocks = (s.seq_len * s.group_size() + kRowsPerCta - 1) / kRowsPerCta;
   const int64_t base = s.batch * s.kv_num_heads * p.row_blocks;
-  // The portable kernel waits on each of its tiles: eight CTAs per SM keep enough loads in
-  // flight. A decode CTA keeps 2-4 KB in flight per warp by itself: four per SM suffice. A
-  // split below ~64 keys is not worth its combine.
-  const int64_t target = (UseDecodeKernel(s) ? 4 : 8) * std::max(1, dev.sm_count);
+  // A split below ~64 keys is not worth its combine.
   const int64_t max_splits = std::max<int64_t>(1, s.present_capacity / 64);
-  p.splits = base >= target ? 1 : std::min(max_splits, (target + base - 1) / base);
+  const int64_t sms = std::max(1, dev.sm_count);
+  if (UseDecodeKernel(s)) {
+    // One full wave: as many splits as fit beside the other CTAs (the splits share the keys
+    // evenly, so a partial second wave would only add a tail).
+    const int64_t slots = sms * DecodeCtasPerSm(s);
+    p.splits = std::min(max_splits, std::max<int64_t>(1, slots / base));
+  } else {
+    // The portable kernel waits on each of its tiles: eight CTAs per SM keep loads in flight.
+    const int64_t target = 8 * sms;
+    p.splits = base >= target ? 1 : std::min(max_splits, (target + base - 1) / base);
+  }
   auto align = [](size_t x) { return (x + 255) / 256 * 256; };
   p.q_bytes = align(sizeof(float) * s.batch * s.num_heads * s.seq_len * s.head_size);
   if (p.splits > 1) {
@@ -392,6 +404,9 @@ __global__ void __launch_bounds__(kWarp* kWarps)
 // merge once, at the end. The key loop has no barrier and no shared memory: each lane issues its
 // 2 x NL 16-byte loads of a step before it uses any, which is what keeps HBM busy.
 constexpr int kDecThreads = 128;
+#ifndef KVL_DEC_MIN_CTAS
+#define KVL_DEC_MIN_CTAS 1
+#endif
 
 int DecodeLanesPerKey(int64_t head_size) {  // 16-byte chunks of a row, a power of two >= 4
   return head_size <= 32 ? 4 : head_size <= 64 ? 8 : head_size <= 128 ? 16 : 32;
@@ -409,10 +424,10 @@ __device__ __forceinline__ void Unpack8(const uint4& w, float (&x)[8]) {
 }
 
 template <typename T, int LPK, int GM>
-__global__ void __launch_bounds__(kDecThreads)
+__global__ void __launch_bounds__(kDecThreads, KVL_DEC_MIN_CTAS)
     DecodeKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_st, const float* q_ws,
                  AttnPlan plan, float* part_o, float* part_m, float* part_l) {
-  constexpr int NL = GM >= 8 ? 4 : 8;            // keys per lane group per step
+  constexpr int NL = GM >= 8 ? 2 : 4;            // keys per lane group per step
   constexpr int kGroups = kDecThreads / LPK;      // lane groups per CTA
   __shared__ float red_o[kGroups][GM][LPK * 8];
   __shared__ float red_m[kGroups][GM], red_l[kGroups][GM];
@@ -451,21 +466,32 @@ __global__ void __launch_bounds__(kDecThreads)
   const int64_t bias_b = s.bias_batch == 1 ? 0 : b;
 
   // Every lane runs the same steps (the shuffles below span the warp's groups); keys past the
-  // split's end are masked.
-  for (int64_t base = k_begin; base < k_end; base += int64_t(kGroups) * NL) {
+  // split's end are masked. The loads of step n + 1 are issued before step n is computed.
+  constexpr int64_t kStep = int64_t(kGroups) * NL;
+  uint4 kn[NL], vn[NL];
+  auto load_step = [&](int64_t base) {
+#pragma unroll
+    for (int i = 0; i < NL; ++i) {  // key base + grp + i * kGroups: the groups interleave
+      const int64_t key = base + grp + int64_t(i) * kGroups;
+      kn[i] = make_uint4(0, 0, 0, 0);
+      vn[i] = make_uint4(0, 0, 0, 0);
+      if (key < k_end && lane_dims) {
+        const int64_t off = present_st.Offset(b, g, key) + dl * 8;
+        kn[i] = *reinterpret_cast<const uint4*>(pk + off);
+        vn[i] = *reinterpret_cast<const uint4*>(pv + off);
+      }
+    }
+  };
+  if (k_begin < k_end) load_step(k_begin);
+  for (int64_t base = k_begin; base < k_end; base += kStep) {
     const int64_t k0 = base + grp;
     uint4 kr[NL], vr[NL];
 #pragma unroll
-    for (int i = 0; i < NL; ++i) {  // key k0 + i * kGroups: the groups interleave
-      const int64_t key = k0 + int64_t(i) * kGroups;
-      kr[i] = make_uint4(0, 0, 0, 0);
-      vr[i] = make_uint4(0, 0, 0, 0);
-      if (key < k_end && lane_dims) {
-        const int64_t off = present_st.Offset(b, g, key) + dl * 8;
-        kr[i] = *reinterpret_cast<const uint4*>(pk + off);
-        vr[i] = *reinterpret_cast<const uint4*>(pv + off);
-      }
+    for (int i = 0; i < NL; ++i) {
+      kr[i] = kn[i];
+      vr[i] = vn[i];
     }
+    if (base + kStep < k_end) load_step(base + kStep);
     float sc[NL][GM];
 #pragma unroll
     for (int i = 0; i < NL; ++i) {
@@ -562,6 +588,38 @@ __global__ void __launch_bounds__(kDecThreads)
     T* out = static_cast<T*>(buf.output) + (b * s.num_heads + head) * H;
     out[d] = FromF<T>(o * OutputScale(mx, lsum, extra, sink));
   }
+}
+
+using DecodeFn = void (*)(GqaShape, GqaCudaBuffers, KvStrides, const float*, AttnPlan, float*,
+                          float*, float*);
+
+template <typename T, int LPK>
+DecodeFn DecodeKernelForGroup(int64_t group) {
+  if (group == 1) return DecodeKernel<T, LPK, 1>;
+  if (group == 2) return DecodeKernel<T, LPK, 2>;
+  if (group <= 4) return DecodeKernel<T, LPK, 4>;
+  return DecodeKernel<T, LPK, kDecMaxGroup>;
+}
+
+template <typename T>
+DecodeFn DecodeKernelFor(const GqaShape& s) {
+  switch (DecodeLanesPerKey(s.head_size)) {
+    case 4: return DecodeKernelForGroup<T, 4>(s.group_size());
+    case 8: return DecodeKernelForGroup<T, 8>(s.group_size());
+    case 16: return DecodeKernelForGroup<T, 16>(s.group_size());
+    default: return DecodeKernelForGroup<T, 32>(s.group_size());
+  }
+}
+
+int DecodeCtasPerSm(const GqaShape& s) {
+  const DecodeFn fn = s.dtype == DType::kFloat16 ? DecodeKernelFor<__half>(s)
+                                                  : DecodeKernelFor<__nv_bfloat16>(s);
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, kDecThreads, 0) != cudaSuccess) {
+    (void)cudaGetLastError();  // only a sizing hint: take a default, leave no error behind
+    n = 2;
+  }
+  return std::max(n, 1);
 }
 
 // ---- 4. combine the key splits in a fixed order -------------------------------------------------
@@ -837,6 +895,14 @@ Status DispatchPrefillTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides
   }
 }
 
+// Head blocks of the prepare kernel: enough CTAs to fill the GPU's first wave when the batch
+// of tokens is small; one CTA per token (all heads) when it is large.
+int64_t PrepareHeadBlocks(const GqaShape& s) {
+  const int64_t heads = s.num_heads + s.kv_num_heads;
+  const int64_t blocks = (heads + kPrepareWarps - 1) / kPrepareWarps;
+  return s.batch * s.seq_len >= 256 ? 1 : blocks;
+}
+
 template <typename T>
 Status LaunchCombine(const GqaShape& s, const GqaCudaBuffers& buf, const AttnPlan& plan,
                      const float* part_o, const float* part_m, const float* part_l,
@@ -848,39 +914,16 @@ Status LaunchCombine(const GqaShape& s, const GqaCudaBuffers& buf, const AttnPla
   return CudaCheck(cudaGetLastError(), "combine launch");
 }
 
-template <typename T, int LPK, int GM>
+template <typename T>
 Status LaunchDecode(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
                     const float* q_ws, const AttnPlan& plan, float* part_o, float* part_m,
                     float* part_l, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(plan.splits),
                   static_cast<unsigned>(s.batch * s.kv_num_heads));
-  DecodeKernel<T, LPK, GM><<<grid, kDecThreads, 0, stream>>>(s, buf, present_st, q_ws, plan,
-                                                             part_o, part_m, part_l);
+  DecodeKernelFor<T>(s)<<<grid, kDecThreads, 0, stream>>>(s, buf, present_st, q_ws, plan,
+                                                          part_o, part_m, part_l);
   KVL_RETURN_IF_ERROR(CudaCheck(cudaGetLastError(), "decode launch"));
   return LaunchCombine<T>(s, buf, plan, part_o, part_m, part_l, stream);
-}
-
-template <typename T, int LPK>
-Status DispatchDecodeGroup(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides st,
-                           const float* q_ws, const AttnPlan& plan, float* po, float* pm,
-                           float* pl, cudaStream_t stream) {
-  const int64_t G = s.group_size();
-  if (G == 1) return LaunchDecode<T, LPK, 1>(s, buf, st, q_ws, plan, po, pm, pl, stream);
-  if (G == 2) return LaunchDecode<T, LPK, 2>(s, buf, st, q_ws, plan, po, pm, pl, stream);
-  if (G <= 4) return LaunchDecode<T, LPK, 4>(s, buf, st, q_ws, plan, po, pm, pl, stream);
-  return LaunchDecode<T, LPK, kDecMaxGroup>(s, buf, st, q_ws, plan, po, pm, pl, stream);
-}
-
-template <typename T>
-Status DispatchDecode(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides st,
-                      const float* q_ws, const AttnPlan& plan, float* po, float* pm, float* pl,
-                      cudaStream_t stream) {
-  switch (DecodeLanesPerKey(s.head_size)) {
-    case 4: return DispatchDecodeGroup<T, 4>(s, buf, st, q_ws, plan, po, pm, pl, stream);
-    case 8: return DispatchDecodeGroup<T, 8>(s, buf, st, q_ws, plan, po, pm, pl, stream);
-    case 16: return DispatchDecodeGroup<T, 16>(s, buf, st, q_ws, plan, po, pm, pl, stream);
-    default: return DispatchDecodeGroup<T, 32>(s, buf, st, q_ws, plan, po, pm, pl, stream);
-  }
 }
 
 template <typename T>
@@ -902,7 +945,9 @@ Status Launch(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo
     CopyPastKernel<T><<<std::max(blocks, 1), 256, 0, stream>>>(s, buf, past_st, present_st);
     KVL_RETURN_IF_ERROR(CudaCheck(cudaGetLastError(), "copy past launch"));
   }
-  PrepareKernel<T><<<static_cast<unsigned>(s.batch * s.seq_len), dim3(kWarp, kPrepareWarps), 0,
+  const dim3 prep_grid(static_cast<unsigned>(s.batch * s.seq_len),
+                       static_cast<unsigned>(PrepareHeadBlocks(s)));
+  PrepareKernel<T><<<prep_grid, dim3(kWarp, kPrepareWarps), 0,
                      stream>>>(s, buf, present_st, q_ws);
   KVL_RETURN_IF_ERROR(CudaCheck(cudaGetLastError(), "prepare launch"));
 
@@ -913,7 +958,7 @@ Status Launch(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo
     const bool aligned16 = (reinterpret_cast<uintptr_t>(buf.present_key) |
                             reinterpret_cast<uintptr_t>(buf.present_value)) % 16 == 0;
     if (UseDecodeKernel(s) && aligned16) {
-      return DispatchDecode<T>(s, buf, present_st, q_ws, plan, part_o, part_m, part_l, stream);
+      return LaunchDecode<T>(s, buf, present_st, q_ws, plan, part_o, part_m, part_l, stream);
     }
   }
   const size_t smem = SmemBytes(s, sizeof(T));
