@@ -15,6 +15,12 @@
 namespace kvl {
 namespace {
 
+Status CudaCheck(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return Status::Ok();
+  return Status::Error(std::string("ai.kvlayout::GroupQueryAttention (CUDA): ") + what + ": " +
+                       cudaGetErrorString(err));
+}
+
 // ---- element conversions ---------------------------------------------------------------------
 __device__ __forceinline__ float ToF(float x) { return x; }
 __device__ __forceinline__ float ToF(__half x) { return __half2float(x); }
@@ -401,15 +407,36 @@ __global__ void __launch_bounds__(kWarp* kWarps)
 // ---- 3c. decode (fp16/bf16, one new token): CTA = (key split, batch x kv head), 4 warps. ------
 // A group of LPK lanes owns one key at a time, 16 bytes of its K and V rows per lane, and keeps
 // its own online softmax for the G <= GM query heads of the KV group in registers; the groups
-// merge once, at the end. The key loop has no barrier and no shared memory: each lane issues its
-// 2 x NL 16-byte loads of a step before it uses any, which is what keeps HBM busy.
+// merge once, at the end. Rows reach shared memory through cp.async, kDecStages - 1 steps ahead
+// of use, which is what keeps HBM busy. Each lane reads back only the 16-byte slots it copied
+// itself, so the key loop has no barrier.
 constexpr int kDecThreads = 128;
-#ifndef KVL_DEC_MIN_CTAS
-#define KVL_DEC_MIN_CTAS 1
-#endif
+constexpr int kDecStages = 4;
+
+// Keys per lane group per step for groups of up to `gm` heads (registers: 16 per key).
+__host__ __device__ constexpr int DecKeysPerLaneStep(int64_t gm) { return gm >= 8 ? 2 : 4; }
 
 int DecodeLanesPerKey(int64_t head_size) {  // 16-byte chunks of a row, a power of two >= 4
   return head_size <= 32 ? 4 : head_size <= 64 ? 8 : head_size <= 128 ? 16 : 32;
+}
+
+// Dynamic shared memory of the decode kernel: the cp.async stages, reused for the final merge.
+size_t DecodeSmemBytes(int64_t group_max, int64_t lanes_per_key) {
+  const size_t stages = size_t(kDecStages) * 2 * DecKeysPerLaneStep(group_max) * kDecThreads * 16;
+  const size_t merge = sizeof(float) * (kDecThreads / lanes_per_key) * group_max * lanes_per_key * 8;
+  return std::max(stages, merge);
+}
+
+__device__ __forceinline__ void CpAsync16(void* smem_dst, const void* gmem_src, bool valid) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  const int src_bytes = valid ? 16 : 0;  // 0: zero-fill, nothing read
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
 template <typename T>
@@ -424,12 +451,13 @@ __device__ __forceinline__ void Unpack8(const uint4& w, float (&x)[8]) {
 }
 
 template <typename T, int LPK, int GM>
-__global__ void __launch_bounds__(kDecThreads, KVL_DEC_MIN_CTAS)
+__global__ void __launch_bounds__(kDecThreads)
     DecodeKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_st, const float* q_ws,
                  AttnPlan plan, float* part_o, float* part_m, float* part_l) {
-  constexpr int NL = GM >= 8 ? 2 : 4;            // keys per lane group per step
+  constexpr int NL = DecKeysPerLaneStep(GM);
   constexpr int kGroups = kDecThreads / LPK;      // lane groups per CTA
-  __shared__ float red_o[kGroups][GM][LPK * 8];
+  extern __shared__ __align__(16) unsigned char dec_smem[];
+  uint4* stage = reinterpret_cast<uint4*>(dec_smem);  // [kDecStages][K, V][NL][thread]
   __shared__ float red_m[kGroups][GM], red_l[kGroups][GM];
 
   const int64_t H = s.head_size, G = s.group_size();
@@ -444,6 +472,31 @@ __global__ void __launch_bounds__(kDecThreads, KVL_DEC_MIN_CTAS)
     const int64_t chunk = SplitChunk(keys.hi - keys.lo, plan.splits, 64);
     k_begin = keys.lo + split * chunk;
     k_end = min(keys.hi, k_begin + chunk);
+  }
+  const T* pk = static_cast<const T*>(buf.present_key);
+  const T* pv = static_cast<const T*>(buf.present_value);
+  const T* bias = static_cast<const T*>(buf.attention_bias);
+  const int64_t bias_b = s.bias_batch == 1 ? 0 : b;
+
+  // Every lane runs the same steps (the shuffles below span the warp's groups); keys past the
+  // split's end are zero-filled and masked.
+  constexpr int64_t kStep = int64_t(kGroups) * NL;
+  const int64_t steps = k_begin < k_end ? (k_end - k_begin + kStep - 1) / kStep : 0;
+  auto issue = [&](int64_t step) {
+    uint4* slot = stage + (step % kDecStages) * 2 * NL * kDecThreads + t;
+#pragma unroll
+    for (int i = 0; i < NL; ++i) {  // key base + grp + i * kGroups: the groups interleave
+      const int64_t key = k_begin + step * kStep + grp + int64_t(i) * kGroups;
+      const bool valid = key < k_end && lane_dims;
+      const int64_t off = valid ? present_st.Offset(b, g, key) + dl * 8 : 0;
+      CpAsync16(slot + i * kDecThreads, pk + off, valid);
+      CpAsync16(slot + (NL + i) * kDecThreads, pv + off, valid);
+    }
+  };
+#pragma unroll
+  for (int j = 0; j < kDecStages - 1; ++j) {
+    if (j < steps) issue(j);
+    CpAsyncCommit();  // empty groups too: the wait below counts groups
   }
 
   float q[GM][8], acc[GM][8], m[GM], l[GM];
@@ -460,38 +513,20 @@ __global__ void __launch_bounds__(kDecThreads, KVL_DEC_MIN_CTAS)
     q[gi][0] = lo4.x, q[gi][1] = lo4.y, q[gi][2] = lo4.z, q[gi][3] = lo4.w;
     q[gi][4] = hi4.x, q[gi][5] = hi4.y, q[gi][6] = hi4.z, q[gi][7] = hi4.w;
   }
-  const T* pk = static_cast<const T*>(buf.present_key);
-  const T* pv = static_cast<const T*>(buf.present_value);
-  const T* bias = static_cast<const T*>(buf.attention_bias);
-  const int64_t bias_b = s.bias_batch == 1 ? 0 : b;
 
-  // Every lane runs the same steps (the shuffles below span the warp's groups); keys past the
-  // split's end are masked. The loads of step n + 1 are issued before step n is computed.
-  constexpr int64_t kStep = int64_t(kGroups) * NL;
-  uint4 kn[NL], vn[NL];
-  auto load_step = [&](int64_t base) {
-#pragma unroll
-    for (int i = 0; i < NL; ++i) {  // key base + grp + i * kGroups: the groups interleave
-      const int64_t key = base + grp + int64_t(i) * kGroups;
-      kn[i] = make_uint4(0, 0, 0, 0);
-      vn[i] = make_uint4(0, 0, 0, 0);
-      if (key < k_end && lane_dims) {
-        const int64_t off = present_st.Offset(b, g, key) + dl * 8;
-        kn[i] = *reinterpret_cast<const uint4*>(pk + off);
-        vn[i] = *reinterpret_cast<const uint4*>(pv + off);
-      }
-    }
-  };
-  if (k_begin < k_end) load_step(k_begin);
-  for (int64_t base = k_begin; base < k_end; base += kStep) {
-    const int64_t k0 = base + grp;
+  for (int64_t step = 0; step < steps; ++step) {
+    CpAsyncWait<kDecStages - 2>();  // this step's group has landed (for this lane's slots)
+    const uint4* slot = stage + (step % kDecStages) * 2 * NL * kDecThreads + t;
     uint4 kr[NL], vr[NL];
 #pragma unroll
     for (int i = 0; i < NL; ++i) {
-      kr[i] = kn[i];
-      vr[i] = vn[i];
+      kr[i] = slot[i * kDecThreads];
+      vr[i] = slot[(NL + i) * kDecThreads];
     }
-    if (base + kStep < k_end) load_step(base + kStep);
+    // Refill the slot consumed one step ago.
+    if (step + kDecStages - 1 < steps) issue(step + kDecStages - 1);
+    CpAsyncCommit();
+    const int64_t k0 = k_begin + step * kStep + grp;
     float sc[NL][GM];
 #pragma unroll
     for (int i = 0; i < NL; ++i) {
@@ -546,7 +581,11 @@ __global__ void __launch_bounds__(kDecThreads, KVL_DEC_MIN_CTAS)
     }
   }
 
-  // Merge the lane groups (fixed order: deterministic).
+  // Merge the lane groups (fixed order: deterministic), in the stage buffer: every copy has
+  // landed (only empty groups can be pending) and every lane is past its last read of it.
+  CpAsyncWait<0>();
+  __syncthreads();
+  auto red_o = reinterpret_cast<float(*)[GM][LPK * 8]>(dec_smem);  // [kGroups][GM][LPK * 8]
 #pragma unroll
   for (int gi = 0; gi < GM; ++gi) {
     if (lane_dims) {
@@ -611,55 +650,102 @@ DecodeFn DecodeKernelFor(const GqaShape& s) {
   }
 }
 
+size_t DecodeSmemBytesFor(const GqaShape& s) {
+  const int64_t G = s.group_size();
+  const int64_t gm = G == 1 ? 1 : G == 2 ? 2 : G <= 4 ? 4 : kDecMaxGroup;
+  return DecodeSmemBytes(gm, DecodeLanesPerKey(s.head_size));
+}
+
+// The decode kernel serving `s`, with its shared memory limit raised to what it takes.
+template <typename T>
+Status ReadyDecodeKernel(const GqaShape& s, DecodeFn* fn, size_t* smem) {
+  *fn = DecodeKernelFor<T>(s);
+  *smem = DecodeSmemBytesFor(s);
+  return CudaCheck(cudaFuncSetAttribute(*fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(*smem)),
+                   "decode shared memory attribute");
+}
+
 int DecodeCtasPerSm(const GqaShape& s) {
-  const DecodeFn fn = s.dtype == DType::kFloat16 ? DecodeKernelFor<__half>(s)
-                                                  : DecodeKernelFor<__nv_bfloat16>(s);
+  DecodeFn fn = nullptr;
+  size_t smem = 0;
+  const Status st = s.dtype == DType::kFloat16 ? ReadyDecodeKernel<__half>(s, &fn, &smem)
+                                                : ReadyDecodeKernel<__nv_bfloat16>(s, &fn, &smem);
   int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, kDecThreads, 0) != cudaSuccess) {
+  if (!st.ok() || cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, kDecThreads, smem) !=
+                      cudaSuccess) {
     (void)cudaGetLastError();  // only a sizing hint: take a default, leave no error behind
     n = 2;
   }
   return std::max(n, 1);
 }
 
-// ---- 4. combine the key splits in a fixed order -------------------------------------------------
+// ---- 4. combine the key splits in a fixed order: CTA = one query row of one (b, kv head). ----
+// The split weights are computed once per row into shared memory; then each thread sums its
+// dimensions over the splits with independent loads.
+constexpr int kCombineThreads = 128;
+
+__device__ __forceinline__ float BlockMax(float v, float* scratch) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  v = WarpMax(v);
+  __syncthreads();  // scratch free (a previous reduction may still be reading it)
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float r = -INFINITY;
+  for (int w = 0; w < kCombineThreads / kWarp; ++w) r = fmaxf(r, scratch[w]);
+  return r;
+}
+__device__ __forceinline__ float BlockSum(float v, float* scratch) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  v = WarpSum(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float r = 0.0f;
+  for (int w = 0; w < kCombineThreads / kWarp; ++w) r += scratch[w];
+  return r;
+}
+
 template <typename T>
-__global__ void CombineKernel(GqaShape s, GqaCudaBuffers buf, AttnPlan plan,
-                              const float* part_o, const float* part_m, const float* part_l) {
+__global__ void __launch_bounds__(kCombineThreads)
+    CombineKernel(GqaShape s, GqaCudaBuffers buf, AttnPlan plan, const float* part_o,
+                  const float* part_m, const float* part_l) {
+  extern __shared__ float weight[];  // [plan.splits]
+  __shared__ float scratch[kCombineThreads / kWarp];
   const int64_t H = s.head_size, G = s.group_size();
-  const int64_t rb = blockIdx.x, bg = blockIdx.y;
+  const int64_t rb = blockIdx.x / kRowsPerCta, k = blockIdx.x % kRowsPerCta, bg = blockIdx.y;
+  const int64_t r = rb * kRowsPerCta + k;
+  if (r >= s.seq_len * G) return;  // uniform over the CTA
   const int64_t b = bg / s.kv_num_heads, g = bg % s.kv_num_heads;
-  for (int64_t idx = threadIdx.x; idx < kRowsPerCta * H; idx += blockDim.x) {
-    const int64_t k = idx / H, d = idx % H;
-    const int64_t r = rb * kRowsPerCta + k;
-    if (r >= s.seq_len * G) continue;
-    const int64_t tok = r / G, head = g * G + r % G;
-    const int64_t first = ((bg * plan.row_blocks + rb) * plan.splits) * kRowsPerCta + k;
-    float mx = -INFINITY;
-    for (int64_t sp = 0; sp < plan.splits; ++sp) mx = fmaxf(mx, part_m[first + sp * kRowsPerCta]);
-    float l = 0.0f, acc = 0.0f;
-    if (mx != -INFINITY) {
-      for (int64_t sp = 0; sp < plan.splits; ++sp) {
-        const int64_t slot = first + sp * kRowsPerCta;
-        if (part_m[slot] == -INFINITY) continue;
-        const float w = __expf(part_m[slot] - mx);
-        l += part_l[slot] * w;
-        acc += part_o[slot * H + d] * w;
-      }
+  const int64_t tok = r / G, head = g * G + r % G;
+  const int64_t first = ((bg * plan.row_blocks + rb) * plan.splits) * kRowsPerCta + k;
+  float mx = -INFINITY;
+  for (int64_t sp = threadIdx.x; sp < plan.splits; sp += kCombineThreads) {
+    mx = fmaxf(mx, part_m[first + sp * kRowsPerCta]);
+  }
+  mx = BlockMax(mx, scratch);
+  float l = 0.0f;
+  for (int64_t sp = threadIdx.x; sp < plan.splits; sp += kCombineThreads) {
+    const int64_t slot = first + sp * kRowsPerCta;
+    const float w = part_m[slot] == -INFINITY ? 0.0f : __expf(part_m[slot] - mx);
+    weight[sp] = w;
+    l += part_l[slot] * w;
+  }
+  l = BlockSum(l, scratch);  // its barriers also publish `weight`
+  const bool extra = s.has_head_sink || s.smooth_softmax;
+  const float sink = s.has_head_sink ? ToF(static_cast<const T*>(buf.head_sink)[head]) : 0.0f;
+  const float scale = OutputScale(mx, l, extra, sink);
+  T* out = static_cast<T*>(buf.output) + ((b * s.seq_len + tok) * s.num_heads + head) * H;
+  for (int64_t d = threadIdx.x; d < H; d += kCombineThreads) {
+    float acc = 0.0f;
+    for (int64_t sp = 0; sp < plan.splits; ++sp) {
+      acc += part_o[(first + sp * kRowsPerCta) * H + d] * weight[sp];
     }
-    const bool extra = s.has_head_sink || s.smooth_softmax;
-    const float sink = s.has_head_sink ? ToF(static_cast<const T*>(buf.head_sink)[head]) : 0.0f;
-    T* out = static_cast<T*>(buf.output) + ((b * s.seq_len + tok) * s.num_heads + head) * H;
-    out[d] = FromF<T>(acc * OutputScale(mx, l, extra, sink));
+    out[d] = FromF<T>(acc * scale);
   }
 }
 
 
-Status CudaCheck(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return Status::Ok();
-  return Status::Error(std::string("ai.kvlayout::GroupQueryAttention (CUDA): ") + what + ": " +
-                       cudaGetErrorString(err));
-}
 
 // ---- 3b. prefill on tensor cores (fp16/bf16): CTA = 64 query tokens of one query head;
 //          S = Q K^T and O += P V with WMMA 16x16x16, online softmax in between.  HD is the
@@ -908,9 +994,10 @@ Status LaunchCombine(const GqaShape& s, const GqaCudaBuffers& buf, const AttnPla
                      const float* part_o, const float* part_m, const float* part_l,
                      cudaStream_t stream) {
   if (plan.splits == 1) return Status::Ok();
-  const dim3 grid(static_cast<unsigned>(plan.row_blocks),
+  const dim3 grid(static_cast<unsigned>(plan.row_blocks * kRowsPerCta),
                   static_cast<unsigned>(s.batch * s.kv_num_heads));
-  CombineKernel<T><<<grid, 256, 0, stream>>>(s, buf, plan, part_o, part_m, part_l);
+  const size_t smem = sizeof(float) * plan.splits;  // <= 8 x SMs splits: a few KB
+  CombineKernel<T><<<grid, kCombineThreads, smem, stream>>>(s, buf, plan, part_o, part_m, part_l);
   return CudaCheck(cudaGetLastError(), "combine launch");
 }
 
@@ -920,8 +1007,10 @@ Status LaunchDecode(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pres
                     float* part_l, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(plan.splits),
                   static_cast<unsigned>(s.batch * s.kv_num_heads));
-  DecodeKernelFor<T>(s)<<<grid, kDecThreads, 0, stream>>>(s, buf, present_st, q_ws, plan,
-                                                          part_o, part_m, part_l);
+  DecodeFn fn = nullptr;
+  size_t smem = 0;
+  KVL_RETURN_IF_ERROR(ReadyDecodeKernel<T>(s, &fn, &smem));
+  fn<<<grid, kDecThreads, smem, stream>>>(s, buf, present_st, q_ws, plan, part_o, part_m, part_l);
   KVL_RETURN_IF_ERROR(CudaCheck(cudaGetLastError(), "decode launch"));
   return LaunchCombine<T>(s, buf, plan, part_o, part_m, part_l, stream);
 }
