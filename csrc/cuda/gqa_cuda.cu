@@ -5,12 +5,12 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
-#include <mma.h>
 
 #include <algorithm>
 #include <string>
 
 #include "core/kv_strides.h"
+#include "cuda/ptx.cuh"
 
 namespace kvl {
 namespace {
@@ -427,18 +427,6 @@ size_t DecodeSmemBytes(int64_t group_max, int64_t lanes_per_key) {
   return std::max(stages, merge);
 }
 
-__device__ __forceinline__ void CpAsync16(void* smem_dst, const void* gmem_src, bool valid) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
-  const int src_bytes = valid ? 16 : 0;  // 0: zero-fill, nothing read
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src),
-               "r"(src_bytes));
-}
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
 template <typename T>
 __device__ __forceinline__ void Unpack8(const uint4& w, float (&x)[8]) {
   const uint32_t u[4] = {w.x, w.y, w.z, w.w};
@@ -489,14 +477,14 @@ __global__ void __launch_bounds__(kDecThreads)
       const int64_t key = k_begin + step * kStep + grp + int64_t(i) * kGroups;
       const bool valid = key < k_end && lane_dims;
       const int64_t off = valid ? present_st.Offset(b, g, key) + dl * 8 : 0;
-      CpAsync16(slot + i * kDecThreads, pk + off, valid);
-      CpAsync16(slot + (NL + i) * kDecThreads, pv + off, valid);
+      ptx::CpAsync16(slot + i * kDecThreads, pk + off, valid);
+      ptx::CpAsync16(slot + (NL + i) * kDecThreads, pv + off, valid);
     }
   };
 #pragma unroll
   for (int j = 0; j < kDecStages - 1; ++j) {
     if (j < steps) issue(j);
-    CpAsyncCommit();  // empty groups too: the wait below counts groups
+    ptx::CpAsyncCommit();  // empty groups too: the wait below counts groups
   }
 
   float q[GM][8], acc[GM][8], m[GM], l[GM];
@@ -515,7 +503,7 @@ __global__ void __launch_bounds__(kDecThreads)
   }
 
   for (int64_t step = 0; step < steps; ++step) {
-    CpAsyncWait<kDecStages - 2>();  // this step's group has landed (for this lane's slots)
+    ptx::CpAsyncWait<kDecStages - 2>();  // this step's group has landed (for this lane's slots)
     const uint4* slot = stage + (step % kDecStages) * 2 * NL * kDecThreads + t;
     uint4 kr[NL], vr[NL];
 #pragma unroll
@@ -525,7 +513,7 @@ __global__ void __launch_bounds__(kDecThreads)
     }
     // Refill the slot consumed one step ago.
     if (step + kDecStages - 1 < steps) issue(step + kDecStages - 1);
-    CpAsyncCommit();
+    ptx::CpAsyncCommit();
     const int64_t k0 = k_begin + step * kStep + grp;
     float sc[NL][GM];
 #pragma unroll
@@ -583,7 +571,7 @@ __global__ void __launch_bounds__(kDecThreads)
 
   // Merge the lane groups (fixed order: deterministic), in the stage buffer: every copy has
   // landed (only empty groups can be pending) and every lane is past its last read of it.
-  CpAsyncWait<0>();
+  ptx::CpAsyncWait<0>();
   __syncthreads();
   auto red_o = reinterpret_cast<float(*)[GM][LPK * 8]>(dec_smem);  // [kGroups][GM][LPK * 8]
 #pragma unroll
@@ -747,205 +735,223 @@ __global__ void __launch_bounds__(kCombineThreads)
 
 
 
-// ---- 3b. prefill on tensor cores (fp16/bf16): CTA = 64 query tokens of one query head;
-//          S = Q K^T and O += P V with WMMA 16x16x16, online softmax in between.  HD is the
-//          head size rounded up to a multiple of 32; the columns past the head size are zero in
-//          Q, K and V, so they add nothing to the scores and are never written out.
-//          Q in T (rounded once), scores and O accumulated in float. -----------------------------
+// ---- 3b. prefill on tensor cores (fp16/bf16): CTA = 64 query tokens of one query head, 4 warps
+//          of 16 rows. Per key tile: S = Q K^T and O += P V with mma.sync m16n8k16; scores, the
+//          online softmax and O stay in registers (a thread holds two rows of each); K and V
+//          tiles arrive by cp.async one tile ahead. HD is the head size rounded up to a multiple
+//          of 32: columns past the head size are zero in Q, K and V and never written out.
 constexpr int kTcRows = 64;  // query tokens per CTA: 4 warps x 16 rows
-constexpr int kTcKeys = 64;  // keys per tile
 
 // The tensor-core tile width of a head size: rounded up to a multiple of 32.
 constexpr int64_t TcHeadDim(int64_t head_size) { return (head_size + 31) / 32 * 32; }
+// Keys per tile: 64, or 32 for heads above 128 (their O accumulators take the registers).
+__host__ __device__ constexpr int TcKeys(int64_t hd) { return hd > 128 ? 32 : 64; }
+// Row pitch of the shared tiles, in elements: 16 bytes of padding put the 8 rows an ldmatrix
+// reads on distinct banks.
+__host__ __device__ constexpr int64_t TcPitch(int64_t hd) { return hd + 8; }
 
 size_t TcSmemBytes(int64_t hd, size_t elem) {
-  return elem * 3 * kTcRows * hd                        // Q, K, V tiles
-         + sizeof(float) * kWarps * 16 * kTcKeys        // S per warp
-         + elem * kWarps * 16 * kTcKeys                 // P per warp
-         + sizeof(float) * kWarps * 16 * hd             // O per warp
-         + sizeof(float) * 3 * kTcRows;                 // alpha, m, l per row
+  return elem * TcPitch(hd) * (kTcRows + 2 * 2 * TcKeys(hd));  // Q, and K + V in two stages
 }
 
 template <typename T, int HD>
 __global__ void __launch_bounds__(kWarp* kWarps)
     PrefillTcKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_st, const float* q_ws) {
-  using namespace nvcuda;
+  constexpr int BC = TcKeys(HD), P = TcPitch(HD);
+  constexpr int NT = BC / 8;   // score n-tiles (8 keys each)
+  constexpr int DT = HD / 8;   // output n-tiles (8 dimensions each)
   extern __shared__ __align__(128) unsigned char smem[];
-  T* qs = reinterpret_cast<T*>(smem);
-  T* ks = qs + kTcRows * HD;
-  T* vs = ks + kTcKeys * HD;
-  float* ss = reinterpret_cast<float*>(vs + kTcKeys * HD);
-  T* ps = reinterpret_cast<T*>(ss + kWarps * 16 * kTcKeys);
-  float* os = reinterpret_cast<float*>(ps + kWarps * 16 * kTcKeys);
-  float* row_alpha = os + kWarps * 16 * HD;
-  float* row_m = row_alpha + kTcRows;
-  float* row_l = row_m + kTcRows;
+  T* qs = reinterpret_cast<T*>(smem);  // [kTcRows][P]
+  T* kvs = qs + kTcRows * P;           // [stage][K, V][BC][P]
 
   const int64_t H = s.head_size;  // <= HD
   const int64_t b = blockIdx.z, h = blockIdx.y, g = h / s.group_size();
   const int64_t tok0 = int64_t(blockIdx.x) * kTcRows;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int gq = lane / 4, tq = lane % 4;  // fragment row group, thread in group
   const BatchGeometry geo = Geo(s, buf, b);
-  // Key range [lo, hi) of query row r of this CTA (empty for padding and rows past S).
-  auto range = [&](int r, int64_t* lo, int64_t* hi) {
-    const KeyRange keys =
-        tok0 + r < s.seq_len ? QueryKeyRange(s, geo, tok0 + r) : KeyRange{0, 0};
-    *lo = keys.lo;
-    *hi = keys.hi;
+  auto range = [&](int64_t r) {
+    return tok0 + r < s.seq_len ? QueryKeyRange(s, geo, tok0 + r) : KeyRange{0, 0};
   };
+
+  // Keys any row of the CTA needs.
   int64_t key_lo = INT64_MAX, key_hi = 0;
   for (int r = 0; r < kTcRows; ++r) {
-    int64_t lo, hi;
-    range(r, &lo, &hi);
-    if (lo < hi) {
-      key_lo = min(key_lo, lo);
-      key_hi = max(key_hi, hi);
+    const KeyRange kr = range(r);
+    if (kr.lo < kr.hi) {
+      key_lo = min(key_lo, kr.lo);
+      key_hi = max(key_hi, kr.hi);
     }
   }
+  const int64_t tiles = key_lo < key_hi ? (key_hi - key_lo + BC - 1) / BC : 0;
+
+  const T* pk = static_cast<const T*>(buf.present_key);
+  const T* pv = static_cast<const T*>(buf.present_value);
+  const int64_t chunks = H / 8;  // 16-byte chunks of a row (H % 8 == 0)
+  auto issue = [&](int64_t tile) {
+    T* ks = kvs + (tile % 2) * 2 * BC * P;
+    T* vs = ks + BC * P;
+    const int64_t k0 = key_lo + tile * BC;
+    for (int64_t idx = threadIdx.x; idx < BC * chunks; idx += blockDim.x) {
+      const int64_t j = idx / chunks, c = idx % chunks;
+      const bool valid = k0 + j < key_hi;  // past the end: zero rows
+      const int64_t off = valid ? present_st.Offset(b, g, k0 + j) + c * 8 : 0;
+      ptx::CpAsync16(ks + j * P + c * 8, pk + off, valid);
+      ptx::CpAsync16(vs + j * P + c * 8, pv + off, valid);
+    }
+  };
+  if (tiles > 0) issue(0);
+  ptx::CpAsyncCommit();
+
+  // Q (rounded to T once) and the zero padding columns of every tile; the loads above write
+  // columns [0, H) only.
   for (int64_t idx = threadIdx.x; idx < kTcRows * HD; idx += blockDim.x) {
     const int64_t r = idx / HD, d = idx % HD, tok = tok0 + r;
     const bool in = tok < s.seq_len && d < H;
-    qs[idx] = FromF<T>(in ? q_ws[((b * s.num_heads + h) * s.seq_len + tok) * H + d] : 0.0f);
+    qs[r * P + d] = FromF<T>(in ? q_ws[((b * s.num_heads + h) * s.seq_len + tok) * H + d] : 0.0f);
   }
-  // The tile loads below write columns [0, H) only: the padding columns stay zero.
-  for (int64_t idx = threadIdx.x; HD > H && idx < kTcKeys * HD; idx += blockDim.x) {
-    if (idx % HD >= H) {
-      ks[idx] = FromF<T>(0.0f);
-      vs[idx] = FromF<T>(0.0f);
-    }
+  for (int64_t idx = threadIdx.x; HD > H && idx < 2 * 2 * BC * (HD - H); idx += blockDim.x) {
+    kvs[(idx / (HD - H)) * P + H + idx % (HD - H)] = FromF<T>(0.0f);
   }
-  for (int64_t idx = threadIdx.x; idx < kWarps * 16 * HD; idx += blockDim.x) os[idx] = 0.0f;
-  for (int r = threadIdx.x; r < kTcRows; r += blockDim.x) {
-    row_m[r] = -INFINITY;
-    row_l[r] = 0.0f;
-  }
-  const T* pk = static_cast<const T*>(buf.present_key);
-  const T* pv = static_cast<const T*>(buf.present_value);
+
+  // This thread's two rows: warp * 16 + gq and + 8.
+  const int row0 = warp * 16 + gq;
+  const KeyRange kr0 = range(row0), kr1 = range(row0 + 8);
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  float o[DT][4];
+#pragma unroll
+  for (int n = 0; n < DT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
   const T* bias = static_cast<const T*>(buf.attention_bias);
-  const bool aligned16 =
-      (reinterpret_cast<uintptr_t>(pk) | reinterpret_cast<uintptr_t>(pv)) % 16 == 0;
-  float* my_s = ss + warp * 16 * kTcKeys;
-  T* my_p = ps + warp * 16 * kTcKeys;
-  float* my_o = os + warp * 16 * HD;
-  const int rr = lane / 2, half = lane % 2;  // softmax: two lanes per row, 32 keys each
-  const int row = warp * 16 + rr;
-  int64_t lo, hi;
-  range(row, &lo, &hi);
+  const int64_t bias_row0 =
+      ((s.bias_batch == 1 ? 0 : b) * s.bias_heads + (s.bias_heads == 1 ? 0 : h)) * s.seq_len +
+      tok0 + row0;
 
-  for (int64_t k0 = key_lo; k0 < key_hi; k0 += kTcKeys) {
-    __syncthreads();  // previous tile consumed (and Q, O, m, l initialized, on the first)
-    const int64_t quads = H * int64_t(sizeof(T)) / 16;  // H % 8 == 0
-    for (int64_t idx = threadIdx.x; aligned16 && idx < kTcKeys * quads; idx += blockDim.x) {
-      const int64_t j = idx / quads, qd = idx % quads;
-      uint4 kq = make_uint4(0, 0, 0, 0), vq = make_uint4(0, 0, 0, 0);
-      if (k0 + j < key_hi) {
-        const int64_t off = present_st.Offset(b, g, k0 + j);
-        kq = reinterpret_cast<const uint4*>(pk + off)[qd];
-        vq = reinterpret_cast<const uint4*>(pv + off)[qd];
-      }
-      reinterpret_cast<uint4*>(ks + j * HD)[qd] = kq;
-      reinterpret_cast<uint4*>(vs + j * HD)[qd] = vq;
-    }
-    for (int64_t idx = threadIdx.x; !aligned16 && idx < kTcKeys * H; idx += blockDim.x) {
-      const int64_t j = idx / H, d = idx % H;
-      const bool in = k0 + j < key_hi;
-      const int64_t off = in ? present_st.Offset(b, g, k0 + j) + d : 0;
-      ks[j * HD + d] = in ? pk[off] : FromF<T>(0.0f);
-      vs[j * HD + d] = in ? pv[off] : FromF<T>(0.0f);
-    }
-    __syncthreads();
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    if (tile + 1 < tiles) issue(tile + 1);  // the other stage: consumed before the last barrier
+    ptx::CpAsyncCommit();
+    ptx::CpAsyncWait<1>();
+    __syncthreads();  // every thread's copies of this tile (and Q, on the first) are visible
+    const T* ks = kvs + (tile % 2) * 2 * BC * P;
+    const T* vs = ks + BC * P;
+    const int64_t k0 = key_lo + tile * BC;
 
-    // S (16 x 64) = Q (16 x HD) K^T: K row-major [key][d] is K^T column-major.
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> sacc[kTcKeys / 16];
-    for (int n = 0; n < kTcKeys / 16; ++n) wmma::fill_fragment(sacc[n], 0.0f);
+    // S = Q K^T: 16 rows x BC keys per warp.
+    float sc[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+#pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qa;
-      wmma::load_matrix_sync(qa, qs + warp * 16 * HD + kk * 16, HD);
-      for (int n = 0; n < kTcKeys / 16; ++n) {
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kb;
-        wmma::load_matrix_sync(kb, ks + n * 16 * HD + kk * 16, HD);
-        wmma::mma_sync(sacc[n], qa, kb, sacc[n]);
+      uint32_t a[4];
+      ptx::LdMatrixX4(a, qs + (warp * 16 + lane % 16) * P + kk * 16 + (lane / 16) * 8);
+#pragma unroll
+      for (int n = 0; n < NT; n += 2) {  // two key n-tiles per ldmatrix.x4
+        uint32_t kb[4];
+        const int mi = lane / 8;  // matrices: (keys n, d lo) (keys n, d hi) (n+8, lo) (n+8, hi)
+        ptx::LdMatrixX4(kb, ks + (n * 8 + (mi / 2) * 8 + lane % 8) * P + kk * 16 + (mi % 2) * 8);
+        ptx::Mma16816<T>(sc[n], a, kb[0], kb[1]);
+        ptx::Mma16816<T>(sc[n + 1], a, kb[2], kb[3]);
       }
     }
-    for (int n = 0; n < kTcKeys / 16; ++n) {
-      wmma::store_matrix_sync(my_s + n * 16, sacc[n], kTcKeys, wmma::mem_row_major);
-    }
-    __syncwarp();
 
-    // Online softmax of row `row` over this tile; lanes 2k and 2k+1 share the row.
-    float sc[kTcKeys / 2];
-    float tmax = -INFINITY;
-    for (int j = 0; j < kTcKeys / 2; ++j) {
-      const int64_t key = k0 + half * (kTcKeys / 2) + j;
-      float x = my_s[rr * kTcKeys + half * (kTcKeys / 2) + j];
-      if (s.softcap > 0.0f) x = s.softcap * tanhf(x / s.softcap);
-      const bool live = key >= lo && key < hi && key < key_hi;
-      if (bias != nullptr && live) {
-        const int64_t bb = s.bias_batch == 1 ? 0 : b, bh = s.bias_heads == 1 ? 0 : h;
-        x += ToF(bias[((bb * s.bias_heads + bh) * s.seq_len + tok0 + row) * s.bias_total + key]);
-      }
-      sc[j] = live ? x : -INFINITY;
-      tmax = fmaxf(tmax, sc[j]);
-    }
-    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
-    const float m_old = row_m[row];
-    __syncwarp();  // both lanes of the row have read m before its owner lane rewrites it
-    const float m_new = fmaxf(m_old, tmax);
-    float alpha = 1.0f, sum = 0.0f;
-    if (m_new == -INFINITY) {  // nothing live in this row so far
-      for (int j = 0; j < kTcKeys / 2; ++j) my_p[rr * kTcKeys + half * (kTcKeys / 2) + j] = FromF<T>(0.0f);
-    } else {
-      alpha = m_old == -INFINITY ? 0.0f : __expf(m_old - m_new);
-      for (int j = 0; j < kTcKeys / 2; ++j) {
-        const float pj = sc[j] == -INFINITY ? 0.0f : __expf(sc[j] - m_new);
-        sum += pj;
-        my_p[rr * kTcKeys + half * (kTcKeys / 2) + j] = FromF<T>(pj);
+    // Masks, softcap, bias; the online softmax of rows row0 (e = 0, 1) and row0 + 8 (e = 2, 3).
+    float tmax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hr = e / 2;
+        const int64_t key = k0 + n * 8 + 2 * tq + (e % 2);
+        const KeyRange& kr = hr ? kr1 : kr0;
+        const bool live = key >= kr.lo && key < kr.hi;
+        float x = sc[n][e];
+        if (s.softcap > 0.0f) x = s.softcap * tanhf(x / s.softcap);
+        if (bias != nullptr && live) x += ToF(bias[(bias_row0 + hr * 8) * s.bias_total + key]);
+        sc[n][e] = live ? x : -INFINITY;
+        tmax[hr] = fmaxf(tmax[hr], sc[n][e]);
       }
     }
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    if (half == 0) {
-      row_alpha[row] = alpha;
-      row_m[row] = m_new;
-      row_l[row] = row_l[row] * alpha + sum;
+    float alpha[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      tmax[hr] = fmaxf(tmax[hr], __shfl_xor_sync(0xffffffffu, tmax[hr], 1));
+      tmax[hr] = fmaxf(tmax[hr], __shfl_xor_sync(0xffffffffu, tmax[hr], 2));
+      const float m_new = fmaxf(m[hr], tmax[hr]);
+      alpha[hr] = m_new == -INFINITY ? 1.0f : __expf(m[hr] - m_new);  // 0 when m was -inf
+      m[hr] = m_new;
     }
-    __syncwarp();
-    for (int e = lane; e < 16 * HD; e += kWarp) my_o[e] *= row_alpha[warp * 16 + e / HD];
-    __syncwarp();
+    float psum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hr = e / 2;
+        const float p = sc[n][e] == -INFINITY ? 0.0f : __expf(sc[n][e] - m[hr]);
+        sc[n][e] = p;
+        psum[hr] += p;
+      }
+    }
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) l[hr] = l[hr] * alpha[hr] + psum[hr];  // per thread; summed at the end
+#pragma unroll
+    for (int n = 0; n < DT; ++n) {
+      o[n][0] *= alpha[0];
+      o[n][1] *= alpha[0];
+      o[n][2] *= alpha[1];
+      o[n][3] *= alpha[1];
+    }
 
-    // O (16 x HD) += P (16 x 64) V (64 x HD).
-    for (int dn = 0; dn < HD / 16; ++dn) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> oacc;
-      wmma::load_matrix_sync(oacc, my_o + dn * 16, HD, wmma::mem_row_major);
-      for (int kk = 0; kk < kTcKeys / 16; ++kk) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pa;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vb;
-        wmma::load_matrix_sync(pa, my_p + kk * 16, kTcKeys);
-        wmma::load_matrix_sync(vb, vs + kk * 16 * HD + dn * 16, HD);
-        wmma::mma_sync(oacc, pa, vb, oacc);
+    // O += P V: P from the score registers (the C layout of two n-tiles is the A layout of one
+    // k-step), V through ldmatrix.trans.
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk) {
+      uint32_t a[4];
+      a[0] = ptx::PackPair<T>(sc[2 * kk][0], sc[2 * kk][1]);
+      a[1] = ptx::PackPair<T>(sc[2 * kk][2], sc[2 * kk][3]);
+      a[2] = ptx::PackPair<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+      a[3] = ptx::PackPair<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+#pragma unroll
+      for (int n = 0; n < DT; n += 2) {  // two dimension n-tiles per ldmatrix.x4.trans
+        uint32_t vb[4];
+        const int mi = lane / 8;  // matrices: (keys lo, d n) (keys hi, d n) (lo, n+8) (hi, n+8)
+        ptx::LdMatrixX4Trans(vb, vs + (kk * 16 + (mi % 2) * 8 + lane % 8) * P + n * 8 + (mi / 2) * 8);
+        ptx::Mma16816<T>(o[n], a, vb[0], vb[1]);
+        ptx::Mma16816<T>(o[n + 1], a, vb[2], vb[3]);
       }
-      wmma::store_matrix_sync(my_o + dn * 16, oacc, HD, wmma::mem_row_major);
     }
-    __syncwarp();
+    __syncthreads();  // this stage is read: the next iteration's copies may overwrite it
   }
-  __syncthreads();
+  ptx::CpAsyncWait<0>();
+
   const bool extra = s.has_head_sink || s.smooth_softmax;
   const float sink = s.has_head_sink ? ToF(static_cast<const T*>(buf.head_sink)[h]) : 0.0f;
-  for (int e = lane; e < 16 * HD; e += kWarp) {
-    const int r = warp * 16 + e / HD;
-    const int64_t tok = tok0 + r;
-    if (tok >= s.seq_len || e % HD >= H) continue;
-    const float scale = OutputScale(row_m[r], row_l[r], extra, sink);
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float lt = l[hr];
+    lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+    lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+    const int64_t tok = tok0 + row0 + hr * 8;
+    if (tok >= s.seq_len) continue;
+    const float scale = OutputScale(m[hr], lt, extra, sink);
     T* out = static_cast<T*>(buf.output) + ((b * s.seq_len + tok) * s.num_heads + h) * H;
-    out[e % HD] = FromF<T>(my_o[e] * scale);
+#pragma unroll
+    for (int n = 0; n < DT; ++n) {
+      const int64_t d = n * 8 + 2 * tq;
+      if (d < H) {
+        *reinterpret_cast<uint32_t*>(out + d) =
+            ptx::PackPair<T>(o[n][2 * hr] * scale, o[n][2 * hr + 1] * scale);
+      }
+    }
   }
 }
 
-// Tensor-core prefill serves fp16/bf16 at least 16 new tokens when its tiles fit the device's
-// shared memory (every head size up to 256 on sm_90; up to 192 on sm_80); the portable kernel
-// serves everything else (float32, token generation, and the rest).
+// Tensor-core prefill serves fp16/bf16 at least 16 new tokens when the caches are 16-byte
+// aligned (cp.async) and its tiles fit the device's shared memory; the portable kernel serves
+// everything else (float32, token generation, caches bound at odd offsets).
 template <typename T>
-bool UseTensorCorePrefill(const GqaShape& s, const CudaDeviceInfo& dev) {
-  return sizeof(T) == 2 && s.seq_len >= 16 &&
+bool UseTensorCorePrefill(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo& dev) {
+  const bool aligned16 = (reinterpret_cast<uintptr_t>(buf.present_key) |
+                          reinterpret_cast<uintptr_t>(buf.present_value)) % 16 == 0;
+  return sizeof(T) == 2 && s.seq_len >= 16 && aligned16 &&
          TcSmemBytes(TcHeadDim(s.head_size), sizeof(T)) <= size_t(dev.max_smem_optin);
 }
 
@@ -1041,7 +1047,9 @@ Status Launch(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo
   KVL_RETURN_IF_ERROR(CudaCheck(cudaGetLastError(), "prepare launch"));
 
   if constexpr (sizeof(T) == 2) {
-    if (UseTensorCorePrefill<T>(s, dev)) return DispatchPrefillTc<T>(s, buf, present_st, q_ws, stream);
+    if (UseTensorCorePrefill<T>(s, buf, dev)) {
+      return DispatchPrefillTc<T>(s, buf, present_st, q_ws, stream);
+    }
     // 16-byte row loads need 16-byte aligned caches (rows are, since H % 8 == 0); a cache bound
     // at an odd offset takes the portable kernel, which has an element-load path.
     const bool aligned16 = (reinterpret_cast<uintptr_t>(buf.present_key) |
