@@ -176,6 +176,8 @@ __global__ void PrepareKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_
 }
 
 // ---- 3. attention: CTA = (16 query rows of one KV group, batch x kv head, key split) ---------
+constexpr int64_t kMaxSplits = 1024;  // the combine kernel keeps one weight per split
+
 struct AttnPlan {
   int64_t row_blocks = 1;  // per (b, kv head): ceil(S * G / kRowsPerCta)
   int64_t splits = 1;      // key splits; from sizes and SM count only (capture-safe)
@@ -215,6 +217,7 @@ AttnPlan MakePlan(const GqaShape& s, const CudaDeviceInfo& dev) {
     const int64_t target = 8 * sms;
     p.splits = base >= target ? 1 : std::min(max_splits, (target + base - 1) / base);
   }
+  p.splits = std::min(p.splits, kMaxSplits);
   auto align = [](size_t x) { return (x + 255) / 256 * 256; };
   p.q_bytes = align(sizeof(float) * s.batch * s.num_heads * s.seq_len * s.head_size);
   if (p.splits > 1) {
@@ -698,7 +701,7 @@ template <typename T>
 __global__ void __launch_bounds__(kCombineThreads)
     CombineKernel(GqaShape s, GqaCudaBuffers buf, AttnPlan plan, const float* part_o,
                   const float* part_m, const float* part_l) {
-  extern __shared__ float weight[];  // [plan.splits]
+  __shared__ __align__(16) float weight[kMaxSplits];
   __shared__ float scratch[kCombineThreads / kWarp];
   const int64_t H = s.head_size, G = s.group_size();
   const int64_t rb = blockIdx.x / kRowsPerCta, k = blockIdx.x % kRowsPerCta, bg = blockIdx.y;
@@ -724,11 +727,19 @@ __global__ void __launch_bounds__(kCombineThreads)
   const float sink = s.has_head_sink ? ToF(static_cast<const T*>(buf.head_sink)[head]) : 0.0f;
   const float scale = OutputScale(mx, l, extra, sink);
   T* out = static_cast<T*>(buf.output) + ((b * s.seq_len + tok) * s.num_heads + head) * H;
+  const float* po = part_o + first * H;
+  const int64_t pitch = kRowsPerCta * H;  // from one split's row to the next
   for (int64_t d = threadIdx.x; d < H; d += kCombineThreads) {
+    // Four splits per step, written out: the loads are independent, and no load of `weight`
+    // reaches past plan.splits (compute-sanitizer caught a vectorized tail that did).
     float acc = 0.0f;
-    for (int64_t sp = 0; sp < plan.splits; ++sp) {
-      acc += part_o[(first + sp * kRowsPerCta) * H + d] * weight[sp];
+    int64_t sp = 0;
+    for (; sp + 4 <= plan.splits; sp += 4) {
+      const float4 w = *reinterpret_cast<const float4*>(weight + sp);
+      const float* p = po + sp * pitch + d;
+      acc += p[0] * w.x + p[pitch] * w.y + p[2 * pitch] * w.z + p[3 * pitch] * w.w;
     }
+    for (; sp < plan.splits; ++sp) acc += po[sp * pitch + d] * weight[sp];
     out[d] = FromF<T>(acc * scale);
   }
 }
@@ -1002,8 +1013,7 @@ Status LaunchCombine(const GqaShape& s, const GqaCudaBuffers& buf, const AttnPla
   if (plan.splits == 1) return Status::Ok();
   const dim3 grid(static_cast<unsigned>(plan.row_blocks * kRowsPerCta),
                   static_cast<unsigned>(s.batch * s.kv_num_heads));
-  const size_t smem = sizeof(float) * plan.splits;  // <= 8 x SMs splits: a few KB
-  CombineKernel<T><<<grid, kCombineThreads, smem, stream>>>(s, buf, plan, part_o, part_m, part_l);
+  CombineKernel<T><<<grid, kCombineThreads, 0, stream>>>(s, buf, plan, part_o, part_m, part_l);
   return CudaCheck(cudaGetLastError(), "combine launch");
 }
 
