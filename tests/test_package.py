@@ -6,6 +6,8 @@ tests/reference.py, so a stride bug in either shows up here.
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +34,27 @@ def test_build_info_and_version():
     assert isinstance(ort_kvlayout.cuda_available(), bool)
     if not info["cuda"]:
         assert ort_kvlayout.cuda_available() is False
+
+
+def _nvcc() -> str | None:
+    found = shutil.which("nvcc")
+    for path in (os.environ.get("CUDACXX"), "/usr/local/cuda/bin/nvcc"):
+        if not found and path and os.access(path, os.X_OK):
+            found = path
+    return found
+
+
+def test_cuda_kernels_are_built_where_nvcc_exists():
+    """CI has nvcc but no GPU: the CUDA sources must compile into the library there, so broken
+    CUDA code cannot land (a CUDA compile error fails `pip install`; this catches a build that
+    silently left CUDA out)."""
+    if _nvcc() is None:
+        pytest.skip("no nvcc on this machine: the library is CPU-only by design")
+    if "ORT_KVLAYOUT_CUDA=OFF" in os.environ.get("CMAKE_ARGS", ""):
+        pytest.skip("CUDA switched off through CMAKE_ARGS")
+    info = ort_kvlayout.build_info()
+    assert info["cuda"] is True, f"nvcc at {_nvcc()} but the library has no CUDA kernels: {info}"
+    assert "90" in info["cuda_archs"] and "80" in info["cuda_archs"], info
 
 
 def test_layout_names_and_ids():
