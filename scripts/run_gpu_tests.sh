@@ -13,6 +13,9 @@
 #   LOG_DIR        where logs go (default: $OUT when set, else /tmp/ort_kvlayout_gpu_tests)
 #   PYTEST_ARGS    extra pytest arguments (e.g. "-k graph")
 #   SAN_EXTRA_K    a -k expression that narrows the sanitizer subset (split a pass over calls)
+#   ALONE=N        + each GPU test file alone, and N tests drawn at random (from the seed), each
+#                  alone in a fresh process (cold: new CUDA context, first session)
+#   WARM=1         + the suite twice in one process (warm: sessions, context and caches reused)
 # Exit status: 0 when every selected pass succeeded, else the first failing pass's status
 # (sanitizer errors give 3; "no test ran" gives 4).
 set -u
@@ -97,6 +100,32 @@ case "$SANITIZER" in
   all) sanitize memcheck; sanitize racecheck ;;
   *) echo "unknown SANITIZER=$SANITIZER (none|memcheck|racecheck|all)"; STATUS=2 ;;
 esac
+
+if [ "${ALONE:-0}" != "0" ]; then
+  for f in $FILES; do  # the whole file (PYTEST_ARGS does not narrow it)
+    run_pass "alone $(basename "$f" .py)" "$LOG_DIR/alone_$(basename "$f" .py).log" \
+      python3 -m pytest -q -m gpu -rs -p no:cacheprovider "$f"
+  done
+  # shellcheck disable=SC2086
+  mapfile -t PICKED < <(python3 -m pytest -q -m gpu -p no:cacheprovider --collect-only $FILES 2>/dev/null |
+    grep '::' | ALONE="$ALONE" python3 -c "import random, sys, os; ids = sys.stdin.read().split(); random.Random(int(os.environ['GQA_GPU_SEED'])).shuffle(ids); print('\n'.join(ids[:int(os.environ['ALONE'])]))")
+  for t in "${PICKED[@]}"; do
+    run_pass "alone (cold) ${t##*::}" "$LOG_DIR/alone_one.log" \
+      python3 -m pytest -q -m gpu -rs -p no:cacheprovider "$t"
+  done
+fi
+if [ "${WARM:-0}" != "0" ]; then
+  # shellcheck disable=SC2086
+  run_pass "suite twice (warm)" "$LOG_DIR/gpu_suite_warm.log" python3 - $FILES $PYTEST_ARGS <<'EOF'
+import sys
+import pytest
+args = ["-q", "-m", "gpu", "-rs", "-p", "no:cacheprovider", *sys.argv[1:]]
+first = pytest.main(args)
+second = pytest.main(args)  # same process: sessions, CUDA context and caches are warm
+print(f"warm pass: first run exit {int(first)}, second run exit {int(second)}")
+sys.exit(int(first) or int(second))
+EOF
+fi
 
 echo
 echo "== summary (GQA_GPU_SEED=$GQA_GPU_SEED; logs in $LOG_DIR)"
