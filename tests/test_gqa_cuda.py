@@ -296,9 +296,10 @@ def test_dispatch_vs_oracle(case):
 
 @pytest.mark.parametrize("offset", [2, 8])
 @pytest.mark.parametrize("kind", ["prompt", "decode", "chunk"])
-def test_cache_at_unaligned_address(kind, offset):
-    """A cache bound `offset` bytes past a 256-byte boundary (so not 16-byte aligned) takes the
-    element-load paths: same results as the oracle, nothing written outside the binding."""
+def test_buffers_at_unaligned_addresses(kind, offset):
+    """Caches and output bound `offset` bytes past a 256-byte boundary (2: not even 4-byte
+    aligned; 8: not 16-byte aligned) take the element-load and element-store paths: same results
+    as the oracle, nothing written outside the bindings."""
     kw = {"prompt": {"batch": 2, "seq": 33, "pad": 4},
           "decode": {"batch": 2, "past_len": 300, "pad": 17},
           "chunk": {"batch": 1, "seq": 18, "past_len": 40}}[kind]  # fmt: skip
@@ -316,7 +317,7 @@ def test_cache_at_unaligned_address(kind, offset):
     feeds, attrs = c.feeds(), c.attrs()
     sess = cuda_session(build_model(feeds, attrs, KV_DOMAIN, c.kv_layout), KV_DOMAIN)
     names = {i.name for i in sess.get_inputs()}
-    _, pres_shape = output_shapes(feeds, attrs)
+    out_shape, pres_shape = output_shapes(feeds, attrs)
     io = sess.io_binding()
     keep = []
     for k, v in feeds.items():
@@ -328,30 +329,25 @@ def test_cache_at_unaligned_address(kind, offset):
             continue
         keep.append(to_device(v))
         io.bind_ortvalue_input(k, keep[-1])
-    n = int(np.prod(pres_shape))
+    nan_bits = np.full(1, np.nan, np.float16).view(np.uint16)[0]
     slabs = {}
-    for name in ("present_key", "present_value"):
+    for name, shape in (("output", out_shape), ("present_key", pres_shape),
+                        ("present_value", pres_shape)):  # fmt: skip
         # A slab of NaN with `offset` bytes before the binding and 64 elements after it.
-        slab = device_filled((n + offset // 2 + 64,), np.float16)
-        slabs[name] = slab
-        io.bind_output(name, DEVICE, 0, np.float16, list(pres_shape), slab.data_ptr() + offset)
-    out = device_filled(
-        np.asarray(feeds["query"]).shape[:2] + (c.num_heads * c.head_size,), np.float16
-    )
-    io.bind_ortvalue_output("output", out)
+        n = int(np.prod(shape))
+        slabs[name] = (device_filled((n + offset // 2 + 64,), np.float16), shape, n)
+        io.bind_output(name, DEVICE, 0, np.float16, list(shape), slabs[name][0].data_ptr() + offset)
     sess.run_with_iobinding(io)
-    got_pk, got_pv = {}, {}
-    for name, dst in (("present_key", got_pk), ("present_value", got_pv)):
-        flat = from_device(slabs[name]).view(np.uint16)
-        head, body, tail = (
-            flat[: offset // 2],
-            flat[offset // 2 : offset // 2 + n],
-            flat[offset // 2 + n :],
+    got = []
+    for name in ("output", "present_key", "present_value"):
+        slab, shape, n = slabs[name]
+        flat = from_device(slab).view(np.uint16)
+        lo, hi = offset // 2, offset // 2 + n
+        assert (flat[:lo] == nan_bits).all() and (flat[hi:] == nan_bits).all(), (
+            f"{name}: wrote outside its binding"
         )
-        nan_bits = np.full(1, np.nan, np.float16).view(np.uint16)[0]
-        assert (head == nan_bits).all() and (tail == nan_bits).all(), f"{name}: wrote outside"
-        dst["v"] = body.view(np.float16).reshape(pres_shape)
-    check_oracle(c, (from_device(out), got_pk["v"], got_pv["v"]), f"offset {offset}: ")
+        got.append(flat[lo:hi].view(np.float16).reshape(shape))
+    check_oracle(c, tuple(got), f"offset {offset}: ")
 
 
 @pytest.mark.parametrize("layout", [0, 1])

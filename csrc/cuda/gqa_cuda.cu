@@ -771,8 +771,8 @@ __global__ void __launch_bounds__(kWarp* kWarps)
   constexpr int BC = TcKeys(HD), P = TcPitch(HD);
   constexpr int NT = BC / 8;   // score n-tiles (8 keys each)
   constexpr int DT = HD / 8;   // output n-tiles (8 dimensions each)
-  extern __shared__ __align__(128) unsigned char smem[];
-  T* qs = reinterpret_cast<T*>(smem);  // [kTcRows][P]
+  extern __shared__ __align__(128) unsigned char tc_smem[];
+  T* qs = reinterpret_cast<T*>(tc_smem);  // [kTcRows][P]
   T* kvs = qs + kTcRows * P;           // [stage][K, V][BC][P]
 
   const int64_t H = s.head_size;  // <= HD
@@ -956,13 +956,15 @@ __global__ void __launch_bounds__(kWarp* kWarps)
 }
 
 // Tensor-core prefill serves fp16/bf16 at least 16 new tokens when the caches are 16-byte
-// aligned (cp.async) and its tiles fit the device's shared memory; the portable kernel serves
-// everything else (float32, token generation, caches bound at odd offsets).
+// aligned (cp.async), the output 4-byte aligned (it stores pairs) and its tiles fit the device's
+// shared memory; the portable kernel serves everything else (float32, token generation, buffers
+// bound at odd offsets).
 template <typename T>
 bool UseTensorCorePrefill(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo& dev) {
   const bool aligned16 = (reinterpret_cast<uintptr_t>(buf.present_key) |
                           reinterpret_cast<uintptr_t>(buf.present_value)) % 16 == 0;
-  return sizeof(T) == 2 && s.seq_len >= 16 && aligned16 &&
+  const bool out_aligned4 = reinterpret_cast<uintptr_t>(buf.output) % 4 == 0;  // pair stores
+  return sizeof(T) == 2 && s.seq_len >= 16 && aligned16 && out_aligned4 &&
          TcSmemBytes(TcHeadDim(s.head_size), sizeof(T)) <= size_t(dev.max_smem_optin);
 }
 
