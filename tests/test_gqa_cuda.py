@@ -21,6 +21,7 @@ import reference as ref
 from gpu_util import (
     BASE_SEED,
     DEVICE,
+    EMULATE,
     GPU_TOLS,
     QUICK,
     SKIP_REASON,
@@ -700,6 +701,15 @@ def test_invalid_attributes_raise(layout):
     _cuda_raise(_f(), dict(_A, kv_num_heads=3), layout, r"num_heads|kv_num_heads")
     for bad_layout in (2, -1):
         _cuda_raise(_f(), _A, bad_layout, r"kv_layout")
+
+
+@pytest.mark.skipif(EMULATE, reason="a limit of the CUDA kernels' grid; the CPU op has none")
+def test_grid_limit_refused_by_name():
+    """batch x kv_num_heads above 65535 (a CUDA grid axis) is refused with the rule, not a failed
+    launch."""
+    c = GqaCase(batch=16_400, kind="decode", past_len=1, num_heads=4, kv_num_heads=4,
+                head_size=8, dtype="fp16", seed=case_seed(33_000))  # fmt: skip
+    _cuda_raise(c.feeds(), c.attrs(), 0, r"batch x kv_num_heads = 65600 .*exceeds 65535")
 
 
 @pytest.mark.parametrize("layout", [0, 1])

@@ -1105,6 +1105,14 @@ Status CheckCudaSupport(const GqaShape& s) {
                          "attribute 'sliding_window_cache'=1 is not supported on the CUDA "
                          "execution provider in v1 (it is on CPU)");
   }
+  // The kernels put batch x kv head (and batch, num_heads) on a grid axis limited to 65535.
+  constexpr int64_t kMaxGridYZ = 65535;
+  if (s.batch * s.kv_num_heads > kMaxGridYZ || s.num_heads > kMaxGridYZ) {
+    return Status::Error(std::string(op) + "batch x kv_num_heads = " +
+                         std::to_string(s.batch * s.kv_num_heads) + " (num_heads " +
+                         std::to_string(s.num_heads) + ") exceeds " +
+                         std::to_string(kMaxGridYZ) + " on CUDA in v1: split the batch");
+  }
   if (s.head_size % 8 != 0 || s.head_size > kMaxHeadSize) {
     return Status::Error(std::string(op) + "head_size " + std::to_string(s.head_size) +
                          " is not supported on CUDA: it must be a multiple of 8 and <= " +
