@@ -232,6 +232,15 @@ void CopyRows(const Call<T>& c, int64_t b, int64_t h, T* dst, const T* src, int6
   }
 }
 
+// Zeroes present rows [r0, capacity) of (b, kv head h) in `dst` (present_key or present_value).
+template <typename T>
+void ZeroPresentRows(const Call<T>& c, int64_t b, int64_t h, T* dst, int64_t r0) {
+  const size_t row_bytes = static_cast<size_t>(c.s.head_size) * sizeof(T);
+  for (int64_t r = r0; r < c.s.present_capacity; ++r) {
+    std::memset(dst + c.present_strides.Offset(b, h, r), 0, row_bytes);
+  }
+}
+
 // Task (b, kv head): copies the past rows [0, past) into a separate present and zeroes the rows
 // no token of this call defines, so present never exposes uninitialized memory.
 template <typename T>
@@ -240,17 +249,12 @@ void CopyPast(void* state, size_t task) {
   const GqaShape& s = c.s;
   const int64_t b = static_cast<int64_t>(task) / s.kv_num_heads;
   const int64_t h = static_cast<int64_t>(task) % s.kv_num_heads;
-  const int64_t H = s.head_size;
   const BatchGeometry geo = c.geo(b);
-  const int64_t past = geo.past;
-  const size_t row_bytes = static_cast<size_t>(H) * sizeof(T);
   for (int which = 0; which < 2; ++which) {
     const T* src = static_cast<const T*>(which ? c.buf.past_value : c.buf.past_key);
     T* dst = static_cast<T*>(which ? c.buf.present_value : c.buf.present_key);
-    CopyRows(c, b, h, dst, src, 0, past);
-    for (int64_t r = past + c.written_rows(geo); r < s.present_capacity; ++r) {
-      std::memset(dst + c.present_strides.Offset(b, h, r), 0, row_bytes);
-    }
+    CopyRows(c, b, h, dst, src, 0, geo.past);
+    ZeroPresentRows(c, b, h, dst, geo.past + c.written_rows(geo));
   }
 }
 
@@ -286,10 +290,8 @@ void WriteSlidingPresent(void* state, size_t task) {
       T* out = dst + c.present_strides.Offset(b, h, r);
       if (out != src) std::memmove(out, src, row_bytes);
     }
-    if (c.buf.shared()) continue;  // rows past L keep their content, as in ORT
-    for (int64_t r = rows; r < s.present_capacity; ++r) {
-      std::memset(dst + c.present_strides.Offset(b, h, r), 0, row_bytes);
-    }
+    // A shared buffer's rows past L keep their content, as in ORT.
+    if (!c.buf.shared()) ZeroPresentRows(c, b, h, dst, rows);
   }
 }
 
