@@ -236,12 +236,11 @@ def output_shapes(feeds: dict, attrs: dict):
     return out, pres
 
 
-def bind_and_run(sess, feeds: dict, attrs: dict, shared: bool = False):
-    """Binds and runs once; returns the device OrtValues (output, present_key, present_value)
-    and the binding's input OrtValues (name -> OrtValue)."""
+def bind_inputs(sess, io, feeds: dict):
+    """Binds the session's inputs among ``feeds``: (host arrays by name, device OrtValues by
+    name; keep the latter alive until the run)."""
     names = {i.name for i in sess.get_inputs()}
     inputs = {k: np.asarray(v) for k, v in feeds.items() if v is not None and k in names}
-    io = sess.io_binding()
     dev = {}
     for k, v in inputs.items():
         if k == "total_sequence_length":  # a CPU input of the op, bound in CPU memory
@@ -249,6 +248,14 @@ def bind_and_run(sess, feeds: dict, attrs: dict, shared: bool = False):
         else:
             dev[k] = to_device(v)
             io.bind_ortvalue_input(k, dev[k])
+    return inputs, dev
+
+
+def bind_and_run(sess, feeds: dict, attrs: dict, shared: bool = False):
+    """Binds and runs once; returns the device OrtValues (output, present_key, present_value)
+    and the binding's input OrtValues (name -> OrtValue)."""
+    io = sess.io_binding()
+    inputs, dev = bind_inputs(sess, io, feeds)
     try:
         out_shape, pres_shape = output_shapes(inputs, attrs)
     except Exception:  # noqa: BLE001 - invalid inputs (error tests): let ORT allocate outputs
@@ -414,15 +421,8 @@ def _robust_one(layout: int, sc: dict) -> dict:
 
     def run(feeds):
         io = sess.io_binding()
-        keep = []
-        for k, v in feeds.items():
-            if v is None or k in ("past_key", "past_value"):
-                continue
-            if k == "total_sequence_length":
-                io.bind_cpu_input(k, np.ascontiguousarray(v))
-            else:
-                keep.append(to_device(v))
-                io.bind_ortvalue_input(k, keep[-1])
+        others = {k: v for k, v in feeds.items() if k not in ("past_key", "past_value")}
+        _, _on_device = bind_inputs(sess, io, others)  # past: the guarded buffers, below
         shape = [B, Nkv, C, H]
         pairs = (("past_key", "present_key", kbuf), ("past_value", "present_value", vbuf))
         for past, pres, buf in pairs:

@@ -27,6 +27,7 @@ from gpu_util import (
     SKIP_REASON,
     NotOnCuda,
     assert_close,
+    bind_inputs,
     case_seed,
     cuda_session,
     device_filled,
@@ -317,19 +318,9 @@ def test_buffers_at_unaligned_addresses(kind, offset):
     )
     feeds, attrs = c.feeds(), c.attrs()
     sess = cuda_session(build_model(feeds, attrs, KV_DOMAIN, c.kv_layout), KV_DOMAIN)
-    names = {i.name for i in sess.get_inputs()}
     out_shape, pres_shape = output_shapes(feeds, attrs)
     io = sess.io_binding()
-    keep = []
-    for k, v in feeds.items():
-        if v is None or k not in names:
-            continue
-        v = np.asarray(v)
-        if k == "total_sequence_length":
-            io.bind_cpu_input(k, np.ascontiguousarray(v))
-            continue
-        keep.append(to_device(v))
-        io.bind_ortvalue_input(k, keep[-1])
+    _, _on_device = bind_inputs(sess, io, feeds)  # alive until the run
     nan_bits = np.full(1, np.nan, np.float16).view(np.uint16)[0]
     slabs = {}
     for name, shape in (("output", out_shape), ("present_key", pres_shape),
@@ -592,15 +583,7 @@ def test_generation_loop_on_device(layout, dtype):
                                          KV_DOMAIN)  # fmt: skip
         sess = sessions[key]
         io = sess.io_binding()
-        dev = []
-        for k, v in feeds.items():
-            if v is None:
-                continue
-            if k == "total_sequence_length":
-                io.bind_cpu_input(k, v)
-            else:
-                dev.append(to_device(v))
-                io.bind_ortvalue_input(k, dev[-1])
+        _, _on_device = bind_inputs(sess, io, feeds)  # past: the cache buffers, below
         io.bind_output("output", DEVICE)  # bound first: get_outputs()[0]; ORT allocates it
         io.bind_ortvalue_input("past_key", kbuf)
         io.bind_ortvalue_input("past_value", vbuf)
