@@ -623,12 +623,19 @@ __global__ void __launch_bounds__(kDecThreads)
 using DecodeFn = void (*)(GqaShape, GqaCudaBuffers, KvStrides, const float*, AttnPlan, float*,
                           float*, float*);
 
+// The register capacity GM (query heads per lane group) serving a KV group of `group` heads.
+int64_t DecodeGroupMax(int64_t group) {
+  return group == 1 ? 1 : group == 2 ? 2 : group <= 4 ? 4 : kDecMaxGroup;
+}
+
 template <typename T, int LPK>
 DecodeFn DecodeKernelForGroup(int64_t group) {
-  if (group == 1) return DecodeKernel<T, LPK, 1>;
-  if (group == 2) return DecodeKernel<T, LPK, 2>;
-  if (group <= 4) return DecodeKernel<T, LPK, 4>;
-  return DecodeKernel<T, LPK, kDecMaxGroup>;
+  switch (DecodeGroupMax(group)) {
+    case 1: return DecodeKernel<T, LPK, 1>;
+    case 2: return DecodeKernel<T, LPK, 2>;
+    case 4: return DecodeKernel<T, LPK, 4>;
+    default: return DecodeKernel<T, LPK, kDecMaxGroup>;
+  }
 }
 
 template <typename T>
@@ -642,9 +649,7 @@ DecodeFn DecodeKernelFor(const GqaShape& s) {
 }
 
 size_t DecodeSmemBytesFor(const GqaShape& s) {
-  const int64_t G = s.group_size();
-  const int64_t gm = G == 1 ? 1 : G == 2 ? 2 : G <= 4 ? 4 : kDecMaxGroup;
-  return DecodeSmemBytes(gm, DecodeLanesPerKey(s.head_size));
+  return DecodeSmemBytes(DecodeGroupMax(s.group_size()), DecodeLanesPerKey(s.head_size));
 }
 
 // The decode kernel serving `s`, with its shared memory limit raised to what it takes.
@@ -959,12 +964,17 @@ __global__ void __launch_bounds__(kWarp* kWarps)
 // aligned (cp.async), the output 4-byte aligned (it stores pairs) and its tiles fit the device's
 // shared memory; the portable kernel serves everything else (float32, token generation, buffers
 // bound at odd offsets).
+// 16-byte row loads (cp.async) need 16-byte aligned caches (rows are, since H % 8 == 0); a
+// cache bound at an odd offset takes the portable kernel, which has an element-load path.
+bool CachesAligned16(const GqaCudaBuffers& buf) {
+  return (reinterpret_cast<uintptr_t>(buf.present_key) |
+          reinterpret_cast<uintptr_t>(buf.present_value)) % 16 == 0;
+}
+
 template <typename T>
 bool UseTensorCorePrefill(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo& dev) {
-  const bool aligned16 = (reinterpret_cast<uintptr_t>(buf.present_key) |
-                          reinterpret_cast<uintptr_t>(buf.present_value)) % 16 == 0;
   const bool out_aligned4 = reinterpret_cast<uintptr_t>(buf.output) % 4 == 0;  // pair stores
-  return sizeof(T) == 2 && s.seq_len >= 16 && aligned16 && out_aligned4 &&
+  return sizeof(T) == 2 && s.seq_len >= 16 && CachesAligned16(buf) && out_aligned4 &&
          TcSmemBytes(TcHeadDim(s.head_size), sizeof(T)) <= size_t(dev.max_smem_optin);
 }
 
@@ -1062,11 +1072,7 @@ Status Launch(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo
     if (UseTensorCorePrefill<T>(s, buf, dev)) {
       return DispatchPrefillTc<T>(s, buf, present_st, q_ws, stream);
     }
-    // 16-byte row loads need 16-byte aligned caches (rows are, since H % 8 == 0); a cache bound
-    // at an odd offset takes the portable kernel, which has an element-load path.
-    const bool aligned16 = (reinterpret_cast<uintptr_t>(buf.present_key) |
-                            reinterpret_cast<uintptr_t>(buf.present_value)) % 16 == 0;
-    if (UseDecodeKernel(s) && aligned16) {
+    if (UseDecodeKernel(s) && CachesAligned16(buf)) {
       return LaunchDecode<T>(s, buf, present_st, q_ws, plan, part_o, part_m, part_l, stream);
     }
   }
