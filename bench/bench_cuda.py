@@ -7,11 +7,16 @@ in-place cache onnxruntime-genai uses; capacity = L). Kernel time is measured wi
 torch.profiler (the sum of the device kernels of one Run; ORT's per-Run host overhead of
 ~100 us is excluded); the wall time of Run is reported beside it.
 
-Metrics: decode GB/s of KV read = 2 * B * Nkv * L * H * 2 bytes / kernel time;
-prefill TFLOP/s with causal flops = 4 * B * N * H * S*(S+1)/2.
+Metrics: decode TB/s of KV read = 2 * B * Nkv * L * H * 2 bytes / kernel time;
+prefill TFLOP/s with causal flops = 4 * B * N * H * S*(S+1)/2. Kernel time is the median over
+the timed Runs of the summed device time of one Run's kernels.
 
-  python bench/bench_cuda.py                 # default cases
-  python bench/bench_cuda.py --decode 64x16384 --prefill ""
+Inputs are drawn on the GPU (torch) and bound by pointer, so the largest cases (B=64, L=32k:
+8.6 GB of KV per variant) cost no host time.
+
+  python bench/bench_cuda.py                 # the issue-8 grid: 4 head shapes, decode B x L, prefill B x S
+  python bench/bench_cuda.py --heads 32/8/128 --decode 64x16384 --prefill ""
+  python bench/bench_cuda.py --json bench/results/cuda-h200.json
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import numpy as np
 import onnxruntime as ort
 import ort_kvlayout
 from onnx import TensorProto, helper
-from ort_kvlayout.layout import to_layout
+from ort_kvlayout.layout import kv_strides
 
 INPUTS = ("query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length")
 OUTPUTS = ("output", "present_key", "present_value")
@@ -70,42 +75,55 @@ def session(model: bytes) -> ort.InferenceSession:
 
 
 def bind(sess, feeds: dict, shared: bool):
+    """Binds torch CUDA tensors (and the CPU scalar total_sequence_length) by pointer."""
+    import torch
+
     io = sess.io_binding()
-    keep = {}
-    for name, arr in feeds.items():
-        device = "cpu" if name == "total_sequence_length" else "cuda"
-        keep[name] = ort.OrtValue.ortvalue_from_numpy(arr, device, 0)
-        io.bind_ortvalue_input(name, keep[name])
-    b, s = feeds["query"].shape[:2]
-    out = np.zeros((b, s, feeds["query"].shape[2]), np.float16)
-    keep["output"] = ort.OrtValue.ortvalue_from_numpy(out, "cuda", 0)
-    io.bind_ortvalue_output("output", keep["output"])
+    keep = dict(feeds)
+    elem = {torch.float16: np.float16, torch.int32: np.int32}
+    for name, t in feeds.items():
+        if name == "total_sequence_length":
+            keep[name] = ort.OrtValue.ortvalue_from_numpy(t, "cpu", 0)
+            io.bind_ortvalue_input(name, keep[name])
+            continue
+        io.bind_input(name, "cuda", 0, elem[t.dtype], list(t.shape), t.data_ptr())
+    b, s, d = feeds["query"].shape
+    keep["output"] = out = torch.empty((b, s, d), dtype=torch.float16, device="cuda")
+    io.bind_output("output", "cuda", 0, np.float16, [b, s, d], out.data_ptr())
     for past, present in (("past_key", "present_key"), ("past_value", "present_value")):
         if shared:
-            io.bind_ortvalue_output(present, keep[past])
+            t = feeds[past]
+            io.bind_output(present, "cuda", 0, np.float16, list(t.shape), t.data_ptr())
         else:
             io.bind_output(present, "cuda", 0)
     return io, keep
 
 
-def kernel_ms(sess, io, runs: int) -> tuple[float | None, dict[str, float]]:
-    """Device time of one Run (ms), and per kernel name (us per Run)."""
-    try:
-        import torch
-        from torch.profiler import ProfilerActivity, profile
-    except ImportError:
-        return None, {}
+def kernel_times(sess, io, runs: int) -> tuple[list[float], dict[str, float]]:
+    """Device time of each Run (ms: its kernels summed, from CUPTI), and per kernel (us/Run)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(runs):
             sess.run_with_iobinding(io)
         torch.cuda.synchronize()
-    per = {
-        e.key: e.device_time_total / runs
-        for e in prof.key_averages()
-        if e.device_time_total > 0 and e.count
-    }
-    return sum(per.values()) / 1e3, per
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time_total > 0),
+        key=lambda e: e.time_range.start,
+    )
+    per_run = len(kernels) // runs if runs else 0
+    if per_run == 0 or per_run * runs != len(kernels):
+        raise RuntimeError(f"{len(kernels)} kernels over {runs} runs: not one fixed set per Run")
+    times = [
+        sum(e.device_time_total for e in kernels[i * per_run : (i + 1) * per_run]) / 1e3
+        for i in range(runs)
+    ]
+    per_name: dict[str, float] = {}
+    for e in kernels:
+        per_name[e.name] = per_name.get(e.name, 0.0) + e.device_time_total / runs
+    return times, per_name
 
 
 def wall_ms(sess, io, runs: int) -> float:
@@ -117,56 +135,85 @@ def wall_ms(sess, io, runs: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def run_case(kind: str, b: int, length: int, heads: tuple[int, int, int], runs: int, rng) -> dict:
+def in_layout(t, layout: int):
+    """A logical (B, Nkv, C, H) CUDA tensor -> a buffer of the same declared shape holding the
+    bytes of `layout`, placed through layout.py's strides (the one owner of that arithmetic)."""
+    import torch
+
+    b, nkv, c, h = t.shape
+    st = kv_strides(layout, nkv, c, h)
+    buf = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
+    buf.as_strided(t.shape, (st.batch, st.head, st.seq, st.dim)).copy_(t)
+    return buf.view(b, nkv, c, h)
+
+
+def run_case(kind: str, b: int, length: int, heads: tuple[int, int, int], runs: int, gen) -> dict:
+    import torch
+
     n, nkv, h = heads
     s = 1 if kind == "decode" else length
-    f16 = np.float16
-    q = rng.standard_normal((b, s, n * h)).astype(f16)
-    k = rng.standard_normal((b, s, nkv * h)).astype(f16)
-    v = rng.standard_normal((b, s, nkv * h)).astype(f16)
-    cap = length
-    pk = rng.standard_normal((b, nkv, cap, h)).astype(f16)
-    pv = rng.standard_normal((b, nkv, cap, h)).astype(f16)
+    f16, dev = torch.float16, "cuda"
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=dev, dtype=torch.float32).to(f16)
+
+    q, k, v = randn(b, s, n * h), randn(b, s, nkv * h), randn(b, s, nkv * h)
+    pk, pv = randn(b, nkv, length, h), randn(b, nkv, length, h)  # capacity = L
     base = {
         "query": q, "key": k, "value": v,
-        "seqlens_k": np.full(b, length - 1, np.int32),
+        "seqlens_k": torch.full((b,), length - 1, dtype=torch.int32, device=dev),
         "total_sequence_length": np.array(length, np.int32),
     }  # fmt: skip
     row = {"kind": kind, "batch": b, "length": length, "heads": f"{n}/{nkv}/{h}"}
+    outputs = {}
     for label, domain, layout in (
         ("ort", "com.microsoft", None),
         ("kv0", ort_kvlayout.DOMAIN, 0),
         ("kv1", ort_kvlayout.DOMAIN, 1),
     ):
         feeds = dict(base)
-        feeds["past_key"] = to_layout(pk, layout or 0)
-        feeds["past_value"] = to_layout(pv, layout or 0)
+        feeds["past_key"] = in_layout(pk, layout or 0)
+        feeds["past_value"] = in_layout(pv, layout or 0)
         sess = session(build_model(domain, n, nkv, layout))
         io, keep = bind(sess, feeds, shared=kind == "decode")
         for _ in range(3):
             sess.run_with_iobinding(io)
-        kms, per_kernel = kernel_ms(sess, io, runs)
+        times, per_kernel = kernel_times(sess, io, runs)
         wms = wall_ms(sess, io, runs)
+        outputs[label] = keep["output"].float()
         if BREAKDOWN:
             top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:6]
-            print(f"  {kind} B={b} L={length} {label}: "
+            print(f"  {kind} {row['heads']} B={b} L={length} {label}: "
                   + ", ".join(f"{name[:60]} {us:.1f} us" for name, us in top), file=sys.stderr)  # fmt: skip
-        t = kms if kms else wms
+        t = statistics.median(times)
+        cell = {"kernel_ms": t, "kernel_ms_p10_p90": np.percentile(times, [10, 90]).tolist(),
+                "wall_ms": wms}  # fmt: skip
         if kind == "decode":
-            metric = 2 * b * nkv * length * h * 2 / (t * 1e-3) / 1e12
-            row[label] = {"kernel_ms": kms, "wall_ms": wms, "TB/s": metric}
+            cell["TB/s"] = 2 * b * nkv * length * h * 2 / (t * 1e-3) / 1e12
         else:
-            flops = 4 * b * n * h * s * (s + 1) / 2
-            row[label] = {"kernel_ms": kms, "wall_ms": wms, "TFLOP/s": flops / (t * 1e-3) / 1e12}
-        del keep
+            cell["TFLOP/s"] = 4 * b * n * h * s * (s + 1) / 2 / (t * 1e-3) / 1e12
+        row[label] = cell
+        del keep, feeds, sess, io
+    unit = "TB/s" if kind == "decode" else "TFLOP/s"
+    row["ratio0"] = row["kv0"][unit] / row["ort"][unit]
+    row["ratio1"] = row["kv1"][unit] / row["ort"][unit]
+    # Same logical inputs: the three outputs must agree (a benchmark of wrong numbers is no
+    # benchmark).
+    row["max_abs_diff_vs_ort"] = max(
+        float((outputs[v] - outputs["ort"]).abs().max()) for v in ("kv0", "kv1")
+    )
+    del pk, pv, q, k, v, outputs
+    torch.cuda.empty_cache()
     return row
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--heads", default="32/8/128")
-    p.add_argument("--decode", default="1x4096,16x4096,64x4096,16x16384")
-    p.add_argument("--prefill", default="1x2048,1x8192")
+    p.add_argument("--heads", default="32/8/128,28/4/128,9/3/64,4/1/256")
+    p.add_argument("--decode", default=",".join(
+        f"{b}x{n}" for b in (1, 8, 32, 64) for n in (1024, 4096, 16384, 32768)))  # fmt: skip
+    p.add_argument("--prefill", default=",".join(
+        f"{b}x{n}" for b in (1, 4) for n in (512, 2048, 8192)))  # fmt: skip
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
@@ -178,37 +225,45 @@ def main(argv: list[str] | None = None) -> int:
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         print("CUDAExecutionProvider not available", file=sys.stderr)
         return 2
-    rng = np.random.default_rng(args.seed)
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)
     rows = []
     for heads_text in filter(None, args.heads.split(",")):
         heads = tuple(int(x) for x in heads_text.split("/"))
         for spec in filter(None, args.decode.split(",")):
             b, length = (int(x) for x in spec.split("x"))
-            rows.append(run_case("decode", b, length, heads, args.runs, rng))
+            rows.append(run_case("decode", b, length, heads, args.runs, gen))
         for spec in filter(None, args.prefill.split(",")):
             b, length = (int(x) for x in spec.split("x"))
-            rows.append(run_case("prefill", b, length, heads, args.runs, rng))
+            rows.append(run_case("prefill", b, length, heads, args.runs, gen))
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"# CUDA GQA benchmark, {date}, onnxruntime {ort.__version__}, fp16")
     print(f"command: python {' '.join(sys.argv)}")
     if LIBRARY:
         print(f"library: {LIBRARY}")
     print(
-        "| case | heads | ORT built-in | ours kv_layout=0 | ours kv_layout=1 | ratio 0 | ratio 1 |"
+        "| case | heads | ORT built-in | ours kv_layout=0 | ours kv_layout=1 | ratio 0 | ratio 1 "
+        "| kv1/kv0 time | max diff |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         unit = "TB/s" if r["kind"] == "decode" else "TFLOP/s"
-        cells = [f"{r[v][unit]:.2f} {unit} ({r[v]['kernel_ms'] or r[v]['wall_ms']:.3f} ms)"
-                 for v in ("ort", "kv0", "kv1")]  # fmt: skip
-        ratios = [r[v][unit] / r["ort"][unit] for v in ("kv0", "kv1")]
-        name = f"{r['kind']} B={r['batch']} L={r['length']}"
+        cells = [
+            f"{r[v][unit]:.2f} {unit} ({r[v]['kernel_ms']:.3f} ms)" for v in ("ort", "kv0", "kv1")
+        ]
+        name = f"{r['kind']} B={r['batch']} {'L' if r['kind'] == 'decode' else 'S'}={r['length']}"
+        skew = r["kv1"]["kernel_ms"] / r["kv0"]["kernel_ms"]
         print(
-            f"| {name} | {r['heads']} | {' | '.join(cells)} | {ratios[0]:.2f} | {ratios[1]:.2f} |"
+            f"| {name} | {r['heads']} | {' | '.join(cells)} | {r['ratio0']:.2f} | {r['ratio1']:.2f} "
+            f"| {skew:.3f} | {r['max_abs_diff_vs_ort']:.1e} |",
+            flush=True,
         )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"date": date, "rows": rows}, indent=1))
+        meta = {"date": date, "onnxruntime": ort.__version__, "device": torch.cuda.get_device_name(),
+                "command": "python " + " ".join(sys.argv), "runs": args.runs}  # fmt: skip
+        args.json.write_text(json.dumps({**meta, "rows": rows}, indent=1))
     return 0
 
 

@@ -283,6 +283,19 @@ def _dispatch_cases():
                            do_rotary=h % 16 == 0 and i % 3 == 0,
                            attention_bias="bn" if i % 4 == 2 else "",
                            head_sink=i % 6 == 5, seed=case_seed(31_000 + i)))  # fmt: skip
+    # A few new tokens whose (token, head) rows fit one 16-row tile take the decode kernel too.
+    small = itertools.product((2, 3, 5, 8), ((2, 2), (4, 2), (6, 2)), ["prompt", "chunk"])
+    for i, (seq, (n, nkv), kind) in enumerate(small):
+        h = (64, 40, 128, 256)[i % 4]
+        kw = ({"batch": 2, "seq": seq, "pad": min(seq - 1, 1 + i % 2)} if kind == "prompt"
+              else {"batch": 1 + i % 2, "seq": seq, "past_len": (45, 300)[i % 2],
+                    "query_seqlens": i % 2 == 1})  # fmt: skip
+        out.append(GqaCase(kind=kind, num_heads=n, kv_num_heads=nkv, head_size=h,
+                           dtype=("fp16", "bf16")[i % 2], kv_layout=(i // 2) % 2,
+                           shared=bool(i % 3 == 0), do_rotary=i % 4 < 2,
+                           softcap=2.0 if i % 5 == 0 else 0.0,
+                           local_window_size=17 if i % 7 == 3 else -1,
+                           seed=case_seed(32_000 + i), **kw))  # fmt: skip
     return out
 
 

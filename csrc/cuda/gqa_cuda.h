@@ -28,11 +28,13 @@ Status QueryCudaDevice(CudaDeviceInfo* info);
 // Shapes the device path cannot serve (v1), as a Status naming the feature.
 Status CheckCudaSupport(const GqaShape& shape);
 
-// Bytes of device workspace one call needs (queries in float32, split partials).
-size_t GqaCudaWorkspaceBytes(const GqaShape& shape, const CudaDeviceInfo& device);
+// Bytes of device workspace one call needs (queries in float32, split partials, split counters);
+// the kernel choice depends on the buffers' alignment, so the plan sees them.
+size_t GqaCudaWorkspaceBytes(const GqaShape& shape, const GqaCudaBuffers& buffers,
+                             const CudaDeviceInfo& device);
 
 // Enqueues the whole op on `stream` (a cudaStream_t). `workspace` holds
-// GqaCudaWorkspaceBytes(shape, device) bytes, 256-byte aligned.
+// GqaCudaWorkspaceBytes(shape, buffers, device) bytes, 256-byte aligned.
 Status LaunchGqaCuda(const GqaShape& shape, const GqaCudaBuffers& buffers,
                      const CudaDeviceInfo& device, void* workspace, void* stream);
 

@@ -38,9 +38,9 @@ Status Compute(Ort::KernelContext& ctx, const GqaAttributes& attrs, const CudaDe
   // A node without present outputs still needs the cache for this call's attention.
   DeviceBuffer scratch_k(ctx, dev.device, buf.present_key ? 0 : PresentBytes(shape));
   DeviceBuffer scratch_v(ctx, dev.device, buf.present_value ? 0 : PresentBytes(shape));
-  DeviceBuffer workspace(ctx, dev.device, GqaCudaWorkspaceBytes(shape, dev));
   if (!buf.present_key) buf.present_key = scratch_k.get();
   if (!buf.present_value) buf.present_value = scratch_v.get();
+  DeviceBuffer workspace(ctx, dev.device, GqaCudaWorkspaceBytes(shape, buf, dev));
   if (!buf.present_key || !buf.present_value || !workspace.get()) {
     return Status::Error("ai.kvlayout::GroupQueryAttention (CUDA): could not allocate the "
                          "workspace from the CUDA allocator");

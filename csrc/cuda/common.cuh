@@ -1,0 +1,81 @@
+// Device helpers shared by the CUDA kernel files: error checks, element conversions, warp
+// reductions and the clamped per-batch geometry. Internal to csrc/cuda/.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "core/kv_strides.h"
+#include "cuda/gqa_cuda.h"
+
+namespace kvl {
+namespace cu {
+
+inline Status CudaCheck(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return Status::Ok();
+  return Status::Error(std::string("ai.kvlayout::GroupQueryAttention (CUDA): ") + what + ": " +
+                       cudaGetErrorString(err));
+}
+
+// ---- element conversions ---------------------------------------------------------------------
+__device__ __forceinline__ float ToF(float x) { return x; }
+__device__ __forceinline__ float ToF(__half x) { return __half2float(x); }
+__device__ __forceinline__ float ToF(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T FromF(float x);
+template <>
+__device__ __forceinline__ float FromF<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __half FromF<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// The two (or one, for float) elements of a 32-bit word of a row.
+__device__ __forceinline__ float2 Unpack(uint32_t w, const __half*) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&w));
+}
+__device__ __forceinline__ float2 Unpack(uint32_t w, const __nv_bfloat16*) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+}
+
+constexpr int kWarp = 32;
+constexpr int kMaxHeadSize = 256;
+
+__device__ __forceinline__ float WarpMax(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ float WarpSum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ BatchGeometry Geo(const GqaShape& s, const GqaCudaBuffers& buf,
+                                             int64_t b) {
+  return ClampedBatchGeometry(s, buf.seqlens_k[b],
+                              s.has_query_seqlens ? buf.query_seqlens[b] : 0);
+}
+
+__device__ __forceinline__ int64_t WrittenRows(const GqaShape& s, const BatchGeometry& g) {
+  return s.is_first_prompt() ? s.seq_len : g.new_rows;  // a first prompt writes padding rows
+}
+
+// Keys per split when `keys` keys are spread over `splits` splits, in whole multiples of `unit`.
+__host__ __device__ __forceinline__ int64_t SplitChunk(int64_t keys, int64_t splits, int64_t unit) {
+  const int64_t per = (keys + splits - 1) / splits;
+  return (per + unit - 1) / unit * unit;
+}
+
+}  // namespace cu
+}  // namespace kvl

@@ -1,0 +1,412 @@
+// Token generation (and chunks of a few tokens) on tensor cores, fp16/bf16, sm_80 and newer.
+//
+// CTA = (key split, batch x kv head), 4 warps. Its rows are the S x G (token, query head) rows of
+// one KV group, at most 16: one m16 tile, so every K/V byte is read once per group and the
+// scores and P V products run on mma.sync m16n8k16 (the CUDA-core form of this kernel was bound
+// by its FMAs and shuffles, not by HBM). Each warp owns every fourth KS-key step of the split and
+// streams its own rows through kStages cp.async stages: no CTA barrier inside the key loop. At
+// the end the four warps merge in shared memory, and with several splits the last CTA of a
+// (batch, kv head) to finish merges the splits (a counter in the workspace, zeroed by the
+// prepare kernel): one attention launch per step, no combine kernel.
+#include <algorithm>
+
+#include "cuda/common.cuh"
+#include "cuda/kernels.h"
+#include "cuda/ptx.cuh"
+
+namespace kvl {
+namespace cu {
+namespace {
+
+constexpr int kDecWarps = 4;
+constexpr int kDecThreads = kDecWarps * kWarp;
+
+// The tile width of a head size: rounded up to a multiple of 32 (padding columns are zero).
+constexpr int64_t DecHeadDim(int64_t head_size) { return (head_size + 31) / 32 * 32; }
+// Keys per warp step: 16 (one P V k-step) for wide heads, 32 for narrow ones, so a step moves
+// 4 to 16 KB of K and V.
+__host__ __device__ constexpr int DecKeys(int hd) { return hd <= 64 ? 32 : 16; }
+// cp.async stages per warp: two steps in flight while one is consumed; heads above 128 keep
+// one in flight (three stages of four warps would not fit an sm_80 SM).
+__host__ __device__ constexpr int DecStages(int hd) { return hd > 128 ? 2 : 3; }
+// Row pitch in elements: 16 bytes of padding put the 8 rows an ldmatrix reads on distinct banks.
+__host__ __device__ constexpr int DecPitch(int hd) { return hd + 8; }
+
+constexpr size_t DecSmemBytes(int hd, size_t elem) {
+  const size_t stages = size_t(kDecWarps) * DecStages(hd) * 2 * DecKeys(hd) * DecPitch(hd) * elem;
+  const size_t merge = sizeof(float) * kDecWarps * kDecodeRows * hd;
+  const size_t weights = sizeof(float) * kDecodeRows * kMaxDecodeSplits;
+  return std::max(stages, std::max(merge, weights));
+}
+
+template <typename T, int HD>
+__global__ void __launch_bounds__(kDecThreads)
+    DecodeTcKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_st, const float* q_ws,
+                   int64_t splits, float* part_o, float* part_m, float* part_l,
+                   unsigned* counters) {
+  constexpr int KS = DecKeys(HD), ST = DecStages(HD), P = DecPitch(HD);
+  constexpr int NT = KS / 8;  // score n-tiles (8 keys each)
+  constexpr int DT = HD / 8;  // output n-tiles (8 dimensions each)
+  constexpr int KT = HD / 16;  // k-steps of Q K^T
+  extern __shared__ __align__(128) unsigned char dec_smem[];
+  __shared__ float red_m[kDecWarps][kDecodeRows], red_l[kDecWarps][kDecodeRows];
+  __shared__ float row_scale[kDecodeRows];
+  __shared__ bool merges_splits;
+
+  const int64_t H = s.head_size, G = s.group_size(), N = s.num_heads;
+  const int64_t rows = s.seq_len * G;  // <= kDecodeRows (the dispatch guarantees it)
+  const int64_t bg = blockIdx.y, b = bg / s.kv_num_heads, g = bg % s.kv_num_heads;
+  const int64_t split = blockIdx.x;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int gq = lane / 4, tq = lane % 4;  // fragment row group, thread in group
+  const BatchGeometry geo = Geo(s, buf, b);
+  auto row_keys = [&](int64_t r) {
+    return r < rows ? QueryKeyRange(s, geo, r / G) : KeyRange{0, 0};
+  };
+
+  // Keys any row needs (rows of one token share a range), then this split's share of them,
+  // partitioned here from the lengths on the device.
+  int64_t key_lo = INT64_MAX, key_hi = 0;
+  for (int64_t tok = 0; tok < s.seq_len; ++tok) {
+    const KeyRange kr = QueryKeyRange(s, geo, tok);
+    if (kr.lo < kr.hi) {
+      key_lo = min(key_lo, kr.lo);
+      key_hi = max(key_hi, kr.hi);
+    }
+  }
+  int64_t k_begin = 0, k_end = 0;
+  if (key_lo < key_hi) {
+    const int64_t chunk = SplitChunk(key_hi - key_lo, splits, KS);
+    k_begin = min(key_hi, key_lo + split * chunk);
+    k_end = min(key_hi, k_begin + chunk);
+  }
+  const int64_t steps = (k_end - k_begin + KS - 1) / KS;  // of the CTA; warp w takes w, w+4, ...
+  const int64_t my_steps = steps > warp ? (steps - warp + kDecWarps - 1) / kDecWarps : 0;
+
+  // This warp's stages: [stage][K, V][KS][P]. Padding columns [H, HD) are zeroed once; the
+  // copies below write columns [0, H) only.
+  T* wsm = reinterpret_cast<T*>(dec_smem) + size_t(warp) * ST * 2 * KS * P;
+  for (int64_t idx = lane; HD > H && idx < ST * 2 * KS * (HD - H); idx += kWarp) {
+    wsm[(idx / (HD - H)) * P + H + idx % (HD - H)] = FromF<T>(0.0f);
+  }
+  const T* pk = static_cast<const T*>(buf.present_key);
+  const T* pv = static_cast<const T*>(buf.present_value);
+  const int64_t chunks = H / 8;  // 16-byte chunks of a row (H % 8 == 0)
+  auto issue = [&](int64_t i) {  // this warp's i-th step
+    T* ks = wsm + (i % ST) * 2 * KS * P;
+    T* vs = ks + KS * P;
+    const int64_t k0 = k_begin + (warp + i * kDecWarps) * KS;
+    for (int64_t idx = lane; idx < KS * chunks; idx += kWarp) {
+      const int64_t j = idx / chunks, c = idx % chunks;
+      const bool valid = k0 + j < k_end;  // past the split's end: zero rows
+      const int64_t off = valid ? present_st.Offset(b, g, k0 + j) + c * 8 : 0;
+      ptx::CpAsync16(ks + j * P + c * 8, pk + off, valid);
+      ptx::CpAsync16(vs + j * P + c * 8, pv + off, valid);
+    }
+  };
+#pragma unroll
+  for (int i = 0; i < ST - 1; ++i) {
+    if (i < my_steps) issue(i);
+    ptx::CpAsyncCommit();  // empty groups too: the wait below counts groups
+  }
+
+  // Q as A fragments in registers for the whole kernel (rounded to T once): rows gq and gq + 8.
+  uint32_t qa[KT][4];
+#pragma unroll
+  for (int kk = 0; kk < KT; ++kk) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int64_t r = gq + (e % 2) * 8, d = kk * 16 + (e / 2) * 8 + 2 * tq;
+      float2 x = make_float2(0.0f, 0.0f);
+      if (r < rows && d < H) {
+        const int64_t head = g * G + r % G, tok = r / G;
+        x = *reinterpret_cast<const float2*>(q_ws + ((b * N + head) * s.seq_len + tok) * H + d);
+      }
+      qa[kk][e] = ptx::PackPair<T>(x.x, x.y);
+    }
+  }
+
+  // This thread's two rows: their key ranges inside the split.
+  KeyRange kr[2] = {row_keys(gq), row_keys(gq + 8)};
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    kr[hr].lo = max(kr[hr].lo, k_begin);
+    kr[hr].hi = min(kr[hr].hi, k_end);
+  }
+  const T* bias = static_cast<const T*>(buf.attention_bias);
+  int64_t bias_row[2] = {0, 0};
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int64_t r = gq + hr * 8;
+    if (bias != nullptr && r < rows) {
+      const int64_t bb = s.bias_batch == 1 ? 0 : b, bh = s.bias_heads == 1 ? 0 : g * G + r % G;
+      bias_row[hr] = ((bb * s.bias_heads + bh) * s.seq_len + r / G) * s.bias_total;
+    }
+  }
+
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  float o[DT][4];
+#pragma unroll
+  for (int n = 0; n < DT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+
+  for (int64_t i = 0; i < my_steps; ++i) {
+    ptx::CpAsyncWait<ST - 2>();  // this lane's copies of step i have landed
+    __syncwarp();                // ... and every lane's; the slot of step i - 1 is free
+    if (i + ST - 1 < my_steps) issue(i + ST - 1);
+    ptx::CpAsyncCommit();
+    const T* ks = wsm + (i % ST) * 2 * KS * P;
+    const T* vs = ks + KS * P;
+    const int64_t k0 = k_begin + (warp + i * kDecWarps) * KS;
+
+    float sc[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < KT; ++kk) {
+#pragma unroll
+      for (int n = 0; n < NT; n += 2) {  // two key n-tiles per ldmatrix.x4
+        uint32_t kb[4];
+        const int mi = lane / 8;  // matrices: (keys n, d lo) (keys n, d hi) (n+8, lo) (n+8, hi)
+        ptx::LdMatrixX4(kb, ks + (n * 8 + (mi / 2) * 8 + lane % 8) * P + kk * 16 + (mi % 2) * 8);
+        ptx::Mma16816<T>(sc[n], qa[kk], kb[0], kb[1]);
+        ptx::Mma16816<T>(sc[n + 1], qa[kk], kb[2], kb[3]);
+      }
+    }
+
+    // Masks, softcap, bias; the online softmax of rows gq (e = 0, 1) and gq + 8 (e = 2, 3).
+    float tmax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hr = e / 2;
+        const int64_t key = k0 + n * 8 + 2 * tq + (e % 2);
+        const bool live = key >= kr[hr].lo && key < kr[hr].hi;
+        float x = sc[n][e];
+        if (s.softcap > 0.0f) x = s.softcap * tanhf(x / s.softcap);
+        if (bias != nullptr && live) x += ToF(bias[bias_row[hr] + key]);
+        sc[n][e] = live ? x : -INFINITY;
+        tmax[hr] = fmaxf(tmax[hr], sc[n][e]);
+      }
+    }
+    float alpha[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      tmax[hr] = fmaxf(tmax[hr], __shfl_xor_sync(0xffffffffu, tmax[hr], 1));
+      tmax[hr] = fmaxf(tmax[hr], __shfl_xor_sync(0xffffffffu, tmax[hr], 2));
+      const float m_new = fmaxf(m[hr], tmax[hr]);
+      alpha[hr] = m_new == -INFINITY ? 1.0f : __expf(m[hr] - m_new);  // 0 when m was -inf
+      m[hr] = m_new;
+    }
+    float psum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hr = e / 2;
+        const float p = sc[n][e] == -INFINITY ? 0.0f : __expf(sc[n][e] - m[hr]);
+        sc[n][e] = p;
+        psum[hr] += p;
+      }
+    }
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) l[hr] = l[hr] * alpha[hr] + psum[hr];  // summed over tq at the end
+#pragma unroll
+    for (int n = 0; n < DT; ++n) {
+      o[n][0] *= alpha[0];
+      o[n][1] *= alpha[0];
+      o[n][2] *= alpha[1];
+      o[n][3] *= alpha[1];
+    }
+
+    // O += P V: P from the score registers (the C layout of two n-tiles is the A layout of one
+    // k-step), V through ldmatrix.trans.
+#pragma unroll
+    for (int kk = 0; kk < KS / 16; ++kk) {
+      uint32_t a[4];
+      a[0] = ptx::PackPair<T>(sc[2 * kk][0], sc[2 * kk][1]);
+      a[1] = ptx::PackPair<T>(sc[2 * kk][2], sc[2 * kk][3]);
+      a[2] = ptx::PackPair<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+      a[3] = ptx::PackPair<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+#pragma unroll
+      for (int n = 0; n < DT; n += 2) {  // two dimension n-tiles per ldmatrix.x4.trans
+        uint32_t vb[4];
+        const int mi = lane / 8;  // matrices: (keys lo, d n) (keys hi, d n) (lo, n+8) (hi, n+8)
+        ptx::LdMatrixX4Trans(vb, vs + (kk * 16 + (mi % 2) * 8 + lane % 8) * P + n * 8 + (mi / 2) * 8);
+        ptx::Mma16816<T>(o[n], a, vb[0], vb[1]);
+        ptx::Mma16816<T>(o[n + 1], a, vb[2], vb[3]);
+      }
+    }
+  }
+
+  // Merge the four warps (fixed order: deterministic) in the stage memory: every copy has landed
+  // (only empty groups can be pending) and every warp is past its last read of it.
+  ptx::CpAsyncWait<0>();
+  __syncthreads();
+  float* red_o = reinterpret_cast<float*>(dec_smem);  // [warp][row][HD]
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float lt = l[hr];
+    lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+    lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+    const int r = gq + hr * 8;
+    if (tq == 0) {
+      red_m[warp][r] = m[hr];
+      red_l[warp][r] = lt;
+    }
+#pragma unroll
+    for (int n = 0; n < DT; ++n) {
+      const int d = n * 8 + 2 * tq;
+      red_o[(warp * kDecodeRows + r) * HD + d] = o[n][2 * hr];
+      red_o[(warp * kDecodeRows + r) * HD + d + 1] = o[n][2 * hr + 1];
+    }
+  }
+  __syncthreads();
+
+  const bool extra = s.has_head_sink || s.smooth_softmax;
+  auto out_row = [&](int64_t r) {  // output row of CTA row r
+    return static_cast<T*>(buf.output) + ((b * s.seq_len + r / G) * N + g * G + r % G) * H;
+  };
+  auto row_sink = [&](int64_t r) {
+    return s.has_head_sink ? ToF(static_cast<const T*>(buf.head_sink)[g * G + r % G]) : 0.0f;
+  };
+  // Split slots: ((bg * splits + split) * kDecodeRows + r).
+  const int64_t slot0 = (bg * splits + split) * kDecodeRows;
+  for (int64_t idx = threadIdx.x; idx < rows * H; idx += kDecThreads) {
+    const int64_t r = idx / H, d = idx % H;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kDecWarps; ++w) mx = fmaxf(mx, red_m[w][r]);
+    float lsum = 0.0f, acc = 0.0f;
+    if (mx != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kDecWarps; ++w) {
+        if (red_m[w][r] == -INFINITY) continue;
+        const float wt = __expf(red_m[w][r] - mx);
+        lsum += red_l[w][r] * wt;
+        acc += red_o[(w * kDecodeRows + r) * HD + d] * wt;
+      }
+    }
+    if (splits == 1) {
+      out_row(r)[d] = FromF<T>(acc * OutputScale(mx, lsum, extra, row_sink(r)));
+      continue;
+    }
+    part_o[(slot0 + r) * H + d] = acc;
+    if (d == 0) {
+      part_m[slot0 + r] = mx;
+      part_l[slot0 + r] = lsum;
+    }
+  }
+  if (splits == 1) return;
+
+  // The last CTA of this (batch, kv head) to finish merges the splits. The fence publishes this
+  // CTA's partials before its count; the merging CTA reads them past L1 (ld.global.cg).
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) merges_splits = atomicAdd(&counters[bg], 1u) == unsigned(splits - 1);
+  __syncthreads();
+  if (!merges_splits) return;
+  __threadfence();
+  float* weight = reinterpret_cast<float*>(dec_smem);  // [row][split]; red_o is no longer read
+  for (int64_t r = warp; r < rows; r += kDecWarps) {
+    const int64_t first = bg * splits * kDecodeRows + r;
+    float mx = -INFINITY;
+    for (int64_t sp = lane; sp < splits; sp += kWarp) {
+      mx = fmaxf(mx, __ldcg(part_m + first + sp * kDecodeRows));
+    }
+    mx = WarpMax(mx);
+    float lsum = 0.0f;
+    for (int64_t sp = lane; sp < splits; sp += kWarp) {
+      const float ms = __ldcg(part_m + first + sp * kDecodeRows);
+      const float wt = ms == -INFINITY ? 0.0f : __expf(ms - mx);
+      weight[r * kMaxDecodeSplits + sp] = wt;
+      lsum += __ldcg(part_l + first + sp * kDecodeRows) * wt;
+    }
+    lsum = WarpSum(lsum);
+    if (lane == 0) row_scale[r] = OutputScale(mx, lsum, extra, row_sink(r));
+  }
+  __syncthreads();
+  for (int64_t idx = threadIdx.x; idx < rows * H; idx += kDecThreads) {
+    const int64_t r = idx / H, d = idx % H;
+    const float* po = part_o + (bg * splits * kDecodeRows + r) * H + d;
+    const int64_t pitch = kDecodeRows * H;  // from one split's row to the next
+    float acc = 0.0f;
+    for (int64_t sp = 0; sp < splits; ++sp) {
+      acc += __ldcg(po + sp * pitch) * weight[r * kMaxDecodeSplits + sp];
+    }
+    out_row(r)[d] = FromF<T>(acc * row_scale[r]);
+  }
+}
+
+using DecodeFn = void (*)(GqaShape, GqaCudaBuffers, KvStrides, const float*, int64_t, float*,
+                          float*, float*, unsigned*);
+
+template <typename T>
+DecodeFn DecodeKernelFor(int64_t head_size, size_t* smem) {
+  switch (DecHeadDim(head_size)) {
+#define KVL_DECODE_HD(hd)                  \
+  case hd:                                 \
+    *smem = DecSmemBytes(hd, sizeof(T));   \
+    return DecodeTcKernel<T, hd>;
+    KVL_DECODE_HD(32)
+    KVL_DECODE_HD(64)
+    KVL_DECODE_HD(96)
+    KVL_DECODE_HD(128)
+    KVL_DECODE_HD(160)
+    KVL_DECODE_HD(192)
+    KVL_DECODE_HD(224)
+    KVL_DECODE_HD(256)
+#undef KVL_DECODE_HD
+    default:
+      *smem = 0;
+      return nullptr;
+  }
+}
+
+DecodeFn DecodeKernelForShape(const GqaShape& s, size_t* smem) {
+  return s.dtype == DType::kFloat16 ? DecodeKernelFor<__half>(s.head_size, smem)
+                                    : DecodeKernelFor<__nv_bfloat16>(s.head_size, smem);
+}
+
+}  // namespace
+
+bool DecodeTcFits(const GqaShape& s, size_t elem, const CudaDeviceInfo& dev) {
+  return DecSmemBytes(static_cast<int>(DecHeadDim(s.head_size)), elem) <=
+         size_t(dev.max_smem_optin);
+}
+
+int DecodeTcCtasPerSm(const GqaShape& s, const CudaDeviceInfo& dev) {
+  size_t smem = 0;
+  const DecodeFn fn = DecodeKernelForShape(s, &smem);
+  if (fn == nullptr) return 1;
+  const void* f = reinterpret_cast<const void*>(fn);
+  if (!EnsureSmemLimit(f, smem, dev.device).ok()) return 1;
+  return CachedCtasPerSm(f, kDecThreads, smem, dev.device);
+}
+
+template <typename T>
+Status LaunchDecodeTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
+                      const AttnPlan& plan, const Workspace& ws, cudaStream_t stream) {
+  size_t smem = 0;
+  const DecodeFn fn = DecodeKernelFor<T>(s.head_size, &smem);
+  if (fn == nullptr) {
+    return Status::Error("ai.kvlayout::GroupQueryAttention (CUDA): no decode tile for head_size " +
+                         std::to_string(s.head_size));
+  }
+  int device = 0;
+  KVL_RETURN_IF_ERROR(CudaCheck(cudaGetDevice(&device), "cudaGetDevice"));
+  KVL_RETURN_IF_ERROR(EnsureSmemLimit(reinterpret_cast<const void*>(fn), smem, device));
+  const dim3 grid(static_cast<unsigned>(plan.splits),
+                  static_cast<unsigned>(s.batch * s.kv_num_heads));
+  fn<<<grid, kDecThreads, smem, stream>>>(s, buf, present_st, ws.q, plan.splits, ws.part_o,
+                                          ws.part_m, ws.part_l, ws.counters);
+  return CudaCheck(cudaGetLastError(), "decode launch");
+}
+
+template Status LaunchDecodeTc<__half>(const GqaShape&, const GqaCudaBuffers&, KvStrides,
+                                       const AttnPlan&, const Workspace&, cudaStream_t);
+template Status LaunchDecodeTc<__nv_bfloat16>(const GqaShape&, const GqaCudaBuffers&, KvStrides,
+                                              const AttnPlan&, const Workspace&, cudaStream_t);
+
+}  // namespace cu
+}  // namespace kvl

@@ -1,0 +1,82 @@
+// The CUDA kernel families of csrc/cuda/, one file each, as host launchers; plan.cu decides
+// which of them serve a call (the dispatch table of docs/ARCHITECTURE.md). Internal to
+// csrc/cuda/. Every launcher enqueues on `stream` only and reads lengths on the device.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/kv_strides.h"
+#include "cuda/gqa_cuda.h"
+
+namespace kvl {
+namespace cu {
+
+// The attention kernel serving a call.
+enum class AttnKernel { kPrefillTc, kDecodeTc, kPortable };
+
+// Rows (token x head of one KV group) per CTA of the portable kernel and of the combine slots.
+constexpr int kRowsPerCta = 16;
+constexpr int64_t kMaxSplits = 1024;  // the combine kernel keeps one weight per split
+
+// Sizes of one call, from the shape, the buffers' alignment and the device only (never from the
+// current lengths): the same plan serves every replay of a captured graph.
+struct AttnPlan {
+  AttnKernel kernel = AttnKernel::kPortable;
+  int64_t row_blocks = 1;  // per (b, kv head): ceil(S * G / kRowsPerCta)
+  int64_t splits = 1;      // key splits
+  size_t q_bytes = 0, part_o_bytes = 0, part_ml_bytes = 0, counter_bytes = 0;
+};
+
+// Pointers into the call's workspace (laid out by the plan).
+struct Workspace {
+  float* q = nullptr;               // (B, N, S, H) float: normed, rotated, scaled queries
+  float* part_o = nullptr;          // split partials: (slot, H)
+  float* part_m = nullptr;          // (slot)
+  float* part_l = nullptr;          // (slot)
+  unsigned* counters = nullptr;     // (B * Nkv) finished splits per row (decode), zeroed by prepare
+  int64_t counter_count = 0;
+};
+
+template <typename T>
+Status LaunchCopyPast(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides past_st,
+                      KvStrides present_st, const CudaDeviceInfo& dev, cudaStream_t stream);
+
+template <typename T>
+Status LaunchPrepare(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
+                     const Workspace& ws, cudaStream_t stream);
+
+// Portable CUDA-core attention (+ the combine when split).
+template <typename T>
+Status LaunchPortable(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
+                      const AttnPlan& plan, const Workspace& ws, cudaStream_t stream);
+
+template <typename T>
+Status LaunchCombine(const GqaShape& s, const GqaCudaBuffers& buf, const AttnPlan& plan,
+                     const Workspace& ws, cudaStream_t stream);
+
+// Tensor-core prefill (mma.sync, sm_80+), fp16/bf16.
+bool PrefillTcFits(const GqaShape& s, size_t elem, const CudaDeviceInfo& dev);
+template <typename T>
+Status LaunchPrefillTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
+                       const Workspace& ws, cudaStream_t stream);
+
+// Tensor-core decode (mma.sync, sm_80+), fp16/bf16: up to 16 rows (token x head) of one KV group
+// per CTA, key splits merged by the last CTA of each (batch, kv head).
+constexpr int kDecodeRows = 16;
+constexpr int64_t kMaxDecodeSplits = 256;  // the merging CTA keeps 16 x splits weights
+bool DecodeTcFits(const GqaShape& s, size_t elem, const CudaDeviceInfo& dev);
+int DecodeTcCtasPerSm(const GqaShape& s, const CudaDeviceInfo& dev);  // cached per device/kernel
+template <typename T>
+Status LaunchDecodeTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
+                      const AttnPlan& plan, const Workspace& ws, cudaStream_t stream);
+
+// Once per (device, kernel, value): raises a kernel's dynamic shared memory limit (a host call
+// that need not repeat on every Run) and caches occupancy queries.
+Status EnsureSmemLimit(const void* fn, size_t smem, int device);
+int CachedCtasPerSm(const void* fn, int threads, size_t smem, int device);
+
+}  // namespace cu
+}  // namespace kvl

@@ -1,0 +1,201 @@
+// Plan and dispatch: which kernel serves a call, its splits and workspace, and the launch
+// sequence (copy past, prepare, attention). Host code only; the kernels live one family per file.
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+
+#include "cuda/common.cuh"
+#include "cuda/kernels.h"
+
+namespace kvl {
+namespace cu {
+namespace {
+
+// 16-byte row loads (cp.async) need 16-byte aligned caches (rows are, since H % 8 == 0); a cache
+// bound at an odd offset takes the portable kernel, which has an element-load path.
+bool CachesAligned16(const GqaCudaBuffers& buf) {
+  return (reinterpret_cast<uintptr_t>(buf.present_key) |
+          reinterpret_cast<uintptr_t>(buf.present_value)) % 16 == 0;
+}
+
+AttnKernel ChooseKernel(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo& dev) {
+  const bool half = s.dtype == DType::kFloat16 || s.dtype == DType::kBFloat16;
+  if (!half || !CachesAligned16(buf)) return AttnKernel::kPortable;
+  // Tensor-core prefill stores output pairs: a 4-byte aligned output (IO binding can bind odd
+  // offsets).
+  const bool out_aligned4 = reinterpret_cast<uintptr_t>(buf.output) % 4 == 0;
+  if (s.seq_len >= 16 && out_aligned4 && PrefillTcFits(s, 2, dev)) return AttnKernel::kPrefillTc;
+  if (s.seq_len * s.group_size() <= kDecodeRows && DecodeTcFits(s, 2, dev)) {
+    return AttnKernel::kDecodeTc;
+  }
+  return AttnKernel::kPortable;
+}
+
+AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo& dev) {
+  AttnPlan p;
+  p.kernel = ChooseKernel(s, buf, dev);
+  const int64_t sms = std::max(1, dev.sm_count);
+  if (p.kernel == AttnKernel::kDecodeTc) {
+    // One full wave: as many splits as fit beside the other CTAs (the splits share the keys
+    // evenly, so a partial second wave would only add a tail); at least 128 keys per split
+    // (two steps per warp) so the merge stays small against the reads.
+    const int64_t base = s.batch * s.kv_num_heads;
+    const int64_t slots = sms * DecodeTcCtasPerSm(s, dev);
+    const int64_t max_splits = std::max<int64_t>(1, s.present_capacity / 128);
+    p.splits = std::min({max_splits, std::max<int64_t>(1, slots / base), kMaxDecodeSplits});
+  } else if (p.kernel == AttnKernel::kPortable) {
+    p.row_blocks = (s.seq_len * s.group_size() + kRowsPerCta - 1) / kRowsPerCta;
+    const int64_t base = s.batch * s.kv_num_heads * p.row_blocks;
+    // The portable kernel waits on each of its tiles: eight CTAs per SM keep loads in flight.
+    // A split below ~64 keys is not worth its combine.
+    const int64_t target = 8 * sms;
+    const int64_t max_splits = std::max<int64_t>(1, s.present_capacity / 64);
+    p.splits = base >= target ? 1 : std::min(max_splits, (target + base - 1) / base);
+    p.splits = std::min(p.splits, kMaxSplits);
+  }
+  auto align = [](size_t x) { return (x + 255) / 256 * 256; };
+  p.q_bytes = align(sizeof(float) * s.batch * s.num_heads * s.seq_len * s.head_size);
+  if (p.splits > 1) {
+    const size_t rows = size_t(s.batch * s.kv_num_heads * p.row_blocks) * p.splits * kRowsPerCta;
+    p.part_o_bytes = align(sizeof(float) * rows * s.head_size);
+    p.part_ml_bytes = align(sizeof(float) * rows);
+    if (p.kernel == AttnKernel::kDecodeTc) {
+      p.counter_bytes = align(sizeof(unsigned) * s.batch * s.kv_num_heads);
+    }
+  }
+  return p;
+}
+
+Workspace CarveWorkspace(const GqaShape& s, const AttnPlan& p, void* workspace) {
+  char* base = static_cast<char*>(workspace);
+  Workspace ws;
+  ws.q = reinterpret_cast<float*>(base);
+  base += p.q_bytes;
+  ws.part_o = reinterpret_cast<float*>(base);
+  base += p.part_o_bytes;
+  ws.part_m = reinterpret_cast<float*>(base);
+  base += p.part_ml_bytes;
+  ws.part_l = reinterpret_cast<float*>(base);
+  base += p.part_ml_bytes;
+  ws.counters = reinterpret_cast<unsigned*>(base);
+  ws.counter_count = p.counter_bytes > 0 ? s.batch * s.kv_num_heads : 0;
+  return ws;
+}
+
+size_t WorkspaceBytes(const AttnPlan& p) {
+  return p.q_bytes + p.part_o_bytes + 2 * p.part_ml_bytes + p.counter_bytes;
+}
+
+template <typename T>
+Status Launch(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo& dev,
+              void* workspace, cudaStream_t stream) {
+  const AttnPlan plan = MakePlan(s, buf, dev);
+  const Workspace ws = CarveWorkspace(s, plan, workspace);
+  const KvStrides past_st = MakeKvStrides(s.layout, s.kv_num_heads, s.past_capacity, s.head_size);
+  const KvStrides present_st =
+      MakeKvStrides(s.layout, s.kv_num_heads, s.present_capacity, s.head_size);
+  if (!buf.shared()) {
+    KVL_RETURN_IF_ERROR(LaunchCopyPast<T>(s, buf, past_st, present_st, dev, stream));
+  }
+  KVL_RETURN_IF_ERROR(LaunchPrepare<T>(s, buf, present_st, ws, stream));
+  if constexpr (sizeof(T) == 2) {
+    if (plan.kernel == AttnKernel::kPrefillTc) return LaunchPrefillTc<T>(s, buf, present_st, ws, stream);
+    if (plan.kernel == AttnKernel::kDecodeTc) {
+      return LaunchDecodeTc<T>(s, buf, present_st, plan, ws, stream);
+    }
+  }
+  return LaunchPortable<T>(s, buf, present_st, plan, ws, stream);
+}
+
+// Host-side facts that do not change for a (device, kernel): computed once per process.
+std::mutex g_cache_mutex;
+std::map<std::tuple<int, const void*>, size_t> g_smem_limits;            // raised limit
+std::map<std::tuple<int, const void*, int, size_t>, int> g_ctas_per_sm;  // occupancy
+
+}  // namespace
+
+Status EnsureSmemLimit(const void* fn, size_t smem, int device) {
+  if (smem <= 48 * 1024) return Status::Ok();  // within the default limit
+  std::lock_guard<std::mutex> lock(g_cache_mutex);
+  size_t& limit = g_smem_limits[{device, fn}];
+  if (limit >= smem) return Status::Ok();
+  KVL_RETURN_IF_ERROR(CudaCheck(
+      cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+      "shared memory attribute"));
+  limit = smem;
+  return Status::Ok();
+}
+
+int CachedCtasPerSm(const void* fn, int threads, size_t smem, int device) {
+  std::lock_guard<std::mutex> lock(g_cache_mutex);
+  const auto key = std::make_tuple(device, fn, threads, smem);
+  auto it = g_ctas_per_sm.find(key);
+  if (it != g_ctas_per_sm.end()) return it->second;
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, threads, smem) != cudaSuccess) {
+    (void)cudaGetLastError();  // only a sizing hint: take a default, leave no error behind
+    n = 1;
+  }
+  n = std::max(n, 1);
+  g_ctas_per_sm.emplace(key, n);
+  return n;
+}
+
+}  // namespace cu
+
+Status QueryCudaDevice(CudaDeviceInfo* info) {
+  using cu::CudaCheck;
+  KVL_RETURN_IF_ERROR(CudaCheck(cudaGetDevice(&info->device), "cudaGetDevice"));
+  KVL_RETURN_IF_ERROR(CudaCheck(
+      cudaDeviceGetAttribute(&info->sm_count, cudaDevAttrMultiProcessorCount, info->device),
+      "cudaDeviceGetAttribute(multiprocessor count)"));
+  return CudaCheck(cudaDeviceGetAttribute(&info->max_smem_optin,
+                                          cudaDevAttrMaxSharedMemoryPerBlockOptin, info->device),
+                   "cudaDeviceGetAttribute(shared memory per block)");
+}
+
+Status CheckCudaSupport(const GqaShape& s) {
+  const char* op = "ai.kvlayout::GroupQueryAttention (CUDA): ";
+  if (s.sliding_window_cache) {
+    return Status::Error(std::string(op) +
+                         "attribute 'sliding_window_cache'=1 is not supported on the CUDA "
+                         "execution provider in v1 (it is on CPU)");
+  }
+  // The kernels put batch x kv head (and batch, num_heads) on a grid axis limited to 65535.
+  constexpr int64_t kMaxGridYZ = 65535;
+  if (s.batch * s.kv_num_heads > kMaxGridYZ || s.num_heads > kMaxGridYZ) {
+    return Status::Error(std::string(op) + "batch x kv_num_heads = " +
+                         std::to_string(s.batch * s.kv_num_heads) + " (num_heads " +
+                         std::to_string(s.num_heads) + ") exceeds " +
+                         std::to_string(kMaxGridYZ) + " on CUDA in v1: split the batch");
+  }
+  if (s.head_size % 8 != 0 || s.head_size > cu::kMaxHeadSize) {
+    return Status::Error(std::string(op) + "head_size " + std::to_string(s.head_size) +
+                         " is not supported on CUDA: it must be a multiple of 8 and <= " +
+                         std::to_string(cu::kMaxHeadSize));
+  }
+  return Status::Ok();
+}
+
+size_t GqaCudaWorkspaceBytes(const GqaShape& s, const GqaCudaBuffers& buf,
+                             const CudaDeviceInfo& dev) {
+  return cu::WorkspaceBytes(cu::MakePlan(s, buf, dev));
+}
+
+Status LaunchGqaCuda(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo& dev,
+                     void* workspace, void* stream) {
+  KVL_RETURN_IF_ERROR(CheckCudaSupport(s));
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  switch (s.dtype) {
+    case DType::kFloat32: return cu::Launch<float>(s, buf, dev, workspace, st);
+    case DType::kFloat16: return cu::Launch<__half>(s, buf, dev, workspace, st);
+    case DType::kBFloat16: return cu::Launch<__nv_bfloat16>(s, buf, dev, workspace, st);
+    default:
+      return Status::Error(std::string("ai.kvlayout::GroupQueryAttention (CUDA): unsupported type ") +
+                           DTypeName(s.dtype));
+  }
+}
+
+}  // namespace kvl

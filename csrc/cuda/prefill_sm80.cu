@@ -1,0 +1,263 @@
+// Prefill and chunked prefill on tensor cores for sm_80 and newer (fp16/bf16): mma.sync m16n8k16,
+// FlashAttention-2 style. CTA = 64 query tokens of one query head, 4 warps of 16 rows. Per key
+// tile: S = Q K^T and O += P V; scores, the online softmax and O stay in registers (a thread holds
+// two rows of each); K and V tiles arrive by cp.async one tile ahead. HD is the head size rounded
+// up to a multiple of 32: columns past the head size are zero in Q, K and V and never written out.
+#include "cuda/common.cuh"
+#include "cuda/kernels.h"
+#include "cuda/ptx.cuh"
+
+namespace kvl {
+namespace cu {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kTcRows = 64;  // query tokens per CTA: 4 warps x 16 rows
+
+// The tensor-core tile width of a head size: rounded up to a multiple of 32.
+constexpr int64_t TcHeadDim(int64_t head_size) { return (head_size + 31) / 32 * 32; }
+// Keys per tile: 64, or 32 for heads above 128 (their O accumulators take the registers).
+__host__ __device__ constexpr int TcKeys(int64_t hd) { return hd > 128 ? 32 : 64; }
+// Row pitch of the shared tiles, in elements: 16 bytes of padding put the 8 rows an ldmatrix
+// reads on distinct banks.
+__host__ __device__ constexpr int64_t TcPitch(int64_t hd) { return hd + 8; }
+
+size_t TcSmemBytes(int64_t hd, size_t elem) {
+  return elem * TcPitch(hd) * (kTcRows + 2 * 2 * TcKeys(hd));  // Q, and K + V in two stages
+}
+
+template <typename T, int HD>
+__global__ void __launch_bounds__(kWarp* kWarps)
+    PrefillTcKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_st, const float* q_ws) {
+  constexpr int BC = TcKeys(HD), P = TcPitch(HD);
+  constexpr int NT = BC / 8;   // score n-tiles (8 keys each)
+  constexpr int DT = HD / 8;   // output n-tiles (8 dimensions each)
+  extern __shared__ __align__(128) unsigned char tc_smem[];
+  T* qs = reinterpret_cast<T*>(tc_smem);  // [kTcRows][P]
+  T* kvs = qs + kTcRows * P;           // [stage][K, V][BC][P]
+
+  const int64_t H = s.head_size;  // <= HD
+  const int64_t b = blockIdx.z, h = blockIdx.y, g = h / s.group_size();
+  const int64_t tok0 = int64_t(blockIdx.x) * kTcRows;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int gq = lane / 4, tq = lane % 4;  // fragment row group, thread in group
+  const BatchGeometry geo = Geo(s, buf, b);
+  auto range = [&](int64_t r) {
+    return tok0 + r < s.seq_len ? QueryKeyRange(s, geo, tok0 + r) : KeyRange{0, 0};
+  };
+
+  // Keys any row of the CTA needs.
+  int64_t key_lo = INT64_MAX, key_hi = 0;
+  for (int r = 0; r < kTcRows; ++r) {
+    const KeyRange kr = range(r);
+    if (kr.lo < kr.hi) {
+      key_lo = min(key_lo, kr.lo);
+      key_hi = max(key_hi, kr.hi);
+    }
+  }
+  const int64_t tiles = key_lo < key_hi ? (key_hi - key_lo + BC - 1) / BC : 0;
+
+  const T* pk = static_cast<const T*>(buf.present_key);
+  const T* pv = static_cast<const T*>(buf.present_value);
+  const int64_t chunks = H / 8;  // 16-byte chunks of a row (H % 8 == 0)
+  auto issue = [&](int64_t tile) {
+    T* ks = kvs + (tile % 2) * 2 * BC * P;
+    T* vs = ks + BC * P;
+    const int64_t k0 = key_lo + tile * BC;
+    for (int64_t idx = threadIdx.x; idx < BC * chunks; idx += blockDim.x) {
+      const int64_t j = idx / chunks, c = idx % chunks;
+      const bool valid = k0 + j < key_hi;  // past the end: zero rows
+      const int64_t off = valid ? present_st.Offset(b, g, k0 + j) + c * 8 : 0;
+      ptx::CpAsync16(ks + j * P + c * 8, pk + off, valid);
+      ptx::CpAsync16(vs + j * P + c * 8, pv + off, valid);
+    }
+  };
+  if (tiles > 0) issue(0);
+  ptx::CpAsyncCommit();
+
+  // Q (rounded to T once) and the zero padding columns of every tile; the loads above write
+  // columns [0, H) only.
+  for (int64_t idx = threadIdx.x; idx < kTcRows * HD; idx += blockDim.x) {
+    const int64_t r = idx / HD, d = idx % HD, tok = tok0 + r;
+    const bool in = tok < s.seq_len && d < H;
+    qs[r * P + d] = FromF<T>(in ? q_ws[((b * s.num_heads + h) * s.seq_len + tok) * H + d] : 0.0f);
+  }
+  for (int64_t idx = threadIdx.x; HD > H && idx < 2 * 2 * BC * (HD - H); idx += blockDim.x) {
+    kvs[(idx / (HD - H)) * P + H + idx % (HD - H)] = FromF<T>(0.0f);
+  }
+
+  // This thread's two rows: warp * 16 + gq and + 8.
+  const int row0 = warp * 16 + gq;
+  const KeyRange kr0 = range(row0), kr1 = range(row0 + 8);
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  float o[DT][4];
+#pragma unroll
+  for (int n = 0; n < DT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  const T* bias = static_cast<const T*>(buf.attention_bias);
+  const int64_t bias_row0 =
+      ((s.bias_batch == 1 ? 0 : b) * s.bias_heads + (s.bias_heads == 1 ? 0 : h)) * s.seq_len +
+      tok0 + row0;
+
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    if (tile + 1 < tiles) issue(tile + 1);  // the other stage: consumed before the last barrier
+    ptx::CpAsyncCommit();
+    ptx::CpAsyncWait<1>();
+    __syncthreads();  // every thread's copies of this tile (and Q, on the first) are visible
+    const T* ks = kvs + (tile % 2) * 2 * BC * P;
+    const T* vs = ks + BC * P;
+    const int64_t k0 = key_lo + tile * BC;
+
+    // S = Q K^T: 16 rows x BC keys per warp.
+    float sc[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      uint32_t a[4];
+      ptx::LdMatrixX4(a, qs + (warp * 16 + lane % 16) * P + kk * 16 + (lane / 16) * 8);
+#pragma unroll
+      for (int n = 0; n < NT; n += 2) {  // two key n-tiles per ldmatrix.x4
+        uint32_t kb[4];
+        const int mi = lane / 8;  // matrices: (keys n, d lo) (keys n, d hi) (n+8, lo) (n+8, hi)
+        ptx::LdMatrixX4(kb, ks + (n * 8 + (mi / 2) * 8 + lane % 8) * P + kk * 16 + (mi % 2) * 8);
+        ptx::Mma16816<T>(sc[n], a, kb[0], kb[1]);
+        ptx::Mma16816<T>(sc[n + 1], a, kb[2], kb[3]);
+      }
+    }
+
+    // Masks, softcap, bias; the online softmax of rows row0 (e = 0, 1) and row0 + 8 (e = 2, 3).
+    float tmax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hr = e / 2;
+        const int64_t key = k0 + n * 8 + 2 * tq + (e % 2);
+        const KeyRange& kr = hr ? kr1 : kr0;
+        const bool live = key >= kr.lo && key < kr.hi;
+        float x = sc[n][e];
+        if (s.softcap > 0.0f) x = s.softcap * tanhf(x / s.softcap);
+        if (bias != nullptr && live) x += ToF(bias[(bias_row0 + hr * 8) * s.bias_total + key]);
+        sc[n][e] = live ? x : -INFINITY;
+        tmax[hr] = fmaxf(tmax[hr], sc[n][e]);
+      }
+    }
+    float alpha[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      tmax[hr] = fmaxf(tmax[hr], __shfl_xor_sync(0xffffffffu, tmax[hr], 1));
+      tmax[hr] = fmaxf(tmax[hr], __shfl_xor_sync(0xffffffffu, tmax[hr], 2));
+      const float m_new = fmaxf(m[hr], tmax[hr]);
+      alpha[hr] = m_new == -INFINITY ? 1.0f : __expf(m[hr] - m_new);  // 0 when m was -inf
+      m[hr] = m_new;
+    }
+    float psum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hr = e / 2;
+        const float p = sc[n][e] == -INFINITY ? 0.0f : __expf(sc[n][e] - m[hr]);
+        sc[n][e] = p;
+        psum[hr] += p;
+      }
+    }
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) l[hr] = l[hr] * alpha[hr] + psum[hr];  // per thread; summed at the end
+#pragma unroll
+    for (int n = 0; n < DT; ++n) {
+      o[n][0] *= alpha[0];
+      o[n][1] *= alpha[0];
+      o[n][2] *= alpha[1];
+      o[n][3] *= alpha[1];
+    }
+
+    // O += P V: P from the score registers (the C layout of two n-tiles is the A layout of one
+    // k-step), V through ldmatrix.trans.
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk) {
+      uint32_t a[4];
+      a[0] = ptx::PackPair<T>(sc[2 * kk][0], sc[2 * kk][1]);
+      a[1] = ptx::PackPair<T>(sc[2 * kk][2], sc[2 * kk][3]);
+      a[2] = ptx::PackPair<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+      a[3] = ptx::PackPair<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+#pragma unroll
+      for (int n = 0; n < DT; n += 2) {  // two dimension n-tiles per ldmatrix.x4.trans
+        uint32_t vb[4];
+        const int mi = lane / 8;  // matrices: (keys lo, d n) (keys hi, d n) (lo, n+8) (hi, n+8)
+        ptx::LdMatrixX4Trans(vb, vs + (kk * 16 + (mi % 2) * 8 + lane % 8) * P + n * 8 + (mi / 2) * 8);
+        ptx::Mma16816<T>(o[n], a, vb[0], vb[1]);
+        ptx::Mma16816<T>(o[n + 1], a, vb[2], vb[3]);
+      }
+    }
+    __syncthreads();  // this stage is read: the next iteration's copies may overwrite it
+  }
+  ptx::CpAsyncWait<0>();
+
+  const bool extra = s.has_head_sink || s.smooth_softmax;
+  const float sink = s.has_head_sink ? ToF(static_cast<const T*>(buf.head_sink)[h]) : 0.0f;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float lt = l[hr];
+    lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+    lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+    const int64_t tok = tok0 + row0 + hr * 8;
+    if (tok >= s.seq_len) continue;
+    const float scale = OutputScale(m[hr], lt, extra, sink);
+    T* out = static_cast<T*>(buf.output) + ((b * s.seq_len + tok) * s.num_heads + h) * H;
+#pragma unroll
+    for (int n = 0; n < DT; ++n) {
+      const int64_t d = n * 8 + 2 * tq;
+      if (d < H) {
+        *reinterpret_cast<uint32_t*>(out + d) =
+            ptx::PackPair<T>(o[n][2 * hr] * scale, o[n][2 * hr + 1] * scale);
+      }
+    }
+  }
+}
+
+template <typename T, int HD>
+Status LaunchHd(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
+                const float* q_ws, cudaStream_t stream) {
+  const size_t smem = TcSmemBytes(HD, sizeof(T));
+  int device = 0;
+  KVL_RETURN_IF_ERROR(CudaCheck(cudaGetDevice(&device), "cudaGetDevice"));
+  KVL_RETURN_IF_ERROR(
+      EnsureSmemLimit(reinterpret_cast<const void*>(PrefillTcKernel<T, HD>), smem, device));
+  const dim3 grid(static_cast<unsigned>((s.seq_len + kTcRows - 1) / kTcRows),
+                  static_cast<unsigned>(s.num_heads), static_cast<unsigned>(s.batch));
+  PrefillTcKernel<T, HD><<<grid, kWarp * kWarps, smem, stream>>>(s, buf, present_st, q_ws);
+  return CudaCheck(cudaGetLastError(), "tensor-core prefill launch");
+}
+
+}  // namespace
+
+bool PrefillTcFits(const GqaShape& s, size_t elem, const CudaDeviceInfo& dev) {
+  return TcSmemBytes(TcHeadDim(s.head_size), elem) <= size_t(dev.max_smem_optin);
+}
+
+template <typename T>
+Status LaunchPrefillTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
+                       const Workspace& ws, cudaStream_t stream) {
+  switch (TcHeadDim(s.head_size)) {
+    case 32: return LaunchHd<T, 32>(s, buf, present_st, ws.q, stream);
+    case 64: return LaunchHd<T, 64>(s, buf, present_st, ws.q, stream);
+    case 96: return LaunchHd<T, 96>(s, buf, present_st, ws.q, stream);
+    case 128: return LaunchHd<T, 128>(s, buf, present_st, ws.q, stream);
+    case 160: return LaunchHd<T, 160>(s, buf, present_st, ws.q, stream);
+    case 192: return LaunchHd<T, 192>(s, buf, present_st, ws.q, stream);
+    case 224: return LaunchHd<T, 224>(s, buf, present_st, ws.q, stream);
+    case 256: return LaunchHd<T, 256>(s, buf, present_st, ws.q, stream);
+    default:
+      return Status::Error("ai.kvlayout::GroupQueryAttention (CUDA): no tensor-core tile for "
+                           "head_size " + std::to_string(s.head_size));
+  }
+}
+
+template Status LaunchPrefillTc<__half>(const GqaShape&, const GqaCudaBuffers&, KvStrides,
+                                        const Workspace&, cudaStream_t);
+template Status LaunchPrefillTc<__nv_bfloat16>(const GqaShape&, const GqaCudaBuffers&, KvStrides,
+                                               const Workspace&, cudaStream_t);
+
+}  // namespace cu
+}  // namespace kvl
