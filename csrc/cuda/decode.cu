@@ -89,17 +89,22 @@ __global__ void __launch_bounds__(kDecThreads)
   for (int64_t idx = lane; HD > H && idx < ST * 2 * KS * (HD - H); idx += kWarp) {
     wsm[(idx / (HD - H)) * P + H + idx % (HD - H)] = FromF<T>(0.0f);
   }
-  const T* pk = static_cast<const T*>(buf.present_key);
-  const T* pv = static_cast<const T*>(buf.present_value);
-  const int64_t chunks = H / 8;  // 16-byte chunks of a row (H % 8 == 0)
-  auto issue = [&](int64_t i) {  // this warp's i-th step
+  // Rows of this (batch, kv head): key j at base + j * seq stride, in either layout.
+  const T* pk = static_cast<const T*>(buf.present_key) + present_st.Offset(b, g, 0);
+  const T* pv = static_cast<const T*>(buf.present_value) + present_st.Offset(b, g, 0);
+  const int64_t seq_stride = present_st.seq;
+  const int chunks = static_cast<int>(H / 8);  // 16-byte chunks of a row (H % 8 == 0)
+  constexpr int CPR = HD / 8;                  // chunk slots per row; those >= chunks are padding
+  auto issue = [&](int64_t i) {                // this warp's i-th step
     T* ks = wsm + (i % ST) * 2 * KS * P;
     T* vs = ks + KS * P;
     const int64_t k0 = k_begin + (warp + i * kDecWarps) * KS;
-    for (int64_t idx = lane; idx < KS * chunks; idx += kWarp) {
-      const int64_t j = idx / chunks, c = idx % chunks;
+#pragma unroll
+    for (int it = 0; it < (KS * CPR + kWarp - 1) / kWarp; ++it) {
+      const int idx = lane + it * kWarp, j = idx / CPR, c = idx % CPR;  // compile-time divisor
+      if (idx >= KS * CPR || c >= chunks) continue;
       const bool valid = k0 + j < k_end;  // past the split's end: zero rows
-      const int64_t off = valid ? present_st.Offset(b, g, k0 + j) + c * 8 : 0;
+      const int64_t off = valid ? (k0 + j) * seq_stride + c * 8 : 0;
       ptx::CpAsync16(ks + j * P + c * 8, pk + off, valid);
       ptx::CpAsync16(vs + j * P + c * 8, pv + off, valid);
     }
@@ -272,8 +277,9 @@ __global__ void __launch_bounds__(kDecThreads)
   };
   // Split slots: ((bg * splits + split) * kDecodeRows + r).
   const int64_t slot0 = (bg * splits + split) * kDecodeRows;
-  for (int64_t idx = threadIdx.x; idx < rows * H; idx += kDecThreads) {
-    const int64_t r = idx / H, d = idx % H;
+  const int hs = static_cast<int>(H), nrows = static_cast<int>(rows);
+  for (int idx = threadIdx.x; idx < nrows * hs; idx += kDecThreads) {
+    const int r = idx / hs, d = idx % hs;
     float mx = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kDecWarps; ++w) mx = fmaxf(mx, red_m[w][r]);
@@ -326,15 +332,28 @@ __global__ void __launch_bounds__(kDecThreads)
     if (lane == 0) row_scale[r] = OutputScale(mx, lsum, extra, row_sink(r));
   }
   __syncthreads();
-  for (int64_t idx = threadIdx.x; idx < rows * H; idx += kDecThreads) {
-    const int64_t r = idx / H, d = idx % H;
+  // Four dimensions per thread (H % 8 == 0): one 16-byte load per split, eight splits in flight.
+  for (int idx = threadIdx.x; idx < nrows * hs / 4; idx += kDecThreads) {
+    const int r = idx / (hs / 4), d = (idx % (hs / 4)) * 4;
     const float* po = part_o + (bg * splits * kDecodeRows + r) * H + d;
     const int64_t pitch = kDecodeRows * H;  // from one split's row to the next
-    float acc = 0.0f;
+    const float* wr = weight + r * kMaxDecodeSplits;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 8
     for (int64_t sp = 0; sp < splits; ++sp) {
-      acc += __ldcg(po + sp * pitch) * weight[r * kMaxDecodeSplits + sp];
+      const float4 x = __ldcg(reinterpret_cast<const float4*>(po + sp * pitch));
+      const float wt = wr[sp];
+      acc.x += x.x * wt;
+      acc.y += x.y * wt;
+      acc.z += x.z * wt;
+      acc.w += x.w * wt;
     }
-    out_row(r)[d] = FromF<T>(acc * row_scale[r]);
+    T* out = out_row(r) + d;
+    const float sc = row_scale[r];
+    out[0] = FromF<T>(acc.x * sc);
+    out[1] = FromF<T>(acc.y * sc);
+    out[2] = FromF<T>(acc.z * sc);
+    out[3] = FromF<T>(acc.w * sc);
   }
 }
 

@@ -1,7 +1,9 @@
 // Prefill and chunked prefill on tensor cores for sm_80 and newer (fp16/bf16): mma.sync m16n8k16,
-// FlashAttention-2 style. CTA = 64 query tokens of one query head, 4 warps of 16 rows. Per key
-// tile: S = Q K^T and O += P V; scores, the online softmax and O stay in registers (a thread holds
-// two rows of each); K and V tiles arrive by cp.async one tile ahead. HD is the head size rounded
+// FlashAttention-2 style. CTA = 64 rows of one KV group: 64 / G query tokens x the G query heads
+// of the group (token-major), so each K/V tile is read once for the whole group; 4 warps of 16
+// rows. Per key tile: S = Q K^T and O += P V; scores, the online softmax and O stay in registers
+// (a thread holds two rows of each); K and V tiles arrive by cp.async one tile ahead. Tiles that
+// every row of a warp sees whole skip the per-element masks. HD is the head size rounded
 // up to a multiple of 32: columns past the head size are zero in Q, K and V and never written out.
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
@@ -12,7 +14,11 @@ namespace cu {
 namespace {
 
 constexpr int kWarps = 4;
-constexpr int kTcRows = 64;  // query tokens per CTA: 4 warps x 16 rows
+constexpr int kTcRows = 64;  // (token, head) rows per CTA: 4 warps x 16 rows
+
+// Query tokens per CTA: every head of the KV group for each (G <= kTcRows, checked by the
+// dispatch).
+__host__ __device__ constexpr int64_t TcTokens(int64_t group) { return kTcRows / group; }
 
 // The tensor-core tile width of a head size: rounded up to a multiple of 32.
 constexpr int64_t TcHeadDim(int64_t head_size) { return (head_size + 31) / 32 * 32; }
@@ -37,19 +43,25 @@ __global__ void __launch_bounds__(kWarp* kWarps)
   T* kvs = qs + kTcRows * P;           // [stage][K, V][BC][P]
 
   const int64_t H = s.head_size;  // <= HD
-  const int64_t b = blockIdx.z, h = blockIdx.y, g = h / s.group_size();
-  const int64_t tok0 = int64_t(blockIdx.x) * kTcRows;
+  const int64_t G = s.group_size(), N = s.num_heads;
+  const int64_t b = blockIdx.z, g = blockIdx.y;
+  const int64_t tpc = TcTokens(G), tok0 = int64_t(blockIdx.x) * tpc;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int gq = lane / 4, tq = lane % 4;  // fragment row group, thread in group
   const BatchGeometry geo = Geo(s, buf, b);
+  // Row r: token tok0 + r / G, query head g * G + r % G; rows past tpc * G or the last token
+  // are idle (no keys, never written).
+  auto row_tok = [&](int64_t r) { return r < tpc * G ? tok0 + r / G : s.seq_len; };
+  auto row_head = [&](int64_t r) { return g * G + r % G; };
   auto range = [&](int64_t r) {
-    return tok0 + r < s.seq_len ? QueryKeyRange(s, geo, tok0 + r) : KeyRange{0, 0};
+    const int64_t tok = row_tok(r);
+    return tok < s.seq_len ? QueryKeyRange(s, geo, tok) : KeyRange{0, 0};
   };
 
   // Keys any row of the CTA needs.
   int64_t key_lo = INT64_MAX, key_hi = 0;
-  for (int r = 0; r < kTcRows; ++r) {
-    const KeyRange kr = range(r);
+  for (int64_t tok = tok0; tok < min(tok0 + tpc, s.seq_len); ++tok) {
+    const KeyRange kr = QueryKeyRange(s, geo, tok);
     if (kr.lo < kr.hi) {
       key_lo = min(key_lo, kr.lo);
       key_hi = max(key_hi, kr.hi);
@@ -57,17 +69,23 @@ __global__ void __launch_bounds__(kWarp* kWarps)
   }
   const int64_t tiles = key_lo < key_hi ? (key_hi - key_lo + BC - 1) / BC : 0;
 
-  const T* pk = static_cast<const T*>(buf.present_key);
-  const T* pv = static_cast<const T*>(buf.present_value);
-  const int64_t chunks = H / 8;  // 16-byte chunks of a row (H % 8 == 0)
+  // Rows of this (batch, kv head): key j at base + j * seq stride, in either layout.
+  const T* pk = static_cast<const T*>(buf.present_key) + present_st.Offset(b, g, 0);
+  const T* pv = static_cast<const T*>(buf.present_value) + present_st.Offset(b, g, 0);
+  const int64_t seq_stride = present_st.seq;
+  const int chunks = static_cast<int>(H / 8);  // 16-byte chunks of a row (H % 8 == 0)
+  constexpr int CPR = HD / 8;                  // chunk slots per row; those >= chunks are padding
+  constexpr int kThreads = kWarp * kWarps;
   auto issue = [&](int64_t tile) {
     T* ks = kvs + (tile % 2) * 2 * BC * P;
     T* vs = ks + BC * P;
     const int64_t k0 = key_lo + tile * BC;
-    for (int64_t idx = threadIdx.x; idx < BC * chunks; idx += blockDim.x) {
-      const int64_t j = idx / chunks, c = idx % chunks;
+#pragma unroll
+    for (int it = 0; it < (BC * CPR + kThreads - 1) / kThreads; ++it) {
+      const int idx = threadIdx.x + it * kThreads, j = idx / CPR, c = idx % CPR;
+      if (idx >= BC * CPR || c >= chunks) continue;
       const bool valid = k0 + j < key_hi;  // past the end: zero rows
-      const int64_t off = valid ? present_st.Offset(b, g, k0 + j) + c * 8 : 0;
+      const int64_t off = valid ? (k0 + j) * seq_stride + c * 8 : 0;
       ptx::CpAsync16(ks + j * P + c * 8, pk + off, valid);
       ptx::CpAsync16(vs + j * P + c * 8, pv + off, valid);
     }
@@ -77,10 +95,11 @@ __global__ void __launch_bounds__(kWarp* kWarps)
 
   // Q (rounded to T once) and the zero padding columns of every tile; the loads above write
   // columns [0, H) only.
-  for (int64_t idx = threadIdx.x; idx < kTcRows * HD; idx += blockDim.x) {
-    const int64_t r = idx / HD, d = idx % HD, tok = tok0 + r;
+  for (int idx = threadIdx.x; idx < kTcRows * HD; idx += blockDim.x) {
+    const int r = idx / HD, d = idx % HD;
+    const int64_t tok = row_tok(r);
     const bool in = tok < s.seq_len && d < H;
-    qs[r * P + d] = FromF<T>(in ? q_ws[((b * s.num_heads + h) * s.seq_len + tok) * H + d] : 0.0f);
+    qs[r * P + d] = FromF<T>(in ? q_ws[((b * N + row_head(r)) * s.seq_len + tok) * H + d] : 0.0f);
   }
   for (int64_t idx = threadIdx.x; HD > H && idx < 2 * 2 * BC * (HD - H); idx += blockDim.x) {
     kvs[(idx / (HD - H)) * P + H + idx % (HD - H)] = FromF<T>(0.0f);
@@ -94,9 +113,17 @@ __global__ void __launch_bounds__(kWarp* kWarps)
 #pragma unroll
   for (int n = 0; n < DT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
   const T* bias = static_cast<const T*>(buf.attention_bias);
-  const int64_t bias_row0 =
-      ((s.bias_batch == 1 ? 0 : b) * s.bias_heads + (s.bias_heads == 1 ? 0 : h)) * s.seq_len +
-      tok0 + row0;
+  int64_t bias_row[2] = {0, 0};  // element offset of each of this thread's rows in the bias
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int64_t r = row0 + hr * 8, tok = row_tok(r);
+    if (bias != nullptr && tok < s.seq_len) {
+      const int64_t bb = s.bias_batch == 1 ? 0 : b, bh = s.bias_heads == 1 ? 0 : row_head(r);
+      bias_row[hr] = ((bb * s.bias_heads + bh) * s.seq_len + tok) * s.bias_total;
+    }
+  }
+  // Without softcap and bias, a tile inside every row's key range needs no per-element work.
+  const bool plain = !(s.softcap > 0.0f) && bias == nullptr;
 
   for (int64_t tile = 0; tile < tiles; ++tile) {
     if (tile + 1 < tiles) issue(tile + 1);  // the other stage: consumed before the last barrier
@@ -126,20 +153,30 @@ __global__ void __launch_bounds__(kWarp* kWarps)
     }
 
     // Masks, softcap, bias; the online softmax of rows row0 (e = 0, 1) and row0 + 8 (e = 2, 3).
+    const bool whole = plain && __all_sync(0xffffffffu, kr0.lo <= k0 && k0 + BC <= kr0.hi &&
+                                                            kr1.lo <= k0 && k0 + BC <= kr1.hi);
     float tmax[2] = {-INFINITY, -INFINITY};
+    if (whole) {
 #pragma unroll
-    for (int n = 0; n < NT; ++n) {
+      for (int n = 0; n < NT; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int hr = e / 2;
-        const int64_t key = k0 + n * 8 + 2 * tq + (e % 2);
-        const KeyRange& kr = hr ? kr1 : kr0;
-        const bool live = key >= kr.lo && key < kr.hi;
-        float x = sc[n][e];
-        if (s.softcap > 0.0f) x = s.softcap * tanhf(x / s.softcap);
-        if (bias != nullptr && live) x += ToF(bias[(bias_row0 + hr * 8) * s.bias_total + key]);
-        sc[n][e] = live ? x : -INFINITY;
-        tmax[hr] = fmaxf(tmax[hr], sc[n][e]);
+        for (int e = 0; e < 4; ++e) tmax[e / 2] = fmaxf(tmax[e / 2], sc[n][e]);
+      }
+    } else {
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int hr = e / 2;
+          const int64_t key = k0 + n * 8 + 2 * tq + (e % 2);
+          const KeyRange& kr = hr ? kr1 : kr0;
+          const bool live = key >= kr.lo && key < kr.hi;
+          float x = sc[n][e];
+          if (s.softcap > 0.0f) x = s.softcap * tanhf(x / s.softcap);
+          if (bias != nullptr && live) x += ToF(bias[bias_row[hr] + key]);
+          sc[n][e] = live ? x : -INFINITY;
+          tmax[hr] = fmaxf(tmax[hr], sc[n][e]);
+        }
       }
     }
     float alpha[2];
@@ -157,7 +194,8 @@ __global__ void __launch_bounds__(kWarp* kWarps)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int hr = e / 2;
-        const float p = sc[n][e] == -INFINITY ? 0.0f : __expf(sc[n][e] - m[hr]);
+        // A whole tile has no masked score, and m is finite (NaN scores propagate).
+        const float p = !whole && sc[n][e] == -INFINITY ? 0.0f : __expf(sc[n][e] - m[hr]);
         sc[n][e] = p;
         psum[hr] += p;
       }
@@ -195,16 +233,16 @@ __global__ void __launch_bounds__(kWarp* kWarps)
   ptx::CpAsyncWait<0>();
 
   const bool extra = s.has_head_sink || s.smooth_softmax;
-  const float sink = s.has_head_sink ? ToF(static_cast<const T*>(buf.head_sink)[h]) : 0.0f;
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     float lt = l[hr];
     lt += __shfl_xor_sync(0xffffffffu, lt, 1);
     lt += __shfl_xor_sync(0xffffffffu, lt, 2);
-    const int64_t tok = tok0 + row0 + hr * 8;
+    const int64_t r = row0 + hr * 8, tok = row_tok(r), h = row_head(r);
     if (tok >= s.seq_len) continue;
+    const float sink = s.has_head_sink ? ToF(static_cast<const T*>(buf.head_sink)[h]) : 0.0f;
     const float scale = OutputScale(m[hr], lt, extra, sink);
-    T* out = static_cast<T*>(buf.output) + ((b * s.seq_len + tok) * s.num_heads + h) * H;
+    T* out = static_cast<T*>(buf.output) + ((b * s.seq_len + tok) * N + h) * H;
 #pragma unroll
     for (int n = 0; n < DT; ++n) {
       const int64_t d = n * 8 + 2 * tq;
@@ -224,8 +262,9 @@ Status LaunchHd(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_
   KVL_RETURN_IF_ERROR(CudaCheck(cudaGetDevice(&device), "cudaGetDevice"));
   KVL_RETURN_IF_ERROR(
       EnsureSmemLimit(reinterpret_cast<const void*>(PrefillTcKernel<T, HD>), smem, device));
-  const dim3 grid(static_cast<unsigned>((s.seq_len + kTcRows - 1) / kTcRows),
-                  static_cast<unsigned>(s.num_heads), static_cast<unsigned>(s.batch));
+  const int64_t tpc = TcTokens(s.group_size());
+  const dim3 grid(static_cast<unsigned>((s.seq_len + tpc - 1) / tpc),
+                  static_cast<unsigned>(s.kv_num_heads), static_cast<unsigned>(s.batch));
   PrefillTcKernel<T, HD><<<grid, kWarp * kWarps, smem, stream>>>(s, buf, present_st, q_ws);
   return CudaCheck(cudaGetLastError(), "tensor-core prefill launch");
 }
@@ -233,7 +272,8 @@ Status LaunchHd(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_
 }  // namespace
 
 bool PrefillTcFits(const GqaShape& s, size_t elem, const CudaDeviceInfo& dev) {
-  return TcSmemBytes(TcHeadDim(s.head_size), elem) <= size_t(dev.max_smem_optin);
+  return s.group_size() <= kTcRows &&
+         TcSmemBytes(TcHeadDim(s.head_size), elem) <= size_t(dev.max_smem_optin);
 }
 
 template <typename T>
