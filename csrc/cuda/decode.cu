@@ -95,18 +95,22 @@ __global__ void __launch_bounds__(kDecThreads)
   const int64_t seq_stride = present_st.seq;
   const int chunks = static_cast<int>(H / 8);  // 16-byte chunks of a row (H % 8 == 0)
   constexpr int CPR = HD / 8;                  // chunk slots per row; those >= chunks are padding
-  auto issue = [&](int64_t i) {                // this warp's i-th step
+  // A lane copies the same (row j, chunk c) slots of every step: j and c depend on the lane only.
+  constexpr int kCopies = (KS * CPR + kWarp - 1) / kWarp;
+  auto issue = [&](int64_t i) {  // this warp's i-th step
     T* ks = wsm + (i % ST) * 2 * KS * P;
     T* vs = ks + KS * P;
     const int64_t k0 = k_begin + (warp + i * kDecWarps) * KS;
+    const T* kstep = pk + k0 * seq_stride;
+    const T* vstep = pv + k0 * seq_stride;
 #pragma unroll
-    for (int it = 0; it < (KS * CPR + kWarp - 1) / kWarp; ++it) {
+    for (int it = 0; it < kCopies; ++it) {
       const int idx = lane + it * kWarp, j = idx / CPR, c = idx % CPR;  // compile-time divisor
       if (idx >= KS * CPR || c >= chunks) continue;
       const bool valid = k0 + j < k_end;  // past the split's end: zero rows
-      const int64_t off = valid ? (k0 + j) * seq_stride + c * 8 : 0;
-      ptx::CpAsync16(ks + j * P + c * 8, pk + off, valid);
-      ptx::CpAsync16(vs + j * P + c * 8, pv + off, valid);
+      const int64_t off = valid ? j * seq_stride + c * 8 : 0;
+      ptx::CpAsync16(ks + j * P + c * 8, (valid ? kstep : pk) + off, valid);
+      ptx::CpAsync16(vs + j * P + c * 8, (valid ? vstep : pv) + off, valid);
     }
   };
 #pragma unroll
@@ -116,22 +120,30 @@ __global__ void __launch_bounds__(kDecThreads)
   }
 
   // Q as A fragments in registers for the whole kernel (rounded to T once): rows gq and gq + 8.
+  const float* qrow[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int64_t r = gq + hr * 8;
+    qrow[hr] = r < rows ? q_ws + ((b * N + g * G + r % G) * s.seq_len + r / G) * H : nullptr;
+  }
   uint32_t qa[KT][4];
 #pragma unroll
   for (int kk = 0; kk < KT; ++kk) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int64_t r = gq + (e % 2) * 8, d = kk * 16 + (e / 2) * 8 + 2 * tq;
-      float2 x = make_float2(0.0f, 0.0f);
-      if (r < rows && d < H) {
-        const int64_t head = g * G + r % G, tok = r / G;
-        x = *reinterpret_cast<const float2*>(q_ws + ((b * N + head) * s.seq_len + tok) * H + d);
-      }
+      const int d = kk * 16 + (e / 2) * 8 + 2 * tq;
+      const float* q = qrow[e % 2];
+      const float2 x = q != nullptr && d < H ? *reinterpret_cast<const float2*>(q + d)
+                                             : make_float2(0.0f, 0.0f);
       qa[kk][e] = ptx::PackPair<T>(x.x, x.y);
     }
   }
 
-  // This thread's two rows: their key ranges inside the split.
+  // This thread's two rows: their key ranges inside the split. Rows past S x G are idle: their
+  // query is zero and they are never written, so they need no masks. With at most 8 rows, the
+  // second row of every thread is idle and its softmax is skipped (a uniform branch).
+  const bool idle[2] = {gq >= rows, gq + 8 >= rows};
+  const bool upper = rows > 8;
   KeyRange kr[2] = {row_keys(gq), row_keys(gq + 8)};
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
@@ -139,6 +151,7 @@ __global__ void __launch_bounds__(kDecThreads)
     kr[hr].hi = min(kr[hr].hi, k_end);
   }
   const T* bias = static_cast<const T*>(buf.attention_bias);
+  const bool plain = !(s.softcap > 0.0f) && bias == nullptr;
   int64_t bias_row[2] = {0, 0};
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
@@ -155,10 +168,13 @@ __global__ void __launch_bounds__(kDecThreads)
   for (int n = 0; n < DT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
 
   for (int64_t i = 0; i < my_steps; ++i) {
-    ptx::CpAsyncWait<ST - 2>();  // this lane's copies of step i have landed
-    __syncwarp();                // ... and every lane's; the slot of step i - 1 is free
+    // The slot of step i - 1 was read by every lane before the barrier closing that step, so
+    // step i + ST - 1 goes into it before waiting: ST steps in flight during the wait.
+    __syncwarp();
     if (i + ST - 1 < my_steps) issue(i + ST - 1);
     ptx::CpAsyncCommit();
+    ptx::CpAsyncWait<ST - 1>();  // this lane's copies of step i have landed
+    __syncwarp();                // ... and every lane's
     const T* ks = wsm + (i % ST) * 2 * KS * P;
     const T* vs = ks + KS * P;
     const int64_t k0 = k_begin + (warp + i * kDecWarps) * KS;
@@ -178,13 +194,22 @@ __global__ void __launch_bounds__(kDecThreads)
       }
     }
 
-    // Masks, softcap, bias; the online softmax of rows gq (e = 0, 1) and gq + 8 (e = 2, 3).
+    // Masks, softcap, bias; the online softmax of rows gq (e = 0, 1) and gq + 8 (e = 2, 3). A
+    // step inside the key range of every working row of the warp needs no masks.
+    const bool whole =
+        plain && __all_sync(0xffffffffu, (idle[0] || (kr[0].lo <= k0 && k0 + KS <= kr[0].hi)) &&
+                                             (idle[1] || (kr[1].lo <= k0 && k0 + KS <= kr[1].hi)));
     float tmax[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int hr = e / 2;
+        if (hr == 1 && !upper) continue;
+        if (whole) {
+          tmax[hr] = fmaxf(tmax[hr], sc[n][e]);
+          continue;
+        }
         const int64_t key = k0 + n * 8 + 2 * tq + (e % 2);
         const bool live = key >= kr[hr].lo && key < kr[hr].hi;
         float x = sc[n][e];
@@ -194,9 +219,10 @@ __global__ void __launch_bounds__(kDecThreads)
         tmax[hr] = fmaxf(tmax[hr], sc[n][e]);
       }
     }
-    float alpha[2];
+    float alpha[2] = {1.0f, 1.0f};
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
+      if (hr == 1 && !upper) continue;
       tmax[hr] = fmaxf(tmax[hr], __shfl_xor_sync(0xffffffffu, tmax[hr], 1));
       tmax[hr] = fmaxf(tmax[hr], __shfl_xor_sync(0xffffffffu, tmax[hr], 2));
       const float m_new = fmaxf(m[hr], tmax[hr]);
@@ -209,7 +235,8 @@ __global__ void __launch_bounds__(kDecThreads)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int hr = e / 2;
-        const float p = sc[n][e] == -INFINITY ? 0.0f : __expf(sc[n][e] - m[hr]);
+        if (hr == 1 && !upper) continue;  // idle rows: their P only reaches their own O
+        const float p = !whole && sc[n][e] == -INFINITY ? 0.0f : __expf(sc[n][e] - m[hr]);
         sc[n][e] = p;
         psum[hr] += p;
       }
@@ -220,8 +247,13 @@ __global__ void __launch_bounds__(kDecThreads)
     for (int n = 0; n < DT; ++n) {
       o[n][0] *= alpha[0];
       o[n][1] *= alpha[0];
-      o[n][2] *= alpha[1];
-      o[n][3] *= alpha[1];
+    }
+    if (upper) {
+#pragma unroll
+      for (int n = 0; n < DT; ++n) {
+        o[n][2] *= alpha[1];
+        o[n][3] *= alpha[1];
+      }
     }
 
     // O += P V: P from the score registers (the C layout of two n-tiles is the A layout of one
