@@ -1,0 +1,131 @@
+"""End-to-end figure: a 32-layer stack of GroupQueryAttention nodes (32/8/128, fp16, one shared
+KV cache per layer, each layer's output the next layer's query) as one ONNX graph, one decode step
+(S = 1) replayed under ONNX Runtime's CUDA graph capture, com.microsoft vs ai.kvlayout in both
+layouts. Reported: the median time of one replayed step (host launch of the graph included), from
+CUDA events, over steps that keep the cache length fixed (the same replay every time).
+
+    python bench/bench_stack.py                      # B {1, 8} x L {4096, 16384}
+    python bench/bench_stack.py --cases 1x4096 --layers 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import numpy as np
+import onnxruntime as ort
+import ort_kvlayout
+from onnx import TensorProto, helper
+
+
+def build_stack(domain: str, layers: int, n: int, nkv: int, layout: int | None) -> bytes:
+    f16 = TensorProto.FLOAT16
+    ins = [helper.make_tensor_value_info(x, f16, None) for x in ("x", "k", "v")]
+    ins += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["B"]),
+            helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])]  # fmt: skip
+    outs, nodes = [], []
+    attrs = {"num_heads": n, "kv_num_heads": nkv}
+    if layout is not None:
+        attrs["kv_layout"] = layout
+    for i in range(layers):
+        ins += [
+            helper.make_tensor_value_info(f"past_{kv}_{i}", f16, None) for kv in ("key", "value")
+        ]
+        q = "x" if i == 0 else f"out_{i - 1}"
+        node_outs = [f"out_{i}", f"present_key_{i}", f"present_value_{i}"]
+        nodes.append(helper.make_node(
+            "GroupQueryAttention",
+            [q, "k", "v", f"past_key_{i}", f"past_value_{i}", "seqlens_k", "total_sequence_length"],
+            node_outs, domain=domain, name=f"gqa_{i}", **attrs))  # fmt: skip
+        outs += [helper.make_tensor_value_info(x, f16, None) for x in node_outs[1:]]
+    outs.append(helper.make_tensor_value_info(f"out_{layers - 1}", f16, None))
+    graph = helper.make_graph(nodes, "stack", ins, outs)
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(domain, 1)]
+    )
+    model.ir_version = 10
+    return model.SerializeToString()
+
+
+def time_stack(label: str, b: int, length: int, layers: int, steps: int, gen) -> float:
+    import torch
+
+    n, nkv, h = 32, 8, 128
+    domain, layout = (
+        ("com.microsoft", None) if label == "ort" else (ort_kvlayout.DOMAIN, int(label[-1]))
+    )
+    so = ort.SessionOptions()
+    ort_kvlayout.register(so)
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(
+        build_stack(domain, layers, n, nkv, layout), so,
+        providers=[("CUDAExecutionProvider", {"enable_cuda_graph": "1"})],
+    )  # fmt: skip
+    dev, f16 = "cuda", torch.float16
+    keep = {
+        "x": torch.randn(b, 1, n * h, generator=gen, device=dev).to(f16),
+        "k": torch.randn(b, 1, nkv * h, generator=gen, device=dev).to(f16),
+        "v": torch.randn(b, 1, nkv * h, generator=gen, device=dev).to(f16),
+        "seqlens_k": torch.full((b,), length - 2, dtype=torch.int32, device=dev),
+    }
+    io = sess.io_binding()
+    for name, t in keep.items():
+        io.bind_input(name, "cuda", 0, np.int32 if t.dtype == torch.int32 else np.float16,
+                      list(t.shape), t.data_ptr())  # fmt: skip
+    total = ort.OrtValue.ortvalue_from_numpy(np.array(length, np.int32), "cpu", 0)
+    io.bind_ortvalue_input("total_sequence_length", total)
+    for i in range(layers):
+        for kv in ("key", "value"):
+            t = torch.randn(b * nkv * length * h, generator=gen, device=dev).to(f16)
+            keep[f"{kv}_{i}"] = t  # bytes of the layout; the values only need to be finite
+            shape = [b, nkv, length, h]
+            io.bind_input(f"past_{kv}_{i}", "cuda", 0, np.float16, shape, t.data_ptr())
+            io.bind_output(f"present_{kv}_{i}", "cuda", 0, np.float16, shape, t.data_ptr())
+    out = torch.empty(b, 1, n * h, dtype=f16, device=dev)
+    io.bind_output(f"out_{layers - 1}", "cuda", 0, np.float16, list(out.shape), out.data_ptr())
+    for _ in range(3):  # the first run captures the graph
+        sess.run_with_iobinding(io)
+    times = []
+    for _ in range(steps):  # seqlens_k stays: every replay appends at row L-1 and reads L keys
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        sess.run_with_iobinding(io)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del sess, io, keep
+    torch.cuda.empty_cache()
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default="1x4096,1x16384,8x4096,8x16384")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--steps", type=int, default=50)
+    args = p.parse_args(argv)
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print(f"# {args.layers}-layer GQA stack (32/8/128, fp16), one decode step under CUDA graph "
+          f"replay, median of {args.steps}; onnxruntime {ort.__version__}, "
+          f"{torch.cuda.get_device_name()}")  # fmt: skip
+    print(f"command: python {' '.join(sys.argv)}")
+    print(
+        "| B | L | ORT com.microsoft ms | ours kv_layout=0 ms | ours kv_layout=1 ms | ORT/kv0 | ORT/kv1 |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for spec in filter(None, args.cases.split(",")):
+        b, length = (int(x) for x in spec.split("x"))
+        t = {
+            v: time_stack(v, b, length, args.layers, args.steps, gen) for v in ("ort", "kv0", "kv1")
+        }
+        print(f"| {b} | {length} | {t['ort']:.3f} | {t['kv0']:.3f} | {t['kv1']:.3f} "
+              f"| {t['ort'] / t['kv0']:.2f} | {t['ort'] / t['kv1']:.2f} |", flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
