@@ -452,7 +452,7 @@ def verify_prompt_ids(model_dir: Path, prompt: str) -> list[int]:
     if (model_dir / "tokenizer.json").is_file():
         try:
             return encode(load_tokenizer(model_dir), prompt)
-        except ImportError:  # the `tokenizers` package (model extra) is not installed
+        except RuntimeError:  # no tokenizer backend installed (the runtime extra)
             pass
     config = json.loads((model_dir / GENAI_CONFIG).read_text())
     vocab = int(config["model"]["vocab_size"])
