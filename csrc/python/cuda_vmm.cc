@@ -233,8 +233,8 @@ Status Reservation::Map(size_t offset, size_t size, size_t* added) {
   CUmemAccessDesc access = {};
   access.location = prop.location;
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  const std::string what = std::to_string(granularity_) + " bytes, device " +
-                           std::to_string(device_) + ")";
+  const std::string what =
+      std::to_string(granularity_) + " bytes, device " + std::to_string(device_) + ")";
   for (size_t g = offset / granularity_; g < (offset + size) / granularity_; ++g) {
     if (handles_[g] != 0) continue;
     CUmemGenericAllocationHandle handle = 0;
@@ -290,8 +290,8 @@ Status Reservation::CheckMapped(size_t offset, size_t bytes) const {
   }
   for (size_t g = offset / granularity_; bytes && g <= (offset + bytes - 1) / granularity_; ++g) {
     if (handles_[g] == 0) {
-      return Status::Error("copy range [" + std::to_string(offset) + ", +" +
-                           std::to_string(bytes) + ") touches an unmapped granule");
+      return Status::Error("copy range [" + std::to_string(offset) + ", +" + std::to_string(bytes) +
+                           ") touches an unmapped granule");
     }
   }
   return Status::Ok();
@@ -340,8 +340,7 @@ Status Reservation::Close() {
         AddStats(0, 0, -static_cast<int64_t>(granularity_), -1);
       }
       if (ptr_ != 0) {
-        keep(CudaStatus(d.AddressFree(static_cast<CUdeviceptr>(ptr_), size_),
-                        "cuMemAddressFree"));
+        keep(CudaStatus(d.AddressFree(static_cast<CUdeviceptr>(ptr_), size_), "cuMemAddressFree"));
         AddStats(-1, -static_cast<int64_t>(size_), 0, 0);
       }
     }

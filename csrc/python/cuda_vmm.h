@@ -62,8 +62,8 @@ class Reservation {
   Reservation() = default;
   Status CheckMapped(size_t offset, size_t bytes) const;
 
-  int device_ = 0;      // ordinal
-  int cu_device_ = 0;   // CUdevice handle of the ordinal
+  int device_ = 0;           // ordinal
+  int cu_device_ = 0;        // CUdevice handle of the ordinal
   void* context_ = nullptr;  // CUcontext: the device's primary context, retained
   uint64_t ptr_ = 0;
   size_t size_ = 0;

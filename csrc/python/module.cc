@@ -140,7 +140,9 @@ py::tuple GqaCpu(const py::dict& inputs, const py::dict& attrs_dict, bool shared
 // call raises _C.CudaError whose message names the call and the CUDA error.
 class PyVmmReservation {
  public:
-  PyVmmReservation(int device, size_t size) { Check(kvl::vmm::Reservation::Create(device, size, &r_)); }
+  PyVmmReservation(int device, size_t size) {
+    Check(kvl::vmm::Reservation::Create(device, size, &r_));
+  }
   uint64_t ptr() const { return r_->ptr(); }
   size_t size() const { return r_->size(); }
   size_t granularity() const { return r_->granularity(); }
