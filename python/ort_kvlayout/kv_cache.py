@@ -88,6 +88,36 @@ class KvBuffer:
     device_id: int
 
 
+def _subtract(runs: list[tuple[int, int]], held: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(offset, size) runs minus the (offset, size) runs `held` (both sorted, merged)."""
+    out = []
+    for offset, size in runs:
+        start, end = offset, offset + size
+        for h_offset, h_size in held:
+            h_end = h_offset + h_size
+            if h_end <= start or h_offset >= end:
+                continue
+            if h_offset > start:
+                out.append((start, h_offset - start))
+            start = max(start, h_end)
+            if start >= end:
+                break
+        if start < end:
+            out.append((start, end - start))
+    return out
+
+
+def _union(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for offset, size in sorted(a + b):
+        if merged and offset <= merged[-1][0] + merged[-1][1]:
+            end = max(merged[-1][0] + merged[-1][1], offset + size)
+            merged[-1] = (merged[-1][0], end - merged[-1][0])
+        else:
+            merged.append((offset, size))
+    return merged
+
+
 def _new_reservation(device: str, size: int, device_id: int, granule: int | None) -> Reservation:
     if device == "cpu":
         return HostReservation(size) if granule is None else HostReservation(size, granule)
@@ -121,6 +151,7 @@ class KvCache:
         self._reservations: list[Reservation] = []
         self._ensured = [0] * batch  # tokens per entry the last ensure() asked for (monotonic)
         self._covered = [0] * batch  # tokens per entry whose rows are committed for sure
+        self._committed_runs: list[tuple[int, int]] = []  # (offset, size), in every buffer
         self._closed = False
         if bucket_tokens < 1:
             raise ValueError(f"bucket_tokens must be >= 1, got {bucket_tokens}")
@@ -259,10 +290,14 @@ class KvCache:
 
     def _commit(self, tokens: list[int]) -> bool:
         runs = granule_runs(self._byte_ranges(tokens, self.capacity), self.granule)
+        # Only the runs not yet committed in every buffer (usually a granule per prefix): the
+        # reservations skip granules they hold, so a retry after a failure is cheap and exact.
+        new = _subtract(runs, self._committed_runs)
         added = 0
         for res in self._reservations:
-            for offset, size in runs:
+            for offset, size in new:
                 added += res.commit(offset, size)
+        self._committed_runs = _union(self._committed_runs, runs)
         self._covered = self._covered_tokens(tokens)
         return added > 0
 

@@ -188,16 +188,19 @@ class HostReservation:
         self._check_open()
         if offset < 0 or offset + size > self.size:
             raise ValueError(f"commit [{offset}, {offset + size}) outside the {self.size} reserved")
-        bits = np.frombuffer(self._committed, np.uint8)
+        committed = self._committed
         added = 0
         for run_offset, run_size in granule_runs([(offset, offset + size)], self.granule):
-            lo, hi = run_offset // self.granule, (run_offset + run_size) // self.granule
-            missing = np.flatnonzero(bits[lo:hi] == 0) + lo
-            # Consecutive missing granules are committed by one call.
-            for run in np.split(missing, np.flatnonzero(np.diff(missing) != 1) + 1):
-                if run.size:
-                    self._commit_granules(int(run[0]), int(run.size))
-                    added += int(run.size) * self.granule
+            g, end = run_offset // self.granule, (run_offset + run_size) // self.granule
+            while g < end:  # consecutive missing granules are committed by one call
+                if committed[g]:
+                    g += 1
+                    continue
+                first = g
+                while g < end and not committed[g]:
+                    g += 1
+                self._commit_granules(first, g - first)
+                added += (g - first) * self.granule
         return added
 
     def _commit_granules(self, first: int, count: int) -> None:
