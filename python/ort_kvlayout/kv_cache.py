@@ -37,6 +37,7 @@ from .kv_memory import (
     DeviceReservation,
     HostReservation,
     KvMemoryError,
+    OrtDeviceBuffer,
     Reservation,
     granule_runs,
 )
@@ -118,10 +119,14 @@ def _union(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int
     return merged
 
 
-def _new_reservation(device: str, size: int, device_id: int, granule: int | None) -> Reservation:
+def _new_reservation(
+    device: str, size: int, device_id: int, granule: int | None, growable: bool
+) -> Reservation:
+    """Growable: a reserved range committed by granules. Otherwise a plain allocation: host
+    memory committed by pages, or onnxruntime's CUDA allocator (no granule rounding)."""
     if device == "cpu":
-        return HostReservation(size) if granule is None else HostReservation(size, granule)
-    return DeviceReservation(size, device_id)
+        return HostReservation(size, granule) if growable and granule else HostReservation(size)
+    return DeviceReservation(size, device_id) if growable else OrtDeviceBuffer(size, device_id)
 
 
 class KvCache:
@@ -173,8 +178,9 @@ class KvCache:
     ) -> KvCache:
         """A cache of `batch` entries of up to `capacity` tokens (default: the model's context).
 
-        granule: host commit granule in bytes (a multiple of the page size; default one page);
-        CUDA uses the device's allocation granularity. bucket_tokens: a bucket's first capacity
+        granule: growable host caches' commit granule in bytes (a multiple of the page size;
+        default one page); CUDA uses the device's allocation granularity. Preallocated and
+        bucket buffers are plain allocations (host pages; onnxruntime's CUDA allocator). bucket_tokens: a bucket's first capacity
         and the multiple its later capacities are rounded to.
         """
         if mode not in CACHE_MODES:
@@ -210,7 +216,9 @@ class KvCache:
         size = self._buffer_bytes(capacity)
         for _ in range(self.spec.buffers):
             self._reservations.append(
-                _new_reservation(self.device, size, self.device_id, self._granule)
+                _new_reservation(
+                    self.device, size, self.device_id, self._granule, self.mode == "growable"
+                )
             )
 
     # -----------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ __all__ = [
     "DeviceReservation",
     "HostReservation",
     "KvMemoryError",
+    "OrtDeviceBuffer",
     "Reservation",
     "allocator_stats",
     "granule_runs",
@@ -90,13 +91,16 @@ def _round_up(n: int, granule: int) -> int:
 
 _lock = threading.Lock()
 _host = {"reservations": 0, "reserved_bytes": 0, "committed_bytes": 0}
+_ort_device = {"reservations": 0, "reserved_bytes": 0, "committed_bytes": 0}
 _fail_host_commits_after: int | None = None
 
 
 def allocator_stats() -> dict[str, dict[str, int]]:
-    """{"cpu": {...}, "cuda": {...}}: live reservations, reserved and committed bytes."""
+    """Live reservations, reserved and committed bytes: "cpu" (host mappings), "cuda" (CUDA
+    virtual memory, counted in _C; only in CUDA builds), "cuda_ort" (OrtDeviceBuffer)."""
     with _lock:
         stats = {"cpu": dict(_host)}
+        stats["cuda_ort"] = dict(_ort_device)
     cuda = _cuda_module(required=False)
     if cuda is not None:
         stats["cuda"] = dict(cuda.vmm_stats())
@@ -348,3 +352,72 @@ class DeviceReservation:
 
     def close(self) -> None:
         self._vmm.close()
+
+
+class OrtDeviceBuffer:
+    """A plain device allocation from onnxruntime's CUDA allocator, committed whole: what
+    onnxruntime-genai binds (the preallocated mode) and what a bucket runtime reallocates. On
+    release the bytes go back to ORT's arena, as in those runtimes."""
+
+    device = "cuda"
+    granule = 1
+
+    def __init__(self, size: int, device_id: int = 0):
+        import onnxruntime as ort
+
+        if size <= 0:
+            raise ValueError(f"buffer size must be positive, got {size}")
+        uint8 = 2  # onnx TensorProto.UINT8
+        try:
+            self._value = ort.OrtValue.ortvalue_from_shape_and_type(
+                [size], uint8, "cuda", device_id
+            )
+        except Exception as exc:  # ORT raises RuntimeError or its own exception types
+            raise KvMemoryError(
+                f"allocating {size} bytes on cuda:{device_id} failed: {exc}"
+            ) from exc
+        self.ptr: int = self._value.data_ptr()
+        self.size = size
+        self.device_id = device_id
+        with _lock:
+            _ort_device["reservations"] += 1
+            _ort_device["reserved_bytes"] += size
+            _ort_device["committed_bytes"] += size
+
+    @property
+    def committed_bytes(self) -> int:
+        return self.size if self._value is not None else 0
+
+    @property
+    def closed(self) -> bool:
+        return self._value is None
+
+    def commit(self, offset: int, size: int) -> int:
+        if self.closed:
+            raise ValueError("the buffer is closed")
+        return 0  # allocated whole
+
+    def resident_bytes(self) -> int:
+        return self.committed_bytes
+
+    def read(self, offset: int, size: int) -> bytes:
+        return self._value.numpy()[offset : offset + size].tobytes()
+
+    def write(self, offset: int, data: bytes) -> None:
+        host = self._value.numpy()
+        host[offset : offset + len(data)] = np.frombuffer(data, np.uint8)
+        self._value.update_inplace(host)
+
+    def copy_from(self, offset: int, src: Reservation, src_offset: int, size: int) -> None:
+        if src.device != "cuda":
+            raise ValueError("OrtDeviceBuffer.copy_from needs a device source")
+        _cuda_module(required=True).cuda_copy(self.ptr + offset, src.ptr + src_offset, size)
+
+    def close(self) -> None:
+        if self._value is None:
+            return
+        self._value = None
+        with _lock:
+            _ort_device["reservations"] -= 1
+            _ort_device["reserved_bytes"] -= self.size
+            _ort_device["committed_bytes"] -= self.size
