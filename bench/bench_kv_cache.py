@@ -96,7 +96,8 @@ def memory_curve(make_spec, device: str, granule: int | None) -> dict:
                     "tokens": t, "committed_bytes": s.committed_bytes,
                     "measured_bytes": measured, "live_bytes": s.live_bytes,
                 })  # fmt: skip
-            granule_bytes = cache.granule
+            if mode == "growable":
+                granule_bytes = cache.granule  # the other modes are plain allocations
         curves[label] = rows
     return {"points": points, "curves": curves, "granule": granule_bytes}
 
@@ -168,9 +169,10 @@ def plot_memory(results: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
     for ax, name in zip(axes[0], shapes):
         curve = results["shapes"][name]["memory"]
+        styles = {"head-growable": {"ls": "--", "lw": 2.5}, "preallocated": {"lw": 1}}
         for label, rows in curve["curves"].items():
             ax.plot([r["tokens"] for r in rows], [r["committed_bytes"] / MIB for r in rows],
-                    marker="o", ms=3, label=label)  # fmt: skip
+                    marker="o", ms=3, label=label, **styles.get(label, {}))  # fmt: skip
         rows = next(iter(curve["curves"].values()))
         ax.plot([r["tokens"] for r in rows], [r["live_bytes"] / MIB for r in rows], "k--",
                 lw=1, label="live rows")  # fmt: skip
