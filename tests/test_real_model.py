@@ -298,14 +298,22 @@ def test_runtime_batch_of_two_matches_each_alone(patched, model_dir, target):
         assert_same_greedy(_Steps(alone[b]), _Steps(both, b), f"batch entry {b}", target)
 
 
-def test_tokenizer_backends_agree(model_dir):
+def test_tokenizer_loads_and_backends_agree(model_dir, prompt_ids):
+    """The runtime's tokenizer gives the ids the reference tests use; where onnxruntime-extensions
+    covers the directory it agrees with `tokenizers`, and where it refuses (extensions 0.15 does
+    not know transformers 5's tokenizer_class TokenizersBackend) the loader names the refusal
+    and falls back."""
     from ort_kvlayout.tokenizer import load_tokenizer
 
+    hf = load_tokenizer(model_dir, "tokenizers")
+    assert hf.encode(PROMPT) == prompt_ids
+    assert load_tokenizer(model_dir).encode(PROMPT) == prompt_ids
     try:
         ext = load_tokenizer(model_dir, "onnxruntime-extensions")
-        hf = load_tokenizer(model_dir, "tokenizers")
     except RuntimeError as exc:
-        pytest.skip(f"both tokenizer backends needed: {exc}")
+        assert "onnxruntime-extensions" in str(exc)
+        assert load_tokenizer(model_dir).backend == "tokenizers"
+        return
     for text in (PROMPT, "Hello, world! Ünïcödé and   spaces\nnew line"):
         ids = hf.encode(text)
         assert ext.encode(text) == ids
