@@ -161,7 +161,6 @@ def test_growable_graph_replays_across_growth(wide_model):
     decode_steps = out.steps - 1
     assert s.graph_captures == 1
     assert s.replays == decode_steps - CUDA_GRAPH_WARMUP_RUNS - 1
-    assert s.committed_bytes < s.reserved_bytes
     final_ptrs, final_rows = snapshots[-1]
     for ptrs, rows in snapshots:
         assert ptrs == final_ptrs and final_rows[: len(rows)] == rows
