@@ -24,7 +24,10 @@ position, and every later step writes its row at seqlens_k[b].
   bucket cache's growth changes both, so it needs a new graph id: counted as a re-capture.
 * Every step ensures the cache holds the rows the op will write first (max(prompt width, live
   length) per entry: a first prompt writes all padded rows); on CUDA an unmapped row would be a
-  device fault, so this is not optional.
+  device fault, so this is not optional. A growable cache also needs attention kernels that read
+  only live rows: ai.kvlayout's CUDA kernels predicate every K/V load on the entry's length
+  (rows past it are zero-filled, not read); ORT's own com.microsoft kernels are not checked for
+  that here, so run original (unpatched) models on CUDA with a preallocated cache.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ _ORT_TYPES = {
 class GenerationOutput:
     tokens: list[list[int]]  # per batch entry, prompt excluded, up to and including EOS
     finish_reasons: list[str]  # "eos" or "length" per entry
-    ttft_seconds: float  # prefill: prompt in -> first tokens chosen
+    ttft_seconds: float  # prefill: prompt in -> the first token's logits on the host
     decode_seconds: float  # every later step
     steps: int  # model runs (prefill included)
     stats: KvCacheStats  # the cache's counters after the generation
