@@ -172,3 +172,23 @@ def test_bucket_graph_recaptures_on_growth(wide_model):
     assert out.tokens == baseline.tokens
     s = out.stats
     assert s.recaptures >= 1 and s.bytes_moved > 0  # 512 -> 1024 tokens at row 512
+
+
+def test_ort_log_confirms_the_capture_counters(wide_model, capfd):
+    """ORT's CUDA EP logs "Capturing the cuda graph for this model" (INFO) each time it begins a
+    capture: once for a growable cache across its growth, once more per bucket re-stride."""
+    import onnxruntime as ort
+
+    def verbose():
+        so = ort.SessionOptions()
+        so.log_severity_level = 1  # INFO: the capture message
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        return so
+
+    capfd.readouterr()
+    growable = run(wide_model, "growable", cuda_graph=True, session_options=verbose())
+    logged = capfd.readouterr().err.count("Capturing the cuda graph for this model")
+    assert logged == growable.stats.graph_captures == 1
+    bucket = run(wide_model, "bucket", cuda_graph=True, session_options=verbose())
+    logged = capfd.readouterr().err.count("Capturing the cuda graph for this model")
+    assert logged == bucket.stats.graph_captures == 1 + bucket.stats.recaptures
