@@ -9,7 +9,10 @@
 2. patches it to seq-major (patch_kv_layout) next to the cached model;
 3. generates greedily from the prompt with the original (ORT's com.microsoft GQA) and the patched
    model (ai.kvlayout, kv_layout=1), each through a plain ORT loop with the KV shared in place;
-4. prints both texts, whether the tokens agree, and tokens/s for each. Exit 1 when they differ.
+4. prints both texts, whether the tokens agree, and tokens/s for each. Exit 1 when they differ;
+5. generates the same tokens again through ort_kvlayout.generation: the original with a
+   preallocated KV cache (the whole context up front, as onnxruntime-genai does) and the patched
+   model with a growable one, and prints each cache's committed bytes side by side.
 """
 
 from __future__ import annotations
@@ -88,7 +91,34 @@ def main(argv: list[str] | None = None) -> int:
     first, second = runs.values()
     agree = first.tokens == second.tokens
     print(f"tokens agree: {'yes' if agree else 'NO'} ({len(first.tokens)} tokens)")
+    agree = compare_kv_memory(model_dir, patched_dir, provider, ids, args.tokens, second.tokens)
     return 0 if agree else 1
+
+
+def compare_kv_memory(model_dir, patched_dir, provider, ids, tokens, reference) -> bool:
+    """The original on a preallocated cache vs the patched model on a growable one."""
+    from ort_kvlayout.generation import Runtime
+
+    mib = 1 << 20
+    print("\nKV cache (ort_kvlayout.generation, whole context reserved):")
+    same = True
+    for name, path, mode, library in (
+        ("original, preallocated", model_dir, "preallocated", None),
+        ("patched,  growable    ", patched_dir, "growable", "auto"),
+    ):
+        with Runtime(path, provider, cache=mode, custom_ops_library=library) as rt:
+            out = rt.generate(ids, tokens, eos_token_ids=[])
+        s = out.stats
+        graphs = f", graph replays {s.replays}" if rt.cuda_graph else ""
+        print(
+            f"{name}: committed {s.committed_bytes / mib:8.2f} MiB of {s.reserved_bytes / mib:.2f}"
+            f" MiB reserved (live rows {s.live_bytes / mib:.2f} MiB), growth events "
+            f"{s.growth_events}, bytes moved {s.bytes_moved}{graphs}, decode "
+            f"{out.decode_tokens_per_second:.1f} tokens/s"
+        )
+        same = same and out.tokens[0] == reference
+    print(f"runtime tokens agree with the loop above: {'yes' if same else 'NO'}")
+    return same
 
 
 if __name__ == "__main__":

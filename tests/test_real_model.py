@@ -239,3 +239,87 @@ def test_onnxruntime_genai_runs_patched_dir(runs, patched, prompt_ids, layout):
     assert len(tokens) >= 8
     if len(tokens) < TOKENS:  # genai stops at the end-of-sequence token (not in its sequence)
         assert reference[len(tokens)] == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The generation runtime (ort_kvlayout.generation) over the cache modes, on the real model
+
+RUNTIME_CAPACITY = 512  # tokens reserved per entry (preallocated commits all of it up front)
+
+
+class _Steps:
+    """A runtime output seen as the reference loop's result (tokens, per-step logits) of entry b."""
+
+    def __init__(self, out, b: int = 0):
+        self.tokens = out.tokens[b]
+        self.logits = [step[b] for step in out.logits]
+
+
+def _runtime(path, target, mode, **kwargs):
+    from ort_kvlayout.generation import Runtime
+
+    return Runtime(path, target, cache=mode, capacity=RUNTIME_CAPACITY, **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["preallocated", "growable", "bucket"])
+@pytest.mark.parametrize("layout", ["seq", "head"])
+def test_runtime_cache_modes_match_the_reference_loop(runs, patched, prompt_ids, target, layout,
+                                                      mode):  # fmt: skip
+    with _runtime(patched[layout], target, mode, bucket_tokens=16) as rt:
+        out = rt.generate(prompt_ids, TOKENS, eos_token_ids=[], keep_logits=True)
+    assert_same_greedy(runs[layout], _Steps(out), f"{layout}/{mode}", target)
+    s = out.stats
+    if target == "cuda" and mode != "bucket":  # one graph, captured once, replayed after
+        from ort_kvlayout.generation import CUDA_GRAPH_WARMUP_RUNS
+
+        assert s.graph_captures == 1 and s.recaptures == 0
+        assert s.replays == TOKENS - 1 - CUDA_GRAPH_WARMUP_RUNS - 1
+    if mode == "growable":
+        assert s.bytes_moved == 0 and s.recaptures == 0
+        if target == "cpu":  # (on CUDA the 512-token reservation is one 2 MiB granule)
+            assert s.committed_bytes < s.reserved_bytes
+            # 4 KiB pages: a prefix crosses several while decoding
+            per_token = 3 * 64 * 4 if layout == "seq" else 64 * 4  # bytes per prefix row
+            pages = -(-(len(prompt_ids) + TOKENS - 1) * per_token // 4096)
+            first = -(-len(prompt_ids) * per_token // 4096)
+            assert pages - first >= 2 and s.growth_events == 1 + pages - first
+    if mode == "bucket":
+        assert s.growth_events >= 1 and s.bytes_moved > 0
+
+
+def test_runtime_batch_of_two_matches_each_alone(patched, model_dir, target):
+    from ort_kvlayout.generate import encode, load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    prompts = [
+        encode(tokenizer, PROMPT),
+        encode(tokenizer, "Write one sentence about the sea and the wind:"),
+    ]
+    assert len(prompts[0]) != len(prompts[1])
+    with _runtime(patched["seq"], target, "growable") as rt:
+        alone = [rt.generate(p, TOKENS, eos_token_ids=[], keep_logits=True) for p in prompts]
+        both = rt.generate(prompts, TOKENS, eos_token_ids=[], keep_logits=True)
+    for b in range(2):
+        assert_same_greedy(_Steps(alone[b]), _Steps(both, b), f"batch entry {b}", target)
+
+
+def test_tokenizer_loads_and_backends_agree(model_dir, prompt_ids):
+    """The runtime's tokenizer gives the ids the reference tests use; where onnxruntime-extensions
+    covers the directory it agrees with `tokenizers`, and where it refuses (extensions 0.15 does
+    not know transformers 5's tokenizer_class TokenizersBackend) the loader names the refusal
+    and falls back."""
+    from ort_kvlayout.tokenizer import load_tokenizer
+
+    hf = load_tokenizer(model_dir, "tokenizers")
+    assert hf.encode(PROMPT) == prompt_ids
+    assert load_tokenizer(model_dir).encode(PROMPT) == prompt_ids
+    try:
+        ext = load_tokenizer(model_dir, "onnxruntime-extensions")
+    except RuntimeError as exc:
+        assert "onnxruntime-extensions" in str(exc)
+        assert load_tokenizer(model_dir).backend == "tokenizers"
+        return
+    for text in (PROMPT, "Hello, world! Ünïcödé and   spaces\nnew line"):
+        ids = hf.encode(text)
+        assert ext.encode(text) == ids
+        assert ext.decode(ids) == hf.decode(ids)

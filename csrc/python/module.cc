@@ -5,12 +5,17 @@
 #include <pybind11/stl.h>
 
 #include <array>
+#include <memory>
+#include <stdexcept>
 #include <string>
 
 #include "core/check_inputs.h"
 #include "core/gqa_attributes.h"
 #include "cpu/gqa_cpu.h"
 #include "cpu/thread_pool.h"
+#if defined(KVL_WITH_CUDA)
+#include "python/cuda_vmm.h"
+#endif
 
 namespace py = pybind11;
 
@@ -130,6 +135,90 @@ py::tuple GqaCpu(const py::dict& inputs, const py::dict& attrs_dict, bool shared
   return py::make_tuple(output, present_k, present_v);
 }
 
+#if defined(KVL_WITH_CUDA)
+// Python face of kvl::vmm (used by ort_kvlayout.kv_memory.DeviceReservation). A failed CUDA
+// call raises _C.CudaError whose message names the call and the CUDA error.
+class PyVmmReservation {
+ public:
+  PyVmmReservation(int device, size_t size) {
+    Check(kvl::vmm::Reservation::Create(device, size, &r_));
+  }
+  uint64_t ptr() const { return r_->ptr(); }
+  size_t size() const { return r_->size(); }
+  size_t granularity() const { return r_->granularity(); }
+  size_t mapped_bytes() const { return r_->mapped_bytes(); }
+  bool closed() const { return r_->closed(); }
+  size_t Map(size_t offset, size_t size) {
+    size_t added = 0;
+    kvl::Status st;
+    {
+      py::gil_scoped_release release;
+      st = r_->Map(offset, size, &added);
+    }
+    Check(st);
+    return added;
+  }
+  void Unmap(size_t offset, size_t size) { Check(r_->Unmap(offset, size)); }
+  py::bytes CopyToHost(size_t offset, size_t bytes) const {
+    std::string out(bytes, '\0');
+    Check(r_->CopyToHost(offset, out.data(), bytes));
+    return py::bytes(out);
+  }
+  void CopyFromHost(size_t offset, const py::bytes& data) {
+    const std::string in = data;
+    Check(r_->CopyFromHost(offset, in.data(), in.size()));
+  }
+  void Close() { Check(r_->Close()); }
+
+  static void Check(const kvl::Status& st) {
+    if (!st.ok()) throw CudaError(st.message());
+  }
+  struct CudaError : std::runtime_error {
+    using std::runtime_error::runtime_error;
+  };
+
+ private:
+  std::unique_ptr<kvl::vmm::Reservation> r_;
+};
+
+void BindCudaVmm(py::module_& m) {
+  py::register_exception<PyVmmReservation::CudaError>(m, "CudaError", PyExc_RuntimeError);
+  py::class_<PyVmmReservation>(m, "VmmReservation",
+                               "A CUDA virtual address range with physical granules mapped on "
+                               "demand (cuMemAddressReserve / cuMemCreate / cuMemMap)")
+      .def(py::init<int, size_t>(), py::arg("device"), py::arg("size"))
+      .def_property_readonly("ptr", &PyVmmReservation::ptr)
+      .def_property_readonly("size", &PyVmmReservation::size)
+      .def_property_readonly("granularity", &PyVmmReservation::granularity)
+      .def_property_readonly("mapped_bytes", &PyVmmReservation::mapped_bytes)
+      .def_property_readonly("closed", &PyVmmReservation::closed)
+      .def("map", &PyVmmReservation::Map, py::arg("offset"), py::arg("size"),
+           "Maps the unmapped granules of [offset, offset+size); returns the bytes added")
+      .def("unmap", &PyVmmReservation::Unmap, py::arg("offset"), py::arg("size"))
+      .def("copy_to_host", &PyVmmReservation::CopyToHost, py::arg("offset"), py::arg("size"))
+      .def("copy_from_host", &PyVmmReservation::CopyFromHost, py::arg("offset"), py::arg("data"))
+      .def("close", &PyVmmReservation::Close);
+  m.def("vmm_stats", [] {
+    const kvl::vmm::Stats s = kvl::vmm::GetStats();
+    py::dict d;
+    d["reservations"] = s.reservations;
+    d["reserved_bytes"] = s.reserved_bytes;
+    d["committed_bytes"] = s.mapped_bytes;
+    d["handles"] = s.handles;
+    return d;
+  });
+  m.def("vmm_fail_after", &kvl::vmm::FailCreateAfter, py::arg("after"),
+        "Test hook: the (after+1)-th next cuMemCreate fails (CUDA_ERROR_OUT_OF_MEMORY); "
+        "after < 0 disarms it");
+  m.def(
+      "cuda_copy",
+      [](uint64_t dst, uint64_t src, size_t bytes) {
+        PyVmmReservation::Check(kvl::vmm::CopyDeviceToDevice(dst, src, bytes));
+      },
+      py::arg("dst"), py::arg("src"), py::arg("bytes"), "Synchronous device-to-device copy");
+}
+#endif  // KVL_WITH_CUDA
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -139,4 +228,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("threads") = 0,
         "Runs the CPU GroupQueryAttention on numpy arrays (names as in the ONNX schema); "
         "returns (output, present_key, present_value).");
+#if defined(KVL_WITH_CUDA)
+  BindCudaVmm(m);
+#endif
 }

@@ -8,7 +8,10 @@ The KV cache is shared in place, as onnxruntime-genai does it: one (B, Nkv, C, H
 past/present pair, bound through IO binding as both the past input and the present output, so the
 GQA op appends the new rows into it (a pointer-equal past and present). The attention mask grows
 by one column a step; seqlens_k and total_sequence_length are derived from it inside the graph.
-Batch size 1, no sampling: this is the reference loop used by --verify, the main job and tests.
+Batch size 1, no sampling: this is the reference loop used by --verify, the main job and tests,
+kept deliberately simple and independent of the runtime it checks (ort_kvlayout.generation:
+KV cache modes, batches, sampling, CUDA graphs). `python -m ort_kvlayout.generate` is that
+runtime's command line (ort_kvlayout.generate_cli).
 """
 
 from __future__ import annotations
@@ -175,15 +178,24 @@ class Generator:
 
 
 def load_tokenizer(model_dir: str | os.PathLike) -> Any:
-    """The directory's tokenizer.json through the `tokenizers` package (the model extra)."""
-    from tokenizers import Tokenizer
+    """The directory's tokenizer (ort_kvlayout.tokenizer: onnxruntime-extensions, else
+    `tokenizers`)."""
+    from .tokenizer import load_tokenizer as _load
 
-    return Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    return _load(model_dir)
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer.encode(text).ids)
+    return tokenizer.encode(text)
 
 
 def decode(tokenizer: Any, ids: list[int]) -> str:
-    return tokenizer.decode(ids, skip_special_tokens=True)
+    return tokenizer.decode(ids)
+
+
+if __name__ == "__main__":  # python -m ort_kvlayout.generate MODEL_DIR --prompt TEXT ...
+    import sys
+
+    from .generate_cli import main
+
+    sys.exit(main())

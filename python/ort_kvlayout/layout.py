@@ -75,3 +75,36 @@ def from_layout(buf, layout: int | str):
         return np.asarray(buf)
     b, n, c, h = buf.shape
     return np.asarray(buf).reshape(b, c, n, h).transpose(0, 2, 1, 3)
+
+
+def live_ranges(
+    layout: int | str,
+    kv_heads: int,
+    capacity: int,
+    head_dim: int,
+    tokens_per_entry: list[int],
+) -> list[tuple[int, int]]:
+    """Element ranges [start, end) of one (B, kv_heads, capacity, head_dim) buffer that hold rows
+    0..t_b-1 of every batch entry b, sorted, touching ranges merged.
+
+    Seq-major: one dense prefix per batch entry ([b*C*Nkv*H, b*C*Nkv*H + t_b*Nkv*H)); head-major:
+    one prefix per (entry, head), C*H apart. What a growable cache must keep committed.
+    """
+    s = kv_strides(layout, kv_heads, capacity, head_dim)
+    spans = []
+    for b, tokens in enumerate(tokens_per_entry):
+        if not 0 <= tokens <= capacity:
+            raise ValueError(f"batch entry {b}: {tokens} tokens, capacity is {capacity}")
+        if tokens == 0:
+            continue
+        for h in range(kv_heads):
+            start = b * s.batch + h * s.head
+            spans.append((start, start + (tokens - 1) * s.seq + head_dim))
+    spans.sort()
+    merged: list[tuple[int, int]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged

@@ -38,6 +38,7 @@ from typing import Any
 import onnx
 import yaml
 
+from .graph import node_kv_layout, node_label, read_graph
 from .layout import LAYOUT_NAMES
 
 GENAI_CONFIG = "genai_config.json"
@@ -122,17 +123,7 @@ def decoder_files(config: dict[str, Any]) -> list[str]:
 
 def read_gqa_nodes(model_path: str | os.PathLike) -> list[onnx.NodeProto]:
     """The GroupQueryAttention nodes of one ONNX file, read without its external data."""
-    return _read_graph(model_path)[0]
-
-
-def _read_graph(model_path: str | os.PathLike) -> tuple[list[onnx.NodeProto], set[str], set[str]]:
-    """(GQA nodes, graph input names, graph output names), without loading external data."""
-    from .patch import iter_gqa_nodes
-
-    model = onnx.load(str(model_path), load_external_data=False)
-    inputs = {i.name for i in model.graph.input}
-    outputs = {o.name for o in model.graph.output}
-    return list(iter_gqa_nodes(model)), inputs, outputs
+    return read_graph(model_path)[0]
 
 
 def _keep_graph_ports(names: list[str], ports: set[str], what: str) -> list[str]:
@@ -150,8 +141,6 @@ def _keep_graph_ports(names: list[str], ports: set[str], what: str) -> list[str]
 
 def model_kv_layout(nodes_by_file: dict[str, list[onnx.NodeProto]]) -> int:
     """The one KV layout all GQA nodes use; an error listing the nodes when they disagree."""
-    from .patch import node_kv_layout, node_label
-
     by_layout: dict[int, list[str]] = {}
     for file, nodes in nodes_by_file.items():
         for i, node in enumerate(nodes):
@@ -202,7 +191,7 @@ def build_metadata(model_dir: str | os.PathLike) -> dict[str, Any]:
             raise MetadataError(
                 f"{file} (named by {GENAI_CONFIG} model.decoder) not found in {model_dir}"
             )
-        nodes_by_file[file], file_inputs, file_outputs = _read_graph(path)
+        nodes_by_file[file], file_inputs, file_outputs = read_graph(path)
         graph_inputs |= file_inputs
         graph_outputs |= file_outputs
     kv_layout = model_kv_layout(nodes_by_file)

@@ -32,15 +32,21 @@ from pathlib import Path
 
 import onnx
 
-from . import DOMAIN, LIBRARY_NAME, OP_TYPE
+from . import DOMAIN, LIBRARY_NAME
+from .graph import (  # noqa: F401 -- iter_gqa_nodes, is_gqa: part of this module's API
+    KV_LAYOUT_ATTR,
+    MS_DOMAIN,
+    is_gqa,
+    iter_gqa_nodes,
+    node_attrs,
+    node_kv_layout,
+    node_label,
+)
 from .layout import LAYOUT_NAMES, SEQ_MAJOR, layout_id
 
-MS_DOMAIN = "com.microsoft"
-GQA_DOMAINS = (MS_DOMAIN, DOMAIN)
 OPSET_VERSION = 1
 GENAI_CONFIG = "genai_config.json"
 METADATA_FILE = "inference_metadata.yaml"
-KV_LAYOUT_ATTR = "kv_layout"
 
 # Input/output names of the contract (ORT 1.32's com.microsoft::GroupQueryAttention), by index.
 GQA_INPUTS = (
@@ -111,55 +117,13 @@ class PatchResult:
 # Graph level
 
 
-def is_gqa(node: onnx.NodeProto) -> bool:
-    return node.op_type == OP_TYPE and node.domain in GQA_DOMAINS
-
-
-def iter_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
-    """The graph and every subgraph (If/Loop/Scan bodies), depth first."""
-    yield graph
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from iter_graphs(attr.g)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for g in attr.graphs:
-                    yield from iter_graphs(g)
-
-
-def iter_gqa_nodes(model: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
-    """Every GroupQueryAttention node (either domain) in the model, subgraphs and functions too."""
-    for graph in iter_graphs(model.graph):
-        yield from (n for n in graph.node if is_gqa(n))
-    for function in model.functions:
-        yield from (n for n in function.node if is_gqa(n))
-
-
-def node_label(node: onnx.NodeProto, index: int | None = None) -> str:
-    if node.name:
-        return node.name
-    return f"<unnamed {node.domain}::{node.op_type} #{index}>" if index is not None else "<unnamed>"
-
-
-def _attrs(node: onnx.NodeProto) -> dict[str, object]:
-    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-
-
-def node_kv_layout(node: onnx.NodeProto) -> int:
-    """The KV layout a GQA node runs with: com.microsoft is always head-major (0)."""
-    if node.domain == MS_DOMAIN:
-        return 0
-    value = _attrs(node).get(KV_LAYOUT_ATTR, 0)
-    return layout_id(int(value))  # type: ignore[arg-type]
-
-
 def _present(names, index: int) -> bool:
     return len(names) > index and names[index] != ""
 
 
 def unsupported_reason(node: onnx.NodeProto) -> str | None:
     """Why the ai.kvlayout op cannot run this GQA node, or None when it can."""
-    attrs = _attrs(node)
+    attrs = node_attrs(node)
     reasons = []
     if len(node.input) > len(GQA_INPUTS):
         reasons.append(f"{len(node.input)} inputs, the contract has {len(GQA_INPUTS)}")
@@ -488,7 +452,7 @@ def verify_prompt_ids(model_dir: Path, prompt: str) -> list[int]:
     if (model_dir / "tokenizer.json").is_file():
         try:
             return encode(load_tokenizer(model_dir), prompt)
-        except ImportError:  # the `tokenizers` package (model extra) is not installed
+        except RuntimeError:  # no tokenizer backend installed (the runtime extra)
             pass
     config = json.loads((model_dir / GENAI_CONFIG).read_text())
     vocab = int(config["model"]["vocab_size"])

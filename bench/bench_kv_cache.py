@@ -1,0 +1,342 @@
+#!/usr/bin/env python3
+"""KV cache memory and growth by mode, and decode speed against onnxruntime-genai.
+
+    python bench/bench_kv_cache.py memory [--device cpu|cuda] [--granule BYTES] [--shape NAME]
+    python bench/bench_kv_cache.py decode --model PATCHED_DIR [--provider cuda] [--tokens N]
+
+memory (no model: the caches are driven directly with the shapes of a model's KV):
+  committed bytes against live tokens (1 .. the whole context, batch 1) for
+    seq-growable   seq-major, growable (the whole context reserved, granules committed as needed)
+    head-growable  head-major at the same fixed stride, growable (one prefix per head)
+    head-bucket    head-major packed buffer, doubled and re-strided when full
+    preallocated   the whole context committed up front (onnxruntime-genai)
+  and, growing token by token from 1 to the context, each mode's growth events, bytes moved and
+  time per growth. Shapes: smollm2 (30 layers, 3 KV heads x 64, context 8192; fp32 on the CPU,
+  fp16 on CUDA) and llama8b (32 layers, 8 KV heads x 128, fp16, context 8192). On the CPU the
+  granule is a page by default; --granule 2097152 commits the CUDA granule size on the host (the
+  same arithmetic, measured by the kernel). Goals checked and printed: seq-growable <= 1/kv_heads
+  of head-growable, and within one granule per buffer of the live bytes.
+decode (a model directory; the patched one for our runtime, the same directory for genai):
+  time to first token and decode tokens/s of ort_kvlayout.generation (growable, preallocated,
+  bucket; CUDA graphs on CUDA) and of onnxruntime-genai on the same model and prompt.
+
+Writes JSON (--json, default bench/results/kv_cache_<part>_<device>.json) and, for memory, a PNG
+plot (--plot; needs matplotlib: pip install .[bench]).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {  # layers, kv heads, head dim, context
+    "smollm2": (30, 3, 64, 8192),
+    "llama8b": (32, 8, 128, 8192),
+}
+MODES = {  # label: (layout, cache mode)
+    "seq-growable": (1, "growable"),
+    "head-growable": (0, "growable"),
+    "head-bucket": (0, "bucket"),
+    "preallocated": (1, "preallocated"),
+}
+MIB = 1 << 20
+
+
+def commit_id() -> str:
+    try:
+        return subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def token_points(context: int) -> list[int]:
+    points, t = [], 1
+    while t < context:
+        points.append(t)
+        t *= 2
+    return points + [context]
+
+
+def shape_spec(name: str, device: str):
+    from ort_kvlayout.model_spec import KvSpec
+
+    layers, kv_heads, head_dim, context = SHAPES[name]
+    dtype = np.float32 if name == "smollm2" and device == "cpu" else np.float16
+    return lambda layout: KvSpec.synthetic(layers, kv_heads, head_dim, dtype, layout, context)
+
+
+def memory_curve(make_spec, device: str, granule: int | None) -> dict:
+    """Committed bytes at each token point, per mode (one cache per mode, grown in order)."""
+    from ort_kvlayout.kv_cache import KvCache
+
+    spec = make_spec(1)
+    points = token_points(spec.context_length)
+    curves: dict[str, list[dict]] = {}
+    for label, (layout, mode) in MODES.items():
+        rows = []
+        with KvCache.create(make_spec(layout), mode, device=device, granule=granule) as cache:
+            for t in points:
+                cache.ensure([t])
+                s = cache.stats
+                measured = cache.measured_committed_bytes() if device == "cpu" else None
+                rows.append({
+                    "tokens": t, "committed_bytes": s.committed_bytes,
+                    "measured_bytes": measured, "live_bytes": s.live_bytes,
+                })  # fmt: skip
+            if mode == "growable":
+                granule_bytes = cache.granule  # the other modes are plain allocations
+        curves[label] = rows
+    return {"points": points, "curves": curves, "granule": granule_bytes}
+
+
+def growth_run(make_spec, device: str, granule: int | None) -> dict:
+    """Grow one token at a time from 1 to the context: events, bytes moved, time per growth."""
+    from ort_kvlayout.kv_cache import KvCache
+
+    out = {}
+    for label, (layout, mode) in MODES.items():
+        spec = make_spec(layout)
+        times = []
+        with KvCache.create(spec, mode, device=device, granule=granule) as cache:
+            for t in range(1, spec.context_length + 1):
+                start = time.perf_counter()
+                grew = cache.ensure([t])
+                if grew:
+                    times.append(time.perf_counter() - start)
+            s = cache.stats
+        out[label] = {
+            "growth_events": s.growth_events,
+            "bytes_moved": s.bytes_moved,
+            "growth_seconds": s.growth_seconds,
+            "mean_growth_ms": 1e3 * statistics.fmean(times) if times else 0.0,
+            "max_growth_ms": 1e3 * max(times) if times else 0.0,
+            "final_committed_bytes": s.committed_bytes,
+        }
+    return out
+
+
+def check_goals(name: str, curve: dict, kv_heads: int, buffers: int) -> dict:
+    g = curve["granule"]
+    seq = curve["curves"]["seq-growable"]
+    head = curve["curves"]["head-growable"]
+    ratio_ok = [r["tokens"] for r, h in zip(seq, head)
+                if r["committed_bytes"] * kv_heads <= h["committed_bytes"]]  # fmt: skip
+    within = all(r["committed_bytes"] - r["live_bytes"] <= buffers * g for r in seq)
+    below = 0
+    for t in curve["points"]:  # the longest prefix of points where the ratio goal holds
+        if t not in ratio_ok:
+            break
+        below = t
+    return {
+        "shape": name,
+        "seq_le_head_over_kv_heads_up_to_tokens": below,
+        "seq_within_one_granule_per_buffer": within,
+    }
+
+
+def print_memory(name: str, curve: dict) -> None:
+    labels = list(curve["curves"])
+    print(f"\n{name}: committed KV MiB (granule {curve['granule']} B)")
+    print(f"{'tokens':>7} {'live':>9} " + " ".join(f"{lb:>14}" for lb in labels))
+    for i, t in enumerate(curve["points"]):
+        live = curve["curves"][labels[0]][i]["live_bytes"] / MIB
+        cells = " ".join(
+            f"{curve['curves'][lb][i]['committed_bytes'] / MIB:14.2f}" for lb in labels
+        )
+        print(f"{t:7d} {live:9.2f} {cells}")
+
+
+def plot_memory(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(results["shapes"])
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
+    for ax, name in zip(axes[0], shapes):
+        curve = results["shapes"][name]["memory"]
+        styles = {"head-growable": {"ls": "--", "lw": 2.5}, "preallocated": {"lw": 1}}
+        for label, rows in curve["curves"].items():
+            ax.plot([r["tokens"] for r in rows], [r["committed_bytes"] / MIB for r in rows],
+                    marker="o", ms=3, label=label, **styles.get(label, {}))  # fmt: skip
+        rows = next(iter(curve["curves"].values()))
+        ax.plot([r["tokens"] for r in rows], [r["live_bytes"] / MIB for r in rows], "k--",
+                lw=1, label="live rows")  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("live tokens (batch 1)")
+        ax.set_ylabel("committed KV MiB")
+        ax.set_title(f"{name}, {results['device']}, granule {curve['granule'] // 1024} KiB")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def run_memory(args) -> dict:
+    results = {"part": "memory", "device": args.device, "shapes": {}}
+    for name in args.shape:
+        make_spec = shape_spec(name, args.device)
+        spec = make_spec(1)
+        curve = memory_curve(make_spec, args.device, args.granule)
+        growth = growth_run(make_spec, args.device, args.granule)
+        goals = check_goals(name, curve, spec.kv_heads, spec.buffers)
+        results["shapes"][name] = {
+            "layers": SHAPES[name][0], "kv_heads": spec.kv_heads, "head_dim": spec.head_dim,
+            "dtype": str(np.dtype(spec.dtype)), "context": spec.context_length,
+            "buffers": spec.buffers, "memory": curve, "growth": growth, "goals": goals,
+        }  # fmt: skip
+        print_memory(name, curve)
+        print(f"\n{name}: growing 1 -> {spec.context_length} tokens one at a time")
+        print(f"{'mode':>14} {'events':>7} {'moved MiB':>10} {'mean ms':>8} {'max ms':>8}"
+              f" {'total ms':>9}")  # fmt: skip
+        for label, g in growth.items():
+            print(f"{label:>14} {g['growth_events']:7d} {g['bytes_moved'] / MIB:10.1f} "
+                  f"{g['mean_growth_ms']:8.3f} {g['max_growth_ms']:8.3f} "
+                  f"{g['growth_seconds'] * 1e3:9.1f}")  # fmt: skip
+        print(f"goals: {goals}")
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# decode: our runtime vs onnxruntime-genai
+
+
+def genai_run(model_dir: Path, ids: list[int], tokens: int, provider: str) -> dict:
+    import onnxruntime_genai as og
+
+    config = og.Config(str(model_dir))
+    if provider == "cuda":
+        config.clear_providers()
+        config.append_provider("cuda")
+        config.set_provider_option("cuda", "enable_cuda_graph", "1")
+    model = og.Model(config)
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(ids) + tokens, do_sample=False)
+    generator = og.Generator(model, params)
+    start = time.perf_counter()
+    generator.append_tokens(ids)  # the prompt runs here (prefill)
+    generator.generate_next_token()  # onnxruntime-genai < 0.6 runs it here: both timed
+    ttft = time.perf_counter() - start
+    steps, start = 0, time.perf_counter()
+    while not generator.is_done():
+        generator.generate_next_token()
+        steps += 1
+    decode = time.perf_counter() - start
+    out = [int(t) for t in generator.get_sequence(0)][len(ids) :]
+    return {"ttft_ms": ttft * 1e3, "decode_tokens_per_s": steps / decode if decode else 0.0,
+            "tokens": out}  # fmt: skip
+
+
+def runtime_run(model_dir: Path, ids, tokens, provider, mode) -> dict:
+    from ort_kvlayout.generation import Runtime
+
+    with Runtime(model_dir, provider, cache=mode) as rt:
+        rt.generate(ids, 4, eos_token_ids=[])  # warm-up: session allocations, graph capture
+        out = rt.generate(ids, tokens, eos_token_ids=[])
+        s = out.stats
+    return {
+        "ttft_ms": out.ttft_seconds * 1e3,
+        "decode_tokens_per_s": out.decode_tokens_per_second,
+        "tokens": out.tokens[0],
+        "committed_bytes": s.committed_bytes, "reserved_bytes": s.reserved_bytes,
+        "growth_events": s.growth_events, "bytes_moved": s.bytes_moved,
+        "graph_captures": s.graph_captures, "replays": s.replays, "recaptures": s.recaptures,
+    }  # fmt: skip
+
+
+def run_decode(args) -> dict:
+    from ort_kvlayout.tokenizer import load_tokenizer
+
+    ids = load_tokenizer(args.model).encode(args.prompt)
+    results = {"part": "decode", "device": args.provider, "model": str(args.model),
+               "prompt_tokens": len(ids), "new_tokens": args.tokens, "runs": {}}  # fmt: skip
+    runs = results["runs"]
+    for _ in range(args.repeat):
+        for mode in ("growable", "preallocated", "bucket"):
+            runs.setdefault(mode, []).append(
+                runtime_run(args.model, ids, args.tokens, args.provider, mode)
+            )
+        try:
+            runs.setdefault("onnxruntime-genai", []).append(
+                genai_run(args.model, ids, args.tokens, args.provider)
+            )
+        except ImportError as exc:
+            results["genai_error"] = f"onnxruntime-genai not installed: {exc}"
+    print(f"\ndecode: {args.model} ({args.provider}), prompt {len(ids)} tokens, "
+          f"{args.tokens} new, best of {args.repeat}")  # fmt: skip
+    print(f"{'runtime':>18} {'TTFT ms':>9} {'tokens/s':>9} {'KV committed MiB':>17} tokens")
+    reference = runs["preallocated"][0]["tokens"]
+    for name, reps in runs.items():
+        best = max(reps, key=lambda r: r["decode_tokens_per_s"])
+        kv = best.get("committed_bytes")
+        kv_text = f"{kv / MIB:17.2f}" if kv is not None else f"{'(max_length)':>17}"
+        same = (
+            "same"
+            if best["tokens"][: len(reference)] == reference[: len(best["tokens"])]
+            else ("DIFFER")
+        )
+        print(f"{name:>18} {min(r['ttft_ms'] for r in reps):9.1f} "
+              f"{best['decode_tokens_per_s']:9.1f} {kv_text} {same}")  # fmt: skip
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="part", required=True)
+    m = sub.add_parser("memory")
+    m.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    m.add_argument("--granule", type=int, default=None, help="host commit granule (bytes)")
+    m.add_argument("--shape", action="append", choices=list(SHAPES), default=None)
+    m.add_argument("--plot", type=Path, default=None)
+    d = sub.add_parser("decode")
+    d.add_argument("--model", type=Path, required=True, help="a patched model directory")
+    d.add_argument("--provider", choices=["cpu", "cuda"], default="cuda")
+    d.add_argument("--tokens", type=int, default=256)
+    d.add_argument("--repeat", type=int, default=3)
+    d.add_argument("--prompt", default="The capital of France is")
+    for sp in (m, d):
+        sp.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+
+    if args.part == "memory":
+        args.shape = args.shape or list(SHAPES)
+        results = run_memory(args)
+        suffix = f"{args.device}" + (f"_g{args.granule}" if args.granule else "")
+    else:
+        results = run_decode(args)
+        suffix = args.provider
+    results.update({
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit_id(), "host": platform.node(), "argv": sys.argv[1:],
+    })  # fmt: skip
+    path = args.json or ROOT / "bench" / "results" / f"kv_cache_{args.part}_{suffix}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1))
+    print(f"\nwrote {path}")
+    if args.part == "memory":
+        plot = args.plot or path.with_suffix(".png")
+        try:
+            plot_memory(results, plot)
+            print(f"wrote {plot}")
+        except ImportError:
+            print("matplotlib not installed (pip install .[bench]): no plot")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

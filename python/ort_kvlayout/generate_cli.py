@@ -1,0 +1,152 @@
+"""`python -m ort_kvlayout.generate MODEL_DIR --prompt TEXT ...`: streams generated text.
+
+The text goes to stdout as it is produced (batch 1; a batch prints each entry at the end); a
+progress line on stderr shows tokens/s and the KV cache's committed bytes, and a summary closes
+the run (time to first token, decode rate, cache counters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from .kv_cache import CACHE_MODES, KvCapacityError
+from .kv_memory import KvMemoryError
+from .sampling import SamplingParams
+
+EXIT_ERROR = 2
+
+
+def mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m ort_kvlayout.generate",
+        description="Generate text with a (patched or original) onnxruntime-genai model "
+        "directory through a plain ORT session and ort_kvlayout's KV cache.",
+    )
+    p.add_argument("model_dir", metavar="MODEL_DIR", type=Path)
+    p.add_argument(
+        "--prompt", action="append", required=True, help="prompt text; repeat for a batch"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--cache", choices=CACHE_MODES, default="growable")
+    p.add_argument("--provider", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--capacity", type=int, default=None, help="tokens reserved per entry")
+    p.add_argument(
+        "--no-cuda-graph", action="store_true", help="CUDA: run decode steps without graphs"
+    )
+    sampling = p.add_mutually_exclusive_group()
+    sampling.add_argument("--greedy", action="store_true", help="argmax decoding (the default)")
+    sampling.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=0, help="with --temperature (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature (1: off)")
+    p.add_argument("--seed", type=int, default=None, help="with --temperature")
+    p.add_argument(
+        "--tokenizer", choices=["onnxruntime-extensions", "tokenizers"], default=None,
+        help="tokenizer backend (default: the first that loads the directory's tokenizer)",
+    )  # fmt: skip
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress line or summary")
+    return p
+
+
+def sampling_from(args: argparse.Namespace) -> SamplingParams:
+    if args.temperature is None:
+        if args.top_k or args.top_p != 1.0 or args.seed is not None:
+            raise ValueError("--top-k/--top-p/--seed need --temperature (sampling)")
+        return SamplingParams()
+    if args.temperature <= 0:
+        raise ValueError("--temperature must be > 0 (use --greedy for argmax)")
+    return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+
+
+class Progress:
+    """Streams batch-1 text and redraws a one-line status on stderr at most 4 times a second."""
+
+    def __init__(self, tokenizer, runtime, stream: bool, quiet: bool):
+        self.tokenizer, self.runtime = tokenizer, runtime
+        self.stream, self.quiet = stream, quiet
+        self.ids: list[int] = []
+        self.text = ""
+        self.start = time.perf_counter()
+        self.tokens = 0
+        self.drawn = 0.0
+
+    def __call__(self, step_tokens: list[int | None]) -> None:
+        self.tokens += sum(t is not None for t in step_tokens)
+        if self.stream and step_tokens[0] is not None:
+            self.ids.append(step_tokens[0])
+            text = self.tokenizer.decode(self.ids)
+            if text.startswith(self.text) and not text.endswith("\ufffd"):  # whole characters
+                sys.stdout.write(text[len(self.text) :])
+                sys.stdout.flush()
+                self.text = text
+        now = time.perf_counter()
+        if not self.quiet and now - self.drawn > 0.25:
+            self.drawn = now
+            stats = self.runtime.cache.stats
+            rate = self.tokens / (now - self.start)
+            sys.stderr.write(
+                f"\r\033[K[{self.tokens} tokens, {rate:.1f} tokens/s, KV committed "
+                f"{mib(stats.committed_bytes)} of {mib(stats.reserved_bytes)} reserved]"
+            )
+            sys.stderr.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .generation import Runtime
+    from .tokenizer import load_tokenizer
+
+    args = parser().parse_args(argv)
+    try:
+        sampling = sampling_from(args)
+        tokenizer = load_tokenizer(args.model_dir, args.tokenizer)
+        prompts = [tokenizer.encode(text) for text in args.prompt]
+        runtime = Runtime(
+            args.model_dir,
+            provider=args.provider,
+            cache=args.cache,
+            cuda_graph=False if args.no_cuda_graph else None,
+            capacity=args.capacity,
+        )
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    with runtime:
+        progress = Progress(tokenizer, runtime, stream=len(prompts) == 1, quiet=args.quiet)
+        try:
+            out = runtime.generate(prompts, args.max_new_tokens, sampling, on_step=progress)
+        except (KvCapacityError, KvMemoryError, ValueError) as exc:
+            print(f"\nerror: {exc}", file=sys.stderr)
+            return EXIT_ERROR
+        if len(prompts) == 1:
+            rest = tokenizer.decode(out.tokens[0])
+            sys.stdout.write(rest[len(progress.text) :] + "\n")
+        else:
+            for i, tokens in enumerate(out.tokens):
+                print(f"[{i}] {args.prompt[i]}{tokenizer.decode(tokens)}")
+        if not args.quiet:
+            s = out.stats
+            graphs = (
+                f", graph captures {s.graph_captures}, replays {s.replays}, "
+                f"re-captures {s.recaptures}"
+                if runtime.cuda_graph
+                else ""
+            )
+            sys.stderr.write(
+                f"\r\033[K{sum(map(len, out.tokens))} tokens ({', '.join(out.finish_reasons)}); "
+                f"time to first token {out.ttft_seconds * 1e3:.1f} ms, decode "
+                f"{out.decode_tokens_per_second:.1f} steps/s; KV ({args.cache}, "
+                f"{tokenizer.backend} tokenizer): committed {mib(s.committed_bytes)} of "
+                f"{mib(s.reserved_bytes)} reserved, growth events {s.growth_events}, bytes moved "
+                f"{s.bytes_moved}{graphs}\n"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

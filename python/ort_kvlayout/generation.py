@@ -1,0 +1,391 @@
+"""Generation over a plain ONNX Runtime session, IO-bound to a `KvCache`.
+
+    with Runtime("smollm2-seq-major", provider="cuda", cache="growable") as rt:
+        out = rt.generate([ids_a, ids_b], max_new_tokens=64, sampling=SamplingParams(...))
+        out.tokens, out.ttft_seconds, out.decode_tokens_per_second, out.stats
+
+How it binds (the onnxruntime-genai shared-buffer scheme, with our cache underneath): each KV
+buffer is bound by pointer as both the past input and the present output with its full-capacity
+shape (B, Nkv, C, H), so the GQA op appends in place. The builder's graph derives
+seqlens_k = ReduceSum(attention_mask) - 1 and total_sequence_length = attention_mask.shape[1], so
+a batch of prompts of different lengths is right-padded (the only padding GQA supports): entry b's
+mask has ones over its own tokens, its first token comes from the logits at its last real prompt
+position, and every later step writes its row at seqlens_k[b].
+
+* Prefill: the padded prompts, mask width = the longest prompt (a "first prompt" for GQA).
+* Decode: one token per entry. Without CUDA graphs the mask is as wide as the longest live
+  sequence; with them (or fixed_mask=True) it is as wide as the cache's capacity and updated in
+  place, so total_sequence_length and every bound address stay the same from step to step.
+* CUDA graphs (provider "cuda", cuda_graph=True): the session runs with enable_cuda_graph=1; the
+  prefill runs uncaptured (gpu_graph_id -1) and decode steps under one graph id per binding. ORT
+  runs a graph id's first CUDA_GRAPH_WARMUP_RUNS steps normally, captures the next and replays
+  it afterwards (the CUDA EP's rule); the counters on the cache follow that rule. A growable cache
+  keeps the same pointers and shapes while it grows, so one capture serves the whole generation; a
+  bucket cache's growth changes both, so it needs a new graph id: counted as a re-capture.
+* Every step ensures the cache holds the rows the op will write first (max(prompt width, live
+  length) per entry: a first prompt writes all padded rows); on CUDA an unmapped row would be a
+  device fault, so this is not optional. A growable cache also needs attention kernels that read
+  only live rows: ai.kvlayout's CUDA kernels predicate every K/V load on the entry's length
+  (rows past it are zero-filled, not read); ORT's own com.microsoft kernels are not checked for
+  that here, so run original (unpatched) models on CUDA with a preallocated cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from .kv_cache import BUCKET_TOKENS, CACHE_MODES, KvCache, KvCacheStats, KvCapacityError
+from .model_spec import ModelSpec
+from .sampling import GREEDY, Sampler, SamplingParams
+
+__all__ = ["CUDA_GRAPH_WARMUP_RUNS", "GenerationOutput", "Runtime"]
+
+# ORT's CUDA EP: regular runs of a graph id before it captures (min_num_runs_before_cuda_graph_capture_).
+CUDA_GRAPH_WARMUP_RUNS = 2
+_ORT_TYPES = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+}
+
+
+@dataclass
+class GenerationOutput:
+    tokens: list[list[int]]  # per batch entry, prompt excluded, up to and including EOS
+    finish_reasons: list[str]  # "eos" or "length" per entry
+    ttft_seconds: float  # prefill: prompt in -> the first token's logits on the host
+    decode_seconds: float  # every later step
+    steps: int  # model runs (prefill included)
+    stats: KvCacheStats  # the cache's counters after the generation
+    logits: list[np.ndarray] = field(default_factory=list, repr=False)  # (B, V) float32 per step
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Steps after the prefill over their time (per batch entry: a step yields B tokens)."""
+        n = self.steps - 1
+        return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else 0.0
+
+
+def _library_for(spec: ModelSpec, custom_ops_library: str | os.PathLike | None) -> str | None:
+    if custom_ops_library != "auto":
+        return str(custom_ops_library) if custom_ops_library else None
+    name = spec.custom_ops_library
+    if not name:
+        return None
+    path = Path(name) if Path(name).is_absolute() else spec.model_dir / name
+    if not path.is_file():
+        raise FileNotFoundError(f"genai_config.json names custom_ops_library {name}, not found")
+    return str(path)
+
+
+class Runtime:
+    """One ORT session over a model directory's decoder and one KV cache reused across calls."""
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        provider: str = "cpu",
+        cache: str = "growable",
+        cuda_graph: bool | None = None,
+        capacity: int | None = None,
+        device_id: int = 0,
+        custom_ops_library: str | os.PathLike | None = "auto",
+        session_options: ort.SessionOptions | None = None,
+        fixed_mask: bool | None = None,
+        granule: int | None = None,
+        bucket_tokens: int = BUCKET_TOKENS,
+    ):
+        """provider "cpu" | "cuda"; cache one of CACHE_MODES; cuda_graph defaults to True on
+        CUDA; capacity: tokens per batch entry the cache reserves (default: the model's
+        context); custom_ops_library "auto" registers the one genai_config.json names."""
+        if provider not in ("cpu", "cuda"):
+            raise ValueError(f"provider {provider!r}: expected 'cpu' or 'cuda'")
+        if cache not in CACHE_MODES:
+            raise ValueError(f"cache mode {cache!r}: expected one of {', '.join(CACHE_MODES)}")
+        self.spec = ModelSpec.from_dir(model_dir)
+        self.provider = provider
+        self.cache_mode = cache
+        self.device_id = device_id
+        self.cuda_graph = provider == "cuda" if cuda_graph is None else bool(cuda_graph)
+        if self.cuda_graph and provider != "cuda":
+            raise ValueError("cuda_graph=True needs provider='cuda'")
+        self.fixed_mask = self.cuda_graph if fixed_mask is None else bool(fixed_mask)
+        if self.cuda_graph and not self.fixed_mask:
+            raise ValueError("CUDA graphs need fixed_mask=True (constant shapes)")
+        self.capacity = capacity or self.spec.kv.context_length
+        self.granule = granule
+        self.bucket_tokens = bucket_tokens
+
+        so = session_options
+        if so is None:
+            so = ort.SessionOptions()
+            # Spinning intra-op threads compete with the step's own work when the cores are
+            # shared (SmolLM2 on a loaded 2-core machine: 9.9 tokens/s spinning, 18.5 without,
+            # the rate onnxruntime-genai reached there).
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.library = _library_for(self.spec, custom_ops_library)
+        if self.library:
+            so.register_custom_ops_library(self.library)
+        providers: list = []
+        if provider == "cuda":
+            options = {"device_id": str(device_id)}
+            if self.cuda_graph:
+                options["enable_cuda_graph"] = "1"
+            providers.append(("CUDAExecutionProvider", options))
+        providers.append("CPUExecutionProvider")
+        self.session = ort.InferenceSession(str(self.spec.onnx_path), so, providers=providers)
+        if provider == "cuda" and "CUDAExecutionProvider" not in self.session.get_providers():
+            raise RuntimeError("CUDAExecutionProvider is not available in this onnxruntime")
+        outputs = {o.name: o.type for o in self.session.get_outputs()}
+        self.logits_dtype = np.dtype(_ORT_TYPES[outputs[self.spec.logits]])
+        self.cache: KvCache | None = None
+        self._graph_id = -1  # the decode graph id of the current binding
+        self._graph_runs: dict[int, int] = {}
+        self._decode: _DecodeBinding | None = None
+
+    # -----------------------------------------------------------------------------------------
+    def _cache_for(self, batch: int) -> KvCache:
+        if self.cache is not None and self.cache.batch == batch and not self.cache.closed:
+            self.cache.reset()
+            return self.cache
+        if self.cache is not None:
+            self.cache.close()
+            self._decode = None
+        self.cache = KvCache.create(
+            self.spec.kv,
+            self.cache_mode,
+            device="cuda" if self.provider == "cuda" else "cpu",
+            batch=batch,
+            capacity=self.capacity,
+            device_id=self.device_id,
+            granule=self.granule,
+            bucket_tokens=self.bucket_tokens,
+        )
+        return self.cache
+
+    def _bind_kv(self, binding: ort.IOBinding, cache: KvCache) -> None:
+        for buf in cache.buffers:
+            for bind, name in ((binding.bind_input, buf.past), (binding.bind_output, buf.present)):
+                bind(name, buf.device, buf.device_id, buf.dtype, list(buf.shape), buf.ptr)
+
+    def generate(
+        self,
+        prompts: list[list[int]] | list[int],
+        max_new_tokens: int,
+        sampling: SamplingParams = GREEDY,
+        eos_token_ids: list[int] | None = None,
+        on_step: Callable[[list[int | None]], None] | None = None,
+        keep_logits: bool = False,
+    ) -> GenerationOutput:
+        """Generates for a batch of prompts (or one prompt: a list of ids).
+
+        eos_token_ids: None uses the model's; [] never stops early. on_step receives, after each
+        step, the new token of every entry (None for entries already finished)."""
+        if prompts and isinstance(prompts[0], (int, np.integer)):
+            prompts = [list(prompts)]  # type: ignore[list-item]
+        prompts = [[int(t) for t in p] for p in prompts]  # type: ignore[union-attr]
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        vocab = self.spec.vocab_size
+        for b, p in enumerate(prompts):
+            bad = [t for t in p if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(
+                    f"prompt {b}: token ids {bad[:5]} outside the vocabulary [0, {vocab})"
+                )
+        lengths = [len(p) for p in prompts]
+        width = max(lengths)
+        # The last step writes row len+max_new-2 (the last token is chosen, never fed back).
+        needed = max(lengths) + max_new_tokens - 1
+        limit = min(self.capacity, self.spec.kv.context_length)
+        if needed > limit:
+            raise KvCapacityError(
+                f"prompt of {max(lengths)} tokens + {max_new_tokens} new tokens needs {needed} "
+                f"cache rows; the KV cache reserves {limit} (capacity {self.capacity}, model "
+                f"context {self.spec.kv.context_length})"
+            )
+        eos = set(self.spec.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        sampler = Sampler(sampling)
+        batch = len(prompts)
+        cache = self._cache_for(batch)
+
+        # Prefill.
+        start = time.perf_counter()
+        cache.ensure([width] * batch)
+        ids = np.full((batch, width), self.spec.pad_token_id, np.int64)
+        mask = np.zeros((batch, width), self.spec.mask_dtype)
+        for b, p in enumerate(prompts):
+            ids[b, : len(p)] = p
+            mask[b, : len(p)] = 1
+        positions = np.broadcast_to(np.arange(width, dtype=np.int64), (batch, width))
+        logits = self._run_prefill(cache, ids, mask, positions)
+        last = np.stack([logits[b, n - 1] for b, n in enumerate(lengths)]).astype(np.float32)
+        ttft = time.perf_counter() - start
+
+        tokens: list[list[int]] = [[] for _ in prompts]
+        reasons = ["length"] * batch
+        done = [False] * batch
+        kept: list[np.ndarray] = []
+        live = list(lengths)  # rows in the cache per entry
+        steps, decode_seconds = 1, 0.0
+        while True:
+            if keep_logits:
+                kept.append(last)
+            chosen = sampler(last)
+            step_tokens: list[int | None] = []
+            for b in range(batch):
+                if done[b]:
+                    step_tokens.append(None)
+                    continue
+                token = int(chosen[b])
+                tokens[b].append(token)
+                step_tokens.append(token)
+                if token in eos:
+                    done[b], reasons[b] = True, "eos"
+                elif len(tokens[b]) >= max_new_tokens:
+                    done[b] = True
+            if on_step is not None:
+                on_step(step_tokens)
+            if all(done):
+                break
+            start = time.perf_counter()
+            feed = np.array(
+                [[t if t is not None else tokens[b][-1]] for b, t in enumerate(step_tokens)],
+                np.int64,
+            )
+            live = [n + 1 for n in live]
+            cache.ensure([max(width, n) for n in live])
+            last = self._run_decode(cache, feed, live).astype(np.float32)
+            decode_seconds += time.perf_counter() - start
+            steps += 1
+        return GenerationOutput(
+            tokens, reasons, ttft, decode_seconds, steps, dataclasses.replace(cache.stats), kept
+        )
+
+    # -----------------------------------------------------------------------------------------
+    def _run_options(self, graph_id: int | None) -> ort.RunOptions | None:
+        if not self.cuda_graph:
+            return None
+        options = ort.RunOptions()
+        options.add_run_config_entry("gpu_graph_id", str(-1 if graph_id is None else graph_id))
+        return options
+
+    def _run_prefill(self, cache: KvCache, ids, mask, positions) -> np.ndarray:
+        binding = self.session.io_binding()
+        self._bind_kv(binding, cache)
+        binding.bind_cpu_input(self.spec.input_ids, ids)
+        binding.bind_cpu_input(self.spec.attention_mask, mask)
+        if self.spec.position_ids:
+            binding.bind_cpu_input(self.spec.position_ids, np.ascontiguousarray(positions))
+        binding.bind_output(self.spec.logits, "cpu")  # bound last: get_outputs()[-1]
+        self.session.run_with_iobinding(binding, self._run_options(None))
+        return binding.get_outputs()[-1].numpy()
+
+    def _run_decode(self, cache: KvCache, feed: np.ndarray, live: list[int]) -> np.ndarray:
+        batch = cache.batch
+        if not self.fixed_mask:  # the narrowest mask: as wide as the longest live sequence
+            mask = np.zeros((batch, max(live)), self.spec.mask_dtype)
+            for b, n in enumerate(live):
+                mask[b, :n] = 1
+            positions = np.array([[n - 1] for n in live], np.int64)
+            return self._run_prefill(cache, feed, mask, positions)[:, -1]
+
+        decode = self._decode
+        if decode is None or decode.generation != cache.generation or decode.cache is not cache:
+            if decode is not None and self._graph_id >= 0 and self.cuda_graph:
+                cache.stats.recaptures += 1  # the old graph's pointers/shapes are stale
+            self._graph_id += 1
+            decode = self._decode = _DecodeBinding(self, cache)
+        decode.mask[:] = 0
+        for b, n in enumerate(live):
+            decode.mask[b, :n] = 1
+        decode.set_inputs(feed, np.array([[n - 1] for n in live], np.int64))
+        runs = self._graph_runs.get(self._graph_id, 0)
+        self.session.run_with_iobinding(decode.binding, self._run_options(self._graph_id))
+        self._graph_runs[self._graph_id] = runs + 1
+        if self.cuda_graph:
+            if runs == CUDA_GRAPH_WARMUP_RUNS:
+                cache.stats.graph_captures += 1
+            elif runs > CUDA_GRAPH_WARMUP_RUNS:
+                cache.stats.replays += 1
+        return decode.logits()[:, -1]
+
+    def close(self) -> None:
+        self._decode = None
+        if self.cache is not None:
+            self.cache.close()
+
+    def __enter__(self) -> Runtime:  # noqa: PYI034
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class _DecodeBinding:
+    """The fixed decode binding: every input and output at one address with one shape, as a CUDA
+    graph needs (device OrtValues on CUDA, host arrays bound by pointer on the CPU)."""
+
+    def __init__(self, rt: Runtime, cache: KvCache):
+        spec = rt.spec
+        self.cache, self.generation = cache, cache.generation
+        batch, width = cache.batch, cache.capacity
+        self.device = "cuda" if rt.provider == "cuda" else "cpu"
+        self.mask = np.zeros((batch, width), spec.mask_dtype)
+        host = {
+            spec.input_ids: np.zeros((batch, 1), np.int64),
+            spec.attention_mask: self.mask,
+        }
+        if spec.position_ids:
+            host[spec.position_ids] = np.zeros((batch, 1), np.int64)
+        self._names = spec
+        self._host_logits = np.zeros((batch, 1, spec.vocab_size), rt.logits_dtype)
+        self.binding = rt.session.io_binding()
+        rt._bind_kv(self.binding, cache)
+        if self.device == "cpu":
+            self._host = host
+            for name, array in host.items():
+                self.binding.bind_input(
+                    name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data
+                )
+            self.binding.bind_output(
+                spec.logits, "cpu", 0, rt.logits_dtype, list(self._host_logits.shape),
+                self._host_logits.ctypes.data,
+            )  # fmt: skip
+            self._device: dict[str, ort.OrtValue] = {}
+        else:
+            self._host = host
+            self._device = {
+                name: ort.OrtValue.ortvalue_from_numpy(array, "cuda", rt.device_id)
+                for name, array in host.items()
+            }
+            for name, value in self._device.items():
+                self.binding.bind_ortvalue_input(name, value)
+            self._device_logits = ort.OrtValue.ortvalue_from_numpy(
+                self._host_logits, "cuda", rt.device_id
+            )
+            self.binding.bind_ortvalue_output(spec.logits, self._device_logits)
+
+    def set_inputs(self, feed: np.ndarray, positions: np.ndarray) -> None:
+        spec = self._names
+        self._host[spec.input_ids][:] = feed
+        if spec.position_ids:
+            self._host[spec.position_ids][:] = positions
+        for name, value in self._device.items():  # same device address: update in place
+            value.update_inplace(self._host[name])
+
+    def logits(self) -> np.ndarray:
+        if self.device == "cpu":
+            return self._host_logits
+        return self._device_logits.numpy()

@@ -1,0 +1,440 @@
+"""A KV cache for a model's past/present buffers, in three modes, with exact memory accounting.
+
+    spec = ModelSpec.from_dir(model_dir).kv          # or KvSpec.synthetic(...)
+    with KvCache.create(spec, "growable", device="cpu", batch=2) as cache:
+        cache.ensure([17, 9])                        # live tokens per batch entry
+        for buf in cache.buffers:                    # bind buf.ptr with buf.shape (IO binding)
+            ...
+        cache.stats.committed_bytes, cache.stats.bytes_moved
+
+Modes (every buffer is declared (B, Nkv, C, H); the model's kv_layout decides the byte order):
+
+* ``preallocated``: the whole capacity committed up front (what onnxruntime-genai does).
+* ``growable``: the whole capacity reserved as address space, physical granules committed as the
+  live prefixes grow (host: MAP_NORESERVE pages; CUDA: cuMemAddressReserve + cuMemMap). The
+  pointer and the declared shape (B, Nkv, C, H) never change, so the buffers stay bound and a
+  captured CUDA graph stays valid. Seq-major keeps a batch entry's live tokens in one dense
+  prefix (one run of granules per entry); head-major at the same stride needs one prefix per
+  (entry, head), C*H elements apart, so it commits up to kv_heads times more.
+* ``bucket``: a packed buffer of the current capacity, reallocated with a larger one (doubling)
+  when full, the live rows copied over at the new strides, as runtimes without preallocation do.
+  Pointers and shapes change at each growth (``generation`` counts them): every growth moves the
+  live cache and invalidates a captured graph.
+
+The counters (`KvCacheStats`) are what the benchmarks and the CLI report; committed bytes come
+from the allocators themselves (and on the host `measured_committed_bytes()` asks the kernel).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .kv_memory import (
+    DeviceReservation,
+    HostReservation,
+    KvMemoryError,
+    OrtDeviceBuffer,
+    Reservation,
+    granule_runs,
+)
+from .layout import from_layout, kv_strides, live_ranges
+from .model_spec import KvSpec
+
+__all__ = [
+    "CACHE_MODES",
+    "KvBuffer",
+    "KvCache",
+    "KvCacheStats",
+    "KvCapacityError",
+    "KvMemoryError",
+]
+
+CACHE_MODES = ("preallocated", "growable", "bucket")
+DEVICES = ("cpu", "cuda")
+BUCKET_TOKENS = 256  # a bucket's capacity is a multiple of this; it doubles when full
+
+
+class KvCapacityError(ValueError):
+    """More tokens than the cache reserves (or than the model's context) were asked for."""
+
+
+@dataclass
+class KvCacheStats:
+    reserved_bytes: int = 0  # address space held (growable) or allocated (other modes)
+    committed_bytes: int = 0  # physical memory held now (all buffers)
+    peak_committed_bytes: int = 0
+    live_bytes: int = 0  # bytes of the live rows last ensured (all buffers)
+    bytes_moved: int = 0  # copied by growth (bucket re-striding); 0 for in-place growth
+    growth_events: int = 0  # ensure() calls that committed or reallocated memory
+    growth_seconds: float = 0.0  # time spent in those calls
+    graph_captures: int = 0  # CUDA graphs captured (by the runtime using the cache)
+    replays: int = 0  # decode steps run as a replay of a captured graph
+    recaptures: int = 0  # captures forced by a pointer/shape change (bucket growth)
+
+
+@dataclass(frozen=True)
+class KvBuffer:
+    """One past/present buffer as IO binding needs it."""
+
+    past: str
+    present: str
+    ptr: int
+    shape: tuple[int, int, int, int]  # (B, Nkv, C, H): C is the bound capacity
+    dtype: np.dtype
+    device: str
+    device_id: int
+
+
+def _subtract(runs: list[tuple[int, int]], held: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(offset, size) runs minus the (offset, size) runs `held` (both sorted, merged)."""
+    out = []
+    for offset, size in runs:
+        start, end = offset, offset + size
+        for h_offset, h_size in held:
+            h_end = h_offset + h_size
+            if h_end <= start or h_offset >= end:
+                continue
+            if h_offset > start:
+                out.append((start, h_offset - start))
+            start = max(start, h_end)
+            if start >= end:
+                break
+        if start < end:
+            out.append((start, end - start))
+    return out
+
+
+def _union(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for offset, size in sorted(a + b):
+        if merged and offset <= merged[-1][0] + merged[-1][1]:
+            end = max(merged[-1][0] + merged[-1][1], offset + size)
+            merged[-1] = (merged[-1][0], end - merged[-1][0])
+        else:
+            merged.append((offset, size))
+    return merged
+
+
+def _new_reservation(
+    device: str, size: int, device_id: int, granule: int | None, growable: bool
+) -> Reservation:
+    """Growable: a reserved range committed by granules. Otherwise a plain allocation: host
+    memory committed by pages, or onnxruntime's CUDA allocator (no granule rounding)."""
+    if device == "cpu":
+        return HostReservation(size, granule) if growable and granule else HostReservation(size)
+    return DeviceReservation(size, device_id) if growable else OrtDeviceBuffer(size, device_id)
+
+
+class KvCache:
+    """Use `KvCache.create`; a context manager (close() releases every reservation)."""
+
+    def __init__(
+        self,
+        spec: KvSpec,
+        mode: str,
+        device: str,
+        batch: int,
+        capacity: int,
+        device_id: int,
+        granule: int | None,
+        bucket_tokens: int = BUCKET_TOKENS,
+    ):
+        self.spec = spec
+        self.mode = mode
+        self.device = device
+        self.device_id = device_id
+        self.batch = batch
+        self.max_capacity = capacity  # the most tokens per entry this cache can ever hold
+        self.stats = KvCacheStats()
+        self.generation = 0  # bumped whenever buffer pointers or shapes change (bucket growth)
+        self._granule = granule
+        self._itemsize = np.dtype(spec.dtype).itemsize
+        self._reservations: list[Reservation] = []
+        self._ensured = [0] * batch  # tokens per entry the last ensure() asked for (monotonic)
+        self._covered = [0] * batch  # tokens per entry whose rows are committed for sure
+        self._committed_runs: list[tuple[int, int]] = []  # (offset, size), in every buffer
+        self._closed = False
+        if bucket_tokens < 1:
+            raise ValueError(f"bucket_tokens must be >= 1, got {bucket_tokens}")
+        self.bucket_tokens = bucket_tokens
+        self.capacity = capacity if mode != "bucket" else min(capacity, bucket_tokens)
+
+    # -----------------------------------------------------------------------------------------
+    @classmethod
+    def create(
+        cls,
+        spec: KvSpec,
+        mode: str = "growable",
+        device: str = "cpu",
+        batch: int = 1,
+        capacity: int | None = None,
+        device_id: int = 0,
+        granule: int | None = None,
+        bucket_tokens: int = BUCKET_TOKENS,
+    ) -> KvCache:
+        """A cache of `batch` entries of up to `capacity` tokens (default: the model's context).
+
+        granule: growable host caches' commit granule in bytes (a multiple of the page size;
+        default one page); CUDA uses the device's allocation granularity. Preallocated and
+        bucket buffers are plain allocations (host pages; onnxruntime's CUDA allocator). bucket_tokens: a bucket's first capacity
+        and the multiple its later capacities are rounded to.
+        """
+        if mode not in CACHE_MODES:
+            raise ValueError(f"cache mode {mode!r}: expected one of {', '.join(CACHE_MODES)}")
+        if device not in DEVICES:
+            raise ValueError(f"device {device!r}: expected one of {', '.join(DEVICES)}")
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
+        capacity = spec.context_length if capacity is None else int(capacity)
+        if not 1 <= capacity:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        if capacity > spec.context_length:
+            raise KvCapacityError(
+                f"capacity {capacity} exceeds the model's context length {spec.context_length}"
+            )
+        cache = cls(spec, mode, device, batch, capacity, device_id, granule, bucket_tokens)
+        try:
+            cache._allocate(cache.capacity)
+            if mode != "growable":  # preallocated and bucket buffers are committed whole
+                for res in cache._reservations:
+                    res.commit(0, res.size)
+                cache._covered = [cache.capacity] * batch
+        except BaseException:
+            cache.close()
+            raise
+        cache._update_bytes()
+        return cache
+
+    def _buffer_bytes(self, capacity: int) -> int:
+        return self.batch * capacity * self.spec.token_bytes
+
+    def _allocate(self, capacity: int) -> None:
+        size = self._buffer_bytes(capacity)
+        for _ in range(self.spec.buffers):
+            self._reservations.append(
+                _new_reservation(
+                    self.device, size, self.device_id, self._granule, self.mode == "growable"
+                )
+            )
+
+    # -----------------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def granule(self) -> int:
+        self._check_open()
+        return self._reservations[0].granule
+
+    @property
+    def buffers(self) -> list[KvBuffer]:
+        self._check_open()
+        shape = (self.batch, self.spec.kv_heads, self.capacity, self.spec.head_dim)
+        return [
+            KvBuffer(past, present, res.ptr, shape, self.spec.dtype, self.device, self.device_id)
+            for (past, present), res in zip(self.spec.names, self._reservations)
+        ]
+
+    @property
+    def tokens(self) -> list[int]:
+        """Live tokens per entry, as last ensured."""
+        return list(self._ensured)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("the KV cache is closed")
+
+    # -----------------------------------------------------------------------------------------
+    def ensure(self, tokens_per_entry: list[int] | int) -> bool:
+        """Makes rows 0..t_b-1 of every entry b writable; returns True when memory was committed
+        or reallocated. Raises KvCapacityError past the capacity, KvMemoryError when committing
+        fails (the cache keeps what it had and stays usable)."""
+        self._check_open()
+        tokens = (
+            [int(tokens_per_entry)] * self.batch
+            if isinstance(tokens_per_entry, (int, np.integer))
+            else [int(t) for t in tokens_per_entry]
+        )
+        if len(tokens) != self.batch:
+            raise ValueError(f"{len(tokens)} token counts for a batch of {self.batch}")
+        for b, t in enumerate(tokens):
+            if t < 0:
+                raise ValueError(f"batch entry {b}: negative token count {t}")
+            if t > self.max_capacity:
+                raise KvCapacityError(
+                    f"batch entry {b} needs {t} tokens; the KV cache holds {self.max_capacity} "
+                    f"per entry (model context {self.spec.context_length})"
+                )
+        tokens = [max(t, e) for t, e in zip(tokens, self._ensured)]
+        grew = False
+        if any(t > c for t, c in zip(tokens, self._covered)):
+            start = time.perf_counter()
+            if self.mode == "bucket":
+                grew = self._grow_bucket(tokens)
+            else:
+                grew = self._commit(tokens)
+            if grew:
+                self.stats.growth_events += 1
+                self.stats.growth_seconds += time.perf_counter() - start
+        self._ensured = tokens
+        self._update_bytes()
+        return grew
+
+    def reset(self) -> None:
+        """A new sequence: no live tokens. Committed memory and pointers stay (reuse)."""
+        self._check_open()
+        self._ensured = [0] * self.batch
+        self._update_bytes()
+
+    def _byte_ranges(self, tokens: list[int], capacity: int) -> list[tuple[int, int]]:
+        s = self.spec
+        ranges = live_ranges(s.layout, s.kv_heads, capacity, s.head_dim, tokens)
+        return [(a * self._itemsize, b * self._itemsize) for a, b in ranges]
+
+    def _commit(self, tokens: list[int]) -> bool:
+        runs = granule_runs(self._byte_ranges(tokens, self.capacity), self.granule)
+        # Only the runs not yet committed in every buffer (usually a granule per prefix): the
+        # reservations skip granules they hold, so a retry after a failure is cheap and exact.
+        new = _subtract(runs, self._committed_runs)
+        added = 0
+        for res in self._reservations:
+            for offset, size in new:
+                added += res.commit(offset, size)
+        self._committed_runs = _union(self._committed_runs, runs)
+        self._covered = self._covered_tokens(tokens)
+        return added > 0
+
+    def _covered_tokens(self, tokens: list[int]) -> list[int]:
+        """Per entry, the most tokens whose rows lie in the granules committed for `tokens`
+        (so ensure() returns at once until a row would cross into an uncommitted granule)."""
+        s = self.spec
+        st = kv_strides(s.layout, s.kv_heads, self.capacity, s.head_dim)
+        es, g = self._itemsize, self.granule
+        row, seq = s.head_dim * es, st.seq * es
+        covered = []
+        for b, t in enumerate(tokens):
+            if t == 0:
+                covered.append(0)
+                continue
+            fits = self.capacity
+            for h in range(s.kv_heads):
+                start = (b * st.batch + h * st.head) * es
+                end = -(-(start + (t - 1) * seq + row) // g) * g  # the committed granule's end
+                fits = min(fits, (end - start - row) // seq + 1)
+            covered.append(fits)
+        return covered
+
+    def _grow_bucket(self, tokens: list[int]) -> bool:
+        need = max(tokens)
+        step = self.bucket_tokens
+        new_capacity = max(-(-need // step) * step, 2 * self.capacity)
+        new_capacity = min(new_capacity, self.max_capacity)  # > capacity: ensure() checked
+        old, old_capacity = self._reservations, self.capacity
+        copies = self._restride_copies(self._ensured, old_capacity, new_capacity)
+        self._reservations = []
+        try:
+            self._allocate(new_capacity)
+            for res in self._reservations:
+                res.commit(0, res.size)
+            for src, dst in zip(old, self._reservations):
+                for src_offset, dst_offset, size in copies:
+                    dst.copy_from(dst_offset, src, src_offset, size)
+        except BaseException:
+            for res in self._reservations:
+                res.close()
+            self._reservations = old
+            raise
+        for res in old:
+            res.close()
+        self.stats.bytes_moved += sum(size for _, _, size in copies) * len(self._reservations)
+        self.capacity = new_capacity
+        self._covered = [new_capacity] * self.batch
+        self.generation += 1
+        return True
+
+    def _restride_copies(
+        self, tokens: list[int], old_capacity: int, new_capacity: int
+    ) -> list[tuple[int, int, int]]:
+        """(source offset, destination offset, bytes) moving the live rows of every (entry,
+        head) from capacity old to new; runs that stay adjacent in both are merged."""
+        s = self.spec
+        old = kv_strides(s.layout, s.kv_heads, old_capacity, s.head_dim)
+        new = kv_strides(s.layout, s.kv_heads, new_capacity, s.head_dim)
+        es = self._itemsize
+        copies: list[list[int]] = []
+        for b, t in enumerate(tokens):
+            if t == 0:
+                continue
+            for h in range(s.kv_heads):
+                src = (b * old.batch + h * old.head) * es
+                dst = (b * new.batch + h * new.head) * es
+                size = ((t - 1) * old.seq + s.head_dim) * es
+                if copies:
+                    ps, pd, pn = copies[-1]
+                    if src - ps == dst - pd and src <= ps + pn:  # same run in both buffers
+                        copies[-1][2] = max(pn, src + size - ps)
+                        continue
+                copies.append([src, dst, size])
+        return [(a, b, c) for a, b, c in copies]
+
+    def _update_bytes(self) -> None:
+        st = self.stats
+        st.reserved_bytes = sum(r.size for r in self._reservations)
+        st.committed_bytes = sum(r.committed_bytes for r in self._reservations)
+        st.peak_committed_bytes = max(st.peak_committed_bytes, st.committed_bytes)
+        st.live_bytes = sum(self._ensured) * self.spec.token_bytes * self.spec.buffers
+
+    def measured_committed_bytes(self) -> int:
+        """Host: resident bytes as the kernel reports them (mincore); CUDA: mapped granules."""
+        self._check_open()
+        return sum(r.resident_bytes() for r in self._reservations)  # type: ignore[attr-defined]
+
+    # -----------------------------------------------------------------------------------------
+    def read_bytes(self, index: int, offset: int, size: int) -> bytes:
+        """Raw bytes of buffer `index` (a device copy on CUDA): tests check growth moved none."""
+        self._check_open()
+        return self._reservations[index].read(offset, size)
+
+    def logical(self, index: int) -> np.ndarray:
+        """A host copy of buffer `index` as the logical (B, Nkv, C, H) array (any layout).
+        Only committed rows are read; the rest read as zeros."""
+        self._check_open()
+        s = self.spec
+        res = self._reservations[index]
+        data = np.zeros(self.batch * self.capacity * s.kv_heads * s.head_dim, s.dtype)
+        raw = data.view(np.uint8)
+        for start, end in self._byte_ranges(self._ensured, self.capacity):
+            raw[start:end] = np.frombuffer(res.read(start, end - start), np.uint8)
+        shape = (self.batch, s.kv_heads, self.capacity, s.head_dim)
+        return np.array(from_layout(data.reshape(shape), s.layout))
+
+    def close(self) -> None:
+        """Releases every reservation (idempotent). The first error is raised after all tried."""
+        if self._closed:
+            return
+        self._closed = True
+        error: BaseException | None = None
+        for res in self._reservations:
+            try:
+                res.close()
+            except BaseException as exc:  # noqa: BLE001 -- release the rest first
+                error = error or exc
+        self._reservations = []
+        self.stats.committed_bytes = 0
+        if error is not None:
+            raise error
+
+    def __enter__(self) -> KvCache:  # noqa: PYI034
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown: nobody to report to
+            self.close()

@@ -1,0 +1,67 @@
+"""Choosing the next token from logits: greedy, or sampling with temperature, top-k and top-p.
+
+    sampler = Sampler(SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=7))
+    next_ids = sampler(logits)  # (B, V) float -> (B,) int64
+
+Sampling is seeded per Sampler (numpy's PCG64): the same seed and logits give the same tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 (the default) is greedy; top_k 0 and top_p 1.0 keep every token."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0 and np.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+GREEDY = SamplingParams()
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams = GREEDY):
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+
+    def __call__(self, logits: np.ndarray) -> np.ndarray:
+        logits = np.asarray(logits, dtype=np.float32)
+        if logits.ndim != 2:
+            raise ValueError(f"logits must be (batch, vocab), got shape {logits.shape}")
+        if self.params.greedy:
+            return np.argmax(logits, axis=-1).astype(np.int64)
+        return np.array([self._sample_row(row) for row in logits], dtype=np.int64)
+
+    def _sample_row(self, row: np.ndarray) -> int:
+        p = self.params
+        scaled = row.astype(np.float64) / p.temperature
+        order = np.argsort(-scaled, kind="stable")  # most likely first
+        if p.top_k:
+            order = order[: p.top_k]
+        kept = scaled[order]
+        probs = np.exp(kept - kept[0])
+        probs /= probs.sum()
+        if p.top_p < 1:
+            # The smallest prefix whose mass reaches top_p (always at least the first token).
+            cut = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
+            order, probs = order[:cut], probs[:cut] / probs[:cut].sum()
+        return int(order[self.rng.choice(len(order), p=probs)])

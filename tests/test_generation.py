@@ -1,0 +1,244 @@
+"""The generation runtime (ort_kvlayout.generation) on synthetic models, CPU.
+
+Reference: the plain loop of ort_kvlayout.generate.Generator on the original model (ORT's own
+com.microsoft GQA, batch 1, a growing mask, numpy-owned buffers), an implementation independent
+of the runtime and its cache.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from ort_kvlayout.kv_cache import CACHE_MODES, KvCapacityError
+from ort_kvlayout.kv_memory import KvMemoryError, allocator_stats, simulate_commit_failure
+from ort_kvlayout.sampling import Sampler, SamplingParams
+from synthetic_models import VOCAB, Variant, make_model_dir
+
+PROMPT = [1, 5, 7, 9, 11, 13, 17, 19, 23]
+SHORT = [4, 8, 15, 16]
+TOKENS = 60  # 256 B per token and buffer: rows cross a 4 KiB page every 16 tokens
+
+
+def library_or_skip() -> None:
+    import ort_kvlayout
+
+    try:
+        ort_kvlayout.library_path()
+    except (FileNotFoundError, OSError) as exc:
+        pytest.skip(f"custom-op library not built: {exc}")
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict:
+    from ort_kvlayout.patch import patch_model_dir
+
+    library_or_skip()
+    root = tmp_path_factory.mktemp("gen")
+    src = make_model_dir(root / "original", Variant(layers=2))
+    return {
+        "original": src,
+        "seq": patch_model_dir(src, root / "seq", layout="seq-major").out_dir,
+        "head": patch_model_dir(src, root / "head", layout="head-major").out_dir,
+    }
+
+
+def reference(model_dir, prompt, n) -> list[int]:
+    from ort_kvlayout.generate import Generator
+
+    return Generator(model_dir, custom_ops_library=None).generate(prompt, n).tokens
+
+
+@pytest.fixture(scope="module")
+def ref(dirs) -> dict:
+    return {
+        "long": reference(dirs["original"], PROMPT, TOKENS),
+        "short": reference(dirs["original"], SHORT, TOKENS),
+    }
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    before = allocator_stats()["cpu"]
+    yield
+    simulate_commit_failure("cpu", -1)
+    assert allocator_stats()["cpu"] == before  # every cache closed: accounting back
+
+
+def runtime(model_dir, cache="growable", **kwargs):
+    from ort_kvlayout.generation import Runtime
+
+    return Runtime(model_dir, cache=cache, **kwargs)
+
+
+@pytest.mark.parametrize("fixed_mask", [False, True])
+@pytest.mark.parametrize("mode", CACHE_MODES)
+@pytest.mark.parametrize("model", ["original", "seq", "head"])
+def test_greedy_tokens_identical_across_modes_and_layouts(dirs, ref, model, mode, fixed_mask):
+    with runtime(dirs[model], mode, fixed_mask=fixed_mask, bucket_tokens=16) as rt:
+        out = rt.generate(PROMPT, TOKENS, eos_token_ids=[])
+        stats = out.stats
+    assert out.tokens == [ref["long"]]
+    assert out.finish_reasons == ["length"] and out.steps == TOKENS
+    if mode == "growable":
+        assert stats.bytes_moved == 0 and stats.growth_events >= 3  # several page boundaries
+        assert stats.committed_bytes < stats.reserved_bytes
+    elif mode == "bucket":  # 16 -> 32 -> 64 -> 128 tokens: three re-strides
+        assert stats.growth_events == 3 and stats.bytes_moved > 0
+    else:
+        assert stats.committed_bytes == stats.reserved_bytes and stats.growth_events == 0
+
+
+@pytest.mark.parametrize("mode", CACHE_MODES)
+@pytest.mark.parametrize("model", ["seq", "head"])
+def test_batch_of_two_prompt_lengths_matches_each_alone(dirs, ref, model, mode):
+    with runtime(dirs[model], mode, fixed_mask=True, bucket_tokens=16) as rt:
+        out = rt.generate([SHORT, PROMPT], TOKENS, eos_token_ids=[])
+    assert out.tokens == [ref["short"], ref["long"]]
+
+
+def test_seq_major_growth_keeps_pointer_and_prefix(dirs, ref):
+    """Growth maps more memory after the live prefix: the bound pointers and the rows already
+    written stay where they are (checked through the cache's memory, step by step)."""
+    with runtime(dirs["seq"], "growable") as rt:
+        snapshots = []
+
+        def check(_tokens):
+            cache = rt.cache
+            rows = cache.tokens[0] * cache.spec.token_bytes
+            snapshots.append(([b.ptr for b in cache.buffers], cache.read_bytes(0, 0, rows)))
+
+        out = rt.generate(PROMPT, TOKENS, eos_token_ids=[], on_step=check)
+        assert out.tokens == [ref["long"]]
+        final_ptrs = [b.ptr for b in rt.cache.buffers]
+        final = rt.cache.read_bytes(0, 0, rt.cache.tokens[0] * rt.cache.spec.token_bytes)
+    for ptrs, rows in snapshots:
+        assert ptrs == final_ptrs
+        assert final[: len(rows)] == rows
+    assert out.stats.growth_events >= 3 and out.stats.bytes_moved == 0
+
+
+def test_committed_bytes_follow_live_tokens(dirs):
+    with runtime(dirs["seq"], "growable") as rt:
+        seen = []
+        rt.generate(PROMPT, TOKENS, eos_token_ids=[], on_step=lambda _: seen.append(
+            (rt.cache.tokens[0], rt.cache.stats.committed_bytes,
+             rt.cache.measured_committed_bytes())
+        ))  # fmt: skip
+        spec = rt.cache.spec
+    for tokens, committed, measured in seen:
+        per_buffer = -(-tokens * spec.token_bytes // 4096) * 4096
+        assert committed == spec.buffers * per_buffer
+        assert measured == committed
+
+
+def test_stops_at_eos(dirs, ref):
+    eos = ref["long"][5]
+    first = ref["long"].index(eos)
+    with runtime(dirs["seq"]) as rt:
+        out = rt.generate([PROMPT, SHORT], TOKENS, eos_token_ids=[eos])
+    assert out.tokens[0] == ref["long"][: first + 1] and out.finish_reasons[0] == "eos"
+    if eos in ref["short"]:
+        assert out.tokens[1] == ref["short"][: ref["short"].index(eos) + 1]
+    else:
+        assert out.tokens[1] == ref["short"] and out.finish_reasons[1] == "length"
+
+
+def test_model_eos_ids_come_from_genai_config(dirs):
+    config = json.loads((dirs["seq"] / "genai_config.json").read_text())
+    with runtime(dirs["seq"]) as rt:
+        assert list(rt.spec.eos_token_ids) == config["model"]["eos_token_id"]
+
+
+@pytest.mark.parametrize("mode", CACHE_MODES)
+def test_generating_past_the_reserved_context_is_a_clear_error(dirs, mode):
+    with runtime(dirs["seq"], mode, capacity=64) as rt:
+        with pytest.raises(KvCapacityError, match=r"needs 68 cache rows; the KV cache reserves 64"):
+            rt.generate(PROMPT, 60)
+        assert rt.generate(PROMPT, 56, eos_token_ids=[]).steps == 56  # exactly fits: row 63
+    with runtime(dirs["seq"], mode) as rt, pytest.raises(KvCapacityError, match="context 256"):
+        rt.generate(PROMPT, 300)
+
+
+def test_failed_physical_allocation_mid_generation(dirs, ref):
+    with runtime(dirs["seq"], "growable") as rt:
+        simulate_commit_failure("cpu", after=2)  # a few pages succeed, then one fails
+        with pytest.raises(KvMemoryError, match="ENOMEM"):
+            rt.generate(PROMPT, TOKENS, eos_token_ids=[])
+        out = rt.generate(PROMPT, TOKENS, eos_token_ids=[])  # the same runtime and cache
+        assert out.tokens == [ref["long"]]
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy(dirs, ref):
+    with runtime(dirs["seq"]) as rt:
+        a = rt.generate(PROMPT, 20, SamplingParams(1.0, 0, 0.9, seed=3), eos_token_ids=[])
+        b = rt.generate(PROMPT, 20, SamplingParams(1.0, 0, 0.9, seed=3), eos_token_ids=[])
+        c = rt.generate(PROMPT, 20, SamplingParams(5.0, 1, 1.0, seed=9), eos_token_ids=[])
+    assert a.tokens == b.tokens
+    assert c.tokens == [ref["long"][:20]]
+
+
+def test_sampler_top_p_keeps_the_smallest_set():
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float32))
+    sampler = Sampler(SamplingParams(temperature=1.0, top_p=0.7, seed=0))
+    drawn = {int(sampler(logits)[0]) for _ in range(300)}
+    assert drawn == {0, 1}  # 0.5 + 0.3 reaches 0.7; 2 and 3 are cut
+    sampler = Sampler(SamplingParams(temperature=1.0, top_k=3, seed=0))
+    assert {int(sampler(logits)[0]) for _ in range(300)} == {0, 1, 2}
+    with pytest.raises(ValueError, match="top_p must be in"):
+        SamplingParams(temperature=1.0, top_p=0.0)
+
+
+def test_bad_prompts_are_named(dirs):
+    with runtime(dirs["seq"]) as rt:
+        with pytest.raises(ValueError, match="at least one token"):
+            rt.generate([PROMPT, []], 4)
+        with pytest.raises(ValueError, match=rf"outside the vocabulary \[0, {VOCAB}\)"):
+            rt.generate([1, VOCAB + 3], 4)
+
+
+def test_window_sized_caches_are_refused(tmp_path):
+    from ort_kvlayout.generation import Runtime
+    from ort_kvlayout.metadata import MetadataError
+
+    src = make_model_dir(tmp_path / "m", Variant(local_window_size=8, sliding_window_cache=1))
+    with pytest.raises(MetadataError, match="sliding_window_cache=1"):
+        Runtime(src, custom_ops_library=None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line, with a word-level tokenizer.json written for the synthetic vocabulary
+
+
+@pytest.fixture(scope="module")
+def tokenized_dir(dirs):
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(dirs["seq"] / "tokenizer.json"))
+    return dirs["seq"]
+
+
+def test_cli_streams_the_greedy_text(tokenized_dir, ref, capsys):
+    from ort_kvlayout.generate_cli import main
+
+    prompt = " ".join(f"w{i}" for i in PROMPT)
+    argv = [str(tokenized_dir), "--prompt", prompt, "--max-new-tokens", "12", "--cache", "bucket"]
+    assert main(argv + ["--tokenizer", "tokenizers"]) == 0
+    captured = capsys.readouterr()
+    words = captured.out.split()
+    expected = ref["long"][:12]
+    stop = next((i for i, t in enumerate(expected) if t in (2, 3)), None)  # genai_config eos
+    expected = expected[: stop + 1] if stop is not None else expected
+    assert words == [f"w{t}" for t in expected]
+    assert "KV (bucket, tokenizers tokenizer): committed" in captured.err
+
+
+def test_cli_refuses_bad_sampling_flags(tokenized_dir, capsys):
+    from ort_kvlayout.generate_cli import main
+
+    assert main([str(tokenized_dir), "--prompt", "w1", "--top-k", "5"]) == 2
+    assert "need --temperature" in capsys.readouterr().err

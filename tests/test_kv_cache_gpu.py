@@ -1,0 +1,194 @@
+"""The KV cache's CUDA virtual memory (_C.VmmReservation) and the runtime under CUDA graphs.
+
+Needs a GPU, onnxruntime-gpu and ort_kvlayout built with CUDA (skipped otherwise, and under
+GQA_GPU_EMULATE_CPU, which has no device memory to map).
+
+* The allocator: granules mapped on demand at a fixed address, data kept across growth, a
+  simulated failed cuMemCreate -> an error naming CUDA_ERROR_OUT_OF_MEMORY with the reservation
+  still usable, the process totals back to zero after close.
+* The runtime on a synthetic model with 4 KiB of KV per token and buffer (fp32, 8 KV heads of
+  128), so a 2 MiB granule holds 512 tokens: a 500-token prompt and 40 new tokens cross a granule
+  boundary mid-generation. Growable + CUDA graph: the same tokens and logits as a preallocated
+  cache without graphs, one capture, replays across the growth, no re-capture, 0 bytes moved,
+  the live prefix (read back from the device) and the pointers unchanged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gpu_util import EMULATE, SKIP_REASON
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(SKIP_REASON is not None, reason=f"GPU tests: {SKIP_REASON}"),
+    pytest.mark.skipif(EMULATE, reason="CUDA virtual memory cannot be emulated on the CPU"),
+]
+
+PROMPT_LEN, NEW_TOKENS = 500, 40
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    from ort_kvlayout.kv_memory import allocator_stats, simulate_commit_failure
+
+    def device_totals():  # CUDA virtual memory (_C) and onnxruntime allocations
+        return {k: v for k, v in allocator_stats().items() if k.startswith("cuda")}
+
+    before = device_totals()
+    yield
+    simulate_commit_failure("cuda", -1)
+    assert device_totals() == before
+
+
+def test_reservation_maps_granules_on_demand():
+    from ort_kvlayout.kv_memory import DeviceReservation, allocator_stats
+
+    res = DeviceReservation(5 << 20)
+    g = res.granule
+    assert g >= 4096 and res.size % g == 0 and res.size >= 5 << 20
+    assert res.committed_bytes == 0
+    assert res.commit(0, 10) == g and res.commit(5, 100) == 0
+    data = bytes(range(256)) * 16
+    res.write(0, data)
+    ptr = res.ptr
+    assert res.commit(0, 2 * g + 1) == 2 * g  # two more granules, after the first
+    assert res.ptr == ptr and res.read(0, len(data)) == data
+    assert allocator_stats()["cuda"]["committed_bytes"] >= 3 * g
+    res.close()
+    res.close()
+
+
+def test_failed_physical_allocation_names_the_cuda_error():
+    from ort_kvlayout.kv_memory import DeviceReservation, KvMemoryError, simulate_commit_failure
+
+    res = DeviceReservation(8 << 20)
+    g = res.granule
+    simulate_commit_failure("cuda", after=1)
+    with pytest.raises(KvMemoryError, match=r"cuMemCreate\(.*CUDA_ERROR_OUT_OF_MEMORY"):
+        res.commit(0, 3 * g)
+    assert res.committed_bytes == g  # the granule before the failure stays mapped
+    res.write(0, b"still usable")
+    assert res.commit(0, 3 * g) == 2 * g and res.read(0, 12) == b"still usable"
+    res.close()
+
+
+def test_misuse_is_refused_by_name():
+    from ort_kvlayout import _C
+    from ort_kvlayout.kv_memory import DeviceReservation
+
+    res = DeviceReservation(4 << 20)
+    with pytest.raises(_C.CudaError, match="not granule-aligned"):
+        res._vmm.map(1, res.granule)
+    with pytest.raises(_C.CudaError, match="unmapped granule"):
+        res.read(0, 16)
+    res.close()
+    with pytest.raises(_C.CudaError, match="closed"):
+        res._vmm.map(0, res.granule)
+
+
+def test_cache_growth_on_the_device_keeps_pointer_and_content():
+    from ort_kvlayout.kv_cache import KvCache
+    from ort_kvlayout.model_spec import KvSpec
+
+    spec = KvSpec.synthetic(2, 8, 128, np.float16, "seq-major", 8192)  # 2 KiB a token
+    with KvCache.create(spec, "growable", device="cuda", batch=2) as cache:
+        g = cache.granule
+        cache.ensure([100, 1])
+        assert cache.stats.committed_bytes == spec.buffers * 2 * g  # one granule per entry
+        head = cache.read_bytes(0, 0, 100 * spec.token_bytes)
+        ptrs = [b.ptr for b in cache.buffers]
+        tokens = g // spec.token_bytes * 3 + 5  # into a fourth granule
+        cache.ensure([tokens, 1])
+        assert cache.stats.committed_bytes == spec.buffers * 5 * g
+        assert [b.ptr for b in cache.buffers] == ptrs and cache.stats.bytes_moved == 0
+        assert cache.read_bytes(0, 0, len(head)) == head
+
+
+# ---------------------------------------------------------------------------------------------
+# The runtime under CUDA graphs
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory):
+    import synthetic_models
+    from ort_kvlayout.patch import patch_model_dir
+
+    saved = synthetic_models.MAX_POS
+    synthetic_models.MAX_POS = 1024  # the context (rotary tables and genai_config)
+    try:
+        root = tmp_path_factory.mktemp("wide")
+        variant = synthetic_models.Variant(layers=2, num_heads=8, kv_heads=8, head_size=128)
+        src = synthetic_models.make_model_dir(root / "original", variant)
+    finally:
+        synthetic_models.MAX_POS = saved
+    return patch_model_dir(src, root / "seq", layout="seq-major").out_dir
+
+
+def prompt_ids(n: int) -> list[int]:
+    return [(7 * i + 3) % 64 for i in range(n)]
+
+
+def run(model_dir, mode, cuda_graph, on_step=None):
+    from ort_kvlayout.generation import Runtime
+
+    with Runtime(model_dir, "cuda", cache=mode, cuda_graph=cuda_graph, fixed_mask=True) as rt:
+        out = rt.generate(
+            prompt_ids(PROMPT_LEN), NEW_TOKENS, eos_token_ids=[], keep_logits=True,
+            on_step=(lambda t: on_step(rt, t)) if on_step else None,
+        )  # fmt: skip
+    return out
+
+
+def test_growable_graph_replays_across_growth(wide_model):
+    from ort_kvlayout.generation import CUDA_GRAPH_WARMUP_RUNS
+
+    baseline = run(wide_model, "preallocated", cuda_graph=False)
+    snapshots = []
+
+    def snapshot(rt, _tokens):
+        cache = rt.cache
+        rows = cache.tokens[0] * cache.spec.token_bytes
+        snapshots.append(([b.ptr for b in cache.buffers], cache.read_bytes(1, 0, rows)))
+
+    out = run(wide_model, "growable", cuda_graph=True, on_step=snapshot)
+    assert out.tokens == baseline.tokens
+    np.testing.assert_allclose(np.stack(out.logits), np.stack(baseline.logits), atol=1e-4)
+    s = out.stats
+    granule_tokens = (2 << 20) // (8 * 128 * 4)
+    assert PROMPT_LEN < granule_tokens < PROMPT_LEN + NEW_TOKENS  # the test's premise
+    assert s.growth_events >= 2 and s.bytes_moved == 0 and s.recaptures == 0
+    decode_steps = out.steps - 1
+    assert s.graph_captures == 1
+    assert s.replays == decode_steps - CUDA_GRAPH_WARMUP_RUNS - 1
+    final_ptrs, final_rows = snapshots[-1]
+    for ptrs, rows in snapshots:
+        assert ptrs == final_ptrs and final_rows[: len(rows)] == rows
+
+
+def test_bucket_graph_recaptures_on_growth(wide_model):
+    baseline = run(wide_model, "preallocated", cuda_graph=False)
+    out = run(wide_model, "bucket", cuda_graph=True)
+    assert out.tokens == baseline.tokens
+    s = out.stats
+    assert s.recaptures >= 1 and s.bytes_moved > 0  # 512 -> 1024 tokens at row 512
+
+
+def test_ort_log_confirms_the_capture_counters(wide_model, capfd):
+    """ORT's CUDA EP logs "Capturing the cuda graph for this model" (INFO) each time it begins a
+    capture: once for a growable cache across its growth, once more per bucket re-stride."""
+    import onnxruntime as ort
+
+    def verbose():
+        so = ort.SessionOptions()
+        so.log_severity_level = 1  # INFO: the capture message
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        return so
+
+    capfd.readouterr()
+    growable = run(wide_model, "growable", cuda_graph=True, session_options=verbose())
+    logged = capfd.readouterr().err.count("Capturing the cuda graph for this model")
+    assert logged == growable.stats.graph_captures == 1
+    bucket = run(wide_model, "bucket", cuda_graph=True, session_options=verbose())
+    logged = capfd.readouterr().err.count("Capturing the cuda graph for this model")
+    assert logged == bucket.stats.graph_captures == 1 + bucket.stats.recaptures
