@@ -129,10 +129,11 @@ def prompt_ids(n: int) -> list[int]:
     return [(7 * i + 3) % 64 for i in range(n)]
 
 
-def run(model_dir, mode, cuda_graph, on_step=None):
+def run(model_dir, mode, cuda_graph, on_step=None, session_options=None):
     from ort_kvlayout.generation import Runtime
 
-    with Runtime(model_dir, "cuda", cache=mode, cuda_graph=cuda_graph, fixed_mask=True) as rt:
+    with Runtime(model_dir, "cuda", cache=mode, cuda_graph=cuda_graph, fixed_mask=True,
+                 session_options=session_options) as rt:  # fmt: skip
         out = rt.generate(
             prompt_ids(PROMPT_LEN), NEW_TOKENS, eos_token_ids=[], keep_logits=True,
             on_step=(lambda t: on_step(rt, t)) if on_step else None,
