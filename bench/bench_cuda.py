@@ -5,7 +5,7 @@ Each case builds three single-node models on the same logical inputs and runs th
 binding with every tensor on the GPU. Decode binds one buffer as past and present (the shared,
 in-place cache onnxruntime-genai uses; capacity = L). Kernel time is measured with CUPTI through
 torch.profiler (the sum of the device kernels of one Run; ORT's per-Run host overhead of
-~100 us is excluded); the wall time of Run is reported beside it.
+~100 us is excluded).
 
 Metrics: decode TB/s of KV read = 2 * B * Nkv * L * H * 2 bytes / kernel time;
 prefill TFLOP/s with causal flops = 4 * B * N * H * S*(S+1)/2. Kernel time is the median over
@@ -185,7 +185,6 @@ def run_case(kind: str, b: int, length: int, heads: tuple[int, int, int], runs: 
         for _ in range(3):
             sess.run_with_iobinding(io)
         times, per_kernel = kernel_times(sess, io, runs)
-        wms = wall_ms(sess, io, runs)
         outputs[label] = keep["output"].float()
         if BREAKDOWN:
             top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:6]
@@ -193,7 +192,7 @@ def run_case(kind: str, b: int, length: int, heads: tuple[int, int, int], runs: 
                   + ", ".join(f"{name[:60]} {us:.1f} us" for name, us in top), file=sys.stderr)  # fmt: skip
         t = statistics.median(times)
         cell = {"kernel_ms": t, "kernel_ms_p10_p90": np.percentile(times, [10, 90]).tolist(),
-                "wall_ms": wms}  # fmt: skip
+                }  # fmt: skip
         if kind == "decode":
             cell["TB/s"] = 2 * b * nkv * length * h * 2 / (t * 1e-3) / 1e12
         else:
