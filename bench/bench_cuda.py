@@ -191,8 +191,7 @@ def run_case(kind: str, b: int, length: int, heads: tuple[int, int, int], runs: 
             print(f"  {kind} {row['heads']} B={b} L={length} {label}: "
                   + ", ".join(f"{name[:60]} {us:.1f} us" for name, us in top), file=sys.stderr)  # fmt: skip
         t = statistics.median(times)
-        cell = {"kernel_ms": t, "kernel_ms_p10_p90": np.percentile(times, [10, 90]).tolist(),
-                }  # fmt: skip
+        cell = {"kernel_ms": t, "kernel_ms_p10_p90": np.percentile(times, [10, 90]).tolist()}
         if kind == "decode":
             cell["TB/s"] = 2 * b * nkv * length * h * 2 / (t * 1e-3) / 1e12
         else:
