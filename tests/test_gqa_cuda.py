@@ -254,8 +254,8 @@ def test_features_vs_oracle(case):
 
 # --------------------------------------------------------------------------------------------
 # Dispatch coverage: every head size the CUDA op takes reaches the tensor-core prefill (tiles
-# of 32 columns, the rest zero) and the decode kernel (lane groups of 4..32 per key, groups of
-# 1..8 query heads per KV head; larger groups take the portable kernel).
+# of 32 columns, the rest zero; a CTA's rows are 64/G tokens x the G heads of a KV group) and the
+# tensor-core decode (S x G <= 16 rows of one KV group; larger groups take the portable kernel).
 # --------------------------------------------------------------------------------------------
 TC_HEAD_SIZES = (8, 16, 24, 40, 80, 96, 112, 160, 192, 224, 256)
 GROUPS = ((3, 3), (6, 3), (9, 3), (8, 2), (14, 2), (16, 2), (32, 2))  # G = 1, 2, 3, 4, 7, 8, 16
@@ -296,6 +296,21 @@ def _dispatch_cases():
                            softcap=2.0 if i % 5 == 0 else 0.0,
                            local_window_size=17 if i % 7 == 3 else -1,
                            seed=case_seed(32_000 + i), **kw))  # fmt: skip
+    # The prefill's (token, head) rows for groups that leave idle rows or fill a warp with one
+    # token's heads (G = 7, 8, 16, 64), and a decode with more splits than a warp has lanes
+    # (capacity ~8k over B x Nkv = 2: the merging CTA's split loops run twice).
+    for i, ((n, nkv), kind) in enumerate(
+        itertools.product(((14, 2), (16, 2), (32, 2), (64, 1)), ["prompt", "chunk"])
+    ):
+        kw = ({"batch": 2, "seq": 37, "pad": 6} if kind == "prompt"
+              else {"batch": 1, "seq": 20, "past_len": 45})  # fmt: skip
+        out.append(GqaCase(kind=kind, num_heads=n, kv_num_heads=nkv, head_size=64,
+                           dtype=("fp16", "bf16")[i % 2], kv_layout=i % 2, shared=i % 3 == 0,
+                           do_rotary=i % 2 == 0, seed=case_seed(33_000 + i), **kw))  # fmt: skip
+    for i, layout in enumerate((0, 1)):
+        out.append(GqaCase(kind="decode", batch=1, past_len=8000, num_heads=8, kv_num_heads=2,
+                           head_size=128, dtype=("fp16", "bf16")[i], kv_layout=layout,
+                           shared=True, head_sink=i == 1, seed=case_seed(34_000 + i)))  # fmt: skip
     return out
 
 

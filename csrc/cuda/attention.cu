@@ -204,10 +204,7 @@ Status LaunchPortable(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pr
                       const AttnPlan& plan, const Workspace& ws, cudaStream_t stream) {
   const size_t smem = SmemBytes(s, sizeof(T));
   if (smem > 48 * 1024) {  // large heads in float32: lift the 48 KB default (once per device)
-    int device = 0;
-    KVL_RETURN_IF_ERROR(CudaCheck(cudaGetDevice(&device), "cudaGetDevice"));
-    KVL_RETURN_IF_ERROR(
-        EnsureSmemLimit(reinterpret_cast<const void*>(AttentionKernel<T>), smem, device));
+    KVL_RETURN_IF_ERROR(EnsureSmemLimit(reinterpret_cast<const void*>(AttentionKernel<T>), smem));
   }
   const dim3 grid(static_cast<unsigned>(plan.row_blocks),
                   static_cast<unsigned>(s.batch * s.kv_num_heads),

@@ -124,7 +124,9 @@ __global__ void __launch_bounds__(kDecThreads)
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     const int64_t r = gq + hr * 8;
-    qrow[hr] = r < rows ? q_ws + ((b * N + g * G + r % G) * s.seq_len + r / G) * H : nullptr;
+    // Tokens past query_seqlens (not a first prompt) have no prepared query: zeros, never read.
+    const bool prepared = r < rows && (s.is_first_prompt() || r / G < geo.new_rows);
+    qrow[hr] = prepared ? q_ws + ((b * N + g * G + r % G) * s.seq_len + r / G) * H : nullptr;
   }
   uint32_t qa[KT][4];
 #pragma unroll
@@ -373,8 +375,9 @@ __global__ void __launch_bounds__(kDecThreads)
     float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll 8
     for (int64_t sp = 0; sp < splits; ++sp) {
-      const float4 x = __ldcg(reinterpret_cast<const float4*>(po + sp * pitch));
       const float wt = wr[sp];
+      if (wt == 0.0f) continue;  // a split without live keys for this row adds nothing (not 0 x Inf)
+      const float4 x = __ldcg(reinterpret_cast<const float4*>(po + sp * pitch));
       acc.x += x.x * wt;
       acc.y += x.y * wt;
       acc.z += x.z * wt;
@@ -431,8 +434,8 @@ int DecodeTcCtasPerSm(const GqaShape& s, const CudaDeviceInfo& dev) {
   const DecodeFn fn = DecodeKernelForShape(s, &smem);
   if (fn == nullptr) return 1;
   const void* f = reinterpret_cast<const void*>(fn);
-  if (!EnsureSmemLimit(f, smem, dev.device).ok()) return 1;
-  return CachedCtasPerSm(f, kDecThreads, smem, dev.device);
+  if (!EnsureSmemLimit(f, smem).ok()) return 1;
+  return CachedCtasPerSm(f, kDecThreads, smem);
 }
 
 template <typename T>
@@ -444,9 +447,7 @@ Status LaunchDecodeTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pr
     return Status::Error("ai.kvlayout::GroupQueryAttention (CUDA): no decode tile for head_size " +
                          std::to_string(s.head_size));
   }
-  int device = 0;
-  KVL_RETURN_IF_ERROR(CudaCheck(cudaGetDevice(&device), "cudaGetDevice"));
-  KVL_RETURN_IF_ERROR(EnsureSmemLimit(reinterpret_cast<const void*>(fn), smem, device));
+  KVL_RETURN_IF_ERROR(EnsureSmemLimit(reinterpret_cast<const void*>(fn), smem));
   const dim3 grid(static_cast<unsigned>(plan.splits),
                   static_cast<unsigned>(s.batch * s.kv_num_heads));
   fn<<<grid, kDecThreads, smem, stream>>>(s, buf, present_st, ws.q, plan.splits, ws.part_o,

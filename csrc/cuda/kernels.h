@@ -73,10 +73,11 @@ template <typename T>
 Status LaunchDecodeTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
                       const AttnPlan& plan, const Workspace& ws, cudaStream_t stream);
 
-// Once per (device, kernel, value): raises a kernel's dynamic shared memory limit (a host call
-// that need not repeat on every Run) and caches occupancy queries.
-Status EnsureSmemLimit(const void* fn, size_t smem, int device);
-int CachedCtasPerSm(const void* fn, int threads, size_t smem, int device);
+// Once per (current device, kernel, value): raises a kernel's dynamic shared memory limit (a host
+// call that need not repeat on every Run) and caches occupancy queries. Both act on the device
+// that is current, as the CUDA calls they wrap do.
+Status EnsureSmemLimit(const void* fn, size_t smem);
+int CachedCtasPerSm(const void* fn, int threads, size_t smem);
 
 }  // namespace cu
 }  // namespace kvl

@@ -116,8 +116,10 @@ std::map<std::tuple<int, const void*, int, size_t>, int> g_ctas_per_sm;  // occu
 
 }  // namespace
 
-Status EnsureSmemLimit(const void* fn, size_t smem, int device) {
+Status EnsureSmemLimit(const void* fn, size_t smem) {
   if (smem <= 48 * 1024) return Status::Ok();  // within the default limit
+  int device = 0;
+  KVL_RETURN_IF_ERROR(CudaCheck(cudaGetDevice(&device), "cudaGetDevice"));
   std::lock_guard<std::mutex> lock(g_cache_mutex);
   size_t& limit = g_smem_limits[{device, fn}];
   if (limit >= smem) return Status::Ok();
@@ -128,14 +130,21 @@ Status EnsureSmemLimit(const void* fn, size_t smem, int device) {
   return Status::Ok();
 }
 
-int CachedCtasPerSm(const void* fn, int threads, size_t smem, int device) {
+int CachedCtasPerSm(const void* fn, int threads, size_t smem) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();  // only a sizing hint
+    return 1;
+  }
   std::lock_guard<std::mutex> lock(g_cache_mutex);
   const auto key = std::make_tuple(device, fn, threads, smem);
   auto it = g_ctas_per_sm.find(key);
   if (it != g_ctas_per_sm.end()) return it->second;
   int n = 0;
+  const bool clean = cudaPeekAtLastError() == cudaSuccess;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, threads, smem) != cudaSuccess) {
-    (void)cudaGetLastError();  // only a sizing hint: take a default, leave no error behind
+    // Only a sizing hint: take a default and clear this call's error, never an earlier one.
+    if (clean) (void)cudaGetLastError();
     n = 1;
   }
   n = std::max(n, 1);

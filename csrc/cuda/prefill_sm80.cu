@@ -98,7 +98,8 @@ __global__ void __launch_bounds__(kWarp* kWarps)
   for (int idx = threadIdx.x; idx < kTcRows * HD; idx += blockDim.x) {
     const int r = idx / HD, d = idx % HD;
     const int64_t tok = row_tok(r);
-    const bool in = tok < s.seq_len && d < H;
+    // Tokens past query_seqlens (not a first prompt) have no prepared query: zeros.
+    const bool in = tok < s.seq_len && (s.is_first_prompt() || tok < geo.new_rows) && d < H;
     qs[r * P + d] = FromF<T>(in ? q_ws[((b * N + row_head(r)) * s.seq_len + tok) * H + d] : 0.0f);
   }
   for (int64_t idx = threadIdx.x; HD > H && idx < 2 * 2 * BC * (HD - H); idx += blockDim.x) {
@@ -108,6 +109,9 @@ __global__ void __launch_bounds__(kWarp* kWarps)
   // This thread's two rows: warp * 16 + gq and + 8.
   const int row0 = warp * 16 + gq;
   const KeyRange kr0 = range(row0), kr1 = range(row0 + 8);
+  // Rows past the CTA's tokens (G not dividing 64, or past the last token) are never written:
+  // they need no masks.
+  const bool idle0 = row_tok(row0) >= s.seq_len, idle1 = row_tok(row0 + 8) >= s.seq_len;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   float o[DT][4];
 #pragma unroll
@@ -153,8 +157,9 @@ __global__ void __launch_bounds__(kWarp* kWarps)
     }
 
     // Masks, softcap, bias; the online softmax of rows row0 (e = 0, 1) and row0 + 8 (e = 2, 3).
-    const bool whole = plain && __all_sync(0xffffffffu, kr0.lo <= k0 && k0 + BC <= kr0.hi &&
-                                                            kr1.lo <= k0 && k0 + BC <= kr1.hi);
+    const bool whole =
+        plain && __all_sync(0xffffffffu, (idle0 || (kr0.lo <= k0 && k0 + BC <= kr0.hi)) &&
+                                             (idle1 || (kr1.lo <= k0 && k0 + BC <= kr1.hi)));
     float tmax[2] = {-INFINITY, -INFINITY};
     if (whole) {
 #pragma unroll
@@ -258,10 +263,7 @@ template <typename T, int HD>
 Status LaunchHd(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
                 const float* q_ws, cudaStream_t stream) {
   const size_t smem = TcSmemBytes(HD, sizeof(T));
-  int device = 0;
-  KVL_RETURN_IF_ERROR(CudaCheck(cudaGetDevice(&device), "cudaGetDevice"));
-  KVL_RETURN_IF_ERROR(
-      EnsureSmemLimit(reinterpret_cast<const void*>(PrefillTcKernel<T, HD>), smem, device));
+  KVL_RETURN_IF_ERROR(EnsureSmemLimit(reinterpret_cast<const void*>(PrefillTcKernel<T, HD>), smem));
   const int64_t tpc = TcTokens(s.group_size());
   const dim3 grid(static_cast<unsigned>((s.seq_len + tpc - 1) / tpc),
                   static_cast<unsigned>(s.kv_num_heads), static_cast<unsigned>(s.batch));
