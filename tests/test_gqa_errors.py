@@ -200,16 +200,34 @@ def test_qk_output_refused():
         sess.run(None, {k: v for k, v in f.items() if v is not None})
 
 
-def test_chunk_batch_without_query_seqlens():
-    """ORT refuses chunked prefill with batch > 1 (no query_seqlens).  Our op may refuse it by
-    name, or extend the contract naturally (P_b = seqlens_k[b] + 1 - S): then it must be right."""
-    c = GqaCase(batch=2, seq=3, kind="chunk", past_len=7, pad=2, kv_layout=1)
-    try:
-        got = c.run(KV_DOMAIN)
-    except Exception as e:  # noqa: BLE001
-        assert re.search(r"batch|query_seqlens|sequence", str(e)), str(e)
-        return
-    compare(c, got, c.reference())
+@pytest.mark.parametrize("layout", [0, 1])
+@pytest.mark.parametrize("shared", [False, True])
+def test_chunk_batch_without_query_seqlens(layout, shared):
+    """Chunked prefill (S > 1 with past, S < total) with batch 2 and no query_seqlens: ORT
+    refuses it ("batch_size must be 1 when sequence_length > 1 and past context is given"); so
+    does ours, naming query_seqlens as what makes it valid."""
+    c = GqaCase(batch=2, seq=3, kind="chunk", past_len=7, pad=2, kv_layout=layout, shared=shared)
+    ei = _raise(c.feeds(), c.attrs(), layout, match=r"query_seqlens", shared=shared)
+    msg = str(ei.value)
+    assert re.search(r"chunked prefill.*batch 2.*needs input 'query_seqlens'", msg), msg
+    assert re.search(r"batch must be 1", msg), msg
+    # The same chunk with query_seqlens is valid, and right.
+    ok = c.replace(query_seqlens=True)
+    compare(ok, ok.run(KV_DOMAIN), ok.reference())
+
+
+@pytest.mark.parametrize("layout", [0, 1])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("kind", ["decode", "prompt"])
+def test_seqlens_rank2_refused(layout, batch, kind):
+    """seqlens_k of shape (B, 1) (B elements, rank 2): the contract says (B); ORT lets it
+    through, ours names the input and the rule."""
+    c = GqaCase(batch=batch, seq=4 if kind == "prompt" else 1, kind=kind, past_len=5,
+                kv_layout=layout)  # fmt: skip
+    f = dict(c.feeds(), seqlens_k=c.feeds()["seqlens_k"].reshape(batch, 1))
+    ei = _raise(f, c.attrs(), layout, match=r"seqlens_k")
+    assert re.search(rf"'seqlens_k' must have rank 1, shape \(batch,\) = \({batch},\), got "
+                     rf"shape \({batch}, 1\)", str(ei.value)), str(ei.value)  # fmt: skip
 
 
 def test_query_seqlens_out_of_range():
