@@ -696,6 +696,10 @@ def test_invalid_attributes_raise(layout):
     _cuda_raise(_f(), dict(_A, kv_num_heads=3), layout, r"num_heads|kv_num_heads")
     for bad_layout in (2, -1):
         _cuda_raise(_f(), _A, bad_layout, r"kv_layout")
+    # Wrong attribute types (no schema checks a custom op's attributes): the op's own check.
+    _cuda_raise(_f(), _A, float(layout), r"attribute 'kv_layout' must be of type INT, got FLOAT")
+    _cuda_raise(_f(), dict(_A, scale=1), layout,
+                r"attribute 'scale' must be of type FLOAT, got INT")  # fmt: skip
 
 
 @pytest.mark.skipif(EMULATE, reason="a limit of the CUDA kernels' grid; the CPU op has none")

@@ -19,38 +19,56 @@ DType FromOrtType(ONNXTensorElementDataType type) {
   }
 }
 
-// Reads attributes from an OrtKernelInfo; absent ones keep the contract's defaults.
+// One node's attributes through OrtKernelInfo (the Source of ParseGqaAttributes). The C API has
+// only typed getters by name (no way to list a node's attributes or ask one's type), so Type()
+// probes: each scalar getter succeeds only for its own type; the array getters succeed for any
+// attribute the node carries (ORT copies the list of that type, empty for another type), which
+// also tells a present attribute of another type from an absent one.
 struct KernelInfoAttrs {
   const OrtApi& api;
   const OrtKernelInfo* info;
 
-  int64_t Int(const char* name, int64_t dflt) const {
-    int64_t value = dflt;
-    if (OrtStatus* st = api.KernelInfoGetAttribute_int64(info, name, &value)) {
-      api.ReleaseStatus(st);
-      return dflt;
-    }
-    return value;
+  bool Ok(OrtStatus* st) const {
+    if (st == nullptr) return true;
+    api.ReleaseStatus(st);
+    return false;
   }
-  float Float(const char* name, float dflt) const {
-    float value = dflt;
-    if (OrtStatus* st = api.KernelInfoGetAttribute_float(info, name, &value)) {
-      api.ReleaseStatus(st);
-      return dflt;
-    }
-    return value;
-  }
-  std::string String(const char* name, const char* dflt) const {
+  AttrType Type(const char* name) const {
+    int64_t i = 0;
+    float f = 0.0f;
     size_t size = 0;
-    if (OrtStatus* st = api.KernelInfoGetAttribute_string(info, name, nullptr, &size)) {
-      api.ReleaseStatus(st);
-      return dflt;
+    if (Ok(api.KernelInfoGetAttribute_int64(info, name, &i))) return AttrType::kInt;
+    if (Ok(api.KernelInfoGetAttribute_float(info, name, &f))) return AttrType::kFloat;
+    if (Ok(api.KernelInfoGetAttribute_string(info, name, nullptr, &size))) return AttrType::kString;
+    size_t ints = 0, floats = 0;
+    const bool ints_ok = Ok(api.KernelInfoGetAttributeArray_int64(info, name, nullptr, &ints));
+    const bool floats_ok = Ok(api.KernelInfoGetAttributeArray_float(info, name, nullptr, &floats));
+    if (ints_ok && ints > 0) return AttrType::kInts;
+    if (floats_ok && floats > 0) return AttrType::kFloats;
+    OrtAllocator* alloc = nullptr;
+    OrtValue* tensor = nullptr;
+    if (Ok(api.GetAllocatorWithDefaultOptions(&alloc)) &&
+        Ok(api.KernelInfoGetAttribute_tensor(info, name, alloc, &tensor))) {
+      api.ReleaseValue(tensor);
+      return AttrType::kTensor;
     }
+    return ints_ok || floats_ok ? AttrType::kOther : AttrType::kAbsent;
+  }
+  int64_t Int(const char* name) const {
+    int64_t value = 0;
+    Ok(api.KernelInfoGetAttribute_int64(info, name, &value));
+    return value;
+  }
+  float Float(const char* name) const {
+    float value = 0.0f;
+    Ok(api.KernelInfoGetAttribute_float(info, name, &value));
+    return value;
+  }
+  std::string String(const char* name) const {
+    size_t size = 0;
+    if (!Ok(api.KernelInfoGetAttribute_string(info, name, nullptr, &size))) return {};
     std::string value(size, '\0');
-    if (OrtStatus* st = api.KernelInfoGetAttribute_string(info, name, value.data(), &size)) {
-      api.ReleaseStatus(st);
-      return dflt;
-    }
+    if (!Ok(api.KernelInfoGetAttribute_string(info, name, value.data(), &size))) return {};
     while (!value.empty() && value.back() == '\0') value.pop_back();
     return value;
   }
@@ -239,8 +257,9 @@ void ReleaseMayInplace(int* input_index, int* output_index) {
 
 }  // namespace
 
-GqaAttributes ReadGqaAttributes(const OrtApi& api, const OrtKernelInfo* info) {
-  GqaAttributes a = ParseGqaAttributes(KernelInfoAttrs{api, info});
+Status ReadGqaAttributes(const OrtApi& api, const OrtKernelInfo* info, GqaAttributes* attrs) {
+  GqaAttributes a;
+  KVL_RETURN_IF_ERROR(ParseGqaAttributes(KernelInfoAttrs{api, info}, &a));
   size_t outputs = 0;
   if (OrtStatus* st = api.KernelInfo_GetOutputCount(info, &outputs)) {
     api.ReleaseStatus(st);
@@ -253,7 +272,9 @@ GqaAttributes ReadGqaAttributes(const OrtApi& api, const OrtKernelInfo* info) {
       a.output_qk_requested = size > 1;  // size counts the terminating NUL
     }
   }
-  return a;
+  KVL_RETURN_IF_ERROR(CheckGqaAttributes(a));
+  *attrs = a;
+  return Status::Ok();
 }
 
 GqaInputInfos DescribeInputs(Ort::KernelContext& ctx) {
