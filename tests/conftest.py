@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gqa_case import op_available
 
-_NEEDS_OP = ("test_gqa_cpu", "test_gqa_errors", "test_gqa_properties")
+_NEEDS_OP = ("test_gqa_cpu", "test_gqa_errors", "test_gqa_properties", "test_gqa_nonfinite")
 
 
 def pytest_report_header(config):

@@ -679,6 +679,8 @@ BAD = {
     "batch_key": (_f(key=_z(3, 1, 32), value=_z(3, 1, 32)), r"batch|key"),
     "batch_past": (_f(past_key=_z(3, 2, 5, 16), past_value=_z(3, 2, 5, 16)), r"batch|past_key"),
     "batch_seqlens": (_f(seqlens_k=np.array([5, 5, 5], np.int32)), r"seqlens_k"),
+    "seqlens_rank2": (_f(seqlens_k=np.array([[5], [5]], np.int32)),
+                      r"'seqlens_k' must have rank 1, shape \(batch,\) = \(2,\)"),
     "total_two_elems": (_f(total_sequence_length=np.array([6, 6], np.int32)),
                         r"total_sequence_length"),
     "head_sink_len": (_f(head_sink=np.ones(3, F16)), r"head_sink"),
@@ -708,10 +710,24 @@ def test_invalid_inputs_raise(name, layout):
 
 
 @pytest.mark.parametrize("layout", [0, 1])
+def test_chunk_batch_without_query_seqlens_raises(layout):
+    """Chunked prefill with batch 2 and no query_seqlens: refused with the rule (shared
+    validation), naming query_seqlens as what makes it valid."""
+    c = GqaCase(batch=2, seq=3, kind="chunk", past_len=7, pad=2, num_heads=4, kv_num_heads=2,
+                head_size=16, dtype="fp16", kv_layout=layout)  # fmt: skip
+    _cuda_raise(c.feeds(), c.attrs(), layout,
+                r"chunked prefill.*batch 2.*needs input 'query_seqlens'.*batch must be 1")  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", [0, 1])
 def test_invalid_attributes_raise(layout):
     _cuda_raise(_f(), dict(_A, kv_num_heads=3), layout, r"num_heads|kv_num_heads")
     for bad_layout in (2, -1):
         _cuda_raise(_f(), _A, bad_layout, r"kv_layout")
+    # Wrong attribute types (no schema checks a custom op's attributes): the op's own check.
+    _cuda_raise(_f(), _A, float(layout), r"attribute 'kv_layout' must be of type INT, got FLOAT")
+    _cuda_raise(_f(), dict(_A, scale=1), layout,
+                r"attribute 'scale' must be of type FLOAT, got INT")  # fmt: skip
 
 
 @pytest.mark.skipif(EMULATE, reason="a limit of the CUDA kernels' grid; the CPU op has none")

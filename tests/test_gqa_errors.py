@@ -9,8 +9,10 @@ import sys
 import textwrap
 
 import numpy as np
+import onnx
 import pytest
 from gqa_case import KV_DOMAIN, GqaCase, build_model, compare, make_session, run_session
+from onnx import TensorProto, helper
 
 _BASE = GqaCase(batch=2, kind="decode", past_len=5, num_heads=4, kv_num_heads=2, head_size=16)
 
@@ -200,16 +202,34 @@ def test_qk_output_refused():
         sess.run(None, {k: v for k, v in f.items() if v is not None})
 
 
-def test_chunk_batch_without_query_seqlens():
-    """ORT refuses chunked prefill with batch > 1 (no query_seqlens).  Our op may refuse it by
-    name, or extend the contract naturally (P_b = seqlens_k[b] + 1 - S): then it must be right."""
-    c = GqaCase(batch=2, seq=3, kind="chunk", past_len=7, pad=2, kv_layout=1)
-    try:
-        got = c.run(KV_DOMAIN)
-    except Exception as e:  # noqa: BLE001
-        assert re.search(r"batch|query_seqlens|sequence", str(e)), str(e)
-        return
-    compare(c, got, c.reference())
+@pytest.mark.parametrize("layout", [0, 1])
+@pytest.mark.parametrize("shared", [False, True])
+def test_chunk_batch_without_query_seqlens(layout, shared):
+    """Chunked prefill (S > 1 with past, S < total) with batch 2 and no query_seqlens: ORT
+    refuses it ("batch_size must be 1 when sequence_length > 1 and past context is given"); so
+    does ours, naming query_seqlens as what makes it valid."""
+    c = GqaCase(batch=2, seq=3, kind="chunk", past_len=7, pad=2, kv_layout=layout, shared=shared)
+    ei = _raise(c.feeds(), c.attrs(), layout, match=r"query_seqlens", shared=shared)
+    msg = str(ei.value)
+    assert re.search(r"chunked prefill.*batch 2.*needs input 'query_seqlens'", msg), msg
+    assert re.search(r"batch must be 1", msg), msg
+    # The same chunk with query_seqlens is valid, and right.
+    ok = c.replace(query_seqlens=True)
+    compare(ok, ok.run(KV_DOMAIN), ok.reference())
+
+
+@pytest.mark.parametrize("layout", [0, 1])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("kind", ["decode", "prompt"])
+def test_seqlens_rank2_refused(layout, batch, kind):
+    """seqlens_k of shape (B, 1) (B elements, rank 2): the contract says (B); ORT lets it
+    through, ours names the input and the rule."""
+    c = GqaCase(batch=batch, seq=4 if kind == "prompt" else 1, kind=kind, past_len=5,
+                kv_layout=layout)  # fmt: skip
+    f = dict(c.feeds(), seqlens_k=c.feeds()["seqlens_k"].reshape(batch, 1))
+    ei = _raise(f, c.attrs(), layout, match=r"seqlens_k")
+    assert re.search(rf"'seqlens_k' must have rank 1, shape \(batch,\) = \({batch},\), got "
+                     rf"shape \({batch}, 1\)", str(ei.value)), str(ei.value)  # fmt: skip
 
 
 def test_query_seqlens_out_of_range():
@@ -242,3 +262,92 @@ def test_valid_base_case_runs():
         c = _BASE.replace(kv_layout=layout)
         run_session(make_session(build_model(c.feeds(), A, KV_DOMAIN, layout), KV_DOMAIN),
                     c.feeds())  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Attribute types: a custom op has no schema ORT checks, so ours checks what ORT's schema check
+# does for com.microsoft::GroupQueryAttention: at session creation, naming the attribute, the
+# expected and the actual type.
+# --------------------------------------------------------------------------------------------
+def _ort_gqa_attr_types() -> dict[str, str]:
+    """{attribute: type name} from ORT's own com.microsoft::GroupQueryAttention schema."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as C
+
+    for s in C.get_all_operator_schema():
+        if s.name == "GroupQueryAttention" and s.domain == "com.microsoft":
+            return {n: a.type.name for n, a in s.attributes.items()}
+    raise AssertionError("onnxruntime has no com.microsoft::GroupQueryAttention schema")
+
+
+_TYPED_VALUES = {
+    "INT": 1,
+    "FLOAT": 1.0,
+    "STRING": "1",
+    "INTS": [1],
+    "FLOATS": [1.0],
+    "TENSOR": helper.make_tensor("t", TensorProto.FLOAT, [1], [1.0]),
+}
+_ATTR_TYPES = dict(_ort_gqa_attr_types(), kv_layout="INT")
+
+
+def _with_attr(model: bytes, name: str, value) -> bytes:
+    m = onnx.load_from_string(model)
+    node = m.graph.node[0]
+    kept = [a for a in node.attribute if a.name != name]
+    del node.attribute[:]
+    node.attribute.extend(kept)
+    if value is not None:
+        node.attribute.append(helper.make_attribute(name, value))
+    return m.SerializeToString()
+
+
+@pytest.mark.parametrize(
+    "name,actual",
+    [(n, t) for n, want in sorted(_ATTR_TYPES.items()) for t in _TYPED_VALUES if t != want],
+)
+def test_attribute_of_wrong_type_refused_at_session_creation(name, actual):
+    """Each attribute of ORT's schema (+ kv_layout) given as each other type: ORT's schema
+    check refuses it on a com.microsoft node, ours at session creation with the types named
+    (before: kv_layout=1.0 ran head-major, scale as INT was ignored)."""
+    want = _ATTR_TYPES[name]
+    value = _TYPED_VALUES[actual]
+    ours = _with_attr(build_model(_f(), A, KV_DOMAIN, 1), name, value)
+    with pytest.raises(Exception) as ei:
+        make_session(ours, KV_DOMAIN)
+    msg = str(ei.value)
+    assert f"attribute '{name}' must be of type {want}, got {actual}" in msg, msg
+    if name != "kv_layout":  # the oracle: ORT refuses the same node in its own domain
+        theirs = _with_attr(build_model(_f(), A), name, value)
+        with pytest.raises(Exception, match=rf"Mismatched attribute type.*{name}"):
+            make_session(theirs)
+
+
+def test_attribute_types_match_ort_schema():
+    """The right type with the default value is accepted for every attribute ORT's schema
+    knows (so the table above and the op agree with ORT on the expected types)."""
+    defaults = {"INT": 0, "FLOAT": 0.0, "STRING": "NONE"}
+    neutral = {"causal": 1, "local_window_size": -1, "smooth_softmax": -1, "kv_layout": 1}
+    for name, want in sorted(_ATTR_TYPES.items()):
+        if name in ("num_heads", "kv_num_heads"):
+            continue
+        value = neutral.get(name, defaults[want])
+        model = _with_attr(build_model(_f(), A, KV_DOMAIN, 1), name, value)
+        run_session(make_session(model, KV_DOMAIN), _f())
+
+
+@pytest.mark.parametrize("name", ["num_heads", "kv_num_heads"])
+def test_required_attribute_missing(name):
+    model = _with_attr(build_model(_f(), A, KV_DOMAIN, 1), name, None)
+    with pytest.raises(Exception, match=rf"attribute '{name}' is required"):
+        make_session(model, KV_DOMAIN)
+
+
+def test_direct_call_checks_attribute_types():
+    """The pybind entry (tests, benchmarks) reads a dict with the same strictness."""
+    from ort_kvlayout import _C
+
+    c = _BASE.replace(kv_layout=1)
+    with pytest.raises(ValueError, match=r"attribute 'kv_layout' must be of type INT, got FLOAT"):
+        _C.gqa_cpu(c.feeds(), dict(A, kv_layout=1.0))
+    with pytest.raises(ValueError, match=r"attribute 'scale' must be of type FLOAT, got INT"):
+        _C.gqa_cpu(c.feeds(), dict(A, scale=1, kv_layout=1))

@@ -177,9 +177,9 @@ Status CheckGqaInputs(const GqaAttributes& attrs, const GqaInputInfos& inputs,
   // seqlens_k: (B) int32; total_sequence_length: int32 scalar, already read from host memory.
   const TensorInfo& seqlens = In(inputs, GqaInput::kSeqlensK);
   KVL_RETURN_IF_ERROR(CheckDType(inputs, GqaInput::kSeqlensK, DType::kInt32));
-  if (seqlens.NumElements() != s.batch || seqlens.shape.size() > 2) {
-    return Fail("input 'seqlens_k' must have shape (batch,) = (", s.batch, ",), got ",
-                ShapeString(seqlens.shape));
+  if (seqlens.shape.size() != 1 || seqlens.shape[0] != s.batch) {
+    return Fail("input 'seqlens_k' must have rank 1, shape (batch,) = (", s.batch, ",), got ",
+                "shape ", ShapeString(seqlens.shape));
   }
   const TensorInfo& total = In(inputs, GqaInput::kTotalSequenceLength);
   KVL_RETURN_IF_ERROR(CheckDType(inputs, GqaInput::kTotalSequenceLength, DType::kInt32));
@@ -240,6 +240,14 @@ Status CheckGqaInputs(const GqaAttributes& attrs, const GqaInputInfos& inputs,
   } else if (!s.is_first_prompt()) {
     return Fail("inputs 'past_key' and 'past_value' are required when the query's sequence length (",
                 s.seq_len, ") is less than total_sequence_length (", total_sequence_length, ")");
+  }
+  // ORT's rule: without per-entry chunk lengths, the past length of a chunk is seqlens_k + 1 - S
+  // for one entry only; a batch of chunks needs query_seqlens.
+  if (s.gqa_case == GqaCase::kSubsequentPrompt && !s.has_query_seqlens && s.batch > 1) {
+    return Fail("chunked prefill (query sequence length ", s.seq_len, " > 1 with past, less ",
+                "than total_sequence_length ", total_sequence_length, ") with batch ", s.batch,
+                " needs input 'query_seqlens' (the new tokens of each batch entry); without ",
+                "'query_seqlens' the batch must be 1");
   }
   if (s.sliding_window_cache) {
     // A window-sized cache: present has the past's capacity, which must hold the window.

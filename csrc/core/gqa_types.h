@@ -224,8 +224,10 @@ KVL_HOST_DEVICE int64_t RotaryPosition(const GqaShape& s, const BatchGeometry& g
 // Normalization of one query row's softmax state (running max m, sum l of exp(score - m), o
 // unnormalized): the factor applied to o. smooth_softmax adds exp(0) to the denominator and a
 // head sink exp(sink); both are taken relative to max(m, extra) so nothing overflows. A row
-// that saw no key (l == 0) outputs zeros.
+// that saw no key (l == 0) outputs zeros; a NaN l (a NaN or +Inf score reached the softmax)
+// gives NaN, as ORT's softmax does.
 KVL_HOST_DEVICE float OutputScale(float m, float l, bool extra_term, float extra_logit) {
+  if (l != l) return l;
   if (!(l > 0.0f)) return 0.0f;
   if (!extra_term) return 1.0f / l;
   const float top = m > extra_logit ? m : extra_logit;

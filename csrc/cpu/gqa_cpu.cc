@@ -75,6 +75,33 @@ inline VecF VecExp(VecF x) {
   return underflow ? Splat(0.0f) : result;
 }
 
+// c * tanh(x / c) for a vector, within float rounding of the exact value for every finite c > 0
+// (relative error ~2e-7 of the result). tanh(y) as 1 - 2 / (exp(2y) + 1) alone cancels for
+// small |y|: its absolute error ~6e-8 becomes c * 6e-8 after the product (0.86 off ORT at
+// c = 1e8). Below |y| = 0.625 an odd polynomial y + y^3 P(y^2) (fitted here to tanh on
+// [0, 0.625], < 1 ulp) keeps the relative error; above, the exponential form no longer cancels
+// (computed only when a lane needs it). NaN stays NaN; x = +-inf gives +-c, as c * tanh(+-inf).
+// `inv_c` = 1/c, or 0 when that overflows (subnormal c): then y = x / c by a division.
+inline VecF VecSoftcap(VecF x, float c, float inv_c) {
+  const VecF y = inv_c != 0.0f ? x * inv_c : x / Splat(c);
+  const VecF z = y * y;
+  VecF p = Splat(-5.7189625645e-03f);
+  p = p * z + 2.0653124519e-02f;
+  p = p * z - 5.3744657902e-02f;
+  p = p * z + 1.3331512665e-01f;
+  p = p * z - 3.3333285220e-01f;
+  const VecF small = y + y * z * p;
+  const auto use_big = z >= 0.625f * 0.625f;  // false for NaN: the polynomial keeps it
+  bool any_big = false;
+  for (int l = 0; l < kVW; ++l) any_big |= use_big[l] != 0;
+  if (!any_big) return small * c;
+  const auto neg = y < 0.0f;
+  const VecF ay = neg ? -y : y;
+  const VecF big = 1.0f - 2.0f / (VecExp(ay + ay) + 1.0f);
+  const VecF t = use_big ? (neg ? -big : big) : small;
+  return t * c;
+}
+
 // ---- tiling --------------------------------------------------------------------------------
 constexpr int kTileKeys = 64;  // keys per tile: a multiple of 2*kVW for every vector width
 // Query rows per micro-kernel call: 8 rows x 2 vectors = 16 accumulators fit AVX-512's 32
@@ -268,6 +295,10 @@ void WriteOutputRow(const Call<T>& c, int64_t b, int64_t i, int64_t h, const flo
            h * s.head_size;
   const float sink = s.has_head_sink ? Get<T>(c.buf.head_sink, h) : 0.0f;
   const float factor = OutputScale(m, l, s.has_head_sink || s.smooth_softmax, sink);
+  if (l == 0.0f) {  // no key (W = 0): zeros, whatever o holds
+    for (int64_t d = 0; d < s.head_size; ++d) out[d] = FromFloat<T>(0.0f);
+    return;
+  }
   for (int64_t d = 0; d < s.head_size; ++d) out[d] = FromFloat<T>(o[d] * factor);
 }
 
@@ -362,6 +393,7 @@ inline void AccumulateBlock(const float* p, const float* const* v, int tile, int
 
 // Per-thread scratch, reused across calls (ORT's pool threads persist).
 struct Scratch {
+  int v_nonfinite = -1;  // the current tile's V rows: -1 not checked yet, 0 finite, 1 not
   std::vector<float> kt, k, v, scores, o, m, l, zero_q;
   std::vector<const float*> q_rows, k_rows, v_rows;
   std::vector<float*> o_rows;
@@ -380,6 +412,35 @@ inline TaskRow MapRow(int64_t r, int64_t g0, int64_t i0, int64_t q_rows, int64_t
   return TaskRow{true, g0 + gl, (g0 + gl) * G + rr % G, i0 + rr / G};
 }
 
+// Whether the tile's value rows (head_pad long) hold a NaN or an Inf; computed once per tile.
+inline bool TileValuesNonFinite(Scratch& t, int tile, int64_t head_pad) {
+  if (t.v_nonfinite < 0) {
+    VecF acc = Splat(0.0f);
+    for (int j = 0; j < tile; ++j) {
+      for (int64_t d = 0; d < head_pad; d += kVW) acc += Load(t.v_rows[j] + d) * 0.0f;
+    }
+    bool bad = false;
+    for (int l = 0; l < kVW; ++l) bad |= acc[l] != 0.0f;  // x * 0 is NaN for NaN or Inf
+    t.v_nonfinite = bad ? 1 : 0;
+  }
+  return t.v_nonfinite == 1;
+}
+
+// o[r][:] += sum_{j in [lo[r], hi[r])} p[r][j] * v_j: AccumulateBlock restricted to each row's
+// own columns.
+template <int RB>
+void AccumulateRanges(const float* p, const float* const* v, const int* lo, const int* hi,
+                      int64_t head_pad, float* const* o) {
+  for (int r = 0; r < RB; ++r) {
+    for (int j = lo[r]; j < hi[r]; ++j) {
+      const VecF pj = Splat(p[r * kTileKeys + j]);
+      for (int64_t d = 0; d < head_pad; d += kVW) {
+        Store(o[r] + d, Load(o[r] + d) + pj * Load(v[j] + d));
+      }
+    }
+  }
+}
+
 template <typename T, int RB>
 void AttentionRows(const Call<T>& c, Scratch& t, int64_t b, int64_t r_begin, int64_t r_end,
                    int64_t k0, int tile, bool dot_scores) {
@@ -387,6 +448,8 @@ void AttentionRows(const Call<T>& c, Scratch& t, int64_t b, int64_t r_begin, int
   const int64_t H = s.head_size, hp = c.head_pad;
   const T* bias = static_cast<const T*>(c.buf.attention_bias);
   const float softcap = s.softcap;
+  const float inv_softcap =
+      softcap > 0.0f && std::isfinite(1.0f / softcap) ? 1.0f / softcap : 0.0f;
   // Score columns that can hold a key: short tiles (token generation over many heads) skip the
   // softmax work on the rest.
   const int width = static_cast<int>(RoundUp(tile, kVW));
@@ -399,20 +462,26 @@ void AttentionRows(const Call<T>& c, Scratch& t, int64_t b, int64_t r_begin, int
     } else {
       ScoreBlock<RB>(t.q_rows.data() + r0, t.kt.data(), H, t.scores.data());
     }
+    // Each row's keys in this tile, [jlo, jhi); a block where some row with keys leaves out a
+    // column is "partial" (causal diagonal, window edges, rows whose keys lie elsewhere). Rows
+    // without keys (padding) are not written: they do not count.
+    int range_lo[RB], range_hi[RB];
+    bool partial = false;
     for (int r = 0; r < RB; ++r) {
       float* sc = t.scores.data() + r * kTileKeys;
       const int64_t row = r0 + r;
       const int64_t jlo = std::max<int64_t>(t.lo[row] - k0, 0);
       const int64_t jhi = std::min<int64_t>(t.hi[row] - k0, tile);
+      range_lo[r] = static_cast<int>(jlo);
+      range_hi[r] = static_cast<int>(std::max(jlo, jhi));
+      partial |= t.lo[row] < t.hi[row] && (jlo > 0 || jhi < tile);
       if (jlo >= jhi) {
         std::fill(sc, sc + kTileKeys, 0.0f);
         continue;
       }
       if (softcap > 0.0f) {
-        // c * tanh(x / c), tanh(y) = 1 - 2 / (exp(2y) + 1)
         for (int j = 0; j < width; j += kVW) {
-          const VecF e = VecExp(Load(sc + j) * (2.0f / softcap));
-          Store(sc + j, softcap - (2.0f * softcap) / (e + 1.0f));
+          Store(sc + j, VecSoftcap(Load(sc + j), softcap, inv_softcap));
         }
       }
       if (bias != nullptr) {
@@ -423,8 +492,11 @@ void AttentionRows(const Call<T>& c, Scratch& t, int64_t b, int64_t r_begin, int
       }
       for (int64_t j = 0; j < jlo; ++j) sc[j] = -std::numeric_limits<float>::infinity();
       for (int64_t j = jhi; j < width; ++j) sc[j] = -std::numeric_limits<float>::infinity();
-      VecF vmax = Load(sc);
-      for (int j = kVW; j < width; j += kVW) {
+      // The running max skips NaN (x > NaN is false, and NaN never wins): a NaN score keeps
+      // the max of the others, so exp(NaN - m) puts NaN into l and o below (IEEE propagation,
+      // as ORT's softmax). A NaN first lane used to become the tile max and drop the tile.
+      VecF vmax = Splat(-std::numeric_limits<float>::infinity());
+      for (int j = 0; j < width; j += kVW) {
         const VecF x = Load(sc + j);
         vmax = x > vmax ? x : vmax;
       }
@@ -433,7 +505,12 @@ void AttentionRows(const Call<T>& c, Scratch& t, int64_t b, int64_t r_begin, int
       const float m_old = t.m[row];
       const float m_new = std::max(m_old, tile_max);
       if (m_new == -std::numeric_limits<float>::infinity()) {
-        std::fill(sc, sc + kTileKeys, 0.0f);  // every score -inf (e.g. a -inf bias)
+        // Every score so far -inf (e.g. a -inf bias: no weight, as ORT) or NaN: a NaN score
+        // (NaN query, key or bias) makes the row NaN through l.
+        for (int64_t j = jlo; j < jhi; ++j) {
+          if (std::isnan(sc[j])) t.l[row] = std::numeric_limits<float>::quiet_NaN();
+        }
+        std::fill(sc, sc + kTileKeys, 0.0f);
         continue;
       }
       VecF sum = Splat(0.0f);
@@ -454,7 +531,15 @@ void AttentionRows(const Call<T>& c, Scratch& t, int64_t b, int64_t r_begin, int
         for (int64_t d = 0; d < hp; d += kVW) Store(o + d, Load(o + d) * alpha);
       }
     }
-    AccumulateBlock<RB>(t.scores.data(), t.v_rows.data(), tile, hp, t.o_rows.data() + r0);
+    // A masked column has weight 0, but 0 * (NaN or Inf) in its value row is NaN: in a partial
+    // block whose tile holds a non-finite value, each row sums its own columns only (rare: the
+    // check runs for partial blocks, once per tile and head; a decode has none).
+    if (partial && TileValuesNonFinite(t, tile, hp)) {
+      AccumulateRanges<RB>(t.scores.data(), t.v_rows.data(), range_lo, range_hi, hp,
+                           t.o_rows.data() + r0);
+    } else {
+      AccumulateBlock<RB>(t.scores.data(), t.v_rows.data(), tile, hp, t.o_rows.data() + r0);
+    }
   }
 }
 
@@ -573,6 +658,7 @@ void AttentionTask(void* state, size_t task_index) {
           t.v_rows[j] = dst;
         }
       }
+      t.v_nonfinite = -1;  // new V rows
       for (int j = tile; j < kTileKeys && !dot_scores; ++j) {
         for (int64_t d = 0; d < H; ++d) t.kt[d * kTileKeys + j] = 0.0f;
       }
@@ -619,16 +705,17 @@ void MergeSplits(void* state, size_t task_index) {
     }
     std::fill(o.begin(), o.end(), 0.0f);
     float l = 0.0f;
-    if (m != -std::numeric_limits<float>::infinity()) {
-      for (int64_t sp = 0; sp < c.num_splits; ++sp) {
-        const int64_t slot = base * c.num_splits + sp;
-        const float ms = (*c.part_m)[slot * rpt + r];
-        if (ms == -std::numeric_limits<float>::infinity()) continue;
-        const float w = std::exp(ms - m);
-        l += (*c.part_l)[slot * rpt + r] * w;
-        const float* os = c.part_o->data() + (slot * rpt + r) * hp;
-        for (int64_t d = 0; d < hp; ++d) o[d] += os[d] * w;
+    for (int64_t sp = 0; sp < c.num_splits; ++sp) {
+      const int64_t slot = base * c.num_splits + sp;
+      const float ms = (*c.part_m)[slot * rpt + r];
+      if (ms == -std::numeric_limits<float>::infinity()) {
+        l += (*c.part_l)[slot * rpt + r];  // 0, or NaN for a split that saw only NaN scores
+        continue;
       }
+      const float w = std::exp(ms - m);
+      l += (*c.part_l)[slot * rpt + r] * w;
+      const float* os = c.part_o->data() + (slot * rpt + r) * hp;
+      for (int64_t d = 0; d < hp; ++d) o[d] += os[d] * w;
     }
     WriteOutputRow(c, b, row.token, row.head, o.data(), m, l);
   }

@@ -60,8 +60,8 @@ OrtStatusPtr GqaCpuKernel::ComputeV2(OrtKernelContext* context) {
 
 OrtStatusPtr GqaCpuOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info,
                                       void** kernel) const {
-  const GqaAttributes attrs = ReadGqaAttributes(api, info);
-  if (OrtStatusPtr st = ToOrtStatus(CheckGqaAttributes(attrs))) return st;
+  GqaAttributes attrs;
+  if (OrtStatusPtr st = ToOrtStatus(ReadGqaAttributes(api, info, &attrs))) return st;
   *kernel = new GqaCpuKernel(attrs);
   return nullptr;
 }

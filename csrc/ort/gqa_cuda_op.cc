@@ -65,8 +65,8 @@ OrtStatusPtr GqaCudaKernel::ComputeV2(OrtKernelContext* context) {
 
 OrtStatusPtr GqaCudaOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info,
                                        void** kernel) const {
-  const GqaAttributes attrs = ReadGqaAttributes(api, info);
-  if (OrtStatusPtr st = ToOrtStatus(CheckGqaAttributes(attrs))) return st;
+  GqaAttributes attrs;
+  if (OrtStatusPtr st = ToOrtStatus(ReadGqaAttributes(api, info, &attrs))) return st;
   CudaDeviceInfo device;
   if (OrtStatusPtr st = ToOrtStatus(QueryCudaDevice(&device))) return st;
   *kernel = new GqaCudaKernel(attrs, device);

@@ -19,38 +19,56 @@ DType FromOrtType(ONNXTensorElementDataType type) {
   }
 }
 
-// Reads attributes from an OrtKernelInfo; absent ones keep the contract's defaults.
+// One node's attributes through OrtKernelInfo (the Source of ParseGqaAttributes). The C API has
+// only typed getters by name (no way to list a node's attributes or ask one's type), so Type()
+// probes: each scalar getter succeeds only for its own type; the array getters succeed for any
+// attribute the node carries (ORT copies the list of that type, empty for another type), which
+// also tells a present attribute of another type from an absent one.
 struct KernelInfoAttrs {
   const OrtApi& api;
   const OrtKernelInfo* info;
 
-  int64_t Int(const char* name, int64_t dflt) const {
-    int64_t value = dflt;
-    if (OrtStatus* st = api.KernelInfoGetAttribute_int64(info, name, &value)) {
-      api.ReleaseStatus(st);
-      return dflt;
-    }
-    return value;
+  bool Ok(OrtStatus* st) const {
+    if (st == nullptr) return true;
+    api.ReleaseStatus(st);
+    return false;
   }
-  float Float(const char* name, float dflt) const {
-    float value = dflt;
-    if (OrtStatus* st = api.KernelInfoGetAttribute_float(info, name, &value)) {
-      api.ReleaseStatus(st);
-      return dflt;
-    }
-    return value;
-  }
-  std::string String(const char* name, const char* dflt) const {
+  AttrType Type(const char* name) const {
+    int64_t i = 0;
+    float f = 0.0f;
     size_t size = 0;
-    if (OrtStatus* st = api.KernelInfoGetAttribute_string(info, name, nullptr, &size)) {
-      api.ReleaseStatus(st);
-      return dflt;
+    if (Ok(api.KernelInfoGetAttribute_int64(info, name, &i))) return AttrType::kInt;
+    if (Ok(api.KernelInfoGetAttribute_float(info, name, &f))) return AttrType::kFloat;
+    if (Ok(api.KernelInfoGetAttribute_string(info, name, nullptr, &size))) return AttrType::kString;
+    size_t ints = 0, floats = 0;
+    const bool ints_ok = Ok(api.KernelInfoGetAttributeArray_int64(info, name, nullptr, &ints));
+    const bool floats_ok = Ok(api.KernelInfoGetAttributeArray_float(info, name, nullptr, &floats));
+    if (ints_ok && ints > 0) return AttrType::kInts;
+    if (floats_ok && floats > 0) return AttrType::kFloats;
+    OrtAllocator* alloc = nullptr;
+    OrtValue* tensor = nullptr;
+    if (Ok(api.GetAllocatorWithDefaultOptions(&alloc)) &&
+        Ok(api.KernelInfoGetAttribute_tensor(info, name, alloc, &tensor))) {
+      api.ReleaseValue(tensor);
+      return AttrType::kTensor;
     }
+    return ints_ok || floats_ok ? AttrType::kOther : AttrType::kAbsent;
+  }
+  int64_t Int(const char* name) const {
+    int64_t value = 0;
+    Ok(api.KernelInfoGetAttribute_int64(info, name, &value));
+    return value;
+  }
+  float Float(const char* name) const {
+    float value = 0.0f;
+    Ok(api.KernelInfoGetAttribute_float(info, name, &value));
+    return value;
+  }
+  std::string String(const char* name) const {
+    size_t size = 0;
+    if (!Ok(api.KernelInfoGetAttribute_string(info, name, nullptr, &size))) return {};
     std::string value(size, '\0');
-    if (OrtStatus* st = api.KernelInfoGetAttribute_string(info, name, value.data(), &size)) {
-      api.ReleaseStatus(st);
-      return dflt;
-    }
+    if (!Ok(api.KernelInfoGetAttribute_string(info, name, value.data(), &size))) return {};
     while (!value.empty() && value.back() == '\0') value.pop_back();
     return value;
   }
@@ -73,99 +91,149 @@ ONNXTensorElementDataType InputType(size_t index) {
   }
 }
 
-// Output types follow query; output (B, S, N*H); present (B, Nkv, C', H) where C' depends on
-// total_sequence_length's value, so it stays unknown.
-OrtStatusPtr InferOutputShape(const OrtCustomOp*, OrtShapeInferContext* ctx) {
-  const OrtApi& api = Ort::GetApi();
-  size_t input_count = 0;
-  if (OrtStatus* st = api.ShapeInferContext_GetInputCount(ctx, &input_count)) return st;
-  if (input_count == 0) return nullptr;
-  OrtTensorTypeAndShapeInfo* query_info = nullptr;
-  if (OrtStatus* st = api.ShapeInferContext_GetInputTypeShape(ctx, 0, &query_info)) {
-    api.ReleaseStatus(st);
-    return nullptr;  // nothing known about query: leave inference to run time
-  }
+// One inferred dimension: a value (>= 0) or a symbolic name. ORT turns a dimension without a
+// name into dim_value = its integer, so an unknown dimension must carry a name: -1 without one
+// becomes a fixed "-1" that never matches the run's shape, and ORT then logs a VerifyOutputSizes
+// warning for every output of every node on every Run.
+struct Dim {
+  int64_t value = -1;
+  std::string name;
+};
+
+// Dimensions of one input as the context knows them (empty: no input or no shape).
+struct InputDims {
   ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-  size_t rank = 0;
-  std::vector<int64_t> qdims;
+  std::vector<Dim> dims;
+  bool exists = false;  // an empty optional input comes back as an info of UNDEFINED type
+};
+
+InputDims ReadInputDims(const OrtApi& api, OrtShapeInferContext* ctx, size_t index) {
+  InputDims out;
+  size_t count = 0;
+  if (OrtStatus* st = api.ShapeInferContext_GetInputCount(ctx, &count)) {
+    api.ReleaseStatus(st);
+    return out;
+  }
+  OrtTensorTypeAndShapeInfo* info = nullptr;  // owned by the context
+  if (index >= count) return out;
+  if (OrtStatus* st = api.ShapeInferContext_GetInputTypeShape(ctx, index, &info)) {
+    api.ReleaseStatus(st);
+    return out;
+  }
   auto ok = [&api](OrtStatus* st) {
     if (st == nullptr) return true;
     api.ReleaseStatus(st);
     return false;
   };
-  bool known = ok(api.GetTensorElementType(query_info, &type)) &&
-               ok(api.GetDimensionsCount(query_info, &rank));
-  qdims.resize(rank);
-  std::vector<const char*> qsyms(rank, nullptr);
-  if (known && rank > 0) {
-    known = ok(api.GetDimensions(query_info, qdims.data(), rank)) &&
-            ok(api.GetSymbolicDimensions(query_info, qsyms.data(), rank));
+  size_t rank = 0;
+  if (info == nullptr || !ok(api.GetTensorElementType(info, &out.type)) ||
+      !ok(api.GetDimensionsCount(info, &rank))) {
+    return out;
   }
-  // Infos from ShapeInferContext_GetInputTypeShape are owned by the context: not released here.
-  if (!known) return nullptr;
+  out.exists = out.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  std::vector<int64_t> values(rank);
+  std::vector<const char*> names(rank, nullptr);
+  if (rank > 0 && (!ok(api.GetDimensions(info, values.data(), rank)) ||
+                   !ok(api.GetSymbolicDimensions(info, names.data(), rank)))) {
+    return out;
+  }
+  for (size_t i = 0; i < rank; ++i) {
+    out.dims.push_back(Dim{values[i], names[i] != nullptr ? names[i] : ""});
+  }
+  return out;
+}
 
-  auto read_int = [&](const char* name, int64_t dflt) {
-    const OrtOpAttr* attr = nullptr;
-    if (OrtStatus* st = api.ShapeInferContext_GetAttribute(ctx, name, &attr)) {
-      api.ReleaseStatus(st);
-      return dflt;
-    }
-    if (attr == nullptr) return dflt;
-    int64_t value = dflt;
-    size_t out = 0;
-    if (OrtStatus* st = api.ReadOpAttr(attr, ORT_OP_ATTR_INT, &value, sizeof(value), &out)) {
-      api.ReleaseStatus(st);
-      return dflt;
-    }
-    return value;
-  };
-  const int64_t n = read_int("num_heads", 0), nkv = read_int("kv_num_heads", 0);
-  bool packed = true;  // key absent or empty
-  if (input_count > 1) {
-    OrtTensorTypeAndShapeInfo* key_info = nullptr;
-    if (OrtStatus* st = api.ShapeInferContext_GetInputTypeShape(ctx, 1, &key_info)) {
-      api.ReleaseStatus(st);
-    } else {
-      // An empty optional input comes back as an info of UNDEFINED type, not as null.
-      ONNXTensorElementDataType key_type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-      if (key_info != nullptr && !ok(api.GetTensorElementType(key_info, &key_type))) {
-        key_type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-      }
-      packed = key_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-    }
+// `d` when it is known (a value or a name), else a dimension named `fallback`.
+Dim KnownOr(const Dim& d, const std::string& fallback) {
+  if (d.value >= 0 || !d.name.empty()) return d;
+  return Dim{-1, fallback};
+}
+
+Dim DimAt(const InputDims& in, size_t i, const std::string& fallback) {
+  return i < in.dims.size() ? KnownOr(in.dims[i], fallback) : Dim{-1, fallback};
+}
+
+std::string DimText(const Dim& d) { return d.value >= 0 ? std::to_string(d.value) : d.name; }
+
+int64_t ReadIntAttr(const OrtApi& api, OrtShapeInferContext* ctx, const char* name, int64_t dflt) {
+  const OrtOpAttr* attr = nullptr;
+  if (OrtStatus* st = api.ShapeInferContext_GetAttribute(ctx, name, &attr)) {
+    api.ReleaseStatus(st);
+    return dflt;
   }
-  int64_t head_size = -1, hidden = -1;
-  if (rank == 3 && qdims[2] > 0 && n > 0 && nkv > 0) {
-    const int64_t heads = packed ? n + 2 * nkv : n;
-    if (qdims[2] % heads == 0) {
-      head_size = qdims[2] / heads;
-      hidden = n * head_size;
+  int64_t value = dflt;
+  size_t out = 0;
+  if (attr == nullptr) return dflt;
+  if (OrtStatus* st = api.ReadOpAttr(attr, ORT_OP_ATTR_INT, &value, sizeof(value), &out)) {
+    api.ReleaseStatus(st);
+    return dflt;  // absent or not an INT: kernel creation reports the type
+  }
+  return value;
+}
+
+OrtStatusPtr SetOutput(const OrtApi& api, OrtShapeInferContext* ctx, size_t index,
+                       ONNXTensorElementDataType type, const std::vector<Dim>& dims) {
+  std::vector<int64_t> values;
+  std::vector<const char*> names;
+  for (const Dim& d : dims) {
+    values.push_back(d.value >= 0 ? d.value : -1);
+    names.push_back(d.value >= 0 ? "" : d.name.c_str());
+  }
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  if (OrtStatus* st = api.CreateTensorTypeAndShapeInfo(&info)) return st;
+  OrtStatus* st = api.SetTensorElementType(info, type);
+  if (!st) st = api.SetDimensions(info, values.data(), values.size());
+  if (!st) st = api.SetSymbolicDimensions(info, names.data(), names.size());
+  if (!st) st = api.ShapeInferContext_SetOutputTypeShape(ctx, index, info);
+  api.ReleaseTensorTypeAndShapeInfo(info);
+  return st;
+}
+
+// Output types follow query. output: (B, S, N*H); present: (B, Nkv, C', H) with
+// C' = max(total_sequence_length, past capacity), or the past capacity with a sliding window
+// cache. Every dimension is a value or a name (see Dim); unknown ones get names in our own
+// namespace ("ai.kvlayout:..."), so they neither fix a size nor alias a model's own symbols. A
+// dimension the model declares (a graph output's shape) keeps the model's name.
+OrtStatusPtr InferOutputShape(const OrtCustomOp*, OrtShapeInferContext* ctx) {
+  const OrtApi& api = Ort::GetApi();
+  const InputDims query = ReadInputDims(api, ctx, static_cast<size_t>(GqaInput::kQuery));
+  if (query.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED) return nullptr;  // left to run time
+  const InputDims key = ReadInputDims(api, ctx, static_cast<size_t>(GqaInput::kKey));
+  const InputDims past = ReadInputDims(api, ctx, static_cast<size_t>(GqaInput::kPastKey));
+  const int64_t n = ReadIntAttr(api, ctx, "num_heads", 0);
+  const int64_t nkv = ReadIntAttr(api, ctx, "kv_num_heads", 0);
+  const bool sliding = ReadIntAttr(api, ctx, "sliding_window_cache", 0) == 1;
+  const std::string ns = std::string(kDomain) + ":";
+
+  // A query of another rank fails at run time; every valid run has rank 3.
+  const bool rank3 = query.dims.size() == 3;
+  Dim head_size{-1, ns + "head_size"};
+  Dim hidden{-1, ns + "num_heads*head_size"};
+  if (rank3 && query.dims[2].value > 0 && n > 0 && nkv > 0) {
+    const int64_t heads = key.exists ? n : n + 2 * nkv;
+    if (query.dims[2].value % heads == 0) {
+      head_size.value = query.dims[2].value / heads;
+      hidden.value = n * head_size.value;
     }
+  } else if (rank3 && key.exists) {
+    hidden = KnownOr(query.dims[2], hidden.name);  // separate Q/K/V: output has query's width
   }
-  auto set_output = [&](size_t index, const std::vector<int64_t>& dims,
-                        const std::vector<const char*>& syms) -> OrtStatusPtr {
-    OrtTensorTypeAndShapeInfo* info = nullptr;
-    if (OrtStatus* st = api.CreateTensorTypeAndShapeInfo(&info)) return st;
-    OrtStatus* st = api.SetTensorElementType(info, type);
-    if (!st && !dims.empty()) st = api.SetDimensions(info, dims.data(), dims.size());
-    if (!st && !syms.empty()) st = api.SetSymbolicDimensions(info, const_cast<const char**>(syms.data()), syms.size());
-    if (!st) st = api.ShapeInferContext_SetOutputTypeShape(ctx, index, info);
-    api.ReleaseTensorTypeAndShapeInfo(info);
-    return st;
-  };
-  if (rank != 3) {
-    return set_output(0, {}, {});
+  const Dim batch = rank3 ? DimAt(query, 0, ns + "batch_size") : Dim{-1, ns + "batch_size"};
+  const Dim seq = rank3 ? DimAt(query, 1, ns + "sequence_length") : Dim{-1, ns + "sequence_length"};
+  if (OrtStatus* st = SetOutput(api, ctx, 0, query.type, {batch, seq, hidden})) return st;
+
+  Dim capacity;
+  if (past.exists && past.dims.size() == 4) {
+    capacity = DimAt(past, 2, ns + "past_capacity");
+    if (!sliding) capacity = Dim{-1, ns + "max(total_sequence_length," + DimText(capacity) + ")"};
+  } else {
+    capacity = Dim{-1, ns + "total_sequence_length"};
   }
-  const char* empty = "";
-  if (OrtStatus* st = set_output(0, {qdims[0], qdims[1], hidden},
-                                 {qsyms[0] ? qsyms[0] : empty, qsyms[1] ? qsyms[1] : empty, empty})) {
-    return st;
-  }
-  for (size_t index : {1, 2}) {
-    if (OrtStatus* st = set_output(index, {qdims[0], nkv > 0 ? nkv : -1, -1, head_size},
-                                   {qsyms[0] ? qsyms[0] : empty, empty, empty, empty})) {
-      // present outputs may be absent from the node: ignore that case.
-      api.ReleaseStatus(st);
+  const Dim kv_heads = nkv > 0 ? Dim{nkv, ""} : Dim{-1, ns + "kv_num_heads"};
+  for (GqaOutput which : {GqaOutput::kPresentKey, GqaOutput::kPresentValue}) {
+    const std::vector<Dim> dims{batch, kv_heads, capacity, head_size};
+    if (OrtStatus* st = SetOutput(api, ctx, static_cast<size_t>(which), query.type, dims)) {
+      api.ReleaseStatus(st);  // the node does not produce this output
     }
   }
   return nullptr;
@@ -189,8 +257,9 @@ void ReleaseMayInplace(int* input_index, int* output_index) {
 
 }  // namespace
 
-GqaAttributes ReadGqaAttributes(const OrtApi& api, const OrtKernelInfo* info) {
-  GqaAttributes a = ParseGqaAttributes(KernelInfoAttrs{api, info});
+Status ReadGqaAttributes(const OrtApi& api, const OrtKernelInfo* info, GqaAttributes* attrs) {
+  GqaAttributes a;
+  KVL_RETURN_IF_ERROR(ParseGqaAttributes(KernelInfoAttrs{api, info}, &a));
   size_t outputs = 0;
   if (OrtStatus* st = api.KernelInfo_GetOutputCount(info, &outputs)) {
     api.ReleaseStatus(st);
@@ -203,7 +272,9 @@ GqaAttributes ReadGqaAttributes(const OrtApi& api, const OrtKernelInfo* info) {
       a.output_qk_requested = size > 1;  // size counts the terminating NUL
     }
   }
-  return a;
+  KVL_RETURN_IF_ERROR(CheckGqaAttributes(a));
+  *attrs = a;
+  return Status::Ok();
 }
 
 GqaInputInfos DescribeInputs(Ort::KernelContext& ctx) {

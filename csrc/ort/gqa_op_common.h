@@ -19,8 +19,10 @@ namespace kvl {
 constexpr const char* kDomain = "ai.kvlayout";
 constexpr const char* kOpName = "GroupQueryAttention";
 
-// Reads every attribute (absent ones keep the contract's defaults).
-GqaAttributes ReadGqaAttributes(const OrtApi& api, const OrtKernelInfo* info);
+// Reads every attribute (absent ones keep the contract's defaults) and checks them: a wrong type,
+// a missing required attribute or a value outside the contract is an error (kernel creation,
+// i.e. session creation, fails with it).
+Status ReadGqaAttributes(const OrtApi& api, const OrtKernelInfo* info, GqaAttributes* attrs);
 
 // Shapes, types and presence of the node's inputs as the kernel sees them this call.
 GqaInputInfos DescribeInputs(Ort::KernelContext& ctx);

@@ -31,18 +31,24 @@ kvl::DType DTypeOf(const py::array& a) {
   return kvl::DType::kOther;
 }
 
-// Reads attributes from a dict; absent keys keep the contract's defaults.
+// Attributes from a dict (the Source of ParseGqaAttributes), typed as onnx.helper.make_attribute
+// would type them: an integer (or bool) is INT, a float FLOAT, a str STRING.
 struct DictAttrs {
   const py::dict& d;
-  int64_t Int(const char* key, int64_t dflt) const {
-    return d.contains(key) ? d[key].cast<int64_t>() : dflt;
+  static bool IsInt(const py::handle& v) {  // int, bool, numpy integers
+    return py::isinstance<py::int_>(v) || py::hasattr(v, "__index__");
   }
-  float Float(const char* key, float dflt) const {
-    return d.contains(key) ? d[key].cast<float>() : dflt;
+  kvl::AttrType Type(const char* key) const {
+    if (!d.contains(key)) return kvl::AttrType::kAbsent;
+    const py::object v = d[key];
+    if (py::isinstance<py::str>(v)) return kvl::AttrType::kString;
+    if (IsInt(v)) return kvl::AttrType::kInt;
+    if (py::isinstance<py::float_>(v) || py::hasattr(v, "__float__")) return kvl::AttrType::kFloat;
+    return kvl::AttrType::kOther;
   }
-  std::string String(const char* key, const char* dflt) const {
-    return d.contains(key) ? d[key].cast<std::string>() : std::string(dflt);
-  }
+  int64_t Int(const char* key) const { return d[key].cast<int64_t>(); }
+  float Float(const char* key) const { return d[key].cast<float>(); }
+  std::string String(const char* key) const { return d[key].cast<std::string>(); }
 };
 
 py::dict BuildInfo() {
@@ -62,7 +68,9 @@ py::dict BuildInfo() {
 // inputs: name -> array (absent or None = not given), names as in the ONNX schema.
 // shared=True appends into past_key/past_value in place (they are then the presents).
 py::tuple GqaCpu(const py::dict& inputs, const py::dict& attrs_dict, bool shared, int threads) {
-  const kvl::GqaAttributes attrs = kvl::ParseGqaAttributes(DictAttrs{attrs_dict});
+  kvl::GqaAttributes attrs;
+  kvl::Status st = kvl::ParseGqaAttributes(DictAttrs{attrs_dict}, &attrs);
+  if (!st.ok()) throw py::value_error(st.message());
 
   std::array<py::array, kvl::kGqaInputCount> arrays;
   kvl::GqaInputInfos infos;
@@ -94,7 +102,7 @@ py::tuple GqaCpu(const py::dict& inputs, const py::dict& attrs_dict, bool shared
                             ? *static_cast<const int32_t*>(raw(kvl::GqaInput::kTotalSequenceLength))
                             : 0;
   kvl::GqaShape shape;
-  kvl::Status st = kvl::CheckGqaInputs(attrs, infos, total, &shape);
+  st = kvl::CheckGqaInputs(attrs, infos, total, &shape);
   if (!st.ok()) throw py::value_error(st.message());
   if (shared && !shape.has_past) throw py::value_error("shared=True needs past_key/past_value");
 
