@@ -307,6 +307,16 @@ def _dispatch_cases():
         out.append(GqaCase(kind=kind, num_heads=n, kv_num_heads=nkv, head_size=64,
                            dtype=("fp16", "bf16")[i % 2], kv_layout=i % 2, shared=i % 3 == 0,
                            do_rotary=i % 2 == 0, seed=case_seed(33_000 + i), **kw))  # fmt: skip
+    # Large softcaps stay at float rounding (no hardware tanh approximation): every kernel.
+    for i, (kind, dtype, cap) in enumerate(
+        [("decode", "fp16", 1e4), ("prompt", "bf16", 1e6), ("chunk", "fp16", 1e8),
+         ("decode", "fp32", 1e6), ("prompt", "fp32", 1e8)]
+    ):  # fmt: skip
+        kw = ({"batch": 2, "seq": 37, "pad": 6} if kind == "prompt" else
+              {"batch": 1, "seq": 20, "past_len": 45} if kind == "chunk" else
+              {"batch": 2, "past_len": 300, "pad": 7})  # fmt: skip
+        out.append(GqaCase(kind=kind, num_heads=8, kv_num_heads=2, head_size=64, dtype=dtype,
+                           kv_layout=i % 2, softcap=cap, seed=case_seed(35_000 + i), **kw))  # fmt: skip
     for i, layout in enumerate((0, 1)):
         out.append(GqaCase(kind="decode", batch=1, past_len=8000, num_heads=8, kv_num_heads=2,
                            head_size=128, dtype=("fp16", "bf16")[i], kv_layout=layout,

@@ -9,6 +9,7 @@
 #include "core/check_inputs.h"
 #include "core/dtype.h"
 #include "core/kv_strides.h"
+#include "core/softcap.h"
 
 namespace kvl {
 namespace {
@@ -75,23 +76,18 @@ inline VecF VecExp(VecF x) {
   return underflow ? Splat(0.0f) : result;
 }
 
-// c * tanh(x / c) for a vector, within float rounding of the exact value for every finite c > 0
-// (relative error ~2e-7 of the result). tanh(y) as 1 - 2 / (exp(2y) + 1) alone cancels for
-// small |y|: its absolute error ~6e-8 becomes c * 6e-8 after the product (0.86 off ORT at
-// c = 1e8). Below |y| = 0.625 an odd polynomial y + y^3 P(y^2) (fitted here to tanh on
-// [0, 0.625], < 1 ulp) keeps the relative error; above, the exponential form no longer cancels
-// (computed only when a lane needs it). NaN stays NaN; x = +-inf gives +-c, as c * tanh(+-inf).
-// `inv_c` = 1/c, or 0 when that overflows (subnormal c): then y = x / c by a division.
+// core/softcap.h's rule (c * tanh(x / c) at float rounding for every finite c), on a vector;
+// the exponential form is computed only when a lane needs it.
 inline VecF VecSoftcap(VecF x, float c, float inv_c) {
   const VecF y = inv_c != 0.0f ? x * inv_c : x / Splat(c);
   const VecF z = y * y;
-  VecF p = Splat(-5.7189625645e-03f);
-  p = p * z + 2.0653124519e-02f;
-  p = p * z - 5.3744657902e-02f;
-  p = p * z + 1.3331512665e-01f;
-  p = p * z - 3.3333285220e-01f;
+  VecF p = Splat(kTanhP4);
+  p = p * z + kTanhP3;
+  p = p * z + kTanhP2;
+  p = p * z + kTanhP1;
+  p = p * z + kTanhP0;
   const VecF small = y + y * z * p;
-  const auto use_big = z >= 0.625f * 0.625f;  // false for NaN: the polynomial keeps it
+  const auto use_big = z >= kSoftcapPolyLimit * kSoftcapPolyLimit;  // false for NaN: polynomial
   bool any_big = false;
   for (int l = 0; l < kVW; ++l) any_big |= use_big[l] != 0;
   if (!any_big) return small * c;
@@ -448,8 +444,7 @@ void AttentionRows(const Call<T>& c, Scratch& t, int64_t b, int64_t r_begin, int
   const int64_t H = s.head_size, hp = c.head_pad;
   const T* bias = static_cast<const T*>(c.buf.attention_bias);
   const float softcap = s.softcap;
-  const float inv_softcap =
-      softcap > 0.0f && std::isfinite(1.0f / softcap) ? 1.0f / softcap : 0.0f;
+  const float inv_softcap = softcap > 0.0f ? SoftcapInverse(softcap) : 0.0f;
   // Score columns that can hold a key: short tiles (token generation over many heads) skip the
   // softmax work on the rest.
   const int width = static_cast<int>(RoundUp(tile, kVW));

@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(kWarp* kWarps)
       if (row_lo[k] >= k0 + kTileKeys || row_hi[k] <= k0 || row_lo[k] >= row_hi[k]) continue;
       const int64_t key = k0 + lane;
       float sc = DotRow<T>(qs + CtaRow(warp, k) * H, ks + lane * pitch, words);
-      if (s.softcap > 0.0f) sc = s.softcap * tanhf(sc / s.softcap);
+      if (s.softcap > 0.0f) sc = Softcap(sc, s.softcap, SoftcapInverse(s.softcap));
       // Keys of the tile past this split's end are zero-filled rows: never live.
       const bool live = key >= row_lo[k] && key < row_hi[k] && key < key_hi;
       if (bias != nullptr && live) {

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "core/kv_strides.h"
+#include "core/softcap.h"
 #include "cuda/gqa_cuda.h"
 
 namespace kvl {

@@ -154,6 +154,7 @@ __global__ void __launch_bounds__(kDecThreads)
   }
   const T* bias = static_cast<const T*>(buf.attention_bias);
   const bool plain = !(s.softcap > 0.0f) && bias == nullptr;
+  const float inv_softcap = s.softcap > 0.0f ? SoftcapInverse(s.softcap) : 0.0f;
   int64_t bias_row[2] = {0, 0};
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
@@ -215,7 +216,7 @@ __global__ void __launch_bounds__(kDecThreads)
         const int64_t key = k0 + n * 8 + 2 * tq + (e % 2);
         const bool live = key >= kr[hr].lo && key < kr[hr].hi;
         float x = sc[n][e];
-        if (s.softcap > 0.0f) x = s.softcap * tanhf(x / s.softcap);
+        if (s.softcap > 0.0f) x = Softcap(x, s.softcap, inv_softcap);
         if (bias != nullptr && live) x += ToF(bias[bias_row[hr] + key]);
         sc[n][e] = live ? x : -INFINITY;
         tmax[hr] = fmaxf(tmax[hr], sc[n][e]);

@@ -128,6 +128,7 @@ __global__ void __launch_bounds__(kWarp* kWarps)
   }
   // Without softcap and bias, a tile inside every row's key range needs no per-element work.
   const bool plain = !(s.softcap > 0.0f) && bias == nullptr;
+  const float inv_softcap = s.softcap > 0.0f ? SoftcapInverse(s.softcap) : 0.0f;
 
   for (int64_t tile = 0; tile < tiles; ++tile) {
     if (tile + 1 < tiles) issue(tile + 1);  // the other stage: consumed before the last barrier
@@ -177,7 +178,7 @@ __global__ void __launch_bounds__(kWarp* kWarps)
           const KeyRange& kr = hr ? kr1 : kr0;
           const bool live = key >= kr.lo && key < kr.hi;
           float x = sc[n][e];
-          if (s.softcap > 0.0f) x = s.softcap * tanhf(x / s.softcap);
+          if (s.softcap > 0.0f) x = Softcap(x, s.softcap, inv_softcap);
           if (bias != nullptr && live) x += ToF(bias[bias_row[hr] + key]);
           sc[n][e] = live ? x : -INFINITY;
           tmax[hr] = fmaxf(tmax[hr], sc[n][e]);
