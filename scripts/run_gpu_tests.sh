@@ -31,7 +31,11 @@ mkdir -p "$LOG_DIR"
 SANITIZER="${SANITIZER:-none}"
 SUITE="${SUITE:-1}"
 PYTEST_ARGS="${PYTEST_ARGS:-}"
-FILES="tests/test_gqa_cuda.py tests/test_cuda_graph.py"
+# Every file with GPU tests: the op, graph capture, a quiet log, the KV cache and runtime on the
+# device. The sanitizer passes take the op's own files (SAN_FILES): the others add runtime code
+# (CUDA virtual memory, sessions) but no kernel of ours that the op files do not reach.
+FILES="tests/test_gqa_cuda.py tests/test_cuda_graph.py tests/test_quiet_log.py tests/test_kv_cache_gpu.py"
+SAN_FILES="tests/test_gqa_cuda.py tests/test_cuda_graph.py"
 
 echo "== preflight (GQA_GPU_SEED=$GQA_GPU_SEED, logs in $LOG_DIR)"
 python3 - <<'EOF'
@@ -92,7 +96,7 @@ sanitize() {  # tool
   run_pass "sanitizer $tool" "$LOG_DIR/sanitizer_$tool.log" \
     env GQA_GPU_QUICK=1 compute-sanitizer --tool "$tool" --error-exitcode 3 --target-processes all \
     --report-api-errors no --print-limit 20 \
-    python3 -m pytest -q -x -m gpu -rs -p no:cacheprovider $FILES -k "$SAN_K" $PYTEST_ARGS
+    python3 -m pytest -q -x -m gpu -rs -p no:cacheprovider $SAN_FILES -k "$SAN_K" $PYTEST_ARGS
 }
 case "$SANITIZER" in
   none | "") ;;
