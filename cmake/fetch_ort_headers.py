@@ -5,9 +5,12 @@ The onnxruntime wheels ship no headers, so the build takes them from Debian's pa
 registry every build machine of this project reaches). Headers are architecture independent;
 the amd64 package is used everywhere. Prints the include directory on success.
 
-Order: apt-get download with a throwaway sources list (no root, no install), else a direct
-download of the pool file. Either way the .deb's sha256 is checked and only its
-usr/include/onnxruntime tree is extracted into the cache.
+The package source is the one apt is already configured with: the Debian archives named in
+/etc/apt/sources.list(.d) (one-line or deb822 form), asked for the suite that carries the package.
+Order: apt-get download with a throwaway sources list naming those archives (no root, no
+install), else a direct download of the pool file from each of them. Either way the .deb's sha256
+is checked and only its usr/include/onnxruntime tree is extracted into the cache. With no Debian
+archive configured, one message says how to provide the headers instead.
 """
 
 from __future__ import annotations
@@ -24,21 +27,103 @@ import tarfile
 import tempfile
 import urllib.request
 from pathlib import Path
+from typing import NamedTuple
 
 PACKAGE = "libonnxruntime-dev"
 VERSION = "1.21.0+dfsg-1"
 SUITE = "trixie"
 DEB_NAME = f"{PACKAGE}_{VERSION}_amd64.deb"
 SHA256 = "14f7d959d5deacbcf1504830d4189f91fc67382b399ed9ae9d3aa9c4050ced08"
-MIRROR = "http://deb.debian.org/debian"
-POOL_URL = f"{MIRROR}/pool/main/o/onnxruntime/{DEB_NAME}"
+POOL_PATH = f"pool/main/o/onnxruntime/{DEB_NAME}"
+APT_SOURCES = Path("/etc/apt")
+# Suites of the Debian archive itself (not -security / -updates / third-party repositories).
+DEBIAN_SUITES = {"oldstable", "stable", "testing", "unstable", "sid", "bullseye", "bookworm",
+                 "trixie", "forky", "duke"}  # fmt: skip
+HOW_TO = (
+    "set ORT_INCLUDE_DIR to a directory holding onnxruntime_cxx_api.h, or install Debian's "
+    f"{PACKAGE} ({VERSION}, suite {SUITE})"
+)
 
 
-def _apt_download(workdir: Path) -> Path | None:
+class Archive(NamedTuple):
+    uri: str
+    signed_by: str | None  # a keyring path, when the source names one
+
+
+def _list_entries(text: str) -> list[Archive]:
+    """One-line sources: `deb [opt=value ...] URI SUITE COMPONENT...`."""
+    out = []
+    for line in text.splitlines():
+        words = line.split("#", 1)[0].split()
+        if not words or words[0] != "deb":
+            continue
+        words, opts = words[1:], {}
+        if words and words[0].startswith("["):
+            while words:
+                raw = words.pop(0)
+                w = raw.strip("[]")
+                if "=" in w:
+                    k, v = w.split("=", 1)
+                    opts[k] = v
+                if raw.endswith("]"):
+                    break
+        if len(words) >= 3 and words[1] in DEBIAN_SUITES and "main" in words[2:]:
+            out.append(Archive(words[0].rstrip("/"), opts.get("signed-by")))
+    return out
+
+
+def _deb822_entries(text: str) -> list[Archive]:
+    """deb822 sources: stanzas of `Types:`, `URIs:`, `Suites:`, `Components:`, `Signed-By:`."""
+    out = []
+    for stanza in text.split("\n\n"):
+        fields: dict[str, str] = {}
+        key = None
+        for line in stanza.splitlines():
+            if line.startswith("#") or not line.strip():
+                continue
+            if line[0].isspace() and key:  # continuation (an inline key)
+                fields[key] += "\n" + line.strip()
+                continue
+            key, _, value = line.partition(":")
+            key = key.strip().lower()
+            fields[key] = value.strip()
+        if fields.get("enabled", "yes").lower() == "no" or "deb" not in fields.get("types", ""):
+            continue
+        suites = fields.get("suites", "").split()
+        if not any(x in DEBIAN_SUITES for x in suites) or "main" not in fields.get(
+            "components", ""
+        ):
+            continue
+        signed = fields.get("signed-by")
+        signed = signed if signed and "\n" not in signed and signed.startswith("/") else None
+        out += [Archive(uri.rstrip("/"), signed) for uri in fields.get("uris", "").split()]
+    return out
+
+
+def configured_archives(root: Path | None = None) -> list[Archive]:
+    """The Debian archives apt is configured with, in the order apt reads them, no duplicates."""
+    root = APT_SOURCES if root is None else root
+    found: list[Archive] = []
+    files = [root / "sources.list"] + sorted((root / "sources.list.d").glob("*"))
+    for f in files:
+        try:
+            text = f.read_text(errors="replace")
+        except OSError:
+            continue
+        if f.name == "sources.list" or f.suffix == ".list":
+            found += _list_entries(text)
+        elif f.suffix == ".sources":
+            found += _deb822_entries(text)
+    return list(dict.fromkeys(found))
+
+
+def _apt_download(workdir: Path, archives: list[Archive]) -> Path | None:
     if shutil.which("apt-get") is None:
         return None
     sources = workdir / "sources.list"
-    sources.write_text(f"deb {MIRROR} {SUITE} main\n")
+    sources.write_text("".join(
+        f"deb {'[signed-by=' + a.signed_by + '] ' if a.signed_by else ''}{a.uri} {SUITE} main\n"
+        for a in archives))  # fmt: skip
     (workdir / "lists" / "partial").mkdir(parents=True)
     (workdir / "cache" / "archives" / "partial").mkdir(parents=True)
     opts = [
@@ -60,8 +145,10 @@ def _apt_download(workdir: Path) -> Path | None:
             timeout=300,
         )
     except (subprocess.SubprocessError, OSError) as err:
-        print(f"fetch_ort_headers: apt-get route failed ({err}); trying a direct download",
-              file=sys.stderr)
+        print(
+            f"fetch_ort_headers: apt-get route failed ({err}); trying a direct download",
+            file=sys.stderr,
+        )
         return None
     deb = workdir / DEB_NAME.replace("+", "%2b")
     if not deb.exists():
@@ -69,11 +156,20 @@ def _apt_download(workdir: Path) -> Path | None:
     return deb if deb.exists() else None
 
 
-def _direct_download(workdir: Path) -> Path:
+def _direct_download(workdir: Path, archives: list[Archive]) -> Path:
     deb = workdir / DEB_NAME
-    with urllib.request.urlopen(POOL_URL, timeout=300) as resp, open(deb, "wb") as out:
-        shutil.copyfileobj(resp, out)
-    return deb
+    errors = []
+    for a in archives:
+        try:
+            with (
+                urllib.request.urlopen(f"{a.uri}/{POOL_PATH}", timeout=300) as resp,
+                open(deb, "wb") as out,
+            ):
+                shutil.copyfileobj(resp, out)
+            return deb
+        except OSError as err:
+            errors.append(f"{a.uri}: {err}")
+    raise RuntimeError(f"could not download {DEB_NAME} ({'; '.join(errors)}); {HOW_TO}")
 
 
 def _data_tar(deb_bytes: bytes) -> tarfile.TarFile:
@@ -102,7 +198,10 @@ def fetch(cache: Path) -> Path:
         return include / "onnxruntime"
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        deb = _apt_download(workdir) or _direct_download(workdir)
+        archives = configured_archives()
+        if not archives:
+            raise RuntimeError(f"apt names no Debian archive in {APT_SOURCES}; {HOW_TO}")
+        deb = _apt_download(workdir, archives) or _direct_download(workdir, archives)
         data = deb.read_bytes()
         digest = hashlib.sha256(data).hexdigest()
         if digest != SHA256:
@@ -110,8 +209,11 @@ def fetch(cache: Path) -> Path:
         staging = cache / f".staging-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
         with _data_tar(data) as tar:
-            members = [m for m in tar.getmembers()
-                       if m.name.lstrip("./").startswith("usr/include/onnxruntime/")]
+            members = [
+                m
+                for m in tar.getmembers()
+                if m.name.lstrip("./").startswith("usr/include/onnxruntime/")
+            ]
             for m in members:
                 m.name = m.name.lstrip("./")[len("usr/") :]
             tar.extractall(staging, members=members, filter="data")
@@ -129,7 +231,11 @@ def main() -> int:
     default_cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ort_kvlayout"
     parser.add_argument("--cache", type=Path, default=default_cache)
     args = parser.parse_args()
-    print(fetch(args.cache))
+    try:
+        print(fetch(args.cache))
+    except (RuntimeError, OSError) as err:
+        print(f"fetch_ort_headers: {err}", file=sys.stderr)
+        return 1
     return 0
 
 
