@@ -242,3 +242,16 @@ def test_cli_refuses_bad_sampling_flags(tokenized_dir, capsys):
 
     assert main([str(tokenized_dir), "--prompt", "w1", "--top-k", "5"]) == 2
     assert "need --temperature" in capsys.readouterr().err
+
+
+def test_growable_cuda_cache_is_refused_for_an_unpatched_model(dirs):
+    """ORT's com.microsoft GQA may read unmapped rows of a growable range: refused before any
+    CUDA call (so this runs without a GPU), naming the nodes and the way out."""
+    from ort_kvlayout.generation import Runtime
+    from ort_kvlayout.model_spec import ModelSpec
+
+    with pytest.raises(ValueError, match=r"com.microsoft op \(.+\).*--cache preallocated"):
+        Runtime(dirs["original"], provider="cuda", cache="growable", custom_ops_library=None)
+
+    assert ModelSpec.from_dir(dirs["seq"]).foreign_gqa_nodes() == []
+    assert len(ModelSpec.from_dir(dirs["original"]).foreign_gqa_nodes()) == 2  # two layers

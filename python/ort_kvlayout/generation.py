@@ -26,8 +26,9 @@ position, and every later step writes its row at seqlens_k[b].
   length) per entry: a first prompt writes all padded rows); on CUDA an unmapped row would be a
   device fault, so this is not optional. A growable cache also needs attention kernels that read
   only live rows: ai.kvlayout's CUDA kernels predicate every K/V load on the entry's length
-  (rows past it are zero-filled, not read); ORT's own com.microsoft kernels are not checked for
-  that here, so run original (unpatched) models on CUDA with a preallocated cache.
+  (rows past it are zero-filled, not read); ORT's own com.microsoft kernels may read every
+  capacity row (an illegal-address fault on unmapped memory), so a growable cache on CUDA is
+  refused unless every GQA node is ai.kvlayout: run original models there with "preallocated".
 """
 
 from __future__ import annotations
@@ -112,6 +113,17 @@ class Runtime:
         if cache not in CACHE_MODES:
             raise ValueError(f"cache mode {cache!r}: expected one of {', '.join(CACHE_MODES)}")
         self.spec = ModelSpec.from_dir(model_dir)
+        foreign = self.spec.foreign_gqa_nodes()
+        if cache == "growable" and provider == "cuda" and foreign:
+            # Checked before any CUDA call: the com.microsoft kernels are not known to read only
+            # live rows, and a growable range's rows past the live prefix are unmapped.
+            raise ValueError(
+                f"cache 'growable' on CUDA needs ai.kvlayout GroupQueryAttention nodes; "
+                f"{len(foreign)} node(s) run ORT's com.microsoft op ({', '.join(foreign[:3])}"
+                f"{', ...' if len(foreign) > 3 else ''}), which may read unmapped rows: use "
+                "--cache preallocated (cache='preallocated') or patch the model "
+                "(patch_kv_layout)"
+            )
         self.provider = provider
         self.cache_mode = cache
         self.device_id = device_id

@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from .graph import iter_gqa_nodes, node_attrs
+from . import DOMAIN
+from .graph import iter_gqa_nodes, node_attrs, node_label
 from .layout import layout_id
 from .metadata import (
     METADATA_FILE,
@@ -90,6 +91,11 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
     custom_ops_library: str | None  # genai_config's decoder session option, as written
+    gqa_nodes: tuple[tuple[str, str], ...] = ()  # (node label, domain) of every GQA node
+
+    def foreign_gqa_nodes(self) -> list[str]:
+        """Labels of the GQA nodes that are not ai.kvlayout (ORT's own com.microsoft op)."""
+        return [name for name, domain in self.gqa_nodes if domain != DOMAIN]
 
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike) -> ModelSpec:
@@ -169,4 +175,5 @@ class ModelSpec:
             eos_token_ids=tuple(int(t) for t in (eos if isinstance(eos, list) else [eos])),
             pad_token_id=int(model.get("pad_token_id") or 0),
             custom_ops_library=decoder.get("session_options", {}).get("custom_ops_library"),
+            gqa_nodes=tuple((node_label(n, i), n.domain) for i, n in enumerate(nodes)),
         )
