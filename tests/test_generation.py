@@ -235,6 +235,7 @@ def test_cli_streams_the_greedy_text(tokenized_dir, ref, capsys):
     expected = expected[: stop + 1] if stop is not None else expected
     assert words == [f"w{t}" for t in expected]
     assert "KV (bucket, tokenizers tokenizer): committed" in captured.err
+    assert "\033[K" not in captured.err  # stderr is no terminal here: no status redraws
 
 
 def test_cli_refuses_bad_sampling_flags(tokenized_dir, capsys):
@@ -255,3 +256,66 @@ def test_growable_cuda_cache_is_refused_for_an_unpatched_model(dirs):
 
     assert ModelSpec.from_dir(dirs["seq"]).foreign_gqa_nodes() == []
     assert len(ModelSpec.from_dir(dirs["original"]).foreign_gqa_nodes()) == 2  # two layers
+
+
+def test_cli_reports_a_corrupt_model_in_one_line(tokenized_dir, tmp_path, capsys):
+    import shutil
+
+    from ort_kvlayout.generate_cli import main
+
+    broken = shutil.copytree(tokenized_dir, tmp_path / "broken")
+    (broken / "model.onnx").write_bytes(b"\x08\x07 this is not a protobuf \xff\xfe" * 10)
+    assert main([str(broken), "--prompt", "w1 w2", "--tokenizer", "tokenizers"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ")
+    assert "model.onnx: not a readable ONNX model" in err and "Traceback" not in err
+
+    config = json.loads((broken / "genai_config.json").read_text())
+    del config["model"]["decoder"]["num_key_value_heads"]
+    (broken / "genai_config.json").write_text(json.dumps(config))
+    shutil.copy(tokenized_dir / "model.onnx", broken / "model.onnx")
+    assert main([str(broken), "--prompt", "w1 w2", "--tokenizer", "tokenizers"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "genai_config.json: incomplete or malformed (KeyError: 'num_key_value_heads')" in err
+
+
+def test_cli_reports_any_failure_in_one_line(tokenized_dir, monkeypatch, capsys):
+    """An exception the CLI does not expect (here ORT's own Fail, a plain Exception subclass)
+    is still one line with exit 2, its type named."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail
+    from ort_kvlayout import generation
+    from ort_kvlayout.generate_cli import main
+
+    def fail(*_args, **_kwargs):
+        raise Fail("[ONNXRuntimeError] : 1 : FAIL : simulated\nsecond line")
+
+    monkeypatch.setattr(generation.Runtime, "generate", fail)
+    assert main([str(tokenized_dir), "--prompt", "w1", "--tokenizer", "tokenizers"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: Fail: [ONNXRuntimeError] : 1 : FAIL : simulated; second line\n"
+
+
+class _Stream:
+    def __init__(self, tty: bool):
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize(
+    ("stream", "quiet", "out_tty", "err_tty", "expected"),
+    [
+        (True, False, True, True, False),  # text streaming onto the terminal: no redraws
+        (True, False, False, True, True),  # text redirected: the status line on the terminal
+        (False, False, True, True, True),  # a batch (printed at the end): redraws
+        (True, False, False, False, False),  # stderr to a file: no escape codes in it
+        (False, True, False, True, False),  # --quiet
+    ],
+)
+def test_cli_progress_never_erases_streamed_text(stream, quiet, out_tty, err_tty, expected):
+    from ort_kvlayout.generate_cli import redraws_progress
+
+    got = redraws_progress(stream, quiet, _Stream(out_tty), _Stream(err_tty))
+    assert got is expected

@@ -99,8 +99,21 @@ class ModelSpec:
 
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike) -> ModelSpec:
+        """Raises MetadataError naming the file and the key or rule on any unreadable input."""
         model_dir = Path(model_dir)
         config = load_genai_config(model_dir)
+        try:
+            return cls._from_config(model_dir, config)
+        except (KeyError, TypeError) as exc:  # a key genai_config.json lacks, or a wrong type
+            raise MetadataError(
+                f"{model_dir / 'genai_config.json'}: incomplete or malformed "
+                f"({type(exc).__name__}: {exc}); expected onnxruntime-genai's model.decoder "
+                "inputs/outputs names, num_hidden_layers, num_key_value_heads, head_size, "
+                "model.context_length and model.vocab_size"
+            ) from exc
+
+    @classmethod
+    def _from_config(cls, model_dir: Path, config: dict) -> ModelSpec:
         model = config["model"]
         decoder = model["decoder"]
         files = decoder_files(config)
@@ -110,7 +123,12 @@ class ModelSpec:
                 "generation runtime (one decoder graph expected)"
             )
         onnx_path = model_dir / files[0]
-        graph_model = onnx.load(str(onnx_path), load_external_data=False)
+        try:
+            graph_model = onnx.load(str(onnx_path), load_external_data=False)
+        except Exception as exc:  # DecodeError, OSError...: one clear message
+            raise MetadataError(
+                f"{onnx_path}: not a readable ONNX model ({type(exc).__name__}: {exc})"
+            ) from exc
         input_types = {i.name: i.type.tensor_type.elem_type for i in graph_model.graph.input}
         output_names = {o.name for o in graph_model.graph.output}
         nodes = list(iter_gqa_nodes(graph_model))
