@@ -162,12 +162,26 @@ def test_generating_past_the_reserved_context_is_a_clear_error(dirs, mode):
 
 
 def test_failed_physical_allocation_mid_generation(dirs, ref):
+    """The hook is armed after the prefill (whose commits succeed): a decode step's growth fails
+    part-way (2 of the 4 buffers' next pages commit, the third does not); the error is clear and
+    the same runtime and cache then generate the right tokens."""
     with runtime(dirs["seq"], "growable") as rt:
-        simulate_commit_failure("cpu", after=2)  # a few pages succeed, then one fails
+        seen = []
+
+        def arm_after_prefill(step_tokens):
+            if not seen:
+                simulate_commit_failure("cpu", after=2)
+            seen.append(step_tokens)
+
         with pytest.raises(KvMemoryError, match="ENOMEM"):
-            rt.generate(PROMPT, TOKENS, eos_token_ids=[])
+            rt.generate(PROMPT, TOKENS, eos_token_ids=[], on_step=arm_after_prefill)
+        # Prompt 9 tokens, 16 per page: the first growth is at the 17th row, decode step 8.
+        assert len(seen) == 16 - len(PROMPT) + 1
+        assert [t for (t,) in seen] == ref["long"][: len(seen)]
+        cache = rt.cache
+        assert cache.measured_committed_bytes() == cache.stats.committed_bytes  # exact accounting
         out = rt.generate(PROMPT, TOKENS, eos_token_ids=[])  # the same runtime and cache
-        assert out.tokens == [ref["long"]]
+        assert out.tokens == [ref["long"]] and rt.cache is cache
 
 
 def test_sampling_is_seeded_and_top_k_1_is_greedy(dirs, ref):

@@ -274,10 +274,13 @@ class KvCache:
         grew = False
         if any(t > c for t, c in zip(tokens, self._covered)):
             start = time.perf_counter()
-            if self.mode == "bucket":
-                grew = self._grow_bucket(tokens)
-            else:
-                grew = self._commit(tokens)
+            try:
+                if self.mode == "bucket":
+                    grew = self._grow_bucket(tokens)
+                else:
+                    grew = self._commit(tokens)
+            finally:  # a failed commit may have committed some buffers: count what is held
+                self._update_bytes()
             if grew:
                 self.stats.growth_events += 1
                 self.stats.growth_seconds += time.perf_counter() - start
