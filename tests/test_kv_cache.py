@@ -236,3 +236,15 @@ def test_host_reservation_refuses_ranges_outside_its_committed_granules():
     finally:
         res.close()
         other.close()
+
+
+@pytest.mark.parametrize("layout", [0, 1])
+def test_prefix_tokens_inverts_prefix_spans(layout):
+    from ort_kvlayout.layout import prefix_spans, prefix_tokens
+
+    for t in range(1, 65):
+        for b, start, end in prefix_spans(layout, 4, 64, 8, [t, t]):
+            assert prefix_tokens(layout, 4, 64, 8, end - start) == t
+            assert prefix_tokens(layout, 4, 64, 8, end - start - 1) == t - 1
+            assert b in (0, 1)
+    assert prefix_tokens(layout, 4, 64, 8, 10**9) == 64  # at most the capacity
