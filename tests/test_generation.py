@@ -333,3 +333,29 @@ def test_cli_progress_never_erases_streamed_text(stream, quiet, out_tty, err_tty
 
     got = redraws_progress(stream, quiet, _Stream(out_tty), _Stream(err_tty))
     assert got is expected
+
+
+def test_sampler_tiny_temperature_is_greedy_and_bad_logits_are_named():
+    logits = np.array([[0.1, 2.0, 1.9, -3.0], [5.0, 4.0, 4.5, 0.0]], np.float32)
+    sampler = Sampler(SamplingParams(temperature=1e-30, seed=0))  # inf - inf gave NaN before
+    assert sampler(logits).tolist() == [1, 0]
+    bad = logits.copy()
+    bad[1, 2] = np.nan
+    for params in (SamplingParams(), SamplingParams(temperature=0.7, seed=1)):
+        with pytest.raises(ValueError, match=r"batch entries \[1\] contain NaN or infinite"):
+            Sampler(params)(bad)
+
+
+@pytest.mark.parametrize("capacity", [0, -4])
+def test_capacity_below_one_is_refused(dirs, capacity):
+    with pytest.raises(ValueError, match=rf"capacity {capacity}: .* must be >= 1"):
+        runtime(dirs["seq"], capacity=capacity)
+
+
+def test_tokenizer_failure_is_one_line(tmp_path):
+    from ort_kvlayout.tokenizer import load_tokenizer
+
+    (tmp_path / "tokenizer.json").write_text("{ not json\n at all")
+    with pytest.raises(RuntimeError, match="no tokenizer backend could load") as info:
+        load_tokenizer(tmp_path)
+    assert "\n" not in str(info.value)

@@ -133,7 +133,12 @@ class Runtime:
         self.fixed_mask = self.cuda_graph if fixed_mask is None else bool(fixed_mask)
         if self.cuda_graph and not self.fixed_mask:
             raise ValueError("CUDA graphs need fixed_mask=True (constant shapes)")
-        self.capacity = capacity or self.spec.kv.context_length
+        if capacity is not None and capacity < 1:
+            raise ValueError(
+                f"capacity {capacity}: the tokens reserved per batch entry must be >= 1 "
+                "(None: the model's context length)"
+            )
+        self.capacity = self.spec.kv.context_length if capacity is None else int(capacity)
         self.granule = granule
         self.bucket_tokens = bucket_tokens
 
