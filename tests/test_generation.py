@@ -359,3 +359,23 @@ def test_tokenizer_failure_is_one_line(tmp_path):
     with pytest.raises(RuntimeError, match="no tokenizer backend could load") as info:
         load_tokenizer(tmp_path)
     assert "\n" not in str(info.value)
+
+
+def test_recapture_counted_only_when_ort_captures_again(dirs, ref):
+    """The graph counters follow ORT's rule (CUDA_GRAPH_WARMUP_RUNS regular runs of a graph id,
+    then a capture); the GPU test reading ORT's capture log is their oracle. Here, on the CPU
+    with the graph ids run uncaptured, the edge: a bucket growth one step before the end starts
+    a graph id that ORT never captures, so it is no re-capture."""
+    from ort_kvlayout.generation import CUDA_GRAPH_WARMUP_RUNS
+
+    assert CUDA_GRAPH_WARMUP_RUNS == 2
+    with runtime(dirs["seq"], "bucket", fixed_mask=True, bucket_tokens=16) as rt:
+        rt.cuda_graph = True  # count as the CUDA path does; the CPU session gets no graph ids
+        rt._run_options = lambda _graph_id: None
+        # Prompt 9: bucket 16 -> 32 at decode step 8 (row 17), -> 64 at step 24 (row 33).
+        out = rt.generate(PROMPT, 25, eos_token_ids=[])  # decode steps 1..24
+        assert out.tokens == [ref["long"][:25]]
+        s = out.stats
+        # graph 0: steps 1-7 (capture at 3, 4 replays); graph 1: steps 8-23 (capture at 10,
+        # 13 replays); graph 2: step 24 alone, never captured.
+        assert (s.graph_captures, s.replays, s.recaptures) == (2, 17, 1)

@@ -167,6 +167,7 @@ class Runtime:
         self.cache: KvCache | None = None
         self._graph_id = -1  # the decode graph id of the current binding
         self._graph_runs: dict[int, int] = {}
+        self._stale_capture = False  # a captured decode graph was invalidated by growth
         self._decode: _DecodeBinding | None = None
 
     # -----------------------------------------------------------------------------------------
@@ -320,8 +321,14 @@ class Runtime:
 
         decode = self._decode
         if decode is None or decode.generation != cache.generation or decode.cache is not cache:
-            if decode is not None and self._graph_id >= 0 and self.cuda_graph:
-                cache.stats.recaptures += 1  # the old graph's pointers/shapes are stale
+            if decode is not None and decode.cache is cache:
+                # The old graph's pointers/shapes are stale: the next capture (if the generation
+                # lasts long enough for ORT to make one) is a re-capture, when one was captured.
+                self._stale_capture |= self._graph_runs.get(self._graph_id, 0) > (
+                    CUDA_GRAPH_WARMUP_RUNS
+                )
+            else:
+                self._stale_capture = False
             self._graph_id += 1
             decode = self._decode = _DecodeBinding(self, cache)
         decode.mask[:] = 0
@@ -334,6 +341,8 @@ class Runtime:
         if self.cuda_graph:
             if runs == CUDA_GRAPH_WARMUP_RUNS:
                 cache.stats.graph_captures += 1
+                cache.stats.recaptures += self._stale_capture
+                self._stale_capture = False
             elif runs > CUDA_GRAPH_WARMUP_RUNS:
                 cache.stats.replays += 1
         return decode.logits()[:, -1]
