@@ -363,7 +363,7 @@ class DeviceReservation:
     def copy_from(self, offset: int, src: Reservation, src_offset: int, size: int) -> None:
         if src.device != "cuda":
             raise ValueError("DeviceReservation.copy_from needs a device source")
-        self._c.cuda_copy(self.ptr + offset, src.ptr + src_offset, size)
+        self._c.cuda_copy(self.ptr + offset, src.ptr + src_offset, size, self.device_id)
 
     def close(self) -> None:
         self._vmm.close()
@@ -426,7 +426,9 @@ class OrtDeviceBuffer:
     def copy_from(self, offset: int, src: Reservation, src_offset: int, size: int) -> None:
         if src.device != "cuda":
             raise ValueError("OrtDeviceBuffer.copy_from needs a device source")
-        _cuda_module(required=True).cuda_copy(self.ptr + offset, src.ptr + src_offset, size)
+        _cuda_module(required=True).cuda_copy(
+            self.ptr + offset, src.ptr + src_offset, size, self.device_id
+        )
 
     def close(self) -> None:
         if self._value is None:
