@@ -18,7 +18,10 @@ memory (no model: the caches are driven directly with the shapes of a model's KV
   of head-growable, and within one granule per buffer of the live bytes.
 decode (a model directory; the patched one for our runtime, the same directory for genai):
   time to first token and decode tokens/s of ort_kvlayout.generation (growable, preallocated,
-  bucket; CUDA graphs on CUDA) and of onnxruntime-genai on the same model and prompt.
+  bucket; CUDA graphs on CUDA) and of onnxruntime-genai on the same model and prompt. Each runtime
+  is loaded once and warmed by one untimed generation of the same length; both are timed over the
+  same scope: time to first token from the call to the first token chosen, decode from the first
+  to the last token chosen (model runs, logits copies, sampling and the loop). Best of --repeat.
 
 Writes JSON (--json, default bench/results/kv_cache_<part>_<device>.json) and, for memory, a PNG
 plot (--plot; needs matplotlib: pip install .[bench]).
@@ -27,6 +30,7 @@ plot (--plot; needs matplotlib: pip install .[bench]).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import platform
@@ -216,7 +220,27 @@ def run_memory(args) -> dict:
 # decode: our runtime vs onnxruntime-genai
 
 
-def genai_run(model_dir: Path, ids: list[int], tokens: int, provider: str) -> dict:
+class _StepClock:
+    """Wall-clock marks of the token choices of one generation: the first mark ends the time to
+    first token, the marks after it are decode steps (model run, logits copy, sampling, loop)."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.marks: list[float] = []
+
+    def mark(self, *_args: object) -> None:
+        self.marks.append(time.perf_counter())
+
+    def result(self) -> dict:
+        ttft = self.marks[0] - self.start
+        steps, decode = len(self.marks) - 1, self.marks[-1] - self.marks[0]
+        return {"ttft_ms": ttft * 1e3, "decode_steps": steps, "decode_seconds": decode,
+                "decode_tokens_per_s": steps / decode if decode > 0 else 0.0}  # fmt: skip
+
+
+def genai_runs(model_dir: Path, ids: list[int], tokens: int, provider: str, repeat: int):
+    """onnxruntime-genai: one og.Model, one untimed warm-up generation, then `repeat` timed ones,
+    each timed like ours (_StepClock around generate_next_token)."""
     import onnxruntime_genai as og
 
     config = og.Config(str(model_dir))
@@ -225,38 +249,46 @@ def genai_run(model_dir: Path, ids: list[int], tokens: int, provider: str) -> di
         config.append_provider("cuda")
         config.set_provider_option("cuda", "enable_cuda_graph", "1")
     model = og.Model(config)
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(ids) + tokens, do_sample=False)
-    generator = og.Generator(model, params)
-    start = time.perf_counter()
-    generator.append_tokens(ids)  # the prompt runs here (prefill)
-    generator.generate_next_token()  # onnxruntime-genai < 0.6 runs it here: both timed
-    ttft = time.perf_counter() - start
-    steps, start = 0, time.perf_counter()
-    while not generator.is_done():
-        generator.generate_next_token()
-        steps += 1
-    decode = time.perf_counter() - start
-    out = [int(t) for t in generator.get_sequence(0)][len(ids) :]
-    return {"ttft_ms": ttft * 1e3, "decode_tokens_per_s": steps / decode if decode else 0.0,
-            "tokens": out}  # fmt: skip
+
+    def one() -> dict:
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(ids) + tokens, do_sample=False)
+        generator = og.Generator(model, params)
+        clock = _StepClock()
+        generator.append_tokens(ids)  # the prefill (before 0.6: in the first next_token)
+        generator.generate_next_token()  # chooses the first token
+        clock.mark()
+        while not generator.is_done():
+            generator.generate_next_token()  # a decode run, then the choice
+            clock.mark()
+        out = [int(t) for t in generator.get_sequence(0)][len(ids) :]
+        del generator
+        return {**clock.result(), "tokens": out}
+
+    one()  # warm-up: session allocations, CUDA graph capture
+    return [one() for _ in range(repeat)]
 
 
-def runtime_run(model_dir: Path, ids, tokens, provider, mode) -> dict:
+def runtime_runs(model_dir: Path, ids, tokens, provider, mode, repeat) -> list[dict]:
+    """ort_kvlayout.generation: one Runtime, one untimed warm-up generation of the same length,
+    then `repeat` timed ones; cache counters per generation (differences, not totals)."""
     from ort_kvlayout.generation import Runtime
 
+    counters = ("growth_events", "bytes_moved", "graph_captures", "replays", "recaptures")
+    runs = []
     with Runtime(model_dir, provider, cache=mode) as rt:
-        rt.generate(ids, 4, eos_token_ids=[])  # warm-up: session allocations, graph capture
-        out = rt.generate(ids, tokens, eos_token_ids=[])
-        s = out.stats
-    return {
-        "ttft_ms": out.ttft_seconds * 1e3,
-        "decode_tokens_per_s": out.decode_tokens_per_second,
-        "tokens": out.tokens[0],
-        "committed_bytes": s.committed_bytes, "reserved_bytes": s.reserved_bytes,
-        "growth_events": s.growth_events, "bytes_moved": s.bytes_moved,
-        "graph_captures": s.graph_captures, "replays": s.replays, "recaptures": s.recaptures,
-    }  # fmt: skip
+        rt.generate(ids, tokens, eos_token_ids=[])  # warm-up: allocations, graph capture
+        for _ in range(repeat):
+            before = dataclasses.replace(rt.cache.stats)
+            clock = _StepClock()
+            out = rt.generate(ids, tokens, eos_token_ids=[], on_step=clock.mark)
+            s = out.stats
+            runs.append({
+                **clock.result(), "tokens": out.tokens[0],
+                "committed_bytes": s.committed_bytes, "reserved_bytes": s.reserved_bytes,
+                **{c: getattr(s, c) - getattr(before, c) for c in counters},
+            })  # fmt: skip
+    return runs
 
 
 def run_decode(args) -> dict:
@@ -264,19 +296,19 @@ def run_decode(args) -> dict:
 
     ids = load_tokenizer(args.model).encode(args.prompt)
     results = {"part": "decode", "device": args.provider, "model": str(args.model),
-               "prompt_tokens": len(ids), "new_tokens": args.tokens, "runs": {}}  # fmt: skip
+               "prompt_tokens": len(ids), "new_tokens": args.tokens, "runs": {},
+               "method": "each runtime loaded once, one untimed warm-up generation of the same "
+               "length, then --repeat timed generations; time to first token: call to the first "
+               "token chosen; decode: first to last token chosen (runs, copies, sampling)"}  # fmt: skip
     runs = results["runs"]
-    for _ in range(args.repeat):
-        for mode in ("growable", "preallocated", "bucket"):
-            runs.setdefault(mode, []).append(
-                runtime_run(args.model, ids, args.tokens, args.provider, mode)
-            )
-        try:
-            runs.setdefault("onnxruntime-genai", []).append(
-                genai_run(args.model, ids, args.tokens, args.provider)
-            )
-        except ImportError as exc:
-            results["genai_error"] = f"onnxruntime-genai not installed: {exc}"
+    for mode in ("growable", "preallocated", "bucket"):
+        runs[mode] = runtime_runs(args.model, ids, args.tokens, args.provider, mode, args.repeat)
+    try:
+        runs["onnxruntime-genai"] = genai_runs(
+            args.model, ids, args.tokens, args.provider, args.repeat
+        )
+    except ImportError as exc:
+        results["genai_error"] = f"onnxruntime-genai not installed: {exc}"
     print(f"\ndecode: {args.model} ({args.provider}), prompt {len(ids)} tokens, "
           f"{args.tokens} new, best of {args.repeat}")  # fmt: skip
     print(f"{'runtime':>18} {'TTFT ms':>9} {'tokens/s':>9} {'KV committed MiB':>17} tokens")

@@ -162,12 +162,26 @@ def test_generating_past_the_reserved_context_is_a_clear_error(dirs, mode):
 
 
 def test_failed_physical_allocation_mid_generation(dirs, ref):
+    """The hook is armed after the prefill (whose commits succeed): a decode step's growth fails
+    part-way (2 of the 4 buffers' next pages commit, the third does not); the error is clear and
+    the same runtime and cache then generate the right tokens."""
     with runtime(dirs["seq"], "growable") as rt:
-        simulate_commit_failure("cpu", after=2)  # a few pages succeed, then one fails
+        seen = []
+
+        def arm_after_prefill(step_tokens):
+            if not seen:
+                simulate_commit_failure("cpu", after=2)
+            seen.append(step_tokens)
+
         with pytest.raises(KvMemoryError, match="ENOMEM"):
-            rt.generate(PROMPT, TOKENS, eos_token_ids=[])
+            rt.generate(PROMPT, TOKENS, eos_token_ids=[], on_step=arm_after_prefill)
+        # Prompt 9 tokens, 16 per page: the first growth is at the 17th row, decode step 8.
+        assert len(seen) == 16 - len(PROMPT) + 1
+        assert [t for (t,) in seen] == ref["long"][: len(seen)]
+        cache = rt.cache
+        assert cache.measured_committed_bytes() == cache.stats.committed_bytes  # exact accounting
         out = rt.generate(PROMPT, TOKENS, eos_token_ids=[])  # the same runtime and cache
-        assert out.tokens == [ref["long"]]
+        assert out.tokens == [ref["long"]] and rt.cache is cache
 
 
 def test_sampling_is_seeded_and_top_k_1_is_greedy(dirs, ref):
@@ -235,6 +249,7 @@ def test_cli_streams_the_greedy_text(tokenized_dir, ref, capsys):
     expected = expected[: stop + 1] if stop is not None else expected
     assert words == [f"w{t}" for t in expected]
     assert "KV (bucket, tokenizers tokenizer): committed" in captured.err
+    assert "\033[K" not in captured.err  # stderr is no terminal here: no status redraws
 
 
 def test_cli_refuses_bad_sampling_flags(tokenized_dir, capsys):
@@ -242,3 +257,125 @@ def test_cli_refuses_bad_sampling_flags(tokenized_dir, capsys):
 
     assert main([str(tokenized_dir), "--prompt", "w1", "--top-k", "5"]) == 2
     assert "need --temperature" in capsys.readouterr().err
+
+
+def test_growable_cuda_cache_is_refused_for_an_unpatched_model(dirs):
+    """ORT's com.microsoft GQA may read unmapped rows of a growable range: refused before any
+    CUDA call (so this runs without a GPU), naming the nodes and the way out."""
+    from ort_kvlayout.generation import Runtime
+    from ort_kvlayout.model_spec import ModelSpec
+
+    with pytest.raises(ValueError, match=r"com.microsoft op \(.+\).*--cache preallocated"):
+        Runtime(dirs["original"], provider="cuda", cache="growable", custom_ops_library=None)
+
+    assert ModelSpec.from_dir(dirs["seq"]).foreign_gqa_nodes() == []
+    assert len(ModelSpec.from_dir(dirs["original"]).foreign_gqa_nodes()) == 2  # two layers
+
+
+def test_cli_reports_a_corrupt_model_in_one_line(tokenized_dir, tmp_path, capsys):
+    import shutil
+
+    from ort_kvlayout.generate_cli import main
+
+    broken = shutil.copytree(tokenized_dir, tmp_path / "broken")
+    (broken / "model.onnx").write_bytes(b"\x08\x07 this is not a protobuf \xff\xfe" * 10)
+    assert main([str(broken), "--prompt", "w1 w2", "--tokenizer", "tokenizers"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ")
+    assert "model.onnx: not a readable ONNX model" in err and "Traceback" not in err
+
+    config = json.loads((broken / "genai_config.json").read_text())
+    del config["model"]["decoder"]["num_key_value_heads"]
+    (broken / "genai_config.json").write_text(json.dumps(config))
+    shutil.copy(tokenized_dir / "model.onnx", broken / "model.onnx")
+    assert main([str(broken), "--prompt", "w1 w2", "--tokenizer", "tokenizers"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "genai_config.json: incomplete or malformed (KeyError: 'num_key_value_heads')" in err
+
+
+def test_cli_reports_any_failure_in_one_line(tokenized_dir, monkeypatch, capsys):
+    """An exception the CLI does not expect (here ORT's own Fail, a plain Exception subclass)
+    is still one line with exit 2, its type named."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail
+    from ort_kvlayout import generation
+    from ort_kvlayout.generate_cli import main
+
+    def fail(*_args, **_kwargs):
+        raise Fail("[ONNXRuntimeError] : 1 : FAIL : simulated\nsecond line")
+
+    monkeypatch.setattr(generation.Runtime, "generate", fail)
+    assert main([str(tokenized_dir), "--prompt", "w1", "--tokenizer", "tokenizers"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: Fail: [ONNXRuntimeError] : 1 : FAIL : simulated; second line\n"
+
+
+class _Stream:
+    def __init__(self, tty: bool):
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize(
+    ("stream", "quiet", "out_tty", "err_tty", "expected"),
+    [
+        (True, False, True, True, False),  # text streaming onto the terminal: no redraws
+        (True, False, False, True, True),  # text redirected: the status line on the terminal
+        (False, False, True, True, True),  # a batch (printed at the end): redraws
+        (True, False, False, False, False),  # stderr to a file: no escape codes in it
+        (False, True, False, True, False),  # --quiet
+    ],
+)
+def test_cli_progress_never_erases_streamed_text(stream, quiet, out_tty, err_tty, expected):
+    from ort_kvlayout.generate_cli import redraws_progress
+
+    got = redraws_progress(stream, quiet, _Stream(out_tty), _Stream(err_tty))
+    assert got is expected
+
+
+def test_sampler_tiny_temperature_is_greedy_and_bad_logits_are_named():
+    logits = np.array([[0.1, 2.0, 1.9, -3.0], [5.0, 4.0, 4.5, 0.0]], np.float32)
+    sampler = Sampler(SamplingParams(temperature=1e-30, seed=0))  # inf - inf gave NaN before
+    assert sampler(logits).tolist() == [1, 0]
+    bad = logits.copy()
+    bad[1, 2] = np.nan
+    for params in (SamplingParams(), SamplingParams(temperature=0.7, seed=1)):
+        with pytest.raises(ValueError, match=r"batch entries \[1\] contain NaN or infinite"):
+            Sampler(params)(bad)
+
+
+@pytest.mark.parametrize("capacity", [0, -4])
+def test_capacity_below_one_is_refused(dirs, capacity):
+    with pytest.raises(ValueError, match=rf"capacity {capacity}: .* must be >= 1"):
+        runtime(dirs["seq"], capacity=capacity)
+
+
+def test_tokenizer_failure_is_one_line(tmp_path):
+    from ort_kvlayout.tokenizer import load_tokenizer
+
+    (tmp_path / "tokenizer.json").write_text("{ not json\n at all")
+    with pytest.raises(RuntimeError, match="no tokenizer backend could load") as info:
+        load_tokenizer(tmp_path)
+    assert "\n" not in str(info.value)
+
+
+def test_recapture_counted_only_when_ort_captures_again(dirs, ref):
+    """The graph counters follow ORT's rule (CUDA_GRAPH_WARMUP_RUNS regular runs of a graph id,
+    then a capture); the GPU test reading ORT's capture log is their oracle. Here, on the CPU
+    with the graph ids run uncaptured, the edge: a bucket growth one step before the end starts
+    a graph id that ORT never captures, so it is no re-capture."""
+    from ort_kvlayout.generation import CUDA_GRAPH_WARMUP_RUNS
+
+    assert CUDA_GRAPH_WARMUP_RUNS == 2
+    with runtime(dirs["seq"], "bucket", fixed_mask=True, bucket_tokens=16) as rt:
+        rt.cuda_graph = True  # count as the CUDA path does; the CPU session gets no graph ids
+        rt._run_options = lambda _graph_id: None
+        # Prompt 9: bucket 16 -> 32 at decode step 8 (row 17), -> 64 at step 24 (row 33).
+        out = rt.generate(PROMPT, 25, eos_token_ids=[])  # decode steps 1..24
+        assert out.tokens == [ref["long"][:25]]
+        s = out.stats
+        # graph 0: steps 1-7 (capture at 3, 4 replays); graph 1: steps 8-23 (capture at 10,
+        # 13 replays); graph 2: step 24 alone, never captured.
+        assert (s.graph_captures, s.replays, s.recaptures) == (2, 17, 1)

@@ -208,3 +208,43 @@ def test_device_cache_without_a_usable_gpu_is_a_clear_error():
         KvCache.create(spec(1), "growable", device="cuda")
     with pytest.raises(KvMemoryError, match="cuda"):
         KvCache.create(spec(1), "preallocated", device="cuda")
+
+
+def test_host_reservation_refuses_ranges_outside_its_committed_granules():
+    """read/write/copy_from check the range like the device reservation's CheckMapped: past the
+    mapping a memmove would crash the process, into an uncommitted granule it would commit
+    memory the accounting does not see."""
+    res, other = HostReservation(4 * PAGE, PAGE), HostReservation(4 * PAGE, PAGE)
+    try:
+        res.commit(0, 2 * PAGE)
+        other.commit(0, PAGE)
+        res.write(PAGE, b"abc")
+        assert res.read(PAGE, 3) == b"abc"
+        for call in (
+            lambda: res.read(4 * PAGE - 2, 3),
+            lambda: res.write(-1, b"x"),
+            lambda: res.read(0, 1 << 40),
+        ):
+            with pytest.raises(ValueError, match="outside the reservation of 16384 bytes"):
+                call()
+        with pytest.raises(ValueError, match="uncommitted granule"):
+            res.write(2 * PAGE - 1, b"xy")  # the second byte is in granule 2
+        with pytest.raises(ValueError, match="uncommitted granule"):
+            res.copy_from(0, other, PAGE, 8)  # the source's granule 1 is not committed
+        res.copy_from(0, other, 0, 8)
+        assert res.committed_bytes == 2 * PAGE and res.resident_bytes() == 2 * PAGE
+    finally:
+        res.close()
+        other.close()
+
+
+@pytest.mark.parametrize("layout", [0, 1])
+def test_prefix_tokens_inverts_prefix_spans(layout):
+    from ort_kvlayout.layout import prefix_spans, prefix_tokens
+
+    for t in range(1, 65):
+        for b, start, end in prefix_spans(layout, 4, 64, 8, [t, t]):
+            assert prefix_tokens(layout, 4, 64, 8, end - start) == t
+            assert prefix_tokens(layout, 4, 64, 8, end - start - 1) == t - 1
+            assert b in (0, 1)
+    assert prefix_tokens(layout, 4, 64, 8, 10**9) == 64  # at most the capacity

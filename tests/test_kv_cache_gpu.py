@@ -193,3 +193,56 @@ def test_ort_log_confirms_the_capture_counters(wide_model, capfd):
     bucket = run(wide_model, "bucket", cuda_graph=True, session_options=verbose())
     logged = capfd.readouterr().err.count("Capturing the cuda graph for this model")
     assert logged == bucket.stats.graph_captures == 1 + bucket.stats.recaptures
+
+
+def test_batch_of_two_grows_across_several_granules_at_an_unaligned_capacity(wide_model):
+    """Batch 2, prompts of 300 and 20 tokens, 600 new tokens, capacity 1000 rows (not a granule
+    multiple: entry 1's prefix starts inside a granule). With 4 KiB per token and a 2 MiB
+    granule, after the prefill (which writes 300 padded rows for both entries) growth maps new
+    granules at entry 0's row 512 (decode step ~213) and entry 1's row 536 (~517), long after
+    the graph was captured. Tokens and logits equal a preallocated cache without graphs; one
+    capture, no re-capture, 0 bytes moved, pointers and the real rows unchanged."""
+    from ort_kvlayout.generation import Runtime
+
+    lengths = (300, 20)
+    prompts = [prompt_ids(n) for n in lengths]
+    new_tokens, capacity = 600, 1000
+
+    def generate(mode, cuda_graph, on_step=None):
+        with Runtime(wide_model, "cuda", cache=mode, cuda_graph=cuda_graph, fixed_mask=True,
+                     capacity=capacity) as rt:  # fmt: skip
+            return rt.generate(
+                prompts, new_tokens, eos_token_ids=[], keep_logits=True,
+                on_step=(lambda t: on_step(rt, t)) if on_step else None,
+            )  # fmt: skip
+
+    baseline = generate("preallocated", cuda_graph=False)
+    seen = []  # (decode step, ptrs, committed bytes, real rows per entry): step 0 and growths
+    steps = [0]
+
+    def watch(rt, _tokens):
+        step = steps[0]
+        steps[0] += 1
+        cache = rt.cache
+        committed = cache.stats.committed_bytes
+        if seen and seen[-1][2] == committed:
+            return
+        tb = cache.spec.token_bytes
+        rows = [  # the rows written from real tokens so far (not the prefill's padding)
+            cache.read_bytes(1, b * capacity * tb, (n + step) * tb) for b, n in enumerate(lengths)
+        ]
+        seen.append((step, [b.ptr for b in cache.buffers], committed, rows))
+
+    out = generate("growable", cuda_graph=True, on_step=watch)
+    assert out.tokens == baseline.tokens
+    np.testing.assert_allclose(np.stack(out.logits), np.stack(baseline.logits), atol=1e-4)
+    growth_steps = [step for step, *_ in seen[1:]]
+    assert len(growth_steps) >= 2, f"premise: growth after the prefill at steps {growth_steps}"
+    assert min(growth_steps) > 3  # after the capture (decode step 3)
+    s = out.stats
+    assert s.bytes_moved == 0 and s.recaptures == 0 and s.graph_captures == 1
+    _, final_ptrs, _, final = seen[-1]
+    for _, ptrs, _, rows in seen:
+        assert ptrs == final_ptrs
+        for b in range(2):
+            assert final[b][: len(rows[b])] == rows[b]

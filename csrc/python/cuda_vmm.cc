@@ -172,15 +172,35 @@ Stats GetStats() {
 
 void FailCreateAfter(int after) { g_fail_after.store(after < 0 ? -1 : after); }
 
-Status CopyDeviceToDevice(uint64_t dst, uint64_t src, size_t bytes) {
+namespace {
+
+Status CopyInContext(const Driver& d, uint64_t dst, uint64_t src, size_t bytes) {
+  // Work queued by ORT on its own streams must be done before the copy reads or writes.
+  KVL_CU(d.CtxSynchronize(), "cuCtxSynchronize");
+  KVL_CU(d.CopyDtoD(static_cast<CUdeviceptr>(dst), static_cast<CUdeviceptr>(src), bytes),
+         "cuMemcpyDtoD(" + std::to_string(bytes) + " bytes)");
+  KVL_CU(d.CtxSynchronize(), "cuCtxSynchronize");
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status CopyDeviceToDevice(int device, uint64_t dst, uint64_t src, size_t bytes) {
   const Driver* d = nullptr;
   KVL_RETURN_IF_ERROR(DriverOrError(&d));
-  // Work queued by ORT on its own streams must be done before the copy reads or writes.
-  KVL_CU(d->CtxSynchronize(), "cuCtxSynchronize");
-  KVL_CU(d->CopyDtoD(static_cast<CUdeviceptr>(dst), static_cast<CUdeviceptr>(src), bytes),
-         "cuMemcpyDtoD(" + std::to_string(bytes) + " bytes)");
-  KVL_CU(d->CtxSynchronize(), "cuCtxSynchronize");
-  return Status::Ok();
+  CUdevice dev = 0;
+  KVL_CU(d->DeviceGet(&dev, device), "cuDeviceGet(" + std::to_string(device) + ")");
+  // The device's primary context (onnxruntime's), current for the copy whatever the calling
+  // thread has current (possibly none).
+  CUcontext context = nullptr;
+  KVL_CU(d->PrimaryCtxRetain(&context, dev), "cuDevicePrimaryCtxRetain");
+  Status st;
+  {
+    ScopedContext scope(*d, context);
+    st = scope.status().ok() ? CopyInContext(*d, dst, src, bytes) : scope.status();
+  }
+  Status released = CudaStatus(d->PrimaryCtxRelease(dev), "cuDevicePrimaryCtxRelease");
+  return st.ok() ? released : st;
 }
 
 Status Reservation::Create(int device, size_t size, std::unique_ptr<Reservation>* out) {
@@ -328,8 +348,10 @@ Status Reservation::Close() {
   };
   {
     ScopedContext scope(d, context_);
-    keep(scope.status());
-    if (scope.status().ok()) {
+    // Without the context nothing can be unmapped or freed: keep every handle, the range and
+    // the retained context so that a later Close() (or the destructor) can retry.
+    if (!scope.status().ok()) return scope.status();
+    {
       keep(CudaStatus(d.CtxSynchronize(), "cuCtxSynchronize"));
       for (size_t g = 0; g < handles_.size(); ++g) {
         if (handles_[g] == 0) continue;

@@ -29,8 +29,9 @@ Stats GetStats();
 // after < 0 disarms it.
 void FailCreateAfter(int after);
 
-// dst and src are device addresses (e.g. two reservations); synchronous.
-Status CopyDeviceToDevice(uint64_t dst, uint64_t src, size_t bytes);
+// dst and src are device addresses on `device` (e.g. two reservations); synchronous, with the
+// device's primary context pushed for the copy.
+Status CopyDeviceToDevice(int device, uint64_t dst, uint64_t src, size_t bytes);
 
 class Reservation {
  public:
@@ -55,7 +56,8 @@ class Reservation {
   Status CopyToHost(size_t offset, void* dst, size_t bytes) const;
   Status CopyFromHost(size_t offset, const void* src, size_t bytes);
   // Waits for the device, unmaps and releases every granule, frees the range, releases the
-  // context. Idempotent; continues past errors and returns the first.
+  // context. Idempotent; continues past errors and returns the first, except when the context
+  // cannot be made current: then nothing is released and a later Close() can retry.
   Status Close();
 
  private:

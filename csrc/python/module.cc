@@ -220,10 +220,11 @@ void BindCudaVmm(py::module_& m) {
         "after < 0 disarms it");
   m.def(
       "cuda_copy",
-      [](uint64_t dst, uint64_t src, size_t bytes) {
-        PyVmmReservation::Check(kvl::vmm::CopyDeviceToDevice(dst, src, bytes));
+      [](uint64_t dst, uint64_t src, size_t bytes, int device) {
+        PyVmmReservation::Check(kvl::vmm::CopyDeviceToDevice(device, dst, src, bytes));
       },
-      py::arg("dst"), py::arg("src"), py::arg("bytes"), "Synchronous device-to-device copy");
+      py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("device"),
+      "Synchronous device-to-device copy on `device` (its primary context made current)");
 }
 #endif  // KVL_WITH_CUDA
 

@@ -3,6 +3,9 @@
 The text goes to stdout as it is produced (batch 1; a batch prints each entry at the end); a
 progress line on stderr shows tokens/s and the KV cache's committed bytes, and a summary closes
 the run (time to first token, decode rate, cache counters).
+
+Exit status: 0 done; 2 an error, reported as one line `error: ...` on stderr (bad arguments,
+an unreadable model directory or tokenizer, a cache or ORT failure); 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from .kv_memory import KvMemoryError
 from .sampling import SamplingParams
 
 EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130
 
 
 def mib(n: int) -> str:
@@ -64,17 +68,31 @@ def sampling_from(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
 
 
+def redraws_progress(stream: bool, quiet: bool, stdout=None, stderr=None) -> bool:
+    """Whether the redrawn status line goes to stderr: only onto a terminal, and not while text
+    streams onto the same terminal (its carriage return and erase would wipe the text's line)."""
+    stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
+    return not quiet and stderr.isatty() and not (stream and stdout.isatty())
+
+
 class Progress:
-    """Streams batch-1 text and redraws a one-line status on stderr at most 4 times a second."""
+    """Streams batch-1 text and redraws a one-line status on stderr at most 4 times a second
+    (when redraws_progress allows it)."""
 
     def __init__(self, tokenizer, runtime, stream: bool, quiet: bool):
         self.tokenizer, self.runtime = tokenizer, runtime
-        self.stream, self.quiet = stream, quiet
+        self.stream = stream
+        self.redraw = redraws_progress(stream, quiet)
         self.ids: list[int] = []
         self.text = ""
         self.start = time.perf_counter()
         self.tokens = 0
         self.drawn = 0.0
+
+    @property
+    def clear(self) -> str:
+        """What erases the status line before the summary ("" when none was drawn)."""
+        return "\r\033[K" if self.drawn else ""
 
     def __call__(self, step_tokens: list[int | None]) -> None:
         self.tokens += sum(t is not None for t in step_tokens)
@@ -86,7 +104,7 @@ class Progress:
                 sys.stdout.flush()
                 self.text = text
         now = time.perf_counter()
-        if not self.quiet and now - self.drawn > 0.25:
+        if self.redraw and now - self.drawn > 0.25:
             self.drawn = now
             stats = self.runtime.cache.stats
             rate = self.tokens / (now - self.start)
@@ -97,32 +115,52 @@ class Progress:
             sys.stderr.flush()
 
 
+def error_line(exc: BaseException) -> str:
+    """One line for any failure: the message (its lines joined), with the exception's type when
+    the message alone may not say what failed (ORT's Fail, protobuf errors, KeyError...)."""
+    text = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    known = (ValueError, OSError, KvCapacityError, KvMemoryError)
+    return f"error: {text}" if isinstance(exc, known) and text else (
+        f"error: {type(exc).__name__}: {text or '(no message)'}"
+    )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    streamed: list[bool] = [False]
+    try:
+        return run(args, streamed)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # noqa: BLE001 -- the CLI boundary: one line, never a traceback
+        if streamed[0]:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        print(error_line(exc), file=sys.stderr)
+        return EXIT_ERROR
+
+
+def run(args: argparse.Namespace, streamed: list[bool]) -> int:
     from .generation import Runtime
     from .tokenizer import load_tokenizer
 
-    args = parser().parse_args(argv)
-    try:
-        sampling = sampling_from(args)
-        tokenizer = load_tokenizer(args.model_dir, args.tokenizer)
-        prompts = [tokenizer.encode(text) for text in args.prompt]
-        runtime = Runtime(
-            args.model_dir,
-            provider=args.provider,
-            cache=args.cache,
-            cuda_graph=False if args.no_cuda_graph else None,
-            capacity=args.capacity,
-        )
-    except (ValueError, OSError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+    sampling = sampling_from(args)
+    tokenizer = load_tokenizer(args.model_dir, args.tokenizer)
+    prompts = [tokenizer.encode(text) for text in args.prompt]
+    runtime = Runtime(
+        args.model_dir,
+        provider=args.provider,
+        cache=args.cache,
+        cuda_graph=False if args.no_cuda_graph else None,
+        capacity=args.capacity,
+    )
     with runtime:
         progress = Progress(tokenizer, runtime, stream=len(prompts) == 1, quiet=args.quiet)
         try:
             out = runtime.generate(prompts, args.max_new_tokens, sampling, on_step=progress)
-        except (KvCapacityError, KvMemoryError, ValueError) as exc:
-            print(f"\nerror: {exc}", file=sys.stderr)
-            return EXIT_ERROR
+        finally:
+            streamed[0] = bool(progress.text)
         if len(prompts) == 1:
             rest = tokenizer.decode(out.tokens[0])
             sys.stdout.write(rest[len(progress.text) :] + "\n")
@@ -138,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                 else ""
             )
             sys.stderr.write(
-                f"\r\033[K{sum(map(len, out.tokens))} tokens ({', '.join(out.finish_reasons)}); "
+                f"{progress.clear}{sum(map(len, out.tokens))} tokens "
+                f"({', '.join(out.finish_reasons)}); "
                 f"time to first token {out.ttft_seconds * 1e3:.1f} ms, decode "
                 f"{out.decode_tokens_per_second:.1f} steps/s; KV ({args.cache}, "
                 f"{tokenizer.backend} tokenizer): committed {mib(s.committed_bytes)} of "

@@ -26,8 +26,9 @@ position, and every later step writes its row at seqlens_k[b].
   length) per entry: a first prompt writes all padded rows); on CUDA an unmapped row would be a
   device fault, so this is not optional. A growable cache also needs attention kernels that read
   only live rows: ai.kvlayout's CUDA kernels predicate every K/V load on the entry's length
-  (rows past it are zero-filled, not read); ORT's own com.microsoft kernels are not checked for
-  that here, so run original (unpatched) models on CUDA with a preallocated cache.
+  (rows past it are zero-filled, not read); ORT's own com.microsoft kernels may read every
+  capacity row (an illegal-address fault on unmapped memory), so a growable cache on CUDA is
+  refused unless every GQA node is ai.kvlayout: run original models there with "preallocated".
 """
 
 from __future__ import annotations
@@ -112,6 +113,17 @@ class Runtime:
         if cache not in CACHE_MODES:
             raise ValueError(f"cache mode {cache!r}: expected one of {', '.join(CACHE_MODES)}")
         self.spec = ModelSpec.from_dir(model_dir)
+        foreign = self.spec.foreign_gqa_nodes()
+        if cache == "growable" and provider == "cuda" and foreign:
+            # Checked before any CUDA call: the com.microsoft kernels are not known to read only
+            # live rows, and a growable range's rows past the live prefix are unmapped.
+            raise ValueError(
+                f"cache 'growable' on CUDA needs ai.kvlayout GroupQueryAttention nodes; "
+                f"{len(foreign)} node(s) run ORT's com.microsoft op ({', '.join(foreign[:3])}"
+                f"{', ...' if len(foreign) > 3 else ''}), which may read unmapped rows: use "
+                "--cache preallocated (cache='preallocated') or patch the model "
+                "(patch_kv_layout)"
+            )
         self.provider = provider
         self.cache_mode = cache
         self.device_id = device_id
@@ -121,7 +133,12 @@ class Runtime:
         self.fixed_mask = self.cuda_graph if fixed_mask is None else bool(fixed_mask)
         if self.cuda_graph and not self.fixed_mask:
             raise ValueError("CUDA graphs need fixed_mask=True (constant shapes)")
-        self.capacity = capacity or self.spec.kv.context_length
+        if capacity is not None and capacity < 1:
+            raise ValueError(
+                f"capacity {capacity}: the tokens reserved per batch entry must be >= 1 "
+                "(None: the model's context length)"
+            )
+        self.capacity = self.spec.kv.context_length if capacity is None else int(capacity)
         self.granule = granule
         self.bucket_tokens = bucket_tokens
 
@@ -150,6 +167,7 @@ class Runtime:
         self.cache: KvCache | None = None
         self._graph_id = -1  # the decode graph id of the current binding
         self._graph_runs: dict[int, int] = {}
+        self._stale_capture = False  # a captured decode graph was invalidated by growth
         self._decode: _DecodeBinding | None = None
 
     # -----------------------------------------------------------------------------------------
@@ -303,8 +321,14 @@ class Runtime:
 
         decode = self._decode
         if decode is None or decode.generation != cache.generation or decode.cache is not cache:
-            if decode is not None and self._graph_id >= 0 and self.cuda_graph:
-                cache.stats.recaptures += 1  # the old graph's pointers/shapes are stale
+            if decode is not None and decode.cache is cache:
+                # The old graph's pointers/shapes are stale: the next capture (if the generation
+                # lasts long enough for ORT to make one) is a re-capture, when one was captured.
+                self._stale_capture |= self._graph_runs.get(self._graph_id, 0) > (
+                    CUDA_GRAPH_WARMUP_RUNS
+                )
+            else:
+                self._stale_capture = False
             self._graph_id += 1
             decode = self._decode = _DecodeBinding(self, cache)
         decode.mask[:] = 0
@@ -317,6 +341,8 @@ class Runtime:
         if self.cuda_graph:
             if runs == CUDA_GRAPH_WARMUP_RUNS:
                 cache.stats.graph_captures += 1
+                cache.stats.recaptures += self._stale_capture
+                self._stale_capture = False
             elif runs > CUDA_GRAPH_WARMUP_RUNS:
                 cache.stats.replays += 1
         return decode.logits()[:, -1]

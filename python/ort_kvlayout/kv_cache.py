@@ -41,7 +41,7 @@ from .kv_memory import (
     Reservation,
     granule_runs,
 )
-from .layout import from_layout, kv_strides, live_ranges
+from .layout import from_layout, live_ranges, prefix_spans, prefix_tokens
 from .model_spec import KvSpec
 
 __all__ = [
@@ -274,10 +274,13 @@ class KvCache:
         grew = False
         if any(t > c for t, c in zip(tokens, self._covered)):
             start = time.perf_counter()
-            if self.mode == "bucket":
-                grew = self._grow_bucket(tokens)
-            else:
-                grew = self._commit(tokens)
+            try:
+                if self.mode == "bucket":
+                    grew = self._grow_bucket(tokens)
+                else:
+                    grew = self._commit(tokens)
+            finally:  # a failed commit may have committed some buffers: count what is held
+                self._update_bytes()
             if grew:
                 self.stats.growth_events += 1
                 self.stats.growth_seconds += time.perf_counter() - start
@@ -312,21 +315,17 @@ class KvCache:
     def _covered_tokens(self, tokens: list[int]) -> list[int]:
         """Per entry, the most tokens whose rows lie in the granules committed for `tokens`
         (so ensure() returns at once until a row would cross into an uncommitted granule)."""
-        s = self.spec
-        st = kv_strides(s.layout, s.kv_heads, self.capacity, s.head_dim)
-        es, g = self._itemsize, self.granule
-        row, seq = s.head_dim * es, st.seq * es
-        covered = []
-        for b, t in enumerate(tokens):
-            if t == 0:
-                covered.append(0)
-                continue
-            fits = self.capacity
-            for h in range(s.kv_heads):
-                start = (b * st.batch + h * st.head) * es
-                end = -(-(start + (t - 1) * seq + row) // g) * g  # the committed granule's end
-                fits = min(fits, (end - start - row) // seq + 1)
-            covered.append(fits)
+        s, es, g = self.spec, self._itemsize, self.granule
+        covered = [0] * self.batch
+        fits: dict[int, int] = {}
+        for b, start, end in prefix_spans(s.layout, s.kv_heads, self.capacity, s.head_dim, tokens):
+            granule_end = -(-(end * es) // g) * g  # the end of the granule holding the last row
+            rows = prefix_tokens(
+                s.layout, s.kv_heads, self.capacity, s.head_dim, granule_end // es - start
+            )
+            fits[b] = min(fits.get(b, rows), rows)
+        for b, rows in fits.items():
+            covered[b] = rows
         return covered
 
     def _grow_bucket(self, tokens: list[int]) -> bool:
@@ -362,24 +361,18 @@ class KvCache:
     ) -> list[tuple[int, int, int]]:
         """(source offset, destination offset, bytes) moving the live rows of every (entry,
         head) from capacity old to new; runs that stay adjacent in both are merged."""
-        s = self.spec
-        old = kv_strides(s.layout, s.kv_heads, old_capacity, s.head_dim)
-        new = kv_strides(s.layout, s.kv_heads, new_capacity, s.head_dim)
-        es = self._itemsize
+        s, es = self.spec, self._itemsize
+        old = prefix_spans(s.layout, s.kv_heads, old_capacity, s.head_dim, tokens)
+        new = prefix_spans(s.layout, s.kv_heads, new_capacity, s.head_dim, tokens)
         copies: list[list[int]] = []
-        for b, t in enumerate(tokens):
-            if t == 0:
-                continue
-            for h in range(s.kv_heads):
-                src = (b * old.batch + h * old.head) * es
-                dst = (b * new.batch + h * new.head) * es
-                size = ((t - 1) * old.seq + s.head_dim) * es
-                if copies:
-                    ps, pd, pn = copies[-1]
-                    if src - ps == dst - pd and src <= ps + pn:  # same run in both buffers
-                        copies[-1][2] = max(pn, src + size - ps)
-                        continue
-                copies.append([src, dst, size])
+        for (_, src_start, src_end), (_, dst_start, _) in zip(old, new):
+            src, dst, size = src_start * es, dst_start * es, (src_end - src_start) * es
+            if copies:
+                ps, pd, pn = copies[-1]
+                if src - ps == dst - pd and src <= ps + pn:  # same run in both buffers
+                    copies[-1][2] = max(pn, src + size - ps)
+                    continue
+            copies.append([src, dst, size])
         return [(a, b, c) for a, b, c in copies]
 
     def _update_bytes(self) -> None:

@@ -244,23 +244,38 @@ class HostReservation:
             raise _os_error("mincore")
         return int(np.count_nonzero(np.frombuffer(vec, np.uint8) & 1)) * _PAGE
 
-    def view(self, offset: int = 0, size: int | None = None) -> np.ndarray:
-        """A uint8 numpy view of the range (valid until close(); do not keep it past that)."""
+    def check_mapped(self, offset: int, size: int) -> None:
+        """Raises ValueError unless [offset, offset+size) lies in the reservation's committed
+        granules (the device reservation's CheckMapped rule): past the mapping a memmove would
+        fault, and into an uncommitted granule it would commit memory behind the accounting."""
         self._check_open()
+        if offset < 0 or size < 0 or offset + size > self.size:
+            raise ValueError(
+                f"range [{offset}, +{size}) outside the reservation of {self.size} bytes"
+            )
+        if size:
+            first, last = offset // self.granule, (offset + size - 1) // self.granule
+            if not all(self._committed[first : last + 1]):
+                raise ValueError(f"range [{offset}, +{size}) touches an uncommitted granule")
+
+    def view(self, offset: int = 0, size: int | None = None) -> np.ndarray:
+        """A uint8 numpy view of a committed range (valid until close(); do not keep it)."""
         size = self.size - offset if size is None else size
+        self.check_mapped(offset, size)
         return np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(self.ptr + offset))
 
     def read(self, offset: int, size: int) -> bytes:
         return self.view(offset, size).tobytes()
 
     def write(self, offset: int, data: bytes) -> None:
-        self._check_open()
+        self.check_mapped(offset, len(data))
         ctypes.memmove(self.ptr + offset, data, len(data))
 
     def copy_from(self, offset: int, src: Reservation, src_offset: int, size: int) -> None:
-        self._check_open()
-        if src.device != "cpu":
-            raise ValueError("HostReservation.copy_from needs a host source")
+        if not isinstance(src, HostReservation):
+            raise TypeError("HostReservation.copy_from needs a host source")
+        self.check_mapped(offset, size)
+        src.check_mapped(src_offset, size)
         ctypes.memmove(self.ptr + offset, src.ptr + src_offset, size)
 
     def close(self) -> None:
@@ -348,7 +363,7 @@ class DeviceReservation:
     def copy_from(self, offset: int, src: Reservation, src_offset: int, size: int) -> None:
         if src.device != "cuda":
             raise ValueError("DeviceReservation.copy_from needs a device source")
-        self._c.cuda_copy(self.ptr + offset, src.ptr + src_offset, size)
+        self._c.cuda_copy(self.ptr + offset, src.ptr + src_offset, size, self.device_id)
 
     def close(self) -> None:
         self._vmm.close()
@@ -411,7 +426,9 @@ class OrtDeviceBuffer:
     def copy_from(self, offset: int, src: Reservation, src_offset: int, size: int) -> None:
         if src.device != "cuda":
             raise ValueError("OrtDeviceBuffer.copy_from needs a device source")
-        _cuda_module(required=True).cuda_copy(self.ptr + offset, src.ptr + src_offset, size)
+        _cuda_module(required=True).cuda_copy(
+            self.ptr + offset, src.ptr + src_offset, size, self.device_id
+        )
 
     def close(self) -> None:
         if self._value is None:

@@ -77,6 +77,38 @@ def from_layout(buf, layout: int | str):
     return np.asarray(buf).reshape(b, c, n, h).transpose(0, 2, 1, 3)
 
 
+def prefix_spans(
+    layout: int | str,
+    kv_heads: int,
+    capacity: int,
+    head_dim: int,
+    tokens_per_entry: list[int],
+) -> list[tuple[int, int, int]]:
+    """(entry, start, end) element spans of rows 0..t_b-1 of every (entry b, kv head), in (b, h)
+    order, entries without tokens skipped. Head-major: each span is dense; seq-major: the heads'
+    spans interleave (row stride Nkv*H) and together cover one dense prefix per entry."""
+    s = kv_strides(layout, kv_heads, capacity, head_dim)
+    spans = []
+    for b, tokens in enumerate(tokens_per_entry):
+        if not 0 <= tokens <= capacity:
+            raise ValueError(f"batch entry {b}: {tokens} tokens, capacity is {capacity}")
+        if tokens == 0:
+            continue
+        for h in range(kv_heads):
+            start = b * s.batch + h * s.head
+            spans.append((b, start, start + (tokens - 1) * s.seq + head_dim))
+    return spans
+
+
+def prefix_tokens(
+    layout: int | str, kv_heads: int, capacity: int, head_dim: int, elements: int
+) -> int:
+    """The most rows of one (entry, head) whose span (prefix_spans) fits in `elements` elements
+    from its start: the inverse of prefix_spans' end, at most the capacity."""
+    seq = kv_strides(layout, kv_heads, capacity, head_dim).seq
+    return max(0, min(capacity, (elements - head_dim) // seq + 1))
+
+
 def live_ranges(
     layout: int | str,
     kv_heads: int,
@@ -90,19 +122,9 @@ def live_ranges(
     Seq-major: one dense prefix per batch entry ([b*C*Nkv*H, b*C*Nkv*H + t_b*Nkv*H)); head-major:
     one prefix per (entry, head), C*H apart. What a growable cache must keep committed.
     """
-    s = kv_strides(layout, kv_heads, capacity, head_dim)
-    spans = []
-    for b, tokens in enumerate(tokens_per_entry):
-        if not 0 <= tokens <= capacity:
-            raise ValueError(f"batch entry {b}: {tokens} tokens, capacity is {capacity}")
-        if tokens == 0:
-            continue
-        for h in range(kv_heads):
-            start = b * s.batch + h * s.head
-            spans.append((start, start + (tokens - 1) * s.seq + head_dim))
-    spans.sort()
+    spans = prefix_spans(layout, kv_heads, capacity, head_dim, tokens_per_entry)
     merged: list[tuple[int, int]] = []
-    for start, end in spans:
+    for _, start, end in sorted(spans, key=lambda span: span[1:]):
         if merged and start <= merged[-1][1]:
             merged[-1] = (merged[-1][0], max(merged[-1][1], end))
         else:

@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from .graph import iter_gqa_nodes, node_attrs
+from . import DOMAIN
+from .graph import iter_gqa_nodes, node_attrs, node_label
 from .layout import layout_id
 from .metadata import (
     METADATA_FILE,
@@ -90,11 +91,29 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
     custom_ops_library: str | None  # genai_config's decoder session option, as written
+    gqa_nodes: tuple[tuple[str, str], ...] = ()  # (node label, domain) of every GQA node
+
+    def foreign_gqa_nodes(self) -> list[str]:
+        """Labels of the GQA nodes that are not ai.kvlayout (ORT's own com.microsoft op)."""
+        return [name for name, domain in self.gqa_nodes if domain != DOMAIN]
 
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike) -> ModelSpec:
+        """Raises MetadataError naming the file and the key or rule on any unreadable input."""
         model_dir = Path(model_dir)
         config = load_genai_config(model_dir)
+        try:
+            return cls._from_config(model_dir, config)
+        except (KeyError, TypeError) as exc:  # a key genai_config.json lacks, or a wrong type
+            raise MetadataError(
+                f"{model_dir / 'genai_config.json'}: incomplete or malformed "
+                f"({type(exc).__name__}: {exc}); expected onnxruntime-genai's model.decoder "
+                "inputs/outputs names, num_hidden_layers, num_key_value_heads, head_size, "
+                "model.context_length and model.vocab_size"
+            ) from exc
+
+    @classmethod
+    def _from_config(cls, model_dir: Path, config: dict) -> ModelSpec:
         model = config["model"]
         decoder = model["decoder"]
         files = decoder_files(config)
@@ -104,7 +123,12 @@ class ModelSpec:
                 "generation runtime (one decoder graph expected)"
             )
         onnx_path = model_dir / files[0]
-        graph_model = onnx.load(str(onnx_path), load_external_data=False)
+        try:
+            graph_model = onnx.load(str(onnx_path), load_external_data=False)
+        except Exception as exc:  # DecodeError, OSError...: one clear message
+            raise MetadataError(
+                f"{onnx_path}: not a readable ONNX model ({type(exc).__name__}: {exc})"
+            ) from exc
         input_types = {i.name: i.type.tensor_type.elem_type for i in graph_model.graph.input}
         output_names = {o.name for o in graph_model.graph.output}
         nodes = list(iter_gqa_nodes(graph_model))
@@ -169,4 +193,5 @@ class ModelSpec:
             eos_token_ids=tuple(int(t) for t in (eos if isinstance(eos, list) else [eos])),
             pad_token_id=int(model.get("pad_token_id") or 0),
             custom_ops_library=decoder.get("session_options", {}).get("custom_ops_library"),
+            gqa_nodes=tuple((node_label(n, i), n.domain) for i, n in enumerate(nodes)),
         )

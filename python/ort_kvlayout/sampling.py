@@ -47,18 +47,26 @@ class Sampler:
         logits = np.asarray(logits, dtype=np.float32)
         if logits.ndim != 2:
             raise ValueError(f"logits must be (batch, vocab), got shape {logits.shape}")
+        bad = np.flatnonzero(~np.isfinite(logits).all(axis=-1))
+        if bad.size:  # argmax or probabilities of NaN/inf would be silently wrong tokens
+            raise ValueError(
+                f"logits of batch entries {bad.tolist()[:8]} contain NaN or infinite values "
+                "(the model's output overflowed or is broken)"
+            )
         if self.params.greedy:
             return np.argmax(logits, axis=-1).astype(np.int64)
         return np.array([self._sample_row(row) for row in logits], dtype=np.int64)
 
     def _sample_row(self, row: np.ndarray) -> int:
         p = self.params
-        scaled = row.astype(np.float64) / p.temperature
+        # The maximum subtracted before dividing: a tiny temperature gives -inf for the others
+        # (probability 0) instead of inf - inf = NaN.
+        row = row.astype(np.float64)
+        scaled = (row - row.max()) / p.temperature
         order = np.argsort(-scaled, kind="stable")  # most likely first
         if p.top_k:
             order = order[: p.top_k]
-        kept = scaled[order]
-        probs = np.exp(kept - kept[0])
+        probs = np.exp(scaled[order])
         probs /= probs.sum()
         if p.top_p < 1:
             # The smallest prefix whose mass reaches top_p (always at least the first token).

@@ -74,7 +74,8 @@ def load_tokenizer(model_dir: str | os.PathLike, backend: str | None = None) -> 
             errors.append(f"{name}: not installed ({exc})")
         except Exception as exc:  # noqa: BLE001 -- a backend refusing this tokenizer: try the next
             errors.append(f"{name}: {type(exc).__name__}: {exc}")
+    details = "; ".join(" ".join(e.split()) for e in errors)  # one line, whatever the backends say
     raise RuntimeError(
         f"no tokenizer backend could load {model_dir / 'tokenizer.json'} "
-        "(pip install ort-kvlayout[runtime]):\n  " + "\n  ".join(errors)
+        f"(pip install ort-kvlayout[runtime]): {details}"
     )
