@@ -41,7 +41,7 @@ g = helper.make_graph(
     [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
     [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
 )
-control = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+control = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
 ort.InferenceSession(control.SerializeToString(), providers=["CPUExecutionProvider"]).run(
     None, {"x": np.zeros(3, np.float32)})
 print("CONTROL_DONE", file=sys.stderr, flush=True)
