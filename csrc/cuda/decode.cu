@@ -4,7 +4,7 @@
 // one KV group, at most 16: one m16 tile, so every K/V byte is read once per group and the
 // scores and P V products run on mma.sync m16n8k16 (the CUDA-core form of this kernel was bound
 // by its FMAs and shuffles, not by HBM). Each warp owns every fourth KS-key step of the split and
-// streams its own rows through kStages cp.async stages: no CTA barrier inside the key loop. At
+// streams its own rows through DecStages cp.async stages: no CTA barrier inside the key loop. At
 // the end the four warps merge in shared memory, and with several splits the last CTA of a
 // (batch, kv head) to finish merges the splits (a counter in the workspace, zeroed by the
 // prepare kernel): one attention launch per step, no combine kernel.
@@ -26,8 +26,9 @@ constexpr int64_t DecHeadDim(int64_t head_size) { return (head_size + 31) / 32 *
 // Keys per warp step: 16 (one P V k-step) for wide heads, 32 for narrow ones, so a step moves
 // 4 to 16 KB of K and V.
 __host__ __device__ constexpr int DecKeys(int hd) { return hd <= 64 ? 32 : 16; }
-// cp.async stages per warp: two steps in flight while one is consumed; heads above 128 keep
-// one in flight (three stages of four warps would not fit an sm_80 SM).
+// cp.async stages per warp, all in flight while the oldest is waited for (the next step is issued
+// before the wait); heads above 128 take two (three stages of four warps would not fit an sm_80
+// SM).
 __host__ __device__ constexpr int DecStages(int hd) { return hd > 128 ? 2 : 3; }
 // Row pitch in elements: 16 bytes of padding put the 8 rows an ldmatrix reads on distinct banks.
 __host__ __device__ constexpr int DecPitch(int hd) { return hd + 8; }
