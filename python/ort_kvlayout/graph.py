@@ -6,6 +6,7 @@ protobuf with the nodes, the opset imports and the graph's input/output names.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 
@@ -49,16 +50,72 @@ def node_label(node: onnx.NodeProto, index: int | None = None) -> str:
     return f"<unnamed {node.domain}::{node.op_type} #{index}>" if index is not None else "<unnamed>"
 
 
+class GraphError(ValueError):
+    """A GQA node's attributes do not fit the op's table (the message names the node)."""
+
+
+@functools.cache
+def gqa_attribute_types() -> dict[str, str]:
+    """The op's attribute table, {name: "INT" | "FLOAT" | "STRING"}, read from the compiled
+    module (csrc/core/gqa_attributes.h owns it): the tools check nodes with the op's strictness."""
+    try:
+        from . import _C
+    except ImportError as exc:
+        raise RuntimeError(
+            f"ort_kvlayout._C (the compiled module holding the op's attribute table) cannot be "
+            f"imported ({exc}); reinstall ort-kvlayout with pip"
+        ) from exc
+    return dict(_C.gqa_attribute_types())
+
+
+def attr_type_name(attr: onnx.AttributeProto) -> str:
+    """ "INT", "FLOAT", "STRING", "INTS", ... (the names the op's errors use)."""
+    return onnx.AttributeProto.AttributeType.Name(attr.type)
+
+
+def attribute_problems(node: onnx.NodeProto) -> list[str]:
+    """What the op would refuse or ignore in this node's attributes, read as the op reads them:
+    an attribute outside its table (a custom op cannot list a node's attributes, so the op
+    itself cannot see one: CONTRACT.md section 11), one of the wrong type, kv_layout other than
+    INT 0 or 1, or kv_layout on a com.microsoft node."""
+    table = gqa_attribute_types()
+    problems = []
+    for attr in node.attribute:
+        want = table.get(attr.name)
+        got = attr_type_name(attr)
+        if want is None:
+            problems.append(f"attribute '{attr.name}' is not in the ai.kvlayout contract")
+        elif got != want:
+            problems.append(f"attribute '{attr.name}' must be of type {want}, got {got}")
+        elif attr.name == KV_LAYOUT_ATTR and node.domain == MS_DOMAIN:
+            problems.append("kv_layout on a com.microsoft node (ORT rejects it)")
+        elif attr.name == KV_LAYOUT_ATTR and attr.i not in (0, 1):
+            problems.append(f"attribute 'kv_layout' must be 0 or 1, got {attr.i}")
+    return problems
+
+
 def node_attrs(node: onnx.NodeProto) -> dict[str, object]:
+    """{name: value}; read after attribute_problems() found none, so the types are the table's."""
     return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
 
 
-def node_kv_layout(node: onnx.NodeProto) -> int:
-    """The KV layout a GQA node runs with: com.microsoft is always head-major (0)."""
+def node_kv_layout(node: onnx.NodeProto, label: str | None = None) -> int:
+    """The KV layout a GQA node runs with: com.microsoft is always head-major (0).
+
+    Read as the op reads it: kv_layout must be an INT 0 or 1, else GraphError naming the node
+    (a FLOAT 1.0 is refused by the op at session creation, never taken as seq-major).
+    """
     if node.domain == MS_DOMAIN:
         return 0
-    value = node_attrs(node).get(KV_LAYOUT_ATTR, 0)
-    return layout_id(int(value))  # type: ignore[arg-type]
+    attr = next((a for a in node.attribute if a.name == KV_LAYOUT_ATTR), None)
+    if attr is None:
+        return 0
+    if attr.type != onnx.AttributeProto.INT or attr.i not in (0, 1):
+        got = attr_type_name(attr) if attr.type != onnx.AttributeProto.INT else str(attr.i)
+        raise GraphError(
+            f"{label or node_label(node)}: attribute 'kv_layout' must be INT 0 or 1, got {got}"
+        )
+    return layout_id(int(attr.i))
 
 
 def read_graph(model_path: str | os.PathLike) -> tuple[list[onnx.NodeProto], set[str], set[str]]:

@@ -38,7 +38,7 @@ from typing import Any
 import onnx
 import yaml
 
-from .graph import node_kv_layout, node_label, read_graph
+from .graph import attribute_problems, node_kv_layout, node_label, read_graph
 from .layout import LAYOUT_NAMES
 
 GENAI_CONFIG = "genai_config.json"
@@ -142,12 +142,22 @@ def _keep_graph_ports(names: list[str], ports: set[str], what: str) -> list[str]
 def model_kv_layout(nodes_by_file: dict[str, list[onnx.NodeProto]]) -> int:
     """The one KV layout all GQA nodes use; an error listing the nodes when they disagree."""
     by_layout: dict[int, list[str]] = {}
+    refused: list[str] = []
     for file, nodes in nodes_by_file.items():
         for i, node in enumerate(nodes):
             label = node_label(node, i)
             if len(nodes_by_file) > 1:
                 label = f"{file}: {label}"
-            by_layout.setdefault(node_kv_layout(node), []).append(label)
+            problems = attribute_problems(node)  # read as the op reads them
+            if problems:
+                refused.append(f"  {label}: " + "; ".join(problems))
+                continue
+            by_layout.setdefault(node_kv_layout(node, label), []).append(label)
+    if refused:
+        raise MetadataError(
+            f"{len(refused)} GroupQueryAttention node(s) have attributes the op refuses:\n"
+            + "\n".join(refused)
+        )
     if not by_layout:
         files = ", ".join(nodes_by_file)
         raise MetadataError(f"no GroupQueryAttention node in {files}: kv_layout cannot be read")

@@ -23,6 +23,7 @@ are refused by name with the reason, and then nothing is written.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -35,7 +36,8 @@ import onnx
 from . import DOMAIN, LIBRARY_NAME
 from .graph import (  # noqa: F401 -- iter_gqa_nodes, is_gqa: part of this module's API
     KV_LAYOUT_ATTR,
-    MS_DOMAIN,
+    attribute_problems,
+    gqa_attribute_types,
     is_gqa,
     iter_gqa_nodes,
     node_attrs,
@@ -57,15 +59,6 @@ GQA_INPUTS = (
 GQA_OUTPUTS = ("output", "present_key", "present_value", "output_qk")
 K_SCALE, V_SCALE = GQA_INPUTS.index("k_scale"), GQA_INPUTS.index("v_scale")
 OUTPUT_QK = GQA_OUTPUTS.index("output_qk")
-
-# Attributes the ai.kvlayout op reads (the contract's plus kv_layout). A custom op has no schema
-# in ORT, so an attribute outside this set would be silently ignored: refuse it instead.
-SUPPORTED_ATTRIBUTES = frozenset({
-    "num_heads", "kv_num_heads", "scale", "softcap", "local_window_size", "do_rotary",
-    "rotary_interleaved", "smooth_softmax", "qk_norm_epsilon", "q_norm_epsilon", "k_norm_epsilon",
-    "causal", "sliding_window_cache", "k_quant_type", "v_quant_type", "kv_cache_bit_width",
-    "qk_output", KV_LAYOUT_ATTR,
-})  # fmt: skip
 
 # Files at least this large are hard-linked rather than copied (weights, never written by a runtime).
 LINK_MIN_BYTES = 16 << 20
@@ -121,10 +114,31 @@ def _present(names, index: int) -> bool:
     return len(names) > index and names[index] != ""
 
 
+# Attribute values ORT's com.microsoft op runs but the v1 op cannot run with the same meaning
+# (tests/test_attribute_values.py checks every value class against ORT's CPU op): refused up
+# front, so the patcher never writes a model that fails at load or runs differently. Values the
+# op runs as ORT does (e.g. smooth_softmax=2 or softcap=-1: off in both) are not listed.
+_VALUE_RULES: tuple[tuple[str, Callable[[object], bool], str], ...] = (
+    ("scale", lambda v: not math.isfinite(v), "a non-finite scale is not supported in v1"),  # type: ignore[arg-type]
+    ("softcap", lambda v: math.isinf(v) and v > 0, "softcap=inf is not supported in v1"),  # type: ignore[operator,arg-type]
+)
+
+
+def value_problems(attrs: dict[str, object]) -> list[str]:
+    """Reasons from _VALUE_RULES for a node's (correctly typed) attribute values."""
+    return [
+        f"attribute '{name}'={attrs[name]!r}: {reason}"
+        for name, bad, reason in _VALUE_RULES
+        if name in attrs and bad(attrs[name])
+    ]
+
+
 def unsupported_reason(node: onnx.NodeProto) -> str | None:
-    """Why the ai.kvlayout op cannot run this GQA node, or None when it can."""
+    """Why the ai.kvlayout op cannot run this GQA node as ORT runs it, or None when it can."""
+    reasons = attribute_problems(node)  # names and types, read with the op's table
+    if reasons:  # values of the wrong type are not read further
+        return "; ".join(reasons)
     attrs = node_attrs(node)
-    reasons = []
     if len(node.input) > len(GQA_INPUTS):
         reasons.append(f"{len(node.input)} inputs, the contract has {len(GQA_INPUTS)}")
     if len(node.output) > len(GQA_OUTPUTS):
@@ -132,24 +146,17 @@ def unsupported_reason(node: onnx.NodeProto) -> str | None:
     if _present(node.input, K_SCALE) or _present(node.input, V_SCALE):
         reasons.append("quantized KV cache (k_scale/v_scale inputs) is not supported in v1")
     for name in ("k_quant_type", "v_quant_type"):
-        value = attrs.get(name, b"NONE")
-        text = value.decode() if isinstance(value, bytes) else str(value)
-        if text.upper() != "NONE":
+        text = attrs.get(name, b"NONE").decode(errors="replace")  # type: ignore[union-attr]
+        if text != "NONE":
             reasons.append(f"quantized KV cache ({name}={text}) is not supported in v1")
-    if int(attrs.get("kv_cache_bit_width", 0)) != 0:  # type: ignore[arg-type]
+    if attrs.get("kv_cache_bit_width", 0) != 0:
         reasons.append(
             f"quantized KV cache (kv_cache_bit_width={attrs['kv_cache_bit_width']}) "
             "is not supported in v1"
         )
-    if _present(node.output, OUTPUT_QK) or int(attrs.get("qk_output", 0)) != 0:  # type: ignore[arg-type]
+    if _present(node.output, OUTPUT_QK) or attrs.get("qk_output", 0) != 0:
         reasons.append("output_qk / qk_output is not supported")
-    unknown = sorted(set(attrs) - SUPPORTED_ATTRIBUTES)
-    if unknown:
-        reasons.append(f"attribute(s) {', '.join(unknown)} not in the ai.kvlayout contract")
-    if KV_LAYOUT_ATTR in attrs and node.domain == MS_DOMAIN:
-        reasons.append("kv_layout on a com.microsoft node (ORT rejects it)")
-    elif KV_LAYOUT_ATTR in attrs and attrs[KV_LAYOUT_ATTR] not in LAYOUT_NAMES:
-        reasons.append(f"kv_layout={attrs[KV_LAYOUT_ATTR]} (must be 0 or 1)")
+    reasons += value_problems(attrs)
     return "; ".join(reasons) or None
 
 
