@@ -59,6 +59,7 @@ GQA_INPUTS = (
 GQA_OUTPUTS = ("output", "present_key", "present_value", "output_qk")
 K_SCALE, V_SCALE = GQA_INPUTS.index("k_scale"), GQA_INPUTS.index("v_scale")
 OUTPUT_QK = GQA_OUTPUTS.index("output_qk")
+Q_NORM, K_NORM = GQA_INPUTS.index("q_norm_weight"), GQA_INPUTS.index("k_norm_weight")
 
 # Files at least this large are hard-linked rather than copied (weights, never written by a runtime).
 LINK_MIN_BYTES = 16 << 20
@@ -133,6 +134,22 @@ def value_problems(attrs: dict[str, object]) -> list[str]:
     ]
 
 
+def norm_epsilon_problems(attrs: dict[str, object]) -> list[str]:
+    """With q/k norm weights: the epsilons the op uses (q_/k_norm_epsilon when >= 0, else
+    qk_norm_epsilon) must be finite and >= 0 (v1 refuses others when the node runs)."""
+    qk = attrs.get("qk_norm_epsilon", 1e-6)
+    problems = []
+    for name in ("q_norm_epsilon", "k_norm_epsilon"):
+        own = attrs.get(name, -1.0)
+        eps = own if own >= 0 else qk  # type: ignore[operator]
+        if not (math.isfinite(eps) and eps >= 0):  # type: ignore[arg-type,operator]
+            problems.append(
+                f"norm epsilon {name}={own!r} / qk_norm_epsilon={qk!r}: a finite epsilon >= 0 is "
+                "needed with q/k norm weights in v1"
+            )
+    return problems
+
+
 def unsupported_reason(node: onnx.NodeProto) -> str | None:
     """Why the ai.kvlayout op cannot run this GQA node as ORT runs it, or None when it can."""
     reasons = attribute_problems(node)  # names and types, read with the op's table
@@ -147,7 +164,7 @@ def unsupported_reason(node: onnx.NodeProto) -> str | None:
         reasons.append("quantized KV cache (k_scale/v_scale inputs) is not supported in v1")
     for name in ("k_quant_type", "v_quant_type"):
         text = attrs.get(name, b"NONE").decode(errors="replace")  # type: ignore[union-attr]
-        if text != "NONE":
+        if text.upper() != "NONE":  # ORT reads it case-insensitively, and so does the op
             reasons.append(f"quantized KV cache ({name}={text}) is not supported in v1")
     if attrs.get("kv_cache_bit_width", 0) != 0:
         reasons.append(
@@ -157,6 +174,8 @@ def unsupported_reason(node: onnx.NodeProto) -> str | None:
     if _present(node.output, OUTPUT_QK) or attrs.get("qk_output", 0) != 0:
         reasons.append("output_qk / qk_output is not supported")
     reasons += value_problems(attrs)
+    if _present(node.input, Q_NORM) or _present(node.input, K_NORM):
+        reasons += norm_epsilon_problems(attrs)
     return "; ".join(reasons) or None
 
 
