@@ -36,10 +36,14 @@ import onnx
 from . import DOMAIN, LIBRARY_NAME
 from .graph import (  # noqa: F401 -- iter_gqa_nodes, is_gqa: part of this module's API
     KV_LAYOUT_ATTR,
+    GraphError,
     attribute_problems,
+    check_external_data,
     gqa_attribute_types,
+    graph_facts,
     is_gqa,
     iter_gqa_nodes,
+    load_model,
     node_attrs,
     node_kv_layout,
     node_label,
@@ -306,7 +310,15 @@ def update_genai_config(config: dict, patched: set[str], library: str) -> dict:
     ]
     for section in targets:
         options = section.setdefault("session_options", {})
+        if not isinstance(options, dict):
+            raise PatchError(
+                f"{GENAI_CONFIG}: 'session_options' must be an object, got {options!r}"
+            )
         current = options.get("custom_ops_library")
+        if current is not None and not isinstance(current, str):
+            raise PatchError(
+                f"{GENAI_CONFIG}: 'custom_ops_library' must be a string, got {current!r}"
+            )
         if current and Path(current).name != Path(library).name:
             raise PatchError(
                 f"{GENAI_CONFIG} already names custom_ops_library={current!r}; onnxruntime-genai "
@@ -334,6 +346,27 @@ def _resolve_library(library: str | os.PathLike | None | bool) -> Path | None:
     return path
 
 
+def _load_checked(path: Path) -> onnx.ModelProto:
+    """The graph of one .onnx file, its external-data references checked (never read)."""
+    try:
+        model = load_model(path)
+        check_external_data(model, path)
+    except GraphError as exc:
+        raise PatchError(str(exc)) from exc
+    return model
+
+
+def _missing_parents(path: Path) -> list[Path]:
+    """The ancestors of `path` that do not exist yet, deepest first (created, then removed on
+    failure: a failed run leaves no directory it made)."""
+    missing = []
+    for parent in path.parents:
+        if parent.exists():
+            break
+        missing.append(parent)
+    return missing
+
+
 def patch_model_dir(
     model_dir: str | os.PathLike,
     out_dir: str | os.PathLike | None = None,
@@ -350,9 +383,15 @@ def patch_model_dir(
     and leaves genai_config.json's session options as they are. metadata=False skips
     inference_metadata.yaml. link=True hard-links large files instead of copying them (see
     _copy_file for the caveat).
+
+    Everything is read and checked before anything is written (graphs, external-data
+    references, genai_config.json, the metadata); on any failure or interrupt, the temporary
+    directory and the parent directories this call created are removed.
     """
     log = log or (lambda _msg: None)
     layout = layout_id(layout)
+    if str(model_dir) == "" or (out_dir is not None and str(out_dir) == ""):
+        raise PatchError("an empty path is not a directory (MODEL_DIR and -o must be named)")
     src = Path(model_dir).resolve()
     if not src.is_dir():
         raise PatchError(f"model directory {src} not found")
@@ -363,16 +402,19 @@ def patch_model_dir(
         )
     if dst.exists() and not force:
         raise PatchError(f"output {dst} exists; pass --force to replace it")
+    if dst.exists() and not dst.is_dir():
+        raise PatchError(f"output {dst} exists and is not a directory")
     lib = _resolve_library(library)
 
     # Read and rewrite every graph first: refusals are raised before anything is written.
     onnx_files = sorted(p for p in src.rglob("*.onnx") if p.is_file())
+    models: dict[Path, onnx.ModelProto] = {}
     rewritten: dict[str, bytes] = {}
     result = PatchResult(model_dir=src, out_dir=dst, layout=layout)
     refusals: list[tuple[str, str]] = []
     for path in onnx_files:
         rel = path.relative_to(src).as_posix()
-        model = onnx.load(str(path), load_external_data=False)
+        model = _load_checked(path)
         report = FileReport(rel)
         try:
             report.gqa_nodes, report.rewritten, file_changed = rewrite_model(model, layout)
@@ -380,6 +422,7 @@ def patch_model_dir(
             prefix = f"{rel}: " if len(onnx_files) > 1 else ""
             refusals += [(prefix + name, reason) for name, reason in exc.refusals]
             continue
+        models[path.resolve()] = model
         if file_changed:
             rewritten[rel] = model.SerializeToString()
         result.files.append(report)
@@ -389,12 +432,41 @@ def patch_model_dir(
     if result.gqa_nodes == 0:
         raise PatchError(f"no GroupQueryAttention node in {src} ({len(onnx_files)} .onnx file(s))")
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the output is an ordinary directory
+    # genai_config.json and the metadata, from the rewritten graphs, still before any write.
+    from .metadata import MetadataError, build_metadata, load_genai_config, write_metadata
+
+    new_config_text = None
+    if lib is not None and (src / GENAI_CONFIG).is_file():
+        try:
+            config = load_genai_config(src)
+        except MetadataError as exc:
+            raise PatchError(str(exc)) from exc
+        patched_files = {f.path for f in result.files if f.gqa_nodes}
+        new_config = update_genai_config(
+            json.loads(json.dumps(config)), patched_files, LIBRARY_NAME
+        )
+        if new_config != config:
+            new_config_text = json.dumps(new_config, indent=4) + "\n"
+    metadata_data = None
+    if metadata:
+
+        def read(path: Path):
+            model = models.get(path.resolve())
+            return graph_facts(model) if model is not None else graph_facts(_load_checked(path))
+
+        try:
+            metadata_data = build_metadata(src, read=read)
+        except MetadataError as exc:
+            raise PatchError(f"{exc}\n(pass --no-metadata to patch without it)") from exc
+
+    created = _missing_parents(dst)
+    tmp: Path | None = None
     try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the output is an ordinary directory
         for path in sorted(src.rglob("*")):
             rel = path.relative_to(src).as_posix()
             target = tmp / rel
@@ -409,29 +481,22 @@ def patch_model_dir(
             (tmp / LIBRARY_NAME).unlink(missing_ok=True)  # may be a link into the source
             shutil.copy2(lib, tmp / LIBRARY_NAME)
             result.library = LIBRARY_NAME
-            config_path = tmp / GENAI_CONFIG
-            if config_path.is_file():
-                config = json.loads(config_path.read_text())
-                patched_files = {f.path for f in result.files if f.gqa_nodes}
-                new_config = update_genai_config(
-                    json.loads(json.dumps(config)), patched_files, LIBRARY_NAME
-                )
-                if new_config != config:
-                    config_path.unlink()  # never write through a link into the source
-                    config_path.write_text(json.dumps(new_config, indent=4) + "\n")
-        if metadata:
-            from .metadata import MetadataError, build_metadata, write_metadata
-
-            try:
-                data = build_metadata(tmp)
-            except MetadataError as exc:
-                raise PatchError(f"{exc}\n(pass --no-metadata to patch without it)") from exc
-            (tmp / METADATA_FILE).unlink(missing_ok=True)
-            write_metadata(data, tmp / METADATA_FILE, force=True)
+            if new_config_text is not None:
+                (tmp / GENAI_CONFIG).unlink()  # never write through a link into the source
+                (tmp / GENAI_CONFIG).write_text(new_config_text)
+        if metadata_data is not None:
+            (tmp / METADATA_FILE).unlink(missing_ok=True)  # may be a link into the source
+            write_metadata(metadata_data, tmp / METADATA_FILE, force=True)
             result.metadata = dst / METADATA_FILE
         _commit(tmp, dst, force)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        for parent in created:  # deepest first; only if still empty
+            try:
+                parent.rmdir()
+            except OSError:
+                break
         raise
     log(f"wrote {dst} ({result.rewritten} node(s) rewritten, kv_layout={LAYOUT_NAMES[layout]})")
     return result
