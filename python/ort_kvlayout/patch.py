@@ -301,9 +301,14 @@ def update_genai_config(config: dict, patched: set[str], library: str) -> dict:
     Always in model.decoder.session_options (onnxruntime-genai's default session options); also in
     every other section that names a patched file and has session_options of its own.
     """
+    from .metadata import json_type
+
     model = config.get("model")
-    if not isinstance(model, dict) or not isinstance(model.get("decoder"), dict):
-        raise PatchError(f"{GENAI_CONFIG}: key 'model.decoder' missing")
+    if not isinstance(model, dict):
+        raise PatchError(f"{GENAI_CONFIG}: 'model' must be an object, got {json_type(model)}")
+    if not isinstance(model.get("decoder"), dict):
+        got = json_type(model["decoder"]) if "decoder" in model else "nothing (key missing)"
+        raise PatchError(f"{GENAI_CONFIG}: 'model.decoder' must be an object, got {got}")
     targets = [model["decoder"]]
     targets += [
         s for s in _genai_sections(model, patched) if isinstance(s.get("session_options"), dict)
@@ -312,12 +317,12 @@ def update_genai_config(config: dict, patched: set[str], library: str) -> dict:
         options = section.setdefault("session_options", {})
         if not isinstance(options, dict):
             raise PatchError(
-                f"{GENAI_CONFIG}: 'session_options' must be an object, got {options!r}"
+                f"{GENAI_CONFIG}: 'session_options' must be an object, got {json_type(options)}"
             )
         current = options.get("custom_ops_library")
         if current is not None and not isinstance(current, str):
             raise PatchError(
-                f"{GENAI_CONFIG}: 'custom_ops_library' must be a string, got {current!r}"
+                f"{GENAI_CONFIG}: 'custom_ops_library' must be a string, got {json_type(current)}"
             )
         if current and Path(current).name != Path(library).name:
             raise PatchError(
@@ -457,7 +462,7 @@ def patch_model_dir(
         try:
             metadata_data = build_metadata(src, read=read)
         except MetadataError as exc:
-            raise PatchError(f"{exc}\n(pass --no-metadata to patch without it)") from exc
+            raise PatchError(f"{exc} (pass --no-metadata to patch without it)") from exc
 
     created = _missing_parents(dst)
     tmp: Path | None = None
