@@ -320,3 +320,32 @@ def test_signal_mid_copy_leaves_nothing(tmp_path, lib, sig):
         "slow_patch.py",
     ]
     assert snapshot(src) == before
+
+
+def test_failure_removes_the_directories_it_made(tmp_path, lib, monkeypatch, capsys):
+    """A failure while writing (here: the copy) removes the partial output and every parent
+    directory the run created; a parent that existed before stays."""
+    from ort_kvlayout import patch as patch_mod
+    from ort_kvlayout.cli import patch_main
+
+    src = make_model_dir(tmp_path / "model")
+
+    def fail(*_args, **_kw):
+        raise OSError(28, "No space left on device", "injected")
+
+    monkeypatch.setattr(patch_mod, "_copy_file", fail)
+    (tmp_path / "kept").mkdir()
+    out = tmp_path / "kept" / "made" / "also" / "out"
+    assert patch_main([str(src), "-o", str(out), "--library", str(lib), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and len(err.strip().splitlines()) == 1
+    assert list((tmp_path / "kept").iterdir()) == []
+
+
+def test_verify_that_cannot_run_has_its_own_exit_code(tmp_path, lib):
+    """--verify with a library that cannot load: the output is written, exit 3 (not 1, which
+    means the tokens disagree, and not 2, which means nothing was written)."""
+    src = make_model_dir(tmp_path / "model")
+    run = _patch(src, tmp_path / "out", lib, "--verify", "--tokens", "2")
+    assert_one_line_error(run, "--verify could not run", code=3)
+    assert (tmp_path / "out" / "model.onnx").is_file()
