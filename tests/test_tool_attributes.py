@@ -100,3 +100,25 @@ def test_int_kv_layout_read():
     node = onnx.helper.make_node("GroupQueryAttention", [], [], domain="ai.kvlayout", kv_layout=1.0)
     with pytest.raises(GraphError, match="kv_layout' must be INT 0 or 1, got FLOAT"):
         node_kv_layout(node)
+
+
+def test_without_compiled_module_the_tools_fail_clearly(tmp_path, monkeypatch, capsys):
+    """The table lives in ort_kvlayout._C: without it the tools stop with one line, exit 2."""
+    import sys
+
+    from ort_kvlayout import graph
+
+    src = make_model_dir(tmp_path / "model")
+    graph.gqa_attribute_types.cache_clear()
+    import ort_kvlayout
+
+    monkeypatch.setitem(sys.modules, "ort_kvlayout._C", None)  # import raises ImportError
+    monkeypatch.delattr(ort_kvlayout, "_C", raising=False)
+    try:
+        assert metadata_main([str(src), "--stdout"]) == 2
+        err = capsys.readouterr().err
+        assert "ort_kvlayout._C" in err and "reinstall" in err and len(err.splitlines()) == 1
+        assert patch_main([str(src), "-o", str(tmp_path / "out"), "--library", str(src)]) == 2
+        assert not (tmp_path / "out").exists()
+    finally:
+        graph.gqa_attribute_types.cache_clear()

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from .graph import MissingModuleError
 from .layout import LAYOUT_NAMES, layout_id
 
 # Exit codes (docs/TOOLS.md): distinct for each kind of outcome.
@@ -52,6 +53,9 @@ def _run_guarded(body: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         _err("interrupted; nothing was written")
         return EXIT_SIGINT
+    except MissingModuleError as exc:  # a broken install: say so, exit as an error
+        _err(str(exc))
+        return EXIT_ERROR
     except RecursionError:
         _err("input nested too deeply to be read")
         return EXIT_ERROR

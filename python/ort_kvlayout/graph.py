@@ -55,6 +55,10 @@ class GraphError(ValueError):
     """A GQA node's attributes do not fit the op's table (the message names the node)."""
 
 
+class MissingModuleError(RuntimeError):
+    """The compiled module ort_kvlayout._C cannot be imported (a broken install)."""
+
+
 @functools.cache
 def gqa_attribute_types() -> dict[str, str]:
     """The op's attribute table, {name: "INT" | "FLOAT" | "STRING"}, read from the compiled
@@ -62,7 +66,7 @@ def gqa_attribute_types() -> dict[str, str]:
     try:
         from . import _C
     except ImportError as exc:
-        raise RuntimeError(
+        raise MissingModuleError(
             f"ort_kvlayout._C (the compiled module holding the op's attribute table) cannot be "
             f"imported ({exc}); reinstall ort-kvlayout with pip"
         ) from exc
