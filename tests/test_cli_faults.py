@@ -240,6 +240,16 @@ def test_metadata_never_writes_over_its_inputs(tmp_path, target):
     assert snapshot(src) == before
 
 
+def test_metadata_never_writes_through_a_hard_link_to_an_input(tmp_path):
+    src = make_model_dir(tmp_path / "model")
+    before = snapshot(src)
+    link = tmp_path / "meta.yaml"
+    os.link(src / "genai_config.json", link)
+    run = cli("metadata", str(src), "--output", str(link), "--force")
+    assert_one_line_error(run, "is one of the tool's inputs")
+    assert snapshot(src) == before
+
+
 def test_tokens_out_of_range_is_a_usage_error(tmp_path, lib):
     src = make_model_dir(tmp_path / "model")
     run = _patch(src, tmp_path / "out", lib, "--verify", "--tokens", "1000000000")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -221,7 +222,10 @@ def _metadata(args: argparse.Namespace) -> int:
             sys.stdout.write(dump_metadata(data))
             return 0
         out = args.output or args.model_dir / METADATA_FILE
-        if out.resolve() in input_files(args.model_dir):
+        inputs = input_files(args.model_dir)
+        if out.resolve() in inputs or (
+            out.exists() and any(f.exists() and os.path.samefile(out, f) for f in inputs)
+        ):  # the same path, or a hard link to an input
             raise MetadataError(f"output {out} is one of the tool's inputs; choose another path")
         if out.is_dir():
             raise MetadataError(f"output {out} is a directory")
