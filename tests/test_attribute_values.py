@@ -14,6 +14,7 @@ import math
 import numpy as np
 import onnx
 import pytest
+import reference as ref
 from gqa_case import KV_DOMAIN, GqaCase, build_model, make_session, op_available, run_session
 from onnx import helper
 from ort_kvlayout.graph import gqa_attribute_types
@@ -61,13 +62,20 @@ def _ms_model(name: str, value) -> onnx.ModelProto:
     return m
 
 
-def _run(model: onnx.ModelProto, domain: str):
+def _run(model: onnx.ModelProto, domain: str, layout: int = 0):
+    """(output, present_key, present_value), presents as logical BNSH; `layout` is the byte
+    order of ours (its past inputs are fed in it)."""
+    feeds = dict(_CASE.feeds())
+    for name in ("past_key", "past_value"):
+        feeds[name] = ref.to_layout(ref.from_layout(feeds[name], 0), layout)
     sess = make_session(model.SerializeToString(), domain)
-    return run_session(sess, _CASE.feeds())
+    out, pk, pv = run_session(sess, feeds)
+    return out, ref.from_layout(pk, layout), ref.from_layout(pv, layout)
 
 
+@pytest.mark.parametrize("layout", [0, 1], ids=["head_major", "seq_major"])
 @pytest.mark.parametrize("name,cls,value", _table(), ids=lambda x: str(x))
-def test_value_means_what_it_means_in_ort(name, cls, value):
+def test_value_means_what_it_means_in_ort(name, cls, value, layout):
     ms = _ms_model(name, value)
     try:
         want = _run(ms, "com.microsoft")
@@ -79,13 +87,13 @@ def test_value_means_what_it_means_in_ort(name, cls, value):
     ours = onnx.ModelProto()
     ours.CopyFrom(ms)
     try:
-        rewrite_model(ours, 0)  # the patcher's own check and rewrite (head-major: same buffers)
+        rewrite_model(ours, layout)  # the patcher's own check and rewrite
     except UnsupportedNodeError as exc:
         assert "gqa" in str(exc)  # refused by node name
         return
     if ort_error is not None:
         return  # ORT refuses the node itself: not a model ORT runs
-    got = _run(ours, KV_DOMAIN)
+    got = _run(ours, KV_DOMAIN, layout)
     for what, g, w in zip(("output", "present_key", "present_value"), got, want, strict=True):
         g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
         assert g.shape == w.shape, what
