@@ -1,6 +1,7 @@
 #include "core/check_inputs.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <sstream>
 
@@ -57,6 +58,14 @@ Status CheckPair(const GqaInputInfos& inputs, GqaInput a, GqaInput b) {
   return Status::Ok();
 }
 
+// ORT reads k_quant_type / v_quant_type case-insensitively ("none" runs as "NONE").
+bool IsNoQuant(const std::string& type) {
+  std::string upper = type;
+  std::transform(upper.begin(), upper.end(), upper.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::toupper(c)); });
+  return upper == "NONE";
+}
+
 }  // namespace
 
 Status CheckGqaAttributes(const GqaAttributes& a) {
@@ -72,16 +81,15 @@ Status CheckGqaAttributes(const GqaAttributes& a) {
     return Fail("attribute 'num_heads' (", a.num_heads, ") must be a multiple of 'kv_num_heads' (",
                 a.kv_num_heads, ")");
   }
-  if (!(a.softcap >= 0.0f) || std::isinf(a.softcap)) {
-    return Fail("attribute 'softcap' must be a finite value >= 0 (0 = off), got ", a.softcap);
+  // As ORT: softcap > 0 caps, any other value (0, negative, NaN, -inf) is off. +inf would make
+  // every score inf * tanh(x / inf) = NaN in ORT: not supported (the patcher refuses it).
+  if (std::isinf(a.softcap) && a.softcap > 0.0f) {
+    return Fail("attribute 'softcap' must be finite (<= 0 or NaN = off), got ", a.softcap);
   }
   if (!std::isfinite(a.scale)) return Fail("attribute 'scale' must be finite, got ", a.scale);
-  if (a.smooth_softmax < -1 || a.smooth_softmax > 1) {
-    return Fail("attribute 'smooth_softmax' must be -1, 0 or 1, got ", a.smooth_softmax);
-  }
-  if (a.do_rotary != 0 && a.do_rotary != 1) {
-    return Fail("attribute 'do_rotary' must be 0 or 1, got ", a.do_rotary);
-  }
+  // smooth_softmax, do_rotary, rotary_interleaved, sliding_window_cache: as in ORT, 1 is on and
+  // every other value off (ORT 1.32 runs smooth_softmax=2 or do_rotary=-1 as off), so any value is
+  // accepted and CheckGqaInputs reads `== 1`. [tests/test_attribute_values.py]
   if (a.causal != 0 && a.causal != 1) {
     return Fail("attribute 'causal' must be 0 or 1, got ", a.causal);
   }
@@ -89,14 +97,11 @@ Status CheckGqaAttributes(const GqaAttributes& a) {
     return Fail("attribute 'local_window_size' must be -1 when 'causal' is 0 (a window is ",
                 "causal), got ", a.local_window_size);
   }
-  if (a.sliding_window_cache != 0 && a.sliding_window_cache != 1) {
-    return Fail("attribute 'sliding_window_cache' must be 0 or 1, got ", a.sliding_window_cache);
-  }
   if (a.sliding_window_cache == 1 && a.local_window_size <= 0) {
     return Fail("attribute 'sliding_window_cache'=1 needs 'local_window_size' > 0, got ",
                 a.local_window_size);
   }
-  if (a.k_quant_type != "NONE" || a.v_quant_type != "NONE" || a.kv_cache_bit_width != 0) {
+  if (!IsNoQuant(a.k_quant_type) || !IsNoQuant(a.v_quant_type) || a.kv_cache_bit_width != 0) {
     return Fail("quantized KV cache (k_quant_type=", a.k_quant_type, ", v_quant_type=",
                 a.v_quant_type, ", kv_cache_bit_width=", a.kv_cache_bit_width,
                 ") is not supported by ort-kvlayout v1");
@@ -108,12 +113,8 @@ Status CheckGqaAttributes(const GqaAttributes& a) {
   if (a.output_qk_requested) {
     return Fail("output 'output_qk' is not supported by ort-kvlayout v1; remove the 4th output");
   }
-  if (!(a.qk_norm_epsilon >= 0.0f)) {
-    return Fail("attribute 'qk_norm_epsilon' must be >= 0, got ", a.qk_norm_epsilon);
-  }
-  if (std::isnan(a.q_norm_epsilon) || std::isnan(a.k_norm_epsilon)) {
-    return Fail("attributes 'q_norm_epsilon' and 'k_norm_epsilon' must not be NaN");
-  }
+  // The norm epsilons are checked in CheckGqaInputs, only when norm weights are given: ORT runs
+  // a node without them whatever the epsilons are (they are unused).
   return Status::Ok();
 }
 
@@ -292,7 +293,7 @@ Status CheckGqaInputs(const GqaAttributes& attrs, const GqaInputInfos& inputs,
     }
     s.rotary_dim = 2 * cs[1];
     s.rotary_max_positions = cs[0];
-    s.interleaved = attrs.rotary_interleaved != 0;
+    s.interleaved = attrs.rotary_interleaved == 1;  // as ORT: 1 on, any other value off
   }
   if (In(inputs, GqaInput::kPositionIds).exists) {
     const TensorInfo& t = In(inputs, GqaInput::kPositionIds);
@@ -353,9 +354,16 @@ Status CheckGqaInputs(const GqaAttributes& attrs, const GqaInputInfos& inputs,
 
   s.smooth_softmax = attrs.smooth_softmax == 1;
   s.scale = attrs.scale == 0.0f ? 1.0f / std::sqrt(static_cast<float>(s.head_size)) : attrs.scale;
-  s.softcap = attrs.softcap;
+  s.softcap = attrs.softcap > 0.0f ? attrs.softcap : 0.0f;  // <= 0 or NaN: off, as ORT
   s.q_norm_epsilon = attrs.q_norm_epsilon >= 0.0f ? attrs.q_norm_epsilon : attrs.qk_norm_epsilon;
   s.k_norm_epsilon = attrs.k_norm_epsilon >= 0.0f ? attrs.k_norm_epsilon : attrs.qk_norm_epsilon;
+  if ((s.has_q_norm || s.has_k_norm) && !(s.q_norm_epsilon >= 0.0f && s.k_norm_epsilon >= 0.0f &&
+                                          std::isfinite(s.q_norm_epsilon) &&
+                                          std::isfinite(s.k_norm_epsilon))) {
+    return Fail("with q/k norm weights, the norm epsilons (q_norm_epsilon / k_norm_epsilon, ",
+                "else qk_norm_epsilon) must be finite and >= 0, got ", s.q_norm_epsilon, " and ",
+                s.k_norm_epsilon);
+  }
   s.causal = attrs.causal == 1;
   s.local_window = attrs.local_window_size;
   *out = s;

@@ -74,31 +74,68 @@ class AttrReader {
 
 }  // namespace detail
 
-// The types are those of com.microsoft::GroupQueryAttention's schema (ORT 1.32), plus kv_layout.
+// The op's attribute table: every attribute the op reads, its type and the field it fills. The
+// types are those of com.microsoft::GroupQueryAttention's schema (ORT 1.32), plus kv_layout. This
+// table is the one owner of that knowledge: the parser below reads it, and the Python tools read
+// it through ort_kvlayout._C.gqa_attribute_types() (a custom op cannot list a node's attributes,
+// so the patcher and the metadata tool refuse names outside it; docs/CONTRACT.md section 11).
+struct GqaAttributeSpec {
+  const char* name;
+  AttrType type;
+  bool required;
+  int64_t GqaAttributes::*int_field;
+  float GqaAttributes::*float_field;
+  std::string GqaAttributes::*string_field;
+};
+
+namespace detail {
+constexpr GqaAttributeSpec IntAttr(const char* name, int64_t GqaAttributes::*f,
+                                   bool required = false) {
+  return {name, AttrType::kInt, required, f, nullptr, nullptr};
+}
+constexpr GqaAttributeSpec FloatAttr(const char* name, float GqaAttributes::*f) {
+  return {name, AttrType::kFloat, false, nullptr, f, nullptr};
+}
+constexpr GqaAttributeSpec StringAttr(const char* name, std::string GqaAttributes::*f) {
+  return {name, AttrType::kString, false, nullptr, nullptr, f};
+}
+}  // namespace detail
+
+inline constexpr GqaAttributeSpec kGqaAttributeTable[] = {
+    detail::IntAttr("num_heads", &GqaAttributes::num_heads, true),
+    detail::IntAttr("kv_num_heads", &GqaAttributes::kv_num_heads, true),
+    detail::FloatAttr("scale", &GqaAttributes::scale),
+    detail::FloatAttr("softcap", &GqaAttributes::softcap),
+    detail::IntAttr("local_window_size", &GqaAttributes::local_window_size),
+    detail::IntAttr("do_rotary", &GqaAttributes::do_rotary),
+    detail::IntAttr("rotary_interleaved", &GqaAttributes::rotary_interleaved),
+    detail::IntAttr("smooth_softmax", &GqaAttributes::smooth_softmax),
+    detail::FloatAttr("qk_norm_epsilon", &GqaAttributes::qk_norm_epsilon),
+    detail::FloatAttr("q_norm_epsilon", &GqaAttributes::q_norm_epsilon),
+    detail::FloatAttr("k_norm_epsilon", &GqaAttributes::k_norm_epsilon),
+    detail::IntAttr("causal", &GqaAttributes::causal),
+    detail::IntAttr("sliding_window_cache", &GqaAttributes::sliding_window_cache),
+    detail::StringAttr("k_quant_type", &GqaAttributes::k_quant_type),
+    detail::StringAttr("v_quant_type", &GqaAttributes::v_quant_type),
+    detail::IntAttr("kv_cache_bit_width", &GqaAttributes::kv_cache_bit_width),
+    detail::IntAttr("qk_output", &GqaAttributes::qk_output),
+    detail::IntAttr("kv_layout", &GqaAttributes::kv_layout),
+};
+
 template <typename Source>
 Status ParseGqaAttributes(const Source& src, GqaAttributes* out) {
   GqaAttributes a;  // the contract's defaults
   detail::AttrReader<Source> r(src);
-  r.Required("num_heads");
-  r.Required("kv_num_heads");
-  r.Int("num_heads", &a.num_heads);
-  r.Int("kv_num_heads", &a.kv_num_heads);
-  r.Float("scale", &a.scale);
-  r.Float("softcap", &a.softcap);
-  r.Int("local_window_size", &a.local_window_size);
-  r.Int("do_rotary", &a.do_rotary);
-  r.Int("rotary_interleaved", &a.rotary_interleaved);
-  r.Int("smooth_softmax", &a.smooth_softmax);
-  r.Float("qk_norm_epsilon", &a.qk_norm_epsilon);
-  r.Float("q_norm_epsilon", &a.q_norm_epsilon);
-  r.Float("k_norm_epsilon", &a.k_norm_epsilon);
-  r.Int("causal", &a.causal);
-  r.Int("sliding_window_cache", &a.sliding_window_cache);
-  r.String("k_quant_type", &a.k_quant_type);
-  r.String("v_quant_type", &a.v_quant_type);
-  r.Int("kv_cache_bit_width", &a.kv_cache_bit_width);
-  r.Int("qk_output", &a.qk_output);
-  r.Int("kv_layout", &a.kv_layout);
+  for (const GqaAttributeSpec& spec : kGqaAttributeTable) {
+    if (spec.required) r.Required(spec.name);
+  }
+  for (const GqaAttributeSpec& spec : kGqaAttributeTable) {
+    switch (spec.type) {
+      case AttrType::kInt: r.Int(spec.name, &(a.*spec.int_field)); break;
+      case AttrType::kFloat: r.Float(spec.name, &(a.*spec.float_field)); break;
+      default: r.String(spec.name, &(a.*spec.string_field)); break;
+    }
+  }
   *out = a;
   return r.status();
 }

@@ -232,6 +232,16 @@ void BindCudaVmm(py::module_& m) {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "ort-kvlayout native module: build info and direct kernel entry points";
+  m.def(
+      "gqa_attribute_types",
+      [] {
+        py::dict types;  // in the table's order
+        for (const kvl::GqaAttributeSpec& spec : kvl::kGqaAttributeTable) {
+          types[spec.name] = kvl::AttrTypeName(spec.type);
+        }
+        return types;
+      },
+      "The op's attribute table (core/gqa_attributes.h): {name: 'INT' | 'FLOAT' | 'STRING'}");
   m.def("build_info", &BuildInfo, "Version, ORT header API version, CUDA build facts");
   m.def("gqa_cpu", &GqaCpu, py::arg("inputs"), py::arg("attrs"), py::arg("shared") = false,
         py::arg("threads") = 0,

@@ -23,6 +23,7 @@ are refused by name with the reason, and then nothing is written.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -35,9 +36,14 @@ import onnx
 from . import DOMAIN, LIBRARY_NAME
 from .graph import (  # noqa: F401 -- iter_gqa_nodes, is_gqa: part of this module's API
     KV_LAYOUT_ATTR,
-    MS_DOMAIN,
+    GraphError,
+    attribute_problems,
+    check_external_data,
+    gqa_attribute_types,
+    graph_facts,
     is_gqa,
     iter_gqa_nodes,
+    load_model,
     node_attrs,
     node_kv_layout,
     node_label,
@@ -57,15 +63,7 @@ GQA_INPUTS = (
 GQA_OUTPUTS = ("output", "present_key", "present_value", "output_qk")
 K_SCALE, V_SCALE = GQA_INPUTS.index("k_scale"), GQA_INPUTS.index("v_scale")
 OUTPUT_QK = GQA_OUTPUTS.index("output_qk")
-
-# Attributes the ai.kvlayout op reads (the contract's plus kv_layout). A custom op has no schema
-# in ORT, so an attribute outside this set would be silently ignored: refuse it instead.
-SUPPORTED_ATTRIBUTES = frozenset({
-    "num_heads", "kv_num_heads", "scale", "softcap", "local_window_size", "do_rotary",
-    "rotary_interleaved", "smooth_softmax", "qk_norm_epsilon", "q_norm_epsilon", "k_norm_epsilon",
-    "causal", "sliding_window_cache", "k_quant_type", "v_quant_type", "kv_cache_bit_width",
-    "qk_output", KV_LAYOUT_ATTR,
-})  # fmt: skip
+Q_NORM, K_NORM = GQA_INPUTS.index("q_norm_weight"), GQA_INPUTS.index("k_norm_weight")
 
 # Files at least this large are hard-linked rather than copied (weights, never written by a runtime).
 LINK_MIN_BYTES = 16 << 20
@@ -121,10 +119,47 @@ def _present(names, index: int) -> bool:
     return len(names) > index and names[index] != ""
 
 
+# Attribute values ORT's com.microsoft op runs but the v1 op cannot run with the same meaning
+# (tests/test_attribute_values.py checks every value class against ORT's CPU op): refused up
+# front, so the patcher never writes a model that fails at load or runs differently. Values the
+# op runs as ORT does (e.g. smooth_softmax=2 or softcap=-1: off in both) are not listed.
+_VALUE_RULES: tuple[tuple[str, Callable[[object], bool], str], ...] = (
+    ("scale", lambda v: not math.isfinite(v), "a non-finite scale is not supported in v1"),  # type: ignore[arg-type]
+    ("softcap", lambda v: math.isinf(v) and v > 0, "softcap=inf is not supported in v1"),  # type: ignore[operator,arg-type]
+)
+
+
+def value_problems(attrs: dict[str, object]) -> list[str]:
+    """Reasons from _VALUE_RULES for a node's (correctly typed) attribute values."""
+    return [
+        f"attribute '{name}'={attrs[name]!r}: {reason}"
+        for name, bad, reason in _VALUE_RULES
+        if name in attrs and bad(attrs[name])
+    ]
+
+
+def norm_epsilon_problems(attrs: dict[str, object]) -> list[str]:
+    """With q/k norm weights: the epsilons the op uses (q_/k_norm_epsilon when >= 0, else
+    qk_norm_epsilon) must be finite and >= 0 (v1 refuses others when the node runs)."""
+    qk = attrs.get("qk_norm_epsilon", 1e-6)
+    problems = []
+    for name in ("q_norm_epsilon", "k_norm_epsilon"):
+        own = attrs.get(name, -1.0)
+        eps = own if own >= 0 else qk  # type: ignore[operator]
+        if not (math.isfinite(eps) and eps >= 0):  # type: ignore[arg-type,operator]
+            problems.append(
+                f"norm epsilon {name}={own!r} / qk_norm_epsilon={qk!r}: a finite epsilon >= 0 is "
+                "needed with q/k norm weights in v1"
+            )
+    return problems
+
+
 def unsupported_reason(node: onnx.NodeProto) -> str | None:
-    """Why the ai.kvlayout op cannot run this GQA node, or None when it can."""
+    """Why the ai.kvlayout op cannot run this GQA node as ORT runs it, or None when it can."""
+    reasons = attribute_problems(node)  # names and types, read with the op's table
+    if reasons:  # values of the wrong type are not read further
+        return "; ".join(reasons)
     attrs = node_attrs(node)
-    reasons = []
     if len(node.input) > len(GQA_INPUTS):
         reasons.append(f"{len(node.input)} inputs, the contract has {len(GQA_INPUTS)}")
     if len(node.output) > len(GQA_OUTPUTS):
@@ -132,24 +167,19 @@ def unsupported_reason(node: onnx.NodeProto) -> str | None:
     if _present(node.input, K_SCALE) or _present(node.input, V_SCALE):
         reasons.append("quantized KV cache (k_scale/v_scale inputs) is not supported in v1")
     for name in ("k_quant_type", "v_quant_type"):
-        value = attrs.get(name, b"NONE")
-        text = value.decode() if isinstance(value, bytes) else str(value)
-        if text.upper() != "NONE":
+        text = attrs.get(name, b"NONE").decode(errors="replace")  # type: ignore[union-attr]
+        if text.upper() != "NONE":  # ORT reads it case-insensitively, and so does the op
             reasons.append(f"quantized KV cache ({name}={text}) is not supported in v1")
-    if int(attrs.get("kv_cache_bit_width", 0)) != 0:  # type: ignore[arg-type]
+    if attrs.get("kv_cache_bit_width", 0) != 0:
         reasons.append(
             f"quantized KV cache (kv_cache_bit_width={attrs['kv_cache_bit_width']}) "
             "is not supported in v1"
         )
-    if _present(node.output, OUTPUT_QK) or int(attrs.get("qk_output", 0)) != 0:  # type: ignore[arg-type]
+    if _present(node.output, OUTPUT_QK) or attrs.get("qk_output", 0) != 0:
         reasons.append("output_qk / qk_output is not supported")
-    unknown = sorted(set(attrs) - SUPPORTED_ATTRIBUTES)
-    if unknown:
-        reasons.append(f"attribute(s) {', '.join(unknown)} not in the ai.kvlayout contract")
-    if KV_LAYOUT_ATTR in attrs and node.domain == MS_DOMAIN:
-        reasons.append("kv_layout on a com.microsoft node (ORT rejects it)")
-    elif KV_LAYOUT_ATTR in attrs and attrs[KV_LAYOUT_ATTR] not in LAYOUT_NAMES:
-        reasons.append(f"kv_layout={attrs[KV_LAYOUT_ATTR]} (must be 0 or 1)")
+    reasons += value_problems(attrs)
+    if _present(node.input, Q_NORM) or _present(node.input, K_NORM):
+        reasons += norm_epsilon_problems(attrs)
     return "; ".join(reasons) or None
 
 
@@ -271,16 +301,29 @@ def update_genai_config(config: dict, patched: set[str], library: str) -> dict:
     Always in model.decoder.session_options (onnxruntime-genai's default session options); also in
     every other section that names a patched file and has session_options of its own.
     """
+    from .metadata import json_type
+
     model = config.get("model")
-    if not isinstance(model, dict) or not isinstance(model.get("decoder"), dict):
-        raise PatchError(f"{GENAI_CONFIG}: key 'model.decoder' missing")
+    if not isinstance(model, dict):
+        raise PatchError(f"{GENAI_CONFIG}: 'model' must be an object, got {json_type(model)}")
+    if not isinstance(model.get("decoder"), dict):
+        got = json_type(model["decoder"]) if "decoder" in model else "nothing (key missing)"
+        raise PatchError(f"{GENAI_CONFIG}: 'model.decoder' must be an object, got {got}")
     targets = [model["decoder"]]
     targets += [
         s for s in _genai_sections(model, patched) if isinstance(s.get("session_options"), dict)
     ]
     for section in targets:
         options = section.setdefault("session_options", {})
+        if not isinstance(options, dict):
+            raise PatchError(
+                f"{GENAI_CONFIG}: 'session_options' must be an object, got {json_type(options)}"
+            )
         current = options.get("custom_ops_library")
+        if current is not None and not isinstance(current, str):
+            raise PatchError(
+                f"{GENAI_CONFIG}: 'custom_ops_library' must be a string, got {json_type(current)}"
+            )
         if current and Path(current).name != Path(library).name:
             raise PatchError(
                 f"{GENAI_CONFIG} already names custom_ops_library={current!r}; onnxruntime-genai "
@@ -308,6 +351,27 @@ def _resolve_library(library: str | os.PathLike | None | bool) -> Path | None:
     return path
 
 
+def _load_checked(path: Path) -> onnx.ModelProto:
+    """The graph of one .onnx file, its external-data references checked (never read)."""
+    try:
+        model = load_model(path)
+        check_external_data(model, path)
+    except GraphError as exc:
+        raise PatchError(str(exc)) from exc
+    return model
+
+
+def _missing_parents(path: Path) -> list[Path]:
+    """The ancestors of `path` that do not exist yet, deepest first (created, then removed on
+    failure: a failed run leaves no directory it made)."""
+    missing = []
+    for parent in path.parents:
+        if parent.exists():
+            break
+        missing.append(parent)
+    return missing
+
+
 def patch_model_dir(
     model_dir: str | os.PathLike,
     out_dir: str | os.PathLike | None = None,
@@ -324,9 +388,15 @@ def patch_model_dir(
     and leaves genai_config.json's session options as they are. metadata=False skips
     inference_metadata.yaml. link=True hard-links large files instead of copying them (see
     _copy_file for the caveat).
+
+    Everything is read and checked before anything is written (graphs, external-data
+    references, genai_config.json, the metadata); on any failure or interrupt, the temporary
+    directory and the parent directories this call created are removed.
     """
     log = log or (lambda _msg: None)
     layout = layout_id(layout)
+    if str(model_dir) == "" or (out_dir is not None and str(out_dir) == ""):
+        raise PatchError("an empty path is not a directory (MODEL_DIR and -o must be named)")
     src = Path(model_dir).resolve()
     if not src.is_dir():
         raise PatchError(f"model directory {src} not found")
@@ -337,16 +407,19 @@ def patch_model_dir(
         )
     if dst.exists() and not force:
         raise PatchError(f"output {dst} exists; pass --force to replace it")
+    if dst.exists() and not dst.is_dir():
+        raise PatchError(f"output {dst} exists and is not a directory")
     lib = _resolve_library(library)
 
     # Read and rewrite every graph first: refusals are raised before anything is written.
     onnx_files = sorted(p for p in src.rglob("*.onnx") if p.is_file())
+    models: dict[Path, onnx.ModelProto] = {}
     rewritten: dict[str, bytes] = {}
     result = PatchResult(model_dir=src, out_dir=dst, layout=layout)
     refusals: list[tuple[str, str]] = []
     for path in onnx_files:
         rel = path.relative_to(src).as_posix()
-        model = onnx.load(str(path), load_external_data=False)
+        model = _load_checked(path)
         report = FileReport(rel)
         try:
             report.gqa_nodes, report.rewritten, file_changed = rewrite_model(model, layout)
@@ -354,6 +427,7 @@ def patch_model_dir(
             prefix = f"{rel}: " if len(onnx_files) > 1 else ""
             refusals += [(prefix + name, reason) for name, reason in exc.refusals]
             continue
+        models[path.resolve()] = model
         if file_changed:
             rewritten[rel] = model.SerializeToString()
         result.files.append(report)
@@ -363,12 +437,41 @@ def patch_model_dir(
     if result.gqa_nodes == 0:
         raise PatchError(f"no GroupQueryAttention node in {src} ({len(onnx_files)} .onnx file(s))")
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the output is an ordinary directory
+    # genai_config.json and the metadata, from the rewritten graphs, still before any write.
+    from .metadata import MetadataError, build_metadata, load_genai_config, write_metadata
+
+    new_config_text = None
+    if lib is not None and (src / GENAI_CONFIG).is_file():
+        try:
+            config = load_genai_config(src)
+        except MetadataError as exc:
+            raise PatchError(str(exc)) from exc
+        patched_files = {f.path for f in result.files if f.gqa_nodes}
+        new_config = update_genai_config(
+            json.loads(json.dumps(config)), patched_files, LIBRARY_NAME
+        )
+        if new_config != config:
+            new_config_text = json.dumps(new_config, indent=4) + "\n"
+    metadata_data = None
+    if metadata:
+
+        def read(path: Path):
+            model = models.get(path.resolve())
+            return graph_facts(model) if model is not None else graph_facts(_load_checked(path))
+
+        try:
+            metadata_data = build_metadata(src, read=read)
+        except MetadataError as exc:
+            raise PatchError(f"{exc} (pass --no-metadata to patch without it)") from exc
+
+    created = _missing_parents(dst)
+    tmp: Path | None = None
     try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the output is an ordinary directory
         for path in sorted(src.rglob("*")):
             rel = path.relative_to(src).as_posix()
             target = tmp / rel
@@ -383,29 +486,22 @@ def patch_model_dir(
             (tmp / LIBRARY_NAME).unlink(missing_ok=True)  # may be a link into the source
             shutil.copy2(lib, tmp / LIBRARY_NAME)
             result.library = LIBRARY_NAME
-            config_path = tmp / GENAI_CONFIG
-            if config_path.is_file():
-                config = json.loads(config_path.read_text())
-                patched_files = {f.path for f in result.files if f.gqa_nodes}
-                new_config = update_genai_config(
-                    json.loads(json.dumps(config)), patched_files, LIBRARY_NAME
-                )
-                if new_config != config:
-                    config_path.unlink()  # never write through a link into the source
-                    config_path.write_text(json.dumps(new_config, indent=4) + "\n")
-        if metadata:
-            from .metadata import MetadataError, build_metadata, write_metadata
-
-            try:
-                data = build_metadata(tmp)
-            except MetadataError as exc:
-                raise PatchError(f"{exc}\n(pass --no-metadata to patch without it)") from exc
-            (tmp / METADATA_FILE).unlink(missing_ok=True)
-            write_metadata(data, tmp / METADATA_FILE, force=True)
+            if new_config_text is not None:
+                (tmp / GENAI_CONFIG).unlink()  # never write through a link into the source
+                (tmp / GENAI_CONFIG).write_text(new_config_text)
+        if metadata_data is not None:
+            (tmp / METADATA_FILE).unlink(missing_ok=True)  # may be a link into the source
+            write_metadata(metadata_data, tmp / METADATA_FILE, force=True)
             result.metadata = dst / METADATA_FILE
         _commit(tmp, dst, force)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        for parent in created:  # deepest first; only if still empty
+            try:
+                parent.rmdir()
+            except OSError:
+                break
         raise
     log(f"wrote {dst} ({result.rewritten} node(s) rewritten, kv_layout={LAYOUT_NAMES[layout]})")
     return result
