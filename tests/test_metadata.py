@@ -83,6 +83,17 @@ def test_append_when_not_shared_and_scalar_eos(tmp_path):
     assert data["tokens"]["eos_token_id"] == [2]
 
 
+def test_null_bos_and_pad_are_kept_as_null(tmp_path):
+    """A model may have no BOS or padding token: null is written as null, not refused."""
+    src = make_model_dir(tmp_path / "m")
+    config = json.loads((src / "genai_config.json").read_text())
+    config["model"]["bos_token_id"] = None
+    config["model"]["pad_token_id"] = None
+    (src / "genai_config.json").write_text(json.dumps(config))
+    tokens = build_metadata(src)["tokens"]
+    assert tokens["bos_token_id"] is None and tokens["pad_token_id"] is None
+
+
 @pytest.mark.parametrize(
     "key",
     [

@@ -276,7 +276,11 @@ def _sliding_window(
 GraphReader = Callable[[Path], tuple[list[onnx.NodeProto], set[str], set[str]]]
 
 
-def _token_id(config: dict[str, Any], dotted: str, vocab: int) -> int:
+def _token_id(config: dict[str, Any], dotted: str, vocab: int) -> int | None:
+    """A token id in [0, vocab), or null: a model may have no BOS or no padding token (the key
+    itself stays required, as before)."""
+    if _get(config, dotted) is None:
+        return None
     return _int(config, dotted, 0, vocab - 1)
 
 
