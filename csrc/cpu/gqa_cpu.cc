@@ -11,13 +11,41 @@
 #include "core/kv_strides.h"
 #include "core/softcap.h"
 
+// This file is compiled once per CPU level (CMakeLists.txt) with KVL_ISA_LEVEL = 0 (portable),
+// 1 (AVX2 + FMA) or 2 (AVX-512), and KVL_ISA_NS naming the namespace of that copy. The target
+// ISA is switched on by a pragma AFTER the includes, not by -m flags: functions defined from here
+// on get the level's instructions, while the inline functions and templates of the headers
+// (std::vector's members, dtype.h, softcap.h) keep the baseline ISA. Those are emitted in every
+// copy under the same names and the linker keeps one of them; compiled with -mavx512f, the one
+// kept could be an AVX-512 copy called from the portable level. Everything defined below is in
+// KVL_ISA_NS (and mostly an anonymous namespace), so no two levels share a symbol.
+#if !defined(KVL_ISA_LEVEL) || !defined(KVL_ISA_NS)
+#error "gqa_cpu.cc needs KVL_ISA_LEVEL and KVL_ISA_NS (see CMakeLists.txt)"
+#endif
+// (#pragma GCC target does not expand macros: the strings are spelled out per compiler.)
+#if KVL_ISA_LEVEL == 1 && defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx,avx2,fma"))), apply_to = function)
+#elif KVL_ISA_LEVEL == 1
+#pragma GCC push_options
+#pragma GCC target("avx,avx2,fma")
+#elif KVL_ISA_LEVEL == 2 && defined(__clang__)
+#pragma clang attribute push(                                                              \
+    __attribute__((target("avx,avx2,fma,avx512f,avx512bw,avx512vl,avx512dq"))), apply_to = function)
+#elif KVL_ISA_LEVEL == 2
+#pragma GCC push_options
+#pragma GCC target("avx,avx2,fma,avx512f,avx512bw,avx512vl,avx512dq")
+#elif KVL_ISA_LEVEL != 0
+#error "KVL_ISA_LEVEL must be 0, 1 or 2"
+#endif
+
 namespace kvl {
+namespace KVL_ISA_NS {
 namespace {
 
-// ---- float32 vectors through GCC/Clang vector extensions: the widest the target has ----------
-#if defined(__AVX512F__)
+// ---- float32 vectors through GCC/Clang vector extensions: the widest the level has -----------
+#if KVL_ISA_LEVEL == 2
 constexpr int kVW = 16;
-#elif defined(__AVX__)
+#elif KVL_ISA_LEVEL == 1
 constexpr int kVW = 8;
 #else
 constexpr int kVW = 4;
@@ -35,12 +63,12 @@ inline VecF Splat(float x) { return VecF{} + x; }
 
 // Sum of a vector's lanes by halving shuffles (log2(kVW) vector adds, not kVW scalar ones).
 inline float HorizontalSum(VecF v) {
-#if defined(__AVX512F__)
+#if KVL_ISA_LEVEL == 2
   v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
   v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
   v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-#elif defined(__AVX__)
+#elif KVL_ISA_LEVEL == 1
   v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
   v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
   v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
@@ -791,4 +819,11 @@ Status RunGqaCpu(const GqaShape& shape, const GqaCpuBuffers& buffers, const Para
   }
 }
 
+}  // namespace KVL_ISA_NS
 }  // namespace kvl
+
+#if KVL_ISA_LEVEL != 0 && defined(__clang__)
+#pragma clang attribute pop
+#elif KVL_ISA_LEVEL != 0
+#pragma GCC pop_options
+#endif
