@@ -128,9 +128,11 @@ inline VecF VecSoftcap(VecF x, float c, float inv_c) {
 
 // ---- tiling --------------------------------------------------------------------------------
 constexpr int kTileKeys = 64;  // keys per tile: a multiple of 2*kVW for every vector width
-// Query rows per micro-kernel call: 8 rows x 2 vectors = 16 accumulators fit AVX-512's 32
-// registers; AVX2's 16 take 4 rows.
-constexpr int kRowBlock = kVW >= 16 ? 8 : 4;
+// Query rows per micro-kernel call. AVX-512: 8 rows x 2 vectors = 16 accumulators of 32
+// registers. AVX2: 6 rows x 2 vectors = 12 accumulators + 2 K (or V) vectors + 1 broadcast = 15
+// of 16 registers; 4 rows left 8 accumulators, fewer than the FMAs in flight it takes to cover
+// FMA latency (2 pipes x 4-5 cycles). Portable (SSE, no FMA): 4 rows.
+constexpr int kRowBlock = kVW >= 16 ? 8 : (kVW == 8 ? 6 : 4);
 constexpr int kDimStep = 2 * kVW;
 
 int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -155,7 +157,7 @@ struct Call {
   int64_t num_q_blocks;
   int64_t group_heads;  // KV heads per task: all of them when a token's heads are adjacent
   int64_t num_groups;   // kv_num_heads / group_heads
-  int64_t row_block;    // micro-kernel rows: 4 or 8
+  int64_t row_block;    // micro-kernel rows: 4 or kRowBlock
   int64_t num_splits;   // key splits per (b, head group, q block)
   int64_t split_keys;   // keys per split (multiple of kTileKeys)
   // Split partials: (task, split, row, head_pad) for o; (task, split, row) for m and l.
