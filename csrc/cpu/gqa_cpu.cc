@@ -11,6 +11,10 @@
 #include "core/kv_strides.h"
 #include "core/softcap.h"
 
+#if KVL_ISA_LEVEL != 0
+#include <immintrin.h>
+#endif
+
 // This file is compiled once per CPU level (CMakeLists.txt) with KVL_ISA_LEVEL = 0 (portable),
 // 1 (AVX2 + FMA) or 2 (AVX-512), and KVL_ISA_NS naming the namespace of that copy. The target
 // ISA is switched on by a pragma AFTER the includes, not by -m flags: functions defined from here
@@ -59,7 +63,18 @@ inline VecF Load(const float* p) {
   return v;
 }
 inline void Store(float* p, VecF v) { std::memcpy(p, &v, sizeof v); }
-inline VecF Splat(float x) { return VecF{} + x; }
+// x in every lane, as one broadcast (a load-port vbroadcastss from memory). Not VecF{} + x: that
+// is a scalar add then a shuffle (0 + x is not x for x = -0), both on the FP ports the FMAs of
+// the micro-kernels need (AVX2 prefill: one add per broadcast, one per 2 FMAs).
+inline VecF Splat(float x) {
+#if KVL_ISA_LEVEL == 2
+  return reinterpret_cast<VecF>(_mm512_set1_ps(x));
+#elif KVL_ISA_LEVEL == 1
+  return reinterpret_cast<VecF>(_mm256_set1_ps(x));
+#else
+  return VecF{x, x, x, x};
+#endif
+}
 
 // Sum of a vector's lanes by halving shuffles (log2(kVW) vector adds, not kVW scalar ones).
 inline float HorizontalSum(VecF v) {
