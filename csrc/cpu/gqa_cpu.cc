@@ -645,7 +645,12 @@ void AttentionTask(void* state, size_t task_index) {
   key_lo = std::max(key_lo, split * c.split_keys);
   key_hi = std::min(key_hi, (split + 1) * c.split_keys);
 
-  const bool direct_v = std::is_same<T, float>::value && H == hp;
+  // float32 rows of head_pad length are read in place, except a prefill's seq-major V rows: the
+  // PV micro-kernel walks a V tile once per row block (~40 times), and rows Nkv*H floats apart
+  // (a page each at 32/8/128) cost TLB and prefetch misses every walk; a packed copy costs one
+  // pass (seq-major S=2048 32/8/128: 0.84x -> see docs/BENCHMARKS.md).
+  const bool direct_v = std::is_same<T, float>::value && H == hp &&
+                        (dot_scores || c.present_strides.seq == H);
   // A task over all heads walks each tile once per head: keep a tile of every head's K near
   // 64 KB so the tile stays in L2 across those passes (measured: 32/8/128 fp32 seq-major decode
   // 12 -> 16 GB/s with 16-key tiles; 9/3/64 keeps 64).
