@@ -379,12 +379,16 @@ inline bool TransposeKRows8(const T* const* rows, int64_t H, float* kt) {
     typedef float Vec8 __attribute__((vector_size(8 * sizeof(float))));
     for (int64_t d = 0; d < H; d += 8) {
       Vec8 r[8];
+      // Unrolled, so r, t and u live in registers (a loop kept them in a stack array).
+#pragma GCC unroll 8
       for (int i = 0; i < 8; ++i) std::memcpy(&r[i], rows[i] + d, sizeof(Vec8));
       Vec8 t[8], u[8];
+#pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {  // pairs of rows interleaved: (r0 r1), (r2 r3), ...
         t[2 * i] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
         t[2 * i + 1] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
       }
+#pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {  // quads of rows: rows 0-3 (h = 0) and 4-7 (h = 1)
         const Vec8 a0 = t[4 * h], a1 = t[4 * h + 1], b0 = t[4 * h + 2], b1 = t[4 * h + 3];
         u[4 * h + 0] = __builtin_shufflevector(a0, b0, 0, 1, 8, 9, 4, 5, 12, 13);
@@ -392,6 +396,7 @@ inline bool TransposeKRows8(const T* const* rows, int64_t H, float* kt) {
         u[4 * h + 2] = __builtin_shufflevector(a1, b1, 0, 1, 8, 9, 4, 5, 12, 13);
         u[4 * h + 3] = __builtin_shufflevector(a1, b1, 2, 3, 10, 11, 6, 7, 14, 15);
       }
+#pragma GCC unroll 4
       for (int k = 0; k < 4; ++k) {  // u[k]: dims k and k + 4 of rows 0-3; u[4 + k]: rows 4-7
         const Vec8 lo = __builtin_shufflevector(u[k], u[4 + k], 0, 1, 2, 3, 8, 9, 10, 11);
         const Vec8 hi = __builtin_shufflevector(u[k], u[4 + k], 4, 5, 6, 7, 12, 13, 14, 15);
