@@ -13,8 +13,13 @@ Metrics:
   prefill (first prompt, no past): GFLOP/s with causal flops = 4 * B * N * H * S*(S+1)/2
           (QK^T and PV over the causal triangle only, diagonal included).
 
+CPU kernel levels: the library carries portable, AVX2 and AVX-512 kernels and uses one per
+process (ORT_KVLAYOUT_CPU_ISA forces a lower one). By default every level this CPU supports is
+measured, each in a child process with ORT beside it, and a table per level is printed;
+``--isa avx2`` picks levels, ``--isa current`` measures this process's level only.
+
 Examples:
-  python bench/bench_cpu.py                       # the issue's cases (preset "issue")
+  python bench/bench_cpu.py                       # the issue's cases (preset "issue"), all levels
   python bench/bench_cpu.py --preset quick        # small shapes, a smoke test
   python bench/bench_cpu.py --heads 32/8/128 --decode 1x4096 --prefill ""
 """
@@ -58,6 +63,8 @@ PRESETS = {
 }
 
 REPO = Path(__file__).resolve().parent.parent
+ISA_ENV = "ORT_KVLAYOUT_CPU_ISA"
+ISA_LEVELS = ("portable", "avx2", "avx512")
 
 
 @dataclass(frozen=True)
@@ -371,6 +378,13 @@ def machine_info() -> dict:
         info["l3"] = fields.get("L3 cache")
     except (OSError, subprocess.CalledProcessError, ValueError):
         pass
+    try:  # the vector ISA extensions the kernels' levels depend on
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+        wanted = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512")
+        info["isa_flags"] = " ".join(x for x in flags if x.startswith(wanted))
+    except OSError:
+        pass
     return info
 
 
@@ -427,6 +441,69 @@ def markdown_table(results: list[dict], keys: list[str]) -> str:
     return "\n".join(lines)
 
 
+def supported_levels() -> list[str]:
+    """CPU kernel levels built into the library that this CPU supports, lowest first."""
+    info = ort_kvlayout.build_info()
+    best = ISA_LEVELS.index(info["cpu_isa_best"])
+    return [lv for lv in info["cpu_isas"] if ISA_LEVELS.index(lv) <= best]
+
+
+def level_table(per_level: dict[str, list[dict]], keys: list[str]) -> str:
+    """One row per (case, level): throughput of each variant and the ratios to ORT."""
+    ours = [k for k in keys if k != "ort"]
+    head = ["case", "N/Nkv/H", "level", "unit"] + [VARIANT_LABELS[k] for k in keys]
+    if "ort" in keys:
+        head += [f"{k}/ORT" for k in ours]
+    head += ["other load"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
+    levels = list(per_level)
+    for i, first in enumerate(per_level[levels[0]]):
+        for level in levels:
+            r = per_level[level][i]
+            st = r["stats"]
+            row = [first["case"]["name"], first["case"]["heads"], level, st[keys[0]]["unit"]]
+            row += [f"{st[k]['throughput']:.1f}" for k in keys]
+            if "ort" in keys:
+                row += [f"{r['ratio'][k]:.2f}x" for k in ours]
+            row.append(f"{r['other_processes_cpus']:.2f}")
+            lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def run_levels(levels: list[str], argv: list[str], keys: list[str], json_path: str) -> int:
+    """Runs this script once per level in a child process (the level is fixed per process),
+    then prints the per-level comparison and writes one JSON holding every level's run."""
+    import tempfile
+
+    per_level: dict[str, list[dict]] = {}
+    metas: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for level in levels:
+            out = Path(tmp) / f"{level}.json"
+            env = {**os.environ, ISA_ENV: level}
+            cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--isa", "current"]
+            print(f"\n## level {level} ({ISA_ENV}={level})", flush=True)
+            rc = subprocess.run([*cmd, "--json", str(out)], env=env, check=False).returncode
+            if rc != 0:
+                print(f"level {level}: the benchmark failed (exit {rc})", file=sys.stderr)
+                return rc
+            data = json.loads(out.read_text())
+            got = data["meta"]["ort_kvlayout"].get("build_cpu_isa")
+            if got != level:
+                print(f"level {level}: the child ran at {got!r}", file=sys.stderr)
+                return 1
+            per_level[level], metas[level] = data["results"], data["meta"]
+    print("\n## per level (throughput medians; ratios to ORT measured in the same process)\n")
+    print(level_table(per_level, keys))
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        with open(json_path, "w") as f:
+            levels_json = {lv: {"meta": metas[lv], "results": per_level[lv]} for lv in levels}
+            json.dump({"levels": levels_json}, f, indent=2)
+        print(f"JSON: {os.path.relpath(json_path)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -474,6 +551,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="warm-up calls per variant")
     p.add_argument("--seed", type=int, default=20240, help="numpy seed for the inputs")
     p.add_argument(
+        "--isa",
+        default="all",
+        help="CPU kernel levels to measure, each in a child process: 'all' (default: every "
+        "level this CPU supports), a list such as portable,avx2, or 'current' (this process's "
+        f"level only, as {ISA_ENV} or the CPU decides)",
+    )
+    p.add_argument(
         "--json",
         default=None,
         help="JSON output path (default: bench/results/cpu-<date>.json; '' for none)",
@@ -491,6 +575,26 @@ def main(argv: list[str] | None = None) -> int:
     script = os.path.relpath(Path(__file__).resolve(), Path.cwd())
     command = " ".join(["python", shlex.quote(script)] + [shlex.quote(a) for a in argv_used])
     now = _dt.datetime.now(_dt.timezone.utc).astimezone()
+    default_json = str(REPO / "bench" / "results" / f"cpu-{now.strftime('%Y-%m-%d')}.json")
+
+    if args.isa != "current":
+        supported = supported_levels()
+        levels = supported if args.isa == "all" else [x.strip() for x in args.isa.split(",")]
+        for lv in levels:
+            if lv not in supported:
+                p.error(f"--isa {lv}: this library and CPU support {','.join(supported)}")
+        child_argv = []  # the arguments without --isa and --json: the parent owns those
+        skip = False
+        for a in argv_used:
+            if skip:
+                skip = False
+            elif a in ("--isa", "--json"):
+                skip = True
+            elif not a.startswith(("--isa=", "--json=")):
+                child_argv.append(a)
+        return run_levels(
+            levels, child_argv, keys, default_json if args.json is None else args.json
+        )
 
     if not args.per_session_threads:
         # Must come before the first session (the ORT environment is created then).
@@ -536,6 +640,11 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"machine: {m.get('model_name')}, {m.get('physical_cores')} cores, "
         f"{m.get('logical_cpus')} logical CPUs; load avg {meta['loadavg_start']}"
+    )
+    lib = meta["ort_kvlayout"]
+    print(
+        f"CPU kernel level {lib.get('build_cpu_isa')} (built {lib.get('build_cpu_isas')}, "
+        f"best supported {lib.get('build_cpu_isa_best')}); ISA flags {m.get('isa_flags')}"
     )
     print(
         f"onnxruntime {meta['onnxruntime']}, ort_kvlayout {meta['ort_kvlayout']['version']} "
@@ -596,9 +705,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"load avg start {meta['loadavg_start']}, end {meta['loadavg_end']}")
 
-    json_path = args.json
-    if json_path is None:
-        json_path = str(REPO / "bench" / "results" / f"cpu-{now.strftime('%Y-%m-%d')}.json")
+    json_path = default_json if args.json is None else args.json
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         with open(json_path, "w") as f:

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "core/check_inputs.h"
@@ -11,13 +12,45 @@
 #include "core/kv_strides.h"
 #include "core/softcap.h"
 
+#if KVL_ISA_LEVEL != 0
+#include <immintrin.h>
+#endif
+
+// This file is compiled once per CPU level (CMakeLists.txt) with KVL_ISA_LEVEL = 0 (portable),
+// 1 (AVX2 + FMA) or 2 (AVX-512), and KVL_ISA_NS naming the namespace of that copy. The target
+// ISA is switched on by a pragma AFTER the includes, not by -m flags: functions defined from here
+// on get the level's instructions, while the inline functions and templates of the headers
+// (std::vector's members, dtype.h, softcap.h) keep the baseline ISA. Those are emitted in every
+// copy under the same names and the linker keeps one of them; compiled with -mavx512f, the one
+// kept could be an AVX-512 copy called from the portable level. Everything defined below is in
+// KVL_ISA_NS (and mostly an anonymous namespace), so no two levels share a symbol.
+#if !defined(KVL_ISA_LEVEL) || !defined(KVL_ISA_NS)
+#error "gqa_cpu.cc needs KVL_ISA_LEVEL and KVL_ISA_NS (see CMakeLists.txt)"
+#endif
+// (#pragma GCC target does not expand macros: the strings are spelled out per compiler.)
+#if KVL_ISA_LEVEL == 1 && defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx,avx2,fma"))), apply_to = function)
+#elif KVL_ISA_LEVEL == 1
+#pragma GCC push_options
+#pragma GCC target("avx,avx2,fma")
+#elif KVL_ISA_LEVEL == 2 && defined(__clang__)
+#pragma clang attribute push(                                                              \
+    __attribute__((target("avx,avx2,fma,avx512f,avx512bw,avx512vl,avx512dq"))), apply_to = function)
+#elif KVL_ISA_LEVEL == 2
+#pragma GCC push_options
+#pragma GCC target("avx,avx2,fma,avx512f,avx512bw,avx512vl,avx512dq")
+#elif KVL_ISA_LEVEL != 0
+#error "KVL_ISA_LEVEL must be 0, 1 or 2"
+#endif
+
 namespace kvl {
+namespace KVL_ISA_NS {
 namespace {
 
-// ---- float32 vectors through GCC/Clang vector extensions: the widest the target has ----------
-#if defined(__AVX512F__)
+// ---- float32 vectors through GCC/Clang vector extensions: the widest the level has -----------
+#if KVL_ISA_LEVEL == 2
 constexpr int kVW = 16;
-#elif defined(__AVX__)
+#elif KVL_ISA_LEVEL == 1
 constexpr int kVW = 8;
 #else
 constexpr int kVW = 4;
@@ -31,16 +64,27 @@ inline VecF Load(const float* p) {
   return v;
 }
 inline void Store(float* p, VecF v) { std::memcpy(p, &v, sizeof v); }
-inline VecF Splat(float x) { return VecF{} + x; }
+// x in every lane, as one broadcast (a load-port vbroadcastss from memory). Not VecF{} + x: that
+// is a scalar add then a shuffle (0 + x is not x for x = -0), both on the FP ports the FMAs of
+// the micro-kernels need (AVX2 prefill: one add per broadcast, one per 2 FMAs).
+inline VecF Splat(float x) {
+#if KVL_ISA_LEVEL == 2
+  return reinterpret_cast<VecF>(_mm512_set1_ps(x));
+#elif KVL_ISA_LEVEL == 1
+  return reinterpret_cast<VecF>(_mm256_set1_ps(x));
+#else
+  return VecF{x, x, x, x};
+#endif
+}
 
 // Sum of a vector's lanes by halving shuffles (log2(kVW) vector adds, not kVW scalar ones).
 inline float HorizontalSum(VecF v) {
-#if defined(__AVX512F__)
+#if KVL_ISA_LEVEL == 2
   v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
   v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
   v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-#elif defined(__AVX__)
+#elif KVL_ISA_LEVEL == 1
   v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
   v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
   v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
@@ -100,9 +144,11 @@ inline VecF VecSoftcap(VecF x, float c, float inv_c) {
 
 // ---- tiling --------------------------------------------------------------------------------
 constexpr int kTileKeys = 64;  // keys per tile: a multiple of 2*kVW for every vector width
-// Query rows per micro-kernel call: 8 rows x 2 vectors = 16 accumulators fit AVX-512's 32
-// registers; AVX2's 16 take 4 rows.
-constexpr int kRowBlock = kVW >= 16 ? 8 : 4;
+// Query rows per micro-kernel call. AVX-512: 8 rows x 2 vectors = 16 accumulators of 32
+// registers. AVX2: 6 rows x 2 vectors = 12 accumulators + 2 K (or V) vectors + 1 broadcast = 15
+// of 16 registers; 4 rows left 8 accumulators, fewer than the FMAs in flight it takes to cover
+// FMA latency (2 pipes x 4-5 cycles). Portable (SSE, no FMA): 4 rows.
+constexpr int kRowBlock = kVW >= 16 ? 8 : (kVW == 8 ? 6 : 4);
 constexpr int kDimStep = 2 * kVW;
 
 int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -127,7 +173,7 @@ struct Call {
   int64_t num_q_blocks;
   int64_t group_heads;  // KV heads per task: all of them when a token's heads are adjacent
   int64_t num_groups;   // kv_num_heads / group_heads
-  int64_t row_block;    // micro-kernel rows: 4 or 8
+  int64_t row_block;    // micro-kernel rows: 4 or kRowBlock
   int64_t num_splits;   // key splits per (b, head group, q block)
   int64_t split_keys;   // keys per split (multiple of kTileKeys)
   // Split partials: (task, split, row, head_pad) for o; (task, split, row) for m and l.
@@ -320,6 +366,49 @@ void WriteSlidingPresent(void* state, size_t task) {
     // A shared buffer's rows past L keep their content, as in ORT.
     if (!c.buf.shared()) ZeroPresentRows(c, b, h, dst, rows);
   }
+}
+
+// kt[d][i] = rows[i][d] for 8 float32 rows, d in [0, H), H a multiple of 8: 8 x 8 blocks
+// transposed in registers (AVX2 and AVX-512 levels). The scalar loop it replaces stored one float
+// per instruction, 256 bytes apart (~8% of a seq-major S=2048 32/8/128 prefill).
+template <typename T>
+inline bool TransposeKRows8(const T* const* rows, int64_t H, float* kt) {
+#if KVL_ISA_LEVEL >= 1
+  if constexpr (std::is_same<T, float>::value) {
+    if (H % 8 != 0) return false;
+    typedef float Vec8 __attribute__((vector_size(8 * sizeof(float))));
+    for (int64_t d = 0; d < H; d += 8) {
+      Vec8 r[8];
+      // Unrolled, so r, t and u live in registers (a loop kept them in a stack array).
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) std::memcpy(&r[i], rows[i] + d, sizeof(Vec8));
+      Vec8 t[8], u[8];
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {  // pairs of rows interleaved: (r0 r1), (r2 r3), ...
+        t[2 * i] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+        t[2 * i + 1] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+      }
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {  // quads of rows: rows 0-3 (h = 0) and 4-7 (h = 1)
+        const Vec8 a0 = t[4 * h], a1 = t[4 * h + 1], b0 = t[4 * h + 2], b1 = t[4 * h + 3];
+        u[4 * h + 0] = __builtin_shufflevector(a0, b0, 0, 1, 8, 9, 4, 5, 12, 13);
+        u[4 * h + 1] = __builtin_shufflevector(a0, b0, 2, 3, 10, 11, 6, 7, 14, 15);
+        u[4 * h + 2] = __builtin_shufflevector(a1, b1, 0, 1, 8, 9, 4, 5, 12, 13);
+        u[4 * h + 3] = __builtin_shufflevector(a1, b1, 2, 3, 10, 11, 6, 7, 14, 15);
+      }
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) {  // u[k]: dims k and k + 4 of rows 0-3; u[4 + k]: rows 4-7
+        const Vec8 lo = __builtin_shufflevector(u[k], u[4 + k], 0, 1, 2, 3, 8, 9, 10, 11);
+        const Vec8 hi = __builtin_shufflevector(u[k], u[4 + k], 4, 5, 6, 7, 12, 13, 14, 15);
+        std::memcpy(kt + (d + k) * kTileKeys, &lo, sizeof lo);
+        std::memcpy(kt + (d + k + 4) * kTileKeys, &hi, sizeof hi);
+      }
+    }
+    return true;
+  }
+#endif
+  (void)rows, (void)H, (void)kt;
+  return false;
 }
 
 // scores[r][j] = q_r . k_j for RB query rows and kTileKeys keys (k transposed: kt[d][j]).
@@ -600,7 +689,12 @@ void AttentionTask(void* state, size_t task_index) {
   key_lo = std::max(key_lo, split * c.split_keys);
   key_hi = std::min(key_hi, (split + 1) * c.split_keys);
 
-  const bool direct_v = std::is_same<T, float>::value && H == hp;
+  // float32 rows of head_pad length are read in place, except a prefill's seq-major V rows: the
+  // PV micro-kernel walks a V tile once per row block (~40 times), and rows Nkv*H floats apart
+  // (a page each at 32/8/128) cost TLB and prefetch misses every walk; a packed copy costs one
+  // pass (seq-major S=2048 32/8/128: 0.84x -> see docs/BENCHMARKS.md).
+  const bool direct_v = std::is_same<T, float>::value && H == hp &&
+                        (dot_scores || c.present_strides.seq == H);
   // A task over all heads walks each tile once per head: keep a tile of every head's K near
   // 64 KB so the tile stays in L2 across those passes (measured: 32/8/128 fp32 seq-major decode
   // 12 -> 16 GB/s with 16-key tiles; 9/3/64 keeps 64).
@@ -631,11 +725,20 @@ void AttentionTask(void* state, size_t task_index) {
       for (int64_t r = r_begin; r < r_end; ++r) any |= t.lo[r] < k0 + tile && t.hi[r] > k0;
       if (!any) continue;
       // K tile: rows or transposed into kt[d][j]; V rows (float32 rows are used in place).
+      int transposed = 0;  // keys [0, transposed) of kt filled 8 at a time
+      while (!dot_scores && transposed + 8 <= tile) {
+        const T* rows[8];
+        for (int i = 0; i < 8; ++i) rows[i] = c.key_row(b, g, k0 + transposed + i, geo, false);
+        if (!TransposeKRows8<T>(rows, H, t.kt.data() + transposed)) break;
+        transposed += 8;
+      }
       for (int j = 0; j < tile; ++j) {
         const T* krow = c.key_row(b, g, k0 + j, geo, false);
         const T* vrow = c.key_row(b, g, k0 + j, geo, true);
         if (!dot_scores) {
-          for (int64_t d = 0; d < H; ++d) t.kt[d * kTileKeys + j] = ToFloat(krow[d]);
+          for (int64_t d = 0; d < H && j >= transposed; ++d) {
+            t.kt[d * kTileKeys + j] = ToFloat(krow[d]);
+          }
         } else if (direct_v) {
           t.k_rows[j] = reinterpret_cast<const float*>(krow);
         } else {
@@ -791,4 +894,11 @@ Status RunGqaCpu(const GqaShape& shape, const GqaCpuBuffers& buffers, const Para
   }
 }
 
+}  // namespace KVL_ISA_NS
 }  // namespace kvl
+
+#if KVL_ISA_LEVEL != 0 && defined(__clang__)
+#pragma clang attribute pop
+#elif KVL_ISA_LEVEL != 0
+#pragma GCC pop_options
+#endif

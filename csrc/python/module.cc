@@ -11,6 +11,7 @@
 
 #include "core/check_inputs.h"
 #include "core/gqa_attributes.h"
+#include "cpu/cpu_isa.h"
 #include "cpu/gqa_cpu.h"
 #include "cpu/thread_pool.h"
 #if defined(KVL_WITH_CUDA)
@@ -62,6 +63,16 @@ py::dict BuildInfo() {
   info["cuda"] = false;
 #endif
   info["cuda_archs"] = KVL_CUDA_ARCHS;
+  // CPU kernel levels: built, the best this CPU supports, the one in use (None when
+  // ORT_KVLAYOUT_CPU_ISA was refused; cpu_isa_error then says why).
+  py::list built;
+  for (kvl::CpuIsa isa : kvl::BuiltCpuIsas()) built.append(kvl::CpuIsaName(isa));
+  info["cpu_isas"] = built;
+  info["cpu_isa_best"] = kvl::CpuIsaName(kvl::BestSupportedCpuIsa());
+  const kvl::CpuIsaChoice& choice = kvl::ChosenCpuIsa();
+  info["cpu_isa"] = choice.error.empty() ? py::object(py::str(kvl::CpuIsaName(choice.isa)))
+                                         : py::object(py::none());
+  info["cpu_isa_error"] = choice.error;
   return info;
 }
 
@@ -242,7 +253,8 @@ PYBIND11_MODULE(_C, m) {
         return types;
       },
       "The op's attribute table (core/gqa_attributes.h): {name: 'INT' | 'FLOAT' | 'STRING'}");
-  m.def("build_info", &BuildInfo, "Version, ORT header API version, CUDA build facts");
+  m.def("build_info", &BuildInfo,
+        "Version, ORT header API version, CUDA build facts, CPU kernel levels");
   m.def("gqa_cpu", &GqaCpu, py::arg("inputs"), py::arg("attrs"), py::arg("shared") = false,
         py::arg("threads") = 0,
         "Runs the CPU GroupQueryAttention on numpy arrays (names as in the ONNX schema); "

@@ -77,7 +77,11 @@ def register(session_options: Any) -> str:
 
 
 def build_info() -> dict[str, Any]:
-    """Version, ORT header API version and CUDA architectures the library was built with."""
+    """Version, ORT header API version and CUDA architectures the library was built with, and
+    its CPU kernel levels: ``cpu_isas`` (built, e.g. ``["portable", "avx2", "avx512"]``),
+    ``cpu_isa_best`` (the highest this CPU supports), ``cpu_isa`` (the one in use, chosen once
+    per process; ``ORT_KVLAYOUT_CPU_ISA`` forces a lower one) and ``cpu_isa_error`` (why a
+    forced level was refused, then ``cpu_isa`` is None and every CPU kernel call fails)."""
     from . import _C
 
     return dict(_C.build_info())
