@@ -379,3 +379,30 @@ def test_recapture_counted_only_when_ort_captures_again(dirs, ref):
         # graph 0: steps 1-7 (capture at 3, 4 replays); graph 1: steps 8-23 (capture at 10,
         # 13 replays); graph 2: step 24 alone, never captured.
         assert (s.graph_captures, s.replays, s.recaptures) == (2, 17, 1)
+
+
+def test_streaming_decodes_a_short_tail_and_keeps_spaces(capsys):
+    """The CLI's streaming decodes only the last few ids per step (not the whole text again) and
+    prints exactly the full decode, leading spaces included (SentencePiece drops the space of a
+    decode's first piece: the context ids keep it)."""
+    from ort_kvlayout.generate_cli import Progress
+
+    pieces = ["\u2581The", "\u2581cap", "ital", "\u2581of", "\u2581Fr", "ance", "\u2581is", "."]
+
+    class SentencePieceLike:
+        def __init__(self):
+            self.lengths: list[int] = []
+
+        def decode(self, ids):
+            self.lengths.append(len(ids))
+            text = "".join(pieces[i % len(pieces)] for i in ids).replace("\u2581", " ")
+            return text.removeprefix(" ")
+
+    tok = SentencePieceLike()
+    progress = Progress(tok, runtime=None, stream=True, quiet=True)
+    ids = list(range(200))
+    for t in ids:
+        progress([t])
+    out = capsys.readouterr().out
+    assert out == progress.text == tok.decode(ids)
+    assert max(tok.lengths[:-1]) <= 3  # two windows per step, each one or two pieces long

@@ -84,7 +84,11 @@ class Progress:
         self.stream = stream
         self.redraw = redraws_progress(stream, quiet)
         self.ids: list[int] = []
-        self.text = ""
+        # Printed text is extended by decoding a short tail only: ids[prefix:read] were printed
+        # last (the context that fixes leading spaces), ids[read:] are not printed yet.
+        self.prefix = 0
+        self.read = 0
+        self.text = ""  # everything printed so far
         self.start = time.perf_counter()
         self.tokens = 0
         self.drawn = 0.0
@@ -98,11 +102,15 @@ class Progress:
         self.tokens += sum(t is not None for t in step_tokens)
         if self.stream and step_tokens[0] is not None:
             self.ids.append(step_tokens[0])
-            text = self.tokenizer.decode(self.ids)
-            if text.startswith(self.text) and not text.endswith("\ufffd"):  # whole characters
-                sys.stdout.write(text[len(self.text) :])
+            done = self.tokenizer.decode(self.ids[self.prefix : self.read])
+            text = self.tokenizer.decode(self.ids[self.prefix :])
+            # Whole characters only: a byte-level piece may end mid-character ("\ufffd").
+            if len(text) > len(done) and text.startswith(done) and not text.endswith("\ufffd"):
+                piece = text[len(done) :]
+                sys.stdout.write(piece)
                 sys.stdout.flush()
-                self.text = text
+                self.text += piece
+                self.prefix, self.read = self.read, len(self.ids)
         now = time.perf_counter()
         if self.redraw and now - self.drawn > 0.25:
             self.drawn = now
