@@ -1,5 +1,6 @@
 """cmake/fetch_ort_headers.py takes the package source apt is configured with (no host name in
-the repository), reads both source formats, and says how to provide the headers otherwise."""
+the repository), reads both source formats, and says how to provide the headers otherwise.
+The sample sources use apt's file: URIs, so no host name enters the repository here either."""
 
 from __future__ import annotations
 
@@ -29,25 +30,23 @@ def test_reads_one_line_and_deb822_sources(fetch, tmp_path):
     (tmp_path / "sources.list.d").mkdir()
     (tmp_path / "sources.list").write_text(
         "# a comment\n"
-        "deb [arch=amd64 signed-by=/k/a.gpg] http://mirror.example/debian bookworm main contrib\n"
-        "deb http://mirror.example/debian-security bookworm-security main\n"
-        "deb-src http://mirror.example/debian bookworm main\n"
+        "deb [arch=amd64 signed-by=/k/a.gpg] file:/srv/a/debian bookworm main contrib\n"
+        "deb file:/srv/a/debian-security bookworm-security main\n"
+        "deb-src file:/srv/a/debian bookworm main\n"
     )
     (tmp_path / "sources.list.d" / "debian.sources").write_text(
-        "Types: deb\nURIs: http://other.example/debian/\nSuites: trixie trixie-updates\n"
+        "Types: deb\nURIs: file:/srv/b/debian/\nSuites: trixie trixie-updates\n"
         "Components: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n\n"
-        "Types: deb\nURIs: http://disabled.example/debian\nSuites: bookworm\nComponents: main\n"
+        "Types: deb\nURIs: file:/srv/c/debian\nSuites: bookworm\nComponents: main\n"
         "Enabled: no\n\n"
-        "Types: deb\nURIs: https://vendor.example/node\nSuites: nodistro\nComponents: main\n"
+        "Types: deb\nURIs: file:/srv/vendor/node\nSuites: nodistro\nComponents: main\n"
     )
     (tmp_path / "sources.list.d" / "vendor.list").write_text(
-        "deb https://packages.example/apt cloud-sdk main\n"
+        "deb file:/srv/vendor/apt cloud-sdk main\n"
     )
     assert fetch.configured_archives(tmp_path) == [
-        fetch.Archive("http://mirror.example/debian", "/k/a.gpg"),
-        fetch.Archive(
-            "http://other.example/debian", "/usr/share/keyrings/debian-archive-keyring.gpg"
-        ),
+        fetch.Archive("file:/srv/a/debian", "/k/a.gpg"),
+        fetch.Archive("file:/srv/b/debian", "/usr/share/keyrings/debian-archive-keyring.gpg"),
     ]
 
 
