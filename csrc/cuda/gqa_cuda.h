@@ -28,14 +28,30 @@ Status QueryCudaDevice(CudaDeviceInfo* info);
 // Shapes the device path cannot serve (v1), as a Status naming the feature.
 Status CheckCudaSupport(const GqaShape& shape);
 
-// Bytes of device workspace one call needs (queries in float32, split partials, split counters);
-// the kernel choice depends on the buffers' alignment, so the plan sees them.
-size_t GqaCudaWorkspaceBytes(const GqaShape& shape, const GqaCudaBuffers& buffers,
-                             const CudaDeviceInfo& device);
+// The attention kernel serving a call.
+enum class GqaCudaAttention { kPrefillTc, kDecodeTc, kPortable };
 
-// Enqueues the whole op on `stream` (a cudaStream_t). `workspace` holds
-// GqaCudaWorkspaceBytes(shape, buffers, device) bytes, 256-byte aligned.
+// The plan of one call: which kernel, its splits and its workspace layout, from the shape, the
+// buffers' alignment and the device only (never from the current lengths), so the same plan
+// serves every replay of a captured graph. Made once per call, by PlanGqaCuda.
+struct GqaCudaPlan {
+  GqaCudaAttention kernel = GqaCudaAttention::kPortable;
+  int64_t row_blocks = 1;  // per (b, kv head): ceil(S * G / 16) (portable kernel)
+  int64_t splits = 1;      // key splits
+  size_t q_bytes = 0, part_o_bytes = 0, part_ml_bytes = 0, counter_bytes = 0;
+
+  // Bytes of device workspace the call needs (queries in float32, split partials, counters).
+  size_t WorkspaceBytes() const {
+    return q_bytes + part_o_bytes + 2 * part_ml_bytes + counter_bytes;
+  }
+};
+GqaCudaPlan PlanGqaCuda(const GqaShape& shape, const GqaCudaBuffers& buffers,
+                        const CudaDeviceInfo& device);
+
+// Enqueues the whole op on `stream` (a cudaStream_t) as `plan` says. `workspace` holds
+// plan.WorkspaceBytes() bytes, 256-byte aligned.
 Status LaunchGqaCuda(const GqaShape& shape, const GqaCudaBuffers& buffers,
-                     const CudaDeviceInfo& device, void* workspace, void* stream);
+                     const CudaDeviceInfo& device, const GqaCudaPlan& plan, void* workspace,
+                     void* stream);
 
 }  // namespace kvl

@@ -14,21 +14,12 @@
 namespace kvl {
 namespace cu {
 
-// The attention kernel serving a call.
-enum class AttnKernel { kPrefillTc, kDecodeTc, kPortable };
-
 // Rows (token x head of one KV group) per CTA of the portable kernel and of the combine slots.
 constexpr int kRowsPerCta = 16;
 constexpr int64_t kMaxSplits = 1024;  // the combine kernel keeps one weight per split
 
-// Sizes of one call, from the shape, the buffers' alignment and the device only (never from the
-// current lengths): the same plan serves every replay of a captured graph.
-struct AttnPlan {
-  AttnKernel kernel = AttnKernel::kPortable;
-  int64_t row_blocks = 1;  // per (b, kv head): ceil(S * G / kRowsPerCta)
-  int64_t splits = 1;      // key splits
-  size_t q_bytes = 0, part_o_bytes = 0, part_ml_bytes = 0, counter_bytes = 0;
-};
+using AttnKernel = GqaCudaAttention;
+using AttnPlan = GqaCudaPlan;
 
 // Pointers into the call's workspace (laid out by the plan).
 struct Workspace {

@@ -84,14 +84,9 @@ Workspace CarveWorkspace(const GqaShape& s, const AttnPlan& p, void* workspace) 
   return ws;
 }
 
-size_t WorkspaceBytes(const AttnPlan& p) {
-  return p.q_bytes + p.part_o_bytes + 2 * p.part_ml_bytes + p.counter_bytes;
-}
-
 template <typename T>
 Status Launch(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo& dev,
-              void* workspace, cudaStream_t stream) {
-  const AttnPlan plan = MakePlan(s, buf, dev);
+              const AttnPlan& plan, void* workspace, cudaStream_t stream) {
   const Workspace ws = CarveWorkspace(s, plan, workspace);
   const KvStrides past_st = MakeKvStrides(s.layout, s.kv_num_heads, s.past_capacity, s.head_size);
   const KvStrides present_st =
@@ -188,19 +183,18 @@ Status CheckCudaSupport(const GqaShape& s) {
   return Status::Ok();
 }
 
-size_t GqaCudaWorkspaceBytes(const GqaShape& s, const GqaCudaBuffers& buf,
-                             const CudaDeviceInfo& dev) {
-  return cu::WorkspaceBytes(cu::MakePlan(s, buf, dev));
+GqaCudaPlan PlanGqaCuda(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo& dev) {
+  return cu::MakePlan(s, buf, dev);
 }
 
 Status LaunchGqaCuda(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo& dev,
-                     void* workspace, void* stream) {
+                     const GqaCudaPlan& plan, void* workspace, void* stream) {
   KVL_RETURN_IF_ERROR(CheckCudaSupport(s));
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   switch (s.dtype) {
-    case DType::kFloat32: return cu::Launch<float>(s, buf, dev, workspace, st);
-    case DType::kFloat16: return cu::Launch<__half>(s, buf, dev, workspace, st);
-    case DType::kBFloat16: return cu::Launch<__nv_bfloat16>(s, buf, dev, workspace, st);
+    case DType::kFloat32: return cu::Launch<float>(s, buf, dev, plan, workspace, st);
+    case DType::kFloat16: return cu::Launch<__half>(s, buf, dev, plan, workspace, st);
+    case DType::kBFloat16: return cu::Launch<__nv_bfloat16>(s, buf, dev, plan, workspace, st);
     default:
       return Status::Error(std::string("ai.kvlayout::GroupQueryAttention (CUDA): unsupported type ") +
                            DTypeName(s.dtype));

@@ -40,7 +40,8 @@ Status Compute(Ort::KernelContext& ctx, const GqaAttributes& attrs, const CudaDe
   DeviceBuffer scratch_v(ctx, dev.device, buf.present_value ? 0 : PresentBytes(shape));
   if (!buf.present_key) buf.present_key = scratch_k.get();
   if (!buf.present_value) buf.present_value = scratch_v.get();
-  DeviceBuffer workspace(ctx, dev.device, GqaCudaWorkspaceBytes(shape, buf, dev));
+  const GqaCudaPlan plan = PlanGqaCuda(shape, buf, dev);  // once per call: sizes and launches
+  DeviceBuffer workspace(ctx, dev.device, plan.WorkspaceBytes());
   if (!buf.present_key || !buf.present_value || !workspace.get()) {
     return Status::Error("ai.kvlayout::GroupQueryAttention (CUDA): could not allocate the "
                          "workspace from the CUDA allocator");
@@ -53,7 +54,7 @@ Status Compute(Ort::KernelContext& ctx, const GqaAttributes& attrs, const CudaDe
                          ") exceeds the capacity of the shared past/present buffer (" +
                          std::to_string(shape.past_capacity) + ")");
   }
-  return LaunchGqaCuda(shape, buf, dev, workspace.get(), ctx.GetGPUComputeStream());
+  return LaunchGqaCuda(shape, buf, dev, plan, workspace.get(), ctx.GetGPUComputeStream());
 }
 
 }  // namespace
