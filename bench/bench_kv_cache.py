@@ -252,7 +252,11 @@ def genai_runs(model_dir: Path, ids: list[int], tokens: int, provider: str, repe
 
     def one() -> dict:
         params = og.GeneratorParams(model)
-        params.set_search_options(max_length=len(ids) + tokens, do_sample=False)
+        # min_length: genai stops at EOS; ours is told to ignore it (eos_token_ids=[]). Both
+        # then generate `tokens` tokens (genai masks EOS until then, so its tokens after the
+        # first EOS differ from ours; the comparison below stops there).
+        n = len(ids) + tokens
+        params.set_search_options(max_length=n, min_length=n, do_sample=False)
         generator = og.Generator(model, params)
         clock = _StepClock()
         generator.append_tokens(ids)  # the prefill (before 0.6: in the first next_token)
@@ -292,6 +296,7 @@ def runtime_runs(model_dir: Path, ids, tokens, provider, mode, repeat) -> list[d
 
 
 def run_decode(args) -> dict:
+    from ort_kvlayout.model_spec import ModelSpec
     from ort_kvlayout.tokenizer import load_tokenizer
 
     ids = load_tokenizer(args.model).encode(args.prompt)
@@ -313,15 +318,20 @@ def run_decode(args) -> dict:
           f"{args.tokens} new, best of {args.repeat}")  # fmt: skip
     print(f"{'runtime':>18} {'TTFT ms':>9} {'tokens/s':>9} {'KV committed MiB':>17} tokens")
     reference = runs["preallocated"][0]["tokens"]
+    eos = set(ModelSpec.from_dir(args.model).eos_token_ids)
+    stop = next((i + 1 for i, t in enumerate(reference) if t in eos), len(reference))
     for name, reps in runs.items():
         best = max(reps, key=lambda r: r["decode_tokens_per_s"])
         kv = best.get("committed_bytes")
         kv_text = f"{kv / MIB:17.2f}" if kv is not None else f"{'(max_length)':>17}"
-        same = (
-            "same"
-            if best["tokens"][: len(reference)] == reference[: len(best["tokens"])]
-            else ("DIFFER")
-        )
+        # genai masks EOS (min_length): its tokens are compared up to the reference's first EOS.
+        upto = stop if name == "onnxruntime-genai" else len(reference)
+        first = next((i for i, (a, b) in enumerate(zip(best["tokens"][:upto], reference[:upto]))
+                      if a != b), None)  # fmt: skip
+        same = "same" if first is None else f"differs from step {first}"
+        if name == "onnxruntime-genai" and first is None and upto < len(reference):
+            same += f" (to the first EOS, step {upto})"
+        best["tokens_vs_preallocated"] = same
         print(f"{name:>18} {min(r['ttft_ms'] for r in reps):9.1f} "
               f"{best['decode_tokens_per_s']:9.1f} {kv_text} {same}")  # fmt: skip
     return results

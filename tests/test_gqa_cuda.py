@@ -568,6 +568,33 @@ def test_deterministic(layout, dtype):
             check_oracle(c, a)
 
 
+@pytest.mark.parametrize("layout", [0, 1])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_decode_bits_do_not_depend_on_the_capacity(layout, dtype):
+    """The same live keys in a cache of 1001 rows and one of 5000 rows (shared buffers, the rows
+    past the live ones random) give bit-identical output: the key splits follow the live length,
+    not the capacity that sized the grid. A runtime that grows a packed cache (bucket mode) then
+    generates the same tokens as one that reserved the whole context."""
+    c = GqaCase(kind="decode", past_len=1000, batch=2, pad=100, num_heads=8, kv_num_heads=2,
+                head_size=128, dtype=dtype, kv_layout=layout, shared=True, do_rotary=True,
+                seed=case_seed(50_001))  # fmt: skip
+    small = c.feeds()
+    rng = np.random.default_rng(case_seed(50_002))
+    big = dict(small)
+    for name in ("past_key", "past_value"):
+        logical = ref.from_layout(small[name], layout)  # (B, Nkv, C, H)
+        b, n, cap, h = logical.shape
+        tail = rng.standard_normal((b, n, 5000 - cap, h)).astype(logical.dtype)
+        big[name] = ref.to_layout(np.concatenate([logical, tail], axis=2), layout)
+    out_small = run_case_cuda(c, feeds=small)[0]
+    out_big = run_case_cuda(c, feeds=big)[0]
+    assert np.array_equal(out_small.view(np.uint8), out_big.view(np.uint8)), (
+        f"decode output differs between capacities 1001 and 5000: max abs "
+        f"{np.abs(out_small.astype(np.float64) - out_big.astype(np.float64)).max():.3g} {c!r}"
+    )
+    check_oracle(c, run_case_cuda(c, feeds=small))
+
+
 # --------------------------------------------------------------------------------------------
 # Generation loop on the device: prompt, decode steps, a chunk, on one shared cache that never
 # leaves the GPU (the onnxruntime-genai flow), checked step by step against the oracle.

@@ -196,17 +196,19 @@ def test_ort_log_confirms_the_capture_counters(wide_model, capfd):
 
 
 def test_batch_of_two_grows_across_several_granules_at_an_unaligned_capacity(wide_model):
-    """Batch 2, prompts of 300 and 20 tokens, 600 new tokens, capacity 1000 rows (not a granule
-    multiple: entry 1's prefix starts inside a granule). With 4 KiB per token and a 2 MiB
-    granule, after the prefill (which writes 300 padded rows for both entries) growth maps new
-    granules at entry 0's row 512 (decode step ~213) and entry 1's row 536 (~517), long after
-    the graph was captured. Tokens and logits equal a preallocated cache without graphs; one
-    capture, no re-capture, 0 bytes moved, pointers and the real rows unchanged."""
+    """Batch 2, prompts of 300 and 20 tokens, 600 new tokens, capacity 1100 rows (not a granule
+    multiple: entry 1's prefix starts inside a granule). With 4 KiB per token a 2 MiB granule
+    holds 512 rows: granule 0 holds entry 0's rows 0-511, granule 1 its rows 512-1023, granule 2
+    its rows 1024-1099 and entry 1's rows 0-435. The prefill (300 padded rows for both entries)
+    maps granules 0 and 2; decode then maps granule 1 when entry 0 reaches row 512 (step ~212)
+    and granule 3 when entry 1 reaches row 436 (step ~416), long after the graph was captured.
+    Tokens and logits equal a preallocated cache without graphs; one capture, no re-capture,
+    0 bytes moved, pointers and the real rows unchanged."""
     from ort_kvlayout.generation import Runtime
 
     lengths = (300, 20)
     prompts = [prompt_ids(n) for n in lengths]
-    new_tokens, capacity = 600, 1000
+    new_tokens, capacity = 600, 1100
 
     def generate(mode, cuda_graph, on_step=None):
         with Runtime(wide_model, "cuda", cache=mode, cuda_graph=cuda_graph, fixed_mask=True,

@@ -73,9 +73,14 @@ __device__ __forceinline__ int64_t WrittenRows(const GqaShape& s, const BatchGeo
 }
 
 // Keys per split when `keys` keys are spread over `splits` splits, in whole multiples of `unit`.
-__host__ __device__ __forceinline__ int64_t SplitChunk(int64_t keys, int64_t splits, int64_t unit) {
-  const int64_t per = (keys + splits - 1) / splits;
-  return (per + unit - 1) / unit * unit;
+// Keys per split: the live keys spread over `target` splits, in whole units, at least
+// `min_keys` (a multiple of unit). Depends on the live length and the target only, so the
+// partition (and the rounding) is the same whatever the capacity that sized the grid.
+__host__ __device__ __forceinline__ int64_t SplitChunk(int64_t keys, int64_t target, int64_t unit,
+                                                       int64_t min_keys) {
+  const int64_t per = (keys + target - 1) / target;
+  const int64_t chunk = (per + unit - 1) / unit * unit;
+  return chunk > min_keys ? chunk : min_keys;
 }
 
 }  // namespace cu

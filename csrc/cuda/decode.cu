@@ -43,8 +43,8 @@ constexpr size_t DecSmemBytes(int hd, size_t elem) {
 template <typename T, int HD>
 __global__ void __launch_bounds__(kDecThreads)
     DecodeTcKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_st, const float* q_ws,
-                   int64_t splits, float* part_o, float* part_m, float* part_l,
-                   unsigned* counters) {
+                   int64_t splits, int64_t split_target, float* part_o, float* part_m,
+                   float* part_l, unsigned* counters) {
   constexpr int KS = DecKeys(HD), ST = DecStages(HD), P = DecPitch(HD);
   constexpr int NT = KS / 8;  // score n-tiles (8 keys each)
   constexpr int DT = HD / 8;  // output n-tiles (8 dimensions each)
@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(kDecThreads)
   }
   int64_t k_begin = 0, k_end = 0;
   if (key_lo < key_hi) {
-    const int64_t chunk = SplitChunk(key_hi - key_lo, splits, KS);
+    const int64_t chunk = SplitChunk(key_hi - key_lo, split_target, KS, kMinDecodeSplitKeys);
     k_begin = min(key_hi, key_lo + split * chunk);
     k_end = min(key_hi, k_begin + chunk);
   }
@@ -394,8 +394,8 @@ __global__ void __launch_bounds__(kDecThreads)
   }
 }
 
-using DecodeFn = void (*)(GqaShape, GqaCudaBuffers, KvStrides, const float*, int64_t, float*,
-                          float*, float*, unsigned*);
+using DecodeFn = void (*)(GqaShape, GqaCudaBuffers, KvStrides, const float*, int64_t, int64_t,
+                          float*, float*, float*, unsigned*);
 
 template <typename T>
 DecodeFn DecodeKernelFor(int64_t head_size, size_t* smem) {
@@ -452,8 +452,9 @@ Status LaunchDecodeTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pr
   KVL_RETURN_IF_ERROR(EnsureSmemLimit(reinterpret_cast<const void*>(fn), smem));
   const dim3 grid(static_cast<unsigned>(plan.splits),
                   static_cast<unsigned>(s.batch * s.kv_num_heads));
-  fn<<<grid, kDecThreads, smem, stream>>>(s, buf, present_st, ws.q, plan.splits, ws.part_o,
-                                          ws.part_m, ws.part_l, ws.counters);
+  fn<<<grid, kDecThreads, smem, stream>>>(s, buf, present_st, ws.q, plan.splits,
+                                          plan.split_target, ws.part_o, ws.part_m, ws.part_l,
+                                          ws.counters);
   return CudaCheck(cudaGetLastError(), "decode launch");
 }
 

@@ -37,7 +37,11 @@ enum class GqaCudaAttention { kPrefillTc, kDecodeTc, kPortable };
 struct GqaCudaPlan {
   GqaCudaAttention kernel = GqaCudaAttention::kPortable;
   int64_t row_blocks = 1;  // per (b, kv head): ceil(S * G / 16) (portable kernel)
-  int64_t splits = 1;      // key splits
+  int64_t splits = 1;      // key splits launched: min(split_target, ceil(capacity / min keys))
+  // The splits the live keys are spread over, from the batch, heads and device only: never
+  // from the capacity, so caches of different capacities (a bucket cache and a preallocated
+  // one) partition the same live keys the same way and give bit-identical results.
+  int64_t split_target = 1;
   size_t q_bytes = 0, part_o_bytes = 0, part_ml_bytes = 0, counter_bytes = 0;
 
   // Bytes of device workspace the call needs (queries in float32, split partials, counters).

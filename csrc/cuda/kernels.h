@@ -17,6 +17,7 @@ namespace cu {
 // Rows (token x head of one KV group) per CTA of the portable kernel and of the combine slots.
 constexpr int kRowsPerCta = 16;
 constexpr int64_t kMaxSplits = 1024;  // the combine kernel keeps one weight per split
+constexpr int64_t kMinSplitKeys = 64;  // a split below ~64 keys is not worth its combine
 
 using AttnKernel = GqaCudaAttention;
 using AttnPlan = GqaCudaPlan;
@@ -58,6 +59,8 @@ Status LaunchPrefillTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides p
 // per CTA, key splits merged by the last CTA of each (batch, kv head).
 constexpr int kDecodeRows = 16;
 constexpr int64_t kMaxDecodeSplits = 256;  // the merging CTA keeps 16 x splits weights
+// At least two KS steps per warp, so the merge stays small against the reads.
+constexpr int64_t kMinDecodeSplitKeys = 128;
 bool DecodeTcFits(const GqaShape& s, size_t elem, const CudaDeviceInfo& dev);
 int DecodeTcCtasPerSm(const GqaShape& s, const CudaDeviceInfo& dev);  // cached per device/kernel
 template <typename T>

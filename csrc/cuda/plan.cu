@@ -43,17 +43,20 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
     // (two steps per warp) so the merge stays small against the reads.
     const int64_t base = s.batch * s.kv_num_heads;
     const int64_t slots = sms * DecodeTcCtasPerSm(s, dev);
-    const int64_t max_splits = std::max<int64_t>(1, s.present_capacity / 128);
-    p.splits = std::min({max_splits, std::max<int64_t>(1, slots / base), kMaxDecodeSplits});
+    p.split_target = std::min(std::max<int64_t>(1, slots / base), kMaxDecodeSplits);
+    const int64_t max_splits =
+        std::max<int64_t>(1, (s.present_capacity + kMinDecodeSplitKeys - 1) / kMinDecodeSplitKeys);
+    p.splits = std::min(p.split_target, max_splits);
   } else if (p.kernel == AttnKernel::kPortable) {
     p.row_blocks = (s.seq_len * s.group_size() + kRowsPerCta - 1) / kRowsPerCta;
     const int64_t base = s.batch * s.kv_num_heads * p.row_blocks;
     // The portable kernel waits on each of its tiles: eight CTAs per SM keep loads in flight.
     // A split below ~64 keys is not worth its combine.
     const int64_t target = 8 * sms;
-    const int64_t max_splits = std::max<int64_t>(1, s.present_capacity / 64);
-    p.splits = base >= target ? 1 : std::min(max_splits, (target + base - 1) / base);
-    p.splits = std::min(p.splits, kMaxSplits);
+    p.split_target = base >= target ? 1 : std::min((target + base - 1) / base, kMaxSplits);
+    const int64_t max_splits =
+        std::max<int64_t>(1, (s.present_capacity + kMinSplitKeys - 1) / kMinSplitKeys);
+    p.splits = std::min(p.split_target, max_splits);
   }
   auto align = [](size_t x) { return (x + 255) / 256 * 256; };
   p.q_bytes = align(sizeof(float) * s.batch * s.num_heads * s.seq_len * s.head_size);
