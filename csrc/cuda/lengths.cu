@@ -45,6 +45,12 @@ Status CheckLengthsStrict(const GqaShape& s, const GqaCudaBuffers& buf, void* st
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   KVL_RETURN_IF_ERROR(CudaCheck(cudaStreamIsCapturing(st, &capture), "cudaStreamIsCapturing"));
   if (capture != cudaStreamCaptureStatusNone) {
+    // ORT still ends the capture after a failed Run and, were the capture valid, would replay
+    // the graph without this node's kernels from then on. A synchronization is illegal during
+    // capture and invalidates it (the call returns cudaErrorStreamCaptureUnsupported), so the
+    // capture fails as a whole and ORT tries again, and fails again, at the next Run.
+    (void)cudaStreamSynchronize(st);
+    (void)cudaGetLastError();
     return Status::Error(
         "ai.kvlayout::GroupQueryAttention (CUDA): strict length checks "
         "(ORT_KVLAYOUT_STRICT_LENGTHS=1) copy the lengths to the host and synchronize, which a "
