@@ -442,6 +442,11 @@ def _robust_one(layout: int, sc: dict) -> dict:
     except Exception as e:  # noqa: BLE001 - raising is allowed; crashing is not
         rec["invalid_run"] = f"raised: {str(e).split('Status Message:')[-1].strip()[:200]}"
     kh, vh = from_device(kbuf), from_device(vbuf)
+    # The device-side record of the invalid run (CONTRACT 2a), taken so the valid run below is
+    # not failed by it.
+    import ort_kvlayout
+
+    rec["recorded"] = ort_kvlayout.take_length_error()
     rec["guard_ok"] = bool(
         np.array_equal(kh[:off], khost[:off])
         and np.array_equal(kh[off + n :], khost[off + n :])

@@ -869,10 +869,15 @@ def test_out_of_range_lengths_do_not_crash_or_write_out_of_bounds(group, layout)
             problems.append(f"{sc}: changed cached rows of valid entries {r['clobbered']}")
         if not r["guard_ok_after_valid"]:
             problems.append(f"{sc}: the valid run wrote outside the cache")
+        if not r["invalid_run"].startswith("raised") and not r.get("recorded"):
+            problems.append(f"{sc}: the invalid values were neither refused nor recorded")
         refused = refusal(["query_seqlens"], Exception(r["valid_after"])) is not None
         if not refused and not r["valid_after"].startswith("ok"):
             problems.append(f"{sc}: next valid run: {r['valid_after']}")
-    summary = "\n".join(f"  {r['scenario']['bad']}: {r.get('invalid_run')}" for r in recs)
+    summary = "\n".join(
+        f"  {r['scenario']['bad']}: {r.get('invalid_run')}; recorded: {r.get('recorded')}"
+        for r in recs
+    )
     print(f"invalid runs ({group}, layout {layout}):\n{summary}")
     assert not problems, "\n".join(problems) + f"\n{seed_note()}\nall:\n{summary}"
 

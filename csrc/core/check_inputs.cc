@@ -370,50 +370,72 @@ Status CheckGqaInputs(const GqaAttributes& attrs, const GqaInputInfos& inputs,
   return Status::Ok();
 }
 
-Status CheckLengthsOnHost(const GqaShape& s, const int32_t* seqlens_k, const int32_t* query_seqlens,
-                          const int64_t* position_ids, bool shared_kv) {
+std::string LengthViolationMessage(const LengthViolation& v) {
+  std::ostringstream out;
+  out << kOp;
+  switch (static_cast<LengthRule>(v.rule)) {
+    case LengthRule::kNone:
+      return std::string();
+    case LengthRule::kSeqlensRange:
+      out << "input 'seqlens_k'[" << v.batch << "] = " << v.value << " is out of range: it must "
+          << "be in [0, total_sequence_length - 1] = [0, " << v.bound << "]";
+      break;
+    case LengthRule::kQuerySeqlensRange:
+      out << "input 'query_seqlens'[" << v.batch << "] = " << v.value << " is out of range: it "
+          << "must be in [0, min(sequence length, seqlens_k + 1)] = [0, " << v.bound << "]";
+      break;
+    case LengthRule::kSeqlensBelowSeq:
+      out << "input 'seqlens_k'[" << v.batch << "] = " << v.value << " is too small: a batch "
+          << "entry with past must have seqlens_k + 1 >= the query's sequence length (" << v.bound
+          << ")";
+      break;
+    case LengthRule::kSlidingPadded:
+      out << "input 'seqlens_k'[" << v.batch << "] = " << v.value << " is too small for "
+          << "sequence length " << v.bound << ": a sliding window cache takes no right-padded "
+          << "prompt";
+      break;
+    case LengthRule::kPastBeyondCapacity:
+      out << "input 'seqlens_k'[" << v.batch << "] = " << v.value << " implies a past of "
+          << v.past << " tokens, beyond the capacity of 'past_key' (" << v.bound << ")";
+      break;
+    case LengthRule::kPosition:
+      out << (v.from_position_ids ? "input 'position_ids'" : "the implied position")
+          << " gives position " << v.value << " for batch " << v.batch << " token " << v.token
+          << ", outside 'cos_cache'/'sin_cache' rows [0, " << v.bound << ")";
+      break;
+    default:
+      out << "length rule " << v.rule << " violated at batch " << v.batch;
+  }
+  return out.str();
+}
+
+Status CheckSharedCapacity(const GqaShape& s, bool shared_kv) {
   if (shared_kv && s.total_seq_len > s.past_capacity && !s.sliding_window_cache) {
     return Fail("input 'total_sequence_length' (", s.total_seq_len,
                 ") exceeds the capacity of the shared past/present buffer (", s.past_capacity, ")");
   }
+  return Status::Ok();
+}
+
+Status CheckLengthsOnHost(const GqaShape& s, const int32_t* seqlens_k, const int32_t* query_seqlens,
+                          const int64_t* position_ids, bool shared_kv) {
+  KVL_RETURN_IF_ERROR(CheckSharedCapacity(s, shared_kv));
+  auto query_len = [&](int64_t b) { return s.has_query_seqlens ? query_seqlens[b] : 0; };
   for (int64_t b = 0; b < s.batch; ++b) {
-    const int64_t total_b = static_cast<int64_t>(seqlens_k[b]) + 1;
-    if (total_b < 1 || total_b > s.total_seq_len) {
-      return Fail("input 'seqlens_k'[", b, "] = ", seqlens_k[b], " is out of range: it must be in ",
-                  "[0, total_sequence_length - 1] = [0, ", s.total_seq_len - 1, "]");
-    }
-    if (s.has_query_seqlens && (query_seqlens[b] < 0 || query_seqlens[b] > s.seq_len ||
-                                query_seqlens[b] > total_b)) {
-      return Fail("input 'query_seqlens'[", b, "] = ", query_seqlens[b], " is out of range: it ",
-                  "must be in [0, min(sequence length, seqlens_k + 1)] = [0, ",
-                  std::min<int64_t>(s.seq_len, total_b), "]");
-    }
-    if (!s.is_first_prompt() && !s.has_query_seqlens && total_b < s.seq_len) {
-      return Fail("input 'seqlens_k'[", b, "] = ", seqlens_k[b], " is too small: a batch entry ",
-                  "with past must have seqlens_k + 1 >= the query's sequence length (", s.seq_len,
-                  ")");
-    }
-    if (s.sliding_window_cache && s.is_first_prompt() && total_b != s.seq_len) {
-      return Fail("input 'seqlens_k'[", b, "] = ", seqlens_k[b], " is too small for sequence ",
-                  "length ", s.seq_len, ": a sliding window cache takes no right-padded prompt");
-    }
-    const BatchGeometry g = GetBatchGeometry(s, seqlens_k[b], s.has_query_seqlens ? query_seqlens[b] : 0);
-    if (!s.sliding_window_cache && g.past > s.past_capacity) {
-      return Fail("input 'seqlens_k'[", b, "] = ", seqlens_k[b], " implies a past of ", g.past,
-                  " tokens, beyond the capacity of 'past_key' (", s.past_capacity, ")");
+    const LengthViolation v = CheckBatchLengths(s, b, seqlens_k[b], query_len(b));
+    if (v.rule != static_cast<int32_t>(LengthRule::kNone)) {
+      return Status::Error(LengthViolationMessage(v));
     }
   }
   if (s.rotary_dim == 0) return Status::Ok();
   // Every position used to index cos_cache/sin_cache must exist.
   for (int64_t b = 0; b < s.batch; ++b) {
-    const BatchGeometry g = GetBatchGeometry(s, seqlens_k[b], s.has_query_seqlens ? query_seqlens[b] : 0);
-    const int64_t rows = s.is_first_prompt() ? s.seq_len : g.new_rows;
-    for (int64_t i = 0; i < rows; ++i) {
-      const int64_t pos = RotaryPosition(s, g, position_ids, b, i);
-      if (pos < 0 || pos >= s.rotary_max_positions) {
-        return Fail(s.has_position_ids ? "input 'position_ids'" : "the implied position",
-                    " gives position ", pos, " for batch ", b, " token ", i,
-                    ", outside 'cos_cache'/'sin_cache' rows [0, ", s.rotary_max_positions, ")");
+    const BatchGeometry g = GetBatchGeometry(s, seqlens_k[b], query_len(b));
+    for (int64_t i = 0; i < RotaryRowsUsed(s, g); ++i) {
+      const LengthViolation v =
+          CheckRotaryPosition(s, b, i, RotaryPosition(s, g, position_ids, b, i));
+      if (v.rule != static_cast<int32_t>(LengthRule::kNone)) {
+        return Status::Error(LengthViolationMessage(v));
       }
     }
   }

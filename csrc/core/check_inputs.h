@@ -3,9 +3,11 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "core/gqa_buffers.h"
 #include "core/gqa_types.h"
+#include "core/length_rules.h"
 #include "core/status.h"
 
 namespace kvl {
@@ -18,18 +20,25 @@ Status CheckGqaAttributes(const GqaAttributes& attrs);
 Status CheckGqaInputs(const GqaAttributes& attrs, const GqaInputInfos& inputs,
                       int32_t total_sequence_length, GqaShape* shape);
 
-// Value checks that need seqlens_k / position_ids on the host (the CPU op; the CUDA kernels clamp
-// on the device instead). `shared_kv` is true when past and present are the same memory.
 // Past/present must share memory for both K and V or for neither.
 Status CheckSharing(const GqaBuffers& buf);
 
 // Bytes of one present cache (B, Nkv, C', H) of the op's type.
 size_t PresentBytes(const GqaShape& shape);
 
-// `query_seqlens` may be null when the input is absent.
+// total_sequence_length (a host input on both EPs) must fit a shared past/present buffer.
+Status CheckSharedCapacity(const GqaShape& shape, bool shared_kv);
+
+// Value checks that need seqlens_k / query_seqlens / position_ids on the host: the CPU op, and
+// the CUDA op in strict mode (after copying them); otherwise the CUDA prepare kernel applies the
+// same rules (core/length_rules.h) and records the first violation. `shared_kv` is true when
+// past and present are the same memory. `query_seqlens` may be null when the input is absent.
 Status CheckLengthsOnHost(const GqaShape& shape, const int32_t* seqlens_k,
                           const int32_t* query_seqlens, const int64_t* position_ids,
                           bool shared_kv);
 
+// The op's message for a violated length rule (the same words on CPU and CUDA); empty for
+// LengthRule::kNone.
+std::string LengthViolationMessage(const LengthViolation& violation);
 
 }  // namespace kvl

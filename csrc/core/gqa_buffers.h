@@ -7,6 +7,8 @@
 
 namespace kvl {
 
+struct LengthRecord;  // core/length_rules.h
+
 struct GqaBuffers {
   const void* query = nullptr;             // (B, S, N*H) or packed (B, S, (N+2*Nkv)*H)
   const void* key = nullptr;               // (B, S, Nkv*H), null when packed
@@ -25,6 +27,11 @@ struct GqaBuffers {
   void* output = nullptr;                  // (B, S, N*H)
   void* present_key = nullptr;             // (B, Nkv, C', H) declared; may alias past_key
   void* present_value = nullptr;           // same as present_key
+  // CUDA only: where the prepare kernel records the first violated length rule (a host-mapped
+  // record, its device address) and the device word that elects the one writer. Null: no
+  // record (the kernels still clamp every length).
+  LengthRecord* length_record = nullptr;
+  uint32_t* length_claim = nullptr;
 
   // Past and present share memory (onnxruntime-genai binds one buffer to both): append in place.
   bool shared() const { return past_key != nullptr && past_key == present_key; }

@@ -7,9 +7,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
 #include "core/gqa_buffers.h"
 #include "core/gqa_types.h"
+#include "core/length_rules.h"
 #include "core/status.h"
 
 namespace kvl {
@@ -57,5 +59,32 @@ GqaCudaPlan PlanGqaCuda(const GqaShape& shape, const GqaCudaBuffers& buffers,
 Status LaunchGqaCuda(const GqaShape& shape, const GqaCudaBuffers& buffers,
                      const CudaDeviceInfo& device, const GqaCudaPlan& plan, void* workspace,
                      void* stream);
+
+// The length record of one CUDA kernel instance (core/length_rules.h): a LengthRecord in
+// host-mapped pinned memory and the device word that elects its writer. Allocated once, when
+// the kernel is created, and fixed for its life: the launches of every Run, and of a captured
+// CUDA graph's replays, write into the same record; the host reads it without synchronizing.
+class CudaLengthRecord {
+ public:
+  static Status Create(std::unique_ptr<CudaLengthRecord>* out);
+  ~CudaLengthRecord();
+  CudaLengthRecord(const CudaLengthRecord&) = delete;
+  CudaLengthRecord& operator=(const CudaLengthRecord&) = delete;
+
+  LengthRecord* host() const { return host_; }      // what the host reads and clears
+  LengthRecord* device() const { return device_; }  // GqaBuffers::length_record
+  uint32_t* claim() const { return claim_; }        // GqaBuffers::length_claim
+
+ private:
+  CudaLengthRecord() = default;
+  LengthRecord* host_ = nullptr;
+  LengthRecord* device_ = nullptr;
+  uint32_t* claim_ = nullptr;
+};
+
+// Strict mode (ORT_KVLAYOUT_STRICT_LENGTHS=1): copies seqlens_k, query_seqlens and position_ids
+// to the host on `stream`, waits for the stream, and runs CheckLengthsOnHost, so the Run fails
+// with the CPU op's message before anything is launched. Refused while `stream` is capturing.
+Status CheckLengthsStrict(const GqaShape& shape, const GqaCudaBuffers& buffers, void* stream);
 
 }  // namespace kvl

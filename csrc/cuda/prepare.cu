@@ -1,6 +1,8 @@
 // Per new token: queries normed + rotated + scaled into the float workspace; K normed + rotated
 // and V appended to present at row past + i. Also zeroes the decode kernel's split counters, so
-// the attention launch that follows on the stream finds them reset (capture-safe, no memset).
+// the attention launch that follows on the stream finds them reset (capture-safe, no memset),
+// and checks the token's lengths against the op's rules, recording the first violation.
+#include "core/length_rules.h"
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
 
@@ -9,6 +11,41 @@ namespace cu {
 namespace {
 
 constexpr int kPrepareWarps = 8;
+
+// Writes `v` into the host-mapped record unless an earlier violation is still unread there. The
+// writer is elected in device memory (`claim` holds the generation last claimed): the first
+// thread to move it from the host's `taken` generation to the next one writes the record, then
+// publishes it by setting `written`. Rare path: runs only for a violation.
+__device__ void RecordViolation(LengthRecord* rec, uint32_t* claim, const LengthViolation& v) {
+  const uint32_t taken = rec->taken;
+  if (atomicCAS(claim, taken, taken + 1u) != taken) return;  // a record is pending (or racing)
+  volatile int64_t* dst = reinterpret_cast<volatile int64_t*>(&rec->violation);
+  const int64_t* src = reinterpret_cast<const int64_t*>(&v);
+  static_assert(sizeof(LengthViolation) % sizeof(int64_t) == 0, "record copied in 8-byte words");
+  for (size_t w = 0; w < sizeof(LengthViolation) / sizeof(int64_t); ++w) dst[w] = src[w];
+  __threadfence_system();  // the record before its generation, as the host sees them
+  rec->written = taken + 1u;
+}
+
+// One thread per (batch entry, token): the rules of core/length_rules.h on the raw values, as the
+// CPU op checks them. The batch entry's rules are recorded by its token 0, a position by its own
+// token; a position is checked only when the entry's lengths pass (as on the CPU).
+__device__ void CheckLengths(const GqaShape& s, const GqaCudaBuffers& buf, int64_t b, int64_t i) {
+  const int32_t seqlens = buf.seqlens_k[b];
+  const int32_t query_len = s.has_query_seqlens ? buf.query_seqlens[b] : 0;
+  LengthViolation v = CheckBatchLengths(s, b, seqlens, query_len);
+  if (v.rule != static_cast<int32_t>(LengthRule::kNone)) {
+    if (i == 0) RecordViolation(buf.length_record, buf.length_claim, v);
+    return;
+  }
+  if (s.rotary_dim == 0) return;
+  const BatchGeometry g = GetBatchGeometry(s, seqlens, query_len);
+  if (i >= RotaryRowsUsed(s, g)) return;
+  v = CheckRotaryPosition(s, b, i, RotaryPosition(s, g, buf.position_ids, b, i));
+  if (v.rule != static_cast<int32_t>(LengthRule::kNone)) {
+    RecordViolation(buf.length_record, buf.length_claim, v);
+  }
+}
 
 template <typename T>
 __global__ void PrepareKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_st,
@@ -22,6 +59,9 @@ __global__ void PrepareKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_
   }
   const int64_t b = blockIdx.x / s.seq_len, i = blockIdx.x % s.seq_len;
   const int lane = threadIdx.x, warp = threadIdx.y;
+  if (buf.length_record != nullptr && blockIdx.y == 0 && lane == 0 && warp == 0) {
+    CheckLengths(s, buf, b, i);
+  }
   const int64_t H = s.head_size, N = s.num_heads, Nkv = s.kv_num_heads;
   const BatchGeometry g = Geo(s, buf, b);
   if (!s.is_first_prompt() && i >= g.new_rows) return;  // beyond query_seqlens: unused

@@ -1,5 +1,7 @@
 #include "ort/gqa_cuda_op.h"
 
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 namespace kvl {
@@ -28,9 +30,44 @@ class DeviceBuffer {
   void* data_ = nullptr;
 };
 
-Status Compute(Ort::KernelContext& ctx, const GqaAttributes& attrs, const CudaDeviceInfo& dev) {
+// ORT_KVLAYOUT_STRICT_LENGTHS: unset, "" or "0" off, "1" on; read when a kernel is created.
+Status ReadStrictLengths(bool* strict) {
+  const char* value = std::getenv("ORT_KVLAYOUT_STRICT_LENGTHS");
+  if (value == nullptr || std::strcmp(value, "") == 0 || std::strcmp(value, "0") == 0) {
+    *strict = false;
+  } else if (std::strcmp(value, "1") == 0) {
+    *strict = true;
+  } else {
+    return Status::Error(std::string("ai.kvlayout::GroupQueryAttention (CUDA): environment "
+                                     "variable ORT_KVLAYOUT_STRICT_LENGTHS must be 0 or 1, got '") +
+                         value + "'");
+  }
+  return Status::Ok();
+}
+
+std::string NodeName(const OrtApi& api, const OrtKernelInfo* info) {
+  size_t size = 0;
+  if (OrtStatus* st = api.KernelInfo_GetNodeName(info, nullptr, &size)) {
+    api.ReleaseStatus(st);
+    return "?";
+  }
+  std::string name(size, '\0');
+  if (OrtStatus* st = api.KernelInfo_GetNodeName(info, name.data(), &size)) {
+    api.ReleaseStatus(st);
+    return "?";
+  }
+  while (!name.empty() && name.back() == '\0') name.pop_back();
+  return name;
+}
+
+}  // namespace
+
+Status GqaCudaKernel::Compute(Ort::KernelContext& ctx) {
+  // A violation an earlier Run's kernels recorded: this Run fails with its message (no sync).
+  KVL_RETURN_IF_ERROR(registration_.Take());
+  const CudaDeviceInfo& dev = device_;
   GqaShape shape;
-  KVL_RETURN_IF_ERROR(ReadAndCheckInputs(ctx, attrs, &shape));
+  KVL_RETURN_IF_ERROR(ReadAndCheckInputs(ctx, attrs_, &shape));
   KVL_RETURN_IF_ERROR(CheckCudaSupport(shape));
   GqaOutputs outputs;
   KVL_RETURN_IF_ERROR(AllocateOutputs(ctx, shape, &outputs));
@@ -47,21 +84,20 @@ Status Compute(Ort::KernelContext& ctx, const GqaAttributes& attrs, const CudaDe
                          "workspace from the CUDA allocator");
   }
   KVL_RETURN_IF_ERROR(CheckSharing(buf));
-  // seqlens_k lives on the device: its values are clamped there, the capacity is checked here.
-  if (buf.shared() && shape.total_seq_len > shape.past_capacity) {
-    return Status::Error("ai.kvlayout::GroupQueryAttention: input 'total_sequence_length' (" +
-                         std::to_string(shape.total_seq_len) +
-                         ") exceeds the capacity of the shared past/present buffer (" +
-                         std::to_string(shape.past_capacity) + ")");
-  }
-  return LaunchGqaCuda(shape, buf, dev, plan, workspace.get(), ctx.GetGPUComputeStream());
+  // total_sequence_length is a host input: checked here, as on the CPU. The other lengths live
+  // on the device: the prepare kernel checks them and records the first violation (reported by
+  // the next Run or ort_kvlayout.take_length_error()), or, in strict mode, the host checks them
+  // first, waiting for the copy.
+  KVL_RETURN_IF_ERROR(CheckSharedCapacity(shape, buf.shared()));
+  void* stream = ctx.GetGPUComputeStream();
+  if (strict_) KVL_RETURN_IF_ERROR(CheckLengthsStrict(shape, buf, stream));
+  buf.length_record = record_->device();
+  buf.length_claim = record_->claim();
+  return LaunchGqaCuda(shape, buf, dev, plan, workspace.get(), stream);
 }
 
-}  // namespace
-
 OrtStatusPtr GqaCudaKernel::ComputeV2(OrtKernelContext* context) {
-  return GuardedCompute(context,
-                        [this](Ort::KernelContext& ctx) { return Compute(ctx, attrs_, device_); });
+  return GuardedCompute(context, [this](Ort::KernelContext& ctx) { return Compute(ctx); });
 }
 
 OrtStatusPtr GqaCudaOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info,
@@ -70,7 +106,11 @@ OrtStatusPtr GqaCudaOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* i
   if (OrtStatusPtr st = ToOrtStatus(ReadGqaAttributes(api, info, &attrs))) return st;
   CudaDeviceInfo device;
   if (OrtStatusPtr st = ToOrtStatus(QueryCudaDevice(&device))) return st;
-  *kernel = new GqaCudaKernel(attrs, device);
+  bool strict = false;
+  if (OrtStatusPtr st = ToOrtStatus(ReadStrictLengths(&strict))) return st;
+  std::unique_ptr<CudaLengthRecord> record;
+  if (OrtStatusPtr st = ToOrtStatus(CudaLengthRecord::Create(&record))) return st;
+  *kernel = new GqaCudaKernel(attrs, device, std::move(record), NodeName(api, info), strict);
   return nullptr;
 }
 

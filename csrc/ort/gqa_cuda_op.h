@@ -1,20 +1,39 @@
 // ai.kvlayout::GroupQueryAttention on CUDAExecutionProvider.
 #pragma once
 
+#include <memory>
+#include <string>
+
 #include "cuda/gqa_cuda.h"
 #include "ort/gqa_op_common.h"
+#include "ort/length_errors.h"
 
 namespace kvl {
 
+// One node's kernel. Its length record (allocated here, once) receives the first length
+// violation the device finds; each Run first takes it and fails with the CPU op's message.
+// `strict` (ORT_KVLAYOUT_STRICT_LENGTHS=1 when the kernel was created) checks the lengths on the
+// host before launching instead, at the cost of a copy and a stream synchronization per Run.
 class GqaCudaKernel {
  public:
-  GqaCudaKernel(const GqaAttributes& attrs, const CudaDeviceInfo& device)
-      : attrs_(attrs), device_(device) {}
+  GqaCudaKernel(const GqaAttributes& attrs, const CudaDeviceInfo& device,
+                std::unique_ptr<CudaLengthRecord> record, const std::string& node_name,
+                bool strict)
+      : attrs_(attrs),
+        device_(device),
+        record_(std::move(record)),
+        registration_(record_->host(), node_name),
+        strict_(strict) {}
   OrtStatusPtr ComputeV2(OrtKernelContext* context);
 
  private:
+  Status Compute(Ort::KernelContext& ctx);
+
   GqaAttributes attrs_;
   CudaDeviceInfo device_;
+  std::unique_ptr<CudaLengthRecord> record_;  // outlives registration_ (declared before it)
+  RegisteredLengthRecord registration_;
+  bool strict_;
 };
 
 struct GqaCudaOp : GqaOpBase<GqaCudaOp, GqaCudaKernel> {

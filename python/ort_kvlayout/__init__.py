@@ -23,6 +23,7 @@ from .layout import (
     layout_id,
     to_layout,
 )
+from .length_errors import LengthError, check_length_error, take_length_error
 
 __version__ = "0.1.0"
 DOMAIN = "ai.kvlayout"
@@ -39,14 +40,17 @@ __all__ = [
     "SEQ_MAJOR",
     "SEQ_MAJOR_BSNH",
     "KvStrides",
+    "LengthError",
     "__version__",
     "build_info",
+    "check_length_error",
     "cuda_available",
     "from_layout",
     "kv_strides",
     "layout_id",
     "library_path",
     "register",
+    "take_length_error",
     "to_layout",
 ]
 

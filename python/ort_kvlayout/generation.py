@@ -29,6 +29,12 @@ position, and every later step writes its row at seqlens_k[b].
   (rows past it are zero-filled, not read); ORT's own com.microsoft kernels may read every
   capacity row (an illegal-address fault on unmapped memory), so a growable cache on CUDA is
   refused unless every GQA node is ai.kvlayout: run original models there with "preallocated".
+* After every step (prefill, each decode step, graph replays included) the runtime takes the
+  length violations the CUDA op recorded on the device (ort_kvlayout.take_length_error) and
+  raises LengthError naming the step: a replayed graph runs no host code of the op, so its Run
+  cannot fail by itself. The logits copied to the host before the check order it after the
+  step's kernels. The record is process-wide: a violation of another session's ai.kvlayout
+  CUDA node in the same process is reported here too.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .kv_cache import BUCKET_TOKENS, CACHE_MODES, KvCache, KvCacheStats, KvCapacityError
+from .length_errors import check_length_error
 from .model_spec import ModelSpec
 from .sampling import GREEDY, Sampler, SamplingParams
 
@@ -248,6 +255,7 @@ class Runtime:
             mask[b, : len(p)] = 1
         positions = np.broadcast_to(np.arange(width, dtype=np.int64), (batch, width))
         logits = self._run_prefill(cache, ids, mask, positions)
+        check_length_error("prefill")
         last = np.stack([logits[b, n - 1] for b, n in enumerate(lengths)]).astype(np.float32)
         ttft = time.perf_counter() - start
 
@@ -285,6 +293,7 @@ class Runtime:
             live = [n + 1 for n in live]
             cache.ensure([max(width, n) for n in live])
             last = self._run_decode(cache, feed, live).astype(np.float32)
+            check_length_error(f"decode step {steps}")
             decode_seconds += time.perf_counter() - start
             steps += 1
         return GenerationOutput(
