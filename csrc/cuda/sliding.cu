@@ -75,7 +75,8 @@ bool Aligned16(const void* a, const void* b, const void* c, const void* d) {
 }
 
 int CopyBlocks(int64_t n, const CudaDeviceInfo& dev) {
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((n + 255) / 256, 8 * dev.sm_count)));
+  const int64_t blocks = std::min<int64_t>((n + 255) / 256, 8 * dev.sm_count);
+  return static_cast<int>(std::max<int64_t>(1, blocks));
 }
 
 }  // namespace
