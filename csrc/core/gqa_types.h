@@ -134,7 +134,8 @@ KVL_HOST_DEVICE int64_t SlidingResidentRows(int64_t total, int64_t capacity, int
 // Where one batch entry's tokens are this call: `past` cached tokens, `new_rows` valid new
 // tokens (at positions past .. past + new_rows - 1), `total` = past + new_rows valid keys.
 // `cache_base`: the position held by row 0 of the past buffer (non-zero only for a sliding
-// window cache); `present_base`: the same for present after this call.
+// window cache; on CUDA also row 0 of the staging copy the attention reads, sliding.cu);
+// `present_base`: the same for present after this call.
 struct BatchGeometry {
   int64_t past;
   int64_t new_rows;
