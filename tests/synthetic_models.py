@@ -43,6 +43,7 @@ class Variant:
     external_data: bool = False
     data_bytes: int = 0  # an extra external initializer of this size (0: none)
     drop_config_keys: list[str] = field(default_factory=list)  # dotted genai_config keys
+    float16: bool = False  # weights, KV cache and logits in float16 (ORT's CUDA GQA has no fp32)
     seed: int = 0
 
 
@@ -103,16 +104,21 @@ def genai_config(v: Variant) -> dict:
 
 def build_model(v: Variant) -> onnx.ModelProto:
     rng = np.random.default_rng(v.seed)
+    fdt = np.float16 if v.float16 else np.float32
+    ftype = TensorProto.FLOAT16 if v.float16 else TensorProto.FLOAT
     hidden = v.num_heads * v.head_size
     kv_hidden = v.kv_heads * v.head_size
     inits: list[TensorProto] = []
 
     def weight(name: str, *shape: int, scale: float = 0.2) -> str:
-        inits.append(numpy_helper.from_array(rng.normal(0, scale, shape).astype(np.float32), name))
+        inits.append(numpy_helper.from_array(rng.normal(0, scale, shape).astype(fdt), name))
         return name
 
     cos, sin = _rope_caches(v.head_size)
-    inits += [numpy_helper.from_array(cos, "cos_cache"), numpy_helper.from_array(sin, "sin_cache")]
+    inits += [
+        numpy_helper.from_array(cos.astype(fdt), "cos_cache"),
+        numpy_helper.from_array(sin.astype(fdt), "sin_cache"),
+    ]
     nodes = [
         helper.make_node(
             "Gather", [weight("embed", VOCAB, hidden, scale=1.0), "input_ids"], ["h0"]
@@ -135,20 +141,16 @@ def build_model(v: Variant) -> onnx.ModelProto:
         helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
         helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "total"]),
     ]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", VOCAB])]
+    outputs = [helper.make_tensor_value_info("logits", ftype, ["batch", "seq", VOCAB])]
     x = "h0"
     for layer in range(v.layers):
         p = f"/model/layers.{layer}/attn"
         past_k, past_v = f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"
         pres_k, pres_v = f"present.{layer}.key", f"present.{layer}.value"
         kv_shape = ["batch", v.kv_heads, "past", v.head_size]
-        inputs += [
-            helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in (past_k, past_v)
-        ]
+        inputs += [helper.make_tensor_value_info(n, ftype, kv_shape) for n in (past_k, past_v)]
         out_shape = ["batch", v.kv_heads, "total", v.head_size]
-        outputs += [
-            helper.make_tensor_value_info(n, TensorProto.FLOAT, out_shape) for n in (pres_k, pres_v)
-        ]
+        outputs += [helper.make_tensor_value_info(n, ftype, out_shape) for n in (pres_k, pres_v)]
         if v.packed:
             w = weight(f"{p}/qkv.weight", hidden, hidden + 2 * kv_hidden)
             nodes.append(helper.make_node("MatMul", [x, w], [f"{p}/qkv"]))
@@ -180,7 +182,7 @@ def build_model(v: Variant) -> onnx.ModelProto:
                 gqa_inputs.append("")
             for name in ("q_norm", "k_norm"):
                 inits.append(numpy_helper.from_array(
-                    (1 + 0.1 * rng.normal(size=v.head_size)).astype(np.float32), f"{p}/{name}"
+                    (1 + 0.1 * rng.normal(size=v.head_size)).astype(fdt), f"{p}/{name}"
                 ))  # fmt: skip
                 gqa_inputs.append(f"{p}/{name}")
         attrs = {

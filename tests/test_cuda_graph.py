@@ -50,7 +50,18 @@ VARIANTS = {
     # fp32, interleaved rotary, attention sink.
     "fp32_interleaved_sink": {"dtype": "fp32", "H": 64, "packed": True, "rotary": True,
                               "pos": False, "sink": True, "attrs": {"rotary_interleaved": 1}},
+    # A sliding-window layer (Gemma 2/3 through onnxruntime-genai): a window-sized cache of
+    # capacity 24 (window 16) that shifts every 9 tokens once full, while replays move the
+    # lengths past it; rotary positions stay absolute.
+    "sliding_window_cache": {"dtype": "fp16", "H": 64, "packed": True, "rotary": True,
+                             "pos": False, "cap": 24,
+                             "attrs": {"local_window_size": 16, "sliding_window_cache": 1}},
 }  # fmt: skip
+
+
+def _cap(v) -> int:
+    """The cache capacity of a variant (total_sequence_length stays C: the longest sequence)."""
+    return v.get("cap", C)
 
 
 def _attrs(v):
@@ -137,8 +148,8 @@ def _run_graph_vs_eager(domain, layout, vname, seed):
     attrs = _attrs(v)
     static = _static_feeds(v, rng)
     # The cache before step 0: random valid rows, garbage beyond (must never be attended).
-    ck = rng.standard_normal((B, NKV, C, H)).astype(dt)
-    cv = rng.standard_normal((B, NKV, C, H)).astype(dt)
+    ck = rng.standard_normal((B, NKV, _cap(v), H)).astype(dt)
+    cv = rng.standard_normal((B, NKV, _cap(v), H)).astype(dt)
     for b in range(B):
         ck[b, :, P0[b] :] = 11.0
         cv[b, :, P0[b] :] = -11.0
@@ -200,6 +211,6 @@ def _probe_ms(vname):
     rng = np.random.default_rng(0)
     static = _static_feeds(v, rng)
     step0 = _step_feeds(v, rng, 0)
-    cache = [np.zeros((B, NKV, C, v["H"]), dt) for _ in range(2)]
+    cache = [np.zeros((B, NKV, _cap(v), v["H"]), dt) for _ in range(2)]
     model = build_model(_model_feeds(v, static, step0, cache), _attrs(v), MS_DOMAIN, None)
     DecodeRig(model, MS_DOMAIN, True, static, step0, *cache, dt).step(step0)

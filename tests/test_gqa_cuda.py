@@ -80,13 +80,15 @@ def _label(c: GqaCase) -> str:
 
 
 def ours(case: GqaCase):
-    """Our op on CUDA; a refusal the contract allows (naming the feature) skips, visibly."""
+    """Our op on CUDA; a refusal the contract allows (naming the feature) skips, visibly.
+    sliding_window_cache is implemented on CUDA: refusing it fails."""
     try:
         return run_case_cuda(case, KV_DOMAIN)
     except NotOnCuda:
         raise
     except Exception as e:
-        r = refusal(case.refusable_features(), e)
+        allowed = [f for f in case.refusable_features() if f != "sliding_window_cache"]
+        r = refusal(allowed, e)
         if r is None:
             raise AssertionError(f"ai.kvlayout on CUDA failed for {case!r}: {e}") from e
         pytest.skip(f"CUDA op refuses (allowed): {r}")
@@ -593,6 +595,165 @@ def test_decode_bits_do_not_depend_on_the_capacity(layout, dtype):
         f"{np.abs(out_small.astype(np.float64) - out_big.astype(np.float64)).max():.3g} {c!r}"
     )
     check_oracle(c, run_case_cuda(c, feeds=small))
+
+
+# --------------------------------------------------------------------------------------------
+# sliding_window_cache=1 (CONTRACT section 8): a window-sized cache (capacity C >= W) whose rows
+# shift as tokens arrive. The CUDA op stages the resident rows in its workspace, so past and
+# present may be one buffer; every kernel that can serve the call reads the window.
+# --------------------------------------------------------------------------------------------
+# (name, GqaCase fields). W = local_window_size, C = W + extra_capacity.
+SWC_SCENARIOS = {
+    # First prompts (a right-padded one is refused by contract): S > C (tensor-core prefill for
+    # fp16/bf16), S between W and C, S < W, one token.
+    "prompt_S_gt_C": {"kind": "prompt", "seq": 40, "local_window_size": 8, "extra_capacity": 3},
+    "prompt_W_lt_S_le_C": {"kind": "prompt", "seq": 10, "local_window_size": 8,
+                           "extra_capacity": 3},
+    "prompt_S_lt_W": {"kind": "prompt", "seq": 5, "batch": 2, "local_window_size": 8},
+    "prompt_S1": {"kind": "prompt", "seq": 1, "batch": 3, "local_window_size": 4},
+    # Decode: cache not yet full, exactly full, shifting (C == W: every step; C > W: every
+    # C - W + 1 steps), ragged batches, a long window (decode kernel splits).
+    "decode_filling": {"kind": "decode", "past_len": 3, "local_window_size": 8},
+    "decode_full": {"kind": "decode", "past_len": 8, "local_window_size": 8},
+    "decode_C_eq_W": {"kind": "decode", "past_len": 29, "batch": 3, "pad": 7,
+                      "local_window_size": 8},
+    "decode_C_gt_W": {"kind": "decode", "past_len": 47, "batch": 2, "pad": 5,
+                      "local_window_size": 8, "extra_capacity": 5},
+    "decode_long": {"kind": "decode", "past_len": 700, "batch": 2, "pad": 260,
+                    "local_window_size": 200, "extra_capacity": 57},
+    # Chunked prefill: chunks smaller and larger than the drop group, larger than C (S >= 16:
+    # tensor-core prefill), and ragged chunks through query_seqlens.
+    "chunk_small": {"kind": "chunk", "seq": 3, "past_len": 10, "local_window_size": 4,
+                    "extra_capacity": 2},
+    "chunk_gt_C": {"kind": "chunk", "seq": 20, "past_len": 30, "local_window_size": 8,
+                   "extra_capacity": 2},
+    "chunk_qsl": {"kind": "chunk", "seq": 6, "past_len": 23, "batch": 3, "pad": 4,
+                  "query_seqlens": True, "local_window_size": 8, "extra_capacity": 1},
+}  # fmt: skip
+SWC_HEADS = ((8, 2, 64), (6, 3, 40), (4, 1, 128), (8, 2, 96))
+
+
+def _swc_cases():
+    out = []
+    combos = itertools.product(SWC_SCENARIOS, ["fp32", "fp16", "bf16"], [0, 1], [False, True])
+    for i, (name, dt, layout, shared) in enumerate(combos):
+        n, nkv, h = SWC_HEADS[i % len(SWC_HEADS)]
+        kw = dict(SWC_SCENARIOS[name])
+        rot = i % 3 != 0
+        out.append(
+            GqaCase(
+                num_heads=n,
+                kv_num_heads=nkv,
+                head_size=h,
+                dtype=dt,
+                kv_layout=layout,
+                shared=shared,
+                packed=bool(i % 2),
+                do_rotary=rot,
+                position_ids=rot and i % 4 == 1,
+                softcap=30.0 if i % 5 == 2 else 0.0,
+                sliding_window_cache=True,
+                seed=case_seed(80_000 + i),
+                **kw,
+            )
+        )
+    return out
+
+
+SWC_CASES = _swc_cases()
+if QUICK:
+    SWC_CASES = SWC_CASES[::7]
+
+
+@pytest.mark.parametrize("case", SWC_CASES, ids=_label)
+def test_sliding_window_cache_vs_oracle(case):
+    """Output and the window-sized present against the float64 oracle (no refusal allowed:
+    the CUDA op implements sliding_window_cache)."""
+    check_oracle(case, run_case_cuda(case, KV_DOMAIN))
+
+
+SWC_ORT = [c for c in SWC_CASES if c.dtype in ("fp32", "fp16") and not c.shared]
+if not QUICK:
+    SWC_ORT = SWC_ORT[::2]
+
+
+@pytest.mark.parametrize("case", SWC_ORT, ids=_label)
+def test_sliding_window_cache_vs_ort_cpu(case):
+    """The same call against ORT's own com.microsoft kernel on the CPU EP (its CUDA kernel has
+    no sliding_window_cache in our reading), on the head-major twin."""
+    mine = run_case_cuda(case, KV_DOMAIN)
+    twin = head_major_twin(case)
+    theirs = twin.run(MS_DOMAIN)
+    masks = twin.masks()
+    e_ort = assert_close(theirs, twin.reference(), masks, case.dtype, "ORT CPU vs oracle: ")
+    mine_hm = (mine[0], hm(mine[1], case.kv_layout), hm(mine[2], case.kv_layout))
+    e_ours = assert_close(mine_hm, theirs, masks, case.dtype, f"ours vs ORT CPU {case!r}: ", 2.0)
+    print(f"max errs ours-vs-ORT-CPU {e_ours}, ORT-vs-oracle {e_ort}")
+
+
+@pytest.mark.parametrize("layout", [0, 1])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+def test_sliding_window_generation_loop_on_device(layout, dtype):
+    """A prompt longer than the window, decode steps through several shifts, a chunk and more
+    decode steps, on one shared window-sized cache that never leaves the device (the
+    onnxruntime-genai flow for a sliding-window layer), step by step against the oracle."""
+    B, N, Nkv, H, W, C = 2, 8, 2, 64, 6, 9
+    rng = np.random.default_rng(case_seed(81_000 + layout))
+    base = GqaCase(batch=B, num_heads=N, kv_num_heads=Nkv, head_size=H, dtype=dtype,
+                   kv_layout=layout, do_rotary=True, shared=True, packed=True,
+                   local_window_size=W, sliding_window_cache=True)  # fmt: skip
+    dt = base.np_dtype
+    attrs = base.attrs()
+    inv = 1.0 / (10000.0 ** (np.arange(0, H, 2) / H))
+    ang = np.arange(128)[:, None] * inv[None, :]
+    cos, sin = np.cos(ang).astype(dt), np.sin(ang).astype(dt)
+    kbuf = to_device(ref.to_layout(rng.standard_normal((B, Nkv, C, H)).astype(dt), layout))
+    vbuf = to_device(ref.to_layout(rng.standard_normal((B, Nkv, C, H)).astype(dt), layout))
+    # Both entries start with a 13-token prompt (no right padding with a window-sized cache);
+    # the chunk is ragged through query_seqlens (lengths 3 and 5).
+    T = np.array([13, 13])
+    plan = [("prompt", 13)] + [("decode", 1)] * 7 + [("chunk", 5)] + [("decode", 1)] * 4
+    sessions = {}
+    for step, (kind, S) in enumerate(plan):
+        qsl = None
+        if kind == "prompt":
+            newT = T
+        elif kind == "decode":
+            newT = T + 1
+        else:
+            qsl = np.array([3, 5], np.int32)
+            newT = T + qsl
+        feeds = {
+            "query": rng.standard_normal((B, S, (N + 2 * Nkv) * H)).astype(dt),
+            "past_key": None,
+            "past_value": None,
+            "seqlens_k": (newT - 1).astype(np.int32),
+            "total_sequence_length": np.array(int(newT.max()) if kind != "prompt" else S, np.int32),
+            "cos_cache": cos,
+            "sin_cache": sin,
+        }
+        if qsl is not None:
+            feeds["query_seqlens"] = qsl
+        past_k, past_v = from_device(kbuf), from_device(vbuf)
+        ref_feeds = dict(feeds, past_key=past_k, past_value=past_v)
+        key = (kind, qsl is not None)
+        if key not in sessions:
+            sessions[key] = cuda_session(build_model(ref_feeds, attrs, KV_DOMAIN, layout),
+                                         KV_DOMAIN)  # fmt: skip
+        sess = sessions[key]
+        io = sess.io_binding()
+        _, _on_device = bind_inputs(sess, io, feeds)
+        io.bind_output("output", DEVICE)
+        io.bind_ortvalue_input("past_key", kbuf)
+        io.bind_ortvalue_input("past_value", vbuf)
+        io.bind_ortvalue_output("present_key", kbuf)
+        io.bind_ortvalue_output("present_value", vbuf)
+        sess.run_with_iobinding(io)
+        got = (from_device(io.get_outputs()[0]), from_device(kbuf), from_device(vbuf))
+        want = ref.gqa_reference(ref_feeds, attrs, layout)
+        masks = ref.defined_masks(ref_feeds, attrs, layout)
+        assert_close(got, want, masks, dtype, f"step {step} ({kind}, T={newT.tolist()}): ")
+        T = newT
 
 
 # --------------------------------------------------------------------------------------------

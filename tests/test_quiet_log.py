@@ -123,6 +123,4 @@ def test_patched_model_quiet_on_cuda():
 
     if SKIP_REASON is not None or EMULATE:
         pytest.skip(f"GPU tests: {SKIP_REASON or 'emulated on CPU'}")
-    # sliding_window_cache is refused on CUDA in v1: the other variants.
-    variants = [v for v in _CPU_VARIANTS if not v.get("sliding_window_cache")]
-    check_quiet(run_child("CUDAExecutionProvider", variants), variants)
+    check_quiet(run_child("CUDAExecutionProvider", _CPU_VARIANTS), _CPU_VARIANTS)

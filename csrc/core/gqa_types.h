@@ -134,7 +134,8 @@ KVL_HOST_DEVICE int64_t SlidingResidentRows(int64_t total, int64_t capacity, int
 // Where one batch entry's tokens are this call: `past` cached tokens, `new_rows` valid new
 // tokens (at positions past .. past + new_rows - 1), `total` = past + new_rows valid keys.
 // `cache_base`: the position held by row 0 of the past buffer (non-zero only for a sliding
-// window cache); `present_base`: the same for present after this call.
+// window cache; on CUDA also row 0 of the staging copy the attention reads, sliding.cu);
+// `present_base`: the same for present after this call.
 struct BatchGeometry {
   int64_t past;
   int64_t new_rows;
@@ -142,6 +143,17 @@ struct BatchGeometry {
   int64_t cache_base;
   int64_t present_base;
 };
+
+// cache_base / present_base of a geometry whose past and total are set (both 0 unless the cache
+// is window-sized).
+KVL_HOST_DEVICE void SetCacheBases(const GqaShape& s, BatchGeometry* g) {
+  g->cache_base = 0;
+  g->present_base = 0;
+  if (s.sliding_window_cache) {
+    g->cache_base = g->past - SlidingResidentRows(g->past, s.past_capacity, s.local_window);
+    g->present_base = g->total - SlidingResidentRows(g->total, s.past_capacity, s.local_window);
+  }
+}
 
 KVL_HOST_DEVICE BatchGeometry GetBatchGeometry(const GqaShape& s, int32_t seqlens_k_b,
                                                int32_t query_seqlens_b) {
@@ -154,24 +166,22 @@ KVL_HOST_DEVICE BatchGeometry GetBatchGeometry(const GqaShape& s, int32_t seqlen
     g.new_rows = s.has_query_seqlens ? query_seqlens_b : s.seq_len;
     g.past = g.total - g.new_rows;
   }
-  g.cache_base = 0;
-  g.present_base = 0;
-  if (s.sliding_window_cache) {
-    g.cache_base = g.past - SlidingResidentRows(g.past, s.past_capacity, s.local_window);
-    g.present_base = g.total - SlidingResidentRows(g.total, s.past_capacity, s.local_window);
-  }
+  SetCacheBases(s, &g);
   return g;
 }
 
 // The same, for kernels that read lengths on the device and cannot report an error: every length
 // is clamped so that no row index leaves the buffers (total <= present capacity, past <= past
 // capacity). Equal to GetBatchGeometry for inputs that CheckLengthsOnHost accepts.
-// (A sliding window cache is refused on the device path.)
+// A window-sized cache holds positions [base, base + L) with L <= capacity whatever the
+// absolute positions are, so there only the per-call counts are clamped (total >= 1, new rows
+// in [0, S]) and positions stay unbounded, as on the host.
 KVL_HOST_DEVICE BatchGeometry ClampedBatchGeometry(const GqaShape& s, int32_t seqlens_k_b,
                                                    int32_t query_seqlens_b) {
   BatchGeometry g;
   int64_t total = static_cast<int64_t>(seqlens_k_b) + 1;
-  total = total < 1 ? 1 : (total > s.present_capacity ? s.present_capacity : total);
+  total = total < 1 ? 1 : total;
+  if (!s.sliding_window_cache && total > s.present_capacity) total = s.present_capacity;
   if (s.is_first_prompt()) {
     g.new_rows = total < s.seq_len ? total : s.seq_len;
     g.past = 0;
@@ -181,11 +191,10 @@ KVL_HOST_DEVICE BatchGeometry ClampedBatchGeometry(const GqaShape& s, int32_t se
     rows = rows > total ? total : rows;
     g.new_rows = rows;
     g.past = total - rows;
-    if (g.past > s.past_capacity) g.past = s.past_capacity;
+    if (!s.sliding_window_cache && g.past > s.past_capacity) g.past = s.past_capacity;
   }
   g.total = g.past + g.new_rows;
-  g.cache_base = 0;
-  g.present_base = 0;
+  SetCacheBases(s, &g);
   return g;
 }
 

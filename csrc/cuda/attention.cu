@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(kWarp* kWarps)
       const int64_t j = idx / quads, w = (idx % quads) * 4;
       uint4 kq = make_uint4(0, 0, 0, 0), vq = make_uint4(0, 0, 0, 0);
       if (k0 + j < key_hi) {
-        const int64_t off = present_st.Offset(b, g, k0 + j);
+        const int64_t off = present_st.Offset(b, g, k0 + j - geo.cache_base);
         kq = reinterpret_cast<const uint4*>(pk + off)[w / 4];
         vq = reinterpret_cast<const uint4*>(pv + off)[w / 4];
       }
@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(kWarp* kWarps)
       const int64_t j = idx / H, d = idx % H;
       T kv = FromF<T>(0.0f), vv = FromF<T>(0.0f);
       if (k0 + j < key_hi) {
-        const int64_t off = present_st.Offset(b, g, k0 + j) + d;
+        const int64_t off = present_st.Offset(b, g, k0 + j - geo.cache_base) + d;
         kv = pk[off];
         vv = pv[off];
       }

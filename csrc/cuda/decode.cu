@@ -90,7 +90,8 @@ __global__ void __launch_bounds__(kDecThreads)
   for (int64_t idx = lane; HD > H && idx < ST * 2 * KS * (HD - H); idx += kWarp) {
     wsm[(idx / (HD - H)) * P + H + idx % (HD - H)] = FromF<T>(0.0f);
   }
-  // Rows of this (batch, kv head): key j at base + j * seq stride, in either layout.
+  // Rows of this (batch, kv head): key j at base + (j - cache_base) * seq stride, in either
+  // layout (cache_base: 0 unless a sliding window cache stages the rows, sliding.cu).
   const T* pk = static_cast<const T*>(buf.present_key) + present_st.Offset(b, g, 0);
   const T* pv = static_cast<const T*>(buf.present_value) + present_st.Offset(b, g, 0);
   const int64_t seq_stride = present_st.seq;
@@ -102,8 +103,8 @@ __global__ void __launch_bounds__(kDecThreads)
     T* ks = wsm + (i % ST) * 2 * KS * P;
     T* vs = ks + KS * P;
     const int64_t k0 = k_begin + (warp + i * kDecWarps) * KS;
-    const T* kstep = pk + k0 * seq_stride;
-    const T* vstep = pv + k0 * seq_stride;
+    const T* kstep = pk + (k0 - geo.cache_base) * seq_stride;
+    const T* vstep = pv + (k0 - geo.cache_base) * seq_stride;
 #pragma unroll
     for (int it = 0; it < kCopies; ++it) {
       const int idx = lane + it * kWarp, j = idx / CPR, c = idx % CPR;  // compile-time divisor

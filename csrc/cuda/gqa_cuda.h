@@ -45,10 +45,13 @@ struct GqaCudaPlan {
   // one) partition the same live keys the same way and give bit-identical results.
   int64_t split_target = 1;
   size_t q_bytes = 0, part_o_bytes = 0, part_ml_bytes = 0, counter_bytes = 0;
+  // A window-sized cache: K (and again V) staging rows the attention reads (csrc/cuda/sliding.cu).
+  size_t stage_bytes = 0;
 
-  // Bytes of device workspace the call needs (queries in float32, split partials, counters).
+  // Bytes of device workspace the call needs (queries in float32, split partials, counters,
+  // sliding-window staging).
   size_t WorkspaceBytes() const {
-    return q_bytes + part_o_bytes + 2 * part_ml_bytes + counter_bytes;
+    return q_bytes + part_o_bytes + 2 * part_ml_bytes + counter_bytes + 2 * stage_bytes;
   }
 };
 GqaCudaPlan PlanGqaCuda(const GqaShape& shape, const GqaCudaBuffers& buffers,

@@ -30,6 +30,8 @@ struct Workspace {
   float* part_l = nullptr;          // (slot)
   unsigned* counters = nullptr;     // (B * Nkv) finished splits per row (decode), zeroed by prepare
   int64_t counter_count = 0;
+  void* stage_k = nullptr;          // sliding window cache: SlidingStageStrides rows of K
+  void* stage_v = nullptr;          // ... and of V (null without a sliding window cache)
 };
 
 template <typename T>
@@ -39,6 +41,23 @@ Status LaunchCopyPast(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pa
 template <typename T>
 Status LaunchPrepare(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
                      const Workspace& ws, cudaStream_t stream);
+
+// Sliding window cache (sliding.cu). The attention cannot read a window-sized present that this
+// call shifts (a CTA would read rows another CTA already moved; past and present may be one
+// buffer), so it reads a staging copy in the workspace instead: row j of (b, kv head) holds
+// position cache_base + j, the resident past rows then this call's new rows (written by
+// prepare). After the attention, present rows [0, L(total)) are taken from the staging rows.
+// Staging: (B, Nkv, C + S, H) in the call's layout, T elements; 256-byte multiple, 0 when off.
+size_t SlidingStageBytes(const GqaShape& s);
+KvStrides SlidingStageStrides(const GqaShape& s);
+// Resident past rows [0, L(past)) -> staging rows.
+template <typename T>
+Status LaunchSlidingStage(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides past_st,
+                          const Workspace& ws, const CudaDeviceInfo& dev, cudaStream_t stream);
+// Staging -> present rows [0, L(total)); rows beyond are zeroed unless past and present share.
+template <typename T>
+Status LaunchSlidingPresent(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
+                            const Workspace& ws, const CudaDeviceInfo& dev, cudaStream_t stream);
 
 // Portable CUDA-core attention (+ the combine when split).
 template <typename T>

@@ -84,7 +84,26 @@ Workspace CarveWorkspace(const GqaShape& s, const AttnPlan& p, void* workspace) 
   base += p.part_ml_bytes;
   ws.counters = reinterpret_cast<unsigned*>(base);
   ws.counter_count = p.counter_bytes > 0 ? s.batch * s.kv_num_heads : 0;
+  base += p.counter_bytes;
+  if (p.stage_bytes > 0) {
+    ws.stage_k = base;
+    ws.stage_v = base + p.stage_bytes;
+  }
   return ws;
+}
+
+// New rows into `kv_st` rows of buf.present_*, then the attention reading them.
+template <typename T>
+Status Attend(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides kv_st, const AttnPlan& plan,
+              const Workspace& ws, cudaStream_t stream) {
+  KVL_RETURN_IF_ERROR(LaunchPrepare<T>(s, buf, kv_st, ws, stream));
+  if constexpr (sizeof(T) == 2) {
+    if (plan.kernel == AttnKernel::kPrefillTc) return LaunchPrefillTc<T>(s, buf, kv_st, ws, stream);
+    if (plan.kernel == AttnKernel::kDecodeTc) {
+      return LaunchDecodeTc<T>(s, buf, kv_st, plan, ws, stream);
+    }
+  }
+  return LaunchPortable<T>(s, buf, kv_st, plan, ws, stream);
 }
 
 template <typename T>
@@ -94,17 +113,19 @@ Status Launch(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo
   const KvStrides past_st = MakeKvStrides(s.layout, s.kv_num_heads, s.past_capacity, s.head_size);
   const KvStrides present_st =
       MakeKvStrides(s.layout, s.kv_num_heads, s.present_capacity, s.head_size);
+  if (s.sliding_window_cache) {
+    // Prepare and the attention work on the staging rows (sliding.cu); present is written last.
+    KVL_RETURN_IF_ERROR(LaunchSlidingStage<T>(s, buf, past_st, ws, dev, stream));
+    GqaCudaBuffers staged = buf;
+    staged.present_key = ws.stage_k;
+    staged.present_value = ws.stage_v;
+    KVL_RETURN_IF_ERROR(Attend<T>(s, staged, SlidingStageStrides(s), plan, ws, stream));
+    return LaunchSlidingPresent<T>(s, buf, present_st, ws, dev, stream);
+  }
   if (!buf.shared()) {
     KVL_RETURN_IF_ERROR(LaunchCopyPast<T>(s, buf, past_st, present_st, dev, stream));
   }
-  KVL_RETURN_IF_ERROR(LaunchPrepare<T>(s, buf, present_st, ws, stream));
-  if constexpr (sizeof(T) == 2) {
-    if (plan.kernel == AttnKernel::kPrefillTc) return LaunchPrefillTc<T>(s, buf, present_st, ws, stream);
-    if (plan.kernel == AttnKernel::kDecodeTc) {
-      return LaunchDecodeTc<T>(s, buf, present_st, plan, ws, stream);
-    }
-  }
-  return LaunchPortable<T>(s, buf, present_st, plan, ws, stream);
+  return Attend<T>(s, buf, present_st, plan, ws, stream);
 }
 
 // Host-side facts that do not change for a (device, kernel): computed once per process.
@@ -165,11 +186,6 @@ Status QueryCudaDevice(CudaDeviceInfo* info) {
 
 Status CheckCudaSupport(const GqaShape& s) {
   const char* op = "ai.kvlayout::GroupQueryAttention (CUDA): ";
-  if (s.sliding_window_cache) {
-    return Status::Error(std::string(op) +
-                         "attribute 'sliding_window_cache'=1 is not supported on the CUDA "
-                         "execution provider in v1 (it is on CPU)");
-  }
   // The kernels put batch x kv head (and batch, num_heads) on a grid axis limited to 65535.
   constexpr int64_t kMaxGridYZ = 65535;
   if (s.batch * s.kv_num_heads > kMaxGridYZ || s.num_heads > kMaxGridYZ) {
@@ -187,7 +203,9 @@ Status CheckCudaSupport(const GqaShape& s) {
 }
 
 GqaCudaPlan PlanGqaCuda(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo& dev) {
-  return cu::MakePlan(s, buf, dev);
+  GqaCudaPlan plan = cu::MakePlan(s, buf, dev);
+  plan.stage_bytes = cu::SlidingStageBytes(s);
+  return plan;
 }
 
 Status LaunchGqaCuda(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo& dev,

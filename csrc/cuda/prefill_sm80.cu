@@ -69,7 +69,8 @@ __global__ void __launch_bounds__(kWarp* kWarps)
   }
   const int64_t tiles = key_lo < key_hi ? (key_hi - key_lo + BC - 1) / BC : 0;
 
-  // Rows of this (batch, kv head): key j at base + j * seq stride, in either layout.
+  // Rows of this (batch, kv head): key j at base + (j - cache_base) * seq stride, in either
+  // layout (cache_base: 0 unless a sliding window cache stages the rows, sliding.cu).
   const T* pk = static_cast<const T*>(buf.present_key) + present_st.Offset(b, g, 0);
   const T* pv = static_cast<const T*>(buf.present_value) + present_st.Offset(b, g, 0);
   const int64_t seq_stride = present_st.seq;
@@ -85,7 +86,7 @@ __global__ void __launch_bounds__(kWarp* kWarps)
       const int idx = threadIdx.x + it * kThreads, j = idx / CPR, c = idx % CPR;
       if (idx >= BC * CPR || c >= chunks) continue;
       const bool valid = k0 + j < key_hi;  // past the end: zero rows
-      const int64_t off = valid ? (k0 + j) * seq_stride + c * 8 : 0;
+      const int64_t off = valid ? (k0 + j - geo.cache_base) * seq_stride + c * 8 : 0;
       ptx::CpAsync16(ks + j * P + c * 8, pk + off, valid);
       ptx::CpAsync16(vs + j * P + c * 8, pv + off, valid);
     }

@@ -114,7 +114,8 @@ __global__ void PrepareKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_
       float* dst = q_ws + ((b * N + h) * s.seq_len + i) * H;
       for (int64_t d = lane; d < H; d += kWarp) dst[d] = x[d] * s.scale;
     } else {
-      const int64_t off = present_st.Offset(b, hk, g.past + i);
+      // Row of position past + i: cache_base is row 0 (0 unless a sliding window stages rows).
+      const int64_t off = present_st.Offset(b, hk, g.past - g.cache_base + i);
       T* kd = static_cast<T*>(buf.present_key) + off;
       T* vd = static_cast<T*>(buf.present_value) + off;
       const T* vs = v_src + kv_row + v_offset + hk * H;

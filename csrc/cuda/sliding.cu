@@ -1,0 +1,146 @@
+// Sliding window cache (sliding_window_cache=1, docs/CONTRACT.md section 8) on CUDA.
+//
+// The present is window-sized: after T tokens its rows [0, L(T)) hold positions
+// T - L .. T - 1, so a call shifts rows down by present_base - cache_base. Moving rows in place
+// races across CTAs (and past and present may be the same buffer), and the attention of a
+// multi-token call still needs rows the shift drops. So the call goes through a staging copy in
+// the workspace (kernels.h): resident past rows in, prepare appends the new rows, the attention
+// reads staging row (position - cache_base), then the present is written from staging. Every
+// row index comes from ClampedBatchGeometry (lengths read on the device), every address from
+// KvStrides; grids depend on sizes only, so the launches are valid under CUDA graph capture.
+#include <algorithm>
+#include <type_traits>
+
+#include "cuda/common.cuh"
+#include "cuda/kernels.h"
+
+namespace kvl {
+namespace cu {
+namespace {
+
+// Rows move in units U: 16 bytes when every buffer is 16-byte aligned (a row is H * sizeof(T)
+// bytes, a multiple of 16 since H % 8 == 0), else one element. Offsets from KvStrides are
+// multiples of H elements, so dividing by `per` (elements per unit) is exact.
+template <typename U>
+__global__ void SlidingStageKernel(GqaShape s, GqaCudaBuffers buf, KvStrides past_st,
+                                   KvStrides stage_st, int per, U* stage_k, U* stage_v) {
+  const int64_t units = s.head_size / per, C = s.past_capacity;
+  const int64_t n = s.batch * s.kv_num_heads * C * units;
+  const U* pk = static_cast<const U*>(buf.past_key);
+  const U* pv = static_cast<const U*>(buf.past_value);
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t u = idx % units, r = (idx / units) % C;
+    const int64_t h = (idx / (units * C)) % s.kv_num_heads, b = idx / (units * C * s.kv_num_heads);
+    const BatchGeometry g = Geo(s, buf, b);
+    if (r >= g.past - g.cache_base) continue;  // not a resident past row
+    const int64_t src = past_st.Offset(b, h, r) / per + u;
+    const int64_t dst = stage_st.Offset(b, h, r) / per + u;
+    stage_k[dst] = pk[src];
+    stage_v[dst] = pv[src];
+  }
+}
+
+template <typename U>
+__global__ void SlidingPresentKernel(GqaShape s, GqaCudaBuffers buf, KvStrides stage_st,
+                                     KvStrides present_st, int per, bool shared,
+                                     const U* stage_k, const U* stage_v) {
+  const int64_t units = s.head_size / per, C = s.present_capacity;
+  const int64_t n = s.batch * s.kv_num_heads * C * units;
+  U* pk = static_cast<U*>(buf.present_key);
+  U* pv = static_cast<U*>(buf.present_value);
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t u = idx % units, r = (idx / units) % C;
+    const int64_t h = (idx / (units * C)) % s.kv_num_heads, b = idx / (units * C * s.kv_num_heads);
+    const BatchGeometry g = Geo(s, buf, b);
+    const int64_t dst = present_st.Offset(b, h, r) / per + u;
+    if (r < g.total - g.present_base) {
+      const int64_t src = stage_st.Offset(b, h, g.present_base - g.cache_base + r) / per + u;
+      pk[dst] = stage_k[src];
+      pv[dst] = stage_v[src];
+    } else if (!shared) {  // a shared buffer's rows past L keep their content, as in ORT
+      pk[dst] = U{};
+      pv[dst] = U{};
+    }
+  }
+}
+
+template <typename T>
+using ElementBits = std::conditional_t<sizeof(T) == 4, uint32_t, uint16_t>;
+
+bool Aligned16(const void* a, const void* b, const void* c, const void* d) {
+  return (reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b) |
+          reinterpret_cast<uintptr_t>(c) | reinterpret_cast<uintptr_t>(d)) % 16 == 0;
+}
+
+int CopyBlocks(int64_t n, const CudaDeviceInfo& dev) {
+  const int64_t blocks = std::min<int64_t>((n + 255) / 256, 8 * dev.sm_count);
+  return static_cast<int>(std::max<int64_t>(1, blocks));
+}
+
+}  // namespace
+
+KvStrides SlidingStageStrides(const GqaShape& s) {
+  return MakeKvStrides(s.layout, s.kv_num_heads, s.past_capacity + s.seq_len, s.head_size);
+}
+
+size_t SlidingStageBytes(const GqaShape& s) {
+  if (!s.sliding_window_cache) return 0;
+  const size_t elem = s.dtype == DType::kFloat32 ? 4 : 2;
+  const size_t bytes =
+      elem * size_t(s.batch * s.kv_num_heads * (s.past_capacity + s.seq_len) * s.head_size);
+  return (bytes + 255) / 256 * 256;
+}
+
+template <typename T>
+Status LaunchSlidingStage(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides past_st,
+                          const Workspace& ws, const CudaDeviceInfo& dev, cudaStream_t stream) {
+  const KvStrides stage_st = SlidingStageStrides(s);
+  if (Aligned16(buf.past_key, buf.past_value, ws.stage_k, ws.stage_v)) {
+    const int per = 16 / sizeof(T);
+    const int64_t n = s.batch * s.kv_num_heads * s.past_capacity * (s.head_size / per);
+    SlidingStageKernel<uint4><<<CopyBlocks(n, dev), 256, 0, stream>>>(
+        s, buf, past_st, stage_st, per, static_cast<uint4*>(ws.stage_k),
+        static_cast<uint4*>(ws.stage_v));
+  } else {
+    using U = ElementBits<T>;
+    const int64_t n = s.batch * s.kv_num_heads * s.past_capacity * s.head_size;
+    SlidingStageKernel<U><<<CopyBlocks(n, dev), 256, 0, stream>>>(
+        s, buf, past_st, stage_st, 1, static_cast<U*>(ws.stage_k), static_cast<U*>(ws.stage_v));
+  }
+  return CudaCheck(cudaGetLastError(), "sliding window stage launch");
+}
+
+template <typename T>
+Status LaunchSlidingPresent(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
+                            const Workspace& ws, const CudaDeviceInfo& dev, cudaStream_t stream) {
+  const KvStrides stage_st = SlidingStageStrides(s);
+  if (Aligned16(buf.present_key, buf.present_value, ws.stage_k, ws.stage_v)) {
+    const int per = 16 / sizeof(T);
+    const int64_t n = s.batch * s.kv_num_heads * s.present_capacity * (s.head_size / per);
+    SlidingPresentKernel<uint4><<<CopyBlocks(n, dev), 256, 0, stream>>>(
+        s, buf, stage_st, present_st, per, buf.shared(), static_cast<const uint4*>(ws.stage_k),
+        static_cast<const uint4*>(ws.stage_v));
+  } else {
+    using U = ElementBits<T>;
+    const int64_t n = s.batch * s.kv_num_heads * s.present_capacity * s.head_size;
+    SlidingPresentKernel<U><<<CopyBlocks(n, dev), 256, 0, stream>>>(
+        s, buf, stage_st, present_st, 1, buf.shared(), static_cast<const U*>(ws.stage_k),
+        static_cast<const U*>(ws.stage_v));
+  }
+  return CudaCheck(cudaGetLastError(), "sliding window present launch");
+}
+
+#define KVL_SLIDING_INSTANTIATE(T)                                                              \
+  template Status LaunchSlidingStage<T>(const GqaShape&, const GqaCudaBuffers&, KvStrides,     \
+                                        const Workspace&, const CudaDeviceInfo&, cudaStream_t); \
+  template Status LaunchSlidingPresent<T>(const GqaShape&, const GqaCudaBuffers&, KvStrides,   \
+                                          const Workspace&, const CudaDeviceInfo&, cudaStream_t);
+KVL_SLIDING_INSTANTIATE(float)
+KVL_SLIDING_INSTANTIATE(__half)
+KVL_SLIDING_INSTANTIATE(__nv_bfloat16)
+#undef KVL_SLIDING_INSTANTIATE
+
+}  // namespace cu
+}  // namespace kvl
