@@ -174,6 +174,58 @@ def test_vs_oracle(case):
 
 
 # --------------------------------------------------------------------------------------------
+# Prefill through cuDNN (S >= 64, fp16/bf16, sm_90, no bias/softcap/window/sink): the cache read
+# in place through the layout's strides, per-entry lengths on the device
+# --------------------------------------------------------------------------------------------
+def _cudnn_grid():
+    cases = []
+    steps = [  # kind, S, past, batch, pad, query_seqlens
+        ("prompt", 64, 0, 1, 0, False),
+        ("prompt", 333, 0, 3, 57, False),
+        ("chunk", 100, 300, 3, 9, True),
+        ("chunk", 200, 37, 1, 0, False),
+    ]
+    heads = [(8, 2, 128), (12, 4, 64), (4, 1, 256), (6, 3, 96)]
+    combos = itertools.product(["fp16", "bf16"], [0, 1], steps, heads)
+    for i, (dt, layout, (kind, s, past, batch, pad, qsl), (n, nkv, h)) in enumerate(combos):
+        cases.append(
+            GqaCase(batch=batch, seq=s, kind=kind, past_len=past, num_heads=n, kv_num_heads=nkv,
+                    head_size=h, dtype=dt, kv_layout=layout, pad=pad, query_seqlens=qsl,
+                    packed=bool(i % 2), shared=bool((i // 2) % 2), do_rotary=i % 3 != 0,
+                    extra_capacity=(5 + i % 7) if i % 4 == 0 else 0, seed=case_seed(60_000 + i))
+        )  # fmt: skip
+    return cases[::5] if QUICK else cases
+
+
+@pytest.mark.parametrize("case", _cudnn_grid(), ids=_label)
+def test_cudnn_prefill_vs_oracle(case):
+    check_oracle(case, ours(case))
+
+
+def test_cudnn_serves_prefill_where_built():
+    """A library built with the cuDNN headers serves prefill through cuDNN on a GPU of compute
+    capability 9+ (the count of cuDNN launches grows); the reason is reported otherwise."""
+    import ort_kvlayout
+
+    case = GqaCase(kind="prompt", seq=256, batch=2, pad=31, num_heads=8, kv_num_heads=2,
+                   head_size=128, dtype="fp16", kv_layout=1, do_rotary=True,
+                   seed=case_seed(61_000))  # fmt: skip
+    check_oracle(case, ours(case))
+    before = ort_kvlayout.cudnn_status()
+    assert before is not None, "the CUDA library is loaded: its cuDNN status must be readable"
+    if before.startswith("not built"):
+        pytest.skip(f"library built without cuDNN: {before}")
+    torch = pytest.importorskip("torch", reason="torch tells the compute capability")
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("cuDNN prefill serves sm_90+ only")
+    assert before.startswith("cuDNN "), before
+    check_oracle(case, ours(case.replace(seed=case_seed(61_001))))
+    after = ort_kvlayout.cudnn_status()
+    launches = [int(x.rsplit(" ", 1)[1]) for x in (before, after)]
+    assert launches[1] > launches[0], f"cuDNN did not serve the prefill: {before} -> {after}"
+
+
+# --------------------------------------------------------------------------------------------
 # Features (each in both layouts, fp16 and bf16, in every case kind)
 # --------------------------------------------------------------------------------------------
 FEATURES = {

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "core/gqa_buffers.h"
 #include "core/gqa_types.h"
@@ -22,16 +23,24 @@ using GqaCudaBuffers = GqaBuffers;
 
 struct CudaDeviceInfo {
   int device = 0;
+  int cc_major = 0;  // compute capability
   int sm_count = 0;
   int max_smem_optin = 0;  // bytes of shared memory one CTA may opt in to
 };
 Status QueryCudaDevice(CudaDeviceInfo* info);
 
+// Whether cuDNN serves prefill in this process, and why not (for build_info).
+std::string CudnnPrefillStatus();
+
 // Shapes the device path cannot serve (v1), as a Status naming the feature.
 Status CheckCudaSupport(const GqaShape& shape);
 
 // The attention kernel serving a call.
-enum class GqaCudaAttention { kPrefillTc, kDecodeTc, kPortable };
+enum class GqaCudaAttention { kPrefillTc, kDecodeTc, kPortable, kPrefillCudnn };
+
+namespace cu {
+struct CudnnPrefill;  // a built cuDNN attention graph (prefill_cudnn.cc)
+}
 
 // The plan of one call: which kernel, its splits and its workspace layout, from the shape, the
 // buffers' alignment and the device only (never from the current lengths), so the same plan
@@ -47,11 +56,16 @@ struct GqaCudaPlan {
   size_t q_bytes = 0, part_o_bytes = 0, part_ml_bytes = 0, counter_bytes = 0;
   // A window-sized cache: K (and again V) staging rows the attention reads (csrc/cuda/sliding.cu).
   size_t stage_bytes = 0;
+  // cuDNN prefill: its graph, the queries in the storage type, the two length vectors, and
+  // cuDNN's own workspace.
+  std::shared_ptr<const cu::CudnnPrefill> cudnn;
+  size_t q_storage_bytes = 0, seq_len_bytes = 0, cudnn_bytes = 0;
 
-  // Bytes of device workspace the call needs (queries in float32, split partials, counters,
-  // sliding-window staging).
+  // Bytes of device workspace the call needs (queries in float32 or the storage type, split
+  // partials, counters, sliding-window staging, cuDNN's lengths and workspace).
   size_t WorkspaceBytes() const {
-    return q_bytes + part_o_bytes + 2 * part_ml_bytes + counter_bytes + 2 * stage_bytes;
+    return q_bytes + part_o_bytes + 2 * part_ml_bytes + counter_bytes + 2 * stage_bytes +
+           q_storage_bytes + 2 * seq_len_bytes + cudnn_bytes;
   }
 };
 GqaCudaPlan PlanGqaCuda(const GqaShape& shape, const GqaCudaBuffers& buffers,

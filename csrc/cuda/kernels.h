@@ -7,6 +7,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <string>
 
 #include "core/kv_strides.h"
 #include "cuda/gqa_cuda.h"
@@ -30,6 +32,10 @@ struct Workspace {
   float* part_l = nullptr;          // (slot)
   unsigned* counters = nullptr;     // (B * Nkv) finished splits per row (decode), zeroed by prepare
   int64_t counter_count = 0;
+  void* q_storage = nullptr;         // cuDNN prefill: (B, S, N, H) rotated queries, storage type
+  int32_t* seq_len_q = nullptr;     // cuDNN prefill: (B) new rows per entry (prepare writes them)
+  int32_t* seq_len_kv = nullptr;    // cuDNN prefill: (B) valid keys per entry
+  void* cudnn = nullptr;            // cuDNN's own workspace
   void* stage_k = nullptr;          // sliding window cache: SlidingStageStrides rows of K
   void* stage_v = nullptr;          // ... and of V (null without a sliding window cache)
 };
@@ -73,6 +79,19 @@ bool PrefillTcFits(const GqaShape& s, size_t elem, const CudaDeviceInfo& dev);
 template <typename T>
 Status LaunchPrefillTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
                        const Workspace& ws, cudaStream_t stream);
+
+// cuDNN's fused flash attention for prefill (prefill_cudnn.cc), fp16/bf16 on sm_90+: the graph
+// for this call's shape (built once per shape and device, cached), or null where it cannot
+// serve: built without cuDNN, libcudnn not loadable or disabled (ORT_KVLAYOUT_CUDNN=0), a
+// feature outside its graph (CudnnPrefillCovers), or a shape cuDNN refused.
+bool CudnnPrefillCovers(const GqaShape& s, const CudaDeviceInfo& dev);
+std::shared_ptr<const CudnnPrefill> FindCudnnPrefill(const GqaShape& s, const CudaDeviceInfo& dev,
+                                                     KvStrides present_st);
+size_t CudnnPrefillWorkspaceBytes(const CudnnPrefill& prefill);
+// After prepare (which wrote ws.q_storage and the lengths); reads present_* in place.
+Status LaunchCudnnPrefill(const CudnnPrefill& prefill, const CudaDeviceInfo& dev,
+                          const GqaCudaBuffers& buf, const Workspace& ws, cudaStream_t stream);
+std::string CudnnStatus();
 
 // Tensor-core decode (mma.sync, sm_80+), fp16/bf16: up to 16 rows (token x head) of one KV group
 // per CTA, key splits merged by the last CTA of each (batch, kv head).

@@ -33,9 +33,28 @@ AttnKernel ChooseKernel(const GqaShape& s, const GqaCudaBuffers& buf, const Cuda
   return AttnKernel::kPortable;
 }
 
+// Prefill of at least this many new rows may go to cuDNN: below it our kernel's time is a few
+// microseconds, and each new shape costs cuDNN a graph build.
+constexpr int64_t kCudnnMinRows = 64;
+
 AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo& dev) {
   AttnPlan p;
   p.kernel = ChooseKernel(s, buf, dev);
+  auto align = [](size_t x) { return (x + 255) / 256 * 256; };
+  const bool aligned16 = (reinterpret_cast<uintptr_t>(buf.output) % 16 == 0) && CachesAligned16(buf);
+  if (p.kernel == AttnKernel::kPrefillTc && s.seq_len >= kCudnnMinRows && aligned16 &&
+      CudnnPrefillCovers(s, dev)) {
+    const KvStrides present_st =
+        MakeKvStrides(s.layout, s.kv_num_heads, s.present_capacity, s.head_size);
+    p.cudnn = FindCudnnPrefill(s, dev, present_st);
+    if (p.cudnn != nullptr) {
+      p.kernel = AttnKernel::kPrefillCudnn;
+      p.q_storage_bytes = align(sizeof(uint16_t) * s.batch * s.seq_len * s.num_heads * s.head_size);  // fp16 / bf16
+      p.seq_len_bytes = align(sizeof(int32_t) * s.batch);
+      p.cudnn_bytes = align(CudnnPrefillWorkspaceBytes(*p.cudnn));
+      return p;
+    }
+  }
   const int64_t sms = std::max(1, dev.sm_count);
   if (p.kernel == AttnKernel::kDecodeTc) {
     // One full wave: as many splits as fit beside the other CTAs (the splits share the keys
@@ -58,7 +77,6 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
         std::max<int64_t>(1, (s.present_capacity + kMinSplitKeys - 1) / kMinSplitKeys);
     p.splits = std::min(p.split_target, max_splits);
   }
-  auto align = [](size_t x) { return (x + 255) / 256 * 256; };
   p.q_bytes = align(sizeof(float) * s.batch * s.num_heads * s.seq_len * s.head_size);
   if (p.splits > 1) {
     const size_t rows = size_t(s.batch * s.kv_num_heads * p.row_blocks) * p.splits * kRowsPerCta;
@@ -89,14 +107,28 @@ Workspace CarveWorkspace(const GqaShape& s, const AttnPlan& p, void* workspace) 
     ws.stage_k = base;
     ws.stage_v = base + p.stage_bytes;
   }
+  base += 2 * p.stage_bytes;
+  if (p.q_storage_bytes > 0) {
+    ws.q = nullptr;  // the cuDNN path keeps its queries in the storage type
+    ws.q_storage = base;
+    base += p.q_storage_bytes;
+    ws.seq_len_q = reinterpret_cast<int32_t*>(base);
+    base += p.seq_len_bytes;
+    ws.seq_len_kv = reinterpret_cast<int32_t*>(base);
+    base += p.seq_len_bytes;
+    ws.cudnn = p.cudnn_bytes > 0 ? base : nullptr;
+  }
   return ws;
 }
 
 // New rows into `kv_st` rows of buf.present_*, then the attention reading them.
 template <typename T>
-Status Attend(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides kv_st, const AttnPlan& plan,
-              const Workspace& ws, cudaStream_t stream) {
+Status Attend(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo& dev,
+              KvStrides kv_st, const AttnPlan& plan, const Workspace& ws, cudaStream_t stream) {
   KVL_RETURN_IF_ERROR(LaunchPrepare<T>(s, buf, kv_st, ws, stream));
+  if (plan.kernel == AttnKernel::kPrefillCudnn) {
+    return LaunchCudnnPrefill(*plan.cudnn, dev, buf, ws, stream);
+  }
   if constexpr (sizeof(T) == 2) {
     if (plan.kernel == AttnKernel::kPrefillTc) return LaunchPrefillTc<T>(s, buf, kv_st, ws, stream);
     if (plan.kernel == AttnKernel::kDecodeTc) {
@@ -119,13 +151,13 @@ Status Launch(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo
     GqaCudaBuffers staged = buf;
     staged.present_key = ws.stage_k;
     staged.present_value = ws.stage_v;
-    KVL_RETURN_IF_ERROR(Attend<T>(s, staged, SlidingStageStrides(s), plan, ws, stream));
+    KVL_RETURN_IF_ERROR(Attend<T>(s, staged, dev, SlidingStageStrides(s), plan, ws, stream));
     return LaunchSlidingPresent<T>(s, buf, present_st, ws, dev, stream);
   }
   if (!buf.shared()) {
     KVL_RETURN_IF_ERROR(LaunchCopyPast<T>(s, buf, past_st, present_st, dev, stream));
   }
-  return Attend<T>(s, buf, present_st, plan, ws, stream);
+  return Attend<T>(s, buf, dev, present_st, plan, ws, stream);
 }
 
 // Host-side facts that do not change for a (device, kernel): computed once per process.
@@ -179,10 +211,15 @@ Status QueryCudaDevice(CudaDeviceInfo* info) {
   KVL_RETURN_IF_ERROR(CudaCheck(
       cudaDeviceGetAttribute(&info->sm_count, cudaDevAttrMultiProcessorCount, info->device),
       "cudaDeviceGetAttribute(multiprocessor count)"));
+  KVL_RETURN_IF_ERROR(CudaCheck(
+      cudaDeviceGetAttribute(&info->cc_major, cudaDevAttrComputeCapabilityMajor, info->device),
+      "cudaDeviceGetAttribute(compute capability)"));
   return CudaCheck(cudaDeviceGetAttribute(&info->max_smem_optin,
                                           cudaDevAttrMaxSharedMemoryPerBlockOptin, info->device),
                    "cudaDeviceGetAttribute(shared memory per block)");
 }
+
+std::string CudnnPrefillStatus() { return cu::CudnnStatus(); }
 
 Status CheckCudaSupport(const GqaShape& s) {
   const char* op = "ai.kvlayout::GroupQueryAttention (CUDA): ";

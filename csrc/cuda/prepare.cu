@@ -1,4 +1,5 @@
-// Per new token: queries normed + rotated + scaled into the float workspace; K normed + rotated
+// Per new token: queries normed + rotated + scaled into the float workspace (or, for cuDNN,
+// rotated into a storage-type copy with the per-entry lengths beside it); K normed + rotated
 // and V appended to present at row past + i. Also zeroes the decode kernel's split counters, so
 // the attention launch that follows on the stream finds them reset (capture-safe, no memset),
 // and checks the token's lengths against the op's rules, recording the first violation.
@@ -48,8 +49,9 @@ __device__ void CheckLengths(const GqaShape& s, const GqaCudaBuffers& buf, int64
 }
 
 template <typename T>
-__global__ void PrepareKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_st,
-                              float* q_ws, unsigned* counters, int64_t counter_count) {
+__global__ void PrepareKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_st, Workspace ws) {
+  unsigned* counters = ws.counters;
+  const int64_t counter_count = ws.counter_count;
   __shared__ float xs[kPrepareWarps][kMaxHeadSize];
   {  // every CTA zeroes a slice of the counters before any early return
     const int64_t threads = int64_t(gridDim.x) * gridDim.y * blockDim.x * blockDim.y;
@@ -64,6 +66,11 @@ __global__ void PrepareKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_
   }
   const int64_t H = s.head_size, N = s.num_heads, Nkv = s.kv_num_heads;
   const BatchGeometry g = Geo(s, buf, b);
+  if (ws.seq_len_q != nullptr && i == 0 && blockIdx.y == 0 && lane == 0 && warp == 0) {
+    // cuDNN's per-entry lengths: its padding mask and bottom-right causal mask follow them.
+    ws.seq_len_q[b] = static_cast<int32_t>(g.new_rows);
+    ws.seq_len_kv[b] = static_cast<int32_t>(g.total);
+  }
   if (!s.is_first_prompt() && i >= g.new_rows) return;  // beyond query_seqlens: unused
   const bool writes_kv = i < WrittenRows(s, g);
   int64_t pos = 0;
@@ -110,8 +117,11 @@ __global__ void PrepareKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_
       }
       __syncwarp();
     }
-    if (is_q) {
-      float* dst = q_ws + ((b * N + h) * s.seq_len + i) * H;
+    if (is_q && ws.q_storage != nullptr) {  // cuDNN: (B, S, N, H) in T, unscaled (cuDNN scales)
+      T* dst = static_cast<T*>(ws.q_storage) + ((b * s.seq_len + i) * N + h) * H;
+      for (int64_t d = lane; d < H; d += kWarp) dst[d] = FromF<T>(x[d]);
+    } else if (is_q) {
+      float* dst = ws.q + ((b * N + h) * s.seq_len + i) * H;
       for (int64_t d = lane; d < H; d += kWarp) dst[d] = x[d] * s.scale;
     } else {
       // Row of position past + i: cache_base is row 0 (0 unless a sliding window stages rows).
@@ -143,8 +153,7 @@ Status LaunchPrepare(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pre
                      const Workspace& ws, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(s.batch * s.seq_len),
                   static_cast<unsigned>(PrepareHeadBlocks(s)));
-  PrepareKernel<T><<<grid, dim3(kWarp, kPrepareWarps), 0, stream>>>(
-      s, buf, present_st, ws.q, ws.counters, ws.counter_count);
+  PrepareKernel<T><<<grid, dim3(kWarp, kPrepareWarps), 0, stream>>>(s, buf, present_st, ws);
   return CudaCheck(cudaGetLastError(), "prepare launch");
 }
 

@@ -45,6 +45,7 @@ __all__ = [
     "build_info",
     "check_length_error",
     "cuda_available",
+    "cudnn_status",
     "from_layout",
     "kv_strides",
     "layout_id",
@@ -89,6 +90,17 @@ def build_info() -> dict[str, Any]:
     from . import _C
 
     return dict(_C.build_info())
+
+
+def cudnn_status() -> str | None:
+    """How cuDNN's fused attention serves CUDA prefill in this process: "cuDNN <version>: graphs
+    built B, refused R, launches L", or why it does not ("unavailable (...)", "not built (...)");
+    None before ONNX Runtime loaded the library, or for a build without CUDA. ORT_KVLAYOUT_CUDNN=0
+    keeps prefill on the library's own kernels."""
+    from .loaded_library import call_string_function, string_function
+
+    fn = string_function("OrtKvlayoutCudnnStatus")
+    return None if fn is None else call_string_function(fn)[1]
 
 
 def cuda_available() -> bool:
