@@ -219,7 +219,8 @@ def test_cudnn_serves_prefill_where_built():
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("cuDNN prefill serves sm_90+ only")
     assert before.startswith("cuDNN "), before
-    check_oracle(case, ours(case.replace(seed=case_seed(61_001))))
+    again = case.replace(seed=case_seed(61_001))  # the cached graph, other buffers
+    check_oracle(again, ours(again))
     after = ort_kvlayout.cudnn_status()
     launches = [int(x.rsplit(" ", 1)[1]) for x in (before, after)]
     assert launches[1] > launches[0], f"cuDNN did not serve the prefill: {before} -> {after}"
@@ -733,6 +734,10 @@ if not QUICK:
 def test_sliding_window_cache_vs_ort_cpu(case):
     """The same call against ORT's own com.microsoft kernel on the CPU EP (its CUDA kernel has
     no sliding_window_cache in our reading), on the head-major twin."""
+    import onnxruntime as ort
+
+    if case.query_seqlens and tuple(int(x) for x in ort.__version__.split(".")[:2]) < (1, 32):
+        pytest.skip(f"onnxruntime {ort.__version__}'s GQA has no query_seqlens input (1.32+)")
     mine = run_case_cuda(case, KV_DOMAIN)
     twin = head_major_twin(case)
     theirs = twin.run(MS_DOMAIN)

@@ -109,20 +109,30 @@ def test_cache_growth_on_the_device_keeps_pointer_and_content():
 # The runtime under CUDA graphs
 
 
-@pytest.fixture(scope="module")
-def wide_model(tmp_path_factory):
+def _wide_model(tmp_path_factory, context: int):
     import synthetic_models
     from ort_kvlayout.patch import patch_model_dir
 
     saved = synthetic_models.MAX_POS
-    synthetic_models.MAX_POS = 1024  # the context (rotary tables and genai_config)
+    synthetic_models.MAX_POS = context  # the context (rotary tables and genai_config)
     try:
-        root = tmp_path_factory.mktemp("wide")
+        root = tmp_path_factory.mktemp(f"wide{context}")
         variant = synthetic_models.Variant(layers=2, num_heads=8, kv_heads=8, head_size=128)
         src = synthetic_models.make_model_dir(root / "original", variant)
     finally:
         synthetic_models.MAX_POS = saved
     return patch_model_dir(src, root / "seq", layout="seq-major").out_dir
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory):
+    return _wide_model(tmp_path_factory, 1024)
+
+
+@pytest.fixture(scope="module")
+def wider_model(tmp_path_factory):
+    """Context 1100 tokens: not a multiple of the 512 tokens a 2 MiB granule holds."""
+    return _wide_model(tmp_path_factory, 1100)
 
 
 def prompt_ids(n: int) -> list[int]:
@@ -195,7 +205,7 @@ def test_ort_log_confirms_the_capture_counters(wide_model, capfd):
     assert logged == bucket.stats.graph_captures == 1 + bucket.stats.recaptures
 
 
-def test_batch_of_two_grows_across_several_granules_at_an_unaligned_capacity(wide_model):
+def test_batch_of_two_grows_across_several_granules_at_an_unaligned_capacity(wider_model):
     """Batch 2, prompts of 300 and 20 tokens, 600 new tokens, capacity 1100 rows (not a granule
     multiple: entry 1's prefix starts inside a granule). With 4 KiB per token a 2 MiB granule
     holds 512 rows: granule 0 holds entry 0's rows 0-511, granule 1 its rows 512-1023, granule 2
@@ -211,7 +221,7 @@ def test_batch_of_two_grows_across_several_granules_at_an_unaligned_capacity(wid
     new_tokens, capacity = 600, 1100
 
     def generate(mode, cuda_graph, on_step=None):
-        with Runtime(wide_model, "cuda", cache=mode, cuda_graph=cuda_graph, fixed_mask=True,
+        with Runtime(wider_model, "cuda", cache=mode, cuda_graph=cuda_graph, fixed_mask=True,
                      capacity=capacity) as rt:  # fmt: skip
             return rt.generate(
                 prompts, new_tokens, eos_token_ids=[], keep_logits=True,

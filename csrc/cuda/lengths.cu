@@ -1,5 +1,6 @@
 // Host side of the CUDA op's length checks: the per-kernel record the prepare kernel writes
 // (host-mapped memory plus a device claim word) and the opt-in strict check before launching.
+#include <cstdio>
 #include <vector>
 
 #include "core/check_inputs.h"
@@ -51,11 +52,15 @@ Status CheckLengthsStrict(const GqaShape& s, const GqaCudaBuffers& buf, void* st
     // capture fails as a whole and ORT tries again, and fails again, at the next Run.
     (void)cudaStreamSynchronize(st);
     (void)cudaGetLastError();
-    return Status::Error(
+    const char* message =
         "ai.kvlayout::GroupQueryAttention (CUDA): strict length checks "
         "(ORT_KVLAYOUT_STRICT_LENGTHS=1) copy the lengths to the host and synchronize, which a "
         "CUDA graph capture cannot contain; unset ORT_KVLAYOUT_STRICT_LENGTHS to capture (bad "
-        "lengths are then reported by the device-side record, ort_kvlayout.take_length_error())");
+        "lengths are then reported by the device-side record, ort_kvlayout.take_length_error())";
+    // ORT may report its own end-of-capture failure instead of this node's status (seen with
+    // onnxruntime-gpu 1.31): the reason goes to stderr too, so it is never lost.
+    std::fprintf(stderr, "%s\n", message);
+    return Status::Error(message);
   }
   std::vector<int32_t> seqlens(s.batch), query_len(s.has_query_seqlens ? s.batch : 0);
   const bool positions = s.rotary_dim > 0 && s.has_position_ids;
