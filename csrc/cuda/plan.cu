@@ -1,6 +1,7 @@
 // Plan and dispatch: which kernel serves a call, its splits and workspace, and the launch
 // sequence (copy past, prepare, attention). Host code only; the kernels live one family per file.
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <string>
@@ -33,16 +34,26 @@ AttnKernel ChooseKernel(const GqaShape& s, const GqaCudaBuffers& buf, const Cuda
   return AttnKernel::kPortable;
 }
 
-// Prefill of at least this many new rows may go to cuDNN: below it our kernel's time is a few
-// microseconds, and each new shape costs cuDNN a graph build.
-constexpr int64_t kCudnnMinRows = 64;
+// Prefill of at least this many new rows goes to cuDNN (ORT_KVLAYOUT_CUDNN_MIN_ROWS overrides
+// it, read once): below it our kernel takes microseconds. Each new shape costs cuDNN a graph
+// build on its first call (docs/BENCHMARKS.md: ~70 ms, ~1 s for the process's first); a
+// process that sees many one-off prompt lengths can raise the bar.
+int64_t CudnnMinRows() {
+  static const int64_t rows = [] {
+    const char* v = std::getenv("ORT_KVLAYOUT_CUDNN_MIN_ROWS");
+    char* end = nullptr;
+    const long long n = v != nullptr ? std::strtoll(v, &end, 10) : 0;
+    return (v != nullptr && end != v && *end == '\0' && n > 0) ? int64_t(n) : int64_t(64);
+  }();
+  return rows;
+}
 
 AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo& dev) {
   AttnPlan p;
   p.kernel = ChooseKernel(s, buf, dev);
   auto align = [](size_t x) { return (x + 255) / 256 * 256; };
   const bool aligned16 = (reinterpret_cast<uintptr_t>(buf.output) % 16 == 0) && CachesAligned16(buf);
-  if (p.kernel == AttnKernel::kPrefillTc && s.seq_len >= kCudnnMinRows && aligned16 &&
+  if (p.kernel == AttnKernel::kPrefillTc && s.seq_len >= CudnnMinRows() && aligned16 &&
       CudnnPrefillCovers(s, dev)) {
     const KvStrides present_st =
         MakeKvStrides(s.layout, s.kv_num_heads, s.present_capacity, s.head_size);
