@@ -1,4 +1,5 @@
-"""Non-finite inputs and large softcaps on the CPU op, against ORT's CPU com.microsoft op.
+"""Non-finite inputs and large softcaps on the CPU op and the CUDA op, against ORT's CPU
+com.microsoft op (the CUDA cases skip without a GPU; GPU_TOLS bound them).
 
 NaN and Inf propagate by IEEE rules over what a query row attends: a NaN in a query, in an
 attended key or value row, or in the bias at an attended key makes that row's output NaN (the
@@ -17,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import reference as ref
+from gpu_util import GPU_TOLS, SKIP_REASON, cuda_session, run_cuda
 from gqa_case import KV_DOMAIN, MS_DOMAIN, TOLS, GqaCase, build_model, make_session, run_session
 
 NAN, INF = np.nan, np.inf
@@ -31,14 +33,32 @@ def _logical(case: GqaCase) -> dict:
     return f
 
 
-def _output(case: GqaCase, logical: dict, domain: str, layout: int) -> np.ndarray:
+# Where our op runs: the CPU EP always, the CUDA EP where a GPU and a CUDA build exist.
+EPS = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu,
+               pytest.mark.skipif(SKIP_REASON is not None, reason=f"GPU tests: {SKIP_REASON}")],
+    ),
+]  # fmt: skip
+
+
+def _output(case: GqaCase, logical: dict, domain: str, layout: int, ep: str = "cpu") -> np.ndarray:
     feeds = dict(logical)
     for k in ("past_key", "past_value"):
         if feeds.get(k) is not None:
             feeds[k] = ref.to_layout(feeds[k], layout)
     model = build_model(feeds, case.attrs(), domain, layout if domain == KV_DOMAIN else None)
-    out = run_session(make_session(model, domain), feeds)[0]
+    if ep == "cuda":
+        out = run_cuda(cuda_session(model, domain), feeds, case.attrs())[0]
+    else:
+        out = run_session(make_session(model, domain), feeds)[0]
     return np.asarray(out).astype(np.float64)
+
+
+def _atol(dtype: str, ep: str) -> float:
+    return (GPU_TOLS[dtype][0] if ep == "cuda" else TOLS[dtype][0]) * 4
 
 
 def _assert_same_nonfinite(got: np.ndarray, want: np.ndarray, atol: float, what: str) -> None:
@@ -94,18 +114,21 @@ _DECODE_EDITS = {
 _FINITE_EDITS = {"neginf_key_37"}
 
 
+@pytest.mark.parametrize("ep", EPS)
 @pytest.mark.parametrize("layout", [0, 1])
 @pytest.mark.parametrize("past_len", [100, 1000])
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 @pytest.mark.parametrize("edit", list(_DECODE_EDITS))
-def test_decode_nonfinite_as_ort(edit, dtype, past_len, layout):
+def test_decode_nonfinite_as_ort(edit, dtype, past_len, layout, ep):
+    """On CUDA fp16 takes the tensor-core decode (split merge by the last CTA), fp32 the
+    portable kernel and its combine: both must carry NaN through the merge."""
     c = _decode(past_len, dtype, kv_layout=layout)
     f = _logical(c)
     _DECODE_EDITS[edit](f)
     want = _output(c, f, MS_DOMAIN, 0)
     assert np.isfinite(want).all() == (edit in _FINITE_EDITS), "the edit must matter to ORT"
-    got = _output(c, f, KV_DOMAIN, layout)
-    _assert_same_nonfinite(got, want, TOLS[dtype][0] * 4, f"{edit} L={past_len + 1}")
+    got = _output(c, f, KV_DOMAIN, layout, ep)
+    _assert_same_nonfinite(got, want, _atol(dtype, ep), f"{ep} {edit} L={past_len + 1}")
 
 
 @pytest.mark.parametrize("layout", [0, 1])
@@ -126,9 +149,10 @@ def test_bias_nonfinite_as_ort(what, layout):
         assert np.all(got[0, 0, 64:128] == 0.0)
 
 
+@pytest.mark.parametrize("ep", EPS)
 @pytest.mark.parametrize("layout", [0, 1])
 @pytest.mark.parametrize("window", [-1, 3])
-def test_prompt_nan_key_reaches_only_rows_that_attend_it(window, layout):
+def test_prompt_nan_key_reaches_only_rows_that_attend_it(window, layout, ep):
     """A NaN in new key row 5 of a 16-token prompt: rows 5.. (within the window) are NaN,
     the others finite; as ORT."""
     c = GqaCase(batch=1, kind="prompt", seq=16, num_heads=4, kv_num_heads=2, head_size=64,
@@ -136,7 +160,7 @@ def test_prompt_nan_key_reaches_only_rows_that_attend_it(window, layout):
     f = _logical(c)
     f["key"][0, 5, 7] = NAN  # kv head 0
     want = _output(c, f, MS_DOMAIN, 0)
-    got = _output(c, f, KV_DOMAIN, layout)
+    got = _output(c, f, KV_DOMAIN, layout, ep)
     _assert_same_nonfinite(got, want, 4 * TOLS["fp32"][0], f"window {window}")
     rows_nan = np.isnan(got[0, :, :128]).any(-1)
     attends = (np.arange(16) >= 5) & ((window < 0) | (np.arange(16) < 5 + window))
@@ -165,16 +189,18 @@ def test_prompt_nan_value_reaches_only_rows_that_attend_it(window, layout):
     _assert_same_nonfinite(got[0, attends], want[0, attends], 4 * TOLS["fp32"][0], "attending")
 
 
+@pytest.mark.parametrize("ep", EPS)
 @pytest.mark.parametrize("layout", [0, 1])
 @pytest.mark.parametrize("kind", ["decode", "prompt"])
 @pytest.mark.parametrize("softcap", [1.0, 30.0, 1e4, 1e6, 1e8, 1e30, 1e-30])
-def test_softcap_precision_vs_ort(softcap, kind, layout):
+def test_softcap_precision_vs_ort(softcap, kind, layout, ep):
     """c * tanh(x / c) within float rounding of ORT for every finite c (the same bound as
-    without softcap)."""
+    without softcap; fp32 on both EPs, so the CUDA op keeps the CPU's bound)."""
     c = GqaCase(batch=2, kind=kind, seq=16 if kind == "prompt" else 1, past_len=100,
                 num_heads=4, kv_num_heads=2, head_size=64, softcap=softcap, seed=14)  # fmt: skip
     want = np.asarray(c.run(MS_DOMAIN)[0], np.float64)
     ours = c.replace(kv_layout=layout)
-    got = np.asarray(ours.run(KV_DOMAIN)[0], np.float64)
+    got = _output(ours, _logical(ours), KV_DOMAIN, layout, ep)
     err = float(np.abs(got - want).max())
-    assert err <= 2e-6, f"softcap {softcap}: {err:.3g} off ORT"
+    bound = 2e-6 if ep == "cpu" else GPU_TOLS["fp32"][0]  # CUDA: fast-math exp in the softmax
+    assert err <= bound, f"{ep} softcap {softcap}: {err:.3g} off ORT"
