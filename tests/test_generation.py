@@ -406,3 +406,22 @@ def test_streaming_decodes_a_short_tail_and_keeps_spaces(capsys):
     out = capsys.readouterr().out
     assert out == progress.text == tok.decode(ids)
     assert max(tok.lengths[:-1]) <= 3  # two windows per step, each one or two pieces long
+
+
+def test_runtime_reads_the_length_record_of_the_library_it_registered(dirs, ref):
+    """A patched directory carries its own libort_kvlayout.so (genai_config's
+    custom_ops_library), which the runtime's session loads: the per-step length-record check
+    must reach that copy (it used to look only for the package's copy, found nothing, and
+    repeated the failed lookup every step). An unpatched model registers no library and checks
+    nothing."""
+    from pathlib import Path
+
+    from ort_kvlayout.loaded_library import string_function
+
+    with runtime(dirs["seq"]) as rt:
+        assert rt.library is not None and Path(rt.library).parent == Path(dirs["seq"])
+        out = rt.generate(PROMPT, TOKENS, eos_token_ids=[])
+        assert out.tokens[0] == ref["long"]
+        assert string_function("OrtKvlayoutTakeLengthError", rt.library) is not None
+    with runtime(dirs["original"]) as rt:
+        assert rt.library is None

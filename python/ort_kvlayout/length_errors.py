@@ -12,6 +12,8 @@ instance exists, so there is nothing to report.
 
 from __future__ import annotations
 
+import os
+
 from .loaded_library import call_string_function, string_function
 
 __all__ = ["LengthError", "check_length_error", "take_length_error"]
@@ -25,21 +27,22 @@ class LengthError(RuntimeError):
     device; the message is the CPU op's for the same value."""
 
 
-def take_length_error() -> str | None:
+def take_length_error(library: str | os.PathLike | None = None) -> str | None:
     """The first length violation recorded on the device by any ai.kvlayout CUDA node of this
     process since the last take (the earliest-created node holding one), or None; clears every
     node's record. It does not synchronize: call it once the step's work is done (e.g. after
     its outputs were copied to the host). None on a build without CUDA, and whenever the
-    library is not loaded."""
-    fn = string_function(_SYMBOL)
+    library is not loaded. `library`: the copy the sessions registered when it is not the
+    package's (a patched model directory's libort_kvlayout.so)."""
+    fn = string_function(_SYMBOL, library)
     if fn is None:
         return None
     n, message = call_string_function(fn, _MESSAGE_BYTES)
     return message if n > 0 else None
 
 
-def check_length_error(where: str = "") -> None:
+def check_length_error(where: str = "", library: str | os.PathLike | None = None) -> None:
     """Raises LengthError with the recorded message (prefixed by ``where``) if there is one."""
-    message = take_length_error()
+    message = take_length_error(library)
     if message is not None:
         raise LengthError(f"{where}: {message}" if where else message)
