@@ -258,3 +258,44 @@ def test_batch_of_two_grows_across_several_granules_at_an_unaligned_capacity(wid
         assert ptrs == final_ptrs
         for b in range(2):
             assert final[b][: len(rows[b])] == rows[b]
+
+
+def test_fp16_prefill_near_a_granule_end_does_not_fault(tmp_path):
+    """fp16 prefill of 940 rows per entry (cuDNN's flash attention on sm_90) into a growable
+    seq-major cache of capacity 1100 rows (2 KiB per token: 1024 rows per 2 MiB granule): entry
+    1's prompt ends at absolute row 2039, 9 rows before an unmapped granule, and the last
+    128-row key tile reaches row 2123. The runtime maps one tile past the prompt, so the
+    prefill neither faults nor differs from a preallocated cache. In a child process: a device
+    fault would poison this process's CUDA context."""
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from pathlib import Path
+        sys.path.insert(0, {str(here)!r})
+        import synthetic_models
+        from ort_kvlayout.generation import Runtime
+        from ort_kvlayout.patch import patch_model_dir
+        synthetic_models.MAX_POS = 1100
+        root = Path({str(tmp_path)!r})
+        v = synthetic_models.Variant(layers=1, num_heads=8, kv_heads=8, head_size=128,
+                                     float16=True)
+        src = synthetic_models.make_model_dir(root / "original", v)
+        seq = patch_model_dir(src, root / "seq", layout="seq-major").out_dir
+        prompts = [[(7 * i + 3) % 64 for i in range(940)], [(5 * i + 1) % 64 for i in range(940)]]
+        out = {{}}
+        for mode in ("preallocated", "growable"):
+            with Runtime(seq, "cuda", cache=mode, cuda_graph=False, capacity=1100) as rt:
+                out[mode] = rt.generate(prompts, 4, eos_token_ids=[]).tokens
+        assert out["growable"] == out["preallocated"], out
+        print("OK", out["growable"])
+        """
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=600, check=False)  # fmt: skip
+    assert p.returncode == 0 and "OK" in p.stdout, (p.stdout + p.stderr)[-3000:]

@@ -56,6 +56,9 @@ from .sampling import GREEDY, Sampler, SamplingParams
 
 __all__ = ["CUDA_GRAPH_WARMUP_RUNS", "GenerationOutput", "Runtime"]
 
+# Rows mapped past the prompt before a CUDA fp16/bf16 prefill: one 128-row key tile of cuDNN's
+# flash attention (Runtime._prefill_read_slack).
+PREFILL_READ_SLACK = 128
 # ORT's CUDA EP: regular runs of a graph id before it captures (min_num_runs_before_cuda_graph_capture_).
 CUDA_GRAPH_WARMUP_RUNS = 2
 _ORT_TYPES = {
@@ -178,6 +181,16 @@ class Runtime:
         self._decode: _DecodeBinding | None = None
 
     # -----------------------------------------------------------------------------------------
+    def _prefill_read_slack(self) -> int:
+        """Rows past the prompt that the prefill may read. On CUDA, fp16/bf16 prefill of 64 or
+        more rows runs cuDNN's flash attention (docs/ARCHITECTURE.md), whose key tiles are
+        bounded by the cache's capacity, not by each entry's length: the last tile may read up
+        to 127 rows past it, rows a growable cache has not mapped yet (a device fault). They are
+        mapped with the prompt (at most one tile per entry, well inside a 2 MiB granule for the
+        models measured). Our own kernels predicate every load on the length and need none."""
+        half = np.dtype(self.spec.kv.dtype).itemsize == 2
+        return PREFILL_READ_SLACK if self.provider == "cuda" and half else 0
+
     def _cache_for(self, batch: int) -> KvCache:
         if self.cache is not None and self.cache.batch == batch and not self.cache.closed:
             self.cache.reset()
@@ -247,7 +260,7 @@ class Runtime:
 
         # Prefill.
         start = time.perf_counter()
-        cache.ensure([width] * batch)
+        cache.ensure([min(width + self._prefill_read_slack(), cache.max_capacity)] * batch)
         ids = np.full((batch, width), self.spec.pad_token_id, np.int64)
         mask = np.zeros((batch, width), self.spec.mask_dtype)
         for b, p in enumerate(prompts):
