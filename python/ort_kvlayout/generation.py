@@ -187,9 +187,11 @@ class Runtime:
         bounded by the cache's capacity, not by each entry's length: the last tile may read up
         to 127 rows past it, rows a growable cache has not mapped yet (a device fault). They are
         mapped with the prompt (at most one tile per entry, well inside a 2 MiB granule for the
-        models measured). Our own kernels predicate every load on the length and need none."""
+        models measured). Our own kernels predicate every load on the length and need none, and
+        preallocated and bucket caches hold their whole capacity: only growable caches need it."""
         half = np.dtype(self.spec.kv.dtype).itemsize == 2
-        return PREFILL_READ_SLACK if self.provider == "cuda" and half else 0
+        growable = self.cache_mode == "growable"
+        return PREFILL_READ_SLACK if self.provider == "cuda" and half and growable else 0
 
     def _cache_for(self, batch: int) -> KvCache:
         if self.cache is not None and self.cache.batch == batch and not self.cache.closed:
