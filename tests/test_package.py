@@ -25,6 +25,23 @@ def test_register_returns_domain_and_loads_library():
     assert path.is_absolute() and path.is_file() and path.name == "libort_kvlayout.so"
 
 
+def test_cudnn_status_says_what_serves_prefill():
+    """Once ORT has loaded the library: a CUDA build reports how cuDNN serves prefill (its
+    version, or why not: built without the headers, libcudnn not loadable, disabled) with its
+    counters; a CPU-only build has nothing to report (None)."""
+    import re
+
+    so = ort.SessionOptions()
+    ort_kvlayout.register(so)  # loads the library into this process (while `so` lives)
+    status = ort_kvlayout.cudnn_status()
+    if not ort_kvlayout.build_info().get("cuda"):
+        assert status is None
+        return
+    assert status is not None
+    pattern = r"(cuDNN \d+|unavailable \(.+\)|not built \(.+\)): graphs built \d+, refused \d+, launches \d+"
+    assert re.fullmatch(pattern, status), status
+
+
 def test_build_info_and_version():
     info = ort_kvlayout.build_info()
     assert info["version"] == ort_kvlayout.__version__
