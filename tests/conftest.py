@@ -16,6 +16,16 @@ from gqa_case import op_available
 _NEEDS_OP = ("test_gqa_cpu", "test_gqa_errors", "test_gqa_properties", "test_gqa_nonfinite")
 
 
+@pytest.fixture
+def fake_library(tmp_path):
+    """Stands in for libort_kvlayout.so where only the files matter (no session is created):
+    tmp_path / "lib" / "libfake.so"."""
+    path = tmp_path / "lib" / "libfake.so"
+    path.parent.mkdir()
+    path.write_bytes(b"\x7fELF not really a library")
+    return path
+
+
 def pytest_report_header(config):
     ok, reason = op_available()
     return f"ort_kvlayout op: {'available' if ok else 'NOT available (' + reason + ')'}"

@@ -45,16 +45,8 @@ def assert_one_line_error(run: subprocess.CompletedProcess, *needles: str, code:
     return err
 
 
-@pytest.fixture
-def lib(tmp_path: Path) -> Path:
-    path = tmp_path / "lib" / "libfake.so"
-    path.parent.mkdir()
-    path.write_bytes(b"\x7fELF not a library")
-    return path
-
-
-def _patch(src: Path, out: Path, lib: Path, *extra: str) -> subprocess.CompletedProcess:
-    return cli("patch", str(src), "-o", str(out), "--library", str(lib), "-q", *extra)
+def _patch(src: Path, out: Path, fake_library: Path, *extra: str) -> subprocess.CompletedProcess:
+    return cli("patch", str(src), "-o", str(out), "--library", str(fake_library), "-q", *extra)
 
 
 def _edit_config(src: Path, edit) -> None:
@@ -118,14 +110,14 @@ MALFORMED = {
 
 @pytest.mark.parametrize("name", MALFORMED)
 @pytest.mark.parametrize("tool", ["patch", "metadata"])
-def test_malformed_input_one_line_exit_2(tmp_path, lib, tool, name):
+def test_malformed_input_one_line_exit_2(tmp_path, fake_library, tool, name):
     breaker, needle = MALFORMED[name]
     src = make_model_dir(tmp_path / "model")
     breaker(src)
     before = snapshot(src)
     out = tmp_path / "new" / "out"
     if tool == "patch":
-        run = _patch(src, out, lib)
+        run = _patch(src, out, fake_library)
     else:
         run = cli("metadata", str(src), "--output", str(out))
     assert_one_line_error(run, needle)
@@ -133,7 +125,7 @@ def test_malformed_input_one_line_exit_2(tmp_path, lib, tool, name):
     assert snapshot(src) == before
 
 
-def test_missing_and_truncated_external_data(tmp_path, lib):
+def test_missing_and_truncated_external_data(tmp_path, fake_library):
     src = make_model_dir(tmp_path / "model", Variant(external_data=True, data_bytes=1 << 16))
     data = src / "model.onnx.data"
     size = data.stat().st_size
@@ -141,13 +133,13 @@ def test_missing_and_truncated_external_data(tmp_path, lib):
         f.truncate(size // 2)
     for tool_args in (("patch",), ("metadata", "--stdout")):
         run = (
-            _patch(src, tmp_path / "out", lib)
+            _patch(src, tmp_path / "out", fake_library)
             if tool_args[0] == "patch"
             else cli("metadata", str(src), "--stdout")
         )
         assert_one_line_error(run, "model.onnx", "model.onnx.data has", "truncated")
     data.unlink()
-    run = _patch(src, tmp_path / "out", lib)
+    run = _patch(src, tmp_path / "out", fake_library)
     assert_one_line_error(run, "model.onnx", "external data file model.onnx.data not found")
     assert not (tmp_path / "out").exists()
 
@@ -187,7 +179,7 @@ BAD_VALUES = {
 
 
 @pytest.mark.parametrize("name", BAD_VALUES)
-def test_config_values_checked_before_use(tmp_path, lib, name):
+def test_config_values_checked_before_use(tmp_path, fake_library, name):
     dotted, value, needle = BAD_VALUES[name]
     src = make_model_dir(tmp_path / "model")
     _edit_config(src, _set(dotted, value))
@@ -195,15 +187,15 @@ def test_config_values_checked_before_use(tmp_path, lib, name):
     assert_one_line_error(run, "genai_config.json", needle)
     assert run.stdout == ""
     # The patcher checks the same before writing anything (its metadata step).
-    run = _patch(src, tmp_path / "out", lib)
+    run = _patch(src, tmp_path / "out", fake_library)
     assert run.returncode == 2 and "Traceback" not in run.stderr and needle in run.stderr
     assert not (tmp_path / "out").exists()
 
 
-def test_session_options_of_wrong_type(tmp_path, lib):
+def test_session_options_of_wrong_type(tmp_path, fake_library):
     src = make_model_dir(tmp_path / "model")
     _edit_config(src, _set("model.decoder.session_options", [1]))
-    run = _patch(src, tmp_path / "out", lib, "--no-metadata")
+    run = _patch(src, tmp_path / "out", fake_library, "--no-metadata")
     assert_one_line_error(run, "session_options' must be an object")
     assert not (tmp_path / "out").exists()
 
@@ -225,9 +217,9 @@ def test_empty_model_dir_argument_is_an_error(tmp_path, tool):
     assert [p.name for p in tmp_path.iterdir()] == ["m"]
 
 
-def test_patch_empty_output_argument(tmp_path, lib):
+def test_patch_empty_output_argument(tmp_path, fake_library):
     src = make_model_dir(tmp_path / "model")
-    run = cli("patch", str(src), "-o", "", "--library", str(lib))
+    run = cli("patch", str(src), "-o", "", "--library", str(fake_library))
     assert run.returncode == 2 and "empty path" in run.stderr
 
 
@@ -250,32 +242,32 @@ def test_metadata_never_writes_through_a_hard_link_to_an_input(tmp_path):
     assert snapshot(src) == before
 
 
-def test_tokens_out_of_range_is_a_usage_error(tmp_path, lib):
+def test_tokens_out_of_range_is_a_usage_error(tmp_path, fake_library):
     src = make_model_dir(tmp_path / "model")
-    run = _patch(src, tmp_path / "out", lib, "--verify", "--tokens", "1000000000")
+    run = _patch(src, tmp_path / "out", fake_library, "--verify", "--tokens", "1000000000")
     assert run.returncode == 2 and "--tokens" in run.stderr
     assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
-def test_unwritable_output_parent(tmp_path, lib):
+def test_unwritable_output_parent(tmp_path, fake_library):
     src = make_model_dir(tmp_path / "model")
     parent = tmp_path / "ro"
     parent.mkdir()
     parent.chmod(0o500)
     try:
-        run = _patch(src, parent / "out", lib)
+        run = _patch(src, parent / "out", fake_library)
         assert_one_line_error(run, str(parent))
     finally:
         parent.chmod(0o700)
 
 
-def test_unwritable_output_as_a_file(tmp_path, lib):
+def test_unwritable_output_as_a_file(tmp_path, fake_library):
     """An output path below a regular file cannot be made: one line, exit 2 (also as root)."""
     src = make_model_dir(tmp_path / "model")
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    run = _patch(src, blocker / "sub" / "out", lib)
+    run = _patch(src, blocker / "sub" / "out", fake_library)
     assert_one_line_error(run)
     assert blocker.read_text() == "x"
 
@@ -299,7 +291,7 @@ sys.exit(patch_main(sys.argv[1:]))
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signal_mid_copy_leaves_nothing(tmp_path, lib, sig):
+def test_signal_mid_copy_leaves_nothing(tmp_path, fake_library, sig):
     if not hasattr(os, "copy_file_range"):
         pytest.skip("no copy_file_range on this platform")
     src = make_model_dir(tmp_path / "model", Variant(external_data=True, data_bytes=48 << 20))
@@ -309,7 +301,7 @@ def test_signal_mid_copy_leaves_nothing(tmp_path, lib, sig):
     marker = tmp_path / "copying"
     out = tmp_path / "new" / "deeper" / "out"
     cmd = [sys.executable, str(script), str(marker), str(src), "-o", str(out),
-           "--library", str(lib), "-q"]  # fmt: skip
+           "--library", str(fake_library), "-q"]  # fmt: skip
     child = subprocess.Popen(cmd, env=_env(), stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not marker.exists():
@@ -332,7 +324,7 @@ def test_signal_mid_copy_leaves_nothing(tmp_path, lib, sig):
     assert snapshot(src) == before
 
 
-def test_failure_removes_the_directories_it_made(tmp_path, lib, monkeypatch, capsys):
+def test_failure_removes_the_directories_it_made(tmp_path, fake_library, monkeypatch, capsys):
     """A failure while writing (here: the copy) removes the partial output and every parent
     directory the run created; a parent that existed before stays."""
     from ort_kvlayout import patch as patch_mod
@@ -346,16 +338,16 @@ def test_failure_removes_the_directories_it_made(tmp_path, lib, monkeypatch, cap
     monkeypatch.setattr(patch_mod, "_copy_file", fail)
     (tmp_path / "kept").mkdir()
     out = tmp_path / "kept" / "made" / "also" / "out"
-    assert patch_main([str(src), "-o", str(out), "--library", str(lib), "-q"]) == 2
+    assert patch_main([str(src), "-o", str(out), "--library", str(fake_library), "-q"]) == 2
     err = capsys.readouterr().err
     assert "No space left on device" in err and len(err.strip().splitlines()) == 1
     assert list((tmp_path / "kept").iterdir()) == []
 
 
-def test_verify_that_cannot_run_has_its_own_exit_code(tmp_path, lib):
+def test_verify_that_cannot_run_has_its_own_exit_code(tmp_path, fake_library):
     """--verify with a library that cannot load: the output is written, exit 3 (not 1, which
     means the tokens disagree, and not 2, which means nothing was written)."""
     src = make_model_dir(tmp_path / "model")
-    run = _patch(src, tmp_path / "out", lib, "--verify", "--tokens", "2")
+    run = _patch(src, tmp_path / "out", fake_library, "--verify", "--tokens", "2")
     assert_one_line_error(run, "--verify could not run", code=3)
     assert (tmp_path / "out" / "model.onnx").is_file()

@@ -24,15 +24,6 @@ from synthetic_models import Variant, make_model_dir, snapshot
 DOMAIN = "ai.kvlayout"
 
 
-@pytest.fixture
-def fake_library(tmp_path: Path) -> Path:
-    """Stands in for libort_kvlayout.so where only the files matter (no session is created)."""
-    path = tmp_path / "lib" / "libfake.so"
-    path.parent.mkdir()
-    path.write_bytes(b"\x7fELF not really a library")
-    return path
-
-
 def real_library() -> str:
     import ort_kvlayout
 
