@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 import pytest
+from genai_util import genai_greedy
 from synthetic_models import Variant, make_model_dir
 
 if importlib.util.find_spec("onnxruntime_genai") is None:
@@ -49,24 +50,6 @@ def _cuda_or_skip() -> None:
         pytest.skip("onnxruntime_genai has no CUDA (install onnxruntime-genai-cuda)")
 
 
-def genai_greedy(model_dir: Path, ep: str) -> list[int]:
-    """NEW_TOKENS greedy tokens after PROMPT through onnxruntime-genai on `ep`."""
-    import onnxruntime_genai as og
-
-    config = og.Config(str(model_dir))
-    config.clear_providers()
-    if ep == "cuda":
-        config.append_provider("cuda")
-    model = og.Model(config)
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(PROMPT) + NEW_TOKENS, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(PROMPT)
-    while not generator.is_done():
-        generator.generate_next_token()
-    return [int(t) for t in generator.get_sequence(0)][len(PROMPT) :]
-
-
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, dict[str, Path]]:
     """{"fp32"|"fp16": {"original", "seq-major", "head-major": dir}}."""
@@ -89,8 +72,8 @@ def model_dirs(tmp_path_factory) -> dict[str, dict[str, Path]]:
 
 
 def _check_same_tokens(dirs: dict[str, Path], ep: str, layout: str) -> None:
-    want = genai_greedy(dirs["original"], ep)
-    got = genai_greedy(dirs[layout], ep)
+    want = genai_greedy(dirs["original"], PROMPT, NEW_TOKENS, ep)
+    got = genai_greedy(dirs[layout], PROMPT, NEW_TOKENS, ep)
     assert len(want) == NEW_TOKENS, f"the original stopped early: {want}"
     assert got == want, f"{ep} {layout}: patched {got} != original {want}"
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from genai_util import genai_greedy
 
 pytestmark = pytest.mark.model
 
@@ -218,22 +219,9 @@ def test_greedy_tokens_identical(runs, model_dir, target):
             np.testing.assert_allclose(a, b, atol=1e-3)
 
 
-def genai_tokens(model_dir: Path, prompt_ids: list[int]) -> list[int]:
-    import onnxruntime_genai as og
-
-    model = og.Model(str(model_dir))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt_ids) + TOKENS, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(prompt_ids)
-    while not generator.is_done():
-        generator.generate_next_token()
-    return [int(t) for t in generator.get_sequence(0)][len(prompt_ids) :]
-
-
 @pytest.mark.parametrize("layout", ["seq", "head"])
 def test_onnxruntime_genai_runs_patched_dir(runs, patched, prompt_ids, layout):
-    tokens = genai_tokens(patched[layout], prompt_ids)
+    tokens = genai_greedy(patched[layout], prompt_ids, TOKENS)
     reference = runs[layout].tokens
     assert tokens == reference[: len(tokens)]
     assert len(tokens) >= 8
