@@ -181,6 +181,12 @@ class Runtime:
         self._decode: _DecodeBinding | None = None
 
     # -----------------------------------------------------------------------------------------
+    def _check_length_record(self, where: str) -> None:
+        """Raises LengthError if our op recorded a bad length on the device (graph replays
+        included); only the library the session registered keeps such records."""
+        if self.library is not None:
+            check_length_error(where, self.library)
+
     def _prefill_read_slack(self) -> int:
         """Rows past the prompt that the prefill may read. On CUDA, fp16/bf16 prefill of 64 or
         more rows runs cuDNN's flash attention (docs/ARCHITECTURE.md), whose key tiles are
@@ -270,8 +276,7 @@ class Runtime:
             mask[b, : len(p)] = 1
         positions = np.broadcast_to(np.arange(width, dtype=np.int64), (batch, width))
         logits = self._run_prefill(cache, ids, mask, positions)
-        if self.library is not None:  # our op records device-side length errors
-            check_length_error("prefill", self.library)
+        self._check_length_record("prefill")
         last = np.stack([logits[b, n - 1] for b, n in enumerate(lengths)]).astype(np.float32)
         ttft = time.perf_counter() - start
 
@@ -309,8 +314,7 @@ class Runtime:
             live = [n + 1 for n in live]
             cache.ensure([max(width, n) for n in live])
             last = self._run_decode(cache, feed, live).astype(np.float32)
-            if self.library is not None:
-                check_length_error(f"decode step {steps}", self.library)
+            self._check_length_record(f"decode step {steps}")
             decode_seconds += time.perf_counter() - start
             steps += 1
         return GenerationOutput(
