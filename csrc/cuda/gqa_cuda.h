@@ -8,7 +8,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <string>
 
 #include "core/gqa_buffers.h"
 #include "core/gqa_types.h"
@@ -28,9 +27,6 @@ struct CudaDeviceInfo {
   int max_smem_optin = 0;  // bytes of shared memory one CTA may opt in to
 };
 Status QueryCudaDevice(CudaDeviceInfo* info);
-
-// Whether cuDNN serves prefill in this process, and why not (for build_info).
-std::string CudnnPrefillStatus();
 
 // Shapes the device path cannot serve (v1), as a Status naming the feature.
 Status CheckCudaSupport(const GqaShape& shape);

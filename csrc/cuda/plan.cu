@@ -230,8 +230,6 @@ Status QueryCudaDevice(CudaDeviceInfo* info) {
                    "cudaDeviceGetAttribute(shared memory per block)");
 }
 
-std::string CudnnPrefillStatus() { return cu::CudnnStatus(); }
-
 Status CheckCudaSupport(const GqaShape& s) {
   const char* op = "ai.kvlayout::GroupQueryAttention (CUDA): ";
   // The kernels put batch x kv head (and batch, num_heads) on a grid axis limited to 65535.
