@@ -83,8 +83,8 @@ Status LaunchPrefillTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides p
 // cuDNN's fused flash attention for prefill (prefill_cudnn.cc), fp16/bf16 on sm_90+: the graph
 // for this call's shape (built once per shape and device, cached), or null where it cannot
 // serve: built without cuDNN, libcudnn not loadable or disabled (ORT_KVLAYOUT_CUDNN=0), a
-// feature outside its graph (CudnnPrefillCovers), or a shape cuDNN refused.
-bool CudnnPrefillCovers(const GqaShape& s, const CudaDeviceInfo& dev);
+// feature outside its graph (fp16/bf16, sm_90+, causal; no bias, softcap, window, sink), or a
+// shape cuDNN refused.
 std::shared_ptr<const CudnnPrefill> FindCudnnPrefill(const GqaShape& s, const CudaDeviceInfo& dev,
                                                      KvStrides present_st);
 size_t CudnnPrefillWorkspaceBytes(const CudnnPrefill& prefill);

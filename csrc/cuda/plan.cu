@@ -53,8 +53,7 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
   p.kernel = ChooseKernel(s, buf, dev);
   auto align = [](size_t x) { return (x + 255) / 256 * 256; };
   const bool aligned16 = (reinterpret_cast<uintptr_t>(buf.output) % 16 == 0) && CachesAligned16(buf);
-  if (p.kernel == AttnKernel::kPrefillTc && s.seq_len >= CudnnMinRows() && aligned16 &&
-      CudnnPrefillCovers(s, dev)) {
+  if (p.kernel == AttnKernel::kPrefillTc && s.seq_len >= CudnnMinRows() && aligned16) {
     const KvStrides present_st =
         MakeKvStrides(s.layout, s.kv_num_heads, s.present_capacity, s.head_size);
     p.cudnn = FindCudnnPrefill(s, dev, present_st);

@@ -205,8 +205,6 @@ constexpr size_t kMaxGraphs = 64;
 std::mutex g_graph_mutex;
 std::list<std::pair<GraphKey, std::shared_ptr<const CudnnPrefill>>> g_graphs;
 
-}  // namespace
-
 bool CudnnPrefillCovers(const GqaShape& s, const CudaDeviceInfo& dev) {
   const bool half = s.dtype == DType::kFloat16 || s.dtype == DType::kBFloat16;
   // Features outside this path's graph (bias, softcap, windows, sinks) stay on our kernels.
@@ -214,6 +212,8 @@ bool CudnnPrefillCovers(const GqaShape& s, const CudaDeviceInfo& dev) {
          s.softcap == 0.0f && !s.has_attention_bias && !s.has_head_sink && !s.smooth_softmax &&
          s.head_size % 8 == 0 && s.head_size <= 256;
 }
+
+}  // namespace
 
 std::shared_ptr<const CudnnPrefill> FindCudnnPrefill(const GqaShape& s, const CudaDeviceInfo& dev,
                                                      KvStrides present_st) {
@@ -289,8 +289,6 @@ std::string CudnnStatus() {
 #else  // built without the cuDNN headers: every call stays on our own kernels
 
 struct CudnnPrefill {};
-
-bool CudnnPrefillCovers(const GqaShape&, const CudaDeviceInfo&) { return false; }
 
 std::shared_ptr<const CudnnPrefill> FindCudnnPrefill(const GqaShape&, const CudaDeviceInfo&,
                                                      KvStrides) {
