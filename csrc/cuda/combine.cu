@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   float l = 0.0f;
   for (int64_t sp = threadIdx.x; sp < plan.splits; sp += kCombineThreads) {
     const int64_t slot = first + sp * kRowsPerCta;
-    const float w = part_m[slot] == -INFINITY ? 0.0f : __expf(part_m[slot] - mx);
+    const float w = PartialWeight(part_m[slot], part_l[slot], mx);
     weight[sp] = w;
     l += part_l[slot] * w;
   }

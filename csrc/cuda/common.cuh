@@ -62,6 +62,15 @@ __device__ __forceinline__ float WarpSum(float v) {
   return v;
 }
 
+// The weight of a partial softmax (its max m, its sum l) in a merge whose max is mx. A partial
+// without live keys (m = -inf, l = 0) weighs 0 and is skipped, whatever its O holds. NaN scores
+// leave m at -inf (fmaxf drops NaN) but make l NaN: such a partial weighs NaN, so the NaN
+// reaches the output as in ORT's op instead of being dropped with the empty partials.
+__device__ __forceinline__ float PartialWeight(float m, float l, float mx) {
+  if (m == -INFINITY) return l == 0.0f ? 0.0f : l;
+  return __expf(m - mx);
+}
+
 __device__ __forceinline__ BatchGeometry Geo(const GqaShape& s, const GqaCudaBuffers& buf,
                                              int64_t b) {
   return ClampedBatchGeometry(s, buf.seqlens_k[b],

@@ -5,9 +5,9 @@
 // scores and P V products run on mma.sync m16n8k16 (the CUDA-core form of this kernel was bound
 // by its FMAs and shuffles, not by HBM). Each warp owns every fourth KS-key step of the split and
 // streams its own rows through DecStages cp.async stages: no CTA barrier inside the key loop. At
-// the end the four warps merge in shared memory, and with several splits the last CTA of a
-// (batch, kv head) to finish merges the splits (a counter in the workspace, zeroed by the
-// prepare kernel): one attention launch per step, no combine kernel.
+// the end the four warps merge in shared memory, and with several splits the last CTAs to finish
+// merge the splits through DecodeMergeTree (counters in the workspace, zeroed by the prepare
+// kernel): one attention launch per step, no combine kernel.
 #include <algorithm>
 
 #include "cuda/common.cuh"
@@ -20,6 +20,7 @@ namespace {
 
 constexpr int kDecWarps = 4;
 constexpr int kDecThreads = kDecWarps * kWarp;
+static_assert(kDecodeRows == kRowsPerCta, "the plan sizes decode slots in kRowsPerCta rows");
 
 // The tile width of a head size: rounded up to a multiple of 32 (padding columns are zero).
 constexpr int64_t DecHeadDim(int64_t head_size) { return (head_size + 31) / 32 * 32; }
@@ -99,20 +100,25 @@ __global__ void __launch_bounds__(kDecThreads)
   constexpr int CPR = HD / 8;                  // chunk slots per row; those >= chunks are padding
   // A lane copies the same (row j, chunk c) slots of every step: j and c depend on the lane only.
   constexpr int kCopies = (KS * CPR + kWarp - 1) / kWarp;
+  // Offsets inside a step in 32 bits: KS rows x the seq stride (<= kv heads x H, bounded by
+  // CheckCudaSupport) fit, and the issue below is on every step's path (64-bit offset math was
+  // a third of a short split's instructions, profiled at B=1).
+  const int32_t stride32 = static_cast<int32_t>(seq_stride);
   auto issue = [&](int64_t i) {  // this warp's i-th step
     T* ks = wsm + (i % ST) * 2 * KS * P;
     T* vs = ks + KS * P;
-    const int64_t k0 = k_begin + (warp + i * kDecWarps) * KS;
+    const int64_t k0 = k_begin + (warp + i * kDecWarps) * KS;  // < k_end: a row of the cache
     const T* kstep = pk + (k0 - geo.cache_base) * seq_stride;
     const T* vstep = pv + (k0 - geo.cache_base) * seq_stride;
+    const int rows_here = static_cast<int>(min(int64_t(KS), k_end - k0));
 #pragma unroll
     for (int it = 0; it < kCopies; ++it) {
       const int idx = lane + it * kWarp, j = idx / CPR, c = idx % CPR;  // compile-time divisor
       if (idx >= KS * CPR || c >= chunks) continue;
-      const bool valid = k0 + j < k_end;  // past the split's end: zero rows
-      const int64_t off = valid ? j * seq_stride + c * 8 : 0;
-      ptx::CpAsync16(ks + j * P + c * 8, (valid ? kstep : pk) + off, valid);
-      ptx::CpAsync16(vs + j * P + c * 8, (valid ? vstep : pv) + off, valid);
+      const bool valid = j < rows_here;  // past the split's end: zero rows (row k0 is read)
+      const int32_t off = valid ? j * stride32 + c * 8 : 0;
+      ptx::CpAsync16(ks + j * P + c * 8, kstep + off, valid);
+      ptx::CpAsync16(vs + j * P + c * 8, vstep + off, valid);
     }
   };
 #pragma unroll
@@ -312,8 +318,11 @@ __global__ void __launch_bounds__(kDecThreads)
   auto row_sink = [&](int64_t r) {
     return s.has_head_sink ? ToF(static_cast<const T*>(buf.head_sink)[g * G + r % G]) : 0.0f;
   };
-  // Split slots: ((bg * splits + split) * kDecodeRows + r).
-  const int64_t slot0 = (bg * splits + split) * kDecodeRows;
+  // Partial slots of this (batch, kv head): its splits', then its groups' (DecodeMergeTree);
+  // slot k holds rows k * kDecodeRows + r.
+  const DecodeMergeTree tree = DecodeMergeTree::For(splits, rows, H);
+  const int64_t slot_base = bg * tree.SlotsPerRow();
+  const int64_t slot0 = (slot_base + split) * kDecodeRows;
   const int hs = static_cast<int>(H), nrows = static_cast<int>(rows);
   for (int idx = threadIdx.x; idx < nrows * hs; idx += kDecThreads) {
     const int r = idx / hs, d = idx % hs;
@@ -321,14 +330,12 @@ __global__ void __launch_bounds__(kDecThreads)
 #pragma unroll
     for (int w = 0; w < kDecWarps; ++w) mx = fmaxf(mx, red_m[w][r]);
     float lsum = 0.0f, acc = 0.0f;
-    if (mx != -INFINITY) {
 #pragma unroll
-      for (int w = 0; w < kDecWarps; ++w) {
-        if (red_m[w][r] == -INFINITY) continue;
-        const float wt = __expf(red_m[w][r] - mx);
-        lsum += red_l[w][r] * wt;
-        acc += red_o[(w * kDecodeRows + r) * HD + d] * wt;
-      }
+    for (int w = 0; w < kDecWarps; ++w) {
+      const float wt = PartialWeight(red_m[w][r], red_l[w][r], mx);
+      if (wt == 0.0f) continue;
+      lsum += red_l[w][r] * wt;
+      acc += red_o[(w * kDecodeRows + r) * HD + d] * wt;
     }
     if (splits == 1) {
       out_row(r)[d] = FromF<T>(acc * OutputScale(mx, lsum, extra, row_sink(r)));
@@ -342,57 +349,93 @@ __global__ void __launch_bounds__(kDecThreads)
   }
   if (splits == 1) return;
 
-  // The last CTA of this (batch, kv head) to finish merges the splits. The fence publishes this
-  // CTA's partials before its count; the merging CTA reads them past L1 (ld.global.cg).
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) merges_splits = atomicAdd(&counters[bg], 1u) == unsigned(splits - 1);
-  __syncthreads();
-  if (!merges_splits) return;
-  __threadfence();
-  float* weight = reinterpret_cast<float*>(dec_smem);  // [row][split]; red_o is no longer read
-  for (int64_t r = warp; r < rows; r += kDecWarps) {
-    const int64_t first = bg * splits * kDecodeRows + r;
-    float mx = -INFINITY;
-    for (int64_t sp = lane; sp < splits; sp += kWarp) {
-      mx = fmaxf(mx, __ldcg(part_m + first + sp * kDecodeRows));
+  // Merges partial slots [first, first + n) of this (batch, kv head) into slot `dst` (a group
+  // partial) or, with dst < 0, into the output. The whole CTA calls it. In split order
+  // (deterministic); partials are read past L1 (ld.global.cg): other CTAs wrote them.
+  float* weight = reinterpret_cast<float*>(dec_smem);  // [row][slot]; red_o is no longer read
+  auto merge = [&](int64_t first, int64_t n, int64_t dst) {
+    for (int64_t r = warp; r < rows; r += kDecWarps) {
+      const int64_t r0 = (slot_base + first) * kDecodeRows + r;
+      float mx = -INFINITY;
+      for (int64_t sp = lane; sp < n; sp += kWarp) {
+        mx = fmaxf(mx, __ldcg(part_m + r0 + sp * kDecodeRows));
+      }
+      mx = WarpMax(mx);
+      float lsum = 0.0f;
+      for (int64_t sp = lane; sp < n; sp += kWarp) {
+        const float ls = __ldcg(part_l + r0 + sp * kDecodeRows);
+        const float wt = PartialWeight(__ldcg(part_m + r0 + sp * kDecodeRows), ls, mx);
+        weight[r * kMaxDecodeSplits + sp] = wt;
+        if (wt != 0.0f) lsum += ls * wt;
+      }
+      lsum = WarpSum(lsum);
+      if (lane == 0) {
+        if (dst < 0) {
+          row_scale[r] = OutputScale(mx, lsum, extra, row_sink(r));
+        } else {
+          part_m[(slot_base + dst) * kDecodeRows + r] = mx;
+          part_l[(slot_base + dst) * kDecodeRows + r] = lsum;
+        }
+      }
     }
-    mx = WarpMax(mx);
-    float lsum = 0.0f;
-    for (int64_t sp = lane; sp < splits; sp += kWarp) {
-      const float ms = __ldcg(part_m + first + sp * kDecodeRows);
-      const float wt = ms == -INFINITY ? 0.0f : __expf(ms - mx);
-      weight[r * kMaxDecodeSplits + sp] = wt;
-      lsum += __ldcg(part_l + first + sp * kDecodeRows) * wt;
+    __syncthreads();
+    // Four dimensions per thread (H % 8 == 0): one 16-byte load per partial, eight issued
+    // before any is used (a skip test between the loads kept one in flight: +4 to 6 us at B=1).
+    for (int idx = threadIdx.x; idx < nrows * hs / 4; idx += kDecThreads) {
+      const int r = idx / (hs / 4), d = (idx % (hs / 4)) * 4;
+      const float* po = part_o + ((slot_base + first) * kDecodeRows + r) * H + d;
+      const int64_t pitch = kDecodeRows * H;  // from one slot's row to the next
+      const float* wr = weight + r * kMaxDecodeSplits;
+      float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      auto add = [&](const float4& x, float wt) {
+        if (wt == 0.0f) return;  // an empty partial adds nothing, whatever it holds (no 0 x Inf)
+        acc.x = fmaf(x.x, wt, acc.x);
+        acc.y = fmaf(x.y, wt, acc.y);
+        acc.z = fmaf(x.z, wt, acc.z);
+        acc.w = fmaf(x.w, wt, acc.w);
+      };
+      int64_t sp = 0;
+      for (; sp + 8 <= n; sp += 8) {
+        float4 x[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          x[u] = __ldcg(reinterpret_cast<const float4*>(po + (sp + u) * pitch));
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) add(x[u], wr[sp + u]);
+      }
+      for (; sp < n; ++sp) add(__ldcg(reinterpret_cast<const float4*>(po + sp * pitch)), wr[sp]);
+      if (dst < 0) {
+        T* out = out_row(r) + d;
+        const float sc = row_scale[r];
+        out[0] = FromF<T>(acc.x * sc);
+        out[1] = FromF<T>(acc.y * sc);
+        out[2] = FromF<T>(acc.z * sc);
+        out[3] = FromF<T>(acc.w * sc);
+      } else {
+        *reinterpret_cast<float4*>(part_o + ((slot_base + dst) * kDecodeRows + r) * H + d) = acc;
+      }
     }
-    lsum = WarpSum(lsum);
-    if (lane == 0) row_scale[r] = OutputScale(mx, lsum, extra, row_sink(r));
+  };
+  // True in the CTA that is the last of `count` to bump `counter`. The fence publishes this
+  // CTA's partial before its count; the second makes the others' partials visible to it.
+  auto last_to_finish = [&](unsigned* counter, int64_t count) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) merges_splits = atomicAdd(counter, 1u) == unsigned(count - 1);
+    __syncthreads();
+    if (merges_splits) __threadfence();
+    return merges_splits;
+  };
+  unsigned* row_counters = counters + bg * tree.CountersPerRow();
+  if (tree.groups == 1) {
+    if (last_to_finish(row_counters, splits)) merge(0, splits, -1);
+    return;
   }
-  __syncthreads();
-  // Four dimensions per thread (H % 8 == 0): one 16-byte load per split, eight splits in flight.
-  for (int idx = threadIdx.x; idx < nrows * hs / 4; idx += kDecThreads) {
-    const int r = idx / (hs / 4), d = (idx % (hs / 4)) * 4;
-    const float* po = part_o + (bg * splits * kDecodeRows + r) * H + d;
-    const int64_t pitch = kDecodeRows * H;  // from one split's row to the next
-    const float* wr = weight + r * kMaxDecodeSplits;
-    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 8
-    for (int64_t sp = 0; sp < splits; ++sp) {
-      const float wt = wr[sp];
-      if (wt == 0.0f) continue;  // a split without live keys for this row adds nothing (not 0 x Inf)
-      const float4 x = __ldcg(reinterpret_cast<const float4*>(po + sp * pitch));
-      acc.x += x.x * wt;
-      acc.y += x.y * wt;
-      acc.z += x.z * wt;
-      acc.w += x.w * wt;
-    }
-    T* out = out_row(r) + d;
-    const float sc = row_scale[r];
-    out[0] = FromF<T>(acc.x * sc);
-    out[1] = FromF<T>(acc.y * sc);
-    out[2] = FromF<T>(acc.z * sc);
-    out[3] = FromF<T>(acc.w * sc);
-  }
+  const int64_t grp = split / tree.group, first = grp * tree.group;
+  if (!last_to_finish(row_counters + grp, min(tree.group, splits - first))) return;
+  merge(first, min(tree.group, splits - first), splits + grp);
+  if (last_to_finish(row_counters + tree.groups, tree.groups)) merge(splits, tree.groups, -1);
 }
 
 using DecodeFn = void (*)(GqaShape, GqaCudaBuffers, KvStrides, const float*, int64_t, int64_t,

@@ -30,7 +30,7 @@ struct Workspace {
   float* part_o = nullptr;          // split partials: (slot, H)
   float* part_m = nullptr;          // (slot)
   float* part_l = nullptr;          // (slot)
-  unsigned* counters = nullptr;     // (B * Nkv) finished splits per row (decode), zeroed by prepare
+  unsigned* counters = nullptr;     // decode split merge tree (B * Nkv x CountersPerRow), zeroed by prepare
   int64_t counter_count = 0;
   void* q_storage = nullptr;         // cuDNN prefill: (B, S, N, H) rotated queries, storage type
   int32_t* seq_len_q = nullptr;     // cuDNN prefill: (B) new rows per entry (prepare writes them)
@@ -97,8 +97,39 @@ std::string CudnnStatus();
 // per CTA, key splits merged by the last CTA of each (batch, kv head).
 constexpr int kDecodeRows = 16;
 constexpr int64_t kMaxDecodeSplits = 256;  // the merging CTA keeps 16 x splits weights
+// The splits of a (batch, kv head) merge in a tree of at most two levels: the last CTA of each
+// group of `group` splits merges the group into a group partial, and the last group merger
+// merges the groups. One merging CTA reads all of its partials alone (one SM, an L2 round trip
+// per eight loads of each thread), so a flat merge of 128 splits x 4 rows x 256 floats took
+// longer than the reads it followed. Partials of up to kDecodeFlatMergeFloats floats (four
+// rounds of the CTA's loads) merge in one level (group == splits); more take groups of about
+// sqrt(splits), at the price of one more fence and atomic. The plan sizes the workspace from it
+// and the kernel walks it: one place owns the arithmetic.
+constexpr int64_t kDecodeFlatMergeFloats = 16384;
+struct DecodeMergeTree {
+  int64_t splits = 1, group = 1, groups = 1;
+  __host__ __device__ static DecodeMergeTree For(int64_t splits, int64_t rows, int64_t head_size) {
+    DecodeMergeTree t;
+    t.splits = splits;
+    t.group = splits;
+    if (splits * rows * head_size > kDecodeFlatMergeFloats) {
+      int64_t g = 1;
+      while (g * g < splits) ++g;  // ceil(sqrt(splits)), splits <= kMaxDecodeSplits
+      t.group = g;
+    }
+    t.groups = (splits + t.group - 1) / t.group;
+    return t;
+  }
+  // Partial slots of one (batch, kv head): one per split, then one per group (two levels).
+  __host__ __device__ int64_t SlotsPerRow() const { return splits + (groups > 1 ? groups : 0); }
+  // Counters of one (batch, kv head): one per group, then the groups' own (two levels).
+  __host__ __device__ int64_t CountersPerRow() const { return groups > 1 ? groups + 1 : 1; }
+};
 // At least two KS steps per warp, so the merge stays small against the reads.
 constexpr int64_t kMinDecodeSplitKeys = 128;
+// Below this many (batch, kv head) rows the plan puts one decode CTA per SM, else it fills
+// every CTA slot (MakePlan says why).
+constexpr int64_t kFewDecodeRows = 16;
 bool DecodeTcFits(const GqaShape& s, size_t elem, const CudaDeviceInfo& dev);
 int DecodeTcCtasPerSm(const GqaShape& s, const CudaDeviceInfo& dev);  // cached per device/kernel
 template <typename T>

@@ -48,6 +48,25 @@ int64_t CudnnMinRows() {
   return rows;
 }
 
+// The decode kernel's split target, when ORT_KVLAYOUT_DECODE_SPLITS=N (read once) sets one: a
+// tuning and benchmarking knob (docs/BENCHMARKS.md); 0 = the one-wave rule of MakePlan.
+int64_t DecodeSplitsOverride() {
+  static const int64_t splits = [] {
+    const char* v = std::getenv("ORT_KVLAYOUT_DECODE_SPLITS");
+    char* end = nullptr;
+    const long long n = v != nullptr ? std::strtoll(v, &end, 10) : 0;
+    return (v != nullptr && end != v && *end == '\0' && n > 0)
+               ? std::min<int64_t>(n, kMaxDecodeSplits)
+               : int64_t(0);
+  }();
+  return splits;
+}
+
+// The decode kernel's split merge tree for a plan (the kernel builds the same one).
+DecodeMergeTree MergeTreeOf(const GqaShape& s, const AttnPlan& p) {
+  return DecodeMergeTree::For(p.splits, s.seq_len * s.group_size(), s.head_size);
+}
+
 AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo& dev) {
   AttnPlan p;
   p.kernel = ChooseKernel(s, buf, dev);
@@ -67,12 +86,16 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
   }
   const int64_t sms = std::max(1, dev.sm_count);
   if (p.kernel == AttnKernel::kDecodeTc) {
-    // One full wave: as many splits as fit beside the other CTAs (the splits share the keys
-    // evenly, so a partial second wave would only add a tail); at least 128 keys per split
-    // (two steps per warp) so the merge stays small against the reads.
+    // One wave: the splits share the keys evenly, so a partial second wave would only add a
+    // tail. With few (batch, kv head) rows, the last merge of a row ends the kernel and each
+    // split adds a fixed prologue and merge work to it: one CTA per SM (measured on the H200 at
+    // B=1: every CTA slot filled took 20 to 40% longer, docs/BENCHMARKS.md). With many rows
+    // their merges overlap the other rows' reads: every slot (at B=8, 9/3/64 lost 15% with one
+    // CTA per SM). At least 128 keys per split (two steps per warp).
     const int64_t base = s.batch * s.kv_num_heads;
-    const int64_t slots = sms * DecodeTcCtasPerSm(s, dev);
+    const int64_t slots = base < kFewDecodeRows ? sms : sms * DecodeTcCtasPerSm(s, dev);
     p.split_target = std::min(std::max<int64_t>(1, slots / base), kMaxDecodeSplits);
+    if (DecodeSplitsOverride() > 0) p.split_target = DecodeSplitsOverride();
     const int64_t max_splits =
         std::max<int64_t>(1, (s.present_capacity + kMinDecodeSplitKeys - 1) / kMinDecodeSplitKeys);
     p.splits = std::min(p.split_target, max_splits);
@@ -89,11 +112,14 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
   }
   p.q_bytes = align(sizeof(float) * s.batch * s.num_heads * s.seq_len * s.head_size);
   if (p.splits > 1) {
-    const size_t rows = size_t(s.batch * s.kv_num_heads * p.row_blocks) * p.splits * kRowsPerCta;
+    const bool decode = p.kernel == AttnKernel::kDecodeTc;
+    const DecodeMergeTree tree = MergeTreeOf(s, p);
+    const int64_t slots = decode ? tree.SlotsPerRow() : p.splits;  // per (b, kv head, row block)
+    const size_t rows = size_t(s.batch * s.kv_num_heads * p.row_blocks) * slots * kRowsPerCta;
     p.part_o_bytes = align(sizeof(float) * rows * s.head_size);
     p.part_ml_bytes = align(sizeof(float) * rows);
-    if (p.kernel == AttnKernel::kDecodeTc) {
-      p.counter_bytes = align(sizeof(unsigned) * s.batch * s.kv_num_heads);
+    if (decode) {
+      p.counter_bytes = align(sizeof(unsigned) * s.batch * s.kv_num_heads * tree.CountersPerRow());
     }
   }
   return p;
@@ -111,7 +137,8 @@ Workspace CarveWorkspace(const GqaShape& s, const AttnPlan& p, void* workspace) 
   ws.part_l = reinterpret_cast<float*>(base);
   base += p.part_ml_bytes;
   ws.counters = reinterpret_cast<unsigned*>(base);
-  ws.counter_count = p.counter_bytes > 0 ? s.batch * s.kv_num_heads : 0;
+  ws.counter_count =
+      p.counter_bytes > 0 ? s.batch * s.kv_num_heads * MergeTreeOf(s, p).CountersPerRow() : 0;
   base += p.counter_bytes;
   if (p.stage_bytes > 0) {
     ws.stage_k = base;
