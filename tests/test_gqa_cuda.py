@@ -650,6 +650,33 @@ def test_decode_bits_do_not_depend_on_the_capacity(layout, dtype):
     check_oracle(c, run_case_cuda(c, feeds=small))
 
 
+@pytest.mark.parametrize("layout", [0, 1])
+@pytest.mark.parametrize("kind", ["prompt", "prompt_odd", "chunk", "decode"])
+def test_nonfinite_rows_past_the_live_keys_do_not_leak(kind, layout):
+    """A shared cache may hold anything in the rows past each entry's live keys (a reused or
+    freshly mapped buffer): NaN keys and infinite values there leave the output as the contract
+    (and ORT's op, which never reads them) gives it. This covers every kernel that serves the
+    call (cuDNN's prefill for S >= 64 fp16 included, whose last key tile reads rows past an
+    entry's length: a masked score times an infinite value would be NaN), in both layouts, with a
+    ragged batch (rows past the shorter entry's length lie below the total length)."""
+    seq = {"prompt": 128, "prompt_odd": 100, "chunk": 96, "decode": 1}[kind]
+    kind = kind.removesuffix("_odd")  # a prompt whose length ends inside a 128-key tile
+    c = GqaCase(kind=kind, seq=seq, past_len=0 if kind == "prompt" else 300, batch=2, pad=37,
+                num_heads=8, kv_num_heads=2, head_size=128, dtype="fp16", kv_layout=layout,
+                shared=True, extra_capacity=200, do_rotary=True, query_seqlens=kind == "chunk",
+                seed=case_seed(50_101))  # fmt: skip
+    feeds = dict(c.feeds())
+    past, _, _, _ = c.lengths()
+    for name, value in (("past_key", np.nan), ("past_value", np.inf)):
+        logical = ref.from_layout(feeds[name], layout).copy()  # (B, Nkv, C, H)
+        for b in range(c.batch):
+            logical[b, :, int(past[b]) :] = value  # the call writes its new rows over some
+        feeds[name] = ref.to_layout(logical, layout)
+    got = run_case_cuda(c, feeds=feeds)
+    assert np.isfinite(np.asarray(got[0], np.float64)).all(), f"non-finite output: {c!r}"
+    check_oracle(c, got)
+
+
 # --------------------------------------------------------------------------------------------
 # sliding_window_cache=1 (CONTRACT section 8): a window-sized cache (capacity C >= W) whose rows
 # shift as tokens arrive. The CUDA op stages the resident rows in its workspace, so past and

@@ -1,13 +1,13 @@
 // Prefill through cuDNN's fused flash attention (the graph API's SDPA node, through the
 // header-only cuDNN frontend). Host code only: cuDNN picks and runs its own Hopper kernels
 // (wgmma, TMA); we describe the call to it. The caches are read in place through the layout's
-// strides (K and V are (B, Nkv, C, H) tensors with KvStrides strides, so a seq-major cache needs
-// no transpose), the queries are the prepare kernel's rotated copy (B, S, N, H) in the storage
-// type, and the per-entry lengths reach cuDNN as device tensors written by the prepare kernel
-// (seq_len_q = new rows, seq_len_kv = total), so nothing is read on the host and the launch is
-// valid under CUDA graph capture. The causal mask is bottom-right aligned per entry: query row
-// i of entry b sees keys [0, past_b + i], which is GroupQueryAttention's rule for a first prompt
-// (past 0, right padding) and for chunked prefill alike.
+// strides (K and V are (B, Nkv, S, H) views of the (B, Nkv, C, H) caches with KvStrides
+// strides, so a seq-major cache needs no transpose), the queries are the prepare kernel's
+// rotated copy (B, S, N, H) in the storage type, and the per-entry lengths reach cuDNN as
+// device tensors written by the prepare kernel (seq_len_q = new rows, seq_len_kv = total), so
+// nothing is read on the host and the launch is valid under CUDA graph capture. The causal mask
+// is bottom-right aligned per entry (query row i of entry b sees keys [0, past_b + i]). It
+// serves first prompts only (CudnnPrefillCovers says why); chunked prefill takes our kernels.
 //
 // libcudnn is opened at run time (the frontend's dynamic loading), never linked: the library
 // loads and runs its own kernels on machines without cuDNN. A graph is built once per (device,
@@ -145,7 +145,7 @@ GraphKey KeyOf(const GqaShape& s, const CudaDeviceInfo& dev, KvStrides st) {
 std::shared_ptr<const CudnnPrefill> Build(const GqaShape& s, KvStrides st, cudnnHandle_t handle,
                                           std::string* why) {
   const int64_t B = s.batch, S = s.seq_len, N = s.num_heads, Nkv = s.kv_num_heads;
-  const int64_t H = s.head_size, C = s.present_capacity;
+  const int64_t H = s.head_size;
   auto g = std::make_shared<fe::graph::Graph>();
   g->set_io_data_type(s.dtype == DType::kBFloat16 ? fe::DataType_t::BFLOAT16
                                                   : fe::DataType_t::HALF)
@@ -161,8 +161,11 @@ std::shared_ptr<const CudnnPrefill> Build(const GqaShape& s, KvStrides st, cudnn
                          .set_stride(std::move(stride)));
   };
   auto q = tensor("Q", kUidQ, q_dim, q_stride);
-  auto k = tensor("K", kUidK, {B, Nkv, C, H}, {st.batch, st.head, st.seq, 1});
-  auto v = tensor("V", kUidV, {B, Nkv, C, H}, {st.batch, st.head, st.seq, 1});
+  // K and V hold S rows (a first prompt: S == total), viewed in the cache of C rows: cuDNN's
+  // tile loads zero-fill rows past S instead of reading the cache's later rows, which may hold
+  // anything (CudnnPrefillCovers).
+  auto k = tensor("K", kUidK, {B, Nkv, S, H}, {st.batch, st.head, st.seq, 1});
+  auto v = tensor("V", kUidV, {B, Nkv, S, H}, {st.batch, st.head, st.seq, 1});
   auto seq_q = tensor("seq_q", kUidSeqQ, {B, 1, 1, 1}, {1, 1, 1, 1});
   auto seq_kv = tensor("seq_kv", kUidSeqKv, {B, 1, 1, 1}, {1, 1, 1, 1});
   seq_q->set_data_type(fe::DataType_t::INT32);
@@ -208,7 +211,13 @@ std::list<std::pair<GraphKey, std::shared_ptr<const CudnnPrefill>>> g_graphs;
 bool CudnnPrefillCovers(const GqaShape& s, const CudaDeviceInfo& dev) {
   const bool half = s.dtype == DType::kFloat16 || s.dtype == DType::kBFloat16;
   // Features outside this path's graph (bias, softcap, windows, sinks) stay on our kernels.
-  return half && dev.cc_major >= 9 && s.causal && s.local_window < 0 && !s.sliding_window_cache &&
+  // First prompts only: cuDNN's last key tile reads cache rows past an entry's live keys (a
+  // masked score, but P x V still multiplies those rows), and in chunked prefill those rows lie
+  // below the total length (ragged batches) or past it, in a buffer that may hold anything:
+  // NaN or Inf there made the output NaN (H200, test_nonfinite_rows_past_the_live_keys_do_not_
+  // leak). Our kernels zero-fill rows past each entry's length.
+  return half && dev.cc_major >= 9 && s.is_first_prompt() && s.causal && s.local_window < 0 &&
+         !s.sliding_window_cache &&
          s.softcap == 0.0f && !s.has_attention_bias && !s.has_head_sink && !s.smooth_softmax &&
          s.head_size % 8 == 0 && s.head_size <= 256;
 }
