@@ -320,7 +320,7 @@ __global__ void __launch_bounds__(kDecThreads)
   };
   // Partial slots of this (batch, kv head): its splits', then its groups' (DecodeMergeTree);
   // slot k holds rows k * kDecodeRows + r.
-  const DecodeMergeTree tree = DecodeMergeTree::For(splits, rows, H);
+  const DecodeMergeTree tree = DecodeMergeTree::For(splits, split_target, rows, H);
   const int64_t slot_base = bg * tree.SlotsPerRow();
   const int64_t slot0 = (slot_base + split) * kDecodeRows;
   const int hs = static_cast<int>(H), nrows = static_cast<int>(rows);

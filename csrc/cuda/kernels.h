@@ -101,21 +101,25 @@ constexpr int64_t kMaxDecodeSplits = 256;  // the merging CTA keeps 16 x splits 
 // group of `group` splits merges the group into a group partial, and the last group merger
 // merges the groups. One merging CTA reads all of its partials alone (one SM, an L2 round trip
 // per eight loads of each thread), so a flat merge of 128 splits x 4 rows x 256 floats took
-// longer than the reads it followed. Partials of up to kDecodeFlatMergeFloats floats (four
-// rounds of the CTA's loads) merge in one level (group == splits); more take groups of about
-// sqrt(splits), at the price of one more fence and atomic. The plan sizes the workspace from it
-// and the kernel walks it: one place owns the arithmetic.
+// longer than the reads it followed. When the split target's partials exceed
+// kDecodeFlatMergeFloats floats (four rounds of the CTA's loads), groups of ceil(sqrt(target))
+// splits; else one level (group == splits). The shape of the tree follows the target, never
+// the capacity (which only bounds how many splits are launched): caches of different
+// capacities merge the same live partials in the same groups and order, and the empty splits
+// a larger grid adds weigh exactly 0, so decode output stays bit-identical across capacities.
+// The plan sizes the workspace from it and the kernel walks it: one place owns the arithmetic.
 constexpr int64_t kDecodeFlatMergeFloats = 16384;
 struct DecodeMergeTree {
   int64_t splits = 1, group = 1, groups = 1;
-  __host__ __device__ static DecodeMergeTree For(int64_t splits, int64_t rows, int64_t head_size) {
+  __host__ __device__ static DecodeMergeTree For(int64_t splits, int64_t target, int64_t rows,
+                                                 int64_t head_size) {
     DecodeMergeTree t;
     t.splits = splits;
     t.group = splits;
-    if (splits * rows * head_size > kDecodeFlatMergeFloats) {
+    if (target * rows * head_size > kDecodeFlatMergeFloats) {
       int64_t g = 1;
-      while (g * g < splits) ++g;  // ceil(sqrt(splits)), splits <= kMaxDecodeSplits
-      t.group = g;
+      while (g * g < target) ++g;  // ceil(sqrt(target)), target <= kMaxDecodeSplits
+      t.group = g < splits ? g : splits;
     }
     t.groups = (splits + t.group - 1) / t.group;
     return t;

@@ -64,7 +64,8 @@ int64_t DecodeSplitsOverride() {
 
 // The decode kernel's split merge tree for a plan (the kernel builds the same one).
 DecodeMergeTree MergeTreeOf(const GqaShape& s, const AttnPlan& p) {
-  return DecodeMergeTree::For(p.splits, s.seq_len * s.group_size(), s.head_size);
+  return DecodeMergeTree::For(p.splits, p.split_target, s.seq_len * s.group_size(),
+                              s.head_size);
 }
 
 AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo& dev) {
