@@ -174,8 +174,9 @@ def test_vs_oracle(case):
 
 
 # --------------------------------------------------------------------------------------------
-# Prefill through cuDNN (S >= 64, fp16/bf16, sm_90, no bias/softcap/window/sink): the cache read
-# in place through the layout's strides, per-entry lengths on the device
+# Prefill through cuDNN (first prompts, S >= 64, fp16/bf16, sm_90, no bias/softcap/window/sink):
+# the cache read in place through the layout's strides, per-entry lengths on the device. The
+# chunked-prefill cases of the grid check that the same shapes with a past go to our kernels.
 # --------------------------------------------------------------------------------------------
 def _cudnn_grid():
     cases = []
