@@ -232,6 +232,18 @@ def test_sliding_window_cache(layout, shared, kind, S, past, extra, batch, pad):
 
 
 @pytest.mark.parametrize("layout", [0, 1])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+@pytest.mark.parametrize("shared", [False, True])
+def test_sliding_window_cache_chunk_over_a_full_window(shared, dtype, layout):
+    """A 2-token chunk over a full 128-row window cache (C == W): its live keys (129) outnumber
+    the cache's rows, and every one counts (the CUDA plan once counted key splits on C)."""
+    c = GqaCase(seq=2, kind="chunk", past_len=300, local_window_size=128, num_heads=8,
+                kv_num_heads=2, head_size=64, sliding_window_cache=True, shared=shared,
+                dtype=dtype, kv_layout=layout, seed=5)  # fmt: skip
+    check_vs_reference(c, ours(c))
+
+
+@pytest.mark.parametrize("layout", [0, 1])
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
 def test_generation_loop_shared(layout, dtype):
     """A prompt then decode steps on one shared buffer (the onnxruntime-genai flow), step by

@@ -710,6 +710,10 @@ SWC_SCENARIOS = {
                    "extra_capacity": 2},
     "chunk_qsl": {"kind": "chunk", "seq": 6, "past_len": 23, "batch": 3, "pad": 4,
                   "query_seqlens": True, "local_window_size": 8, "extra_capacity": 1},
+    # A full window of 128 rows (C == W) and a 2-token chunk: the live keys (129) outnumber the
+    # cache's rows, so the splits must be counted on the staging rows, not on C.
+    "chunk_full_window_128": {"kind": "chunk", "seq": 2, "past_len": 300,
+                              "local_window_size": 128},
 }  # fmt: skip
 SWC_HEADS = ((8, 2, 64), (6, 3, 40), (4, 1, 128), (8, 2, 96))
 

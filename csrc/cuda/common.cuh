@@ -63,11 +63,13 @@ __device__ __forceinline__ float WarpSum(float v) {
 }
 
 // The weight of a partial softmax (its max m, its sum l) in a merge whose max is mx. A partial
-// without live keys (m = -inf, l = 0) weighs 0 and is skipped, whatever its O holds. NaN scores
-// leave m at -inf (fmaxf drops NaN) but make l NaN: such a partial weighs NaN, so the NaN
-// reaches the output as in ORT's op instead of being dropped with the empty partials.
+// without live keys (m = -inf, l = 0) weighs 0 and is skipped, whatever its O holds. A NaN score
+// makes l NaN (fmaxf drops it from m, which may stay -inf or lie far below mx, where the weight
+// would underflow to 0 and be skipped): such a partial weighs NaN, so the NaN reaches the output
+// as in ORT's op, whichever warp or split held it.
 __device__ __forceinline__ float PartialWeight(float m, float l, float mx) {
-  if (m == -INFINITY) return l == 0.0f ? 0.0f : l;
+  if (l != l) return l;
+  if (m == -INFINITY) return 0.0f;  // l == 0: no live keys
   return __expf(m - mx);
 }
 

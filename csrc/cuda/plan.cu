@@ -86,6 +86,10 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
     }
   }
   const int64_t sms = std::max(1, dev.sm_count);
+  // Rows of the buffer the attention reads: with a sliding window cache, the staging rows
+  // (resident past + the new rows, sliding.cu), whose live keys can outnumber the cache's C.
+  const int64_t attn_rows =
+      s.sliding_window_cache ? s.past_capacity + s.seq_len : s.present_capacity;
   if (p.kernel == AttnKernel::kDecodeTc) {
     // One wave: the splits share the keys evenly, so a partial second wave would only add a
     // tail. With few (batch, kv head) rows, the last merge of a row ends the kernel and each
@@ -98,7 +102,7 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
     p.split_target = std::min(std::max<int64_t>(1, slots / base), kMaxDecodeSplits);
     if (DecodeSplitsOverride() > 0) p.split_target = DecodeSplitsOverride();
     const int64_t max_splits =
-        std::max<int64_t>(1, (s.present_capacity + kMinDecodeSplitKeys - 1) / kMinDecodeSplitKeys);
+        std::max<int64_t>(1, (attn_rows + kMinDecodeSplitKeys - 1) / kMinDecodeSplitKeys);
     p.splits = std::min(p.split_target, max_splits);
   } else if (p.kernel == AttnKernel::kPortable) {
     p.row_blocks = (s.seq_len * s.group_size() + kRowsPerCta - 1) / kRowsPerCta;
@@ -108,7 +112,7 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
     const int64_t target = 8 * sms;
     p.split_target = base >= target ? 1 : std::min((target + base - 1) / base, kMaxSplits);
     const int64_t max_splits =
-        std::max<int64_t>(1, (s.present_capacity + kMinSplitKeys - 1) / kMinSplitKeys);
+        std::max<int64_t>(1, (attn_rows + kMinSplitKeys - 1) / kMinSplitKeys);
     p.splits = std::min(p.split_target, max_splits);
   }
   p.q_bytes = align(sizeof(float) * s.batch * s.num_heads * s.seq_len * s.head_size);
