@@ -30,7 +30,8 @@ struct Workspace {
   float* part_o = nullptr;          // split partials: (slot, H)
   float* part_m = nullptr;          // (slot)
   float* part_l = nullptr;          // (slot)
-  unsigned* counters = nullptr;     // decode split merge tree (B * Nkv x CountersPerRow), zeroed by prepare
+  // Decode split merge tree: B * Nkv x DecodeMergeTree::CountersPerRow, zeroed by prepare.
+  unsigned* counters = nullptr;
   int64_t counter_count = 0;
   void* q_storage = nullptr;         // cuDNN prefill: (B, S, N, H) rotated queries, storage type
   int32_t* seq_len_q = nullptr;     // cuDNN prefill: (B) new rows per entry (prepare writes them)
