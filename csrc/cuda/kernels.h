@@ -55,6 +55,7 @@ Status LaunchPrepare(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pre
 // position cache_base + j, the resident past rows then this call's new rows (written by
 // prepare). After the attention, present rows [0, L(total)) are taken from the staging rows.
 // Staging: (B, Nkv, C + S, H) in the call's layout, T elements; 256-byte multiple, 0 when off.
+int64_t SlidingStageRows(const GqaShape& s);  // resident past + new rows: past capacity + S
 size_t SlidingStageBytes(const GqaShape& s);
 KvStrides SlidingStageStrides(const GqaShape& s);
 // Resident past rows [0, L(past)) -> staging rows.

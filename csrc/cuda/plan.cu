@@ -38,12 +38,18 @@ AttnKernel ChooseKernel(const GqaShape& s, const GqaCudaBuffers& buf, const Cuda
 // it, read once): below it our kernel takes microseconds. Each new shape costs cuDNN a graph
 // build on its first call (docs/BENCHMARKS.md: ~70 ms, ~1 s for the process's first); a
 // process that sees many one-off prompt lengths can raise the bar.
+// A positive integer from the environment variable `name`, or 0 when it is unset or not one.
+int64_t PositiveEnv(const char* name) {
+  const char* v = std::getenv(name);
+  char* end = nullptr;
+  const long long n = v != nullptr ? std::strtoll(v, &end, 10) : 0;
+  return (v != nullptr && end != v && *end == '\0' && n > 0) ? int64_t(n) : int64_t(0);
+}
+
 int64_t CudnnMinRows() {
   static const int64_t rows = [] {
-    const char* v = std::getenv("ORT_KVLAYOUT_CUDNN_MIN_ROWS");
-    char* end = nullptr;
-    const long long n = v != nullptr ? std::strtoll(v, &end, 10) : 0;
-    return (v != nullptr && end != v && *end == '\0' && n > 0) ? int64_t(n) : int64_t(64);
+    const int64_t n = PositiveEnv("ORT_KVLAYOUT_CUDNN_MIN_ROWS");
+    return n > 0 ? n : int64_t(64);
   }();
   return rows;
 }
@@ -51,14 +57,8 @@ int64_t CudnnMinRows() {
 // The decode kernel's split target, when ORT_KVLAYOUT_DECODE_SPLITS=N (read once) sets one: a
 // tuning and benchmarking knob (docs/BENCHMARKS.md); 0 = the one-wave rule of MakePlan.
 int64_t DecodeSplitsOverride() {
-  static const int64_t splits = [] {
-    const char* v = std::getenv("ORT_KVLAYOUT_DECODE_SPLITS");
-    char* end = nullptr;
-    const long long n = v != nullptr ? std::strtoll(v, &end, 10) : 0;
-    return (v != nullptr && end != v && *end == '\0' && n > 0)
-               ? std::min<int64_t>(n, kMaxDecodeSplits)
-               : int64_t(0);
-  }();
+  static const int64_t splits =
+      std::min<int64_t>(PositiveEnv("ORT_KVLAYOUT_DECODE_SPLITS"), kMaxDecodeSplits);
   return splits;
 }
 
@@ -87,9 +87,8 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
   }
   const int64_t sms = std::max(1, dev.sm_count);
   // Rows of the buffer the attention reads: with a sliding window cache, the staging rows
-  // (resident past + the new rows, sliding.cu), whose live keys can outnumber the cache's C.
-  const int64_t attn_rows =
-      s.sliding_window_cache ? s.past_capacity + s.seq_len : s.present_capacity;
+  // (sliding.cu), whose live keys can outnumber the cache's C.
+  const int64_t attn_rows = s.sliding_window_cache ? SlidingStageRows(s) : s.present_capacity;
   if (p.kernel == AttnKernel::kDecodeTc) {
     // One wave: the splits share the keys evenly, so a partial second wave would only add a
     // tail. With few (batch, kv head) rows, the last merge of a row ends the kernel and each

@@ -21,6 +21,17 @@ namespace {
 // Rows move in units U: 16 bytes when every buffer is 16-byte aligned (a row is H * sizeof(T)
 // bytes, a multiple of 16 since H % 8 == 0), else one element. Offsets from KvStrides are
 // multiples of H elements, so dividing by `per` (elements per unit) is exact.
+// Unit u of row r of (batch b, kv head h): the flat index of a grid-stride loop over
+// B x Nkv x rows x units, row-major, so consecutive threads move consecutive units of a row.
+struct RowUnit {
+  int64_t b, h, r, u;
+};
+__device__ __forceinline__ RowUnit RowUnitOf(int64_t idx, int64_t units, int64_t rows,
+                                             int64_t kv_heads) {
+  return RowUnit{idx / (units * rows * kv_heads), (idx / (units * rows)) % kv_heads,
+                 (idx / units) % rows, idx % units};
+}
+
 template <typename U>
 __global__ void SlidingStageKernel(GqaShape s, GqaCudaBuffers buf, KvStrides past_st,
                                    KvStrides stage_st, int per, U* stage_k, U* stage_v) {
@@ -30,8 +41,7 @@ __global__ void SlidingStageKernel(GqaShape s, GqaCudaBuffers buf, KvStrides pas
   const U* pv = static_cast<const U*>(buf.past_value);
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n;
        idx += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t u = idx % units, r = (idx / units) % C;
-    const int64_t h = (idx / (units * C)) % s.kv_num_heads, b = idx / (units * C * s.kv_num_heads);
+    const auto [b, h, r, u] = RowUnitOf(idx, units, C, s.kv_num_heads);
     const BatchGeometry g = Geo(s, buf, b);
     if (r >= g.past - g.cache_base) continue;  // not a resident past row
     const int64_t src = past_st.Offset(b, h, r) / per + u;
@@ -51,8 +61,7 @@ __global__ void SlidingPresentKernel(GqaShape s, GqaCudaBuffers buf, KvStrides s
   U* pv = static_cast<U*>(buf.present_value);
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n;
        idx += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t u = idx % units, r = (idx / units) % C;
-    const int64_t h = (idx / (units * C)) % s.kv_num_heads, b = idx / (units * C * s.kv_num_heads);
+    const auto [b, h, r, u] = RowUnitOf(idx, units, C, s.kv_num_heads);
     const BatchGeometry g = Geo(s, buf, b);
     const int64_t dst = present_st.Offset(b, h, r) / per + u;
     if (r < g.total - g.present_base) {
@@ -81,15 +90,17 @@ int CopyBlocks(int64_t n, const CudaDeviceInfo& dev) {
 
 }  // namespace
 
+int64_t SlidingStageRows(const GqaShape& s) { return s.past_capacity + s.seq_len; }
+
 KvStrides SlidingStageStrides(const GqaShape& s) {
-  return MakeKvStrides(s.layout, s.kv_num_heads, s.past_capacity + s.seq_len, s.head_size);
+  return MakeKvStrides(s.layout, s.kv_num_heads, SlidingStageRows(s), s.head_size);
 }
 
 size_t SlidingStageBytes(const GqaShape& s) {
   if (!s.sliding_window_cache) return 0;
   const size_t elem = s.dtype == DType::kFloat32 ? 4 : 2;
   const size_t bytes =
-      elem * size_t(s.batch * s.kv_num_heads * (s.past_capacity + s.seq_len) * s.head_size);
+      elem * size_t(s.batch * s.kv_num_heads * SlidingStageRows(s) * s.head_size);
   return (bytes + 255) / 256 * 256;
 }
 
