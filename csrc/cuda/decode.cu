@@ -6,12 +6,18 @@
 // by its FMAs and shuffles, not by HBM). Each warp owns every fourth KS-key step of the split and
 // streams its own rows through DecStages cp.async stages: no CTA barrier inside the key loop. At
 // the end the four warps merge in shared memory, and with several splits the last CTAs to finish
-// merge the splits through DecodeMergeTree (counters in the workspace, zeroed by the prepare
-// kernel): one attention launch per step, no combine kernel.
+// merge the splits through DecodeMergeTree (counters in the workspace, zeroed by a memset
+// before the launch): no combine kernel.
+//
+// The kernel also does the prepare kernel's work for its rows (prepare_rows.cuh): each CTA
+// norms, rotates and scales its group's queries itself, the CTA whose key split holds a new row
+// appends it to the cache before its loads are issued, and split 0 checks the lengths. A decode
+// step is one kernel (after the counters' memset when split), not three.
 #include <algorithm>
 
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
+#include "cuda/prepare_rows.cuh"
 #include "cuda/ptx.cuh"
 
 namespace kvl {
@@ -34,8 +40,18 @@ __host__ __device__ constexpr int DecStages(int hd) { return hd > 128 ? 2 : 3; }
 // Row pitch in elements: 16 bytes of padding put the 8 rows an ldmatrix reads on distinct banks.
 __host__ __device__ constexpr int DecPitch(int hd) { return hd + 8; }
 
+// The slot a warp's stage ring leaves free until its key loop starts (slot ST - 1: the prologue
+// fills slots 0 .. ST - 2) holds, before that, the warp's float scratch (its last HD floats) and,
+// in warp 0's, the CTA's query tile (kDecodeRows rows of pitch DecPitch, at its start).
+__host__ __device__ constexpr size_t DecSlotElems(int hd) {
+  return size_t(2) * DecKeys(hd) * DecPitch(hd);
+}
+static_assert(kDecodeRows * DecPitch(256) * 2 + 256 * sizeof(float) <= DecSlotElems(256) * 2 &&
+                  kDecodeRows * DecPitch(32) * 2 + 32 * sizeof(float) <= DecSlotElems(32) * 2,
+              "the query tile and a warp's scratch share one free stage slot");
+
 constexpr size_t DecSmemBytes(int hd, size_t elem) {
-  const size_t stages = size_t(kDecWarps) * DecStages(hd) * 2 * DecKeys(hd) * DecPitch(hd) * elem;
+  const size_t stages = size_t(kDecWarps) * DecStages(hd) * DecSlotElems(hd) * elem;
   const size_t merge = sizeof(float) * kDecWarps * kDecodeRows * hd;
   const size_t weights = sizeof(float) * kDecodeRows * kMaxDecodeSplits;
   return std::max(stages, std::max(merge, weights));
@@ -43,8 +59,7 @@ constexpr size_t DecSmemBytes(int hd, size_t elem) {
 
 template <typename T, int HD>
 __global__ void __launch_bounds__(kDecThreads)
-    DecodeTcKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_st, const float* q_ws,
-                   int64_t splits, int64_t split_target, float* part_o, float* part_m,
+    DecodeTcKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_st, int64_t splits, int64_t split_target, float* part_o, float* part_m,
                    float* part_l, unsigned* counters) {
   constexpr int KS = DecKeys(HD), ST = DecStages(HD), P = DecPitch(HD);
   constexpr int NT = KS / 8;  // score n-tiles (8 keys each)
@@ -76,21 +91,42 @@ __global__ void __launch_bounds__(kDecThreads)
       key_hi = max(key_hi, kr.hi);
     }
   }
-  int64_t k_begin = 0, k_end = 0;
+  int64_t k_begin = 0, k_end = 0, chunk = 1;
   if (key_lo < key_hi) {
-    const int64_t chunk = SplitChunk(key_hi - key_lo, split_target, KS, kMinDecodeSplitKeys);
+    chunk = SplitChunk(key_hi - key_lo, split_target, KS, kMinDecodeSplitKeys);
     k_begin = min(key_hi, key_lo + split * chunk);
     k_end = min(key_hi, k_begin + chunk);
   }
   const int64_t steps = (k_end - k_begin + KS - 1) / KS;  // of the CTA; warp w takes w, w+4, ...
   const int64_t my_steps = steps > warp ? (steps - warp + kDecWarps - 1) / kDecWarps : 0;
 
-  // This warp's stages: [stage][K, V][KS][P]. Padding columns [H, HD) are zeroed once; the
-  // copies below write columns [0, H) only.
-  T* wsm = reinterpret_cast<T*>(dec_smem) + size_t(warp) * ST * 2 * KS * P;
-  for (int64_t idx = lane; HD > H && idx < ST * 2 * KS * (HD - H); idx += kWarp) {
-    wsm[(idx / (HD - H)) * P + H + idx % (HD - H)] = FromF<T>(0.0f);
+  // This warp's stages: [stage][K, V][KS][P], and in its free slot (DecSlotElems) its scratch.
+  T* wsm = reinterpret_cast<T*>(dec_smem) + size_t(warp) * ST * DecSlotElems(HD);
+  float* x = reinterpret_cast<float*>(wsm + ST * DecSlotElems(HD)) - HD;
+  T* q_tile = reinterpret_cast<T*>(dec_smem) + (ST - 1) * DecSlotElems(HD);
+
+  // The lengths, as the prepare kernel checks them: once per batch entry, token t by thread t.
+  if (buf.length_record != nullptr && split == 0 && g == 0) {
+    for (int64_t t = threadIdx.x; t < s.seq_len; t += kDecThreads) CheckLengths(s, buf, b, t);
   }
+  // The new K/V rows of this kv head, appended by the CTA whose split reads them (split 0 takes
+  // the rows no split reads, a first prompt's padding) before any of its loads is issued; the
+  // other CTAs never read them.
+  const int64_t written = WrittenRows(s, geo);
+  auto appends = [&](int64_t i) {
+    const int64_t p = geo.past + i;
+    return (key_lo <= p && p < key_hi) ? (p - key_lo) / chunk == split : split == 0;
+  };
+  bool appended = false;  // uniform over the CTA
+  for (int64_t i = 0; i < written; ++i) {
+    if (!appends(i)) continue;
+    appended = true;
+    if (i % kDecWarps == warp) {
+      AppendKvRow<T>(s, buf, present_st, geo, b, i, g, ClampedRotaryPosition(s, buf, geo, b, i),
+                     x, lane);
+    }
+  }
+  if (appended) __syncthreads();  // the rows before any warp's copies read them
   // Rows of this (batch, kv head): key j at base + (j - cache_base) * seq stride, in either
   // layout (cache_base: 0 unless a sliding window cache stages the rows, sliding.cu).
   const T* pk = static_cast<const T*>(buf.present_key) + present_st.Offset(b, g, 0);
@@ -105,7 +141,7 @@ __global__ void __launch_bounds__(kDecThreads)
   // a third of a short split's instructions, profiled at B=1).
   const int32_t stride32 = static_cast<int32_t>(seq_stride);
   auto issue = [&](int64_t i) {  // this warp's i-th step
-    T* ks = wsm + (i % ST) * 2 * KS * P;
+    T* ks = wsm + (i % ST) * DecSlotElems(HD);
     T* vs = ks + KS * P;
     const int64_t k0 = k_begin + (warp + i * kDecWarps) * KS;  // < k_end: a row of the cache
     const T* kstep = pk + (k0 - geo.cache_base) * seq_stride;
@@ -127,26 +163,38 @@ __global__ void __launch_bounds__(kDecThreads)
     ptx::CpAsyncCommit();  // empty groups too: the wait below counts groups
   }
 
-  // Q as A fragments in registers for the whole kernel (rounded to T once): rows gq and gq + 8.
-  const float* qrow[2];
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int64_t r = gq + hr * 8;
-    // Tokens past query_seqlens (not a first prompt) have no prepared query: zeros, never read.
-    const bool prepared = r < rows && (s.is_first_prompt() || r / G < geo.new_rows);
-    qrow[hr] = prepared ? q_ws + ((b * N + g * G + r % G) * s.seq_len + r / G) * H : nullptr;
+  // The queries, while the first steps load: row r (token r / G, head g * G + r % G) normed,
+  // rotated and scaled, rounded to T into the query tile (zeros past H, past S x G rows and for
+  // tokens past query_seqlens, which are never read), then as A fragments in registers for the
+  // whole kernel: rows gq and gq + 8.
+  for (int64_t r = warp; r < kDecodeRows; r += kDecWarps) {
+    T* qt = q_tile + r * P;
+    const int64_t tok = r / G;
+    if (r < rows && (s.is_first_prompt() || tok < geo.new_rows)) {
+      const TokenInputs<T> in(s, buf, b, tok);
+      NormRotateRow<T>(s, buf, in.q + (g * G + r % G) * H, true,
+                       ClampedRotaryPosition(s, buf, geo, b, tok), x, lane);
+      for (int64_t d = lane; d < HD; d += kWarp) qt[d] = FromF<T>(d < H ? x[d] * s.scale : 0.0f);
+    } else {
+      for (int64_t d = lane; d < HD; d += kWarp) qt[d] = FromF<T>(0.0f);
+    }
+    __syncwarp();  // x is reused by the warp's next row
   }
+  __syncthreads();
   uint32_t qa[KT][4];
 #pragma unroll
   for (int kk = 0; kk < KT; ++kk) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int d = kk * 16 + (e / 2) * 8 + 2 * tq;
-      const float* q = qrow[e % 2];
-      const float2 x = q != nullptr && d < H ? *reinterpret_cast<const float2*>(q + d)
-                                             : make_float2(0.0f, 0.0f);
-      qa[kk][e] = ptx::PackPair<T>(x.x, x.y);
+      qa[kk][e] = *reinterpret_cast<const uint32_t*>(q_tile + (gq + (e % 2) * 8) * P + d);
     }
+  }
+  __syncthreads();  // every warp holds its fragments: warp 0's free slot may take a step
+  // Padding columns [H, HD) of every stage are zeroed once, now that no slot holds the tile or a
+  // scratch row; the copies write columns [0, H) only.
+  for (int64_t idx = lane; HD > H && idx < ST * 2 * KS * (HD - H); idx += kWarp) {
+    wsm[(idx / (HD - H)) * P + H + idx % (HD - H)] = FromF<T>(0.0f);
   }
 
   // This thread's two rows: their key ranges inside the split. Rows past S x G are idle: their
@@ -186,7 +234,7 @@ __global__ void __launch_bounds__(kDecThreads)
     ptx::CpAsyncCommit();
     ptx::CpAsyncWait<ST - 1>();  // this lane's copies of step i have landed
     __syncwarp();                // ... and every lane's
-    const T* ks = wsm + (i % ST) * 2 * KS * P;
+    const T* ks = wsm + (i % ST) * DecSlotElems(HD);
     const T* vs = ks + KS * P;
     const int64_t k0 = k_begin + (warp + i * kDecWarps) * KS;
 
@@ -438,8 +486,8 @@ __global__ void __launch_bounds__(kDecThreads)
   if (last_to_finish(row_counters + tree.groups, tree.groups)) merge(splits, tree.groups, -1);
 }
 
-using DecodeFn = void (*)(GqaShape, GqaCudaBuffers, KvStrides, const float*, int64_t, int64_t,
-                          float*, float*, float*, unsigned*);
+using DecodeFn = void (*)(GqaShape, GqaCudaBuffers, KvStrides, int64_t, int64_t, float*, float*,
+                          float*, unsigned*);
 
 template <typename T>
 DecodeFn DecodeKernelFor(int64_t head_size, size_t* smem) {
@@ -494,11 +542,15 @@ Status LaunchDecodeTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pr
                          std::to_string(s.head_size));
   }
   KVL_RETURN_IF_ERROR(EnsureSmemLimit(reinterpret_cast<const void*>(fn), smem));
+  if (ws.counter_count > 0) {  // a memset node under graph capture, like the kernel
+    KVL_RETURN_IF_ERROR(CudaCheck(
+        cudaMemsetAsync(ws.counters, 0, sizeof(unsigned) * ws.counter_count, stream),
+        "decode counters memset"));
+  }
   const dim3 grid(static_cast<unsigned>(plan.splits),
                   static_cast<unsigned>(s.batch * s.kv_num_heads));
-  fn<<<grid, kDecThreads, smem, stream>>>(s, buf, present_st, ws.q, plan.splits,
-                                          plan.split_target, ws.part_o, ws.part_m, ws.part_l,
-                                          ws.counters);
+  fn<<<grid, kDecThreads, smem, stream>>>(s, buf, present_st, plan.splits, plan.split_target,
+                                          ws.part_o, ws.part_m, ws.part_l, ws.counters);
   return CudaCheck(cudaGetLastError(), "decode launch");
 }
 

@@ -27,10 +27,12 @@ using AttnPlan = GqaCudaPlan;
 // Pointers into the call's workspace (laid out by the plan).
 struct Workspace {
   float* q = nullptr;               // (B, N, S, H) float: normed, rotated, scaled queries
+                                    // (null for the decode kernel, which prepares its own)
   float* part_o = nullptr;          // split partials: (slot, H)
   float* part_m = nullptr;          // (slot)
   float* part_l = nullptr;          // (slot)
-  // Decode split merge tree: B * Nkv x DecodeMergeTree::CountersPerRow, zeroed by prepare.
+  // Decode split merge tree: B * Nkv x DecodeMergeTree::CountersPerRow, zeroed by a memset
+  // before the decode kernel (LaunchDecodeTc).
   unsigned* counters = nullptr;
   int64_t counter_count = 0;
   void* q_storage = nullptr;         // cuDNN prefill: (B, S, N, H) rotated queries, storage type

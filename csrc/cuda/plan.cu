@@ -114,7 +114,10 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
         std::max<int64_t>(1, (attn_rows + kMinSplitKeys - 1) / kMinSplitKeys);
     p.splits = std::min(p.split_target, max_splits);
   }
-  p.q_bytes = align(sizeof(float) * s.batch * s.num_heads * s.seq_len * s.head_size);
+  // The float queries of prepare (the decode kernel keeps its own in shared memory).
+  if (p.kernel != AttnKernel::kDecodeTc) {
+    p.q_bytes = align(sizeof(float) * s.batch * s.num_heads * s.seq_len * s.head_size);
+  }
   if (p.splits > 1) {
     const bool decode = p.kernel == AttnKernel::kDecodeTc;
     const DecodeMergeTree tree = MergeTreeOf(s, p);
@@ -132,7 +135,7 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
 Workspace CarveWorkspace(const GqaShape& s, const AttnPlan& p, void* workspace) {
   char* base = static_cast<char*>(workspace);
   Workspace ws;
-  ws.q = reinterpret_cast<float*>(base);
+  ws.q = p.q_bytes > 0 ? reinterpret_cast<float*>(base) : nullptr;
   base += p.q_bytes;
   ws.part_o = reinterpret_cast<float*>(base);
   base += p.part_o_bytes;
@@ -162,19 +165,23 @@ Workspace CarveWorkspace(const GqaShape& s, const AttnPlan& p, void* workspace) 
   return ws;
 }
 
-// New rows into `kv_st` rows of buf.present_*, then the attention reading them.
+// New rows into `kv_st` rows of buf.present_* (prepare, or the decode kernel itself), and the
+// attention reading them.
 template <typename T>
 Status Attend(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo& dev,
               KvStrides kv_st, const AttnPlan& plan, const Workspace& ws, cudaStream_t stream) {
+  if constexpr (sizeof(T) == 2) {
+    // The decode kernel prepares its own rows (one launch per step).
+    if (plan.kernel == AttnKernel::kDecodeTc) {
+      return LaunchDecodeTc<T>(s, buf, kv_st, plan, ws, stream);
+    }
+  }
   KVL_RETURN_IF_ERROR(LaunchPrepare<T>(s, buf, kv_st, ws, stream));
   if (plan.kernel == AttnKernel::kPrefillCudnn) {
     return LaunchCudnnPrefill(*plan.cudnn, dev, buf, ws, stream);
   }
   if constexpr (sizeof(T) == 2) {
     if (plan.kernel == AttnKernel::kPrefillTc) return LaunchPrefillTc<T>(s, buf, kv_st, ws, stream);
-    if (plan.kernel == AttnKernel::kDecodeTc) {
-      return LaunchDecodeTc<T>(s, buf, kv_st, plan, ws, stream);
-    }
   }
   return LaunchPortable<T>(s, buf, kv_st, plan, ws, stream);
 }

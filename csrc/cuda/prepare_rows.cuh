@@ -1,0 +1,140 @@
+// The per-token work before attention, as device functions: the length checks (recorded for the
+// host), the queries' and new keys' norm and rotary, and the append of new K/V rows to the cache.
+// Two kernels call them: the prepare kernel (prepare.cu), which serves prefill and the portable
+// kernel, and the tensor-core decode kernel (decode.cu), which does this work itself so that a
+// decode step is one launch. One definition, so both give the same bits.
+#pragma once
+
+#include "core/length_rules.h"
+#include "cuda/common.cuh"
+
+namespace kvl {
+namespace cu {
+
+// Writes `v` into the host-mapped record unless an earlier violation is still unread there. The
+// writer is elected in device memory (`claim` holds the generation last claimed): the first
+// thread to move it from the host's `taken` generation to the next one writes the record, then
+// publishes it by setting `written`. Rare path: runs only for a violation.
+__device__ inline void RecordViolation(LengthRecord* rec, uint32_t* claim,
+                                       const LengthViolation& v) {
+  const uint32_t taken = rec->taken;
+  if (atomicCAS(claim, taken, taken + 1u) != taken) return;  // a record is pending (or racing)
+  volatile int64_t* dst = reinterpret_cast<volatile int64_t*>(&rec->violation);
+  const int64_t* src = reinterpret_cast<const int64_t*>(&v);
+  static_assert(sizeof(LengthViolation) % sizeof(int64_t) == 0, "record copied in 8-byte words");
+  for (size_t w = 0; w < sizeof(LengthViolation) / sizeof(int64_t); ++w) dst[w] = src[w];
+  __threadfence_system();  // the record before its generation, as the host sees them
+  rec->written = taken + 1u;
+}
+
+// One thread per (batch entry, token): the rules of core/length_rules.h on the raw values, as the
+// CPU op checks them. The batch entry's rules are recorded by its token 0, a position by its own
+// token; a position is checked only when the entry's lengths pass (as on the CPU). Callers check
+// buf.length_record first (null: no record kept).
+__device__ inline void CheckLengths(const GqaShape& s, const GqaCudaBuffers& buf, int64_t b,
+                                    int64_t i) {
+  const int32_t seqlens = buf.seqlens_k[b];
+  const int32_t query_len = s.has_query_seqlens ? buf.query_seqlens[b] : 0;
+  LengthViolation v = CheckBatchLengths(s, b, seqlens, query_len);
+  if (v.rule != static_cast<int32_t>(LengthRule::kNone)) {
+    if (i == 0) RecordViolation(buf.length_record, buf.length_claim, v);
+    return;
+  }
+  if (s.rotary_dim == 0) return;
+  const BatchGeometry g = GetBatchGeometry(s, seqlens, query_len);
+  if (i >= RotaryRowsUsed(s, g)) return;
+  v = CheckRotaryPosition(s, b, i, RotaryPosition(s, g, buf.position_ids, b, i));
+  if (v.rule != static_cast<int32_t>(LengthRule::kNone)) {
+    RecordViolation(buf.length_record, buf.length_claim, v);
+  }
+}
+
+// Rotary position of new token i, clamped into the cos/sin caches: an out-of-range position is
+// what CheckLengths records; the kernels never read outside the caches. 0 without rotary.
+__device__ __forceinline__ int64_t ClampedRotaryPosition(const GqaShape& s,
+                                                         const GqaCudaBuffers& buf,
+                                                         const BatchGeometry& g, int64_t b,
+                                                         int64_t i) {
+  if (s.rotary_dim == 0) return 0;
+  const int64_t pos = RotaryPosition(s, g, buf.position_ids, b, i);
+  return pos < 0 ? 0 : (pos >= s.rotary_max_positions ? s.rotary_max_positions - 1 : pos);
+}
+
+// Where token i of batch entry b keeps its rows in the inputs (packed QKV or separate tensors).
+template <typename T>
+struct TokenInputs {
+  const T* q;  // query head 0 of the token; head h at q + h * H
+  const T* k;  // key head 0
+  const T* v;  // value head 0
+  __device__ TokenInputs(const GqaShape& s, const GqaCudaBuffers& buf, int64_t b, int64_t i) {
+    const int64_t H = s.head_size, N = s.num_heads, Nkv = s.kv_num_heads;
+    const int64_t q_pitch = s.packed_qkv ? (N + 2 * Nkv) * H : N * H;
+    const int64_t q_row = (b * s.seq_len + i) * q_pitch;
+    q = static_cast<const T*>(buf.query) + q_row;
+    if (s.packed_qkv) {
+      k = q + N * H;
+      v = k + Nkv * H;
+    } else {
+      const int64_t kv_row = (b * s.seq_len + i) * Nkv * H;
+      k = static_cast<const T*>(buf.key) + kv_row;
+      v = static_cast<const T*>(buf.value) + kv_row;
+    }
+  }
+};
+
+// One warp: x[0, H) = the row `src` (H elements), RMS-normed by the query's or key's norm weight
+// when the op has one, then rotated at position `pos` when it has rotary. `x` is the warp's own
+// float scratch; the warp has synchronized on it when this returns.
+template <typename T>
+__device__ void NormRotateRow(const GqaShape& s, const GqaCudaBuffers& buf, const T* src, bool is_q,
+                              int64_t pos, float* x, int lane) {
+  const int64_t H = s.head_size;
+  for (int64_t d = lane; d < H; d += kWarp) x[d] = ToF(src[d]);
+  __syncwarp();
+  const void* w = is_q ? buf.q_norm_weight : buf.k_norm_weight;
+  if (w != nullptr) {
+    float ss = 0.0f;
+    for (int64_t d = lane; d < H; d += kWarp) ss += x[d] * x[d];
+    ss = WarpSum(ss);
+    const float inv = rsqrtf(ss / H + (is_q ? s.q_norm_epsilon : s.k_norm_epsilon));
+    for (int64_t d = lane; d < H; d += kWarp) x[d] = x[d] * inv * ToF(static_cast<const T*>(w)[d]);
+    __syncwarp();
+  }
+  if (s.rotary_dim > 0) {
+    const int64_t half = s.rotary_dim / 2;
+    const T* cs = static_cast<const T*>(buf.cos_cache) + pos * half;
+    const T* sn = static_cast<const T*>(buf.sin_cache) + pos * half;
+    for (int64_t p = lane; p < half; p += kWarp) {
+      const int64_t i1 = s.interleaved ? 2 * p : p, i2 = s.interleaved ? 2 * p + 1 : p + half;
+      const float c = ToF(cs[p]), sv = ToF(sn[p]);
+      const float x1 = x[i1], x2 = x[i2];
+      x[i1] = x1 * c - x2 * sv;
+      x[i2] = x2 * c + x1 * sv;
+    }
+    __syncwarp();
+  }
+}
+
+// One warp appends token i's key (normed, rotated) and value rows of kv head hk to the cache
+// `present_st` describes: the row of position past + i (cache_base is row 0, non-zero only when
+// a sliding window cache stages the rows). `pos`: ClampedRotaryPosition of the token.
+template <typename T>
+__device__ void AppendKvRow(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
+                            const BatchGeometry& g, int64_t b, int64_t i, int64_t hk, int64_t pos,
+                            float* x, int lane) {
+  const int64_t H = s.head_size;
+  const TokenInputs<T> in(s, buf, b, i);
+  NormRotateRow<T>(s, buf, in.k + hk * H, false, pos, x, lane);
+  const int64_t off = present_st.Offset(b, hk, g.past - g.cache_base + i);
+  T* kd = static_cast<T*>(buf.present_key) + off;
+  T* vd = static_cast<T*>(buf.present_value) + off;
+  const T* vs = in.v + hk * H;
+  for (int64_t d = lane; d < H; d += kWarp) {
+    kd[d] = FromF<T>(x[d]);
+    vd[d] = vs[d];
+  }
+  __syncwarp();  // x is reused by the warp's next row
+}
+
+}  // namespace cu
+}  // namespace kvl
