@@ -41,14 +41,21 @@ __host__ __device__ constexpr int DecStages(int hd) { return hd > 128 ? 2 : 3; }
 __host__ __device__ constexpr int DecPitch(int hd) { return hd + 8; }
 
 // The slot a warp's stage ring leaves free until its key loop starts (slot ST - 1: the prologue
-// fills slots 0 .. ST - 2) holds, before that, the warp's float scratch (its last HD floats) and,
-// in warp 0's, the CTA's query tile (kDecodeRows rows of pitch DecPitch, at its start).
+// fills slots 0 .. ST - 2) holds, before that: in warp 0's, the CTA's query tile (kDecodeRows
+// rows of pitch DecPitch, at its start); in every warp's, at its end, the warp's raw query rows
+// (kDecodeRows / kDecWarps x HD floats) then its float scratch (HD floats).
 __host__ __device__ constexpr size_t DecSlotElems(int hd) {
   return size_t(2) * DecKeys(hd) * DecPitch(hd);
 }
-static_assert(kDecodeRows * DecPitch(256) * 2 + 256 * sizeof(float) <= DecSlotElems(256) * 2 &&
-                  kDecodeRows * DecPitch(32) * 2 + 32 * sizeof(float) <= DecSlotElems(32) * 2,
-              "the query tile and a warp's scratch share one free stage slot");
+constexpr bool DecSlotHoldsPrologue(int hd) {  // fp16/bf16 elements (2 bytes)
+  return kDecodeRows * DecPitch(hd) * 2 + (kDecodeRows / kDecWarps + 1) * hd * sizeof(float) <=
+         DecSlotElems(hd) * 2;
+}
+static_assert(DecSlotHoldsPrologue(32) && DecSlotHoldsPrologue(64) && DecSlotHoldsPrologue(96) &&
+                  DecSlotHoldsPrologue(128) && DecSlotHoldsPrologue(160) &&
+                  DecSlotHoldsPrologue(192) && DecSlotHoldsPrologue(224) &&
+                  DecSlotHoldsPrologue(256),
+              "the query tile, raw rows and scratch fit one free stage slot");
 
 constexpr size_t DecSmemBytes(int hd, size_t elem) {
   const size_t stages = size_t(kDecWarps) * DecStages(hd) * DecSlotElems(hd) * elem;
@@ -76,7 +83,37 @@ __global__ void __launch_bounds__(kDecThreads)
   const int64_t split = blockIdx.x;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int gq = lane / 4, tq = lane % 4;  // fragment row group, thread in group
-  const BatchGeometry geo = Geo(s, buf, b);
+  // This warp's stages: [stage][K, V][KS][P]. Its free slot (DecSlotElems) holds, until the key
+  // loop, the query tile (warp 0's), the raw query rows of the warp and its float scratch.
+  T* wsm = reinterpret_cast<T*>(dec_smem) + size_t(warp) * ST * DecSlotElems(HD);
+  float* x = reinterpret_cast<float*>(wsm + ST * DecSlotElems(HD)) - HD;
+  constexpr int QR = kDecodeRows / kDecWarps, QE = HD / kWarp;  // rows per warp, values per lane
+  float* q_raw = x - QR * HD;                                     // [QR][HD]
+  T* q_tile = reinterpret_cast<T*>(dec_smem) + (ST - 1) * DecSlotElems(HD);
+
+  // The lengths, then the raw queries of this warp's rows (r = warp + 4 j), whose addresses do
+  // not depend on them: every load is in flight before the first one is used.
+  const int32_t seqlens_b = buf.seqlens_k[b];
+  const int32_t query_len_b = s.has_query_seqlens ? buf.query_seqlens[b] : 0;
+  {
+    float qv[QR][QE];
+#pragma unroll
+    for (int j = 0; j < QR; ++j) {
+      const int64_t r = warp + j * kDecWarps;
+      const T* src = r < rows ? TokenInputs<T>(s, buf, b, r / G).q + (g * G + r % G) * H : nullptr;
+#pragma unroll
+      for (int e = 0; e < QE; ++e) {
+        const int64_t d = lane + e * kWarp;
+        qv[j][e] = src != nullptr && d < H ? ToF(src[d]) : 0.0f;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < QR; ++j) {
+#pragma unroll
+      for (int e = 0; e < QE; ++e) q_raw[j * HD + lane + e * kWarp] = qv[j][e];
+    }
+  }
+  const BatchGeometry geo = ClampedBatchGeometry(s, seqlens_b, query_len_b);  // = Geo()
   auto row_keys = [&](int64_t r) {
     return r < rows ? QueryKeyRange(s, geo, r / G) : KeyRange{0, 0};
   };
@@ -100,10 +137,6 @@ __global__ void __launch_bounds__(kDecThreads)
   const int64_t steps = (k_end - k_begin + KS - 1) / KS;  // of the CTA; warp w takes w, w+4, ...
   const int64_t my_steps = steps > warp ? (steps - warp + kDecWarps - 1) / kDecWarps : 0;
 
-  // This warp's stages: [stage][K, V][KS][P], and in its free slot (DecSlotElems) its scratch.
-  T* wsm = reinterpret_cast<T*>(dec_smem) + size_t(warp) * ST * DecSlotElems(HD);
-  float* x = reinterpret_cast<float*>(wsm + ST * DecSlotElems(HD)) - HD;
-  T* q_tile = reinterpret_cast<T*>(dec_smem) + (ST - 1) * DecSlotElems(HD);
 
   // The lengths, as the prepare kernel checks them: once per batch entry, token t by thread t.
   if (buf.length_record != nullptr && split == 0 && g == 0) {
@@ -167,13 +200,14 @@ __global__ void __launch_bounds__(kDecThreads)
   // rotated and scaled, rounded to T into the query tile (zeros past H, past S x G rows and for
   // tokens past query_seqlens, which are never read), then as A fragments in registers for the
   // whole kernel: rows gq and gq + 8.
-  for (int64_t r = warp; r < kDecodeRows; r += kDecWarps) {
+#pragma unroll
+  for (int j = 0; j < QR; ++j) {
+    const int64_t r = warp + j * kDecWarps, tok = r / G;
     T* qt = q_tile + r * P;
-    const int64_t tok = r / G;
     if (r < rows && (s.is_first_prompt() || tok < geo.new_rows)) {
-      const TokenInputs<T> in(s, buf, b, tok);
-      NormRotateRow<T>(s, buf, in.q + (g * G + r % G) * H, true,
-                       ClampedRotaryPosition(s, buf, geo, b, tok), x, lane);
+      for (int64_t d = lane; d < H; d += kWarp) x[d] = q_raw[j * HD + d];
+      __syncwarp();
+      NormRotate<T>(s, buf, true, ClampedRotaryPosition(s, buf, geo, b, tok), x, lane);
       for (int64_t d = lane; d < HD; d += kWarp) qt[d] = FromF<T>(d < H ? x[d] * s.scale : 0.0f);
     } else {
       for (int64_t d = lane; d < HD; d += kWarp) qt[d] = FromF<T>(0.0f);

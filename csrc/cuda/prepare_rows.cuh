@@ -82,15 +82,13 @@ struct TokenInputs {
   }
 };
 
-// One warp: x[0, H) = the row `src` (H elements), RMS-normed by the query's or key's norm weight
-// when the op has one, then rotated at position `pos` when it has rotary. `x` is the warp's own
-// float scratch; the warp has synchronized on it when this returns.
+// One warp: the row in x[0, H) (the warp's own float scratch, written and synchronized by the
+// warp), RMS-normed by the query's or key's norm weight when the op has one, then rotated at
+// position `pos` when it has rotary. The warp has synchronized on x when this returns.
 template <typename T>
-__device__ void NormRotateRow(const GqaShape& s, const GqaCudaBuffers& buf, const T* src, bool is_q,
-                              int64_t pos, float* x, int lane) {
+__device__ void NormRotate(const GqaShape& s, const GqaCudaBuffers& buf, bool is_q, int64_t pos,
+                           float* x, int lane) {
   const int64_t H = s.head_size;
-  for (int64_t d = lane; d < H; d += kWarp) x[d] = ToF(src[d]);
-  __syncwarp();
   const void* w = is_q ? buf.q_norm_weight : buf.k_norm_weight;
   if (w != nullptr) {
     float ss = 0.0f;
@@ -113,6 +111,15 @@ __device__ void NormRotateRow(const GqaShape& s, const GqaCudaBuffers& buf, cons
     }
     __syncwarp();
   }
+}
+
+// The same for the row `src` (H elements of the inputs), loaded into x first.
+template <typename T>
+__device__ void NormRotateRow(const GqaShape& s, const GqaCudaBuffers& buf, const T* src, bool is_q,
+                              int64_t pos, float* x, int lane) {
+  for (int64_t d = lane; d < s.head_size; d += kWarp) x[d] = ToF(src[d]);
+  __syncwarp();
+  NormRotate<T>(s, buf, is_q, pos, x, lane);
 }
 
 // One warp appends token i's key (normed, rotated) and value rows of kv head hk to the cache

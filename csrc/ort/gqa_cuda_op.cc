@@ -79,13 +79,14 @@ Status GqaCudaKernel::Compute(Ort::KernelContext& ctx) {
   if (!buf.present_value) buf.present_value = scratch_v.get();
   const GqaCudaPlan plan = PlanGqaCuda(shape, buf, dev);  // once per call: sizes and launches
   DeviceBuffer workspace(ctx, dev.device, plan.WorkspaceBytes());
-  if (!buf.present_key || !buf.present_value || !workspace.get()) {
+  // A decode call without splits needs no workspace (the decode kernel keeps its queries).
+  if (!buf.present_key || !buf.present_value || (plan.WorkspaceBytes() > 0 && !workspace.get())) {
     return Status::Error("ai.kvlayout::GroupQueryAttention (CUDA): could not allocate the "
                          "workspace from the CUDA allocator");
   }
   KVL_RETURN_IF_ERROR(CheckSharing(buf));
   // total_sequence_length is a host input: checked here, as on the CPU. The other lengths live
-  // on the device: the prepare kernel checks them and records the first violation (reported by
+  // on the device: the prepare (or decode) kernel checks them and records the first violation (reported by
   // the next Run or ort_kvlayout.take_length_error()), or, in strict mode, the host checks them
   // first, waiting for the copy.
   KVL_RETURN_IF_ERROR(CheckSharedCapacity(shape, buf.shared()));
