@@ -1,5 +1,6 @@
 // Plan and dispatch: which kernel serves a call, its splits and workspace, and the launch
-// sequence (copy past, prepare, attention). Host code only; the kernels live one family per file.
+// sequence (copy past, prepare, attention; the decode kernel prepares its own rows). Host code
+// only; the kernels live one family per file.
 #include <algorithm>
 #include <cstdlib>
 #include <map>
