@@ -66,8 +66,9 @@ constexpr size_t DecSmemBytes(int hd, size_t elem) {
 
 template <typename T, int HD>
 __global__ void __launch_bounds__(kDecThreads)
-    DecodeTcKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_st, int64_t splits, int64_t split_target, float* part_o, float* part_m,
-                   float* part_l, unsigned* counters) {
+    DecodeTcKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_st, int64_t splits,
+                   int64_t split_target, float* part_o, float* part_m, float* part_l,
+                   unsigned* counters) {
   constexpr int KS = DecKeys(HD), ST = DecStages(HD), P = DecPitch(HD);
   constexpr int NT = KS / 8;  // score n-tiles (8 keys each)
   constexpr int DT = HD / 8;  // output n-tiles (8 dimensions each)

@@ -86,9 +86,9 @@ Status GqaCudaKernel::Compute(Ort::KernelContext& ctx) {
   }
   KVL_RETURN_IF_ERROR(CheckSharing(buf));
   // total_sequence_length is a host input: checked here, as on the CPU. The other lengths live
-  // on the device: the prepare (or decode) kernel checks them and records the first violation (reported by
-  // the next Run or ort_kvlayout.take_length_error()), or, in strict mode, the host checks them
-  // first, waiting for the copy.
+  // on the device: the prepare (or decode) kernel checks them and records the first violation
+  // (reported by the next Run or ort_kvlayout.take_length_error()), or, in strict mode, the
+  // host checks them first, waiting for the copy.
   KVL_RETURN_IF_ERROR(CheckSharedCapacity(shape, buf.shared()));
   void* stream = ctx.GetGPUComputeStream();
   if (strict_) KVL_RETURN_IF_ERROR(CheckLengthsStrict(shape, buf, stream));
