@@ -66,6 +66,9 @@ BREAKDOWN = False  # --breakdown: per-kernel device times on stderr
 # sum of its kernels' times: the gaps between an op's kernels count (without a CUDA graph they
 # include the host's launches), and kernels that overlap are not counted twice.
 SPAN = False
+# --capacity C: decode caches of C rows (at least L) for L live keys, as a runtime that reserves
+# the whole context binds them (onnxruntime-genai, ort_kvlayout.generation); 0: C = L.
+CAPACITY = 0
 
 
 def session(model: bytes) -> ort.InferenceSession:
@@ -171,13 +174,14 @@ def run_case(kind: str, b: int, length: int, heads: tuple[int, int, int], runs: 
         return torch.randn(*shape, generator=gen, device=dev, dtype=torch.float32).to(f16)
 
     q, k, v = randn(b, s, n * h), randn(b, s, nkv * h), randn(b, s, nkv * h)
-    pk, pv = randn(b, nkv, length, h), randn(b, nkv, length, h)  # capacity = L
+    cap = max(CAPACITY, length) if kind == "decode" else length
+    pk, pv = randn(b, nkv, cap, h), randn(b, nkv, cap, h)  # rows past L: live data of nobody
     base = {
         "query": q, "key": k, "value": v,
         "seqlens_k": torch.full((b,), length - 1, dtype=torch.int32, device=dev),
         "total_sequence_length": np.array(length, np.int32),
     }  # fmt: skip
-    row = {"kind": kind, "batch": b, "length": length, "heads": f"{n}/{nkv}/{h}"}
+    row = {"kind": kind, "batch": b, "length": length, "capacity": cap, "heads": f"{n}/{nkv}/{h}"}
     outputs = {}
     for label, domain, layout in (
         ("ort", "com.microsoft", None),
@@ -195,7 +199,7 @@ def run_case(kind: str, b: int, length: int, heads: tuple[int, int, int], runs: 
         outputs[label] = keep["output"].float()
         if BREAKDOWN:
             top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:6]
-            print(f"  {kind} {row['heads']} B={b} L={length} {label}: "
+            print(f"  {kind} {row['heads']} B={b} L={length} C={cap} {label}: "
                   + ", ".join(f"{name[:60]} {us:.1f} us" for name, us in top), file=sys.stderr)  # fmt: skip
         t = statistics.median(times)
         cell = {"kernel_ms": t, "kernel_ms_p10_p90": np.percentile(times, [10, 90]).tolist()}
@@ -233,9 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--span", action="store_true", help="first kernel start to last kernel end per Run"
     )
+    p.add_argument("--capacity", type=int, default=0, help="decode cache rows (0: L)")
     args = p.parse_args(argv)
-    global LIBRARY, BREAKDOWN, SPAN
-    LIBRARY, BREAKDOWN, SPAN = args.library, args.breakdown, args.span
+    global LIBRARY, BREAKDOWN, SPAN, CAPACITY
+    LIBRARY, BREAKDOWN, SPAN, CAPACITY = args.library, args.breakdown, args.span, args.capacity
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         print("CUDAExecutionProvider not available", file=sys.stderr)
         return 2
@@ -267,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r[v][unit]:.2f} {unit} ({r[v]['kernel_ms']:.3f} ms)" for v in ("ort", "kv0", "kv1")
         ]
         name = f"{r['kind']} B={r['batch']} {'L' if r['kind'] == 'decode' else 'S'}={r['length']}"
+        if r["capacity"] != r["length"]:
+            name += f" C={r['capacity']}"
         skew = r["kv1"]["kernel_ms"] / r["kv0"]["kernel_ms"]
         print(
             f"| {name} | {r['heads']} | {' | '.join(cells)} | {r['ratio0']:.2f} | {r['ratio1']:.2f} "

@@ -179,6 +179,7 @@ class Runtime:
         self._graph_runs: dict[int, int] = {}
         self._stale_capture = False  # a captured decode graph was invalidated by growth
         self._decode: _DecodeBinding | None = None
+        self._narrow: tuple[KvCache, int, ort.IOBinding] | None = None  # _run_narrow's binding
 
     # -----------------------------------------------------------------------------------------
     def _check_length_record(self, where: str) -> None:
@@ -206,6 +207,7 @@ class Runtime:
         if self.cache is not None:
             self.cache.close()
             self._decode = None
+            self._narrow = None
         self.cache = KvCache.create(
             self.spec.kv,
             self.cache_mode,
@@ -340,6 +342,25 @@ class Runtime:
         self.session.run_with_iobinding(binding, self._run_options(None))
         return binding.get_outputs()[-1].numpy()
 
+    def _run_narrow(self, cache: KvCache, ids, mask, positions) -> np.ndarray:
+        """A decode step with the narrowest mask. Its binding lives as long as the cache's
+        buffers (one cache generation): the KV buffers, 2 x layers of them, are bound once
+        (binding them anew each step cost SmolLM2 about 2 ms of a 50 ms step on the CPU); the
+        step's inputs, whose shapes change, and the logits are bound anew."""
+        narrow = self._narrow
+        if narrow is None or narrow[0] is not cache or narrow[1] != cache.generation:
+            binding = self.session.io_binding()
+            self._bind_kv(binding, cache)
+            self._narrow = (cache, cache.generation, binding)
+        binding = self._narrow[2]
+        binding.bind_cpu_input(self.spec.input_ids, ids)
+        binding.bind_cpu_input(self.spec.attention_mask, mask)
+        if self.spec.position_ids:
+            binding.bind_cpu_input(self.spec.position_ids, np.ascontiguousarray(positions))
+        binding.bind_output(self.spec.logits, "cpu")  # rebinding keeps its place: the last
+        self.session.run_with_iobinding(binding, self._run_options(None))
+        return binding.get_outputs()[-1].numpy()
+
     def _run_decode(self, cache: KvCache, feed: np.ndarray, live: list[int]) -> np.ndarray:
         batch = cache.batch
         if not self.fixed_mask:  # the narrowest mask: as wide as the longest live sequence
@@ -347,7 +368,7 @@ class Runtime:
             for b, n in enumerate(live):
                 mask[b, :n] = 1
             positions = np.array([[n - 1] for n in live], np.int64)
-            return self._run_prefill(cache, feed, mask, positions)[:, -1]
+            return self._run_narrow(cache, feed, mask, positions)[:, -1]
 
         decode = self._decode
         if decode is None or decode.generation != cache.generation or decode.cache is not cache:
@@ -379,6 +400,7 @@ class Runtime:
 
     def close(self) -> None:
         self._decode = None
+        self._narrow = None
         if self.cache is not None:
             self.cache.close()
 
