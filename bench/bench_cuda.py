@@ -122,11 +122,13 @@ def kernel_times(sess, io, runs: int) -> tuple[list[float], dict[str, float]]:
     )
     per_run = len(kernels) // runs if runs else 0
     if not kernels:  # CUPTI taken by another tool (ncu): wall time, so a profile run still works
-        print("  note: no CUPTI kernel records; reporting wall time", file=sys.stderr)
+        print("  note: no CUPTI kernel records; reporting wall time (not a span)", file=sys.stderr)
         return [wall_ms(sess, io, 1) for _ in range(runs)], {}
     if per_run == 0 or per_run * runs != len(kernels):  # no fixed kernel set per Run: the mean
         print(
-            f"  note: {len(kernels)} kernels over {runs} runs; reporting the mean", file=sys.stderr
+            f"  note: {len(kernels)} kernels over {runs} runs; reporting the mean of the kernel "
+            "sums (not a span)",
+            file=sys.stderr,
         )
         return [sum(e.device_time_total for e in kernels) / 1e3 / max(runs, 1)] * runs, {}
 

@@ -1,5 +1,5 @@
 """Length values on CUDA (docs/CONTRACT.md, "Length values on CUDA"): seqlens_k, query_seqlens
-and position_ids live on the device, so the CUDA op checks them in its prepare kernel and
+and position_ids live on the device, so the CUDA op checks them in its prepare/decode kernel and
 records the first violation. Default mode: the node's next Run fails with the CPU op's message
 for the same value, or ort_kvlayout.take_length_error() returns it (what a CUDA graph replay
 needs); strict mode (ORT_KVLAYOUT_STRICT_LENGTHS=1): the same Run fails with that message.

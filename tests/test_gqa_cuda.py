@@ -315,7 +315,8 @@ def test_features_vs_oracle(case):
 # --------------------------------------------------------------------------------------------
 TC_HEAD_SIZES = (8, 16, 24, 40, 80, 96, 112, 160, 192, 224, 256)
 GROUPS = ((3, 3), (6, 3), (9, 3), (8, 2), (14, 2), (16, 2), (32, 2))  # G = 1, 2, 3, 4, 7, 8, 16
-DECODE_HEAD_SIZES = (8, 40, 64, 96, 128, 256)
+# 80 and 200: padded tiles (head size below the tile width) with 16-key steps, and with 2 stages.
+DECODE_HEAD_SIZES = (8, 40, 64, 80, 96, 128, 200, 256)
 
 
 def _dispatch_cases():

@@ -30,7 +30,7 @@ size_t PresentBytes(const GqaShape& shape);
 Status CheckSharedCapacity(const GqaShape& shape, bool shared_kv);
 
 // Value checks that need seqlens_k / query_seqlens / position_ids on the host: the CPU op, and
-// the CUDA op in strict mode (after copying them); otherwise the CUDA prepare kernel applies the
+// the CUDA op in strict mode (after copying them); else a CUDA prepare/decode kernel applies the
 // same rules (core/length_rules.h) and records the first violation. `shared_kv` is true when
 // past and present are the same memory. `query_seqlens` may be null when the input is absent.
 Status CheckLengthsOnHost(const GqaShape& shape, const int32_t* seqlens_k,

@@ -27,7 +27,7 @@ struct GqaBuffers {
   void* output = nullptr;                  // (B, S, N*H)
   void* present_key = nullptr;             // (B, Nkv, C', H) declared; may alias past_key
   void* present_value = nullptr;           // same as present_key
-  // CUDA only: where the prepare kernel records the first violated length rule (a host-mapped
+  // CUDA only: where the prepare/decode kernel records the first violated length rule (host-mapped
   // record, its device address) and the device word that elects the one writer. Null: no
   // record (the kernels still clamp every length).
   LengthRecord* length_record = nullptr;

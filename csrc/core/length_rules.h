@@ -1,6 +1,6 @@
 // The rules on one call's length values (seqlens_k, query_seqlens, position_ids), one batch entry
 // or one token at a time, for host and device alike: the CPU op checks them on the host
-// (CheckLengthsOnHost), the CUDA prepare kernel on the device, where it records the first
+// (CheckLengthsOnHost), the CUDA prepare or decode kernel on the device, recording the first
 // violation for the op to report (docs/CONTRACT.md, "Length values on CUDA"). Both report a
 // LengthViolation, worded once by LengthViolationMessage (check_inputs.h).
 #pragma once

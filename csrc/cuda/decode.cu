@@ -12,7 +12,7 @@
 // The kernel also does the prepare kernel's work for its rows (prepare_rows.cuh): each CTA
 // norms, rotates and scales its group's queries itself, the CTA whose key split holds a new row
 // appends it to the cache before its loads are issued, and split 0 checks the lengths. A decode
-// step is one kernel (after the counters' memset when split), not three.
+// step launches this kernel (after the counters' memset when split) instead of prepare + decode.
 #include <algorithm>
 
 #include "cuda/common.cuh"
@@ -26,6 +26,7 @@ namespace {
 
 constexpr int kDecWarps = 4;
 constexpr int kDecThreads = kDecWarps * kWarp;
+static_assert(kDecodeRows % kDecWarps == 0, "each warp prepares kDecodeRows / kDecWarps rows");
 static_assert(kDecodeRows == kRowsPerCta, "the plan sizes decode slots in kRowsPerCta rows");
 
 // The tile width of a head size: rounded up to a multiple of 32 (padding columns are zero).
@@ -137,7 +138,6 @@ __global__ void __launch_bounds__(kDecThreads)
   }
   const int64_t steps = (k_end - k_begin + KS - 1) / KS;  // of the CTA; warp w takes w, w+4, ...
   const int64_t my_steps = steps > warp ? (steps - warp + kDecWarps - 1) / kDecWarps : 0;
-
 
   // The lengths, as the prepare kernel checks them: once per batch entry, token t by thread t.
   if (buf.length_record != nullptr && split == 0 && g == 0) {

@@ -55,7 +55,7 @@ Status LaunchPrepare(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pre
 // call shifts (a CTA would read rows another CTA already moved; past and present may be one
 // buffer), so it reads a staging copy in the workspace instead: row j of (b, kv head) holds
 // position cache_base + j, the resident past rows then this call's new rows (written by
-// prepare). After the attention, present rows [0, L(total)) are taken from the staging rows.
+// prepare or the decode kernel). After the attention, present rows [0, L(total)) are taken from the staging rows.
 // Staging: (B, Nkv, C + S, H) in the call's layout, T elements; 256-byte multiple, 0 when off.
 int64_t SlidingStageRows(const GqaShape& s);  // resident past + new rows: past capacity + S
 size_t SlidingStageBytes(const GqaShape& s);

@@ -1,4 +1,4 @@
-// Host side of the CUDA op's length checks: the per-kernel record the prepare kernel writes
+// Host side of the CUDA op's length checks: the per-kernel record the prepare/decode kernel writes
 // (host-mapped memory plus a device claim word) and the opt-in strict check before launching.
 #include <cstdio>
 #include <vector>

@@ -2,7 +2,7 @@
 // host), the queries' and new keys' norm and rotary, and the append of new K/V rows to the cache.
 // Two kernels call them: the prepare kernel (prepare.cu), which serves prefill and the portable
 // kernel, and the tensor-core decode kernel (decode.cu), which does this work itself so that a
-// decode step is one launch. One definition, so both give the same bits.
+// decode step is one launch. One definition of the arithmetic for both.
 #pragma once
 
 #include "core/length_rules.h"

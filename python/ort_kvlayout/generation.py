@@ -357,7 +357,9 @@ class Runtime:
         binding.bind_cpu_input(self.spec.attention_mask, mask)
         if self.spec.position_ids:
             binding.bind_cpu_input(self.spec.position_ids, np.ascontiguousarray(positions))
-        binding.bind_output(self.spec.logits, "cpu")  # rebinding keeps its place: the last
+        # Bound anew every step: ORT then allocates a fresh output (reused, it would write into
+        # the buffer an earlier step's array still views); the name keeps its place, the last.
+        binding.bind_output(self.spec.logits, "cpu")
         self.session.run_with_iobinding(binding, self._run_options(None))
         return binding.get_outputs()[-1].numpy()
 

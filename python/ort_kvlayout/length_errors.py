@@ -1,7 +1,7 @@
 """Length values the CUDA op found invalid on the device, read from Python.
 
 On CUDA, ``seqlens_k``, ``query_seqlens`` and ``position_ids`` live in device memory, so the op
-checks them in its prepare kernel, which records the first violation into host-mapped memory
+checks them in its prepare/decode kernel, which records the first violation into host-mapped memory
 (docs/CONTRACT.md, "Length values on CUDA"). The node's next Run fails with the CPU op's
 message; a CUDA graph replay runs no host code of the op, so the record is also readable here.
 
