@@ -334,11 +334,19 @@ class Runtime:
     def _run_prefill(self, cache: KvCache, ids, mask, positions) -> np.ndarray:
         binding = self.session.io_binding()
         self._bind_kv(binding, cache)
+        return self._run_step(binding, ids, mask, positions)
+
+    def _run_step(self, binding: ort.IOBinding, ids, mask, positions) -> np.ndarray:
+        """Binds a step's host inputs and its logits to `binding` (whose KV buffers are bound)
+        and runs it uncaptured; the logits as a host array."""
         binding.bind_cpu_input(self.spec.input_ids, ids)
         binding.bind_cpu_input(self.spec.attention_mask, mask)
         if self.spec.position_ids:
             binding.bind_cpu_input(self.spec.position_ids, np.ascontiguousarray(positions))
-        binding.bind_output(self.spec.logits, "cpu")  # bound last: get_outputs()[-1]
+        # Bound after the KV buffers, so get_outputs()[-1]; and bound anew at every step of a
+        # reused binding: ORT then allocates a fresh output (a reused one would be written under
+        # an array an earlier step still views), and the name keeps its place.
+        binding.bind_output(self.spec.logits, "cpu")
         self.session.run_with_iobinding(binding, self._run_options(None))
         return binding.get_outputs()[-1].numpy()
 
@@ -352,16 +360,7 @@ class Runtime:
             binding = self.session.io_binding()
             self._bind_kv(binding, cache)
             self._narrow = (cache, cache.generation, binding)
-        binding = self._narrow[2]
-        binding.bind_cpu_input(self.spec.input_ids, ids)
-        binding.bind_cpu_input(self.spec.attention_mask, mask)
-        if self.spec.position_ids:
-            binding.bind_cpu_input(self.spec.position_ids, np.ascontiguousarray(positions))
-        # Bound anew every step: ORT then allocates a fresh output (reused, it would write into
-        # the buffer an earlier step's array still views); the name keeps its place, the last.
-        binding.bind_output(self.spec.logits, "cpu")
-        self.session.run_with_iobinding(binding, self._run_options(None))
-        return binding.get_outputs()[-1].numpy()
+        return self._run_step(self._narrow[2], ids, mask, positions)
 
     def _run_decode(self, cache: KvCache, feed: np.ndarray, live: list[int]) -> np.ndarray:
         batch = cache.batch
