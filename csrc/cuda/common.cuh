@@ -73,10 +73,20 @@ __device__ __forceinline__ float PartialWeight(float m, float l, float mx) {
   return __expf(m - mx);
 }
 
+// Batch entry b's length values as the inputs hold them (query_len 0 without query_seqlens).
+struct EntryLengths {
+  int32_t seqlens_k;
+  int32_t query_len;
+};
+__device__ __forceinline__ EntryLengths ReadLengths(const GqaShape& s, const GqaCudaBuffers& buf,
+                                                    int64_t b) {
+  return {buf.seqlens_k[b], s.has_query_seqlens ? buf.query_seqlens[b] : 0};
+}
+
 __device__ __forceinline__ BatchGeometry Geo(const GqaShape& s, const GqaCudaBuffers& buf,
                                              int64_t b) {
-  return ClampedBatchGeometry(s, buf.seqlens_k[b],
-                              s.has_query_seqlens ? buf.query_seqlens[b] : 0);
+  const EntryLengths n = ReadLengths(s, buf, b);
+  return ClampedBatchGeometry(s, n.seqlens_k, n.query_len);
 }
 
 __device__ __forceinline__ int64_t WrittenRows(const GqaShape& s, const BatchGeometry& g) {

@@ -95,8 +95,7 @@ __global__ void __launch_bounds__(kDecThreads)
 
   // The lengths, then the raw queries of this warp's rows (r = warp + 4 j), whose addresses do
   // not depend on them: every load is in flight before the first one is used.
-  const int32_t seqlens_b = buf.seqlens_k[b];
-  const int32_t query_len_b = s.has_query_seqlens ? buf.query_seqlens[b] : 0;
+  const EntryLengths lengths = ReadLengths(s, buf, b);
   {
     float qv[QR][QE];
 #pragma unroll
@@ -115,7 +114,7 @@ __global__ void __launch_bounds__(kDecThreads)
       for (int e = 0; e < QE; ++e) q_raw[j * HD + lane + e * kWarp] = qv[j][e];
     }
   }
-  const BatchGeometry geo = ClampedBatchGeometry(s, seqlens_b, query_len_b);  // = Geo()
+  const BatchGeometry geo = ClampedBatchGeometry(s, lengths.seqlens_k, lengths.query_len);
   auto row_keys = [&](int64_t r) {
     return r < rows ? QueryKeyRange(s, geo, r / G) : KeyRange{0, 0};
   };
@@ -206,14 +205,13 @@ __global__ void __launch_bounds__(kDecThreads)
     const int64_t r = warp + j * kDecWarps, tok = r / G;
     T* qt = q_tile + r * P;
     if (r < rows && (s.is_first_prompt() || tok < geo.new_rows)) {
-      for (int64_t d = lane; d < H; d += kWarp) x[d] = q_raw[j * HD + d];
-      __syncwarp();
-      NormRotate<T>(s, buf, true, ClampedRotaryPosition(s, buf, geo, b, tok), x, lane);
-      for (int64_t d = lane; d < HD; d += kWarp) qt[d] = FromF<T>(d < H ? x[d] * s.scale : 0.0f);
+      float* qr = q_raw + j * HD;  // the warp's own row: normed and rotated in place
+      __syncwarp();                // every lane's raw values before rotary pairs cross lanes
+      NormRotate<T>(s, buf, true, ClampedRotaryPosition(s, buf, geo, b, tok), qr, lane);
+      for (int64_t d = lane; d < HD; d += kWarp) qt[d] = FromF<T>(d < H ? qr[d] * s.scale : 0.0f);
     } else {
       for (int64_t d = lane; d < HD; d += kWarp) qt[d] = FromF<T>(0.0f);
     }
-    __syncwarp();  // x is reused by the warp's next row
   }
   __syncthreads();
   uint32_t qa[KT][4];

@@ -33,15 +33,14 @@ __device__ inline void RecordViolation(LengthRecord* rec, uint32_t* claim,
 // buf.length_record first (null: no record kept).
 __device__ inline void CheckLengths(const GqaShape& s, const GqaCudaBuffers& buf, int64_t b,
                                     int64_t i) {
-  const int32_t seqlens = buf.seqlens_k[b];
-  const int32_t query_len = s.has_query_seqlens ? buf.query_seqlens[b] : 0;
-  LengthViolation v = CheckBatchLengths(s, b, seqlens, query_len);
+  const EntryLengths n = ReadLengths(s, buf, b);
+  LengthViolation v = CheckBatchLengths(s, b, n.seqlens_k, n.query_len);
   if (v.rule != static_cast<int32_t>(LengthRule::kNone)) {
     if (i == 0) RecordViolation(buf.length_record, buf.length_claim, v);
     return;
   }
   if (s.rotary_dim == 0) return;
-  const BatchGeometry g = GetBatchGeometry(s, seqlens, query_len);
+  const BatchGeometry g = GetBatchGeometry(s, n.seqlens_k, n.query_len);
   if (i >= RotaryRowsUsed(s, g)) return;
   v = CheckRotaryPosition(s, b, i, RotaryPosition(s, g, buf.position_ids, b, i));
   if (v.rule != static_cast<int32_t>(LengthRule::kNone)) {
