@@ -4,10 +4,11 @@
 // T - L .. T - 1, so a call shifts rows down by present_base - cache_base. Moving rows in place
 // races across CTAs (and past and present may be the same buffer), and the attention of a
 // multi-token call still needs rows the shift drops. So the call goes through a staging copy in
-// the workspace (kernels.h): resident past rows in, prepare/decode append the new rows,
-// the attention reads staging row (position - cache_base), then the present is written from staging. Every
-// row index comes from ClampedBatchGeometry (lengths read on the device), every address from
-// KvStrides; grids depend on sizes only, so the launches are valid under CUDA graph capture.
+// the workspace (kernels.h): resident past rows in, prepare/decode append the new rows, the
+// attention reads staging row (position - cache_base), then the present is written from
+// staging. Every row index comes from ClampedBatchGeometry (lengths read on the device), every
+// address from KvStrides; grids depend on sizes only, so the launches are valid under CUDA graph
+// capture.
 #include <algorithm>
 #include <type_traits>
 
