@@ -135,6 +135,14 @@ __global__ void __launch_bounds__(kDecThreads)
     k_begin = min(key_hi, key_lo + split * chunk);
     k_end = min(key_hi, k_begin + chunk);
   }
+  // The splits that hold live keys are a prefix of the grid, the same in every CTA of the row
+  // (the partition follows the live length; the capacity only sized the grid). Split 0 always
+  // counts, so a row without live keys is still written. The others have no keys, no new row to
+  // append (a row's owner holds its key) and a partial that would weigh exactly 0 in every
+  // merge: they leave now, and the merges take the live prefix only (the same bits: an empty
+  // partial adds nothing). With a large cache and a short sequence, most of the grid.
+  const int64_t live = key_lo < key_hi ? (key_hi - key_lo + chunk - 1) / chunk : 1;
+  if (split >= live) return;
   const int64_t steps = (k_end - k_begin + KS - 1) / KS;  // of the CTA; warp w takes w, w+4, ...
   const int64_t my_steps = steps > warp ? (steps - warp + kDecWarps - 1) / kDecWarps : 0;
 
@@ -142,24 +150,6 @@ __global__ void __launch_bounds__(kDecThreads)
   if (buf.length_record != nullptr && split == 0 && g == 0) {
     for (int64_t t = threadIdx.x; t < s.seq_len; t += kDecThreads) CheckLengths(s, buf, b, t);
   }
-  // The new K/V rows of this kv head, appended by the CTA whose split reads them (split 0 takes
-  // the rows no split reads, a first prompt's padding) before any of its loads is issued; the
-  // other CTAs never read them.
-  const int64_t written = WrittenRows(s, geo);
-  auto appends = [&](int64_t i) {
-    const int64_t p = geo.past + i;
-    return (key_lo <= p && p < key_hi) ? (p - key_lo) / chunk == split : split == 0;
-  };
-  bool appended = false;  // uniform over the CTA
-  for (int64_t i = 0; i < written; ++i) {
-    if (!appends(i)) continue;
-    appended = true;
-    if (i % kDecWarps == warp) {
-      AppendKvRow<T>(s, buf, present_st, geo, b, i, g, ClampedRotaryPosition(s, buf, geo, b, i),
-                     x, lane);
-    }
-  }
-  if (appended) __syncthreads();  // the rows before any warp's copies read them
   // Rows of this (batch, kv head): key j at base + (j - cache_base) * seq stride, in either
   // layout (cache_base: 0 unless a sliding window cache stages the rows, sliding.cu).
   const T* pk = static_cast<const T*>(buf.present_key) + present_st.Offset(b, g, 0);
@@ -190,10 +180,38 @@ __global__ void __launch_bounds__(kDecThreads)
       ptx::CpAsync16(vs + j * P + c * 8, vstep + off, valid);
     }
   };
-#pragma unroll
-  for (int i = 0; i < ST - 1; ++i) {
-    if (i < my_steps) issue(i);
-    ptx::CpAsyncCommit();  // empty groups too: the wait below counts groups
+  // The new K/V rows of this kv head (positions past + i) are appended by the CTA whose split
+  // reads them (split 0 takes the rows no split reads, a first prompt's padding); the other
+  // CTAs never read them. That CTA first issues the steps that read old rows only, then appends
+  // and waits for every warp's rows, then issues the rest: only the loads of new rows wait.
+  const int64_t written = WrittenRows(s, geo);
+  auto appends = [&](int64_t i) {
+    const int64_t p = geo.past + i;
+    return (key_lo <= p && p < key_hi) ? (p - key_lo) / chunk == split : split == 0;
+  };
+  bool appended = false;  // uniform over the CTA
+  for (int64_t i = 0; i < written && !appended; ++i) appended = appends(i);
+  auto reads_new_rows = [&](int i) {
+    const int64_t k0 = k_begin + (warp + i * kDecWarps) * KS;
+    return appended && min(k0 + KS, k_end) > geo.past;
+  };
+  int issued = 0;  // the first ST - 1 steps, each its own group (empty ones too: the wait
+                   // below counts groups)
+  for (; issued < ST - 1 && issued < my_steps && !reads_new_rows(issued); ++issued) {
+    issue(issued);
+    ptx::CpAsyncCommit();
+  }
+  if (appended) {
+    for (int64_t i = warp; i < written; i += kDecWarps) {
+      if (!appends(i)) continue;
+      AppendKvRow<T>(s, buf, present_st, geo, b, i, g, ClampedRotaryPosition(s, buf, geo, b, i),
+                     x, lane);
+    }
+    __syncthreads();  // every warp's rows before any warp's copies read them
+  }
+  for (; issued < ST - 1; ++issued) {
+    if (issued < my_steps) issue(issued);
+    ptx::CpAsyncCommit();
   }
 
   // The queries, while the first steps load: row r (token r / G, head g * G + r % G) normed,
@@ -418,7 +436,7 @@ __global__ void __launch_bounds__(kDecThreads)
       lsum += red_l[w][r] * wt;
       acc += red_o[(w * kDecodeRows + r) * HD + d] * wt;
     }
-    if (splits == 1) {
+    if (live == 1) {  // the merge of this one partial (its weight is exp(0) = 1): the same bits
       out_row(r)[d] = FromF<T>(acc * OutputScale(mx, lsum, extra, row_sink(r)));
       continue;
     }
@@ -428,7 +446,7 @@ __global__ void __launch_bounds__(kDecThreads)
       part_l[slot0 + r] = lsum;
     }
   }
-  if (splits == 1) return;
+  if (live == 1) return;
 
   // Merges partial slots [first, first + n) of this (batch, kv head) into slot `dst` (a group
   // partial) or, with dst < 0, into the output. The whole CTA calls it. In split order
@@ -510,13 +528,14 @@ __global__ void __launch_bounds__(kDecThreads)
   };
   unsigned* row_counters = counters + bg * tree.CountersPerRow();
   if (tree.groups == 1) {
-    if (last_to_finish(row_counters, splits)) merge(0, splits, -1);
+    if (last_to_finish(row_counters, live)) merge(0, live, -1);
     return;
   }
   const int64_t grp = split / tree.group, first = grp * tree.group;
-  if (!last_to_finish(row_counters + grp, min(tree.group, splits - first))) return;
-  merge(first, min(tree.group, splits - first), splits + grp);
-  if (last_to_finish(row_counters + tree.groups, tree.groups)) merge(splits, tree.groups, -1);
+  const int64_t live_groups = (live + tree.group - 1) / tree.group;
+  if (!last_to_finish(row_counters + grp, min(tree.group, live - first))) return;
+  merge(first, min(tree.group, live - first), splits + grp);
+  if (last_to_finish(row_counters + tree.groups, live_groups)) merge(splits, live_groups, -1);
 }
 
 using DecodeFn = void (*)(GqaShape, GqaCudaBuffers, KvStrides, int64_t, int64_t, float*, float*,
