@@ -6,8 +6,8 @@
 // by its FMAs and shuffles, not by HBM). Each warp owns every fourth KS-key step of the split and
 // streams its own rows through DecStages cp.async stages: no CTA barrier inside the key loop. At
 // the end the four warps merge in shared memory, and with several splits the last CTAs to finish
-// merge the splits through DecodeMergeTree (counters in the workspace, zeroed by a memset
-// before the launch): no combine kernel.
+// merge the splits through DecodeMergeTree (counters kept across calls and reset by their last
+// arrival, or the workspace's zeroed by a memset before the launch): no combine kernel.
 //
 // The kernel also does the prepare kernel's work for its rows (prepare_rows.cuh): each CTA
 // norms, rotates and scales its group's queries itself, the CTA whose key split holds a new row
@@ -517,11 +517,16 @@ __global__ void __launch_bounds__(kDecThreads)
     }
   };
   // True in the CTA that is the last of `count` to bump `counter`. The fence publishes this
-  // CTA's partial before its count; the second makes the others' partials visible to it.
+  // CTA's partial before its count; the second makes the others' partials visible to it. The
+  // last arrival returns the counter to zero (every CTA of this launch that counts on it has
+  // counted), so counters kept across calls start the next launch at zero.
   auto last_to_finish = [&](unsigned* counter, int64_t count) {
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) merges_splits = atomicAdd(counter, 1u) == unsigned(count - 1);
+    if (threadIdx.x == 0) {
+      merges_splits = atomicAdd(counter, 1u) == unsigned(count - 1);
+      if (merges_splits) atomicExch(counter, 0u);
+    }
     __syncthreads();
     if (merges_splits) __threadfence();
     return merges_splits;
@@ -594,7 +599,7 @@ Status LaunchDecodeTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pr
                          std::to_string(s.head_size));
   }
   KVL_RETURN_IF_ERROR(EnsureSmemLimit(reinterpret_cast<const void*>(fn), smem));
-  if (ws.counter_count > 0) {  // a memset node under graph capture, like the kernel
+  if (ws.counter_count > 0 && !ws.counters_zero) {  // a memset node under graph capture
     KVL_RETURN_IF_ERROR(CudaCheck(
         cudaMemsetAsync(ws.counters, 0, sizeof(unsigned) * ws.counter_count, stream),
         "decode counters memset"));

@@ -7,7 +7,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <vector>
 
 #include "core/gqa_buffers.h"
 #include "core/gqa_types.h"
@@ -68,10 +71,39 @@ GqaCudaPlan PlanGqaCuda(const GqaShape& shape, const GqaCudaBuffers& buffers,
                         const CudaDeviceInfo& device);
 
 // Enqueues the whole op on `stream` (a cudaStream_t) as `plan` says. `workspace` holds
-// plan.WorkspaceBytes() bytes, 256-byte aligned.
+// plan.WorkspaceBytes() bytes, 256-byte aligned. `decode_counters`: at least
+// plan.counter_bytes of zeroed counters that outlive the call (CudaDecodeCounters), or null: the
+// decode kernel then uses the workspace's, zeroed by a memset before it.
 Status LaunchGqaCuda(const GqaShape& shape, const GqaCudaBuffers& buffers,
                      const CudaDeviceInfo& device, const GqaCudaPlan& plan, void* workspace,
-                     void* stream);
+                     void* stream, unsigned* decode_counters = nullptr);
+
+// The decode kernel's split counters kept across calls, one buffer per stream of a kernel
+// instance: zeroed once when allocated, and returned to zero by the kernel itself (the last CTA
+// to count a counter resets it), so a decode step needs no memset (one CUDA graph node less).
+// Concurrent Runs use different streams, hence one buffer each; a stream's launches are
+// ordered. A buffer outgrown by a larger shape is kept until the kernel goes (a captured graph
+// replays with its address). Get gives null where a call cannot use them: the buffer is missing
+// or too small while the stream is capturing (no allocation then), or the device refused the
+// stream-ordered allocation; the call then falls back to the workspace's counters and a memset.
+class CudaDecodeCounters {
+ public:
+  CudaDecodeCounters() = default;
+  ~CudaDecodeCounters();
+  CudaDecodeCounters(const CudaDecodeCounters&) = delete;
+  CudaDecodeCounters& operator=(const CudaDecodeCounters&) = delete;
+  Status Get(void* stream, size_t bytes, unsigned** counters);
+
+ private:
+  struct Buffer {
+    unsigned* ptr = nullptr;
+    size_t bytes = 0;
+  };
+  std::mutex mutex_;
+  std::map<void*, Buffer> by_stream_;
+  std::vector<unsigned*> retired_;  // outgrown buffers: a captured graph may still use them
+  bool unavailable_ = false;  // cudaMallocAsync failed once: always the memset path
+};
 
 // The length record of one CUDA kernel instance (core/length_rules.h): a LengthRecord in
 // host-mapped pinned memory and the device word that elects its writer. Allocated once, when

@@ -32,9 +32,10 @@ struct Workspace {
   float* part_m = nullptr;          // (slot)
   float* part_l = nullptr;          // (slot)
   // Decode split merge tree: B * Nkv x DecodeMergeTree::CountersPerRow, zeroed by a memset
-  // before the decode kernel (LaunchDecodeTc).
+  // before the decode kernel (LaunchDecodeTc), or CudaDecodeCounters' (counters_zero).
   unsigned* counters = nullptr;
   int64_t counter_count = 0;
+  bool counters_zero = false;  // kept across calls (CudaDecodeCounters): zero, no memset needed
   void* q_storage = nullptr;         // cuDNN prefill: (B, S, N, H) rotated queries, storage type
   int32_t* seq_len_q = nullptr;     // cuDNN prefill: (B) new rows per entry (prepare writes them)
   int32_t* seq_len_kv = nullptr;    // cuDNN prefill: (B) valid keys per entry

@@ -189,8 +189,13 @@ Status Attend(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo
 
 template <typename T>
 Status Launch(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo& dev,
-              const AttnPlan& plan, void* workspace, cudaStream_t stream) {
-  const Workspace ws = CarveWorkspace(s, plan, workspace);
+              const AttnPlan& plan, void* workspace, unsigned* decode_counters,
+              cudaStream_t stream) {
+  Workspace ws = CarveWorkspace(s, plan, workspace);
+  if (decode_counters != nullptr && ws.counter_count > 0) {
+    ws.counters = decode_counters;
+    ws.counters_zero = true;
+  }
   const KvStrides past_st = MakeKvStrides(s.layout, s.kv_num_heads, s.past_capacity, s.head_size);
   const KvStrides present_st =
       MakeKvStrides(s.layout, s.kv_num_heads, s.present_capacity, s.head_size);
@@ -293,13 +298,15 @@ GqaCudaPlan PlanGqaCuda(const GqaShape& s, const GqaCudaBuffers& buf, const Cuda
 }
 
 Status LaunchGqaCuda(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo& dev,
-                     const GqaCudaPlan& plan, void* workspace, void* stream) {
+                     const GqaCudaPlan& plan, void* workspace, void* stream,
+                     unsigned* decode_counters) {
   KVL_RETURN_IF_ERROR(CheckCudaSupport(s));
   cudaStream_t st = static_cast<cudaStream_t>(stream);
+  unsigned* counters = decode_counters;
   switch (s.dtype) {
-    case DType::kFloat32: return cu::Launch<float>(s, buf, dev, plan, workspace, st);
-    case DType::kFloat16: return cu::Launch<__half>(s, buf, dev, plan, workspace, st);
-    case DType::kBFloat16: return cu::Launch<__nv_bfloat16>(s, buf, dev, plan, workspace, st);
+    case DType::kFloat32: return cu::Launch<float>(s, buf, dev, plan, workspace, counters, st);
+    case DType::kFloat16: return cu::Launch<__half>(s, buf, dev, plan, workspace, counters, st);
+    case DType::kBFloat16: return cu::Launch<__nv_bfloat16>(s, buf, dev, plan, workspace, counters, st);
     default:
       return Status::Error(std::string("ai.kvlayout::GroupQueryAttention (CUDA): unsupported type ") +
                            DTypeName(s.dtype));

@@ -94,7 +94,11 @@ Status GqaCudaKernel::Compute(Ort::KernelContext& ctx) {
   if (strict_) KVL_RETURN_IF_ERROR(CheckLengthsStrict(shape, buf, stream));
   buf.length_record = record_->device();
   buf.length_claim = record_->claim();
-  return LaunchGqaCuda(shape, buf, dev, plan, workspace.get(), stream);
+  unsigned* counters = nullptr;  // null: the workspace's, zeroed by a memset
+  if (plan.counter_bytes > 0) {
+    KVL_RETURN_IF_ERROR(decode_counters_.Get(stream, plan.counter_bytes, &counters));
+  }
+  return LaunchGqaCuda(shape, buf, dev, plan, workspace.get(), stream, counters);
 }
 
 OrtStatusPtr GqaCudaKernel::ComputeV2(OrtKernelContext* context) {

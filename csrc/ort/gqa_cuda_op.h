@@ -34,6 +34,7 @@ class GqaCudaKernel {
   std::unique_ptr<CudaLengthRecord> record_;  // outlives registration_ (declared before it)
   RegisteredLengthRecord registration_;
   bool strict_;
+  CudaDecodeCounters decode_counters_;  // per stream, kept across Runs
 };
 
 struct GqaCudaOp : GqaOpBase<GqaCudaOp, GqaCudaKernel> {
