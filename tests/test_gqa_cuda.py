@@ -380,8 +380,9 @@ def _dispatch_cases():
                            shared=True, head_sink=i == 1, seed=case_seed(34_000 + i)))  # fmt: skip
     # A short sequence in a large cache (a runtime that reserves the whole context): most of the
     # grid's splits hold no live key and leave at once; the merges take the live prefix, over a
-    # two-level tree (head 256, one KV head: 132 splits targeted, groups of 12) with one, two
-    # and all-but-one groups live, and over one live split (its output written directly).
+    # two-level tree (head 256, one KV head; on the H200's 132 SMs: 132 splits targeted, groups
+    # of 12) with one, two and all-but-one groups live, and over one live split (its output
+    # written directly).
     for i, past in enumerate((0, 100, 300, 2000, 7000)):
         out.append(GqaCase(kind="decode", batch=1, past_len=past, num_heads=4, kv_num_heads=1,
                            head_size=256, dtype=("fp16", "bf16")[i % 2], kv_layout=i % 2,

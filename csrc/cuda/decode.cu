@@ -11,8 +11,9 @@
 //
 // The kernel also does the prepare kernel's work for its rows (prepare_rows.cuh): each CTA
 // norms, rotates and scales its group's queries itself, the CTA whose key split holds a new row
-// appends it to the cache before its loads are issued, and split 0 checks the lengths. A decode
-// step launches this kernel (after the counters' memset when split) instead of prepare + decode.
+// appends it to the cache before it issues the loads that read it, and split 0 checks the
+// lengths. A decode step launches this kernel (plus the counters' memset where they are not kept
+// across calls) instead of prepare + decode.
 #include <algorithm>
 
 #include "cuda/common.cuh"
@@ -141,7 +142,10 @@ __global__ void __launch_bounds__(kDecThreads)
   // append (a row's owner holds its key) and a partial that would weigh exactly 0 in every
   // merge: they leave now, and the merges take the live prefix only (the same bits: an empty
   // partial adds nothing). With a large cache and a short sequence, most of the grid.
-  const int64_t live = key_lo < key_hi ? (key_hi - key_lo + chunk - 1) / chunk : 1;
+  // At most the launched splits (the plan sizes the grid for the most keys a row can hold):
+  // clamped all the same, since a count above the grid would leave a counter kept across calls
+  // non-zero and every later merge on the stream early.
+  const int64_t live = min(splits, key_lo < key_hi ? (key_hi - key_lo + chunk - 1) / chunk : 1);
   if (split >= live) return;
   const int64_t steps = (k_end - k_begin + KS - 1) / KS;  // of the CTA; warp w takes w, w+4, ...
   const int64_t my_steps = steps > warp ? (steps - warp + kDecWarps - 1) / kDecWarps : 0;

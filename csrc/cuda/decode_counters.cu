@@ -30,16 +30,23 @@ Status CudaDecodeCounters::Get(void* stream, size_t bytes, unsigned** counters) 
     *counters = buffer.ptr;
     return Status::Ok();
   }
+  // Where the buffer cannot be made now, this call takes the memset path: no allocation in a
+  // capture (or when the capture state cannot be read: another thread capturing in global mode
+  // makes the query fail), none when the device is out of memory (the next call tries again),
+  // and never again on a device without stream-ordered allocation.
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  KVL_RETURN_IF_ERROR(CudaCheck(cudaStreamIsCapturing(st, &capture), "cudaStreamIsCapturing"));
-  if (capture != cudaStreamCaptureStatusNone) return Status::Ok();  // no allocation in a capture
+  if (cudaStreamIsCapturing(st, &capture) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return Status::Ok();
+  }
+  if (capture != cudaStreamCaptureStatusNone) return Status::Ok();
   const size_t want = std::max({bytes, kMinCounterBytes, 2 * buffer.bytes});  // rare growth
   void* ptr = nullptr;
-  if (cudaMallocAsync(&ptr, want, st) != cudaSuccess) {
-    // A device or driver without stream-ordered allocation: the memset path, from now on.
+  const cudaError_t allocated = cudaMallocAsync(&ptr, want, st);
+  if (allocated != cudaSuccess) {
     (void)cudaGetLastError();
-    unavailable_ = true;
+    unavailable_ = allocated == cudaErrorNotSupported;
     return Status::Ok();
   }
   const cudaError_t zeroed = cudaMemsetAsync(ptr, 0, want, st);

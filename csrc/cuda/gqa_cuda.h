@@ -83,9 +83,12 @@ Status LaunchGqaCuda(const GqaShape& shape, const GqaCudaBuffers& buffers,
 // to count a counter resets it), so a decode step needs no memset (one CUDA graph node less).
 // Concurrent Runs use different streams, hence one buffer each; a stream's launches are
 // ordered. A buffer outgrown by a larger shape is kept until the kernel goes (a captured graph
-// replays with its address). Get gives null where a call cannot use them: the buffer is missing
-// or too small while the stream is capturing (no allocation then), or the device refused the
-// stream-ordered allocation; the call then falls back to the workspace's counters and a memset.
+// replays with its address). The kernel relies on the stream order: a graph captured with a
+// buffer must replay on that stream (ORT's do). Get gives null where a call cannot use them: the
+// buffer is missing or too small while the stream is capturing (no allocation then), or the
+// allocation failed (out of memory; no stream-ordered allocator on the device); the call then
+// falls back to the workspace's counters and a memset. Buffers of streams that are gone stay
+// until the kernel goes (4 KiB each at least).
 class CudaDecodeCounters {
  public:
   CudaDecodeCounters() = default;
@@ -102,7 +105,7 @@ class CudaDecodeCounters {
   std::mutex mutex_;
   std::map<void*, Buffer> by_stream_;
   std::vector<unsigned*> retired_;  // outgrown buffers: a captured graph may still use them
-  bool unavailable_ = false;  // cudaMallocAsync failed once: always the memset path
+  bool unavailable_ = false;  // no stream-ordered allocation here: always the memset path
 };
 
 // The length record of one CUDA kernel instance (core/length_rules.h): a LengthRecord in
