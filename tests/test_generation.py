@@ -346,6 +346,30 @@ def test_sampler_tiny_temperature_is_greedy_and_bad_logits_are_named():
             Sampler(params)(bad)
 
 
+def test_greedy_on_float16_logits_matches_argmax_of_their_values():
+    """A CUDA model's float16 logits are chosen from on their bits (no float32 copy): the same
+    token as np.argmax over the float32 values, ties (first wins) and -0.0 == +0.0 included."""
+    every = np.arange(-(2**15), 2**15, dtype=np.int32).astype(np.int16).view(np.float16)
+    finite = every[np.isfinite(every)]
+    rng = np.random.default_rng(7)
+    rows = [finite, finite[::-1], np.array([-0.0, 0.0, -0.0], np.float16)]
+    for _ in range(200):
+        width = int(rng.integers(1, 70))
+        rows.append(rng.choice(finite, width))  # any finite value
+        rows.append(rng.integers(-2, 3, width).astype(np.float16))  # many ties
+        rows.append(np.array([-0.0, 0.0], np.float16)[rng.integers(0, 2, width)])
+    greedy = Sampler()
+    for row in rows:
+        assert greedy(row[None])[0] == np.argmax(row.astype(np.float32)), row
+    batch = rng.choice(finite, (3, 50))
+    assert greedy(batch).tolist() == np.argmax(batch.astype(np.float32), axis=-1).tolist()
+    for bad in (np.inf, -np.inf, np.nan):
+        logits = np.zeros((2, 9), np.float16)
+        logits[1, 4] = bad
+        with pytest.raises(ValueError, match=r"batch entries \[1\] contain NaN or infinite"):
+            greedy(logits)
+
+
 @pytest.mark.parametrize("capacity", [0, -4])
 def test_capacity_below_one_is_refused(dirs, capacity):
     with pytest.raises(ValueError, match=rf"capacity {capacity}: .* must be >= 1"):

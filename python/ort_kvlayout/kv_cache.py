@@ -285,7 +285,7 @@ class KvCache:
                 self.stats.growth_events += 1
                 self.stats.growth_seconds += time.perf_counter() - start
         self._ensured = tokens
-        self._update_bytes()
+        self._update_live_bytes()  # the rest changes only where memory was committed (above)
         return grew
 
     def reset(self) -> None:
@@ -380,7 +380,10 @@ class KvCache:
         st.reserved_bytes = sum(r.size for r in self._reservations)
         st.committed_bytes = sum(r.committed_bytes for r in self._reservations)
         st.peak_committed_bytes = max(st.peak_committed_bytes, st.committed_bytes)
-        st.live_bytes = sum(self._ensured) * self.spec.token_bytes * self.spec.buffers
+        self._update_live_bytes()
+
+    def _update_live_bytes(self) -> None:
+        self.stats.live_bytes = sum(self._ensured) * self.spec.token_bytes * self.spec.buffers
 
     def measured_committed_bytes(self) -> int:
         """Host: resident bytes as the kernel reports them (mincore); CUDA: mapped granules."""

@@ -47,7 +47,7 @@ def string_function(name: str, path: str | os.PathLike | None = None):
     (library not loaded, or a build without that function, e.g. without CUDA)."""
     lib = loaded_library(path)
     fn = getattr(lib, name, None) if lib is not None else None
-    if fn is not None:
+    if fn is not None and fn.restype is not ctypes.c_size_t:  # CDLL keeps the object: once
         fn.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
         fn.restype = ctypes.c_size_t
     return fn
