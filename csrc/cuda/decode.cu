@@ -7,12 +7,13 @@
 // streams its own rows through DecStages cp.async stages: no CTA barrier inside the key loop. At
 // the end the four warps merge in shared memory, and with several splits the last CTAs to finish
 // merge the splits through DecodeMergeTree (counters kept across calls and reset by their last
-// arrival, or the workspace's zeroed by a memset before the launch): no combine kernel.
+// arrival, or the workspace's zeroed by a memset before the launch): no combine kernel. A short
+// live range (kDecodeSoloKeyDims) is one split, which writes the output itself.
 //
 // The kernel also does the prepare kernel's work for its rows (prepare_rows.cuh): each CTA
 // norms, rotates and scales its group's queries itself, the CTA whose key split holds a new row
-// appends it to the cache before it issues the loads that read it, and split 0 checks the
-// lengths. A decode step launches this kernel (plus the counters' memset where they are not kept
+// appends it to the cache before it issues the loads that read it, and one CTA checks the
+// lengths (an empty split where the grid has one). A decode step launches this kernel (plus the counters' memset where they are not kept
 // across calls) instead of prepare + decode.
 #include <algorithm>
 
@@ -132,7 +133,10 @@ __global__ void __launch_bounds__(kDecThreads)
   }
   int64_t k_begin = 0, k_end = 0, chunk = 1;
   if (key_lo < key_hi) {
-    chunk = SplitChunk(key_hi - key_lo, split_target, KS, kMinDecodeSplitKeys);
+    const int64_t keys = key_hi - key_lo;  // a short range: one split, no merge (kernels.h)
+    chunk = keys * H <= kDecodeSoloKeyDims
+                ? keys
+                : SplitChunk(keys, split_target, KS, kMinDecodeSplitKeys);
     k_begin = min(key_hi, key_lo + split * chunk);
     k_end = min(key_hi, k_begin + chunk);
   }
@@ -146,14 +150,22 @@ __global__ void __launch_bounds__(kDecThreads)
   // clamped all the same, since a count above the grid would leave a counter kept across calls
   // non-zero and every later merge on the stream early.
   const int64_t live = min(splits, key_lo < key_hi ? (key_hi - key_lo + chunk - 1) / chunk : 1);
-  if (split >= live) return;
+  // The lengths, as the prepare kernel checks them: once per batch entry, token t by thread t,
+  // by a CTA off the live splits' path when there is one (the grid's last split, then empty),
+  // else by split 0 once its first loads are in flight. Nothing waits on the check (every
+  // kernel clamps what it reads): it only has to end before the kernel does.
+  const bool checks = buf.length_record != nullptr && g == 0 &&
+                      split == (live < splits ? splits - 1 : 0);
+  auto check_lengths = [&] {
+    for (int64_t t = threadIdx.x; t < s.seq_len; t += kDecThreads) CheckLengths(s, buf, b, t);
+  };
+  if (split >= live) {
+    if (checks) check_lengths();
+    return;
+  }
   const int64_t steps = (k_end - k_begin + KS - 1) / KS;  // of the CTA; warp w takes w, w+4, ...
   const int64_t my_steps = steps > warp ? (steps - warp + kDecWarps - 1) / kDecWarps : 0;
 
-  // The lengths, as the prepare kernel checks them: once per batch entry, token t by thread t.
-  if (buf.length_record != nullptr && split == 0 && g == 0) {
-    for (int64_t t = threadIdx.x; t < s.seq_len; t += kDecThreads) CheckLengths(s, buf, b, t);
-  }
   // Rows of this (batch, kv head): key j at base + (j - cache_base) * seq stride, in either
   // layout (cache_base: 0 unless a sliding window cache stages the rows, sliding.cu).
   const T* pk = static_cast<const T*>(buf.present_key) + present_st.Offset(b, g, 0);
@@ -217,6 +229,7 @@ __global__ void __launch_bounds__(kDecThreads)
     if (issued < my_steps) issue(issued);
     ptx::CpAsyncCommit();
   }
+  if (checks) check_lengths();
 
   // The queries, while the first steps load: row r (token r / G, head g * G + r % G) normed,
   // rotated and scaled, rounded to T into the query tile (zeros past H, past S x G rows and for
