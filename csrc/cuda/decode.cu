@@ -7,8 +7,7 @@
 // streams its own rows through DecStages cp.async stages: no CTA barrier inside the key loop. At
 // the end the four warps merge in shared memory, and with several splits the last CTAs to finish
 // merge the splits through DecodeMergeTree (counters kept across calls and reset by their last
-// arrival, or the workspace's zeroed by a memset before the launch): no combine kernel. A short
-// live range (kDecodeSoloKeyDims) is one split, which writes the output itself.
+// arrival, or the workspace's zeroed by a memset before the launch): no combine kernel.
 //
 // The kernel also does the prepare kernel's work for its rows (prepare_rows.cuh): each CTA
 // norms, rotates and scales its group's queries itself, the CTA whose key split holds a new row
@@ -133,10 +132,7 @@ __global__ void __launch_bounds__(kDecThreads)
   }
   int64_t k_begin = 0, k_end = 0, chunk = 1;
   if (key_lo < key_hi) {
-    const int64_t keys = key_hi - key_lo;  // a short range: one split, no merge (kernels.h)
-    chunk = keys * H <= kDecodeSoloKeyDims
-                ? keys
-                : SplitChunk(keys, split_target, KS, kMinDecodeSplitKeys);
+    chunk = SplitChunk(key_hi - key_lo, split_target, KS, kMinDecodeSplitKeys);
     k_begin = min(key_hi, key_lo + split * chunk);
     k_end = min(key_hi, k_begin + chunk);
   }

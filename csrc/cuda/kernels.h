@@ -136,12 +136,6 @@ struct DecodeMergeTree {
 };
 // At least two KS steps per warp, so the merge stays small against the reads.
 constexpr int64_t kMinDecodeSplitKeys = 128;
-// A row's live keys x head size up to this (512 keys at head size 64, 128 at 256) are read by
-// one split, whose output is written directly: at B=1 the merge of split partials (the
-// partials written, a fence and a counter, the last CTA's loads) took ~3.5 us on the H200
-// (per-phase clocks of the kernel, docs/BENCHMARKS.md), about what eight more key steps of
-// each warp cost. Depends on the live length only, like the split partition.
-constexpr int64_t kDecodeSoloKeyDims = 32768;
 // Below this many (batch, kv head) rows the plan puts one decode CTA per SM, else it fills
 // every CTA slot (MakePlan says why).
 constexpr int64_t kFewDecodeRows = 16;
