@@ -288,7 +288,7 @@ def runtime_runs(model_dir: Path, ids, tokens, provider, mode, repeat) -> list[d
             out = rt.generate(ids, tokens, eos_token_ids=[], on_step=clock.mark)
             s = out.stats
             runs.append({
-                **clock.result(), "tokens": out.tokens[0],
+                **clock.result(), "tokens": out.tokens[0], "library": rt.library,
                 "committed_bytes": s.committed_bytes, "reserved_bytes": s.reserved_bytes,
                 **{c: getattr(s, c) - getattr(before, c) for c in counters},
             })  # fmt: skip
@@ -316,10 +316,17 @@ def run_decode(args) -> dict:
         results["genai_error"] = f"onnxruntime-genai not installed: {exc}"
     print(f"\ndecode: {args.model} ({args.provider}), prompt {len(ids)} tokens, "
           f"{args.tokens} new, best of {args.repeat}")  # fmt: skip
+    # The custom-op library both runtimes ran: the copy in the model directory that
+    # patch_kv_layout made (genai_config.json names it), whatever ort_kvlayout is installed. To
+    # compare two builds' kernels, patch the model with each build.
+    results["library"] = runs["preallocated"][0]["library"]
+    print(f"custom-op library (ours and genai): {results['library']}")
     print(f"{'runtime':>18} {'TTFT ms':>9} {'tokens/s':>9} {'KV committed MiB':>17} tokens")
     reference = runs["preallocated"][0]["tokens"]
     eos = set(ModelSpec.from_dir(args.model).eos_token_ids)
-    stop = next((i + 1 for i, t in enumerate(reference) if t in eos), len(reference))
+    # genai masks EOS until min_length, so at the reference's first EOS it chooses another token:
+    # it is compared on the steps before that one.
+    stop = next((i for i, t in enumerate(reference) if t in eos), len(reference))
     for name, reps in runs.items():
         best = max(reps, key=lambda r: r["decode_tokens_per_s"])
         kv = best.get("committed_bytes")
