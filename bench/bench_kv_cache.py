@@ -336,6 +336,8 @@ def run_decode(args) -> dict:
         first = next((i for i, (a, b) in enumerate(zip(best["tokens"][:upto], reference[:upto]))
                       if a != b), None)  # fmt: skip
         same = "same" if first is None else f"differs from step {first}"
+        if upto == 0:  # the reference chose EOS first: genai (EOS masked) has nothing to match
+            same = "not compared (the reference's first token is EOS)"
         if name == "onnxruntime-genai" and first is None and upto < len(reference):
             same += f" (to the first EOS, step {upto})"
         best["tokens_vs_preallocated"] = same

@@ -12,8 +12,8 @@
 // The kernel also does the prepare kernel's work for its rows (prepare_rows.cuh): each CTA
 // norms, rotates and scales its group's queries itself, the CTA whose key split holds a new row
 // appends it to the cache before it issues the loads that read it, and one CTA checks the
-// lengths (an empty split where the grid has one). A decode step launches this kernel (plus the counters' memset where they are not kept
-// across calls) instead of prepare + decode.
+// lengths (an empty split where the grid has one). A decode step launches this kernel (plus
+// the counters' memset where they are not kept across calls) instead of prepare + decode.
 #include <algorithm>
 
 #include "cuda/common.cuh"
