@@ -98,6 +98,27 @@ def test_batch_of_two_prompt_lengths_matches_each_alone(dirs, ref, model, mode):
     assert out.tokens == [ref["short"], ref["long"]]
 
 
+@pytest.mark.parametrize("mode", CACHE_MODES)
+def test_float16_model_chooses_on_float16_logits(tmp_path, mode):
+    """A float16 model (what a CUDA export holds: float16 logits) through the runtime: the
+    greedy choice on the logits' bits gives the reference loop's tokens (ORT's own GQA on the
+    original), in both mask modes, and the kept logits are float32 copies, one per step, whose
+    argmax is the token chosen there."""
+    from ort_kvlayout.patch import patch_model_dir
+
+    src = make_model_dir(tmp_path / "original", Variant(layers=2, float16=True))
+    seq = patch_model_dir(src, tmp_path / "seq", layout="seq-major").out_dir
+    want = reference(src, PROMPT, 24)
+    for fixed_mask in (False, True):
+        with runtime(seq, mode, fixed_mask=fixed_mask, bucket_tokens=16) as rt:
+            assert rt.logits_dtype == np.float16
+            out = rt.generate(PROMPT, 24, eos_token_ids=[], keep_logits=True)
+        assert out.tokens == [want], (mode, fixed_mask)
+        assert len(out.logits) == 24 and all(k.dtype == np.float32 for k in out.logits)
+        assert [int(np.argmax(k[0])) for k in out.logits] == want
+        assert len({k.tobytes() for k in out.logits}) > 1  # copies, not views of one buffer
+
+
 def test_seq_major_growth_keeps_pointer_and_prefix(dirs, ref):
     """Growth maps more memory after the live prefix: the bound pointers and the rows already
     written stay where they are (checked through the cache's memory, step by step)."""
