@@ -302,11 +302,13 @@ Status LaunchGqaCuda(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDev
                      unsigned* decode_counters) {
   KVL_RETURN_IF_ERROR(CheckCudaSupport(s));
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  unsigned* counters = decode_counters;
   switch (s.dtype) {
-    case DType::kFloat32: return cu::Launch<float>(s, buf, dev, plan, workspace, counters, st);
-    case DType::kFloat16: return cu::Launch<__half>(s, buf, dev, plan, workspace, counters, st);
-    case DType::kBFloat16: return cu::Launch<__nv_bfloat16>(s, buf, dev, plan, workspace, counters, st);
+    case DType::kFloat32:
+      return cu::Launch<float>(s, buf, dev, plan, workspace, decode_counters, st);
+    case DType::kFloat16:
+      return cu::Launch<__half>(s, buf, dev, plan, workspace, decode_counters, st);
+    case DType::kBFloat16:
+      return cu::Launch<__nv_bfloat16>(s, buf, dev, plan, workspace, decode_counters, st);
     default:
       return Status::Error(std::string("ai.kvlayout::GroupQueryAttention (CUDA): unsupported type ") +
                            DTypeName(s.dtype));
