@@ -637,26 +637,33 @@ def test_deterministic(layout, dtype):
 
 @pytest.mark.parametrize("layout", [0, 1])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_decode_bits_do_not_depend_on_the_capacity(layout, dtype):
-    """The same live keys in a cache of 1001 rows and one of 5000 rows (shared buffers, the rows
-    past the live ones random) give bit-identical output: the key splits follow the live length,
-    not the capacity that sized the grid. A runtime that grows a packed cache (bucket mode) then
-    generates the same tokens as one that reserved the whole context."""
-    c = GqaCase(kind="decode", past_len=1000, batch=2, pad=100, num_heads=8, kv_num_heads=2,
-                head_size=128, dtype=dtype, kv_layout=layout, shared=True, do_rotary=True,
+@pytest.mark.parametrize(
+    "heads,past_len,big_cap",
+    [((8, 2, 128), 1000, 5000),  # the splits merge in one level
+     ((4, 1, 256), 5000, 9000)],  # ~40 live splits x 4 rows x 256 floats: a two-level tree
+    ids=["flat", "two_levels"],
+)  # fmt: skip
+def test_decode_bits_do_not_depend_on_the_capacity(layout, dtype, heads, past_len, big_cap):
+    """The same live keys in a cache of past + 1 rows and a larger one (shared buffers, the rows
+    past the live ones random) give bit-identical output: the key splits and their merge tree
+    follow the live length, not the capacity that sized the grid. A runtime that grows a packed
+    cache (bucket mode) then generates the same tokens as one that reserved the whole context."""
+    n, nkv, h = heads
+    c = GqaCase(kind="decode", past_len=past_len, batch=2, pad=100, num_heads=n, kv_num_heads=nkv,
+                head_size=h, dtype=dtype, kv_layout=layout, shared=True, do_rotary=True,
                 seed=case_seed(50_001))  # fmt: skip
     small = c.feeds()
     rng = np.random.default_rng(case_seed(50_002))
     big = dict(small)
     for name in ("past_key", "past_value"):
         logical = ref.from_layout(small[name], layout)  # (B, Nkv, C, H)
-        b, n, cap, h = logical.shape
-        tail = rng.standard_normal((b, n, 5000 - cap, h)).astype(logical.dtype)
+        b, nk, cap, hs = logical.shape
+        tail = rng.standard_normal((b, nk, big_cap - cap, hs)).astype(logical.dtype)
         big[name] = ref.to_layout(np.concatenate([logical, tail], axis=2), layout)
     out_small = run_case_cuda(c, feeds=small)[0]
     out_big = run_case_cuda(c, feeds=big)[0]
     assert np.array_equal(out_small.view(np.uint8), out_big.view(np.uint8)), (
-        f"decode output differs between capacities 1001 and 5000: max abs "
+        f"decode output differs between capacities {past_len + 1} and {big_cap}: max abs "
         f"{np.abs(out_small.astype(np.float64) - out_big.astype(np.float64)).max():.3g} {c!r}"
     )
     check_oracle(c, run_case_cuda(c, feeds=small))

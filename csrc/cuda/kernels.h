@@ -106,33 +106,47 @@ constexpr int64_t kMaxDecodeSplits = 256;  // the merging CTA keeps 16 x splits 
 // group of `group` splits merges the group into a group partial, and the last group merger
 // merges the groups. One merging CTA reads all of its partials alone (one SM, an L2 round trip
 // per eight loads of each thread), so a flat merge of 128 splits x 4 rows x 256 floats took
-// longer than the reads it followed. When the split target's partials exceed
-// kDecodeFlatMergeFloats floats (four rounds of the CTA's loads), groups of ceil(sqrt(target))
-// splits; else one level (group == splits). The shape of the tree follows the target, never
-// the capacity (which only bounds how many splits are launched): caches of different
-// capacities merge the same live partials in the same groups and order, and the empty splits
-// a larger grid adds weigh exactly 0, so decode output stays bit-identical across capacities.
-// The plan sizes the workspace from it and the kernel walks it: one place owns the arithmetic.
+// longer than the reads it followed. When the live splits' partials exceed
+// kDecodeFlatMergeFloats floats (four rounds of the CTA's loads), groups of ceil(sqrt(live))
+// splits; else one level (group == live). The tree follows the live splits (those holding keys,
+// a prefix of the grid set by the lengths and the split target), never the capacity, which only
+// bounds how many splits are launched: caches of different capacities merge the same partials
+// in the same groups and order, so decode output stays bit-identical across capacities. (A tree
+// sized by the target put 8 live splits of a 1k-token row through two levels at 28/4/128 and
+// 4/1/256, the second one merging a single group.) The kernel builds the tree of its row's live
+// splits; the plan sizes slots and counters for the largest tree any live count <= the launched
+// splits gives (Bound). One place owns the arithmetic.
 constexpr int64_t kDecodeFlatMergeFloats = 16384;
 struct DecodeMergeTree {
-  int64_t splits = 1, group = 1, groups = 1;
-  __host__ __device__ static DecodeMergeTree For(int64_t splits, int64_t target, int64_t rows,
-                                                 int64_t head_size) {
+  int64_t live = 1, group = 1, groups = 1;
+  __host__ __device__ static DecodeMergeTree For(int64_t live, int64_t rows, int64_t head_size) {
     DecodeMergeTree t;
-    t.splits = splits;
-    t.group = splits;
-    if (target * rows * head_size > kDecodeFlatMergeFloats) {
-      int64_t g = 1;
-      while (g * g < target) ++g;  // ceil(sqrt(target)), target <= kMaxDecodeSplits
-      t.group = g < splits ? g : splits;
-    }
-    t.groups = (splits + t.group - 1) / t.group;
+    t.live = live;
+    t.group = live;
+    if (live * rows * head_size > kDecodeFlatMergeFloats) t.group = CeilSqrt(live);
+    t.groups = (live + t.group - 1) / t.group;
     return t;
   }
-  // Partial slots of one (batch, kv head): one per split, then one per group (two levels).
-  __host__ __device__ int64_t SlotsPerRow() const { return splits + (groups > 1 ? groups : 0); }
-  // Counters of one (batch, kv head): one per group, then the groups' own (two levels).
-  __host__ __device__ int64_t CountersPerRow() const { return groups > 1 ? groups + 1 : 1; }
+  // Partial slots of one (batch, kv head) for `splits` launched splits: one per split, then one
+  // per group of the largest tree (ceil(live / ceil(sqrt(live))) <= ceil(sqrt(live))).
+  __host__ __device__ static int64_t SlotsPerRow(int64_t splits, int64_t rows, int64_t head_size) {
+    return splits + MaxGroups(splits, rows, head_size);
+  }
+  // Counters of one (batch, kv head): the top merge's (index 0), then one per group.
+  __host__ __device__ static int64_t CountersPerRow(int64_t splits, int64_t rows,
+                                                    int64_t head_size) {
+    return 1 + MaxGroups(splits, rows, head_size);
+  }
+  __host__ __device__ static int64_t CeilSqrt(int64_t n) {  // n <= kMaxDecodeSplits
+    int64_t g = 1;
+    while (g * g < n) ++g;
+    return g;
+  }
+
+ private:
+  __host__ __device__ static int64_t MaxGroups(int64_t splits, int64_t rows, int64_t head_size) {
+    return splits * rows * head_size > kDecodeFlatMergeFloats ? CeilSqrt(splits) : 0;
+  }
 };
 // At least two KS steps per warp, so the merge stays small against the reads.
 constexpr int64_t kMinDecodeSplitKeys = 128;

@@ -63,10 +63,10 @@ int64_t DecodeSplitsOverride() {
   return splits;
 }
 
-// The decode kernel's split merge tree for a plan (the kernel builds the same one).
-DecodeMergeTree MergeTreeOf(const GqaShape& s, const AttnPlan& p) {
-  return DecodeMergeTree::For(p.splits, p.split_target, s.seq_len * s.group_size(),
-                              s.head_size);
+// Counters of the decode kernel's split merge tree for a plan (DecodeMergeTree sizes them for
+// any live split count; the kernel builds its row's tree).
+int64_t DecodeCountersPerRow(const GqaShape& s, const AttnPlan& p) {
+  return DecodeMergeTree::CountersPerRow(p.splits, s.seq_len * s.group_size(), s.head_size);
 }
 
 AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo& dev) {
@@ -121,13 +121,15 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
   }
   if (p.splits > 1) {
     const bool decode = p.kernel == AttnKernel::kDecodeTc;
-    const DecodeMergeTree tree = MergeTreeOf(s, p);
-    const int64_t slots = decode ? tree.SlotsPerRow() : p.splits;  // per (b, kv head, row block)
+    const int64_t slots =  // per (b, kv head, row block)
+        decode ? DecodeMergeTree::SlotsPerRow(p.splits, s.seq_len * s.group_size(), s.head_size)
+               : p.splits;
     const size_t rows = size_t(s.batch * s.kv_num_heads * p.row_blocks) * slots * kRowsPerCta;
     p.part_o_bytes = align(sizeof(float) * rows * s.head_size);
     p.part_ml_bytes = align(sizeof(float) * rows);
     if (decode) {
-      p.counter_bytes = align(sizeof(unsigned) * s.batch * s.kv_num_heads * tree.CountersPerRow());
+      p.counter_bytes =
+          align(sizeof(unsigned) * s.batch * s.kv_num_heads * DecodeCountersPerRow(s, p));
     }
   }
   return p;
@@ -146,7 +148,7 @@ Workspace CarveWorkspace(const GqaShape& s, const AttnPlan& p, void* workspace) 
   base += p.part_ml_bytes;
   ws.counters = reinterpret_cast<unsigned*>(base);
   ws.counter_count =
-      p.counter_bytes > 0 ? s.batch * s.kv_num_heads * MergeTreeOf(s, p).CountersPerRow() : 0;
+      p.counter_bytes > 0 ? s.batch * s.kv_num_heads * DecodeCountersPerRow(s, p) : 0;
   base += p.counter_bytes;
   if (p.stage_bytes > 0) {
     ws.stage_k = base;
