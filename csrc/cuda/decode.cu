@@ -116,22 +116,6 @@ __global__ void __launch_bounds__(kDecThreads)
     }
   }
   const BatchGeometry geo = ClampedBatchGeometry(s, lengths.seqlens_k, lengths.query_len);
-  // The lines the query tile and the append read through L1 after the first key loads are
-  // issued, requested now (a dependent round trip each otherwise): lane j < QR the cos and sin
-  // rows of the warp's row warp + 4 j, which the lengths have just placed; the other lanes the
-  // norm weights, whose addresses were known all along.
-  if (lane < QR && s.rotary_dim > 0 && warp + lane * kDecWarps < rows) {
-    const int64_t half = s.rotary_dim / 2;
-    const int64_t pos = ClampedRotaryPosition(s, buf, geo, b, (warp + lane * kDecWarps) / G);
-    for (int64_t e = 0; e < half; e += 128 / sizeof(T)) {  // one line per 128 bytes
-      ptx::PrefetchL1(static_cast<const T*>(buf.cos_cache) + pos * half + e);
-      ptx::PrefetchL1(static_cast<const T*>(buf.sin_cache) + pos * half + e);
-    }
-  } else if (lane >= QR && lane < QR + 16) {  // eight lines of each: H <= 256 here
-    const int64_t e = ((lane - QR) % 8) * (128 / sizeof(T));
-    const void* w = lane < QR + 8 ? buf.q_norm_weight : buf.k_norm_weight;
-    if (w != nullptr && e < H) ptx::PrefetchL1(static_cast<const T*>(w) + e);
-  }
   auto row_keys = [&](int64_t r) {
     return r < rows ? QueryKeyRange(s, geo, r / G) : KeyRange{0, 0};
   };
@@ -478,58 +462,20 @@ __global__ void __launch_bounds__(kDecThreads)
 
   // Merges partial slots [first, first + n) of this (batch, kv head) into slot `dst` (a group
   // partial) or, with dst < 0, into the output. The whole CTA calls it. In split order
-  // (deterministic); partials are read past L1 (ld.global.cg): other CTAs wrote them. Every load
-  // whose address is known goes out before any is used: the first eight partials of the
-  // thread's first four dimensions, then the maxima and sums of the warp's rows, one L2 round
-  // trip where maxima, then sums, then values took three (two above head size 192).
+  // (deterministic); partials are read past L1 (ld.global.cg): other CTAs wrote them.
   float* weight = reinterpret_cast<float*>(dec_smem);  // [row][slot]; red_o is no longer read
   auto merge = [&](int64_t first, int64_t n, int64_t dst) {
-    const int64_t pitch = kDecodeRows * H;  // from one slot's row to the next
-    const int64_t row0 = (slot_base + first) * kDecodeRows;  // row 0 of slot `first`
-    const int quads = hs / 4, items = nrows * quads;  // four dimensions per item (H % 8 == 0)
-    auto item_src = [&](int idx) { return part_o + (row0 + idx / quads) * H + (idx % quads) * 4; };
-    // Eight partials from `sp` on, all issued before any is used (a skip test between the loads
-    // kept one in flight: +4 to 6 us at B=1); zeros past n, which are never added.
-    auto load8 = [&](const float* po, int64_t sp, float4(&x)[8]) {
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        x[u] = sp + u < n ? __ldcg(reinterpret_cast<const float4*>(po + (sp + u) * pitch))
-                          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      }
-    };
-    // Not at head sizes above 192, whose key loop already spills: 32 more live registers here
-    // doubled its spill loads.
-    constexpr bool kEarlyValues = HD <= 192;
-    float4 first8[8];
-    if (kEarlyValues && static_cast<int>(threadIdx.x) < items) {
-      load8(item_src(threadIdx.x), 0, first8);
-    }
-    float pm[QR], pl[QR];  // split `lane`'s maximum and sum of the warp's rows r = warp + 4 j
-#pragma unroll
-    for (int j = 0; j < QR; ++j) {
-      const int64_t r = warp + j * kDecWarps;
-      const bool here = r < rows && lane < n;
-      pm[j] = here ? __ldcg(part_m + row0 + r + lane * kDecodeRows) : -INFINITY;
-      pl[j] = here ? __ldcg(part_l + row0 + r + lane * kDecodeRows) : 0.0f;
-    }
-#pragma unroll
-    for (int j = 0; j < QR; ++j) {
-      const int64_t r = warp + j * kDecWarps;
-      if (r >= rows) break;  // uniform over the warp
-      float mx = pm[j];
-      for (int64_t sp = lane + kWarp; sp < n; sp += kWarp) {
-        mx = fmaxf(mx, __ldcg(part_m + row0 + r + sp * kDecodeRows));
+    for (int64_t r = warp; r < rows; r += kDecWarps) {
+      const int64_t r0 = (slot_base + first) * kDecodeRows + r;
+      float mx = -INFINITY;
+      for (int64_t sp = lane; sp < n; sp += kWarp) {
+        mx = fmaxf(mx, __ldcg(part_m + r0 + sp * kDecodeRows));
       }
       mx = WarpMax(mx);
       float lsum = 0.0f;
-      if (lane < n) {
-        const float wt = PartialWeight(pm[j], pl[j], mx);
-        weight[r * kMaxDecodeSplits + lane] = wt;
-        if (wt != 0.0f) lsum += pl[j] * wt;
-      }
-      for (int64_t sp = lane + kWarp; sp < n; sp += kWarp) {
-        const float ls = __ldcg(part_l + row0 + r + sp * kDecodeRows);
-        const float wt = PartialWeight(__ldcg(part_m + row0 + r + sp * kDecodeRows), ls, mx);
+      for (int64_t sp = lane; sp < n; sp += kWarp) {
+        const float ls = __ldcg(part_l + r0 + sp * kDecodeRows);
+        const float wt = PartialWeight(__ldcg(part_m + r0 + sp * kDecodeRows), ls, mx);
         weight[r * kMaxDecodeSplits + sp] = wt;
         if (wt != 0.0f) lsum += ls * wt;
       }
@@ -544,9 +490,12 @@ __global__ void __launch_bounds__(kDecThreads)
       }
     }
     __syncthreads();
-    for (int idx = threadIdx.x; idx < items; idx += kDecThreads) {
-      const int r = idx / quads, d = (idx % quads) * 4;
-      const float* po = item_src(idx);
+    // Four dimensions per thread (H % 8 == 0): one 16-byte load per partial, eight issued
+    // before any is used (a skip test between the loads kept one in flight: +4 to 6 us at B=1).
+    for (int idx = threadIdx.x; idx < nrows * hs / 4; idx += kDecThreads) {
+      const int r = idx / (hs / 4), d = (idx % (hs / 4)) * 4;
+      const float* po = part_o + ((slot_base + first) * kDecodeRows + r) * H + d;
+      const int64_t pitch = kDecodeRows * H;  // from one slot's row to the next
       const float* wr = weight + r * kMaxDecodeSplits;
       float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       auto add = [&](const float4& x, float wt) {
@@ -556,22 +505,17 @@ __global__ void __launch_bounds__(kDecThreads)
         acc.z = fmaf(x.z, wt, acc.z);
         acc.w = fmaf(x.w, wt, acc.w);
       };
-      float4 x[8];
-      if (kEarlyValues && idx == static_cast<int>(threadIdx.x)) {
-#pragma unroll
-        for (int u = 0; u < 8; ++u) x[u] = first8[u];
-      } else {
-        load8(po, 0, x);
-      }
-      for (int64_t sp = 0;;) {
+      int64_t sp = 0;
+      for (; sp + 8 <= n; sp += 8) {
+        float4 x[8];
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
-          if (sp + u < n) add(x[u], wr[sp + u]);
+          x[u] = __ldcg(reinterpret_cast<const float4*>(po + (sp + u) * pitch));
         }
-        sp += 8;
-        if (sp >= n) break;
-        load8(po, sp, x);
+#pragma unroll
+        for (int u = 0; u < 8; ++u) add(x[u], wr[sp + u]);
       }
+      for (; sp < n; ++sp) add(__ldcg(reinterpret_cast<const float4*>(po + sp * pitch)), wr[sp]);
       if (dst < 0) {
         T* out = out_row(r) + d;
         const float sc = row_scale[r];

@@ -42,10 +42,6 @@ __device__ __forceinline__ void CpAsync16(void* smem_dst, const void* gmem_src, 
                "l"(gmem_src), "r"(src_bytes)
                : "memory");
 }
-// Brings the line holding `p` into L1 without waiting for it: a later ld.global of it hits.
-__device__ __forceinline__ void PrefetchL1(const void* p) {
-  asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p));
-}
 __device__ __forceinline__ void CpAsyncCommit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
