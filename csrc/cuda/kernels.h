@@ -112,16 +112,15 @@ constexpr int64_t kMaxDecodeSplits = 256;  // the merging CTA keeps 16 x splits 
 // a prefix of the grid set by the lengths and the split target), never the capacity, which only
 // bounds how many splits are launched: caches of different capacities merge the same partials
 // in the same groups and order, so decode output stays bit-identical across capacities. (A tree
-// sized by the target put 8 live splits of a 1k-token row through two levels at 28/4/128 and
-// 4/1/256, the second one merging a single group.) The kernel builds the tree of its row's live
-// splits; the plan sizes slots and counters for the largest tree any live count <= the launched
-// splits gives (Bound). One place owns the arithmetic.
+// sized by the split target put the 8 live splits of a 1k-token row at 28/4/128, target 33,
+// through two levels: 21 us against 17 flat on the H200.) The kernel builds the tree of its
+// row's live splits; the plan sizes slots and counters for the largest tree any live count <=
+// the launched splits gives (SlotsPerRow, CountersPerRow). One place owns the arithmetic.
 constexpr int64_t kDecodeFlatMergeFloats = 16384;
 struct DecodeMergeTree {
-  int64_t live = 1, group = 1, groups = 1;
+  int64_t group = 1, groups = 1;  // splits per group (the last may hold fewer), groups
   __host__ __device__ static DecodeMergeTree For(int64_t live, int64_t rows, int64_t head_size) {
     DecodeMergeTree t;
-    t.live = live;
     t.group = live;
     if (live * rows * head_size > kDecodeFlatMergeFloats) t.group = CeilSqrt(live);
     t.groups = (live + t.group - 1) / t.group;
