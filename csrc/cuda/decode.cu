@@ -25,6 +25,17 @@ namespace kvl {
 namespace cu {
 namespace {
 
+// Build knob (experiment prepared in the eighth session, not yet run on a GPU: off by default):
+// fewer instructions per key step, where the bandwidth-bound decode (B >= 8) is latency-bound at
+// 1.5 warps per scheduler and ran 13% more instructions per byte than cuDNN's kernel (ncu):
+// full steps issue their copies without per-copy predicates, the stage slot is computed in 32
+// bits, and a step inside every row's key range takes its score maxima in one branch. The same
+// arithmetic otherwise: the bits of the output do not change. docs/BENCHMARKS.md, eighth
+// session, gives the prediction.
+#ifndef KVL_DECODE_LEAN_STEPS
+#define KVL_DECODE_LEAN_STEPS 0
+#endif
+
 constexpr int kDecWarps = 4;
 constexpr int kDecThreads = kDecWarps * kWarp;
 static_assert(kDecodeRows % kDecWarps == 0, "each warp prepares kDecodeRows / kDecWarps rows");
@@ -176,12 +187,43 @@ __global__ void __launch_bounds__(kDecThreads)
   // a third of a short split's instructions, profiled at B=1).
   const int32_t stride32 = static_cast<int32_t>(seq_stride);
   auto issue = [&](int64_t i) {  // this warp's i-th step
+#if KVL_DECODE_LEAN_STEPS
+    // The slot in 32 bits (a warp's steps number below 2^27): a 64-bit modulo by 3 was eight
+    // instructions on every step's path.
+    T* ks = wsm + (static_cast<int>(i) % ST) * DecSlotElems(HD);
+#else
     T* ks = wsm + (i % ST) * DecSlotElems(HD);
+#endif
     T* vs = ks + KS * P;
     const int64_t k0 = k_begin + (warp + i * kDecWarps) * KS;  // < k_end: a row of the cache
     const T* kstep = pk + (k0 - geo.cache_base) * seq_stride;
     const T* vstep = pv + (k0 - geo.cache_base) * seq_stride;
     const int rows_here = static_cast<int>(min(int64_t(KS), k_end - k0));
+#if KVL_DECODE_LEAN_STEPS
+    // Every step but a split's last holds KS rows: its copies need no row test, zero-fill
+    // operand or select, and their offsets from the lane's first copy are compile-time for the
+    // shared side and one multiply-add for the global side (the predicated form below cost
+    // about 11 instructions per 16-byte copy in the sm_90a SASS of head size 64).
+    if (kWarp % CPR == 0 && rows_here == KS) {
+      // A lane copies chunk c = lane % CPR of rows lane / CPR + R it: one pointer per tensor,
+      // advanced by R rows per copy (head sizes 32, 64, 128, 256; the others take the general
+      // form below).
+      constexpr int R = kWarp % CPR == 0 ? kWarp / CPR : 1;  // rows per warp-wide copy
+      const int c = lane % CPR, j0 = lane / CPR;
+      if (c < chunks) {
+        const T* kg = kstep + j0 * seq_stride + c * 8;
+        const T* vg = vstep + j0 * seq_stride + c * 8;
+        const int64_t step_r = R * seq_stride;
+        T* kd = ks + j0 * P + c * 8;
+#pragma unroll
+        for (int it = 0; it < KS / R; ++it) {
+          ptx::CpAsync16(kd + it * R * P, kg + it * step_r);
+          ptx::CpAsync16(kd + KS * P + it * R * P, vg + it * step_r);
+        }
+      }
+      return;
+    }
+#endif
 #pragma unroll
     for (int it = 0; it < kCopies; ++it) {
       const int idx = lane + it * kWarp, j = idx / CPR, c = idx % CPR;  // compile-time divisor
@@ -298,7 +340,11 @@ __global__ void __launch_bounds__(kDecThreads)
     ptx::CpAsyncCommit();
     ptx::CpAsyncWait<ST - 1>();  // this lane's copies of step i have landed
     __syncwarp();                // ... and every lane's
+#if KVL_DECODE_LEAN_STEPS
+    const T* ks = wsm + (static_cast<int>(i) % ST) * DecSlotElems(HD);
+#else
     const T* ks = wsm + (i % ST) * DecSlotElems(HD);
+#endif
     const T* vs = ks + KS * P;
     const int64_t k0 = k_begin + (warp + i * kDecWarps) * KS;
 
@@ -323,6 +369,17 @@ __global__ void __launch_bounds__(kDecThreads)
         plain && __all_sync(0xffffffffu, (idle[0] || (kr[0].lo <= k0 && k0 + KS <= kr[0].hi)) &&
                                              (idle[1] || (kr[1].lo <= k0 && k0 + KS <= kr[1].hi)));
     float tmax[2] = {-INFINITY, -INFINITY};
+#if KVL_DECODE_LEAN_STEPS
+    if (whole) {  // one branch for the step (the loop below tests `whole` per element)
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (e < 2 || upper) tmax[e / 2] = fmaxf(tmax[e / 2], sc[n][e]);
+        }
+      }
+    } else
+#endif
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
 #pragma unroll

@@ -35,6 +35,11 @@ __device__ __forceinline__ unsigned SharedAddress(const void* p) {
 #error "KVL_CP_ASYNC_L2_PREFETCH must be 0, 128 or 256"
 #endif
 
+// 16 bytes global -> shared.
+__device__ __forceinline__ void CpAsync16(void* smem_dst, const void* gmem_src) {
+  asm volatile(KVL_CP_ASYNC_CG " [%0], [%1], 16;\n" ::"r"(SharedAddress(smem_dst)), "l"(gmem_src)
+               : "memory");
+}
 // 16 bytes global -> shared; `valid` false writes 16 zero bytes and reads nothing.
 __device__ __forceinline__ void CpAsync16(void* smem_dst, const void* gmem_src, bool valid) {
   const int src_bytes = valid ? 16 : 0;
