@@ -214,6 +214,8 @@ __global__ void __launch_bounds__(kDecThreads)
         const T* kg = kstep + j0 * seq_stride + c * 8;
         const T* vg = vstep + j0 * seq_stride + c * 8;
         const int64_t step_r = R * seq_stride;
+        // V through kd + KS * P (vs's offset as an immediate), not a second pointer: one more
+        // live register spilled at head size 128.
         T* kd = ks + j0 * P + c * 8;
 #pragma unroll
         for (int it = 0; it < KS / R; ++it) {
