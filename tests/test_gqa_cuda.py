@@ -379,10 +379,10 @@ def _dispatch_cases():
                            head_size=128, dtype=("fp16", "bf16")[i], kv_layout=layout,
                            shared=True, head_sink=i == 1, seed=case_seed(34_000 + i)))  # fmt: skip
     # A short sequence in a large cache (a runtime that reserves the whole context): most of the
-    # grid's splits hold no live key and leave at once; the merges take the live prefix, over a
-    # two-level tree (head 256, one KV head; on the H200's 132 SMs: 132 splits targeted, groups
-    # of 12) with one, two and all-but-one groups live, and over one live split (its output
-    # written directly).
+    # grid's splits hold no live key and leave at once; the merges take the live prefix (head
+    # 256, one KV head; on the H200's 132 SMs, 132 splits targeted): one live split (its output
+    # written directly), 3, 16 in one level (the flat cap, kernels.h), 55 in a two-level tree
+    # (7 groups of 8, the last of 7).
     for i, past in enumerate((0, 100, 300, 2000, 7000)):
         out.append(GqaCase(kind="decode", batch=1, past_len=past, num_heads=4, kv_num_heads=1,
                            head_size=256, dtype=("fp16", "bf16")[i % 2], kv_layout=i % 2,
@@ -638,19 +638,23 @@ def test_deterministic(layout, dtype):
 @pytest.mark.parametrize("layout", [0, 1])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize(
-    "heads,past_len,big_cap",
-    [((8, 2, 128), 1000, 5000),  # the splits merge in one level
-     ((4, 1, 256), 5000, 9000)],  # ~40 live splits x 4 rows x 256 floats: a two-level tree
-    ids=["flat", "two_levels"],
+    "heads,batch,past_len,big_cap",
+    [((8, 2, 128), 2, 1000, 5000),  # the splits merge in one level
+     # 63 live splits x 4 rows x 256 floats: a two-level tree (16 splits of one level would read
+     # 563 keys, 563 KB of K and V each: above kDecodeFlatSplitBytes, kernels.h)
+     ((4, 1, 256), 2, 9000, 12000),
+     # 33 splits targeted, 18 taken (one level: 18 x 7 rows x 128 floats, 224 keys each)
+     ((28, 4, 128), 1, 4000, 9000)],
+    ids=["flat", "two_levels", "flat_capped"],
 )  # fmt: skip
-def test_decode_bits_do_not_depend_on_the_capacity(layout, dtype, heads, past_len, big_cap):
+def test_decode_bits_do_not_depend_on_the_capacity(layout, dtype, heads, batch, past_len, big_cap):
     """The same live keys in a cache of past + 1 rows and a larger one (shared buffers, the rows
     past the live ones random) give bit-identical output: the key splits and their merge tree
     follow the live length, not the capacity that sized the grid. A runtime that grows a packed
     cache (bucket mode) then generates the same tokens as one that reserved the whole context."""
     n, nkv, h = heads
-    c = GqaCase(kind="decode", past_len=past_len, batch=2, pad=100, num_heads=n, kv_num_heads=nkv,
-                head_size=h, dtype=dtype, kv_layout=layout, shared=True, do_rotary=True,
+    c = GqaCase(kind="decode", past_len=past_len, batch=batch, pad=100, num_heads=n,
+                kv_num_heads=nkv, head_size=h, dtype=dtype, kv_layout=layout, shared=True, do_rotary=True,
                 seed=case_seed(50_001))  # fmt: skip
     small = c.feeds()
     rng = np.random.default_rng(case_seed(50_002))

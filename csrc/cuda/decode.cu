@@ -25,17 +25,6 @@ namespace kvl {
 namespace cu {
 namespace {
 
-// Build knob (experiment prepared in the eighth session, not yet run on a GPU: off by default):
-// fewer instructions per key step, where the bandwidth-bound decode (B >= 8) is latency-bound at
-// 1.5 warps per scheduler and ran 13% more instructions per byte than cuDNN's kernel (ncu):
-// full steps issue their copies without per-copy predicates, the stage slot is computed in 32
-// bits, and a step inside every row's key range takes its score maxima in one branch. The same
-// arithmetic otherwise: the bits of the output do not change. docs/BENCHMARKS.md, eighth
-// session, gives the prediction.
-#ifndef KVL_DECODE_LEAN_STEPS
-#define KVL_DECODE_LEAN_STEPS 0
-#endif
-
 constexpr int kDecWarps = 4;
 constexpr int kDecThreads = kDecWarps * kWarp;
 static_assert(kDecodeRows % kDecWarps == 0, "each warp prepares kDecodeRows / kDecWarps rows");
@@ -143,7 +132,8 @@ __global__ void __launch_bounds__(kDecThreads)
   }
   int64_t k_begin = 0, k_end = 0, chunk = 1;
   if (key_lo < key_hi) {
-    chunk = SplitChunk(key_hi - key_lo, split_target, KS, kMinDecodeSplitKeys);
+    const int64_t target = DecodeMergeTree::SplitTarget(split_target, key_hi - key_lo, rows, H);
+    chunk = SplitChunk(key_hi - key_lo, target, KS, kMinDecodeSplitKeys);
     k_begin = min(key_hi, key_lo + split * chunk);
     k_end = min(key_hi, k_begin + chunk);
   }
@@ -186,24 +176,22 @@ __global__ void __launch_bounds__(kDecThreads)
   // CheckCudaSupport) fit, and the issue below is on every step's path (64-bit offset math was
   // a third of a short split's instructions, profiled at B=1).
   const int32_t stride32 = static_cast<int32_t>(seq_stride);
-  auto issue = [&](int64_t i) {  // this warp's i-th step
-#if KVL_DECODE_LEAN_STEPS
-    // The slot in 32 bits (a warp's steps number below 2^27): a 64-bit modulo by 3 was eight
-    // instructions on every step's path.
-    T* ks = wsm + (static_cast<int>(i) % ST) * DecSlotElems(HD);
-#else
-    T* ks = wsm + (i % ST) * DecSlotElems(HD);
-#endif
+  // This warp's i-th step: its stage slot (in 32 bits: a warp's steps number below 2^27, and a
+  // 64-bit modulo by 3 was eight instructions on every step's path) and its first key.
+  auto step_slot = [&](int64_t i) { return wsm + (static_cast<int>(i) % ST) * DecSlotElems(HD); };
+  auto step_key = [&](int64_t i) { return k_begin + (warp + i * kDecWarps) * KS; };
+  auto issue = [&](int64_t i) {
+    T* ks = step_slot(i);
     T* vs = ks + KS * P;
-    const int64_t k0 = k_begin + (warp + i * kDecWarps) * KS;  // < k_end: a row of the cache
+    const int64_t k0 = step_key(i);  // < k_end: a row of the cache
     const T* kstep = pk + (k0 - geo.cache_base) * seq_stride;
     const T* vstep = pv + (k0 - geo.cache_base) * seq_stride;
     const int rows_here = static_cast<int>(min(int64_t(KS), k_end - k0));
-#if KVL_DECODE_LEAN_STEPS
     // Every step but a split's last holds KS rows: its copies need no row test, zero-fill
     // operand or select, and their offsets from the lane's first copy are compile-time for the
     // shared side and one multiply-add for the global side (the predicated form below cost
-    // about 11 instructions per 16-byte copy in the sm_90a SASS of head size 64).
+    // about 11 instructions per 16-byte copy in the sm_90a SASS of head size 64; measured on the
+    // H200: 1 to 8% less decode time, docs/BENCHMARKS.md, ninth session).
     if (kWarp % CPR == 0 && rows_here == KS) {
       // A lane copies chunk c = lane % CPR of rows lane / CPR + R it: one pointer per tensor,
       // advanced by R rows per copy (head sizes 32, 64, 128, 256; the others take the general
@@ -225,7 +213,6 @@ __global__ void __launch_bounds__(kDecThreads)
       }
       return;
     }
-#endif
 #pragma unroll
     for (int it = 0; it < kCopies; ++it) {
       const int idx = lane + it * kWarp, j = idx / CPR, c = idx % CPR;  // compile-time divisor
@@ -247,10 +234,7 @@ __global__ void __launch_bounds__(kDecThreads)
   };
   bool appended = false;  // uniform over the CTA
   for (int64_t i = 0; i < written && !appended; ++i) appended = appends(i);
-  auto reads_new_rows = [&](int i) {
-    const int64_t k0 = k_begin + (warp + i * kDecWarps) * KS;
-    return appended && min(k0 + KS, k_end) > geo.past;
-  };
+  auto reads_new_rows = [&](int i) { return appended && min(step_key(i) + KS, k_end) > geo.past; };
   int issued = 0;  // the first ST - 1 steps, each its own group (empty ones too: the wait
                    // below counts groups)
   for (; issued < ST - 1 && issued < my_steps && !reads_new_rows(issued); ++issued) {
@@ -342,13 +326,9 @@ __global__ void __launch_bounds__(kDecThreads)
     ptx::CpAsyncCommit();
     ptx::CpAsyncWait<ST - 1>();  // this lane's copies of step i have landed
     __syncwarp();                // ... and every lane's
-#if KVL_DECODE_LEAN_STEPS
-    const T* ks = wsm + (static_cast<int>(i) % ST) * DecSlotElems(HD);
-#else
-    const T* ks = wsm + (i % ST) * DecSlotElems(HD);
-#endif
+    const T* ks = step_slot(i);
     const T* vs = ks + KS * P;
-    const int64_t k0 = k_begin + (warp + i * kDecWarps) * KS;
+    const int64_t k0 = step_key(i);
 
     float sc[NT][4];
 #pragma unroll
@@ -371,8 +351,7 @@ __global__ void __launch_bounds__(kDecThreads)
         plain && __all_sync(0xffffffffu, (idle[0] || (kr[0].lo <= k0 && k0 + KS <= kr[0].hi)) &&
                                              (idle[1] || (kr[1].lo <= k0 && k0 + KS <= kr[1].hi)));
     float tmax[2] = {-INFINITY, -INFINITY};
-#if KVL_DECODE_LEAN_STEPS
-    if (whole) {  // one branch for the step (the loop below tests `whole` per element)
+    if (whole) {  // one branch for the whole step, not a test per score element
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
 #pragma unroll
@@ -380,25 +359,21 @@ __global__ void __launch_bounds__(kDecThreads)
           if (e < 2 || upper) tmax[e / 2] = fmaxf(tmax[e / 2], sc[n][e]);
         }
       }
-    } else
-#endif
+    } else {
 #pragma unroll
-    for (int n = 0; n < NT; ++n) {
+      for (int n = 0; n < NT; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int hr = e / 2;
-        if (hr == 1 && !upper) continue;
-        if (whole) {
+        for (int e = 0; e < 4; ++e) {
+          const int hr = e / 2;
+          if (hr == 1 && !upper) continue;
+          const int64_t key = k0 + n * 8 + 2 * tq + (e % 2);
+          const bool live = key >= kr[hr].lo && key < kr[hr].hi;
+          float x = sc[n][e];
+          if (s.softcap > 0.0f) x = Softcap(x, s.softcap, inv_softcap);
+          if (bias != nullptr && live) x += ToF(bias[bias_row[hr] + key]);
+          sc[n][e] = live ? x : -INFINITY;
           tmax[hr] = fmaxf(tmax[hr], sc[n][e]);
-          continue;
         }
-        const int64_t key = k0 + n * 8 + 2 * tq + (e % 2);
-        const bool live = key >= kr[hr].lo && key < kr[hr].hi;
-        float x = sc[n][e];
-        if (s.softcap > 0.0f) x = Softcap(x, s.softcap, inv_softcap);
-        if (bias != nullptr && live) x += ToF(bias[bias_row[hr] + key]);
-        sc[n][e] = live ? x : -INFINITY;
-        tmax[hr] = fmaxf(tmax[hr], sc[n][e]);
       }
     }
     float alpha[2] = {1.0f, 1.0f};

@@ -117,6 +117,13 @@ constexpr int64_t kMaxDecodeSplits = 256;  // the merging CTA keeps 16 x splits 
 // row's live splits; the plan sizes slots and counters for the largest tree any live count <=
 // the launched splits gives (SlotsPerRow, CountersPerRow). One place owns the arithmetic.
 constexpr int64_t kDecodeFlatMergeFloats = 16384;
+// A second merge level adds a group merge, a fence and a counter to the row's path, and a split
+// fewer keys: at 28/4/128 B=1 L=4k (33 splits targeted) one level of 18 splits took 18.0 to
+// 18.7 us on the H200 against 22.2 for two levels of 32, at L=8k 22.2 against 24.8; at head size
+// 256 (4/1/256 L=8k, 16 splits of 512 keys) one level lost 10 us. So the live keys take at most
+// the splits of one level while each of those reads at most kDecodeFlatSplitBytes of K and V
+// (docs/BENCHMARKS.md, ninth session: the sweep of this bound).
+constexpr int64_t kDecodeFlatSplitBytes = 256 * 1024;
 struct DecodeMergeTree {
   int64_t group = 1, groups = 1;  // splits per group (the last may hold fewer), groups
   __host__ __device__ static DecodeMergeTree For(int64_t live, int64_t rows, int64_t head_size) {
@@ -135,6 +142,17 @@ struct DecodeMergeTree {
   __host__ __device__ static int64_t CountersPerRow(int64_t splits, int64_t rows,
                                                     int64_t head_size) {
     return 1 + MaxGroups(splits, rows, head_size);
+  }
+  // The split target for `keys` live keys of `rows` rows (the kernel's partition; the plan's
+  // target sized the grid): at most the splits of a one-level merge while each of those reads at
+  // most kDecodeFlatSplitBytes (fp16/bf16 K and V rows), else the plan's target.
+  __host__ __device__ static int64_t SplitTarget(int64_t target, int64_t keys, int64_t rows,
+                                                 int64_t head_size) {
+    const int64_t flat_max = kDecodeFlatMergeFloats / (rows * head_size);
+    const int64_t flat = flat_max > 1 ? flat_max : 1;
+    if (target <= flat) return target;
+    const int64_t keys_per_flat_split = (keys + flat - 1) / flat;
+    return keys_per_flat_split * head_size * 4 <= kDecodeFlatSplitBytes ? flat : target;
   }
   __host__ __device__ static int64_t CeilSqrt(int64_t n) {  // n <= kMaxDecodeSplits
     int64_t g = 1;
