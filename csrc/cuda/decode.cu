@@ -16,6 +16,8 @@
 // the counters' memset where they are not kept across calls) instead of prepare + decode.
 #include <algorithm>
 
+#include <cooperative_groups.h>
+
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
 #include "cuda/prepare_rows.cuh"
@@ -59,17 +61,39 @@ static_assert(DecSlotHoldsPrologue(32) && DecSlotHoldsPrologue(64) && DecSlotHol
                   DecSlotHoldsPrologue(256),
               "the query tile, raw rows and scratch fit one free stage slot");
 
+// After the key loop: the four warps' partials (red_o), then the CTA's partial for a merge
+// through the cluster's shared memory: kDecodeRows x hd values, then the rows' maxima and sums.
+__host__ __device__ constexpr size_t DecClusterPartialOffset(int hd) {
+  return size_t(kDecWarps) * kDecodeRows * hd;
+}
 constexpr size_t DecSmemBytes(int hd, size_t elem) {
   const size_t stages = size_t(kDecWarps) * DecStages(hd) * DecSlotElems(hd) * elem;
-  const size_t merge = sizeof(float) * kDecWarps * kDecodeRows * hd;
+  const size_t merge = sizeof(float) * (DecClusterPartialOffset(hd) + kDecodeRows * (hd + 2));
   const size_t weights = sizeof(float) * kDecodeRows * kMaxDecodeSplits;
   return std::max(stages, std::max(merge, weights));
+}
+
+// Thread-block clusters (sm_90): a barrier of every thread of the cluster that orders each
+// CTA's shared-memory writes before it against the reads after it in the others, and the
+// address of `p`'s counterpart in the shared memory of the cluster's CTA `rank`. The plan asks
+// for a cluster launch only where the kernel's binary is sm_90 or newer (DecodeTcClustersFit).
+__device__ __forceinline__ void ClusterSync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cooperative_groups::this_cluster().sync();
+#endif
+}
+__device__ __forceinline__ const float* ClusterPeer(const float* p, unsigned rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return cooperative_groups::this_cluster().map_shared_rank(p, rank);
+#else
+  return p;
+#endif
 }
 
 template <typename T, int HD>
 __global__ void __launch_bounds__(kDecThreads)
     DecodeTcKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_st, int64_t splits,
-                   int64_t split_target, float* part_o, float* part_m, float* part_l,
+                   int64_t split_target, int cluster, float* part_o, float* part_m, float* part_l,
                    unsigned* counters) {
   constexpr int KS = DecKeys(HD), ST = DecStages(HD), P = DecPitch(HD);
   constexpr int NT = KS / 8;  // score n-tiles (8 keys each)
@@ -156,9 +180,17 @@ __global__ void __launch_bounds__(kDecThreads)
   auto check_lengths = [&] {
     for (int64_t t = threadIdx.x; t < s.seq_len; t += kDecThreads) CheckLengths(s, buf, b, t);
   };
+
+  const bool extra = s.has_head_sink || s.smooth_softmax;
+  auto out_row = [&](int64_t r) {  // output row of CTA row r
+    return static_cast<T*>(buf.output) + ((b * s.seq_len + r / G) * N + g * G + r % G) * H;
+  };
+  auto row_sink = [&](int64_t r) {
+    return s.has_head_sink ? ToF(static_cast<const T*>(buf.head_sink)[g * G + r % G]) : 0.0f;
+  };
   if (split >= live) {
     if (checks) check_lengths();
-    return;
+    return;  // in a cluster too: a CTA that exits no longer holds up the cluster's barriers
   }
   const int64_t steps = (k_end - k_begin + KS - 1) / KS;  // of the CTA; warp w takes w, w+4, ...
   const int64_t my_steps = steps > warp ? (steps - warp + kDecWarps - 1) / kDecWarps : 0;
@@ -457,12 +489,52 @@ __global__ void __launch_bounds__(kDecThreads)
   }
   __syncthreads();
 
-  const bool extra = s.has_head_sink || s.smooth_softmax;
-  auto out_row = [&](int64_t r) {  // output row of CTA row r
-    return static_cast<T*>(buf.output) + ((b * s.seq_len + r / G) * N + g * G + r % G) * H;
-  };
-  auto row_sink = [&](int64_t r) {
-    return s.has_head_sink ? ToF(static_cast<const T*>(buf.head_sink)[g * G + r % G]) : 0.0f;
+  // With a cluster launch (sm_90: the plan makes the row's splits one cluster) and a one-level
+  // merge, the live splits merge through the cluster's shared memory: each CTA leaves its
+  // partial in its own, and after a cluster barrier each merges a share of the output's values
+  // from every live partial. No global partial, fence, counter or lone merging CTA on the row's
+  // path (docs/BENCHMARKS.md, ninth session). The arithmetic and its order are the flat merge's
+  // below (split order; the sums of the l's in WarpSum's tree), so the bits do not depend on
+  // whether the plan launched clusters, which it decides from the capacity.
+  const bool cluster_merge = cluster > 1 && live > 1 && live <= cluster &&
+                             DecodeMergeTree::For(live, rows, H).groups == 1;
+  static_assert(kMaxDecodeCluster == 8, "the tree of the l sums below is WarpSum's for 8 lanes");
+  float* cpart = reinterpret_cast<float*>(dec_smem) + DecClusterPartialOffset(HD);  // [row][HD]
+  float* cpart_m = cpart + kDecodeRows * HD;
+  float* cpart_l = cpart_m + kDecodeRows;
+  auto merge_in_cluster = [&] {
+    ClusterSync();  // every live split's partial is in its shared memory
+    const int hs4 = static_cast<int>(H / 4);
+    for (int idx = static_cast<int>(split) * kDecThreads + threadIdx.x; idx < rows * hs4;
+         idx += static_cast<int>(live) * kDecThreads) {
+      const int r = idx / hs4, d = (idx % hs4) * 4;
+      float mx = -INFINITY;
+      for (int sp = 0; sp < live; ++sp) mx = fmaxf(mx, *ClusterPeer(cpart_m + r, sp));
+      float lw[kMaxDecodeCluster] = {};  // l x weight of each split, 0 past the live ones
+      float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      for (int sp = 0; sp < live; ++sp) {
+        const float ls = *ClusterPeer(cpart_l + r, sp);
+        const float wt = PartialWeight(*ClusterPeer(cpart_m + r, sp), ls, mx);
+        if (wt == 0.0f) continue;  // an empty partial adds nothing (no 0 x Inf)
+        const float4 x = *reinterpret_cast<const float4*>(ClusterPeer(cpart + r * HD + d, sp));
+        lw[sp] = __fmul_rn(ls, wt);  // never contracted: the flat merge's product, rounded once
+        acc.x = fmaf(x.x, wt, acc.x);
+        acc.y = fmaf(x.y, wt, acc.y);
+        acc.z = fmaf(x.z, wt, acc.z);
+        acc.w = fmaf(x.w, wt, acc.w);
+      }
+      // WarpSum's butterfly (xor 16, 8, 4, 2, 1) over lanes holding lw[0..7], zeros elsewhere.
+      auto add = [](float a, float b) { return __fadd_rn(a, b); };
+      const float lsum = add(add(add(lw[0], lw[4]), add(lw[2], lw[6])),
+                             add(add(lw[1], lw[5]), add(lw[3], lw[7])));
+      const float sc = OutputScale(mx, lsum, extra, row_sink(r));
+      T* out = out_row(r) + d;
+      out[0] = FromF<T>(acc.x * sc);
+      out[1] = FromF<T>(acc.y * sc);
+      out[2] = FromF<T>(acc.z * sc);
+      out[3] = FromF<T>(acc.w * sc);
+    }
+    ClusterSync();  // no CTA leaves while another still reads its shared memory
   };
   // Partial slots of this (batch, kv head): one per launched split, then one per group of its
   // merge tree (DecodeMergeTree); slot k holds rows k * kDecodeRows + r.
@@ -486,6 +558,14 @@ __global__ void __launch_bounds__(kDecThreads)
       out_row(r)[d] = FromF<T>(acc * OutputScale(mx, lsum, extra, row_sink(r)));
       continue;
     }
+    if (cluster_merge) {
+      cpart[r * HD + d] = acc;
+      if (d == 0) {
+        cpart_m[r] = mx;
+        cpart_l[r] = lsum;
+      }
+      continue;
+    }
     part_o[(slot0 + r) * H + d] = acc;
     if (d == 0) {
       part_m[slot0 + r] = mx;
@@ -493,6 +573,10 @@ __global__ void __launch_bounds__(kDecThreads)
     }
   }
   if (live == 1) return;
+  if (cluster_merge) {
+    merge_in_cluster();
+    return;
+  }
 
   // Merges partial slots [first, first + n) of this (batch, kv head) into slot `dst` (a group
   // partial) or, with dst < 0, into the output. The whole CTA calls it. In split order
@@ -592,8 +676,8 @@ __global__ void __launch_bounds__(kDecThreads)
   if (last_to_finish(row_counters, tree.groups)) merge(splits, tree.groups, -1);
 }
 
-using DecodeFn = void (*)(GqaShape, GqaCudaBuffers, KvStrides, int64_t, int64_t, float*, float*,
-                          float*, unsigned*);
+using DecodeFn = void (*)(GqaShape, GqaCudaBuffers, KvStrides, int64_t, int64_t, int, float*,
+                          float*, float*, unsigned*);
 
 template <typename T>
 DecodeFn DecodeKernelFor(int64_t head_size, size_t* smem) {
@@ -629,6 +713,19 @@ bool DecodeTcFits(const GqaShape& s, size_t elem, const CudaDeviceInfo& dev) {
          size_t(dev.max_smem_optin);
 }
 
+bool DecodeTcClustersFit(const GqaShape& s, const CudaDeviceInfo& dev, int64_t cluster) {
+  size_t smem = 0;
+  const DecodeFn fn = DecodeKernelForShape(s, &smem);
+  if (fn == nullptr || dev.cc_major < 9 || cluster < 2 || cluster > kMaxDecodeCluster) {
+    return false;
+  }
+  const void* f = reinterpret_cast<const void*>(fn);
+  // The binary that runs on this device (an sm_80-only build has no cluster code), and a
+  // cluster of these CTAs must fit the device.
+  if (CachedBinaryVersion(f) < 90 || !EnsureSmemLimit(f, smem).ok()) return false;
+  return CachedMaxActiveClusters(f, kDecThreads, smem, static_cast<int>(cluster)) > 0;
+}
+
 int DecodeTcCtasPerSm(const GqaShape& s, const CudaDeviceInfo& dev) {
   size_t smem = 0;
   const DecodeFn fn = DecodeKernelForShape(s, &smem);
@@ -655,7 +752,26 @@ Status LaunchDecodeTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pr
   }
   const dim3 grid(static_cast<unsigned>(plan.splits),
                   static_cast<unsigned>(s.batch * s.kv_num_heads));
-  fn<<<grid, kDecThreads, smem, stream>>>(s, buf, present_st, plan.splits, plan.split_target,
+  const int cluster = static_cast<int>(plan.cluster);
+  if (cluster > 1) {  // plan.splits is a multiple of the cluster size (equal, today)
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid;
+    config.blockDim = dim3(kDecThreads);
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    config.attrs = attr;
+    config.numAttrs = 1;
+    return CudaCheck(cudaLaunchKernelEx(&config, fn, s, buf, present_st, plan.splits,
+                                        plan.split_target, cluster, ws.part_o, ws.part_m,
+                                        ws.part_l, ws.counters),
+                     "decode launch (clusters)");
+  }
+  fn<<<grid, kDecThreads, smem, stream>>>(s, buf, present_st, plan.splits, plan.split_target, 0,
                                           ws.part_o, ws.part_m, ws.part_l, ws.counters);
   return CudaCheck(cudaGetLastError(), "decode launch");
 }

@@ -172,6 +172,10 @@ constexpr int64_t kMinDecodeSplitKeys = 128;
 constexpr int64_t kFewDecodeRows = 16;
 bool DecodeTcFits(const GqaShape& s, size_t elem, const CudaDeviceInfo& dev);
 int DecodeTcCtasPerSm(const GqaShape& s, const CudaDeviceInfo& dev);  // cached per device/kernel
+// Whether a row's key splits can be one thread-block cluster of `cluster` CTAs (sm_90 and an
+// sm_90+ binary, at most kMaxDecodeCluster, resident together on this device).
+constexpr int64_t kMaxDecodeCluster = 8;  // the portable cluster size
+bool DecodeTcClustersFit(const GqaShape& s, const CudaDeviceInfo& dev, int64_t cluster);
 template <typename T>
 Status LaunchDecodeTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
                       const AttnPlan& plan, const Workspace& ws, cudaStream_t stream);
@@ -181,6 +185,9 @@ Status LaunchDecodeTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pr
 // that is current, as the CUDA calls they wrap do.
 Status EnsureSmemLimit(const void* fn, size_t smem);
 int CachedCtasPerSm(const void* fn, int threads, size_t smem);
+int CachedBinaryVersion(const void* fn);  // cudaFuncAttributes::binaryVersion (0 on error)
+// Clusters of `cluster` CTAs that can be resident at once (0 on error).
+int CachedMaxActiveClusters(const void* fn, int threads, size_t smem, int cluster);
 
 }  // namespace cu
 }  // namespace kvl

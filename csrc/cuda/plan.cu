@@ -63,6 +63,17 @@ int64_t DecodeSplitsOverride() {
   return splits;
 }
 
+// ORT_KVLAYOUT_DECODE_CLUSTERS=0 (read once) launches the decode kernel without clusters, so its
+// splits merge through global partials everywhere (the path of sm_80): a benchmarking and
+// testing knob (docs/BENCHMARKS.md).
+bool DecodeClustersAllowed() {
+  static const bool allowed = [] {
+    const char* v = std::getenv("ORT_KVLAYOUT_DECODE_CLUSTERS");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return allowed;
+}
+
 // Counters of the decode kernel's split merge tree for a plan (DecodeMergeTree sizes them for
 // any live split count; the kernel builds its row's tree).
 int64_t DecodeCountersPerRow(const GqaShape& s, const AttnPlan& p) {
@@ -104,6 +115,16 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
     const int64_t max_splits =
         std::max<int64_t>(1, (attn_rows + kMinDecodeSplitKeys - 1) / kMinDecodeSplitKeys);
     p.splits = std::min(p.split_target, max_splits);
+    // With few rows (one CTA per SM, the latency-bound decode) and at most 8 splits, each row's
+    // splits are one thread-block cluster where the device has them: they merge through its
+    // shared memory (decode.cu). Not with more rows: CTAs scheduled a cluster at a time filled
+    // the SMs worse (32/8/128 B=8 L=4k: 46 -> 83 us on the H200 with clusters of 8 and half
+    // their CTAs without keys, docs/BENCHMARKS.md, ninth session). The kernel's merge gives the
+    // same bits either way, so the choice may follow the capacity.
+    if (base < kFewDecodeRows && p.splits > 1 && p.splits <= kMaxDecodeCluster &&
+        DecodeClustersAllowed() && DecodeTcClustersFit(s, dev, p.splits)) {
+      p.cluster = p.splits;
+    }
   } else if (p.kernel == AttnKernel::kPortable) {
     p.row_blocks = (s.seq_len * s.group_size() + kRowsPerCta - 1) / kRowsPerCta;
     const int64_t base = s.batch * s.kv_num_heads * p.row_blocks;
@@ -220,6 +241,8 @@ Status Launch(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo
 std::mutex g_cache_mutex;
 std::map<std::tuple<int, const void*>, size_t> g_smem_limits;            // raised limit
 std::map<std::tuple<int, const void*, int, size_t>, int> g_ctas_per_sm;  // occupancy
+std::map<std::tuple<int, const void*>, int> g_binary_versions;
+std::map<std::tuple<int, const void*, int, size_t, int>, int> g_active_clusters;
 
 }  // namespace
 
@@ -256,6 +279,59 @@ int CachedCtasPerSm(const void* fn, int threads, size_t smem) {
   }
   n = std::max(n, 1);
   g_ctas_per_sm.emplace(key, n);
+  return n;
+}
+
+int CachedBinaryVersion(const void* fn) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  std::lock_guard<std::mutex> lock(g_cache_mutex);
+  const auto key = std::make_tuple(device, fn);
+  auto it = g_binary_versions.find(key);
+  if (it != g_binary_versions.end()) return it->second;
+  cudaFuncAttributes attr = {};
+  const bool clean = cudaPeekAtLastError() == cudaSuccess;
+  int version = 0;
+  if (cudaFuncGetAttributes(&attr, fn) == cudaSuccess) {
+    version = attr.binaryVersion;
+  } else if (clean) {
+    (void)cudaGetLastError();  // a hint: no clusters, and this call's error cleared
+  }
+  g_binary_versions.emplace(key, version);
+  return version;
+}
+
+int CachedMaxActiveClusters(const void* fn, int threads, size_t smem, int cluster) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  std::lock_guard<std::mutex> lock(g_cache_mutex);
+  const auto key = std::make_tuple(device, fn, threads, smem, cluster);
+  auto it = g_active_clusters.find(key);
+  if (it != g_active_clusters.end()) return it->second;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(cluster));
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  const bool clean = cudaPeekAtLastError() == cudaSuccess;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, fn, &config) != cudaSuccess) {
+    if (clean) (void)cudaGetLastError();  // a hint: no clusters, and this call's error cleared
+    n = 0;
+  }
+  g_active_clusters.emplace(key, n);
   return n;
 }
 
