@@ -7,7 +7,8 @@
 // streams its own rows through DecStages cp.async stages: no CTA barrier inside the key loop. At
 // the end the four warps merge in shared memory, and with several splits the last CTAs to finish
 // merge the splits through DecodeMergeTree (counters kept across calls and reset by their last
-// arrival, or the workspace's zeroed by a memset before the launch): no combine kernel.
+// arrival, or the workspace's zeroed by a memset before the launch): no combine kernel. On sm_90
+// a row's splits launched as one thread-block cluster merge through its shared memory instead.
 //
 // The kernel also does the prepare kernel's work for its rows (prepare_rows.cuh): each CTA
 // norms, rotates and scales its group's queries itself, the CTA whose key split holds a new row
