@@ -638,20 +638,24 @@ def test_deterministic(layout, dtype):
 @pytest.mark.parametrize("layout", [0, 1])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize(
-    "heads,batch,past_len,big_cap",
-    [((8, 2, 128), 2, 1000, 5000),  # the splits merge in one level
+    "heads,batch,past_len,big_cap,extra",
+    [((8, 2, 128), 2, 1000, 5000, {}),  # the splits merge in one level
      # On sm_90 the grids of at most 8 splits are one thread-block cluster per row, merged
      # through its shared memory: 1000 keys (8 splits) against the global merge (33 splits) in
-     # `flat`; here 3 splits against 8, of which 5 (6 in the shorter entry's row) leave at once
-     ((8, 2, 128), 2, 300, 1001),
+     # `flat` and here with 16 rows and a head sink; then 3 splits against 8, of which 5 (6 in
+     # the shorter entry's row) leave at once
+     ((16, 1, 64), 1, 1000, 5000, {"head_sink": True}),
+     ((8, 2, 128), 2, 300, 1001, {}),
      # 63 live splits x 4 rows x 256 floats: a two-level tree (16 splits of one level would read
      # 563 keys, 563 KB of K and V each: above kDecodeFlatSplitBytes, kernels.h)
-     ((4, 1, 256), 2, 9000, 12000),
+     ((4, 1, 256), 2, 9000, 12000, {}),
      # 33 splits targeted, 18 taken (one level: 18 x 7 rows x 128 floats, 224 keys each)
-     ((28, 4, 128), 1, 4000, 9000)],
-    ids=["flat", "clusters", "two_levels", "flat_capped"],
+     ((28, 4, 128), 1, 4000, 9000, {})],
+    ids=["flat", "clusters_sink", "clusters", "two_levels", "flat_capped"],
 )  # fmt: skip
-def test_decode_bits_do_not_depend_on_the_capacity(layout, dtype, heads, batch, past_len, big_cap):
+def test_decode_bits_do_not_depend_on_the_capacity(
+    layout, dtype, heads, batch, past_len, big_cap, extra
+):
     """The same live keys in a cache of past + 1 rows and a larger one (shared buffers, the rows
     past the live ones random) give bit-identical output: the key splits and their merge tree
     follow the live length, not the capacity that sized the grid. A runtime that grows a packed
@@ -659,7 +663,7 @@ def test_decode_bits_do_not_depend_on_the_capacity(layout, dtype, heads, batch, 
     n, nkv, h = heads
     c = GqaCase(kind="decode", past_len=past_len, batch=batch, pad=100, num_heads=n,
                 kv_num_heads=nkv, head_size=h, dtype=dtype, kv_layout=layout, shared=True, do_rotary=True,
-                seed=case_seed(50_001))  # fmt: skip
+                seed=case_seed(50_001), **extra)  # fmt: skip
     small = c.feeds()
     rng = np.random.default_rng(case_seed(50_002))
     big = dict(small)

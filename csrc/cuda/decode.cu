@@ -77,16 +77,20 @@ constexpr size_t DecSmemBytes(int hd, size_t elem) {
 // Thread-block clusters (sm_90): a barrier of every thread of the cluster that orders each
 // CTA's shared-memory writes before it against the reads after it in the others, and the
 // address of `p`'s counterpart in the shared memory of the cluster's CTA `rank`. The plan asks
-// for a cluster launch only where the kernel's binary is sm_90 or newer (DecodeTcClustersFit).
+// for a cluster launch only where the kernel was compiled for sm_90 or newer
+// (DecodeTcClustersFit); code compiled for an older target traps rather than merge wrongly.
 __device__ __forceinline__ void ClusterSync() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   cooperative_groups::this_cluster().sync();
+#else
+  __trap();
 #endif
 }
 __device__ __forceinline__ const float* ClusterPeer(const float* p, unsigned rank) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   return cooperative_groups::this_cluster().map_shared_rank(p, rank);
 #else
+  __trap();
   return p;
 #endif
 }
@@ -721,9 +725,10 @@ bool DecodeTcClustersFit(const GqaShape& s, const CudaDeviceInfo& dev, int64_t c
     return false;
   }
   const void* f = reinterpret_cast<const void*>(fn);
-  // The binary that runs on this device (an sm_80-only build has no cluster code), and a
-  // cluster of these CTAs must fit the device.
-  if (CachedBinaryVersion(f) < 90 || !EnsureSmemLimit(f, smem).ok()) return false;
+  // The code that runs on this device was compiled for sm_90 or newer (its PTX target: an
+  // sm_80 build JIT-compiled for this GPU reports binary version 90 but has no cluster code),
+  // and a cluster of these CTAs fits the device.
+  if (CachedPtxVersion(f) < 90 || !EnsureSmemLimit(f, smem).ok()) return false;
   return CachedMaxActiveClusters(f, kDecThreads, smem, static_cast<int>(cluster)) > 0;
 }
 

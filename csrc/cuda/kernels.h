@@ -185,7 +185,7 @@ Status LaunchDecodeTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pr
 // that is current, as the CUDA calls they wrap do.
 Status EnsureSmemLimit(const void* fn, size_t smem);
 int CachedCtasPerSm(const void* fn, int threads, size_t smem);
-int CachedBinaryVersion(const void* fn);  // cudaFuncAttributes::binaryVersion (0 on error)
+int CachedPtxVersion(const void* fn);  // cudaFuncAttributes::ptxVersion (0 on error)
 // Clusters of `cluster` CTAs that can be resident at once (0 on error).
 int CachedMaxActiveClusters(const void* fn, int threads, size_t smem, int cluster);
 

@@ -241,7 +241,7 @@ Status Launch(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo
 std::mutex g_cache_mutex;
 std::map<std::tuple<int, const void*>, size_t> g_smem_limits;            // raised limit
 std::map<std::tuple<int, const void*, int, size_t>, int> g_ctas_per_sm;  // occupancy
-std::map<std::tuple<int, const void*>, int> g_binary_versions;
+std::map<std::tuple<int, const void*>, int> g_ptx_versions;
 std::map<std::tuple<int, const void*, int, size_t, int>, int> g_active_clusters;
 
 }  // namespace
@@ -282,7 +282,7 @@ int CachedCtasPerSm(const void* fn, int threads, size_t smem) {
   return n;
 }
 
-int CachedBinaryVersion(const void* fn) {
+int CachedPtxVersion(const void* fn) {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) {
     (void)cudaGetLastError();
@@ -290,17 +290,17 @@ int CachedBinaryVersion(const void* fn) {
   }
   std::lock_guard<std::mutex> lock(g_cache_mutex);
   const auto key = std::make_tuple(device, fn);
-  auto it = g_binary_versions.find(key);
-  if (it != g_binary_versions.end()) return it->second;
+  auto it = g_ptx_versions.find(key);
+  if (it != g_ptx_versions.end()) return it->second;
   cudaFuncAttributes attr = {};
   const bool clean = cudaPeekAtLastError() == cudaSuccess;
   int version = 0;
   if (cudaFuncGetAttributes(&attr, fn) == cudaSuccess) {
-    version = attr.binaryVersion;
+    version = attr.ptxVersion;
   } else if (clean) {
     (void)cudaGetLastError();  // a hint: no clusters, and this call's error cleared
   }
-  g_binary_versions.emplace(key, version);
+  g_ptx_versions.emplace(key, version);
   return version;
 }
 
