@@ -28,6 +28,22 @@ namespace kvl {
 namespace cu {
 namespace {
 
+// Build knob KVL_DECODE_STOP=n (benchmarking only; 0, the default, compiles nothing): the kernel
+// ends after phase n (1: the lengths and the partition; 2: the prologue, its first loads landed;
+// 3: the key loop; 4: the CTA's partial written), keeping the work before it (a store that
+// depends on it and is never taken). bench_cuda.py's kernel times of builds 1 to 4 against the
+// normal one give each phase's share of a decode call's critical path (the output is garbage).
+// bench/README.md says how.
+#ifndef KVL_DECODE_STOP
+#define KVL_DECODE_STOP 0
+#endif
+#define KVL_DECODE_STOP_AFTER(n, keep)                               \
+  if constexpr (KVL_DECODE_STOP == (n)) {                            \
+    ptx::CpAsyncWait<0>();                                           \
+    if (keep) static_cast<T*>(buf.output)[0] = FromF<T>(0.0f);       \
+    return;                                                          \
+  }
+
 constexpr int kDecWarps = 4;
 constexpr int kDecThreads = kDecWarps * kWarp;
 static_assert(kDecodeRows % kDecWarps == 0, "each warp prepares kDecodeRows / kDecWarps rows");
@@ -193,6 +209,7 @@ __global__ void __launch_bounds__(kDecThreads)
   auto row_sink = [&](int64_t r) {
     return s.has_head_sink ? ToF(static_cast<const T*>(buf.head_sink)[g * G + r % G]) : 0.0f;
   };
+  KVL_DECODE_STOP_AFTER(1, (k_begin ^ k_end ^ live) == 0x5a5a5a5a)
   if (split >= live) {
     if (checks) check_lengths();
     return;  // in a cluster too: a CTA that exits no longer holds up the cluster's barriers
@@ -320,6 +337,7 @@ __global__ void __launch_bounds__(kDecThreads)
     }
   }
   __syncthreads();  // every warp holds its fragments: warp 0's free slot may take a step
+  KVL_DECODE_STOP_AFTER(2, qa[0][0] == 0x5a5a5a5au && qa[KT - 1][3] == 0xa5a5a5a5u)
   // Padding columns [H, HD) of every stage are zeroed once, now that no slot holds the tile or a
   // scratch row; the copies write columns [0, H) only.
   for (int64_t idx = lane; HD > H && idx < ST * 2 * KS * (HD - H); idx += kWarp) {
@@ -470,6 +488,7 @@ __global__ void __launch_bounds__(kDecThreads)
     }
   }
 
+  KVL_DECODE_STOP_AFTER(3, o[0][0] == 1234.5f && m[0] == 0.25f && l[0] == 0.5f)
   // Merge the four warps (fixed order: deterministic) in the stage memory: every copy has landed
   // (only empty groups can be pending) and every warp is past its last read of it.
   ptx::CpAsyncWait<0>();
@@ -578,6 +597,7 @@ __global__ void __launch_bounds__(kDecThreads)
     }
   }
   if (live == 1) return;
+  KVL_DECODE_STOP_AFTER(4, false)
   if (cluster_merge) {
     merge_in_cluster();
     return;
