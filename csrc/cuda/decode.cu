@@ -779,20 +779,9 @@ Status LaunchDecodeTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pr
   const dim3 grid(static_cast<unsigned>(plan.splits),
                   static_cast<unsigned>(s.batch * s.kv_num_heads));
   const int cluster = static_cast<int>(plan.cluster);
-  if (cluster > 1) {  // plan.splits is a multiple of the cluster size (equal, today)
-    cudaLaunchConfig_t config = {};
-    config.gridDim = grid;
-    config.blockDim = dim3(kDecThreads);
-    config.dynamicSmemBytes = smem;
-    config.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    config.attrs = attr;
-    config.numAttrs = 1;
-    return CudaCheck(cudaLaunchKernelEx(&config, fn, s, buf, present_st, plan.splits,
+  if (cluster > 1) {  // one cluster per row: plan.splits == cluster
+    const ClusterLaunch launch(grid, dim3(kDecThreads), smem, stream, cluster);
+    return CudaCheck(cudaLaunchKernelEx(&launch.config, fn, s, buf, present_st, plan.splits,
                                         plan.split_target, cluster, ws.part_o, ws.part_m,
                                         ws.part_l, ws.counters),
                      "decode launch (clusters)");

@@ -53,8 +53,8 @@ struct GqaCudaPlan {
   // one) partition the same live keys the same way and give bit-identical results.
   int64_t split_target = 1;
   // Decode: CTAs per thread-block cluster along the splits (sm_90: a row whose live splits fit
-  // one cluster merges them through its shared memory), 0 without clusters. `splits` is then a
-  // multiple of it.
+  // one cluster merges them through its shared memory), 0 without clusters. When set it equals
+  // `splits`: one cluster per row.
   int64_t cluster = 0;
   size_t q_bytes = 0, part_o_bytes = 0, part_ml_bytes = 0, counter_bytes = 0;
   // A window-sized cache: K (and again V) staging rows the attention reads (csrc/cuda/sliding.cu).

@@ -172,8 +172,8 @@ constexpr int64_t kMinDecodeSplitKeys = 128;
 constexpr int64_t kFewDecodeRows = 16;
 bool DecodeTcFits(const GqaShape& s, size_t elem, const CudaDeviceInfo& dev);
 int DecodeTcCtasPerSm(const GqaShape& s, const CudaDeviceInfo& dev);  // cached per device/kernel
-// Whether a row's key splits can be one thread-block cluster of `cluster` CTAs (sm_90 and an
-// sm_90+ binary, at most kMaxDecodeCluster, resident together on this device).
+// Whether a row's key splits can be one thread-block cluster of `cluster` CTAs (an sm_90+ device
+// running code compiled for sm_90+, at most kMaxDecodeCluster, resident together on it).
 constexpr int64_t kMaxDecodeCluster = 8;  // the portable cluster size
 bool DecodeTcClustersFit(const GqaShape& s, const CudaDeviceInfo& dev, int64_t cluster);
 template <typename T>
@@ -186,6 +186,16 @@ Status LaunchDecodeTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pr
 Status EnsureSmemLimit(const void* fn, size_t smem);
 int CachedCtasPerSm(const void* fn, int threads, size_t smem);
 int CachedPtxVersion(const void* fn);  // cudaFuncAttributes::ptxVersion (0 on error)
+// A launch of `grid` x `block` threads with `smem` bytes of dynamic shared memory in clusters of
+// `cluster` CTAs along x (cudaLaunchKernelEx, cudaOccupancyMaxActiveClusters). Not copyable:
+// config points at attr.
+struct ClusterLaunch {
+  ClusterLaunch(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int cluster);
+  ClusterLaunch(const ClusterLaunch&) = delete;
+  ClusterLaunch& operator=(const ClusterLaunch&) = delete;
+  cudaLaunchAttribute attr = {};
+  cudaLaunchConfig_t config = {};
+};
 // Clusters of `cluster` CTAs that can be resident at once (0 on error).
 int CachedMaxActiveClusters(const void* fn, int threads, size_t smem, int cluster);
 

@@ -282,6 +282,20 @@ int CachedCtasPerSm(const void* fn, int threads, size_t smem) {
   return n;
 }
 
+ClusterLaunch::ClusterLaunch(dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                             int cluster) {
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = static_cast<unsigned>(cluster);
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &attr;
+  config.numAttrs = 1;
+}
+
 int CachedPtxVersion(const void* fn) {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) {
@@ -314,20 +328,11 @@ int CachedMaxActiveClusters(const void* fn, int threads, size_t smem, int cluste
   const auto key = std::make_tuple(device, fn, threads, smem, cluster);
   auto it = g_active_clusters.find(key);
   if (it != g_active_clusters.end()) return it->second;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(cluster));
-  config.blockDim = dim3(static_cast<unsigned>(threads));
-  config.dynamicSmemBytes = smem;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  config.attrs = attr;
-  config.numAttrs = 1;
+  ClusterLaunch launch(dim3(static_cast<unsigned>(cluster)), dim3(static_cast<unsigned>(threads)),
+                       smem, nullptr, cluster);
   const bool clean = cudaPeekAtLastError() == cudaSuccess;
   int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, fn, &config) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveClusters(&n, fn, &launch.config) != cudaSuccess) {
     if (clean) (void)cudaGetLastError();  // a hint: no clusters, and this call's error cleared
     n = 0;
   }
