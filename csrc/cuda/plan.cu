@@ -244,6 +244,30 @@ std::map<std::tuple<int, const void*, int, size_t>, int> g_ctas_per_sm;  // occu
 std::map<std::tuple<int, const void*>, int> g_ptx_versions;
 std::map<std::tuple<int, const void*, int, size_t, int>, int> g_active_clusters;
 
+// A hint cached per (current device, key...): `query(&value)` on the key's first call. Hints
+// only size or enable a path, so a failed query gives `fallback` and clears its own error,
+// never an earlier one (a failed device lookup gives `fallback` uncached).
+template <typename Cache, typename Query, typename... Key>
+int CachedHint(Cache& cache, int fallback, Query query, Key... key) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return fallback;
+  }
+  std::lock_guard<std::mutex> lock(g_cache_mutex);
+  const auto k = std::make_tuple(device, key...);
+  auto it = cache.find(k);
+  if (it != cache.end()) return it->second;
+  const bool clean = cudaPeekAtLastError() == cudaSuccess;
+  int value = fallback;
+  if (query(&value) != cudaSuccess) {
+    if (clean) (void)cudaGetLastError();
+    value = fallback;
+  }
+  cache.emplace(k, value);
+  return value;
+}
+
 }  // namespace
 
 Status EnsureSmemLimit(const void* fn, size_t smem) {
@@ -261,25 +285,10 @@ Status EnsureSmemLimit(const void* fn, size_t smem) {
 }
 
 int CachedCtasPerSm(const void* fn, int threads, size_t smem) {
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    (void)cudaGetLastError();  // only a sizing hint
-    return 1;
-  }
-  std::lock_guard<std::mutex> lock(g_cache_mutex);
-  const auto key = std::make_tuple(device, fn, threads, smem);
-  auto it = g_ctas_per_sm.find(key);
-  if (it != g_ctas_per_sm.end()) return it->second;
-  int n = 0;
-  const bool clean = cudaPeekAtLastError() == cudaSuccess;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, threads, smem) != cudaSuccess) {
-    // Only a sizing hint: take a default and clear this call's error, never an earlier one.
-    if (clean) (void)cudaGetLastError();
-    n = 1;
-  }
-  n = std::max(n, 1);
-  g_ctas_per_sm.emplace(key, n);
-  return n;
+  const int n = CachedHint(g_ctas_per_sm, 1, [&](int* v) {
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(v, fn, threads, smem);
+  }, fn, threads, smem);
+  return std::max(n, 1);
 }
 
 ClusterLaunch::ClusterLaunch(dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
@@ -297,47 +306,20 @@ ClusterLaunch::ClusterLaunch(dim3 grid, dim3 block, size_t smem, cudaStream_t st
 }
 
 int CachedPtxVersion(const void* fn) {
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  std::lock_guard<std::mutex> lock(g_cache_mutex);
-  const auto key = std::make_tuple(device, fn);
-  auto it = g_ptx_versions.find(key);
-  if (it != g_ptx_versions.end()) return it->second;
-  cudaFuncAttributes attr = {};
-  const bool clean = cudaPeekAtLastError() == cudaSuccess;
-  int version = 0;
-  if (cudaFuncGetAttributes(&attr, fn) == cudaSuccess) {
-    version = attr.ptxVersion;
-  } else if (clean) {
-    (void)cudaGetLastError();  // a hint: no clusters, and this call's error cleared
-  }
-  g_ptx_versions.emplace(key, version);
-  return version;
+  return CachedHint(g_ptx_versions, 0, [&](int* v) {
+    cudaFuncAttributes attr = {};
+    const cudaError_t err = cudaFuncGetAttributes(&attr, fn);
+    if (err == cudaSuccess) *v = attr.ptxVersion;
+    return err;
+  }, fn);
 }
 
 int CachedMaxActiveClusters(const void* fn, int threads, size_t smem, int cluster) {
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  std::lock_guard<std::mutex> lock(g_cache_mutex);
-  const auto key = std::make_tuple(device, fn, threads, smem, cluster);
-  auto it = g_active_clusters.find(key);
-  if (it != g_active_clusters.end()) return it->second;
-  ClusterLaunch launch(dim3(static_cast<unsigned>(cluster)), dim3(static_cast<unsigned>(threads)),
-                       smem, nullptr, cluster);
-  const bool clean = cudaPeekAtLastError() == cudaSuccess;
-  int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, fn, &launch.config) != cudaSuccess) {
-    if (clean) (void)cudaGetLastError();  // a hint: no clusters, and this call's error cleared
-    n = 0;
-  }
-  g_active_clusters.emplace(key, n);
-  return n;
+  return CachedHint(g_active_clusters, 0, [&](int* v) {
+    const ClusterLaunch launch(dim3(static_cast<unsigned>(cluster)),
+                               dim3(static_cast<unsigned>(threads)), smem, nullptr, cluster);
+    return cudaOccupancyMaxActiveClusters(v, fn, &launch.config);
+  }, fn, threads, smem, cluster);
 }
 
 }  // namespace cu
