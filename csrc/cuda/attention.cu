@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(kWarp* kWarps)
   // This split's share of the CTA's keys: partitioned here, from the lengths on the device, so
   // a grid sized by the capacity spreads whatever length is live over all of its splits.
   if (key_lo < key_hi) {
-    const int64_t chunk = SplitChunk(key_hi - key_lo, plan.split_target, kTileKeys, kMinSplitKeys);
+    const int64_t chunk = SplitChunk<int64_t>(key_hi - key_lo, plan.split_target, kTileKeys, kMinSplitKeys);
     key_lo += split * chunk;
     key_hi = min(key_hi, key_lo + chunk);
   }

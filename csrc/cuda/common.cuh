@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "core/kv_strides.h"
 #include "core/softcap.h"
@@ -96,11 +97,15 @@ __device__ __forceinline__ int64_t WrittenRows(const GqaShape& s, const BatchGeo
 // Keys per split when `keys` keys are spread over `splits` splits, in whole multiples of `unit`.
 // Keys per split: the live keys spread over `target` splits, in whole units, at least
 // `min_keys` (a multiple of unit). Depends on the live length and the target only, so the
-// partition (and the rounding) is the same whatever the capacity that sized the grid.
-__host__ __device__ __forceinline__ int64_t SplitChunk(int64_t keys, int64_t target, int64_t unit,
-                                                       int64_t min_keys) {
-  const int64_t per = (keys + target - 1) / target;
-  const int64_t chunk = (per + unit - 1) / unit * unit;
+// partition (and the rounding) is the same whatever the capacity that sized the grid. In the
+// integer type I the caller names: the decode kernel's uint32_t (key counts of int32 lengths),
+// whose division is a few instructions where int64_t's is a called routine.
+template <typename I>
+__host__ __device__ __forceinline__ I SplitChunk(I keys, I target, I unit, I min_keys) {
+  // keys + target - 1 for up to 2^31 keys: unsigned 32-bit or any 64-bit type.
+  static_assert(std::is_unsigned<I>::value || sizeof(I) == 8, "SplitChunk: uint32_t or 64-bit");
+  const I per = (keys + target - 1) / target;
+  const I chunk = (per + unit - 1) / unit * unit;
   return chunk > min_keys ? chunk : min_keys;
 }
 

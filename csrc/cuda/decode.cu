@@ -18,6 +18,7 @@
 #include <algorithm>
 
 #include <cooperative_groups.h>
+#include <cuda/atomic>
 
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
@@ -78,10 +79,13 @@ static_assert(DecSlotHoldsPrologue(32) && DecSlotHoldsPrologue(64) && DecSlotHol
                   DecSlotHoldsPrologue(256),
               "the query tile, raw rows and scratch fit one free stage slot");
 
-// After the key loop: the four warps' partials (red_o), then the CTA's partial for a merge
-// through the cluster's shared memory: kDecodeRows x hd values, then the rows' maxima and sums.
+// After the key loop: the four warps' partials (red_o, rows of DecRedPitch floats), then the
+// CTA's partial for a merge through the cluster's shared memory: kDecodeRows x hd values, then
+// the rows' maxima and sums. The pitch puts the 8-byte fragment stores of a half warp (rows
+// gq = 0..3, columns 2 tq) on 32 distinct banks: with a pitch of hd they were 4-way conflicts.
+__host__ __device__ constexpr int DecRedPitch(int hd) { return hd + 8; }
 __host__ __device__ constexpr size_t DecClusterPartialOffset(int hd) {
-  return size_t(kDecWarps) * kDecodeRows * hd;
+  return size_t(kDecWarps) * kDecodeRows * DecRedPitch(hd);
 }
 constexpr size_t DecSmemBytes(int hd, size_t elem) {
   const size_t stages = size_t(kDecWarps) * DecStages(hd) * DecSlotElems(hd) * elem;
@@ -123,11 +127,19 @@ __global__ void __launch_bounds__(kDecThreads)
   extern __shared__ __align__(128) unsigned char dec_smem[];
   __shared__ float red_m[kDecWarps][kDecodeRows], red_l[kDecWarps][kDecodeRows];
   __shared__ float row_scale[kDecodeRows];
+  __shared__ float red_w[kDecWarps][kDecodeRows], row_m[kDecodeRows], row_l[kDecodeRows];
   __shared__ bool merges_splits;
 
-  const int64_t H = s.head_size, G = s.group_size(), N = s.num_heads;
+  // Head and row indices in 32 bits (a 64-bit division is a called routine of about 70
+  // instructions, and these were on every CTA's path to its first load, profiled at B=1).
+  const int Gi = static_cast<int>(s.num_heads) / static_cast<int>(s.kv_num_heads);
+  const int64_t H = s.head_size, G = Gi, N = s.num_heads;
   const int64_t rows = s.seq_len * G;  // <= kDecodeRows (the dispatch guarantees it)
-  const int64_t bg = blockIdx.y, b = bg / s.kv_num_heads, g = bg % s.kv_num_heads;
+  const int nkv = static_cast<int>(s.kv_num_heads);
+  const int64_t bg = blockIdx.y, b = int(blockIdx.y) / nkv, g = int(blockIdx.y) % nkv;
+  // CTA row r (< kDecodeRows): token r / G, query head g * G + r % G.
+  auto row_tok = [&](int64_t r) -> int64_t { return static_cast<int>(r) / Gi; };
+  auto row_head = [&](int64_t r) -> int64_t { return g * G + static_cast<int>(r) % Gi; };
   const int64_t split = blockIdx.x;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int gq = lane / 4, tq = lane % 4;  // fragment row group, thread in group
@@ -147,7 +159,7 @@ __global__ void __launch_bounds__(kDecThreads)
 #pragma unroll
     for (int j = 0; j < QR; ++j) {
       const int64_t r = warp + j * kDecWarps;
-      const T* src = r < rows ? TokenInputs<T>(s, buf, b, r / G).q + (g * G + r % G) * H : nullptr;
+      const T* src = r < rows ? TokenInputs<T>(s, buf, b, row_tok(r)).q + row_head(r) * H : nullptr;
 #pragma unroll
       for (int e = 0; e < QE; ++e) {
         const int64_t d = lane + e * kWarp;
@@ -162,7 +174,7 @@ __global__ void __launch_bounds__(kDecThreads)
   }
   const BatchGeometry geo = ClampedBatchGeometry(s, lengths.seqlens_k, lengths.query_len);
   auto row_keys = [&](int64_t r) {
-    return r < rows ? QueryKeyRange(s, geo, r / G) : KeyRange{0, 0};
+    return r < rows ? QueryKeyRange(s, geo, row_tok(r)) : KeyRange{0, 0};
   };
 
   // Keys any row needs (rows of one token share a range), then this split's share of them,
@@ -177,8 +189,11 @@ __global__ void __launch_bounds__(kDecThreads)
   }
   int64_t k_begin = 0, k_end = 0, chunk = 1;
   if (key_lo < key_hi) {
-    const int64_t target = DecodeMergeTree::SplitTarget(split_target, key_hi - key_lo, rows, H);
-    chunk = SplitChunk(key_hi - key_lo, target, KS, kMinDecodeSplitKeys);
+    // In 32 bits (SplitChunk): live keys number at most 2^31 (int32 lengths), targets 256.
+    using U = uint32_t;
+    const U keys = static_cast<U>(key_hi - key_lo);
+    const U target = DecodeMergeTree::SplitTarget<U>(split_target, keys, rows, H);
+    chunk = SplitChunk<U>(keys, target, KS, kMinDecodeSplitKeys);
     k_begin = min(key_hi, key_lo + split * chunk);
     k_end = min(key_hi, k_begin + chunk);
   }
@@ -191,7 +206,9 @@ __global__ void __launch_bounds__(kDecThreads)
   // At most the launched splits (the plan sizes the grid for the most keys a row can hold):
   // clamped all the same, since a count above the grid would leave a counter kept across calls
   // non-zero and every later merge on the stream early.
-  const int64_t live = min(splits, key_lo < key_hi ? (key_hi - key_lo + chunk - 1) / chunk : 1);
+  const int64_t live =
+      min(splits, key_lo < key_hi ? int64_t(uint32_t(key_hi - key_lo + chunk - 1) / uint32_t(chunk))
+                                  : int64_t(1));
   // The lengths, as the prepare kernel checks them: once per batch entry, token t by thread t,
   // by a CTA off the live splits' path when there is one (the grid's last split, then empty),
   // else by split 0 once its first loads are in flight. Nothing waits on the check (every
@@ -204,10 +221,10 @@ __global__ void __launch_bounds__(kDecThreads)
 
   const bool extra = s.has_head_sink || s.smooth_softmax;
   auto out_row = [&](int64_t r) {  // output row of CTA row r
-    return static_cast<T*>(buf.output) + ((b * s.seq_len + r / G) * N + g * G + r % G) * H;
+    return static_cast<T*>(buf.output) + ((b * s.seq_len + row_tok(r)) * N + row_head(r)) * H;
   };
   auto row_sink = [&](int64_t r) {
-    return s.has_head_sink ? ToF(static_cast<const T*>(buf.head_sink)[g * G + r % G]) : 0.0f;
+    return s.has_head_sink ? ToF(static_cast<const T*>(buf.head_sink)[row_head(r)]) : 0.0f;
   };
   KVL_DECODE_STOP_AFTER(1, (k_begin ^ k_end ^ live) == 0x5a5a5a5a)
   if (split >= live) {
@@ -284,7 +301,7 @@ __global__ void __launch_bounds__(kDecThreads)
   const int64_t written = WrittenRows(s, geo);
   auto appends = [&](int64_t i) {
     const int64_t p = geo.past + i;
-    return (key_lo <= p && p < key_hi) ? (p - key_lo) / chunk == split : split == 0;
+    return (key_lo <= p && p < key_hi) ? uint32_t(p - key_lo) / uint32_t(chunk) == split : split == 0;
   };
   bool appended = false;  // uniform over the CTA
   for (int64_t i = 0; i < written && !appended; ++i) appended = appends(i);
@@ -315,7 +332,7 @@ __global__ void __launch_bounds__(kDecThreads)
   // whole kernel: rows gq and gq + 8.
 #pragma unroll
   for (int j = 0; j < QR; ++j) {
-    const int64_t r = warp + j * kDecWarps, tok = r / G;
+    const int64_t r = warp + j * kDecWarps, tok = row_tok(r);
     T* qt = q_tile + r * P;
     if (r < rows && (s.is_first_prompt() || tok < geo.new_rows)) {
       float* qr = q_raw + j * HD;  // the warp's own row: normed and rotated in place
@@ -363,8 +380,8 @@ __global__ void __launch_bounds__(kDecThreads)
   for (int hr = 0; hr < 2; ++hr) {
     const int64_t r = gq + hr * 8;
     if (bias != nullptr && r < rows) {
-      const int64_t bb = s.bias_batch == 1 ? 0 : b, bh = s.bias_heads == 1 ? 0 : g * G + r % G;
-      bias_row[hr] = ((bb * s.bias_heads + bh) * s.seq_len + r / G) * s.bias_total;
+      const int64_t bb = s.bias_batch == 1 ? 0 : b, bh = s.bias_heads == 1 ? 0 : row_head(r);
+      bias_row[hr] = ((bb * s.bias_heads + bh) * s.seq_len + row_tok(r)) * s.bias_total;
     }
   }
 
@@ -488,12 +505,19 @@ __global__ void __launch_bounds__(kDecThreads)
     }
   }
 
-  KVL_DECODE_STOP_AFTER(3, o[0][0] == 1234.5f && m[0] == 0.25f && l[0] == 0.5f)
+  // (Every accumulator feeds the kept store: keeping o[0] alone let the compiler drop the other
+  // P V products: its phase 3 read short, docs/BENCHMARKS.md, tenth session.)
+  KVL_DECODE_STOP_AFTER(3, [&] {
+    float t = m[0] + l[0] + m[1] + l[1];
+    for (int n = 0; n < DT; ++n) t += o[n][0] + o[n][1] + o[n][2] + o[n][3];
+    return t;
+  }() == 1234.5f)
   // Merge the four warps (fixed order: deterministic) in the stage memory: every copy has landed
   // (only empty groups can be pending) and every warp is past its last read of it.
   ptx::CpAsyncWait<0>();
   __syncthreads();
-  float* red_o = reinterpret_cast<float*>(dec_smem);  // [warp][row][HD]
+  constexpr int RP = DecRedPitch(HD);
+  float* red_o = reinterpret_cast<float*>(dec_smem);  // [warp][row][RP]
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     float lt = l[hr];
@@ -507,9 +531,27 @@ __global__ void __launch_bounds__(kDecThreads)
 #pragma unroll
     for (int n = 0; n < DT; ++n) {
       const int d = n * 8 + 2 * tq;
-      red_o[(warp * kDecodeRows + r) * HD + d] = o[n][2 * hr];
-      red_o[(warp * kDecodeRows + r) * HD + d + 1] = o[n][2 * hr + 1];
+      *reinterpret_cast<float2*>(red_o + (warp * kDecodeRows + r) * RP + d) =
+          make_float2(o[n][2 * hr], o[n][2 * hr + 1]);
     }
+  }
+  __syncthreads();
+  // Each row's maximum, the four warps' weights and the row's sum, once per row (not again for
+  // each of its values).
+  if (threadIdx.x < rows) {
+    const int r = threadIdx.x;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kDecWarps; ++w) mx = fmaxf(mx, red_m[w][r]);
+    float lsum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kDecWarps; ++w) {
+      const float wt = PartialWeight(red_m[w][r], red_l[w][r], mx);
+      red_w[w][r] = wt;
+      if (wt != 0.0f) lsum += red_l[w][r] * wt;
+    }
+    row_m[r] = mx;
+    row_l[r] = lsum;
   }
   __syncthreads();
 
@@ -532,16 +574,33 @@ __global__ void __launch_bounds__(kDecThreads)
     for (int idx = static_cast<int>(split) * kDecThreads + threadIdx.x; idx < rows * hs4;
          idx += static_cast<int>(live) * kDecThreads) {
       const int r = idx / hs4, d = (idx % hs4) * 4;
+      // Every live split's m, l and values are loaded before any is used: one round trip to the
+      // peers' shared memory (loops over `live` with a skip test between the loads issued them
+      // a few at a time).
+      float pm[kMaxDecodeCluster], pl[kMaxDecodeCluster];
+      float4 px[kMaxDecodeCluster];
+#pragma unroll
+      for (int sp = 0; sp < kMaxDecodeCluster; ++sp) {
+        if (sp < live) {
+          pm[sp] = *ClusterPeer(cpart_m + r, sp);
+          pl[sp] = *ClusterPeer(cpart_l + r, sp);
+          px[sp] = *reinterpret_cast<const float4*>(ClusterPeer(cpart + r * HD + d, sp));
+        }
+      }
       float mx = -INFINITY;
-      for (int sp = 0; sp < live; ++sp) mx = fmaxf(mx, *ClusterPeer(cpart_m + r, sp));
+#pragma unroll
+      for (int sp = 0; sp < kMaxDecodeCluster; ++sp) {
+        if (sp < live) mx = fmaxf(mx, pm[sp]);
+      }
       float lw[kMaxDecodeCluster] = {};  // l x weight of each split, 0 past the live ones
       float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      for (int sp = 0; sp < live; ++sp) {
-        const float ls = *ClusterPeer(cpart_l + r, sp);
-        const float wt = PartialWeight(*ClusterPeer(cpart_m + r, sp), ls, mx);
+#pragma unroll
+      for (int sp = 0; sp < kMaxDecodeCluster; ++sp) {
+        if (sp >= live) continue;
+        const float wt = PartialWeight(pm[sp], pl[sp], mx);
         if (wt == 0.0f) continue;  // an empty partial adds nothing (no 0 x Inf)
-        const float4 x = *reinterpret_cast<const float4*>(ClusterPeer(cpart + r * HD + d, sp));
-        lw[sp] = __fmul_rn(ls, wt);  // never contracted: the flat merge's product, rounded once
+        const float4 x = px[sp];
+        lw[sp] = __fmul_rn(pl[sp], wt);  // never contracted: the flat merge's product, rounded once
         acc.x = fmaf(x.x, wt, acc.x);
         acc.y = fmaf(x.y, wt, acc.y);
         acc.z = fmaf(x.z, wt, acc.z);
@@ -565,32 +624,41 @@ __global__ void __launch_bounds__(kDecThreads)
   const int64_t slot_base = bg * DecodeMergeTree::SlotsPerRow(splits, rows, H);
   const int64_t slot0 = (slot_base + split) * kDecodeRows;
   const int hs = static_cast<int>(H), nrows = static_cast<int>(rows);
-  for (int idx = threadIdx.x; idx < nrows * hs; idx += kDecThreads) {
-    const int r = idx / hs, d = idx % hs;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kDecWarps; ++w) mx = fmaxf(mx, red_m[w][r]);
-    float lsum = 0.0f, acc = 0.0f;
+  // Four values per thread: row r, columns d .. d + 3 (H % 8 == 0).
+  constexpr int HD4 = HD / 4;
+  for (int idx = threadIdx.x; idx < nrows * HD4; idx += kDecThreads) {
+    const int r = idx / HD4, d = (idx % HD4) * 4;  // compile-time divisor
+    if (d >= hs) continue;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
     for (int w = 0; w < kDecWarps; ++w) {
-      const float wt = PartialWeight(red_m[w][r], red_l[w][r], mx);
-      if (wt == 0.0f) continue;
-      lsum += red_l[w][r] * wt;
-      acc += red_o[(w * kDecodeRows + r) * HD + d] * wt;
+      const float wt = red_w[w][r];
+      if (wt == 0.0f) continue;  // an empty partial adds nothing (no 0 x Inf)
+      const float4 x = *reinterpret_cast<const float4*>(red_o + (w * kDecodeRows + r) * RP + d);
+      acc.x = fmaf(x.x, wt, acc.x);
+      acc.y = fmaf(x.y, wt, acc.y);
+      acc.z = fmaf(x.z, wt, acc.z);
+      acc.w = fmaf(x.w, wt, acc.w);
     }
+    const float mx = row_m[r], lsum = row_l[r];
     if (live == 1) {  // the merge of this one partial (its weight is exp(0) = 1): the same bits
-      out_row(r)[d] = FromF<T>(acc * OutputScale(mx, lsum, extra, row_sink(r)));
+      const float sc = OutputScale(mx, lsum, extra, row_sink(r));
+      T* out = out_row(r) + d;
+      out[0] = FromF<T>(acc.x * sc);
+      out[1] = FromF<T>(acc.y * sc);
+      out[2] = FromF<T>(acc.z * sc);
+      out[3] = FromF<T>(acc.w * sc);
       continue;
     }
     if (cluster_merge) {
-      cpart[r * HD + d] = acc;
+      *reinterpret_cast<float4*>(cpart + r * HD + d) = acc;
       if (d == 0) {
         cpart_m[r] = mx;
         cpart_l[r] = lsum;
       }
       continue;
     }
-    part_o[(slot0 + r) * H + d] = acc;
+    *reinterpret_cast<float4*>(part_o + (slot0 + r) * H + d) = acc;
     if (d == 0) {
       part_m[slot0 + r] = mx;
       part_l[slot0 + r] = lsum;
@@ -671,19 +739,22 @@ __global__ void __launch_bounds__(kDecThreads)
       }
     }
   };
-  // True in the CTA that is the last of `count` to bump `counter`. The fence publishes this
-  // CTA's partial before its count; the second makes the others' partials visible to it. The
-  // last arrival returns the counter to zero (every CTA of this launch that counts on it has
-  // counted), so counters kept across calls start the next launch at zero.
+  // True in the CTA that is the last of `count` to bump `counter`. The barrier orders every
+  // thread's partial stores before thread 0's count, whose release (acq_rel, device scope) then
+  // publishes them: fences are cumulative. In the last CTA the count's acquire and the barrier
+  // after it order the others' partials before every thread's reads (the pattern of CUTLASS's
+  // generic barrier; a __threadfence() per thread on both sides was a sequentially consistent
+  // fence each, MEMBAR.SC.GPU). The last arrival returns the counter to zero (every CTA of this
+  // launch that counts on it has counted), so counters kept across calls start the next launch
+  // at zero.
   auto last_to_finish = [&](unsigned* counter, int64_t count) {
-    __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
-      merges_splits = atomicAdd(counter, 1u) == unsigned(count - 1);
-      if (merges_splits) atomicExch(counter, 0u);
+      cuda::atomic_ref<unsigned, cuda::thread_scope_device> c(*counter);
+      merges_splits = c.fetch_add(1u, cuda::memory_order_acq_rel) == unsigned(count - 1);
+      if (merges_splits) c.store(0u, cuda::memory_order_relaxed);
     }
     __syncthreads();
-    if (merges_splits) __threadfence();
     return merges_splits;
   };
   // The tree of this row's live splits (the same in each of its CTAs): counter 0 is the top

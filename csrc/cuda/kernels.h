@@ -145,14 +145,15 @@ struct DecodeMergeTree {
   }
   // The split target for `keys` live keys of `rows` rows (the kernel's partition; the plan's
   // target sized the grid): at most the splits of a one-level merge while each of those reads at
-  // most kDecodeFlatSplitBytes (fp16/bf16 K and V rows), else the plan's target.
-  __host__ __device__ static int64_t SplitTarget(int64_t target, int64_t keys, int64_t rows,
-                                                 int64_t head_size) {
-    const int64_t flat_max = kDecodeFlatMergeFloats / (rows * head_size);
-    const int64_t flat = flat_max > 1 ? flat_max : 1;
+  // most kDecodeFlatSplitBytes (fp16/bf16 K and V rows), else the plan's target. In the integer
+  // type I of the caller (SplitChunk says why); the byte count in 64 bits.
+  template <typename I>
+  __host__ __device__ static I SplitTarget(I target, I keys, I rows, I head_size) {
+    const I flat_max = static_cast<I>(kDecodeFlatMergeFloats) / (rows * head_size);
+    const I flat = flat_max > 1 ? flat_max : 1;
     if (target <= flat) return target;
-    const int64_t keys_per_flat_split = (keys + flat - 1) / flat;
-    return keys_per_flat_split * head_size * 4 <= kDecodeFlatSplitBytes ? flat : target;
+    const I keys_per_flat_split = (keys + flat - 1) / flat;
+    return int64_t(keys_per_flat_split) * head_size * 4 <= kDecodeFlatSplitBytes ? flat : target;
   }
   __host__ __device__ static int64_t CeilSqrt(int64_t n) {  // n <= kMaxDecodeSplits
     int64_t g = 1;
