@@ -115,6 +115,23 @@ __device__ __forceinline__ const float* ClusterPeer(const float* p, unsigned ran
 #endif
 }
 
+// acc += x * wt, one fused multiply-add per component: the arithmetic of every merge of
+// partials here (warps, cluster, global), so their bits agree.
+__device__ __forceinline__ void Fma4(float4& acc, const float4& x, float wt) {
+  acc.x = fmaf(x.x, wt, acc.x);
+  acc.y = fmaf(x.y, wt, acc.y);
+  acc.z = fmaf(x.z, wt, acc.z);
+  acc.w = fmaf(x.w, wt, acc.w);
+}
+// Four output values of a row, scaled and rounded to T.
+template <typename T>
+__device__ __forceinline__ void StoreScaled4(T* out, const float4& v, float sc) {
+  out[0] = FromF<T>(v.x * sc);
+  out[1] = FromF<T>(v.y * sc);
+  out[2] = FromF<T>(v.z * sc);
+  out[3] = FromF<T>(v.w * sc);
+}
+
 template <typename T, int HD>
 __global__ void __launch_bounds__(kDecThreads)
     DecodeTcKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_st, int64_t splits,
@@ -601,10 +618,7 @@ __global__ void __launch_bounds__(kDecThreads)
         if (wt == 0.0f) continue;  // an empty partial adds nothing (no 0 x Inf)
         const float4 x = px[sp];
         lw[sp] = __fmul_rn(pl[sp], wt);  // never contracted: the flat merge's product, rounded once
-        acc.x = fmaf(x.x, wt, acc.x);
-        acc.y = fmaf(x.y, wt, acc.y);
-        acc.z = fmaf(x.z, wt, acc.z);
-        acc.w = fmaf(x.w, wt, acc.w);
+        Fma4(acc, x, wt);
       }
       // WarpSum's butterfly (xor 16, 8, 4, 2, 1) over lanes holding lw[0..7], zeros elsewhere.
       auto add = [](float a, float b) { return __fadd_rn(a, b); };
@@ -612,10 +626,7 @@ __global__ void __launch_bounds__(kDecThreads)
                              add(add(lw[1], lw[5]), add(lw[3], lw[7])));
       const float sc = OutputScale(mx, lsum, extra, row_sink(r));
       T* out = out_row(r) + d;
-      out[0] = FromF<T>(acc.x * sc);
-      out[1] = FromF<T>(acc.y * sc);
-      out[2] = FromF<T>(acc.z * sc);
-      out[3] = FromF<T>(acc.w * sc);
+      StoreScaled4(out, acc, sc);
     }
     ClusterSync();  // no CTA leaves while another still reads its shared memory
   };
@@ -635,19 +646,13 @@ __global__ void __launch_bounds__(kDecThreads)
       const float wt = red_w[w][r];
       if (wt == 0.0f) continue;  // an empty partial adds nothing (no 0 x Inf)
       const float4 x = *reinterpret_cast<const float4*>(red_o + (w * kDecodeRows + r) * RP + d);
-      acc.x = fmaf(x.x, wt, acc.x);
-      acc.y = fmaf(x.y, wt, acc.y);
-      acc.z = fmaf(x.z, wt, acc.z);
-      acc.w = fmaf(x.w, wt, acc.w);
+      Fma4(acc, x, wt);
     }
     const float mx = row_m[r], lsum = row_l[r];
     if (live == 1) {  // the merge of this one partial (its weight is exp(0) = 1): the same bits
       const float sc = OutputScale(mx, lsum, extra, row_sink(r));
       T* out = out_row(r) + d;
-      out[0] = FromF<T>(acc.x * sc);
-      out[1] = FromF<T>(acc.y * sc);
-      out[2] = FromF<T>(acc.z * sc);
-      out[3] = FromF<T>(acc.w * sc);
+      StoreScaled4(out, acc, sc);
       continue;
     }
     if (cluster_merge) {
@@ -711,10 +716,7 @@ __global__ void __launch_bounds__(kDecThreads)
       float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       auto add = [&](const float4& x, float wt) {
         if (wt == 0.0f) return;  // an empty partial adds nothing, whatever it holds (no 0 x Inf)
-        acc.x = fmaf(x.x, wt, acc.x);
-        acc.y = fmaf(x.y, wt, acc.y);
-        acc.z = fmaf(x.z, wt, acc.z);
-        acc.w = fmaf(x.w, wt, acc.w);
+        Fma4(acc, x, wt);
       };
       int64_t sp = 0;
       for (; sp + 8 <= n; sp += 8) {
@@ -730,10 +732,7 @@ __global__ void __launch_bounds__(kDecThreads)
       if (dst < 0) {
         T* out = out_row(r) + d;
         const float sc = row_scale[r];
-        out[0] = FromF<T>(acc.x * sc);
-        out[1] = FromF<T>(acc.y * sc);
-        out[2] = FromF<T>(acc.z * sc);
-        out[3] = FromF<T>(acc.w * sc);
+        StoreScaled4(out, acc, sc);
       } else {
         *reinterpret_cast<float4*>(part_o + ((slot_base + dst) * kDecodeRows + r) * H + d) = acc;
       }
