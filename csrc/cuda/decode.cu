@@ -31,10 +31,11 @@ namespace {
 
 // Build knob KVL_DECODE_STOP=n (benchmarking only; 0, the default, compiles nothing): the kernel
 // ends after phase n (1: the lengths and the partition; 2: the prologue, its first loads landed;
-// 3: the key loop; 4: the CTA's partial written), keeping the work before it (a store that
-// depends on it and is never taken). bench_cuda.py's kernel times of builds 1 to 4 against the
-// normal one give each phase's share of a decode call's critical path (the output is garbage).
-// bench/README.md says how.
+// 3: the key loop; 4: the CTA's partial written; 5: the split merge's arrival, the cluster's first
+// barrier or the last CTA's count at the first merge level, before the merge reads), keeping the
+// work before it (a store that depends on it and is never taken). bench_cuda.py's kernel times
+// of builds 1 to 5 against the normal one give each phase's share of a decode call's critical
+// path (the output is garbage). bench/README.md says how.
 #ifndef KVL_DECODE_STOP
 #define KVL_DECODE_STOP 0
 #endif
@@ -587,6 +588,7 @@ __global__ void __launch_bounds__(kDecThreads)
   float* cpart_l = cpart_m + kDecodeRows;
   auto merge_in_cluster = [&] {
     ClusterSync();  // every live split's partial is in its shared memory
+    KVL_DECODE_STOP_AFTER(5, false)
     const int hs4 = static_cast<int>(H / 4);
     for (int idx = static_cast<int>(split) * kDecThreads + threadIdx.x; idx < rows * hs4;
          idx += static_cast<int>(live) * kDecThreads) {
@@ -761,12 +763,15 @@ __global__ void __launch_bounds__(kDecThreads)
   const DecodeMergeTree tree = DecodeMergeTree::For(live, rows, H);
   unsigned* row_counters = counters + bg * DecodeMergeTree::CountersPerRow(splits, rows, H);
   if (tree.groups == 1) {
-    if (last_to_finish(row_counters, live)) merge(0, live, -1);
+    if (!last_to_finish(row_counters, live)) return;
+    KVL_DECODE_STOP_AFTER(5, false)
+    merge(0, live, -1);
     return;
   }
   const int64_t grp = split / tree.group, first = grp * tree.group;
   const int64_t members = min(tree.group, live - first);
   if (!last_to_finish(row_counters + 1 + grp, members)) return;
+  KVL_DECODE_STOP_AFTER(5, false)
   merge(first, members, splits + grp);
   if (last_to_finish(row_counters, tree.groups)) merge(splits, tree.groups, -1);
 }
