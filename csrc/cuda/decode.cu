@@ -83,7 +83,8 @@ static_assert(DecSlotHoldsPrologue(32) && DecSlotHoldsPrologue(64) && DecSlotHol
 // After the key loop: the four warps' partials (red_o, rows of DecRedPitch floats), then the
 // CTA's partial for a merge through the cluster's shared memory: kDecodeRows x hd values, then
 // the rows' maxima and sums. The pitch puts the 8-byte fragment stores of a half warp (rows
-// gq = 0..3, columns 2 tq) on 32 distinct banks: with a pitch of hd they were 4-way conflicts.
+// gq = 0..3, columns 2 tq) on 32 distinct banks: at a pitch of hd a warp's 8 rows fell on the
+// same banks (ncu: 45% excess shared wavefronts in the kernel, tenth session).
 __host__ __device__ constexpr int DecRedPitch(int hd) { return hd + 8; }
 __host__ __device__ constexpr size_t DecClusterPartialOffset(int hd) {
   return size_t(kDecWarps) * kDecodeRows * DecRedPitch(hd);
@@ -148,7 +149,7 @@ __global__ void __launch_bounds__(kDecThreads)
   __shared__ float red_w[kDecWarps][kDecodeRows], row_m[kDecodeRows], row_l[kDecodeRows];
   __shared__ bool merges_splits;
 
-  // Head and row indices in 32 bits (a 64-bit division is a called routine of about 70
+  // Head and row indices in 32 bits (a 64-bit division is a called routine of tens of
   // instructions, and these were on every CTA's path to its first load, profiled at B=1).
   const int Gi = static_cast<int>(s.num_heads) / static_cast<int>(s.kv_num_heads);
   const int64_t H = s.head_size, G = Gi, N = s.num_heads;
