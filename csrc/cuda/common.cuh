@@ -95,6 +95,54 @@ __device__ __forceinline__ int64_t WrittenRows(const GqaShape& s, const BatchGeo
 }
 
 // Keys per split when `keys` keys are spread over `splits` splits, in whole multiples of `unit`.
+// A score of the masked path of the tensor-core kernels (decode and prefill): key `key` of a row
+// whose live keys are `kr`, softcapped, plus its bias, -inf outside the live keys.
+template <typename T>
+__device__ __forceinline__ float MaskedScore(float x, int64_t key, const KeyRange& kr,
+                                             const GqaShape& s, float inv_softcap, const T* bias,
+                                             int64_t bias_row) {
+  const bool live = key >= kr.lo && key < kr.hi;
+  if (s.softcap > 0.0f) x = Softcap(x, s.softcap, inv_softcap);
+  if (bias != nullptr && live) x += ToF(bias[bias_row + key]);
+  return live ? x : -INFINITY;
+}
+
+// One key step of the tensor-core kernels' online softmax (decode.cu, prefill_sm80.cu): the
+// scores `sc` of an m16 x (8 NT) tile in C fragments (n-tile n, element e: the thread's row
+// hr = e / 2, key k0 + 8 n + 2 tq + e % 2), masked through MaskedScore unless `whole` (no
+// softcap or bias and every key live for every working row: one branch for the step, not a
+// test per score), and each of the thread's two rows' maxima over them. The second row
+// (e = 2, 3) is skipped unless `upper`.
+template <typename T, int NT>
+__device__ __forceinline__ void MaskStepScores(float (&sc)[NT][4], float (&tmax)[2], bool whole,
+                                               bool upper, int64_t k0, int tq,
+                                               const KeyRange (&kr)[2], const GqaShape& s,
+                                               float inv_softcap, const T* bias,
+                                               const int64_t (&bias_row)[2]) {
+  tmax[0] = tmax[1] = -INFINITY;
+  if (whole) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (e < 2 || upper) tmax[e / 2] = fmaxf(tmax[e / 2], sc[n][e]);
+      }
+    }
+    return;
+  }
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int hr = e / 2;
+      if (hr == 1 && !upper) continue;
+      const int64_t key = k0 + n * 8 + 2 * tq + (e % 2);
+      sc[n][e] = MaskedScore(sc[n][e], key, kr[hr], s, inv_softcap, bias, bias_row[hr]);
+      tmax[hr] = fmaxf(tmax[hr], sc[n][e]);
+    }
+  }
+}
+
 // Keys per split: the live keys spread over `target` splits, in whole units, at least
 // `min_keys` (a multiple of unit). Depends on the live length and the target only, so the
 // partition (and the rounding) is the same whatever the capacity that sized the grid. In the

@@ -441,32 +441,8 @@ __global__ void __launch_bounds__(kDecThreads)
     const bool whole =
         plain && __all_sync(0xffffffffu, (idle[0] || (kr[0].lo <= k0 && k0 + KS <= kr[0].hi)) &&
                                              (idle[1] || (kr[1].lo <= k0 && k0 + KS <= kr[1].hi)));
-    float tmax[2] = {-INFINITY, -INFINITY};
-    if (whole) {  // one branch for the whole step, not a test per score element
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if (e < 2 || upper) tmax[e / 2] = fmaxf(tmax[e / 2], sc[n][e]);
-        }
-      }
-    } else {
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int hr = e / 2;
-          if (hr == 1 && !upper) continue;
-          const int64_t key = k0 + n * 8 + 2 * tq + (e % 2);
-          const bool live = key >= kr[hr].lo && key < kr[hr].hi;
-          float x = sc[n][e];
-          if (s.softcap > 0.0f) x = Softcap(x, s.softcap, inv_softcap);
-          if (bias != nullptr && live) x += ToF(bias[bias_row[hr] + key]);
-          sc[n][e] = live ? x : -INFINITY;
-          tmax[hr] = fmaxf(tmax[hr], sc[n][e]);
-        }
-      }
-    }
+    float tmax[2];
+    MaskStepScores<T, NT>(sc, tmax, whole, upper, k0, tq, kr, s, inv_softcap, bias, bias_row);
     float alpha[2] = {1.0f, 1.0f};
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {

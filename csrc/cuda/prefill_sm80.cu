@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(kWarp* kWarps)
 
   // This thread's two rows: warp * 16 + gq and + 8.
   const int row0 = warp * 16 + gq;
-  const KeyRange kr0 = range(row0), kr1 = range(row0 + 8);
+  const KeyRange kr[2] = {range(row0), range(row0 + 8)};
   // Rows past the CTA's tokens (G not dividing 64, or past the last token) are never written:
   // they need no masks.
   const bool idle0 = row_tok(row0) >= s.seq_len, idle1 = row_tok(row0 + 8) >= s.seq_len;
@@ -160,32 +160,10 @@ __global__ void __launch_bounds__(kWarp* kWarps)
 
     // Masks, softcap, bias; the online softmax of rows row0 (e = 0, 1) and row0 + 8 (e = 2, 3).
     const bool whole =
-        plain && __all_sync(0xffffffffu, (idle0 || (kr0.lo <= k0 && k0 + BC <= kr0.hi)) &&
-                                             (idle1 || (kr1.lo <= k0 && k0 + BC <= kr1.hi)));
-    float tmax[2] = {-INFINITY, -INFINITY};
-    if (whole) {
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) tmax[e / 2] = fmaxf(tmax[e / 2], sc[n][e]);
-      }
-    } else {
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int hr = e / 2;
-          const int64_t key = k0 + n * 8 + 2 * tq + (e % 2);
-          const KeyRange& kr = hr ? kr1 : kr0;
-          const bool live = key >= kr.lo && key < kr.hi;
-          float x = sc[n][e];
-          if (s.softcap > 0.0f) x = Softcap(x, s.softcap, inv_softcap);
-          if (bias != nullptr && live) x += ToF(bias[bias_row[hr] + key]);
-          sc[n][e] = live ? x : -INFINITY;
-          tmax[hr] = fmaxf(tmax[hr], sc[n][e]);
-        }
-      }
-    }
+        plain && __all_sync(0xffffffffu, (idle0 || (kr[0].lo <= k0 && k0 + BC <= kr[0].hi)) &&
+                                             (idle1 || (kr[1].lo <= k0 && k0 + BC <= kr[1].hi)));
+    float tmax[2];
+    MaskStepScores<T, NT>(sc, tmax, whole, true, k0, tq, kr, s, inv_softcap, bias, bias_row);
     float alpha[2];
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
