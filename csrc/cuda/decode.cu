@@ -46,6 +46,34 @@ namespace {
     return;                                                          \
   }
 
+// Build knob KVL_DECODE_TRACE=1 (benchmarking only; 0, the default, compiles nothing): the CTA
+// that ends row 0's merge (the cluster's rank 0 with a cluster merge) prints, per launch, the
+// clock64 cycles of its phases from its own start: partial written, merge arrival, each merge
+// level's weights and values; the one-level merges run twice (the second with the merge's code
+// and data warm) to tell instruction fetch from data trips. bench/README.md says how.
+#ifndef KVL_DECODE_TRACE
+#define KVL_DECODE_TRACE 0
+#endif
+struct DecTrace {
+#if KVL_DECODE_TRACE
+  long long c[10];
+  int n = 0;
+  __device__ __forceinline__ void Mark() {
+    if (n < 10) c[n++] = clock64();
+  }
+  __device__ void Print(const char* what, int64_t splits, int64_t live, int64_t groups) const {
+    if (threadIdx.x != 0 || blockIdx.y != 0) return;
+    printf("KVL_TRACE %s splits=%d live=%d groups=%d cycles", what, int(splits), int(live),
+           int(groups));
+    for (int i = 1; i < n; ++i) printf(" %lld", c[i] - c[0]);
+    printf("\n");
+  }
+#else
+  __device__ __forceinline__ void Mark() {}
+  __device__ __forceinline__ void Print(const char*, int64_t, int64_t, int64_t) const {}
+#endif
+};
+
 constexpr int kDecWarps = 4;
 constexpr int kDecThreads = kDecWarps * kWarp;
 static_assert(kDecodeRows % kDecWarps == 0, "each warp prepares kDecodeRows / kDecWarps rows");
@@ -89,10 +117,14 @@ __host__ __device__ constexpr int DecRedPitch(int hd) { return hd + 8; }
 __host__ __device__ constexpr size_t DecClusterPartialOffset(int hd) {
   return size_t(kDecWarps) * kDecodeRows * DecRedPitch(hd);
 }
+// The global merge's copies of the slots' m and l: [slot][row] at this pitch (odd, so a warp
+// reading one row's slots hits 32 banks).
+constexpr int kDecMergeRowPitch = kDecodeRows + 1;
 constexpr size_t DecSmemBytes(int hd, size_t elem) {
   const size_t stages = size_t(kDecWarps) * DecStages(hd) * DecSlotElems(hd) * elem;
   const size_t merge = sizeof(float) * (DecClusterPartialOffset(hd) + kDecodeRows * (hd + 2));
-  const size_t weights = sizeof(float) * kDecodeRows * kMaxDecodeSplits;
+  const size_t weights =
+      sizeof(float) * (kDecodeRows * kMaxDecodeSplits + 2 * kMaxDecodeSplits * kDecMergeRowPitch);
   return std::max(stages, std::max(merge, weights));
 }
 
@@ -148,6 +180,8 @@ __global__ void __launch_bounds__(kDecThreads)
   __shared__ float row_scale[kDecodeRows];
   __shared__ float red_w[kDecWarps][kDecodeRows], row_m[kDecodeRows], row_l[kDecodeRows];
   __shared__ bool merges_splits;
+  DecTrace trace;
+  trace.Mark();
 
   // Head and row indices in 32 bits (a 64-bit division is a called routine of tens of
   // instructions, and these were on every CTA's path to its first load, profiled at B=1).
@@ -559,13 +593,13 @@ __global__ void __launch_bounds__(kDecThreads)
   // whether the plan launched clusters, which it decides from the capacity.
   const bool cluster_merge = cluster > 1 && live > 1 && live <= cluster &&
                              DecodeMergeTree::For(live, rows, H).groups == 1;
-  static_assert(kMaxDecodeCluster == 8, "the tree of the l sums below is WarpSum's for 8 lanes");
+  static_assert(kMaxDecodeCluster >= 2 && kMaxDecodeCluster <= 16 &&
+                    (kMaxDecodeCluster & (kMaxDecodeCluster - 1)) == 0,
+                "a cluster of at most 16 CTAs (sm_90) whose l sums follow WarpSum's butterfly");
   float* cpart = reinterpret_cast<float*>(dec_smem) + DecClusterPartialOffset(HD);  // [row][HD]
   float* cpart_m = cpart + kDecodeRows * HD;
   float* cpart_l = cpart_m + kDecodeRows;
-  auto merge_in_cluster = [&] {
-    ClusterSync();  // every live split's partial is in its shared memory
-    KVL_DECODE_STOP_AFTER(5, false)
+  auto cluster_values = [&] {
     const int hs4 = static_cast<int>(H / 4);
     for (int idx = static_cast<int>(split) * kDecThreads + threadIdx.x; idx < rows * hs4;
          idx += static_cast<int>(live) * kDecThreads) {
@@ -599,15 +633,32 @@ __global__ void __launch_bounds__(kDecThreads)
         lw[sp] = __fmul_rn(pl[sp], wt);  // never contracted: the flat merge's product, rounded once
         Fma4(acc, x, wt);
       }
-      // WarpSum's butterfly (xor 16, 8, 4, 2, 1) over lanes holding lw[0..7], zeros elsewhere.
-      auto add = [](float a, float b) { return __fadd_rn(a, b); };
-      const float lsum = add(add(add(lw[0], lw[4]), add(lw[2], lw[6])),
-                             add(add(lw[1], lw[5]), add(lw[3], lw[7])));
+      // WarpSum's butterfly (xor 16, 8, 4, 2, 1) over lanes holding lw[0 .. C-1], zeros
+      // elsewhere: the steps above C add zeros (exact), then lane i adds lane i + w's sum.
+#pragma unroll
+      for (int w = kMaxDecodeCluster / 2; w >= 1; w /= 2) {
+#pragma unroll
+        for (int i = 0; i < w; ++i) lw[i] = __fadd_rn(lw[i], lw[i + w]);
+      }
+      const float lsum = lw[0];
       const float sc = OutputScale(mx, lsum, extra, row_sink(r));
       T* out = out_row(r) + d;
       StoreScaled4(out, acc, sc);
     }
+  };
+  auto merge_in_cluster = [&] {
+    ClusterSync();  // every live split's partial is in its shared memory
+    trace.Mark();
+    KVL_DECODE_STOP_AFTER(5, false)
+    cluster_values();
+    if constexpr (KVL_DECODE_TRACE != 0) {
+      trace.Mark();
+      cluster_values();
+      trace.Mark();
+    }
     ClusterSync();  // no CTA leaves while another still reads its shared memory
+    trace.Mark();
+    if (split == 0) trace.Print("cluster", splits, live, 1);
   };
   // Partial slots of this (batch, kv head): one per launched split, then one per group of its
   // merge tree (DecodeMergeTree); slot k holds rows k * kDecodeRows + r.
@@ -649,6 +700,7 @@ __global__ void __launch_bounds__(kDecThreads)
     }
   }
   if (live == 1) return;
+  trace.Mark();
   KVL_DECODE_STOP_AFTER(4, false)
   if (cluster_merge) {
     merge_in_cluster();
@@ -657,20 +709,52 @@ __global__ void __launch_bounds__(kDecThreads)
 
   // Merges partial slots [first, first + n) of this (batch, kv head) into slot `dst` (a group
   // partial) or, with dst < 0, into the output. The whole CTA calls it. In split order
-  // (deterministic); partials are read past L1 (ld.global.cg): other CTAs wrote them.
+  // (deterministic); partials are read past L1 (ld.global.cg): other CTAs wrote them. The merge
+  // is a chain of L2 round trips (about 0.4 to 0.6 us each on the H200, measured with
+  // KVL_DECODE_TRACE), so it is built to take few: every (slot, row) m and l in one trip to
+  // shared memory and each row's weights from there (the weights took two trips per row of a
+  // warp before: 4.7k -> 3.2k cycles at 28/4/128 B=1 L=4k), then the values.
   float* weight = reinterpret_cast<float*>(dec_smem);  // [row][slot]; red_o is no longer read
+  float* slot_m = weight + kDecodeRows * kMaxDecodeSplits;  // [slot][kDecMergeRowPitch]
+  float* slot_l = slot_m + kMaxDecodeSplits * kDecMergeRowPitch;
   auto merge = [&](int64_t first, int64_t n, int64_t dst) {
-    for (int64_t r = warp; r < rows; r += kDecWarps) {
-      const int64_t r0 = (slot_base + first) * kDecodeRows + r;
-      float mx = -INFINITY;
-      for (int64_t sp = lane; sp < n; sp += kWarp) {
-        mx = fmaxf(mx, __ldcg(part_m + r0 + sp * kDecodeRows));
+    const int nn = static_cast<int>(n);
+    {
+      // Slot sp's row r is element sp * kDecodeRows + r of part_m / part_l: thread i takes
+      // element i (rows past the CTA's are skipped), four per thread in flight.
+      const float* gm = part_m + (slot_base + first) * kDecodeRows;
+      const float* gl = part_l + (slot_base + first) * kDecodeRows;
+      const int elems = nn * kDecodeRows;
+      for (int i0 = threadIdx.x; i0 < elems; i0 += 4 * kDecThreads) {
+        float mv[4], lv[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int i = i0 + u * kDecThreads;
+          if (i < elems && i % kDecodeRows < nrows) {
+            mv[u] = __ldcg(gm + i);
+            lv[u] = __ldcg(gl + i);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int i = i0 + u * kDecThreads;
+          if (i < elems && i % kDecodeRows < nrows) {
+            const int at = (i / kDecodeRows) * kDecMergeRowPitch + i % kDecodeRows;
+            slot_m[at] = mv[u];
+            slot_l[at] = lv[u];
+          }
+        }
       }
+    }
+    __syncthreads();
+    for (int r = warp; r < nrows; r += kDecWarps) {
+      float mx = -INFINITY;
+      for (int sp = lane; sp < nn; sp += kWarp) mx = fmaxf(mx, slot_m[sp * kDecMergeRowPitch + r]);
       mx = WarpMax(mx);
       float lsum = 0.0f;
-      for (int64_t sp = lane; sp < n; sp += kWarp) {
-        const float ls = __ldcg(part_l + r0 + sp * kDecodeRows);
-        const float wt = PartialWeight(__ldcg(part_m + r0 + sp * kDecodeRows), ls, mx);
+      for (int sp = lane; sp < nn; sp += kWarp) {
+        const float ls = slot_l[sp * kDecMergeRowPitch + r];
+        const float wt = PartialWeight(slot_m[sp * kDecMergeRowPitch + r], ls, mx);
         weight[r * kMaxDecodeSplits + sp] = wt;
         if (wt != 0.0f) lsum += ls * wt;
       }
@@ -685,8 +769,11 @@ __global__ void __launch_bounds__(kDecThreads)
       }
     }
     __syncthreads();
+    trace.Mark();
     // Four dimensions per thread (H % 8 == 0): one 16-byte load per partial, eight issued
     // before any is used (a skip test between the loads kept one in flight: +4 to 6 us at B=1).
+    // Sixteen in flight, or two items' eight, measured slower (docs/BENCHMARKS.md, eleventh
+    // session).
     for (int idx = threadIdx.x; idx < nrows * hs / 4; idx += kDecThreads) {
       const int r = idx / (hs / 4), d = (idx % (hs / 4)) * 4;
       const float* po = part_o + ((slot_base + first) * kDecodeRows + r) * H + d;
@@ -716,6 +803,10 @@ __global__ void __launch_bounds__(kDecThreads)
         *reinterpret_cast<float4*>(part_o + ((slot_base + dst) * kDecodeRows + r) * H + d) = acc;
       }
     }
+    if constexpr (KVL_DECODE_TRACE != 0) {
+      __syncthreads();
+      trace.Mark();
+    }
   };
   // True in the CTA that is the last of `count` to bump `counter`. The barrier orders every
   // thread's partial stores before thread 0's count, whose release (acq_rel, device scope) then
@@ -741,16 +832,26 @@ __global__ void __launch_bounds__(kDecThreads)
   unsigned* row_counters = counters + bg * DecodeMergeTree::CountersPerRow(splits, rows, H);
   if (tree.groups == 1) {
     if (!last_to_finish(row_counters, live)) return;
+    trace.Mark();
     KVL_DECODE_STOP_AFTER(5, false)
     merge(0, live, -1);
+    if constexpr (KVL_DECODE_TRACE != 0) {
+      merge(0, live, -1);  // the same merge again, its code and data warm (same output)
+      trace.Print("flat", splits, live, 1);
+    }
     return;
   }
   const int64_t grp = split / tree.group, first = grp * tree.group;
   const int64_t members = min(tree.group, live - first);
   if (!last_to_finish(row_counters + 1 + grp, members)) return;
+  trace.Mark();
   KVL_DECODE_STOP_AFTER(5, false)
   merge(first, members, splits + grp);
-  if (last_to_finish(row_counters, tree.groups)) merge(splits, tree.groups, -1);
+  if (last_to_finish(row_counters, tree.groups)) {
+    trace.Mark();
+    merge(splits, tree.groups, -1);
+    trace.Print("tree", splits, live, tree.groups);
+  }
 }
 
 using DecodeFn = void (*)(GqaShape, GqaCudaBuffers, KvStrides, int64_t, int64_t, int, float*,

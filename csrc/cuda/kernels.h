@@ -116,7 +116,10 @@ constexpr int64_t kMaxDecodeSplits = 256;  // the merging CTA keeps 16 x splits 
 // through two levels: 21 us against 17 flat on the H200.) The kernel builds the tree of its
 // row's live splits; the plan sizes slots and counters for the largest tree any live count <=
 // the launched splits gives (SlotsPerRow, CountersPerRow). One place owns the arithmetic.
-constexpr int64_t kDecodeFlatMergeFloats = 16384;
+#ifndef KVL_DECODE_FLAT_MERGE_FLOATS  // a build knob for benchmarking the bound
+#define KVL_DECODE_FLAT_MERGE_FLOATS 16384
+#endif
+constexpr int64_t kDecodeFlatMergeFloats = KVL_DECODE_FLAT_MERGE_FLOATS;
 // A second merge level adds a group merge, a fence and a counter to the row's path, and a split
 // fewer keys: at 28/4/128 B=1 L=4k (33 splits targeted) one level of 18 splits took 18.0 to
 // 18.7 us on the H200 against 22.2 for two levels of 32, at L=8k 22.2 against 24.8; at head size
@@ -175,7 +178,12 @@ bool DecodeTcFits(const GqaShape& s, size_t elem, const CudaDeviceInfo& dev);
 int DecodeTcCtasPerSm(const GqaShape& s, const CudaDeviceInfo& dev);  // cached per device/kernel
 // Whether a row's key splits can be one thread-block cluster of `cluster` CTAs (an sm_90+ device
 // running code compiled for sm_90+, at most kMaxDecodeCluster, resident together on it).
-constexpr int64_t kMaxDecodeCluster = 8;  // the portable cluster size
+// 8 is the portable cluster size; KVL_DECODE_MAX_CLUSTER=16 (a build knob for benchmarking)
+// allows the non-portable 16 of sm_90 (cudaFuncAttributeNonPortableClusterSizeAllowed).
+#ifndef KVL_DECODE_MAX_CLUSTER
+#define KVL_DECODE_MAX_CLUSTER 8
+#endif
+constexpr int64_t kMaxDecodeCluster = KVL_DECODE_MAX_CLUSTER;
 bool DecodeTcClustersFit(const GqaShape& s, const CudaDeviceInfo& dev, int64_t cluster);
 template <typename T>
 Status LaunchDecodeTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,

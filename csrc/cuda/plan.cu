@@ -316,6 +316,12 @@ int CachedPtxVersion(const void* fn) {
 
 int CachedMaxActiveClusters(const void* fn, int threads, size_t smem, int cluster) {
   return CachedHint(g_active_clusters, 0, [&](int* v) {
+    // Above 8 CTAs (sm_90 allows 16), once per kernel: the launches that follow rely on it.
+    if (cluster > 8) {
+      const cudaError_t err =
+          cudaFuncSetAttribute(fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+      if (err != cudaSuccess) return err;
+    }
     const ClusterLaunch launch(dim3(static_cast<unsigned>(cluster)),
                                dim3(static_cast<unsigned>(threads)), smem, nullptr, cluster);
     return cudaOccupancyMaxActiveClusters(v, fn, &launch.config);
