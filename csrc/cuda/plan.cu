@@ -8,6 +8,7 @@
 #include <string>
 #include <tuple>
 
+#include "core/env.h"
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
 
@@ -39,17 +40,9 @@ AttnKernel ChooseKernel(const GqaShape& s, const GqaCudaBuffers& buf, const Cuda
 // it, read once): below it our kernel takes microseconds. Each new shape costs cuDNN a graph
 // build on its first call (docs/BENCHMARKS.md: ~70 ms, ~1 s for the process's first); a
 // process that sees many one-off prompt lengths can raise the bar.
-// A positive integer from the environment variable `name`, or 0 when it is unset or not one.
-int64_t PositiveEnv(const char* name) {
-  const char* v = std::getenv(name);
-  char* end = nullptr;
-  const long long n = v != nullptr ? std::strtoll(v, &end, 10) : 0;
-  return (v != nullptr && end != v && *end == '\0' && n > 0) ? int64_t(n) : int64_t(0);
-}
-
 int64_t CudnnMinRows() {
   static const int64_t rows = [] {
-    const int64_t n = PositiveEnv("ORT_KVLAYOUT_CUDNN_MIN_ROWS");
+    const int64_t n = EnvPositiveInt("ORT_KVLAYOUT_CUDNN_MIN_ROWS");
     return n > 0 ? n : int64_t(64);
   }();
   return rows;
@@ -59,7 +52,7 @@ int64_t CudnnMinRows() {
 // tuning and benchmarking knob (docs/BENCHMARKS.md); 0 = the one-wave rule of MakePlan.
 int64_t DecodeSplitsOverride() {
   static const int64_t splits =
-      std::min<int64_t>(PositiveEnv("ORT_KVLAYOUT_DECODE_SPLITS"), kMaxDecodeSplits);
+      std::min<int64_t>(EnvPositiveInt("ORT_KVLAYOUT_DECODE_SPLITS"), kMaxDecodeSplits);
   return splits;
 }
 
@@ -67,10 +60,7 @@ int64_t DecodeSplitsOverride() {
 // splits merge through global partials everywhere (the path of sm_80): a benchmarking and
 // testing knob (docs/BENCHMARKS.md).
 bool DecodeClustersAllowed() {
-  static const bool allowed = [] {
-    const char* v = std::getenv("ORT_KVLAYOUT_DECODE_CLUSTERS");
-    return v == nullptr || std::string(v) != "0";
-  }();
+  static const bool allowed = EnvNotZero("ORT_KVLAYOUT_DECODE_CLUSTERS");
   return allowed;
 }
 

@@ -30,6 +30,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/env.h"
 #include "cuda/kernels.h"
 
 #if KVL_HAVE_CUDNN
@@ -64,10 +65,7 @@ namespace {
 enum : int64_t { kUidQ = 1, kUidK, kUidV, kUidO, kUidSeqQ, kUidSeqKv };
 
 // Environment switch: ORT_KVLAYOUT_CUDNN=0 keeps every call on our own kernels.
-bool CudnnEnabledByEnv() {
-  const char* v = std::getenv("ORT_KVLAYOUT_CUDNN");
-  return v == nullptr || std::strcmp(v, "0") != 0;
-}
+bool CudnnEnabledByEnv() { return EnvNotZero("ORT_KVLAYOUT_CUDNN"); }
 
 // Opens libcudnn once per process: the copy ORT's CUDA EP already loaded (same soname), else
 // the one the loader finds, else ORT_KVLAYOUT_CUDNN_LIBRARY. Returns why it failed, or "".
