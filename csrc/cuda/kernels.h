@@ -127,6 +127,14 @@ constexpr int64_t kDecodeFlatMergeFloats = KVL_DECODE_FLAT_MERGE_FLOATS;
 // the splits of one level while each of those reads at most kDecodeFlatSplitBytes of K and V
 // (docs/BENCHMARKS.md, ninth session: the sweep of this bound).
 constexpr int64_t kDecodeFlatSplitBytes = 256 * 1024;
+// Build knob KVL_DECODE_EARLY_ELECT=1 (benchmarking; 0, the default, compiles nothing): each
+// merge has two counters, one that elects the merging CTA when the key loops end (relaxed) and
+// one that the others bump to publish their partials (release), which the elected CTA waits on
+// (decode.cu says why).
+#ifndef KVL_DECODE_EARLY_ELECT
+#define KVL_DECODE_EARLY_ELECT 0
+#endif
+constexpr int64_t kDecodeCountersPerMerge = KVL_DECODE_EARLY_ELECT ? 2 : 1;
 struct DecodeMergeTree {
   int64_t group = 1, groups = 1;  // splits per group (the last may hold fewer), groups
   __host__ __device__ static DecodeMergeTree For(int64_t live, int64_t rows, int64_t head_size) {
@@ -141,10 +149,11 @@ struct DecodeMergeTree {
   __host__ __device__ static int64_t SlotsPerRow(int64_t splits, int64_t rows, int64_t head_size) {
     return splits + MaxGroups(splits, rows, head_size);
   }
-  // Counters of one (batch, kv head): the top merge's (index 0), then one per group.
+  // Counters of one (batch, kv head): the top merge's (index 0), then one per group; with
+  // KVL_DECODE_EARLY_ELECT, two per merge (decode.cu).
   __host__ __device__ static int64_t CountersPerRow(int64_t splits, int64_t rows,
                                                     int64_t head_size) {
-    return 1 + MaxGroups(splits, rows, head_size);
+    return kDecodeCountersPerMerge * (1 + MaxGroups(splits, rows, head_size));
   }
   // The split target for `keys` live keys of `rows` rows (the kernel's partition; the plan's
   // target sized the grid): at most the splits of a one-level merge while each of those reads at
