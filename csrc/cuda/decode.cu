@@ -873,38 +873,16 @@ __global__ void __launch_bounds__(kDecThreads)
   // merge's, 1 + k group k's (with KVL_DECODE_EARLY_ELECT, pairs 2 k and 2 k + 1).
   const DecodeMergeTree tree = DecodeMergeTree::For(live, rows, H);
   unsigned* row_counters = counters + bg * DecodeMergeTree::CountersPerRow(splits, rows, H);
-  if constexpr (KVL_DECODE_EARLY_ELECT != 0) {
-    if (tree.groups == 1) {
-      if (!arrive(row_counters, live, elected)) return;
-      trace.Mark();
-      merge(0, live, -1);
-      if constexpr (KVL_DECODE_TRACE != 0) {
-        merge(0, live, -1);
-        trace.Print("flat", splits, live, 1);
-      }
-      return;
+  // Arrival at merge level `level` (0: the top, 1 + k: group k) of `count` CTAs.
+  auto arrive_at = [&](int64_t level, int64_t count, unsigned elected_before) {
+    if constexpr (KVL_DECODE_EARLY_ELECT != 0) {
+      return arrive(row_counters + 2 * level, count, elected_before);
+    } else {
+      return last_to_finish(row_counters + level, count);
     }
-    const int64_t grp = split / tree.group, first = grp * tree.group;
-    const int64_t members = min(tree.group, live - first);
-    if (!arrive(row_counters + 2 * (1 + grp), members, elected)) return;
-    trace.Mark();
-    // This CTA merges its group: its election at the top level now, its round trip under the
-    // group merge.
-    unsigned elected_top = 0;
-    if (threadIdx.x == 0) {
-      cuda::atomic_ref<unsigned, cuda::thread_scope_device> c(row_counters[0]);
-      elected_top = c.fetch_add(1u, cuda::memory_order_relaxed);
-    }
-    merge(first, members, splits + grp);
-    if (arrive(row_counters, tree.groups, elected_top)) {
-      trace.Mark();
-      merge(splits, tree.groups, -1);
-      trace.Print("tree", splits, live, tree.groups);
-    }
-    return;
-  }
+  };
   if (tree.groups == 1) {
-    if (!last_to_finish(row_counters, live)) return;
+    if (!arrive_at(0, live, elected)) return;
     trace.Mark();
     KVL_DECODE_STOP_AFTER(5, false)
     merge(0, live, -1);
@@ -916,11 +894,20 @@ __global__ void __launch_bounds__(kDecThreads)
   }
   const int64_t grp = split / tree.group, first = grp * tree.group;
   const int64_t members = min(tree.group, live - first);
-  if (!last_to_finish(row_counters + 1 + grp, members)) return;
+  if (!arrive_at(1 + grp, members, elected)) return;
   trace.Mark();
   KVL_DECODE_STOP_AFTER(5, false)
+  // This CTA merges its group; with KVL_DECODE_EARLY_ELECT its election at the top level now,
+  // the round trip under the group merge.
+  unsigned elected_top = 0;
+  if constexpr (KVL_DECODE_EARLY_ELECT != 0) {
+    if (threadIdx.x == 0) {
+      cuda::atomic_ref<unsigned, cuda::thread_scope_device> c(row_counters[0]);
+      elected_top = c.fetch_add(1u, cuda::memory_order_relaxed);
+    }
+  }
   merge(first, members, splits + grp);
-  if (last_to_finish(row_counters, tree.groups)) {
+  if (arrive_at(0, tree.groups, elected_top)) {
     trace.Mark();
     merge(splits, tree.groups, -1);
     trace.Print("tree", splits, live, tree.groups);
