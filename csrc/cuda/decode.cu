@@ -50,7 +50,10 @@ namespace {
 // that ends row 0's merge (the cluster's rank 0 with a cluster merge) prints, per launch, the
 // clock64 cycles of its phases from its own start: partial written, merge arrival, each merge
 // level's weights and values; the one-level merges run twice (the second with the merge's code
-// and data warm) to tell instruction fetch from data trips. bench/README.md says how.
+// and data warm) to tell instruction fetch from data trips. Split 0, the last live split and
+// the CTA that appends the new row print their prologue: partition known, first steps issued,
+// query fragments ready, first step landed. Each line ends with the CTA's %globaltimer start.
+// bench/README.md says how.
 #ifndef KVL_DECODE_TRACE
 #define KVL_DECODE_TRACE 0
 #endif
@@ -61,15 +64,29 @@ struct DecTrace {
   __device__ __forceinline__ void Mark() {
     if (n < 10) c[n++] = clock64();
   }
+  unsigned long long start_ns = 0;  // %globaltimer at the first mark: CTAs against each other
+  __device__ __forceinline__ void Start() {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start_ns));
+    Mark();
+  }
   __device__ void Print(const char* what, int64_t splits, int64_t live, int64_t groups) const {
     if (threadIdx.x != 0 || blockIdx.y != 0) return;
     printf("KVL_TRACE %s splits=%d live=%d groups=%d cycles", what, int(splits), int(live),
            int(groups));
     for (int i = 1; i < n; ++i) printf(" %lld", c[i] - c[0]);
-    printf("\n");
+    printf(" start_ns=%llu\n", start_ns);
+  }
+  __device__ void PrintPrologue(int64_t split, int64_t live, bool appends) const {
+    if (threadIdx.x != 0 || blockIdx.y != 0) return;
+    printf("KVL_TRACE prologue split=%d live=%d appends=%d cycles", int(split), int(live),
+           int(appends));
+    for (int i = 1; i < n; ++i) printf(" %lld", c[i] - c[0]);
+    printf(" start_ns=%llu\n", start_ns);
   }
 #else
   __device__ __forceinline__ void Mark() {}
+  __device__ __forceinline__ void Start() {}
+  __device__ __forceinline__ void PrintPrologue(int64_t, int64_t, bool) const {}
   __device__ __forceinline__ void Print(const char*, int64_t, int64_t, int64_t) const {}
 #endif
 };
@@ -180,8 +197,9 @@ __global__ void __launch_bounds__(kDecThreads)
   __shared__ float row_scale[kDecodeRows];
   __shared__ float red_w[kDecWarps][kDecodeRows], row_m[kDecodeRows], row_l[kDecodeRows];
   __shared__ bool merges_splits;
-  DecTrace trace;
-  trace.Mark();
+  DecTrace trace, prologue_trace;  // the merge's marks; the prologue's (split 0, the appender)
+  trace.Start();
+  prologue_trace.Start();
 
   // Head and row indices in 32 bits (a 64-bit division is a called routine of tens of
   // instructions, and these were on every CTA's path to its first load, profiled at B=1).
@@ -279,6 +297,7 @@ __global__ void __launch_bounds__(kDecThreads)
   auto row_sink = [&](int64_t r) {
     return s.has_head_sink ? ToF(static_cast<const T*>(buf.head_sink)[row_head(r)]) : 0.0f;
   };
+  prologue_trace.Mark();  // the lengths landed and the partition known
   KVL_DECODE_STOP_AFTER(1, (k_begin ^ k_end ^ live) == 0x5a5a5a5a)
   if (split >= live) {
     if (checks) check_lengths();
@@ -378,6 +397,7 @@ __global__ void __launch_bounds__(kDecThreads)
     ptx::CpAsyncCommit();
   }
   if (checks) check_lengths();
+  prologue_trace.Mark();  // the first steps issued (after the append, in the appending CTA)
 
   // The queries, while the first steps load: row r (token r / G, head g * G + r % G) normed,
   // rotated and scaled, rounded to T into the query tile (zeros past H, past S x G rows and for
@@ -407,6 +427,7 @@ __global__ void __launch_bounds__(kDecThreads)
     }
   }
   __syncthreads();  // every warp holds its fragments: warp 0's free slot may take a step
+  prologue_trace.Mark();  // the query tile in every warp's fragments
   KVL_DECODE_STOP_AFTER(2, qa[0][0] == 0x5a5a5a5au && qa[KT - 1][3] == 0xa5a5a5a5u)
   // Padding columns [H, HD) of every stage are zeroed once, now that no slot holds the tile or a
   // scratch row; the copies write columns [0, H) only.
@@ -451,6 +472,14 @@ __global__ void __launch_bounds__(kDecThreads)
     ptx::CpAsyncCommit();
     ptx::CpAsyncWait<ST - 1>();  // this lane's copies of step i have landed
     __syncwarp();                // ... and every lane's
+    if constexpr (KVL_DECODE_TRACE != 0) {
+      if (i == 0) {
+        prologue_trace.Mark();  // warp 0's first step landed
+        if (split == 0 || appended || split == live - 1) {
+          prologue_trace.PrintPrologue(split, live, appended);
+        }
+      }
+    }
     const T* ks = step_slot(i);
     const T* vs = ks + KS * P;
     const int64_t k0 = step_key(i);
