@@ -583,6 +583,7 @@ __global__ void __launch_bounds__(kDecThreads)
   // acquire-release count of its own (about 2k cycles of arrival, KVL_DECODE_TRACE).
   unsigned elected = 0;  // thread 0's: how many of its merge counted before it
   if constexpr (KVL_DECODE_EARLY_ELECT != 0) {
+    // cluster_merge's predicate (below; defined here it changed the default build's SASS).
     const bool in_cluster = cluster > 1 && live > 1 && live <= cluster &&
                             DecodeMergeTree::For(live, rows, H).groups == 1;
     if (threadIdx.x == 0 && live > 1 && !in_cluster) {
