@@ -13,6 +13,7 @@
 #   LOG_DIR        where logs go (default: $OUT when set, else /tmp/ort_kvlayout_gpu_tests)
 #   PYTEST_ARGS    extra pytest arguments (e.g. "-k graph")
 #   SAN_EXTRA_K    a -k expression that narrows the sanitizer subset (split a pass over calls)
+#   SAN_SHARDS=N   each sanitizer pass as N processes at once (default 1; see sanitize below)
 #   SAN_KERNEL_EXCLUDE  kernels whose names hold this substring are not checked (e.g. "cudnn":
 #                  racecheck reports hazards inside cuDNN's wgmma kernels, not in ours)
 #   ALONE=N        + each GPU test file alone, and N tests drawn at random (from the seed), each
@@ -60,6 +61,20 @@ command -v nvidia-smi >/dev/null && nvidia-smi -L
 declare -a SUMMARY=()
 STATUS=0
 
+# A pass that ended with status `rc` after `seconds`, its output in `log`: one summary line.
+finish_pass() {  # name, log file, rc, seconds
+  local name="$1" log="$2" rc="$3" seconds="$4"
+  local line
+  # pytest's closing line ("... N passed ... in 12.3s"), not compute-sanitizer's "0 errors".
+  line=$(grep -E "[0-9]+ (passed|failed|skipped|errors?).* in [0-9.]+s" "$log" | tail -1)
+  if [ "$rc" -eq 0 ] && [ "${ALLOW_SKIP:-0}" != "1" ] && ! grep -qE "[0-9]+ passed" <<<"$line"; then
+    echo "!! $name: no test passed (all skipped?): see the skip reasons in $log; ALLOW_SKIP=1 to accept"
+    rc=4
+  fi
+  SUMMARY+=("$(printf '%-22s rc=%-3s %4ss  %s' "$name" "$rc" "$seconds" "${line:-no pytest summary}")")
+  if [ "$rc" -ne 0 ] && [ "$STATUS" -eq 0 ]; then STATUS=$rc; fi
+}
+
 run_pass() {  # name, log file, command...
   local name="$1" log="$2"
   shift 2
@@ -67,16 +82,7 @@ run_pass() {  # name, log file, command...
   echo "== $name: $*"
   local t0=$SECONDS
   "$@" 2>&1 | tee "$log"
-  local rc=${PIPESTATUS[0]}
-  local line
-  # pytest's closing line ("... N passed ... in 12.3s"), not compute-sanitizer's "0 errors".
-  line=$(grep -E "[0-9]+ (passed|failed|skipped|errors?).* in [0-9.]+s" "$log" | tail -1)
-  if [ "$rc" -eq 0 ] && [ "${ALLOW_SKIP:-0}" != "1" ] && ! grep -qE "[0-9]+ passed" <<<"$line"; then
-    echo "!! $name: no test passed (all skipped?): see the skip reasons above; ALLOW_SKIP=1 to accept"
-    rc=4
-  fi
-  SUMMARY+=("$(printf '%-22s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "${line:-no pytest summary}")")
-  if [ "$rc" -ne 0 ] && [ "$STATUS" -eq 0 ]; then STATUS=$rc; fi
+  finish_pass "$name" "$log" "${PIPESTATUS[0]}" "$((SECONDS - t0))"
 }
 
 if [ "$SUITE" != "0" ]; then
@@ -93,15 +99,52 @@ SAN_K="not vs_ort_cuda and not ort_builtin and not deterministic"
 # the GPU machine (each call is limited to 10 min), e.g.
 #   SAN_EXTRA_K="vs_oracle or features"          then   SAN_EXTRA_K="not vs_oracle and not features"
 if [ -n "${SAN_EXTRA_K:-}" ]; then SAN_K="$SAN_K and ($SAN_EXTRA_K)"; fi
+# SAN_SHARDS=N (default 1) runs each sanitizer pass as N processes at once, over a round-robin
+# deal of the subset's test ids: under a sanitizer the small tests are bound by the host (its
+# start-up and instrumentation, sessions), not by the GPU. Each shard is a pass of its own in the
+# summary (logs sanitizer_TOOL.shardK.log).
 sanitize() {  # tool
   local tool="$1"
   local exclude=()
   if [ -n "${SAN_KERNEL_EXCLUDE:-}" ]; then exclude=(--kernel-name-exclude "kns=$SAN_KERNEL_EXCLUDE"); fi
+  local san=(env GQA_GPU_QUICK=1 compute-sanitizer --tool "$tool" --error-exitcode 3
+             --target-processes all --report-api-errors no --print-limit 20 "${exclude[@]}")
+  local shards="${SAN_SHARDS:-1}"
+  if [ "$shards" -le 1 ]; then
+    # shellcheck disable=SC2086
+    run_pass "sanitizer $tool" "$LOG_DIR/sanitizer_$tool.log" \
+      "${san[@]}" python3 -m pytest -q -x -m gpu -rs -p no:cacheprovider $SAN_FILES -k "$SAN_K" $PYTEST_ARGS
+    return
+  fi
+  local ids=()
   # shellcheck disable=SC2086
-  run_pass "sanitizer $tool" "$LOG_DIR/sanitizer_$tool.log" \
-    env GQA_GPU_QUICK=1 compute-sanitizer --tool "$tool" --error-exitcode 3 --target-processes all \
-    --report-api-errors no --print-limit 20 "${exclude[@]}" \
-    python3 -m pytest -q -x -m gpu -rs -p no:cacheprovider $SAN_FILES -k "$SAN_K" $PYTEST_ARGS
+  mapfile -t ids < <(GQA_GPU_QUICK=1 python3 -m pytest -q -m gpu -p no:cacheprovider --collect-only \
+    $SAN_FILES -k "$SAN_K" $PYTEST_ARGS 2>/dev/null | grep '::')
+  echo
+  echo "== sanitizer $tool: ${#ids[@]} tests in $shards shards at once"
+  if [ "${#ids[@]}" -eq 0 ]; then
+    SUMMARY+=("$(printf '%-22s rc=%-3s %4ss  %s' "sanitizer $tool" 4 0 "no test collected")")
+    if [ "$STATUS" -eq 0 ]; then STATUS=4; fi
+    return
+  fi
+  local t0=$SECONDS k i
+  local pids=() names=()
+  for ((k = 0; k < shards && k < ${#ids[@]}; k++)); do
+    local mine=()
+    for ((i = k; i < ${#ids[@]}; i += shards)); do mine+=("${ids[$i]}"); done
+    local log="$LOG_DIR/sanitizer_$tool.shard$k.log"
+    # shellcheck disable=SC2086
+    ("${san[@]}" python3 -m pytest -q -x -m gpu -rs -p no:cacheprovider "${mine[@]}" $PYTEST_ARGS \
+      >"$log" 2>&1; echo $? >"$log.rc") &
+    pids+=($!)
+    names+=("$k")
+  done
+  wait "${pids[@]}"
+  for k in "${names[@]}"; do
+    local log="$LOG_DIR/sanitizer_$tool.shard$k.log"
+    tail -n 3 "$log"
+    finish_pass "sanitizer $tool $((k + 1))/${#names[@]}" "$log" "$(cat "$log.rc")" "$((SECONDS - t0))"
+  done
 }
 case "$SANITIZER" in
   none | "") ;;
