@@ -110,6 +110,12 @@ sanitize() {  # tool
   local san=(env GQA_GPU_QUICK=1 compute-sanitizer --tool "$tool" --error-exitcode 3
              --target-processes all --report-api-errors no --print-limit 20 "${exclude[@]}")
   local shards="${SAN_SHARDS:-1}"
+  if [[ ! "$shards" =~ ^[1-9][0-9]*$ ]]; then
+    echo "!! SAN_SHARDS must be a positive integer, got '$shards'"
+    SUMMARY+=("$(printf '%-22s rc=%-3s %4ss  %s' "sanitizer $tool" 2 0 "SAN_SHARDS='$shards' refused")")
+    if [ "$STATUS" -eq 0 ]; then STATUS=2; fi
+    return
+  fi
   if [ "$shards" -le 1 ]; then
     # shellcheck disable=SC2086
     run_pass "sanitizer $tool" "$LOG_DIR/sanitizer_$tool.log" \

@@ -33,7 +33,7 @@ exit $rc
 
 
 def _run(
-    tmp_path: Path, shards: int, fail_on: str = ""
+    tmp_path: Path, shards: int | str, fail_on: str = ""
 ) -> tuple[subprocess.CompletedProcess, Path]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
@@ -82,3 +82,10 @@ def test_a_failing_shard_fails_the_run(tmp_path):
     p, _ = _run(tmp_path, 3, fail_on=victim.split("::")[-1])
     assert p.returncode == 3, p.stdout + p.stderr
     assert len(re.findall(r"sanitizer memcheck \d/3 rc=3 ", p.stdout)) == 1, p.stdout
+
+
+def test_shard_count_that_is_not_a_positive_integer_is_refused(tmp_path):
+    p, logs = _run(tmp_path, "two")
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "SAN_SHARDS must be a positive integer, got 'two'" in p.stdout
+    assert not list(logs.glob("sanitizer_*"))
