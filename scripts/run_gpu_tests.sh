@@ -61,7 +61,13 @@ command -v nvidia-smi >/dev/null && nvidia-smi -L
 declare -a SUMMARY=()
 STATUS=0
 
-# A pass that ended with status `rc` after `seconds`, its output in `log`: one summary line.
+# One line of the summary; the first non-zero status becomes the script's.
+record_pass() {  # name, rc, seconds, what it said
+  SUMMARY+=("$(printf '%-22s rc=%-3s %4ss  %s' "$1" "$2" "$3" "$4")")
+  if [ "$2" -ne 0 ] && [ "$STATUS" -eq 0 ]; then STATUS=$2; fi
+}
+
+# A pass that ended with status `rc` after `seconds`, its output in `log`.
 finish_pass() {  # name, log file, rc, seconds
   local name="$1" log="$2" rc="$3" seconds="$4"
   local line
@@ -71,8 +77,7 @@ finish_pass() {  # name, log file, rc, seconds
     echo "!! $name: no test passed (all skipped?): see the skip reasons in $log; ALLOW_SKIP=1 to accept"
     rc=4
   fi
-  SUMMARY+=("$(printf '%-22s rc=%-3s %4ss  %s' "$name" "$rc" "$seconds" "${line:-no pytest summary}")")
-  if [ "$rc" -ne 0 ] && [ "$STATUS" -eq 0 ]; then STATUS=$rc; fi
+  record_pass "$name" "$rc" "$seconds" "${line:-no pytest summary}"
 }
 
 run_pass() {  # name, log file, command...
@@ -112,8 +117,7 @@ sanitize() {  # tool
   local shards="${SAN_SHARDS:-1}"
   if [[ ! "$shards" =~ ^[1-9][0-9]*$ ]]; then
     echo "!! SAN_SHARDS must be a positive integer, got '$shards'"
-    SUMMARY+=("$(printf '%-22s rc=%-3s %4ss  %s' "sanitizer $tool" 2 0 "SAN_SHARDS='$shards' refused")")
-    if [ "$STATUS" -eq 0 ]; then STATUS=2; fi
+    record_pass "sanitizer $tool" 2 0 "SAN_SHARDS='$shards' refused"
     return
   fi
   if [ "$shards" -le 1 ]; then
@@ -129,8 +133,7 @@ sanitize() {  # tool
   echo
   echo "== sanitizer $tool: ${#ids[@]} tests in $shards shards at once"
   if [ "${#ids[@]}" -eq 0 ]; then
-    SUMMARY+=("$(printf '%-22s rc=%-3s %4ss  %s' "sanitizer $tool" 4 0 "no test collected")")
-    if [ "$STATUS" -eq 0 ]; then STATUS=4; fi
+    record_pass "sanitizer $tool" 4 0 "no test collected"
     return
   fi
   local t0=$SECONDS k i

@@ -73,13 +73,15 @@ struct DecTrace {
     if (threadIdx.x != 0 || blockIdx.y != 0) return;
     printf("KVL_TRACE %s splits=%d live=%d groups=%d cycles", what, int(splits), int(live),
            int(groups));
-    for (int i = 1; i < n; ++i) printf(" %lld", c[i] - c[0]);
-    printf(" start_ns=%llu\n", start_ns);
+    PrintCycles();
   }
   __device__ void PrintPrologue(int64_t split, int64_t live, bool appends) const {
     if (threadIdx.x != 0 || blockIdx.y != 0) return;
     printf("KVL_TRACE prologue split=%d live=%d appends=%d cycles", int(split), int(live),
            int(appends));
+    PrintCycles();
+  }
+  __device__ void PrintCycles() const {  // the line's tail: each mark from the first, the start
     for (int i = 1; i < n; ++i) printf(" %lld", c[i] - c[0]);
     printf(" start_ns=%llu\n", start_ns);
   }
