@@ -576,26 +576,6 @@ __global__ void __launch_bounds__(kDecThreads)
   // (only empty groups can be pending) and every warp is past its last read of it.
   ptx::CpAsyncWait<0>();
   __syncthreads();
-  // KVL_DECODE_EARLY_ELECT: the merging CTA of this split's first merge level is elected now,
-  // by a relaxed count whose round trip overlaps the warp merge and the partial's stores; the
-  // last CTA to count is the merger, and every other CTA of its merge has counted, so each is
-  // resident and past its key loop: waiting for their partials (arrive below) cannot deadlock.
-  // Then only the others pay the release that publishes a partial, and the merger waits for
-  // their count (one L2 round trip when they are done) instead of paying a release and an
-  // acquire-release count of its own (about 2k cycles of arrival, KVL_DECODE_TRACE).
-  unsigned elected = 0;  // thread 0's: how many of its merge counted before it
-  if constexpr (KVL_DECODE_EARLY_ELECT != 0) {
-    // cluster_merge's predicate (below; defined here it changed the default build's SASS).
-    const bool in_cluster = cluster > 1 && live > 1 && live <= cluster &&
-                            DecodeMergeTree::For(live, rows, H).groups == 1;
-    if (threadIdx.x == 0 && live > 1 && !in_cluster) {
-      const DecodeMergeTree t = DecodeMergeTree::For(live, rows, H);
-      unsigned* rc = counters + bg * DecodeMergeTree::CountersPerRow(splits, rows, H);
-      const int64_t level = t.groups == 1 ? 0 : 1 + split / t.group;
-      cuda::atomic_ref<unsigned, cuda::thread_scope_device> c(rc[2 * level]);
-      elected = c.fetch_add(1u, cuda::memory_order_relaxed);
-    }
-  }
   constexpr int RP = DecRedPitch(HD);
   float* red_o = reinterpret_cast<float*>(dec_smem);  // [warp][row][RP]
 #pragma unroll
@@ -877,44 +857,12 @@ __global__ void __launch_bounds__(kDecThreads)
     __syncthreads();
     return merges_splits;
   };
-  // KVL_DECODE_EARLY_ELECT's arrival at a merge of `count` CTAs whose counters are pair[0]
-  // (election, counted by `elected` in thread 0) and pair[1] (publication). The barrier orders
-  // every thread's partial stores before thread 0's release count (cumulative); the merger's
-  // acquire and the barrier after it order the others' partials before its reads. The merger
-  // returns both counters to zero: every other CTA of the merge has counted on both.
-  auto arrive = [&](unsigned* pair, int64_t count, unsigned elected_before) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      cuda::atomic_ref<unsigned, cuda::thread_scope_device> pub(pair[1]);
-      merges_splits = elected_before == unsigned(count - 1);
-      if (!merges_splits) {
-        pub.fetch_add(1u, cuda::memory_order_release);
-      } else {
-        // "<", not "!=": counters left wrong by an aborted launch give a wrong merge, as the
-        // single counter's do, never a wait without end.
-        while (pub.load(cuda::memory_order_acquire) < unsigned(count - 1)) __nanosleep(32);
-        cuda::atomic_ref<unsigned, cuda::thread_scope_device>(pair[0]).store(
-            0u, cuda::memory_order_relaxed);
-        pub.store(0u, cuda::memory_order_relaxed);
-      }
-    }
-    __syncthreads();
-    return merges_splits;
-  };
   // The tree of this row's live splits (the same in each of its CTAs): counter 0 is the top
-  // merge's, 1 + k group k's (with KVL_DECODE_EARLY_ELECT, pairs 2 k and 2 k + 1).
+  // merge's, 1 + k group k's.
   const DecodeMergeTree tree = DecodeMergeTree::For(live, rows, H);
   unsigned* row_counters = counters + bg * DecodeMergeTree::CountersPerRow(splits, rows, H);
-  // Arrival at merge level `level` (0: the top, 1 + k: group k) of `count` CTAs.
-  auto arrive_at = [&](int64_t level, int64_t count, unsigned elected_before) {
-    if constexpr (KVL_DECODE_EARLY_ELECT != 0) {
-      return arrive(row_counters + 2 * level, count, elected_before);
-    } else {
-      return last_to_finish(row_counters + level, count);
-    }
-  };
   if (tree.groups == 1) {
-    if (!arrive_at(0, live, elected)) return;
+    if (!last_to_finish(row_counters, live)) return;
     trace.Mark();
     KVL_DECODE_STOP_AFTER(5, false)
     merge(0, live, -1);
@@ -926,20 +874,12 @@ __global__ void __launch_bounds__(kDecThreads)
   }
   const int64_t grp = split / tree.group, first = grp * tree.group;
   const int64_t members = min(tree.group, live - first);
-  if (!arrive_at(1 + grp, members, elected)) return;
+  if (!last_to_finish(row_counters + 1 + grp, members)) return;
   trace.Mark();
   KVL_DECODE_STOP_AFTER(5, false)
-  // This CTA merges its group; with KVL_DECODE_EARLY_ELECT its election at the top level now,
-  // the round trip under the group merge.
-  unsigned elected_top = 0;
-  if constexpr (KVL_DECODE_EARLY_ELECT != 0) {
-    if (threadIdx.x == 0) {
-      cuda::atomic_ref<unsigned, cuda::thread_scope_device> c(row_counters[0]);
-      elected_top = c.fetch_add(1u, cuda::memory_order_relaxed);
-    }
-  }
+  // This CTA merges its group.
   merge(first, members, splits + grp);
-  if (arrive_at(0, tree.groups, elected_top)) {
+  if (last_to_finish(row_counters, tree.groups)) {
     trace.Mark();
     merge(splits, tree.groups, -1);
     trace.Print("tree", splits, live, tree.groups);

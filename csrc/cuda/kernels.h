@@ -107,8 +107,11 @@ constexpr int64_t kMaxDecodeSplits = 256;  // the merging CTA keeps 16 x splits 
 // merges the groups. One merging CTA reads all of its partials alone (one SM, an L2 round trip
 // per eight loads of each thread), so a flat merge of 128 splits x 4 rows x 256 floats took
 // longer than the reads it followed. When the live splits' partials exceed
-// kDecodeFlatMergeFloats floats (four rounds of the CTA's loads), groups of ceil(sqrt(live))
-// splits; else one level (group == live). The tree follows the live splits (those holding keys,
+// kDecodeFlatMergeFloats floats (eight rounds of the CTA's loads), groups of ceil(sqrt(live))
+// splits; else one level (group == live). 32K: a level of the tree costs an arrival, a weights
+// pass and a values pass (about 2 us on the H200), more than the four rounds of values that 16K
+// more floats add (28/4/128 B=1 L=16k: 24.1 -> 21.7 us, L=32k 35.8 -> 31.4, 4/1/256 B=1 L=4k
+// 20.0 -> 18.4; docs/BENCHMARKS.md, twelfth session). The tree follows the live splits (those holding keys,
 // a prefix of the grid set by the lengths and the split target), never the capacity, which only
 // bounds how many splits are launched: caches of different capacities merge the same partials
 // in the same groups and order, so decode output stays bit-identical across capacities. (A tree
@@ -117,7 +120,7 @@ constexpr int64_t kMaxDecodeSplits = 256;  // the merging CTA keeps 16 x splits 
 // row's live splits; the plan sizes slots and counters for the largest tree any live count <=
 // the launched splits gives (SlotsPerRow, CountersPerRow). One place owns the arithmetic.
 #ifndef KVL_DECODE_FLAT_MERGE_FLOATS  // a build knob for benchmarking the bound
-#define KVL_DECODE_FLAT_MERGE_FLOATS 16384
+#define KVL_DECODE_FLAT_MERGE_FLOATS 32768
 #endif
 constexpr int64_t kDecodeFlatMergeFloats = KVL_DECODE_FLAT_MERGE_FLOATS;
 // A second merge level adds a group merge, a fence and a counter to the row's path, and a split
@@ -127,14 +130,6 @@ constexpr int64_t kDecodeFlatMergeFloats = KVL_DECODE_FLAT_MERGE_FLOATS;
 // the splits of one level while each of those reads at most kDecodeFlatSplitBytes of K and V
 // (docs/BENCHMARKS.md, ninth session: the sweep of this bound).
 constexpr int64_t kDecodeFlatSplitBytes = 256 * 1024;
-// Build knob KVL_DECODE_EARLY_ELECT=1 (benchmarking; 0, the default, compiles nothing): each
-// merge has two counters, one that elects the merging CTA when the key loops end (relaxed) and
-// one that the others bump to publish their partials (release), which the elected CTA waits on
-// (decode.cu says why).
-#ifndef KVL_DECODE_EARLY_ELECT
-#define KVL_DECODE_EARLY_ELECT 0
-#endif
-constexpr int64_t kDecodeCountersPerMerge = KVL_DECODE_EARLY_ELECT ? 2 : 1;
 struct DecodeMergeTree {
   int64_t group = 1, groups = 1;  // splits per group (the last may hold fewer), groups
   __host__ __device__ static DecodeMergeTree For(int64_t live, int64_t rows, int64_t head_size) {
@@ -149,11 +144,10 @@ struct DecodeMergeTree {
   __host__ __device__ static int64_t SlotsPerRow(int64_t splits, int64_t rows, int64_t head_size) {
     return splits + MaxGroups(splits, rows, head_size);
   }
-  // Counters of one (batch, kv head): the top merge's (index 0), then one per group; with
-  // KVL_DECODE_EARLY_ELECT, two per merge (decode.cu).
+  // Counters of one (batch, kv head): the top merge's (index 0), then one per group.
   __host__ __device__ static int64_t CountersPerRow(int64_t splits, int64_t rows,
                                                     int64_t head_size) {
-    return kDecodeCountersPerMerge * (1 + MaxGroups(splits, rows, head_size));
+    return 1 + MaxGroups(splits, rows, head_size);
   }
   // The split target for `keys` live keys of `rows` rows (the kernel's partition; the plan's
   // target sized the grid): at most the splits of a one-level merge while each of those reads at
