@@ -79,8 +79,21 @@ struct EntryLengths {
   int32_t seqlens_k;
   int32_t query_len;
 };
+// A 32-bit global load kept where the source puts it (volatile asm): for the load a kernel's
+// whole path waits on, which the compiler otherwise scheduled after independent ones (the decode
+// kernel's lengths after its sixteen query loads and their address arithmetic, sm_90a SASS).
+__device__ __forceinline__ int32_t LoadNow(const int32_t* p) {
+  int32_t v;
+  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+// kNow: issue the loads here and now (LoadNow).
+template <bool kNow = false>
 __device__ __forceinline__ EntryLengths ReadLengths(const GqaShape& s, const GqaCudaBuffers& buf,
                                                     int64_t b) {
+  if constexpr (kNow) {
+    return {LoadNow(buf.seqlens_k + b), s.has_query_seqlens ? LoadNow(buf.query_seqlens + b) : 0};
+  }
   return {buf.seqlens_k[b], s.has_query_seqlens ? buf.query_seqlens[b] : 0};
 }
 

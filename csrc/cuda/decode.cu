@@ -51,43 +51,63 @@ namespace {
 // clock64 cycles of its phases from its own start: partial written, merge arrival, each merge
 // level's weights and values; the one-level merges run twice (the second with the merge's code
 // and data warm) to tell instruction fetch from data trips. Split 0, the last live split and
-// the CTA that appends the new row print their prologue: partition known, first steps issued,
-// query fragments ready, first step landed. Each line ends with the CTA's %globaltimer start.
-// bench/README.md says how.
+// the CTA that appends the new row print their prologue: the lengths landed, partition known,
+// first steps issued, query fragments ready, first step landed. A mark taken with a value
+// (`Mark(v)`) waits for it: the clock is read after v exists, not where the compiler would
+// schedule it. Each line is one printf (lines of CTAs printing at once do not interleave) and
+// names its case (head size, rows, B x Nkv, live keys) so bench/trace_summary.py can group
+// lines by case; it ends with the CTA's %globaltimer start. bench/README.md says how.
 #ifndef KVL_DECODE_TRACE
 #define KVL_DECODE_TRACE 0
 #endif
 struct DecTrace {
 #if KVL_DECODE_TRACE
-  long long c[10];
+  static constexpr int kMarks = 10;
+  long long c[kMarks];
   int n = 0;
+  int hd = 0, rows = 0, keys = 0;
   __device__ __forceinline__ void Mark() {
-    if (n < 10) c[n++] = clock64();
+    if (n < kMarks) c[n++] = clock64();
+  }
+  template <typename V>
+  __device__ __forceinline__ void Mark(V v) {
+    const long long w = static_cast<long long>(v);
+    asm volatile("" ::"l"(w));  // v computed before the clock read below (both volatile)
+    Mark();
   }
   unsigned long long start_ns = 0;  // %globaltimer at the first mark: CTAs against each other
   __device__ __forceinline__ void Start() {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start_ns));
     Mark();
   }
-  __device__ void Print(const char* what, int64_t splits, int64_t live, int64_t groups) const {
+  __device__ void Case(int head_dim, int64_t cta_rows, int64_t live_keys) {
+    hd = head_dim;
+    rows = int(cta_rows);
+    keys = int(live_keys);
+  }
+  __device__ long long At(int i) const { return i < n ? c[i] - c[0] : -1; }
+  // KVL_TRACE <what> hd=.. rows=.. bg=.. keys=.. <k1>=.. live=.. <k3>=.. cycles c1 .. c9 start_ns=..
+  // (-1 for marks not taken).
+  __device__ void Line(const char* what, const char* k1, int v1, int live, const char* k3,
+                       int v3) const {
     if (threadIdx.x != 0 || blockIdx.y != 0) return;
-    printf("KVL_TRACE %s splits=%d live=%d groups=%d cycles", what, int(splits), int(live),
-           int(groups));
-    PrintCycles();
+    printf("KVL_TRACE %s hd=%d rows=%d bg=%d keys=%d %s=%d live=%d %s=%d cycles %lld %lld %lld %lld "
+           "%lld %lld %lld %lld %lld start_ns=%llu\n",
+           what, hd, rows, int(gridDim.y), keys, k1, v1, live, k3, v3, At(1), At(2), At(3), At(4),
+           At(5), At(6), At(7), At(8), At(9), start_ns);
+  }
+  __device__ void Print(const char* what, int64_t splits, int64_t live, int64_t groups) const {
+    Line(what, "splits", int(splits), int(live), "groups", int(groups));
   }
   __device__ void PrintPrologue(int64_t split, int64_t live, bool appends) const {
-    if (threadIdx.x != 0 || blockIdx.y != 0) return;
-    printf("KVL_TRACE prologue split=%d live=%d appends=%d cycles", int(split), int(live),
-           int(appends));
-    PrintCycles();
-  }
-  __device__ void PrintCycles() const {  // the line's tail: each mark from the first, the start
-    for (int i = 1; i < n; ++i) printf(" %lld", c[i] - c[0]);
-    printf(" start_ns=%llu\n", start_ns);
+    Line("prologue", "split", int(split), int(live), "appends", int(appends));
   }
 #else
   __device__ __forceinline__ void Mark() {}
+  template <typename V>
+  __device__ __forceinline__ void Mark(V) {}
   __device__ __forceinline__ void Start() {}
+  __device__ __forceinline__ void Case(int, int64_t, int64_t) {}
   __device__ __forceinline__ void PrintPrologue(int64_t, int64_t, bool) const {}
   __device__ __forceinline__ void Print(const char*, int64_t, int64_t, int64_t) const {}
 #endif
@@ -224,25 +244,24 @@ __global__ void __launch_bounds__(kDecThreads)
   float* q_raw = x - QR * HD;                                     // [QR][HD]
   T* q_tile = reinterpret_cast<T*>(dec_smem) + (ST - 1) * DecSlotElems(HD);
 
-  // The lengths, then the raw queries of this warp's rows (r = warp + 4 j), whose addresses do
-  // not depend on them: every load is in flight before the first one is used.
-  const EntryLengths lengths = ReadLengths(s, buf, b);
-  {
-    float qv[QR][QE];
+  // The lengths first (every later step waits on them; LoadNow keeps them ahead of the query
+  // loads), then the raw queries of this warp's rows (r = warp + 4 j), whose addresses do not
+  // depend on them, kept raw in registers: the partition and the first steps' copies go out
+  // before anything waits on a query (a warp issues in order: a conversion or store of a query
+  // value here held up the whole prologue until the query loads landed).
+  const EntryLengths lengths = ReadLengths<true>(s, buf, b);
+  prologue_trace.Mark(lengths.seqlens_k);  // the lengths landed
+  T qv[QR][QE];
 #pragma unroll
-    for (int j = 0; j < QR; ++j) {
-      const int64_t r = warp + j * kDecWarps;
-      const T* src = r < rows ? TokenInputs<T>(s, buf, b, row_tok(r)).q + row_head(r) * H : nullptr;
+  for (int j = 0; j < QR; ++j) {
+    // Row 0's address for rows past S x G (never read): no branch around the address
+    // arithmetic, whose block boundaries let the compiler sink the lengths load below them.
+    const int64_t r = warp + j * kDecWarps, rr = r < rows ? r : 0;
+    const T* src = TokenInputs<T>(s, buf, b, row_tok(rr)).q + row_head(rr) * H;
 #pragma unroll
-      for (int e = 0; e < QE; ++e) {
-        const int64_t d = lane + e * kWarp;
-        qv[j][e] = src != nullptr && d < H ? ToF(src[d]) : 0.0f;
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < QR; ++j) {
-#pragma unroll
-      for (int e = 0; e < QE; ++e) q_raw[j * HD + lane + e * kWarp] = qv[j][e];
+    for (int e = 0; e < QE; ++e) {
+      const int64_t d = lane + e * kWarp;
+      qv[j][e] = r < rows && d < H ? src[d] : FromF<T>(0.0f);
     }
   }
   const BatchGeometry geo = ClampedBatchGeometry(s, lengths.seqlens_k, lengths.query_len);
@@ -284,8 +303,9 @@ __global__ void __launch_bounds__(kDecThreads)
                                   : int64_t(1));
   // The lengths, as the prepare kernel checks them: once per batch entry, token t by thread t,
   // by a CTA off the live splits' path when there is one (the grid's last split, then empty),
-  // else by split 0 once its first loads are in flight. Nothing waits on the check (every
-  // kernel clamps what it reads): it only has to end before the kernel does.
+  // else by split 0 once its first loads are in flight and its queries are in registers.
+  // Nothing waits on the check (every kernel clamps what it reads): it only has to end before
+  // the kernel does.
   const bool checks = buf.length_record != nullptr && g == 0 &&
                       split == (live < splits ? splits - 1 : 0);
   auto check_lengths = [&] {
@@ -299,7 +319,9 @@ __global__ void __launch_bounds__(kDecThreads)
   auto row_sink = [&](int64_t r) {
     return s.has_head_sink ? ToF(static_cast<const T*>(buf.head_sink)[row_head(r)]) : 0.0f;
   };
-  prologue_trace.Mark();  // the lengths landed and the partition known
+  prologue_trace.Mark(k_end ^ live);  // the partition known
+  trace.Case(HD, rows, key_lo < key_hi ? key_hi - key_lo : 0);
+  prologue_trace.Case(HD, rows, key_lo < key_hi ? key_hi - key_lo : 0);
   KVL_DECODE_STOP_AFTER(1, (k_begin ^ k_end ^ live) == 0x5a5a5a5a)
   if (split >= live) {
     if (checks) check_lengths();
@@ -375,7 +397,8 @@ __global__ void __launch_bounds__(kDecThreads)
   const int64_t written = WrittenRows(s, geo);
   auto appends = [&](int64_t i) {
     const int64_t p = geo.past + i;
-    return (key_lo <= p && p < key_hi) ? uint32_t(p - key_lo) / uint32_t(chunk) == split : split == 0;
+    // Its split: the one whose keys [k_begin, k_end) hold p (no division on the path).
+    return (key_lo <= p && p < key_hi) ? (k_begin <= p && p < k_end) : split == 0;
   };
   bool appended = false;  // uniform over the CTA
   for (int64_t i = 0; i < written && !appended; ++i) appended = appends(i);
@@ -385,6 +408,13 @@ __global__ void __launch_bounds__(kDecThreads)
   for (; issued < ST - 1 && issued < my_steps && !reads_new_rows(issued); ++issued) {
     issue(issued);
     ptx::CpAsyncCommit();
+  }
+  // The raw queries to the warp's scratch rows: the first wait on their loads, now behind the
+  // first steps' copies.
+#pragma unroll
+  for (int j = 0; j < QR; ++j) {
+#pragma unroll
+    for (int e = 0; e < QE; ++e) q_raw[j * HD + lane + e * kWarp] = ToF(qv[j][e]);
   }
   if (appended) {
     for (int64_t i = warp; i < written; i += kDecWarps) {
@@ -398,7 +428,6 @@ __global__ void __launch_bounds__(kDecThreads)
     if (issued < my_steps) issue(issued);
     ptx::CpAsyncCommit();
   }
-  if (checks) check_lengths();
   prologue_trace.Mark();  // the first steps issued (after the append, in the appending CTA)
 
   // The queries, while the first steps load: row r (token r / G, head g * G + r % G) normed,
@@ -430,6 +459,7 @@ __global__ void __launch_bounds__(kDecThreads)
   }
   __syncthreads();  // every warp holds its fragments: warp 0's free slot may take a step
   prologue_trace.Mark();  // the query tile in every warp's fragments
+  if (checks) check_lengths();  // off the path to the first scores (its loads hit L1)
   KVL_DECODE_STOP_AFTER(2, qa[0][0] == 0x5a5a5a5au && qa[KT - 1][3] == 0xa5a5a5a5u)
   // Padding columns [H, HD) of every stage are zeroed once, now that no slot holds the tile or a
   // scratch row; the copies write columns [0, H) only.

@@ -152,14 +152,17 @@ struct DecodeMergeTree {
   // The split target for `keys` live keys of `rows` rows (the kernel's partition; the plan's
   // target sized the grid): at most the splits of a one-level merge while each of those reads at
   // most kDecodeFlatSplitBytes (fp16/bf16 K and V rows), else the plan's target. In the integer
-  // type I of the caller (SplitChunk says why); the byte count in 64 bits.
+  // type I of the caller (SplitChunk says why).
   template <typename I>
   __host__ __device__ static I SplitTarget(I target, I keys, I rows, I head_size) {
     const I flat_max = static_cast<I>(kDecodeFlatMergeFloats) / (rows * head_size);
     const I flat = flat_max > 1 ? flat_max : 1;
     if (target <= flat) return target;
-    const I keys_per_flat_split = (keys + flat - 1) / flat;
-    return int64_t(keys_per_flat_split) * head_size * 4 <= kDecodeFlatSplitBytes ? flat : target;
+    // ceil(keys / flat) splits' K and V rows within the byte bound, without a division by the
+    // live keys (it is on the decode kernel's path to its first load; this one is not):
+    // ceil(k / f) <= m exactly when k <= f m.
+    const I max_keys = static_cast<I>(kDecodeFlatSplitBytes / 4) / head_size;
+    return keys <= flat * max_keys ? flat : target;
   }
   __host__ __device__ static int64_t CeilSqrt(int64_t n) {  // n <= kMaxDecodeSplits
     int64_t g = 1;

@@ -1,0 +1,91 @@
+"""Medians of the decode kernel's KVL_DECODE_TRACE marks, per case and line kind.
+
+    python bench/bench_cuda.py --runs 4 --prefill= --heads 28/4/128 --decode 1x1024,1x4096 \\
+        --library /tmp/trace/libort_kvlayout.so > trace.out
+    python bench/trace_summary.py trace.out
+
+A trace build (bench/README.md) prints one line per CTA that traces, per launch:
+`KVL_TRACE <kind> hd=.. rows=.. bg=.. keys=.. <k1>=.. live=.. <k3>=.. cycles c1 .. c9 start_ns=..`
+(-1 for marks not taken). Lines are grouped by case (head size, query rows per CTA, B x Nkv,
+live keys) and by kind: a merge (`cluster`, `flat`, `tree`) or a prologue line, whose role is
+split 0, the CTA that appends the new row, or the last live split. Each column is the median, over
+the group's lines, of the clock64 cycles from the CTA's start to that mark (cumulative, not
+per phase). The warm-up launches count too: their marks differ from the timed ones' by less
+than the spread between CTAs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+LINE = re.compile(
+    r"KVL_TRACE (?P<kind>\w+) hd=(?P<hd>\d+) rows=(?P<rows>\d+) bg=(?P<bg>\d+) keys=(?P<keys>\d+) "
+    r"(?P<k1>\w+)=(?P<v1>\d+) live=(?P<live>\d+) (?P<k3>\w+)=(?P<v3>\d+) "
+    r"cycles (?P<cycles>(?:-?\d+ )+)start_ns=\d+"
+)
+# What each mark of a line kind is (decode.cu, DecTrace and its Mark calls).
+MARKS = {
+    "prologue": ["lengths", "partition", "issued", "q frags", "first landed"],
+    "cluster": ["partial", "barrier", "values", "values warm", "last barrier"],
+    "flat": ["partial", "arrival", "weights", "values", "weights warm", "values warm"],
+    "tree": ["partial", "arrival", "weights", "values", "top arrival", "top weights", "top values"],
+}
+
+
+def role(m: re.Match) -> str:
+    """The line's kind, with a prologue's role: split 0, appender or last live split."""
+    if m["kind"] != "prologue":
+        return f"{m['kind']} ({m['v1']} splits, {m['live']} live, {m['v3']} groups)"
+    if m["v3"] == "1":
+        return f"prologue appender (split {m['v1']} of {m['live']})"
+    return f"prologue split {m['v1']} of {m['live']}"
+
+
+def summarize(text: str) -> str:
+    groups: dict[tuple, list[list[int]]] = defaultdict(list)
+    kinds: dict[tuple, str] = {}
+    for m in LINE.finditer(text):
+        key = (int(m["hd"]), int(m["rows"]), int(m["bg"]), int(m["keys"]), role(m))
+        cycles = [int(c) for c in m["cycles"].split()]
+        groups[key].append([c for c in cycles if c >= 0])
+        kinds[key] = m["kind"]
+    if not groups:
+        raise ValueError("no KVL_TRACE lines (is the library a KVL_DECODE_TRACE=1 build?)")
+    out = [
+        "| head size | rows | B x Nkv | live keys | line | n | marks: median cycles from the CTA's start |",
+        "|---:|---:|---:|---:|---|---:|---|",
+    ]
+    for key in sorted(groups):
+        lines = groups[key]
+        width = min(len(c) for c in lines)
+        names = MARKS.get(kinds[key], [])
+        cells = []
+        for i in range(width):
+            name = names[i] if i < len(names) else f"c{i + 1}"
+            cells.append(f"{name} {statistics.median(c[i] for c in lines):.0f}")
+        hd, rows, bg, keys, what = key
+        out.append(
+            f"| {hd} | {rows} | {bg} | {keys} | {what} | {len(lines)} | {', '.join(cells)} |"
+        )
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("trace", type=Path, nargs="+", help="stdout of bench_cuda.py on a trace build")
+    args = p.parse_args(argv)
+    try:
+        print(summarize("\n".join(t.read_text() for t in args.trace)))
+    except ValueError as e:
+        print(f"trace_summary.py: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

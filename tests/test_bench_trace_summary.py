@@ -1,0 +1,73 @@
+"""bench/trace_summary.py: the medians of the decode kernel's trace marks that docs/BENCHMARKS.md
+quotes, grouped by case and line (the lines' format is DecTrace::Line in csrc/cuda/decode.cu)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_SPEC = importlib.util.spec_from_file_location(
+    "trace_summary", Path(__file__).resolve().parents[1] / "bench" / "trace_summary.py"
+)
+trace_summary = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(trace_summary)
+
+
+def _line(kind, keys, k1, v1, live, k3, v3, cycles, hd=128, rows=7, bg=4):
+    marks = " ".join(str(c) for c in cycles + [-1] * (9 - len(cycles)))
+    return (
+        f"KVL_TRACE {kind} hd={hd} rows={rows} bg={bg} keys={keys} {k1}={v1} live={live} "
+        f"{k3}={v3} cycles {marks} start_ns=1796181606812526592"
+    )
+
+
+def test_groups_by_case_and_role_and_takes_medians():
+    text = "\n".join(
+        [
+            "| decode B=1 L=1024 | 28/4/128 | ... |",  # bench_cuda.py's own lines are skipped
+            _line("prologue", 1024, "split", 0, 8, "appends", 0, [900, 4700, 7800, 10100, 11000]),
+            _line("prologue", 1024, "split", 7, 8, "appends", 1, [880, 4680, 9700, 11700, 12600]),
+            _line("prologue", 1024, "split", 0, 8, "appends", 0, [1100, 4900, 8000, 10300, 11400]),
+            _line("prologue", 1024, "split", 0, 8, "appends", 0, [1000, 4800, 7900, 10200, 11200]),
+            _line(
+                "flat",
+                4096,
+                "splits",
+                32,
+                18,
+                "groups",
+                1,
+                [9000, 11000, 13000, 15000, 17000, 19000],
+            ),
+        ]
+    )
+    out = trace_summary.summarize(text).splitlines()
+    rows = [r for r in out[2:]]
+    assert len(rows) == 3  # split 0 at 1k, the appender at 1k, the flat merge at 4k
+    split0 = next(r for r in rows if "prologue split 0 of 8" in r)
+    assert "| 128 | 7 | 4 | 1024 |" in split0 and "| 3 |" in split0
+    assert "lengths 1000, partition 4800, issued 7900, q frags 10200, first landed 11200" in split0
+    appender = next(r for r in rows if "appender" in r)
+    assert "split 7 of 8" in appender and "issued 9700" in appender
+    flat = next(r for r in rows if "flat" in r)
+    assert "18 live" in flat and "arrival 11000" in flat and "values warm 19000" in flat
+
+
+def test_interleaved_output_of_the_old_format_is_refused():
+    # Before the twelfth session the marks were printed one printf each, and two CTAs' lines
+    # interleaved: such output has no line the parser accepts.
+    old = (
+        "KVL_TRACE prologue split=7 live=8 appends=1 cyclesKVL_TRACE prologue split=0 live=8 "
+        "appends=0 cycles 5386 5748 8580 start_ns=1\n start_ns=2\n"
+    )
+    with pytest.raises(ValueError, match="no KVL_TRACE lines"):
+        trace_summary.summarize(old)
+
+
+def test_main_reports_a_file_without_trace_lines(tmp_path, capsys):
+    f = tmp_path / "plain.out"
+    f.write_text("| decode B=1 L=1024 | 28/4/128 | ... |\n")
+    assert trace_summary.main([str(f)]) == 1
+    assert "KVL_DECODE_TRACE=1 build" in capsys.readouterr().err
