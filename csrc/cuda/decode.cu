@@ -60,9 +60,6 @@ namespace {
 #ifndef KVL_DECODE_TRACE
 #define KVL_DECODE_TRACE 0
 #endif
-#ifndef KVL_DECODE_LATE_CHECK  // where split 0 checks the lengths (DecodeTcKernel says)
-#define KVL_DECODE_LATE_CHECK 0
-#endif
 struct DecTrace {
 #if KVL_DECODE_TRACE
   static constexpr int kMarks = 10;
@@ -178,22 +175,6 @@ constexpr size_t DecSmemBytes(int hd, size_t elem) {
 __device__ __forceinline__ void ClusterSync() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   cooperative_groups::this_cluster().sync();
-#else
-  __trap();
-#endif
-}
-// ClusterSync in two halves: the arrival (release: this CTA's shared-memory writes before it)
-// and the wait (acquire), with work between them that does not touch the other CTAs' memory.
-__device__ __forceinline__ void ClusterArrive() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  __cluster_barrier_arrive();
-#else
-  __trap();
-#endif
-}
-__device__ __forceinline__ void ClusterWait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  __cluster_barrier_wait();
 #else
   __trap();
 #endif
@@ -322,22 +303,13 @@ __global__ void __launch_bounds__(kDecThreads)
                                   : int64_t(1));
   // The lengths, as the prepare kernel checks them: once per batch entry, token t by thread t,
   // by a CTA off the live splits' path when there is one (the grid's last split, then empty),
-  // else by split 0 once its query fragments are ready. Nothing waits on the check (every
-  // kernel clamps what it reads): it only has to end before the kernel does. Build knob
-  // KVL_DECODE_LATE_CHECK=1 (benchmarking; 0, the default, compiles nothing new) moves split 0's
-  // check to where it waits anyway: after its arrival at its merge when another CTA merges,
-  // between the arrival and the wait of the cluster barrier, or after its own merge (in the
-  // prologue it held split 0's first scores 1 to 4.5 us after the other CTAs': docs/BENCHMARKS.md,
-  // twelfth session).
+  // else by split 0 once its first loads are in flight and its queries are in registers.
+  // Nothing waits on the check (every kernel clamps what it reads): it only has to end before
+  // the kernel does.
   const bool checks = buf.length_record != nullptr && g == 0 &&
                       split == (live < splits ? splits - 1 : 0);
   auto check_lengths = [&] {
     for (int64_t t = threadIdx.x; t < s.seq_len; t += kDecThreads) CheckLengths(s, buf, b, t);
-  };
-  auto live_split_checks = [&] {  // split 0's check, where it waits (KVL_DECODE_LATE_CHECK)
-    if constexpr (KVL_DECODE_LATE_CHECK != 0) {
-      if (checks && split < live) check_lengths();
-    }
   };
 
   const bool extra = s.has_head_sink || s.smooth_softmax;
@@ -487,9 +459,7 @@ __global__ void __launch_bounds__(kDecThreads)
   }
   __syncthreads();  // every warp holds its fragments: warp 0's free slot may take a step
   prologue_trace.Mark();  // the query tile in every warp's fragments
-  if constexpr (KVL_DECODE_LATE_CHECK == 0) {
-    if (checks) check_lengths();  // off the path to the first scores (its loads hit L1)
-  }
+  if (checks) check_lengths();  // off the path to the first scores (its loads hit L1)
   KVL_DECODE_STOP_AFTER(2, qa[0][0] == 0x5a5a5a5au && qa[KT - 1][3] == 0xa5a5a5a5u)
   // Padding columns [H, HD) of every stage are zeroed once, now that no slot holds the tile or a
   // scratch row; the copies write columns [0, H) only.
@@ -738,13 +708,7 @@ __global__ void __launch_bounds__(kDecThreads)
     }
   };
   auto merge_in_cluster = [&] {
-    if constexpr (KVL_DECODE_LATE_CHECK != 0) {
-      ClusterArrive();  // this CTA's partial is in its shared memory
-      live_split_checks();
-      ClusterWait();  // every live split's partial is in its shared memory
-    } else {
-      ClusterSync();  // every live split's partial is in its shared memory
-    }
+    ClusterSync();  // every live split's partial is in its shared memory
     trace.Mark();
     KVL_DECODE_STOP_AFTER(5, false)
     cluster_values();
@@ -796,10 +760,7 @@ __global__ void __launch_bounds__(kDecThreads)
       part_l[slot0 + r] = lsum;
     }
   }
-  if (live == 1) {  // this CTA wrote the output
-    live_split_checks();
-    return;
-  }
+  if (live == 1) return;
   trace.Mark();
   KVL_DECODE_STOP_AFTER(4, false)
   if (cluster_merge) {
@@ -931,10 +892,7 @@ __global__ void __launch_bounds__(kDecThreads)
   const DecodeMergeTree tree = DecodeMergeTree::For(live, rows, H);
   unsigned* row_counters = counters + bg * DecodeMergeTree::CountersPerRow(splits, rows, H);
   if (tree.groups == 1) {
-    if (!last_to_finish(row_counters, live)) {
-      live_split_checks();
-      return;
-    }
+    if (!last_to_finish(row_counters, live)) return;
     trace.Mark();
     KVL_DECODE_STOP_AFTER(5, false)
     merge(0, live, -1);
@@ -942,15 +900,11 @@ __global__ void __launch_bounds__(kDecThreads)
       merge(0, live, -1);  // the same merge again, its code and data warm (same output)
       trace.Print("flat", splits, live, 1);
     }
-    live_split_checks();
     return;
   }
   const int64_t grp = split / tree.group, first = grp * tree.group;
   const int64_t members = min(tree.group, live - first);
-  if (!last_to_finish(row_counters + 1 + grp, members)) {
-    live_split_checks();
-    return;
-  }
+  if (!last_to_finish(row_counters + 1 + grp, members)) return;
   trace.Mark();
   KVL_DECODE_STOP_AFTER(5, false)
   // This CTA merges its group.
@@ -960,7 +914,6 @@ __global__ void __launch_bounds__(kDecThreads)
     merge(splits, tree.groups, -1);
     trace.Print("tree", splits, live, tree.groups);
   }
-  live_split_checks();
 }
 
 using DecodeFn = void (*)(GqaShape, GqaCudaBuffers, KvStrides, int64_t, int64_t, int, float*,
