@@ -17,6 +17,7 @@ Inputs are drawn on the GPU (torch) and bound by pointer, so the largest cases (
   python bench/bench_cuda.py                 # the issue-8 grid: 4 head shapes, decode B x L, prefill B x S
   python bench/bench_cuda.py --heads 32/8/128 --decode 64x16384 --prefill ""
   python bench/bench_cuda.py --json bench/results/cuda-h200.json
+  python bench/bench_cuda.py --rotary --heads 28/4/128 --decode 1x4096 --prefill ""  # as LLMs run it
 """
 
 from __future__ import annotations
@@ -37,19 +38,27 @@ from ort_kvlayout.layout import kv_strides
 
 INPUTS = ("query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length")
 OUTPUTS = ("output", "present_key", "present_value")
+ROTARY_INPUTS = ("cos_cache", "sin_cache")
 
 
-def build_model(domain: str, n: int, nkv: int, layout: int | None) -> bytes:
+def build_model(domain: str, n: int, nkv: int, layout: int | None, rotary: bool = False) -> bytes:
+    """One GroupQueryAttention node; with `rotary`, do_rotary=1 and fp16 cos/sin caches as
+    inputs 7 and 8 (the op rotates q and the new k itself, as in exported LLMs)."""
     f16 = TensorProto.FLOAT16
     ins = [helper.make_tensor_value_info(name, f16, None) for name in INPUTS[:5]]
     ins += [
         helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["B"]),
         helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
     ]
+    names = list(INPUTS)
     attrs = {"num_heads": n, "kv_num_heads": nkv}
+    if rotary:
+        ins += [helper.make_tensor_value_info(name, f16, None) for name in ROTARY_INPUTS]
+        names += list(ROTARY_INPUTS)
+        attrs["do_rotary"] = 1
     if layout is not None:
         attrs["kv_layout"] = layout
-    node = helper.make_node("GroupQueryAttention", list(INPUTS), list(OUTPUTS), domain=domain,
+    node = helper.make_node("GroupQueryAttention", names, list(OUTPUTS), domain=domain,
                             **attrs)  # fmt: skip
     outs = [helper.make_tensor_value_info(name, f16, None) for name in OUTPUTS]
     graph = helper.make_graph([node], "gqa", ins, outs)
@@ -69,6 +78,8 @@ SPAN = False
 # --capacity C: decode caches of C rows (at least L) for L live keys, as a runtime that reserves
 # the whole context binds them (onnxruntime-genai, ort_kvlayout.generation); 0: C = L.
 CAPACITY = 0
+# --rotary: the op rotates q and the new k (do_rotary=1, cos/sin caches), as exported LLMs run it.
+ROTARY = False
 
 
 def session(model: bytes) -> ort.InferenceSession:
@@ -165,6 +176,18 @@ def in_layout(t, layout: int):
     return buf.view(b, nkv, c, h)
 
 
+def rotary_caches(positions: int, head_size: int, device: str) -> dict:
+    """cos/sin caches (positions, head_size / 2), fp16, of the usual 10000-based frequencies."""
+    import torch
+
+    inv = 1.0 / (10000.0 ** (torch.arange(0, head_size, 2, dtype=torch.float64) / head_size))
+    ang = torch.outer(torch.arange(positions, dtype=torch.float64), inv)
+    return {
+        "cos_cache": torch.cos(ang).to(device=device, dtype=torch.float16),
+        "sin_cache": torch.sin(ang).to(device=device, dtype=torch.float16),
+    }
+
+
 def run_case(kind: str, b: int, length: int, heads: tuple[int, int, int], runs: int, gen) -> dict:
     import torch
 
@@ -183,7 +206,11 @@ def run_case(kind: str, b: int, length: int, heads: tuple[int, int, int], runs: 
         "seqlens_k": torch.full((b,), length - 1, dtype=torch.int32, device=dev),
         "total_sequence_length": np.array(length, np.int32),
     }  # fmt: skip
+    if ROTARY:
+        base.update(rotary_caches(cap + s, h, dev))
     row = {"kind": kind, "batch": b, "length": length, "capacity": cap, "heads": f"{n}/{nkv}/{h}"}
+    if ROTARY:
+        row["rotary"] = True
     outputs = {}
     for label, domain, layout in (
         ("ort", "com.microsoft", None),
@@ -193,7 +220,7 @@ def run_case(kind: str, b: int, length: int, heads: tuple[int, int, int], runs: 
         feeds = dict(base)
         feeds["past_key"] = in_layout(pk, layout or 0)
         feeds["past_value"] = in_layout(pv, layout or 0)
-        sess = session(build_model(domain, n, nkv, layout))
+        sess = session(build_model(domain, n, nkv, layout, rotary=ROTARY))
         io, keep = bind(sess, feeds, shared=kind == "decode")
         for _ in range(3):
             sess.run_with_iobinding(io)
@@ -240,9 +267,11 @@ def main(argv: list[str] | None = None) -> int:
         "--span", action="store_true", help="first kernel start to last kernel end per Run"
     )
     p.add_argument("--capacity", type=int, default=0, help="decode cache rows (0: L)")
+    p.add_argument("--rotary", action="store_true", help="do_rotary=1 with cos/sin caches")
     args = p.parse_args(argv)
-    global LIBRARY, BREAKDOWN, SPAN, CAPACITY
+    global LIBRARY, BREAKDOWN, SPAN, CAPACITY, ROTARY
     LIBRARY, BREAKDOWN, SPAN, CAPACITY = args.library, args.breakdown, args.span, args.capacity
+    ROTARY = args.rotary
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         print("CUDAExecutionProvider not available", file=sys.stderr)
         return 2
@@ -278,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         name = f"{r['kind']} B={r['batch']} {'L' if r['kind'] == 'decode' else 'S'}={r['length']}"
         if r["capacity"] != r["length"]:
             name += f" C={r['capacity']}"
+        if r.get("rotary"):
+            name += " rotary"
         skew = r["kv1"]["kernel_ms"] / r["kv0"]["kernel_ms"]
         print(
             f"| {name} | {r['heads']} | {' | '.join(cells)} | {r['ratio0']:.2f} | {r['ratio1']:.2f} "
