@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # Builds against builds on the GPU machine, in one call: each variant is a library build with its
-# own CUDA flags (a build knob such as KVL_DECODE_EARLY_ELECT) or its own source tree (another
+# own CUDA flags (a build knob such as KVL_DECODE_FLAT_MERGE_FLOATS) or its own source tree (another
 # commit), all built in parallel; then the same bench_cuda.py command for each (ORT's op in every
 # run), then one table of kernel times (compare_cuda.py, the first variant as the base).
 #
-#   bash bench/ab_builds.sh /tmp/ab "base:" "early:-DKVL_DECODE_EARLY_ELECT=1" \
-#       "flat32k:-DKVL_DECODE_FLAT_MERGE_FLOATS=32768" \
+#   bash bench/ab_builds.sh /tmp/ab "base:" "flat64k:-DKVL_DECODE_FLAT_MERGE_FLOATS=65536" \
 #       "head::/tmp/src_head" -- --runs 8 --prefill= --heads 28/4/128 --decode 1x4096,1x16384
 #
 # A variant is NAME:FLAGS (CMAKE_CUDA_FLAGS, may be empty) or NAME:FLAGS:SRC (a source tree, e.g.

@@ -79,15 +79,18 @@ struct EntryLengths {
   int32_t seqlens_k;
   int32_t query_len;
 };
-// A 32-bit global load kept where the source puts it (volatile asm): for the load a kernel's
-// whole path waits on, which the compiler otherwise scheduled after independent ones (the decode
-// kernel's lengths after its sixteen query loads and their address arithmetic, sm_90a SASS).
+// A 32-bit global load in volatile asm, a strong one (relaxed, gpu scope: read at L2, not kept in
+// L1), for the load a kernel's whole path waits on: NVVM does not sink it to its first use, as it
+// did the decode kernel's lengths (after its sixteen query loads and their address arithmetic).
+// ptxas still schedules it among independent loads (sm_90a: after ten of the sixteen; what moved
+// it up was taking the branch out of the query address code, decode.cu). The kernel measured on
+// the H200 in the twelfth session loads the lengths this way.
 __device__ __forceinline__ int32_t LoadNow(const int32_t* p) {
   int32_t v;
   asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
 }
-// kNow: issue the loads here and now (LoadNow).
+// kNow: the loads through LoadNow.
 template <bool kNow = false>
 __device__ __forceinline__ EntryLengths ReadLengths(const GqaShape& s, const GqaCudaBuffers& buf,
                                                     int64_t b) {

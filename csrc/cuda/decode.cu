@@ -53,10 +53,10 @@ namespace {
 // and data warm) to tell instruction fetch from data trips. Split 0, the last live split and
 // the CTA that appends the new row print their prologue: the lengths landed, partition known,
 // first steps issued, query fragments ready, first step landed. A mark taken with a value
-// (`Mark(v)`) waits for it: the clock is read after v exists, not where the compiler would
-// schedule it. Each line is one printf (lines of CTAs printing at once do not interleave) and
-// names its case (head size, rows, B x Nkv, live keys) so bench/trace_summary.py can group
-// lines by case; it ends with the CTA's %globaltimer start. bench/README.md says how.
+// (`Mark(v)`) waits for it: the clock is read after an instruction that uses v. Each line is
+// one printf (lines of CTAs printing at once do not interleave) and names its case (head size,
+// rows, B x Nkv, live keys) so bench/trace_summary.py can group lines by case; it ends with the
+// CTA's %globaltimer start. bench/README.md says how.
 #ifndef KVL_DECODE_TRACE
 #define KVL_DECODE_TRACE 0
 #endif
@@ -69,10 +69,14 @@ struct DecTrace {
   __device__ __forceinline__ void Mark() {
     if (n < kMarks) c[n++] = clock64();
   }
+  // The clock read after an instruction that uses v: a volatile shared store of it (an empty asm
+  // with v as input emitted nothing, and the clock was read when a load of v was issued, not
+  // when it landed: review of the twelfth session). Every thread stores to one word: a race on
+  // purpose, trace builds only.
   template <typename V>
   __device__ __forceinline__ void Mark(V v) {
-    const long long w = static_cast<long long>(v);
-    asm volatile("" ::"l"(w));  // v computed before the clock read below (both volatile)
+    __shared__ unsigned trace_sink;
+    *reinterpret_cast<volatile unsigned*>(&trace_sink) = static_cast<unsigned>(v);
     Mark();
   }
   unsigned long long start_ns = 0;  // %globaltimer at the first mark: CTAs against each other
@@ -244,11 +248,12 @@ __global__ void __launch_bounds__(kDecThreads)
   float* q_raw = x - QR * HD;                                     // [QR][HD]
   T* q_tile = reinterpret_cast<T*>(dec_smem) + (ST - 1) * DecSlotElems(HD);
 
-  // The lengths first (every later step waits on them; LoadNow keeps them ahead of the query
-  // loads), then the raw queries of this warp's rows (r = warp + 4 j), whose addresses do not
-  // depend on them, kept raw in registers: the partition and the first steps' copies go out
-  // before anything waits on a query (a warp issues in order: a conversion or store of a query
-  // value here held up the whole prologue until the query loads landed).
+  // The lengths first in the source (every later step waits on them; LoadNow, common.cuh), then
+  // the raw queries of this warp's rows (r = warp + 4 j), whose addresses do not depend on them,
+  // kept raw in registers: the partition and the first steps' copies go out before anything
+  // waits on a query (a warp issues in order: a conversion or store of a query value here held
+  // up the whole prologue until the query loads landed). (sm_80, not measured: ptxas spills 24
+  // bytes at head size 224 and 4 at 128 with this prologue, 4 at one head size before it.)
   const EntryLengths lengths = ReadLengths<true>(s, buf, b);
   prologue_trace.Mark(lengths.seqlens_k);  // the lengths landed
   T qv[QR][QE];
@@ -320,8 +325,8 @@ __global__ void __launch_bounds__(kDecThreads)
     return s.has_head_sink ? ToF(static_cast<const T*>(buf.head_sink)[row_head(r)]) : 0.0f;
   };
   prologue_trace.Mark(k_end ^ live);  // the partition known
-  trace.Case(HD, rows, key_lo < key_hi ? key_hi - key_lo : 0);
-  prologue_trace.Case(HD, rows, key_lo < key_hi ? key_hi - key_lo : 0);
+  trace.Case(static_cast<int>(H), rows, key_lo < key_hi ? key_hi - key_lo : 0);
+  prologue_trace.Case(static_cast<int>(H), rows, key_lo < key_hi ? key_hi - key_lo : 0);
   KVL_DECODE_STOP_AFTER(1, (k_begin ^ k_end ^ live) == 0x5a5a5a5a)
   if (split >= live) {
     if (checks) check_lengths();
@@ -459,7 +464,7 @@ __global__ void __launch_bounds__(kDecThreads)
   }
   __syncthreads();  // every warp holds its fragments: warp 0's free slot may take a step
   prologue_trace.Mark();  // the query tile in every warp's fragments
-  if (checks) check_lengths();  // off the path to the first scores (its loads hit L1)
+  if (checks) check_lengths();  // here or later: no faster (BENCHMARKS.md, twelfth session)
   KVL_DECODE_STOP_AFTER(2, qa[0][0] == 0x5a5a5a5au && qa[KT - 1][3] == 0xa5a5a5a5u)
   // Padding columns [H, HD) of every stage are zeroed once, now that no slot holds the tile or a
   // scratch row; the copies write columns [0, H) only.
