@@ -12,6 +12,12 @@ split 0, the CTA that appends the new row, or the last live split. Each column i
 the group's lines, of the clock64 cycles from the CTA's start to that mark (cumulative, not
 per phase). The warm-up launches count too: their marks differ from the timed ones' by less
 than the spread between CTAs.
+
+A KVL_DECODE_TRACE=2 build prints instead one `KVL_TRACE cta ...` line per CTA of row 0 with the
+%globaltimer at which its partial was written (`end_ns`): the first table then gives, per case,
+the launches' median start spread of the CTAs and when the first partial, split 0's, the
+appender's and the last one were written (ns from the launch's first CTA start), and which split
+wrote the last partial in how many launches.
 """
 
 from __future__ import annotations
@@ -26,14 +32,18 @@ from pathlib import Path
 LINE = re.compile(
     r"KVL_TRACE (?P<kind>\w+) hd=(?P<hd>\d+) rows=(?P<rows>\d+) bg=(?P<bg>\d+) keys=(?P<keys>\d+) "
     r"(?P<k1>\w+)=(?P<v1>\d+) live=(?P<live>\d+) (?P<k3>\w+)=(?P<v3>\d+) "
-    r"cycles (?P<cycles>(?:-?\d+ )+)start_ns=\d+"
+    r"cycles (?P<cycles>(?:-?\d+ )+)start_ns=(?P<start>\d+)"
+    r"(?: end_ns=(?P<end>\d+) partial=(?P<partial>-?\d+))?"
 )
+# Lines of one launch start within microseconds of each other; launches are further apart.
+LAUNCH_GAP_NS = 50_000
 # What each mark of a line kind is (decode.cu, DecTrace and its Mark calls).
 MARKS = {
     "prologue": ["lengths", "partition", "issued", "q frags", "first landed"],
     "cluster": ["partial", "barrier", "values", "values warm", "last barrier"],
     "flat": ["partial", "arrival", "weights", "values", "weights warm", "values warm"],
     "tree": ["partial", "arrival", "weights", "values", "top arrival", "top weights", "top values"],
+    "cta": ["lengths", "partition", "issued", "q frags", "first landed"],
 }
 
 
@@ -46,17 +56,73 @@ def role(m: re.Match) -> str:
     return f"prologue split {m['v1']} of {m['live']}"
 
 
+def arrivals(lines: list[re.Match]) -> list[str]:
+    """KVL_DECODE_TRACE=2's per-CTA lines of one case, by launch: when each split's partial was
+    written (ns from the launch's first CTA start), and which split's came last."""
+    launches: list[list[re.Match]] = []
+    for m in sorted(lines, key=lambda m: int(m["start"])):
+        if not launches or int(m["start"]) - int(launches[-1][0]["start"]) > LAUNCH_GAP_NS:
+            launches.append([])
+        launches[-1].append(m)
+    last_split: dict[str, int] = defaultdict(int)
+    firsts, lasts, spreads, split0, appender = [], [], [], [], []
+    for ctas in launches:
+        t0 = min(int(m["start"]) for m in ctas)
+        done = {int(m["v1"]): int(m["end"]) - t0 for m in ctas}
+        spreads.append(max(int(m["start"]) for m in ctas) - t0)
+        firsts.append(min(done.values()))
+        lasts.append(max(done.values()))
+        last = max(ctas, key=lambda m: int(m["end"]))
+        last_split[f"{last['v1']}{' (appends)' if last['v3'] == '1' else ''}"] += 1
+        split0 += [v for k, v in done.items() if k == 0]
+        appender += [int(m["end"]) - t0 for m in ctas if m["v3"] == "1"]
+
+    def med(v: list[int]) -> str:
+        return f"{statistics.median(v):.0f}" if v else "-"
+
+    most = ", ".join(f"{k}: {n}" for k, n in sorted(last_split.items(), key=lambda kv: -kv[1])[:3])
+    m = lines[0]
+    row = (
+        f"| {m['hd']} | {m['rows']} | {m['bg']} | {m['keys']} | {m['live']} | {len(launches)} | "
+        f"{med(spreads)} | {med(firsts)} | {med(split0)} | {med(appender)} | {med(lasts)} | {most} |"
+    )
+    return [row]
+
+
 def summarize(text: str) -> str:
     groups: dict[tuple, list[list[int]]] = defaultdict(list)
     kinds: dict[tuple, str] = {}
+    ctas: dict[tuple, list[re.Match]] = defaultdict(list)
     for m in LINE.finditer(text):
+        if m["kind"] == "cta":  # one line per CTA: the arrivals table, not the marks table
+            ctas[(int(m["hd"]), int(m["rows"]), int(m["bg"]), int(m["keys"]))].append(m)
+            continue
         key = (int(m["hd"]), int(m["rows"]), int(m["bg"]), int(m["keys"]), role(m))
         cycles = [int(c) for c in m["cycles"].split()]
         groups[key].append([c for c in cycles if c >= 0])
         kinds[key] = m["kind"]
+    if not groups and not ctas:
+        raise ValueError("no KVL_TRACE lines (is the library a KVL_DECODE_TRACE=1 or 2 build?)")
+    out = []
+    if ctas:
+        out += [
+            (
+                "Partials written, ns from the launch's first CTA start (KVL_DECODE_TRACE=2, row 0 "
+                "of each launch; medians over launches):"
+            ),
+            "",
+            (
+                "| head size | rows | B x Nkv | live keys | splits | launches | start spread | "
+                "first | split 0 | appender | last | last split (launches) |"
+            ),
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        for key in sorted(ctas):
+            out += arrivals(ctas[key])
+        out.append("")
     if not groups:
-        raise ValueError("no KVL_TRACE lines (is the library a KVL_DECODE_TRACE=1 build?)")
-    out = [
+        return "\n".join(out).rstrip()
+    out += [
         "| head size | rows | B x Nkv | live keys | line | n | marks: median cycles from the CTA's start |",
         "|---:|---:|---:|---:|---|---:|---|",
     ]

@@ -15,11 +15,26 @@ trace_summary = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(trace_summary)
 
 
-def _line(kind, keys, k1, v1, live, k3, v3, cycles, hd=128, rows=7, bg=4):
+def _line(
+    kind,
+    keys,
+    k1,
+    v1,
+    live,
+    k3,
+    v3,
+    cycles,
+    hd=128,
+    rows=7,
+    bg=4,
+    start=1796181606812526592,
+    end=None,
+):
     marks = " ".join(str(c) for c in cycles + [-1] * (9 - len(cycles)))
+    tail = f" end_ns={end} partial=5000" if end is not None else ""
     return (
         f"KVL_TRACE {kind} hd={hd} rows={rows} bg={bg} keys={keys} {k1}={v1} live={live} "
-        f"{k3}={v3} cycles {marks} start_ns=1796181606812526592"
+        f"{k3}={v3} cycles {marks} start_ns={start}{tail}"
     )
 
 
@@ -70,4 +85,23 @@ def test_main_reports_a_file_without_trace_lines(tmp_path, capsys):
     f = tmp_path / "plain.out"
     f.write_text("| decode B=1 L=1024 | 28/4/128 | ... |\n")
     assert trace_summary.main([str(f)]) == 1
-    assert "KVL_DECODE_TRACE=1 build" in capsys.readouterr().err
+    assert "KVL_DECODE_TRACE=1 or 2 build" in capsys.readouterr().err
+
+
+def test_arrivals_name_the_split_whose_partial_came_last():
+    # Two launches of 3 splits (KVL_DECODE_TRACE=2), 1 ms apart; split 2 appends. In the first
+    # launch split 1's partial comes last, in the second the appender's.
+    t = 1_000_000_000
+    lines = []
+    for launch, ends in enumerate([(4000, 9000, 7000), (4200, 6000, 8000)]):
+        t0 = t + launch * 1_000_000
+        for split, end in enumerate(ends):
+            lines.append(_line("cta", 1024, "split", split, 3, "appends", int(split == 2),
+                               [400, 2400, 4400, 6500, 9000], start=t0 + 100 * split,
+                               end=t0 + end))  # fmt: skip
+    out = trace_summary.summarize("\n".join(lines))
+    row = next(r for r in out.splitlines() if r.startswith("| 128 | 7 | 4 | 1024 | 3 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    # launches, start spread, first, split 0, appender, last, last split
+    assert cells[5:] == ["2", "200", "4100", "4100", "7500", "8500", "1: 1, 2 (appends): 1"]
+    assert "| line |" not in out  # no marks table without other lines

@@ -56,7 +56,11 @@ namespace {
 // (`Mark(v)`) waits for it: the clock is read after an instruction that uses v. Each line is
 // one printf (lines of CTAs printing at once do not interleave) and names its case (head size,
 // rows, B x Nkv, live keys) so bench/trace_summary.py can group lines by case; it ends with the
-// CTA's %globaltimer start. bench/README.md says how.
+// CTA's %globaltimer start. KVL_DECODE_TRACE=2 prints instead one line per CTA of row 0 (B x
+// Nkv row 0, every split): its prologue marks, the cycles and the %globaltimer when its partial
+// is written (before it arrives at a merge), so the CTA whose partial comes last can be named
+// (bench/trace_summary.py); no merge lines, and no CTA prints before its own partial.
+// bench/README.md says how.
 #ifndef KVL_DECODE_TRACE
 #define KVL_DECODE_TRACE 0
 #endif
@@ -80,9 +84,15 @@ struct DecTrace {
     Mark();
   }
   unsigned long long start_ns = 0;  // %globaltimer at the first mark: CTAs against each other
+  unsigned long long end_ns = 0;    // %globaltimer at Arrive (0 without)
+  long long partial = -1;           // cycles from the start to Arrive
   __device__ __forceinline__ void Start() {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start_ns));
     Mark();
+  }
+  __device__ __forceinline__ void Arrive() {  // this CTA's partial is written
+    partial = clock64() - c[0];
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(end_ns));
   }
   __device__ void Case(int head_dim, int64_t cta_rows, int64_t live_keys) {
     hd = head_dim;
@@ -90,27 +100,30 @@ struct DecTrace {
     keys = int(live_keys);
   }
   __device__ long long At(int i) const { return i < n ? c[i] - c[0] : -1; }
-  // KVL_TRACE <what> hd=.. rows=.. bg=.. keys=.. <k1>=.. live=.. <k3>=.. cycles c1 .. c9 start_ns=..
-  // (-1 for marks not taken).
+  // KVL_TRACE <what> hd=.. rows=.. bg=.. keys=.. <k1>=.. live=.. <k3>=.. cycles c1 .. c9
+  // start_ns=.. end_ns=.. partial=.. (-1 for marks not taken).
   __device__ void Line(const char* what, const char* k1, int v1, int live, const char* k3,
                        int v3) const {
     if (threadIdx.x != 0 || blockIdx.y != 0) return;
     printf("KVL_TRACE %s hd=%d rows=%d bg=%d keys=%d %s=%d live=%d %s=%d cycles %lld %lld %lld %lld "
-           "%lld %lld %lld %lld %lld start_ns=%llu\n",
+           "%lld %lld %lld %lld %lld start_ns=%llu end_ns=%llu partial=%lld\n",
            what, hd, rows, int(gridDim.y), keys, k1, v1, live, k3, v3, At(1), At(2), At(3), At(4),
-           At(5), At(6), At(7), At(8), At(9), start_ns);
+           At(5), At(6), At(7), At(8), At(9), start_ns, end_ns, partial);
   }
   __device__ void Print(const char* what, int64_t splits, int64_t live, int64_t groups) const {
+    if (KVL_DECODE_TRACE != 1) return;  // the merge's lines
     Line(what, "splits", int(splits), int(live), "groups", int(groups));
   }
   __device__ void PrintPrologue(int64_t split, int64_t live, bool appends) const {
-    Line("prologue", "split", int(split), int(live), "appends", int(appends));
+    Line(KVL_DECODE_TRACE == 1 ? "prologue" : "cta", "split", int(split), int(live), "appends",
+         int(appends));
   }
 #else
   __device__ __forceinline__ void Mark() {}
   template <typename V>
   __device__ __forceinline__ void Mark(V) {}
   __device__ __forceinline__ void Start() {}
+  __device__ __forceinline__ void Arrive() {}
   __device__ __forceinline__ void Case(int, int64_t, int64_t) {}
   __device__ __forceinline__ void PrintPrologue(int64_t, int64_t, bool) const {}
   __device__ __forceinline__ void Print(const char*, int64_t, int64_t, int64_t) const {}
@@ -512,7 +525,7 @@ __global__ void __launch_bounds__(kDecThreads)
     if constexpr (KVL_DECODE_TRACE != 0) {
       if (i == 0) {
         prologue_trace.Mark();  // warp 0's first step landed
-        if (split == 0 || appended || split == live - 1) {
+        if (KVL_DECODE_TRACE == 1 && (split == 0 || appended || split == live - 1)) {
           prologue_trace.PrintPrologue(split, live, appended);
         }
       }
@@ -764,6 +777,10 @@ __global__ void __launch_bounds__(kDecThreads)
       part_m[slot0 + r] = mx;
       part_l[slot0 + r] = lsum;
     }
+  }
+  if constexpr (KVL_DECODE_TRACE == 2) {  // every CTA of row 0, after its own partial
+    prologue_trace.Arrive();
+    prologue_trace.PrintPrologue(split, live, appended);
   }
   if (live == 1) return;
   trace.Mark();
