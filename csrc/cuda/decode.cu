@@ -105,8 +105,8 @@ struct DecTrace {
   __device__ void Line(const char* what, const char* k1, int v1, int live, const char* k3,
                        int v3) const {
     if (threadIdx.x != 0 || blockIdx.y != 0) return;
-    printf("KVL_TRACE %s hd=%d rows=%d bg=%d keys=%d %s=%d live=%d %s=%d cycles %lld %lld %lld %lld "
-           "%lld %lld %lld %lld %lld start_ns=%llu end_ns=%llu partial=%lld\n",
+    printf("KVL_TRACE %s hd=%d rows=%d bg=%d keys=%d %s=%d live=%d %s=%d cycles %lld %lld %lld "
+           "%lld %lld %lld %lld %lld %lld start_ns=%llu end_ns=%llu partial=%lld\n",
            what, hd, rows, int(gridDim.y), keys, k1, v1, live, k3, v3, At(1), At(2), At(3), At(4),
            At(5), At(6), At(7), At(8), At(9), start_ns, end_ns, partial);
   }
@@ -338,8 +338,11 @@ __global__ void __launch_bounds__(kDecThreads)
     return s.has_head_sink ? ToF(static_cast<const T*>(buf.head_sink)[row_head(r)]) : 0.0f;
   };
   prologue_trace.Mark(k_end ^ live);  // the partition known
-  trace.Case(static_cast<int>(H), rows, key_lo < key_hi ? key_hi - key_lo : 0);
-  prologue_trace.Case(static_cast<int>(H), rows, key_lo < key_hi ? key_hi - key_lo : 0);
+  if constexpr (KVL_DECODE_TRACE != 0) {  // the case each trace line names
+    const int64_t live_keys = key_lo < key_hi ? key_hi - key_lo : 0;
+    trace.Case(static_cast<int>(H), rows, live_keys);
+    prologue_trace.Case(static_cast<int>(H), rows, live_keys);
+  }
   KVL_DECODE_STOP_AFTER(1, (k_begin ^ k_end ^ live) == 0x5a5a5a5a)
   if (split >= live) {
     if (checks) check_lengths();

@@ -103,22 +103,22 @@ std::string CudnnStatus();
 constexpr int kDecodeRows = 16;
 constexpr int64_t kMaxDecodeSplits = 256;  // the merging CTA keeps 16 x splits weights
 // The splits of a (batch, kv head) merge in a tree of at most two levels: the last CTA of each
-// group of `group` splits merges the group into a group partial, and the last group merger
-// merges the groups. One merging CTA reads all of its partials alone (one SM, an L2 round trip
-// per eight loads of each thread), so a flat merge of 128 splits x 4 rows x 256 floats took
-// longer than the reads it followed. When the live splits' partials exceed
-// kDecodeFlatMergeFloats floats (eight rounds of the CTA's loads), groups of ceil(sqrt(live))
-// splits; else one level (group == live). 32K: a level of the tree costs an arrival, a weights
-// pass and a values pass (about 2 us on the H200), more than the four rounds of values that 16K
-// more floats add (28/4/128 B=1 L=16k: 24.1 -> 21.7 us, L=32k 35.8 -> 31.4, 4/1/256 B=1 L=4k
-// 20.0 -> 18.4; docs/BENCHMARKS.md, twelfth session). The tree follows the live splits (those holding keys,
-// a prefix of the grid set by the lengths and the split target), never the capacity, which only
-// bounds how many splits are launched: caches of different capacities merge the same partials
-// in the same groups and order, so decode output stays bit-identical across capacities. (A tree
-// sized by the split target put the 8 live splits of a 1k-token row at 28/4/128, target 33,
-// through two levels: 21 us against 17 flat on the H200.) The kernel builds the tree of its
-// row's live splits; the plan sizes slots and counters for the largest tree any live count <=
-// the launched splits gives (SlotsPerRow, CountersPerRow). One place owns the arithmetic.
+// group of `group` splits merges the group into a group partial, and the last group merger merges
+// the groups. One merging CTA reads all of its partials alone (one SM, an L2 round trip per eight
+// loads of each thread), so a flat merge of 128 splits x 4 rows x 256 floats took longer than the
+// reads it followed. When the live splits' partials exceed kDecodeFlatMergeFloats floats (eight
+// rounds of the CTA's loads), groups of ceil(sqrt(live)) splits; else one level (group == live).
+// 32K: a level of the tree costs an arrival, a weights pass and a values pass (about 2 us on the
+// H200), more than the four rounds of values that 16K more floats add (28/4/128 B=1 L=16k: 24.1 ->
+// 21.7 us, L=32k 35.8 -> 31.4, 4/1/256 B=1 L=4k 20.0 -> 18.4; docs/BENCHMARKS.md, twelfth session).
+// The tree follows the live splits (those holding keys, a prefix of the grid set by the lengths and
+// the split target), never the capacity, which only bounds how many splits are launched: caches of
+// different capacities merge the same partials in the same groups and order, so decode output stays
+// bit-identical across capacities. (A tree sized by the split target put the 8 live splits of a
+// 1k-token row at 28/4/128, target 33, through two levels: 21 us against 17 flat on the H200.) The
+// kernel builds the tree of its row's live splits; the plan sizes slots and counters for the
+// largest tree any live count <= the launched splits gives (SlotsPerRow, CountersPerRow). One place
+// owns the arithmetic.
 #ifndef KVL_DECODE_FLAT_MERGE_FLOATS  // a build knob for benchmarking the bound
 #define KVL_DECODE_FLAT_MERGE_FLOATS 32768
 #endif
