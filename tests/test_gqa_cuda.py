@@ -1049,11 +1049,17 @@ def test_invalid_attributes_raise(layout):
 
 @pytest.mark.skipif(EMULATE, reason="a limit of the CUDA kernels' grid; the CPU op has none")
 def test_grid_limit_refused_by_name():
-    """batch x kv_num_heads above 65535 (a CUDA grid axis) is refused with the rule, not a failed
-    launch."""
+    """batch x kv_num_heads above 65534 (a CUDA grid axis of 65535, one row of which checks the
+    lengths) is refused with the rule, not a failed launch; 65534 itself runs."""
     c = GqaCase(batch=16_400, kind="decode", past_len=1, num_heads=4, kv_num_heads=4,
                 head_size=8, dtype="fp16", seed=case_seed(33_000))  # fmt: skip
-    _cuda_raise(c.feeds(), c.attrs(), 0, r"batch x kv_num_heads = 65600 .*exceeds 65535")
+    _cuda_raise(c.feeds(), c.attrs(), 0, r"batch x kv_num_heads = 65600 exceeds 65534")
+    c = GqaCase(batch=65_535, kind="decode", past_len=1, num_heads=1, kv_num_heads=1,
+                head_size=8, dtype="fp16", seed=case_seed(33_001))  # fmt: skip
+    _cuda_raise(c.feeds(), c.attrs(), 1, r"batch x kv_num_heads = 65535 exceeds 65534")
+    c = GqaCase(batch=32_767, kind="decode", past_len=1, num_heads=2, kv_num_heads=2,
+                head_size=8, dtype="fp16", kv_layout=1, seed=case_seed(33_002))  # fmt: skip
+    check_oracle(c, ours(c))
 
 
 @pytest.mark.parametrize("layout", [0, 1])

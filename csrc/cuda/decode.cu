@@ -12,9 +12,10 @@
 //
 // The kernel also does the prepare kernel's work for its rows (prepare_rows.cuh): each CTA
 // norms, rotates and scales its group's queries itself, the CTA whose key split holds a new row
-// appends it to the cache before it issues the loads that read it, and one CTA checks the
-// lengths (an empty split where the grid has one). A decode step launches this kernel (plus
-// the counters' memset where they are not kept across calls) instead of prepare + decode.
+// appends it to the cache before it issues the loads that read it, and one grid row past the
+// B x Nkv rows checks the lengths (LaunchDecodeTc adds it where the op keeps a length record).
+// A decode step launches this kernel (plus the counters' memset where they are not kept across
+// calls) instead of prepare + decode.
 #include <algorithm>
 
 #include <cooperative_groups.h>
@@ -222,11 +223,31 @@ __device__ __forceinline__ void StoreScaled4(T* out, const float4& v, float sc) 
   out[3] = FromF<T>(v.w * sc);
 }
 
+// The grid's checker row (blockIdx.y == B x Nkv): the lengths of every (batch entry, token), as
+// the prepare kernel checks them, one item per thread over the row's CTAs. A row of its own: the
+// check on a working CTA (split 0 with a full cache) made that CTA's partial the last of its row
+// in 12 of 14 launches at B=1 (KVL_DECODE_TRACE=2, docs/BENCHMARKS.md, thirteenth session), and
+// moving it later in that CTA only moved the wait. Out of line: its code stays off the working
+// CTAs' instruction stream. Nothing waits on it (every kernel clamps what it reads).
+__device__ __forceinline__ void CheckLengthsRow(const GqaShape& s, const GqaCudaBuffers& buf) {
+  const int64_t items = s.batch * s.seq_len;
+  for (int64_t i = int64_t(blockIdx.x) * kDecThreads + threadIdx.x; i < items;
+       i += int64_t(gridDim.x) * kDecThreads) {
+    CheckLengths(s, buf, i / s.seq_len, i % s.seq_len);
+  }
+}
+
 template <typename T, int HD>
 __global__ void __launch_bounds__(kDecThreads)
     DecodeTcKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_st, int64_t splits,
                    int64_t split_target, int cluster, float* part_o, float* part_m, float* part_l,
                    unsigned* counters) {
+  // The checker row (ptxas lays its code right after this branch whatever the source order or
+  // a __builtin_expect says: the working CTAs jump over it once).
+  if (blockIdx.y >= s.batch * s.kv_num_heads) {
+    CheckLengthsRow(s, buf);
+    return;
+  }
   constexpr int KS = DecKeys(HD), ST = DecStages(HD), P = DecPitch(HD);
   constexpr int NT = KS / 8;  // score n-tiles (8 keys each)
   constexpr int DT = HD / 8;  // output n-tiles (8 dimensions each)
@@ -319,17 +340,6 @@ __global__ void __launch_bounds__(kDecThreads)
   const int64_t live =
       min(splits, key_lo < key_hi ? int64_t(uint32_t(key_hi - key_lo + chunk - 1) / uint32_t(chunk))
                                   : int64_t(1));
-  // The lengths, as the prepare kernel checks them: once per batch entry, token t by thread t,
-  // by a CTA off the live splits' path when there is one (the grid's last split, then empty),
-  // else by split 0 once its first loads are in flight and its queries are in registers.
-  // Nothing waits on the check (every kernel clamps what it reads): it only has to end before
-  // the kernel does.
-  const bool checks = buf.length_record != nullptr && g == 0 &&
-                      split == (live < splits ? splits - 1 : 0);
-  auto check_lengths = [&] {
-    for (int64_t t = threadIdx.x; t < s.seq_len; t += kDecThreads) CheckLengths(s, buf, b, t);
-  };
-
   const bool extra = s.has_head_sink || s.smooth_softmax;
   auto out_row = [&](int64_t r) {  // output row of CTA row r
     return static_cast<T*>(buf.output) + ((b * s.seq_len + row_tok(r)) * N + row_head(r)) * H;
@@ -345,7 +355,6 @@ __global__ void __launch_bounds__(kDecThreads)
   }
   KVL_DECODE_STOP_AFTER(1, (k_begin ^ k_end ^ live) == 0x5a5a5a5a)
   if (split >= live) {
-    if (checks) check_lengths();
     return;  // in a cluster too: a CTA that exits no longer holds up the cluster's barriers
   }
   const int64_t steps = (k_end - k_begin + KS - 1) / KS;  // of the CTA; warp w takes w, w+4, ...
@@ -480,7 +489,6 @@ __global__ void __launch_bounds__(kDecThreads)
   }
   __syncthreads();  // every warp holds its fragments: warp 0's free slot may take a step
   prologue_trace.Mark();  // the query tile in every warp's fragments
-  if (checks) check_lengths();  // here or later: no faster (BENCHMARKS.md, twelfth session)
   KVL_DECODE_STOP_AFTER(2, qa[0][0] == 0x5a5a5a5au && qa[KT - 1][3] == 0xa5a5a5a5u)
   // Padding columns [H, HD) of every stage are zeroed once, now that no slot holds the tile or a
   // scratch row; the copies write columns [0, H) only.
@@ -1016,8 +1024,11 @@ Status LaunchDecodeTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pr
         cudaMemsetAsync(ws.counters, 0, sizeof(unsigned) * ws.counter_count, stream),
         "decode counters memset"));
   }
+  // One more row of CTAs checks the lengths where the op keeps a record (CheckLengthsRow): at
+  // most 65535 rows (CheckCudaSupport bounds B x Nkv by 65534).
+  const int64_t check_rows = buf.length_record != nullptr ? 1 : 0;
   const dim3 grid(static_cast<unsigned>(plan.splits),
-                  static_cast<unsigned>(s.batch * s.kv_num_heads));
+                  static_cast<unsigned>(s.batch * s.kv_num_heads + check_rows));
   const int cluster = static_cast<int>(plan.cluster);
   if (cluster > 1) {  // one cluster per row: plan.splits == cluster
     const ClusterLaunch launch(grid, dim3(kDecThreads), smem, stream, cluster);

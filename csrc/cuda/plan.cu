@@ -336,13 +336,18 @@ Status QueryCudaDevice(CudaDeviceInfo* info) {
 
 Status CheckCudaSupport(const GqaShape& s) {
   const char* op = "ai.kvlayout::GroupQueryAttention (CUDA): ";
-  // The kernels put batch x kv head (and batch, num_heads) on a grid axis limited to 65535.
-  constexpr int64_t kMaxGridYZ = 65535;
-  if (s.batch * s.kv_num_heads > kMaxGridYZ || s.num_heads > kMaxGridYZ) {
+  // The kernels put batch x kv head (and batch, num_heads) on a grid axis limited to 65535;
+  // the decode kernel adds one row to it (the length checks): batch x kv head at most 65534.
+  constexpr int64_t kMaxGridYZ = 65535, kMaxBatchKvHeads = kMaxGridYZ - 1;
+  if (s.batch * s.kv_num_heads > kMaxBatchKvHeads) {
     return Status::Error(std::string(op) + "batch x kv_num_heads = " +
-                         std::to_string(s.batch * s.kv_num_heads) + " (num_heads " +
-                         std::to_string(s.num_heads) + ") exceeds " +
-                         std::to_string(kMaxGridYZ) + " on CUDA in v1: split the batch");
+                         std::to_string(s.batch * s.kv_num_heads) + " exceeds " +
+                         std::to_string(kMaxBatchKvHeads) +
+                         " on CUDA in v1 (a grid axis): split the batch");
+  }
+  if (s.num_heads > kMaxGridYZ) {
+    return Status::Error(std::string(op) + "num_heads = " + std::to_string(s.num_heads) +
+                         " exceeds " + std::to_string(kMaxGridYZ) + " on CUDA in v1 (a grid axis)");
   }
   if (s.head_size % 8 != 0 || s.head_size > cu::kMaxHeadSize) {
     return Status::Error(std::string(op) + "head_size " + std::to_string(s.head_size) +
