@@ -237,11 +237,37 @@ __device__ __forceinline__ void CheckLengthsRow(const GqaShape& s, const GqaCuda
   }
 }
 
-template <typename T, int HD>
+// The plain instance of the kernel (kPlain) serves the calls that use none of the features
+// below: DecodePlain, on the host, from the shape. Its shape says so as constants (PlainShape;
+// the kernel reads an optional input only where the shape's flag says it exists), so every test
+// of a feature folds away and the code on a CTA's path
+// is shorter: a B=1 call is a prologue and a merge run once per CTA, whose code is fetched cold
+// (43% of the warp samples waited for instructions: docs/BENCHMARKS.md, twelfth session). The
+// arithmetic is the same code, with constants.
+__host__ __device__ inline bool DecodePlain(const GqaShape& s) {
+  return !s.has_attention_bias && !(s.softcap > 0.0f) && s.local_window < 0 &&
+         !s.sliding_window_cache && !s.has_head_sink && !s.smooth_softmax && !s.has_q_norm &&
+         !s.has_k_norm && !s.has_query_seqlens && s.causal;
+}
+__device__ __forceinline__ GqaShape PlainShape(GqaShape s) {
+  s.has_attention_bias = false;
+  s.softcap = 0.0f;
+  s.local_window = -1;
+  s.sliding_window_cache = false;
+  s.has_head_sink = false;
+  s.smooth_softmax = false;
+  s.has_q_norm = false;
+  s.has_k_norm = false;
+  s.has_query_seqlens = false;
+  s.causal = true;
+  return s;
+}
+template <typename T, int HD, bool kPlain>
 __global__ void __launch_bounds__(kDecThreads)
-    DecodeTcKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_st, int64_t splits,
+    DecodeTcKernel(GqaShape s_arg, GqaCudaBuffers buf, KvStrides present_st, int64_t splits,
                    int64_t split_target, int cluster, float* part_o, float* part_m, float* part_l,
                    unsigned* counters) {
+  const GqaShape s = kPlain ? PlainShape(s_arg) : s_arg;
   // The checker row (ptxas lays its code right after this branch whatever the source order or
   // a __builtin_expect says: the working CTAs jump over it once).
   if (blockIdx.y >= s.batch * s.kv_num_heads) {
@@ -507,7 +533,7 @@ __global__ void __launch_bounds__(kDecThreads)
     kr[hr].lo = max(kr[hr].lo, k_begin);
     kr[hr].hi = min(kr[hr].hi, k_end);
   }
-  const T* bias = static_cast<const T*>(buf.attention_bias);
+  const T* bias = s.has_attention_bias ? static_cast<const T*>(buf.attention_bias) : nullptr;
   const bool plain = !(s.softcap > 0.0f) && bias == nullptr;
   const float inv_softcap = s.softcap > 0.0f ? SoftcapInverse(s.softcap) : 0.0f;
   int64_t bias_row[2] = {0, 0};
@@ -953,12 +979,13 @@ using DecodeFn = void (*)(GqaShape, GqaCudaBuffers, KvStrides, int64_t, int64_t,
                           float*, float*, unsigned*);
 
 template <typename T>
-DecodeFn DecodeKernelFor(int64_t head_size, size_t* smem) {
-  switch (DecHeadDim(head_size)) {
-#define KVL_DECODE_HD(hd)                  \
-  case hd:                                 \
-    *smem = DecSmemBytes(hd, sizeof(T));   \
-    return DecodeTcKernel<T, hd>;
+DecodeFn DecodeKernelFor(const GqaShape& s, size_t* smem) {
+  const bool plain = DecodePlain(s);
+  switch (DecHeadDim(s.head_size)) {
+#define KVL_DECODE_HD(hd)                                                        \
+  case hd:                                                                       \
+    *smem = DecSmemBytes(hd, sizeof(T));                                         \
+    return plain ? DecodeTcKernel<T, hd, true> : DecodeTcKernel<T, hd, false>;
     KVL_DECODE_HD(32)
     KVL_DECODE_HD(64)
     KVL_DECODE_HD(96)
@@ -975,8 +1002,8 @@ DecodeFn DecodeKernelFor(int64_t head_size, size_t* smem) {
 }
 
 DecodeFn DecodeKernelForShape(const GqaShape& s, size_t* smem) {
-  return s.dtype == DType::kFloat16 ? DecodeKernelFor<__half>(s.head_size, smem)
-                                    : DecodeKernelFor<__nv_bfloat16>(s.head_size, smem);
+  return s.dtype == DType::kFloat16 ? DecodeKernelFor<__half>(s, smem)
+                                    : DecodeKernelFor<__nv_bfloat16>(s, smem);
 }
 
 }  // namespace
@@ -1013,7 +1040,7 @@ template <typename T>
 Status LaunchDecodeTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
                       const AttnPlan& plan, const Workspace& ws, cudaStream_t stream) {
   size_t smem = 0;
-  const DecodeFn fn = DecodeKernelFor<T>(s.head_size, &smem);
+  const DecodeFn fn = DecodeKernelFor<T>(s, &smem);
   if (fn == nullptr) {
     return Status::Error("ai.kvlayout::GroupQueryAttention (CUDA): no decode tile for head_size " +
                          std::to_string(s.head_size));

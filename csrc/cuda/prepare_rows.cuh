@@ -88,8 +88,9 @@ template <typename T>
 __device__ void NormRotate(const GqaShape& s, const GqaCudaBuffers& buf, bool is_q, int64_t pos,
                            float* x, int lane) {
   const int64_t H = s.head_size;
+  // The shape's flag, not the pointer: a constant in the decode kernel's plain instance.
   const void* w = is_q ? buf.q_norm_weight : buf.k_norm_weight;
-  if (w != nullptr) {
+  if (is_q ? s.has_q_norm : s.has_k_norm) {
     float ss = 0.0f;
     for (int64_t d = lane; d < H; d += kWarp) ss += x[d] * x[d];
     ss = WarpSum(ss);
