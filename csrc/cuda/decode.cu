@@ -70,7 +70,7 @@ struct DecTrace {
   static constexpr int kMarks = 10;
   long long c[kMarks];
   int n = 0;
-  int hd = 0, rows = 0, keys = 0;
+  int hd = 0, rows = 0, keys = 0, bg = 0;  // bg: B x Nkv (the grid has a checker row more)
   __device__ __forceinline__ void Mark() {
     if (n < kMarks) c[n++] = clock64();
   }
@@ -95,10 +95,11 @@ struct DecTrace {
     partial = clock64() - c[0];
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(end_ns));
   }
-  __device__ void Case(int head_dim, int64_t cta_rows, int64_t live_keys) {
+  __device__ void Case(int head_dim, int64_t cta_rows, int64_t live_keys, int64_t bg_rows) {
     hd = head_dim;
     rows = int(cta_rows);
     keys = int(live_keys);
+    bg = int(bg_rows);
   }
   __device__ long long At(int i) const { return i < n ? c[i] - c[0] : -1; }
   // KVL_TRACE <what> hd=.. rows=.. bg=.. keys=.. <k1>=.. live=.. <k3>=.. cycles c1 .. c9
@@ -108,7 +109,7 @@ struct DecTrace {
     if (threadIdx.x != 0 || blockIdx.y != 0) return;
     printf("KVL_TRACE %s hd=%d rows=%d bg=%d keys=%d %s=%d live=%d %s=%d cycles %lld %lld %lld "
            "%lld %lld %lld %lld %lld %lld start_ns=%llu end_ns=%llu partial=%lld\n",
-           what, hd, rows, int(gridDim.y), keys, k1, v1, live, k3, v3, At(1), At(2), At(3), At(4),
+           what, hd, rows, bg, keys, k1, v1, live, k3, v3, At(1), At(2), At(3), At(4),
            At(5), At(6), At(7), At(8), At(9), start_ns, end_ns, partial);
   }
   __device__ void Print(const char* what, int64_t splits, int64_t live, int64_t groups) const {
@@ -125,7 +126,7 @@ struct DecTrace {
   __device__ __forceinline__ void Mark(V) {}
   __device__ __forceinline__ void Start() {}
   __device__ __forceinline__ void Arrive() {}
-  __device__ __forceinline__ void Case(int, int64_t, int64_t) {}
+  __device__ __forceinline__ void Case(int, int64_t, int64_t, int64_t) {}
   __device__ __forceinline__ void PrintPrologue(int64_t, int64_t, bool) const {}
   __device__ __forceinline__ void Print(const char*, int64_t, int64_t, int64_t) const {}
 #endif
@@ -384,8 +385,8 @@ __global__ void __launch_bounds__(kDecThreads)
   prologue_trace.Mark(k_end ^ live);  // the partition known
   if constexpr (KVL_DECODE_TRACE != 0) {  // the case each trace line names
     const int64_t live_keys = key_lo < key_hi ? key_hi - key_lo : 0;
-    trace.Case(static_cast<int>(H), rows, live_keys);
-    prologue_trace.Case(static_cast<int>(H), rows, live_keys);
+    trace.Case(static_cast<int>(H), rows, live_keys, s.batch * s.kv_num_heads);
+    prologue_trace.Case(static_cast<int>(H), rows, live_keys, s.batch * s.kv_num_heads);
   }
   KVL_DECODE_STOP_AFTER(1, (k_begin ^ k_end ^ live) == 0x5a5a5a5a)
   if (split >= live) {
