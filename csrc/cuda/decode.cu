@@ -228,8 +228,11 @@ __device__ __forceinline__ void StoreScaled4(T* out, const float4& v, float sc) 
 // the prepare kernel checks them, one item per thread over the row's CTAs. A row of its own: the
 // check on a working CTA (split 0 with a full cache) made that CTA's partial the last of its row
 // in 12 of 14 launches at B=1 (KVL_DECODE_TRACE=2, docs/BENCHMARKS.md, thirteenth session), and
-// moving it later in that CTA only moved the wait. Out of line: its code stays off the working
-// CTAs' instruction stream. Nothing waits on it (every kernel clamps what it reads).
+// moving it later in that CTA only moved the wait. Nothing waits on it (every kernel clamps what
+// it reads), but the kernel ends with it: each of its threads takes B x S / (splits x 128) items
+// one after another, each a chain of loads, so at thousands of batch entries with one split
+// (short caches) it can outlast the working CTAs (reasoned in review, not measured; more checker
+// rows would spread it).
 __device__ __forceinline__ void CheckLengthsRow(const GqaShape& s, const GqaCudaBuffers& buf) {
   const int64_t items = s.batch * s.seq_len;
   for (int64_t i = int64_t(blockIdx.x) * kDecThreads + threadIdx.x; i < items;
