@@ -244,9 +244,9 @@ __device__ __forceinline__ void CheckLengthsRow(const GqaShape& s, const GqaCuda
 // The plain instance of the kernel (kPlain) serves the calls that use none of the features
 // below: DecodePlain, on the host, from the shape. Its shape says so as constants (PlainShape;
 // the kernel reads an optional input only where the shape's flag says it exists), so every test
-// of a feature folds away and the code on a CTA's path
-// is shorter: a B=1 call is a prologue and a merge run once per CTA, whose code is fetched cold
-// (43% of the warp samples waited for instructions: docs/BENCHMARKS.md, twelfth session). The
+// of a feature folds away and the code on a CTA's path is shorter: a B=1 call is a prologue and
+// a merge run once per CTA, whose code is fetched cold (43% of the warp samples waited for
+// instructions: docs/BENCHMARKS.md, twelfth session; measured: thirteenth session). The
 // arithmetic is the same code, with constants.
 __host__ __device__ inline bool DecodePlain(const GqaShape& s) {
   return !s.has_attention_bias && !(s.softcap > 0.0f) && s.local_window < 0 &&
