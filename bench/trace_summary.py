@@ -37,13 +37,13 @@ LINE = re.compile(
 )
 # Lines of one launch start within microseconds of each other; launches are further apart.
 LAUNCH_GAP_NS = 50_000
-# What each mark of a line kind is (decode.cu, DecTrace and its Mark calls).
+# What each mark of a line kind is (decode.cu, DecTrace and its Mark calls); `cta` lines
+# (KVL_DECODE_TRACE=2) go to the arrivals table instead.
 MARKS = {
     "prologue": ["lengths", "partition", "issued", "q frags", "first landed"],
     "cluster": ["partial", "barrier", "values", "values warm", "last barrier"],
     "flat": ["partial", "arrival", "weights", "values", "weights warm", "values warm"],
     "tree": ["partial", "arrival", "weights", "values", "top arrival", "top weights", "top values"],
-    "cta": ["lengths", "partition", "issued", "q frags", "first landed"],
 }
 
 
