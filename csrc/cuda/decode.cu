@@ -546,7 +546,7 @@ __global__ void __launch_bounds__(kDecThreads)
     kr[hr].hi = min(kr[hr].hi, k_end);
   }
   const T* bias = s.has_attention_bias ? static_cast<const T*>(buf.attention_bias) : nullptr;
-  const bool plain = !(s.softcap > 0.0f) && bias == nullptr;
+  const bool raw_scores = !(s.softcap > 0.0f) && bias == nullptr;  // no softcap, no bias
   const float inv_softcap = s.softcap > 0.0f ? SoftcapInverse(s.softcap) : 0.0f;
   int64_t bias_row[2] = {0, 0};
 #pragma unroll
@@ -601,8 +601,9 @@ __global__ void __launch_bounds__(kDecThreads)
     // Masks, softcap, bias; the online softmax of rows gq (e = 0, 1) and gq + 8 (e = 2, 3). A
     // step inside the key range of every working row of the warp needs no masks.
     const bool whole =
-        plain && __all_sync(0xffffffffu, (idle[0] || (kr[0].lo <= k0 && k0 + KS <= kr[0].hi)) &&
-                                             (idle[1] || (kr[1].lo <= k0 && k0 + KS <= kr[1].hi)));
+        raw_scores &&
+        __all_sync(0xffffffffu, (idle[0] || (kr[0].lo <= k0 && k0 + KS <= kr[0].hi)) &&
+                                    (idle[1] || (kr[1].lo <= k0 && k0 + KS <= kr[1].hi)));
     float tmax[2];
     MaskStepScores<T, NT>(sc, tmax, whole, upper, k0, tq, kr, s, inv_softcap, bias, bias_row);
     float alpha[2] = {1.0f, 1.0f};
