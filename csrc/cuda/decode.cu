@@ -142,10 +142,24 @@ constexpr int64_t DecHeadDim(int64_t head_size) { return (head_size + 31) / 32 *
 // Keys per warp step: 16 (one P V k-step) for wide heads, 32 for narrow ones, so a step moves
 // 4 to 16 KB of K and V.
 __host__ __device__ constexpr int DecKeys(int hd) { return hd <= 64 ? 32 : 16; }
-// cp.async stages per warp, all in flight while the oldest is waited for (the next step is issued
-// before the wait); heads above 128 take two (three stages of four warps would not fit an sm_80
-// SM).
-__host__ __device__ constexpr int DecStages(int hd) { return hd > 128 ? 2 : 3; }
+// cp.async stages per warp, both in flight while the oldest is waited for (the next step is
+// issued before the wait). Two, not three: 70 KB of stages at head size 128 (74 KB at 64) let
+// three CTAs share an SM instead of two, and at many rows more CTAs at once read faster than
+// more stages per warp (each CTA's reads are bounded by its loads in flight; on the H200,
+// 28/4/128 B=8 L=4k 29.5 -> 26.8 us, 9/3/64 B=64 L=16k 211 -> 197: docs/BENCHMARKS.md, fourteenth
+// session); a K-then-V issue order instead of K and V rows alternately changed nothing there.
+// Build knob KVL_DECODE_STAGES=n (benchmarking only; 0, the default, keeps two): n stages for
+// heads up to 128 (at most 2 above: three stages of four warps would not fit an sm_80 SM).
+#ifndef KVL_DECODE_STAGES
+#define KVL_DECODE_STAGES 0
+#endif
+__host__ __device__ constexpr int DecStages(int hd) {
+  return KVL_DECODE_STAGES > 2 && hd <= 128 ? KVL_DECODE_STAGES : 2;
+}
+// Build knob KVL_DECODE_NO_PLAIN=1 (benchmarking only): every call runs the full instance.
+#ifndef KVL_DECODE_NO_PLAIN
+#define KVL_DECODE_NO_PLAIN 0
+#endif
 // Row pitch in elements: 16 bytes of padding put the 8 rows an ldmatrix reads on distinct banks.
 __host__ __device__ constexpr int DecPitch(int hd) { return hd + 8; }
 
@@ -249,7 +263,7 @@ __device__ __forceinline__ void CheckLengthsRow(const GqaShape& s, const GqaCuda
 // instructions: docs/BENCHMARKS.md, twelfth session; measured: thirteenth session). The
 // arithmetic is the same code, with constants.
 __host__ __device__ inline bool DecodePlain(const GqaShape& s) {
-  return !s.has_attention_bias && !(s.softcap > 0.0f) && s.local_window < 0 &&
+  return KVL_DECODE_NO_PLAIN == 0 && !s.has_attention_bias && !(s.softcap > 0.0f) && s.local_window < 0 &&
          !s.sliding_window_cache && !s.has_head_sink && !s.smooth_softmax && !s.has_q_norm &&
          !s.has_k_norm && !s.has_query_seqlens && s.causal;
 }
@@ -1058,6 +1072,9 @@ Status LaunchDecodeTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pr
     return Status::Error("ai.kvlayout::GroupQueryAttention (CUDA): no decode tile for head_size " +
                          std::to_string(s.head_size));
   }
+  // Padded where the plan allows fewer CTAs per SM than fit (plan.decode_ctas_per_sm).
+  KVL_RETURN_IF_ERROR(SmemForCtasPerSm(reinterpret_cast<const void*>(fn), kDecThreads, smem,
+                                       plan.decode_ctas_per_sm, &smem));
   KVL_RETURN_IF_ERROR(EnsureSmemLimit(reinterpret_cast<const void*>(fn), smem));
   if (ws.counter_count > 0 && !ws.counters_zero) {  // a memset node under graph capture
     KVL_RETURN_IF_ERROR(CudaCheck(

@@ -56,6 +56,9 @@ struct GqaCudaPlan {
   // one cluster merges them through its shared memory), 0 without clusters. When set it equals
   // `splits`: one cluster per row.
   int64_t cluster = 0;
+  // Decode: the CTAs per SM its launch allows, below what fits (its shared memory padded, so
+  // waves of one split per row fill the slots: MakePlan); 0: as many as fit.
+  int decode_ctas_per_sm = 0;
   size_t q_bytes = 0, part_o_bytes = 0, part_ml_bytes = 0, counter_bytes = 0;
   // A window-sized cache: K (and again V) staging rows the attention reads (csrc/cuda/sliding.cu).
   size_t stage_bytes = 0;

@@ -200,6 +200,11 @@ Status LaunchDecodeTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pr
 // that is current, as the CUDA calls they wrap do.
 Status EnsureSmemLimit(const void* fn, size_t smem);
 int CachedCtasPerSm(const void* fn, int threads, size_t smem);
+// The dynamic shared memory of a launch of `fn` (needing `smem`) with which at most `ctas` CTAs
+// share an SM: `smem` where no more fit anyway (or ctas <= 0), else the smallest size above it,
+// in 1 KB steps, that leaves room for no more (`smem` where none does). Searched once per
+// (current device, kernel, smem, ctas) with the occupancy calculator; raises the kernel's limit.
+Status SmemForCtasPerSm(const void* fn, int threads, size_t smem, int ctas, size_t* launch_smem);
 int CachedPtxVersion(const void* fn);  // cudaFuncAttributes::ptxVersion (0 on error)
 // A launch of `grid` x `block` threads with `smem` bytes of dynamic shared memory in clusters of
 // `cluster` CTAs along x (cudaLaunchKernelEx, cudaOccupancyMaxActiveClusters). Not copyable:

@@ -64,6 +64,25 @@ bool DecodeClustersAllowed() {
   return allowed;
 }
 
+// With more (batch, kv head) rows than one wave of decode CTAs holds (one split each), the CTAs
+// per SM, at most `fit`, whose waves the rows fill best (ties: more CTAs per SM). A CTA's reads
+// are bounded by its loads in flight, so a wave the CTAs fill in part reads slower: 32/8/128
+// B=64 (512 rows) in waves of 396 CTAs (three per SM) took 13% longer than in waves of 264 (two
+// per SM) on the H200 (docs/BENCHMARKS.md, fourteenth session).
+int DecodeWaveCtasPerSm(int64_t rows, int64_t sms, int fit) {
+  int best = fit;
+  int64_t best_fill = 0;  // in 1/1000 of the waves' slots
+  for (int c = fit; c >= 1; --c) {
+    const int64_t slots = sms * c, waves = (rows + slots - 1) / slots;
+    const int64_t fill = rows * 1000 / (waves * slots);
+    if (fill > best_fill) {
+      best = c;
+      best_fill = fill;
+    }
+  }
+  return best;
+}
+
 // Counters of the decode kernel's split merge tree for a plan (DecodeMergeTree sizes them for
 // any live split count; the kernel builds its row's tree).
 int64_t DecodeCountersPerRow(const GqaShape& s, const AttnPlan& p) {
@@ -92,18 +111,29 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
   // (sliding.cu), whose live keys can outnumber the cache's C.
   const int64_t attn_rows = s.sliding_window_cache ? SlidingStageRows(s) : s.present_capacity;
   if (p.kernel == AttnKernel::kDecodeTc) {
-    // One wave: the splits share the keys evenly, so a partial second wave would only add a
-    // tail. With few (batch, kv head) rows, the last merge of a row ends the kernel and each
-    // split adds a fixed prologue and merge work to it: one CTA per SM (measured on the H200 at
-    // B=1: every CTA slot filled took 20 to 40% longer, docs/BENCHMARKS.md). With many rows
-    // their merges overlap the other rows' reads: every slot (at B=8, 9/3/64 lost 15% with one
-    // CTA per SM). At least 128 keys per split (two steps per warp).
+    // With few (batch, kv head) rows, the last merge of a row ends the kernel and each split
+    // adds a fixed prologue and merge work to it: one CTA per SM (measured on the H200 at B=1:
+    // every CTA slot filled took 20 to 40% longer, docs/BENCHMARKS.md). With many rows their
+    // merges overlap the other rows' reads: one wave of every CTA slot (at B=8, 9/3/64 lost 15%
+    // with one CTA per SM; at B=64, 192 rows in 396 slots of 3 CTAs per SM with 2 splits read
+    // 6 to 10% faster than one split in 264 slots of 2), never a second wave of splits (in waves of
+    // short splits each CTA's prologue is on the path: 9/3/64 B=32 L=1k took 70% longer). More
+    // rows than slots: one split each, in waves they fill (DecodeWaveCtasPerSm). At least 128
+    // keys per split (two steps per warp).
     const int64_t base = s.batch * s.kv_num_heads;
-    const int64_t slots = base < kFewDecodeRows ? sms : sms * DecodeTcCtasPerSm(s, dev);
-    p.split_target = std::min(std::max<int64_t>(1, slots / base), kMaxDecodeSplits);
-    if (DecodeSplitsOverride() > 0) p.split_target = DecodeSplitsOverride();
+    if (base < kFewDecodeRows) {
+      p.split_target = std::min(std::max<int64_t>(1, sms / base), kMaxDecodeSplits);
+    } else {
+      const int fit = DecodeTcCtasPerSm(s, dev);
+      p.split_target = std::min(std::max<int64_t>(1, sms * fit / base), kMaxDecodeSplits);
+      if (base > sms * fit) {
+        const int ctas = DecodeWaveCtasPerSm(base, sms, fit);
+        if (ctas < fit) p.decode_ctas_per_sm = ctas;
+      }
+    }
     const int64_t max_splits =
         std::max<int64_t>(1, (attn_rows + kMinDecodeSplitKeys - 1) / kMinDecodeSplitKeys);
+    if (DecodeSplitsOverride() > 0) p.split_target = DecodeSplitsOverride();
     p.splits = std::min(p.split_target, max_splits);
     // With few rows (one CTA per SM, the latency-bound decode) and at most 8 splits, each row's
     // splits are one thread-block cluster where the device has them: they merge through its
@@ -232,6 +262,7 @@ std::mutex g_cache_mutex;
 std::map<std::tuple<int, const void*>, size_t> g_smem_limits;            // raised limit
 std::map<std::tuple<int, const void*, int, size_t>, int> g_ctas_per_sm;  // occupancy
 std::map<std::tuple<int, const void*>, int> g_ptx_versions;
+std::map<std::tuple<int, const void*, size_t, int>, size_t> g_smem_for_ctas;  // padded smem
 std::map<std::tuple<int, const void*, int, size_t, int>, int> g_active_clusters;
 
 // A hint cached per (current device, key...): `query(&value)` on the key's first call. Hints
@@ -271,6 +302,56 @@ Status EnsureSmemLimit(const void* fn, size_t smem) {
       cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
       "shared memory attribute"));
   limit = smem;
+  return Status::Ok();
+}
+
+Status SmemForCtasPerSm(const void* fn, int threads, size_t smem, int ctas, size_t* launch_smem) {
+  *launch_smem = smem;
+  if (ctas <= 0 || CachedCtasPerSm(fn, threads, smem) <= ctas) return Status::Ok();
+  int device = 0;
+  KVL_RETURN_IF_ERROR(CudaCheck(cudaGetDevice(&device), "cudaGetDevice"));
+  const auto key = std::make_tuple(device, fn, smem, ctas);
+  {
+    std::lock_guard<std::mutex> lock(g_cache_mutex);
+    const auto it = g_smem_for_ctas.find(key);
+    if (it != g_smem_for_ctas.end()) {
+      *launch_smem = it->second;
+      return Status::Ok();
+    }
+  }
+  // The most a CTA may opt in to, less the kernel's static shared memory: the limit raised to it
+  // makes every size below launchable (and counted by the occupancy calculator).
+  cudaFuncAttributes attr = {};
+  KVL_RETURN_IF_ERROR(CudaCheck(cudaFuncGetAttributes(&attr, fn), "cudaFuncGetAttributes"));
+  int optin = 0;
+  KVL_RETURN_IF_ERROR(CudaCheck(
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+      "shared memory opt-in limit"));
+  const size_t most = size_t(optin) - attr.sharedSizeBytes;
+  size_t found = smem;  // unpadded where even the most leaves room for more than `ctas`
+  if (most > smem) {
+    KVL_RETURN_IF_ERROR(EnsureSmemLimit(fn, most));
+    auto fits = [&](size_t bytes, int* n) {
+      return CudaCheck(cudaOccupancyMaxActiveBlocksPerMultiprocessor(n, fn, threads, bytes),
+                       "decode occupancy");
+    };
+    int n = 0;
+    KVL_RETURN_IF_ERROR(fits(most, &n));
+    if (n <= ctas) {
+      // The smallest size in 1 KB steps with at most `ctas` per SM: the occupancy falls as the
+      // size grows, so a bisection over [smem, most].
+      size_t lo = smem, hi = most;  // fits(lo) > ctas >= fits(hi)
+      while (hi - lo > 1024) {
+        const size_t mid = lo + std::max<size_t>(1, (hi - lo) / 2048) * 1024;  // in (lo, hi)
+        KVL_RETURN_IF_ERROR(fits(mid, &n));
+        (n <= ctas ? hi : lo) = mid;
+      }
+      found = hi;
+    }
+  }
+  std::lock_guard<std::mutex> lock(g_cache_mutex);
+  g_smem_for_ctas.emplace(key, found);
+  *launch_smem = found;
   return Status::Ok();
 }
 
