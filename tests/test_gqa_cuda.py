@@ -388,6 +388,14 @@ def _dispatch_cases():
                            head_size=256, dtype=("fp16", "bf16")[i % 2], kv_layout=i % 2,
                            shared=True, extra_capacity=8192 - past, do_rotary=True,
                            softcap=2.0 if i == 3 else 0.0, seed=case_seed(34_100 + i)))  # fmt: skip
+    # Many (batch, kv head) rows, ragged (on the H200's 132 SMs, three decode CTAs per SM at head
+    # size 128): 96 rows share one wave in 4 splits each; 400 rows, more than one wave holds, run
+    # one split each with the shared memory padded to two CTAs per SM (MakePlan).
+    for i, (batch, past) in enumerate(((24, 1000), (100, 300))):
+        out.append(GqaCase(kind="decode", batch=batch, past_len=past, pad=13, num_heads=8,
+                           kv_num_heads=4, head_size=128, dtype=("fp16", "bf16")[i],
+                           kv_layout=1 - i, shared=i == 1, do_rotary=True,
+                           seed=case_seed(34_200 + i)))  # fmt: skip
     return out
 
 
