@@ -153,6 +153,7 @@ __host__ __device__ constexpr int DecKeys(int hd) { return hd <= 64 ? 32 : 16; }
 #ifndef KVL_DECODE_STAGES
 #define KVL_DECODE_STAGES 0
 #endif
+static_assert(KVL_DECODE_STAGES == 0 || KVL_DECODE_STAGES >= 2, "KVL_DECODE_STAGES: 0 or >= 2");
 __host__ __device__ constexpr int DecStages(int hd) {
   return KVL_DECODE_STAGES > 2 && hd <= 128 ? KVL_DECODE_STAGES : 2;
 }
@@ -263,9 +264,9 @@ __device__ __forceinline__ void CheckLengthsRow(const GqaShape& s, const GqaCuda
 // instructions: docs/BENCHMARKS.md, twelfth session; measured: thirteenth session). The
 // arithmetic is the same code, with constants.
 __host__ __device__ inline bool DecodePlain(const GqaShape& s) {
-  return KVL_DECODE_NO_PLAIN == 0 && !s.has_attention_bias && !(s.softcap > 0.0f) && s.local_window < 0 &&
-         !s.sliding_window_cache && !s.has_head_sink && !s.smooth_softmax && !s.has_q_norm &&
-         !s.has_k_norm && !s.has_query_seqlens && s.causal;
+  return KVL_DECODE_NO_PLAIN == 0 && !s.has_attention_bias && !(s.softcap > 0.0f) &&
+         s.local_window < 0 && !s.sliding_window_cache && !s.has_head_sink && !s.smooth_softmax &&
+         !s.has_q_norm && !s.has_k_norm && !s.has_query_seqlens && s.causal;
 }
 __device__ __forceinline__ GqaShape PlainShape(GqaShape s) {
   s.has_attention_bias = false;
@@ -426,7 +427,7 @@ __global__ void __launch_bounds__(kDecThreads)
   // a third of a short split's instructions, profiled at B=1).
   const int32_t stride32 = static_cast<int32_t>(seq_stride);
   // This warp's i-th step: its stage slot (in 32 bits: a warp's steps number below 2^27, and a
-  // 64-bit modulo by 3 was eight instructions on every step's path) and its first key.
+  // 64-bit modulo by the stage count was eight instructions on every step's path) and its first key.
   auto step_slot = [&](int64_t i) { return wsm + (static_cast<int>(i) % ST) * DecSlotElems(HD); };
   auto step_key = [&](int64_t i) { return k_begin + (warp + i * kDecWarps) * KS; };
   auto issue = [&](int64_t i) {
@@ -1072,7 +1073,12 @@ Status LaunchDecodeTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pr
     return Status::Error("ai.kvlayout::GroupQueryAttention (CUDA): no decode tile for head_size " +
                          std::to_string(s.head_size));
   }
-  // Padded where the plan allows fewer CTAs per SM than fit (plan.decode_ctas_per_sm).
+  // Padded where the plan allows fewer CTAs per SM than fit (plan.decode_ctas_per_sm, set only
+  // with many rows; clusters only with few).
+  if (plan.cluster > 1 && plan.decode_ctas_per_sm > 0) {
+    return Status::Error("ai.kvlayout::GroupQueryAttention (CUDA): decode plan with clusters and "
+                         "padded shared memory (internal)");
+  }
   KVL_RETURN_IF_ERROR(SmemForCtasPerSm(reinterpret_cast<const void*>(fn), kDecThreads, smem,
                                        plan.decode_ctas_per_sm, &smem));
   KVL_RETURN_IF_ERROR(EnsureSmemLimit(reinterpret_cast<const void*>(fn), smem));

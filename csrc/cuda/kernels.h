@@ -178,7 +178,8 @@ struct DecodeMergeTree {
 // At least two KS steps per warp, so the merge stays small against the reads.
 constexpr int64_t kMinDecodeSplitKeys = 128;
 // Below this many (batch, kv head) rows the plan puts one decode CTA per SM, else it fills
-// every CTA slot (MakePlan says why).
+// every CTA slot in one wave, or past one wave takes one split per row, with fewer CTAs per SM
+// (padded shared memory) where the rows fill those waves better (MakePlan says why).
 constexpr int64_t kFewDecodeRows = 16;
 bool DecodeTcFits(const GqaShape& s, size_t elem, const CudaDeviceInfo& dev);
 int DecodeTcCtasPerSm(const GqaShape& s, const CudaDeviceInfo& dev);  // cached per device/kernel

@@ -65,14 +65,16 @@ bool DecodeClustersAllowed() {
 }
 
 // With more (batch, kv head) rows than one wave of decode CTAs holds (one split each), the CTAs
-// per SM, at most `fit`, whose waves the rows fill best (ties: more CTAs per SM). A CTA's reads
-// are bounded by its loads in flight, so a wave the CTAs fill in part reads slower: 32/8/128
-// B=64 (512 rows) in waves of 396 CTAs (three per SM) took 13% longer than in waves of 264 (two
-// per SM) on the H200 (docs/BENCHMARKS.md, fourteenth session).
+// per SM whose waves the rows fill best: `fit` or one fewer, never below two (ties: more). A
+// CTA's reads are bounded by its loads in flight, so a wave the CTAs fill in part reads slower:
+// 32/8/128 B=64 (512 rows) in waves of 396 CTAs (three per SM) took 13% longer than in waves of
+// 264 (two per SM) on the H200 (docs/BENCHMARKS.md, fourteenth session). Fewer than that would
+// fill some waves better on paper (600 rows: five waves of 132), but one CTA per SM holds a third
+// of the loads in flight (at B=8, 9/3/64 lost 15% with one CTA per SM): not measured, not taken.
 int DecodeWaveCtasPerSm(int64_t rows, int64_t sms, int fit) {
   int best = fit;
   int64_t best_fill = 0;  // in 1/1000 of the waves' slots
-  for (int c = fit; c >= 1; --c) {
+  for (int c = fit; c >= std::max(2, fit - 1); --c) {
     const int64_t slots = sms * c, waves = (rows + slots - 1) / slots;
     const int64_t fill = rows * 1000 / (waves * slots);
     if (fill > best_fill) {
@@ -133,7 +135,10 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
     }
     const int64_t max_splits =
         std::max<int64_t>(1, (attn_rows + kMinDecodeSplitKeys - 1) / kMinDecodeSplitKeys);
-    if (DecodeSplitsOverride() > 0) p.split_target = DecodeSplitsOverride();
+    if (DecodeSplitsOverride() > 0) {  // a tuning run: its splits, every CTA slot
+      p.split_target = DecodeSplitsOverride();
+      p.decode_ctas_per_sm = 0;
+    }
     p.splits = std::min(p.split_target, max_splits);
     // With few rows (one CTA per SM, the latency-bound decode) and at most 8 splits, each row's
     // splits are one thread-block cluster where the device has them: they merge through its
@@ -319,35 +324,38 @@ Status SmemForCtasPerSm(const void* fn, int threads, size_t smem, int ctas, size
       return Status::Ok();
     }
   }
+  // A hint, as CachedHint's: where a query fails, the launch takes `smem` unpadded (more CTAs
+  // per SM, the same results) and only this search's own error is cleared.
+  const bool clean = cudaPeekAtLastError() == cudaSuccess;
+  size_t found = smem;
   // The most a CTA may opt in to, less the kernel's static shared memory: the limit raised to it
   // makes every size below launchable (and counted by the occupancy calculator).
   cudaFuncAttributes attr = {};
-  KVL_RETURN_IF_ERROR(CudaCheck(cudaFuncGetAttributes(&attr, fn), "cudaFuncGetAttributes"));
-  int optin = 0;
-  KVL_RETURN_IF_ERROR(CudaCheck(
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
-      "shared memory opt-in limit"));
-  const size_t most = size_t(optin) - attr.sharedSizeBytes;
-  size_t found = smem;  // unpadded where even the most leaves room for more than `ctas`
-  if (most > smem) {
-    KVL_RETURN_IF_ERROR(EnsureSmemLimit(fn, most));
-    auto fits = [&](size_t bytes, int* n) {
-      return CudaCheck(cudaOccupancyMaxActiveBlocksPerMultiprocessor(n, fn, threads, bytes),
-                       "decode occupancy");
-    };
-    int n = 0;
-    KVL_RETURN_IF_ERROR(fits(most, &n));
-    if (n <= ctas) {
+  int optin = 0, n = 0;
+  auto fits = [&](size_t bytes) {
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, threads, bytes) == cudaSuccess;
+  };
+  bool ok = cudaFuncGetAttributes(&attr, fn) == cudaSuccess &&
+            cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) ==
+                cudaSuccess;
+  if (ok && size_t(optin) > attr.sharedSizeBytes + smem) {
+    const size_t most = size_t(optin) - attr.sharedSizeBytes;
+    ok = EnsureSmemLimit(fn, most).ok() && fits(most);
+    if (ok && n <= ctas) {
       // The smallest size in 1 KB steps with at most `ctas` per SM: the occupancy falls as the
       // size grows, so a bisection over [smem, most].
       size_t lo = smem, hi = most;  // fits(lo) > ctas >= fits(hi)
-      while (hi - lo > 1024) {
+      while (ok && hi - lo > 1024) {
         const size_t mid = lo + std::max<size_t>(1, (hi - lo) / 2048) * 1024;  // in (lo, hi)
-        KVL_RETURN_IF_ERROR(fits(mid, &n));
+        ok = fits(mid);
         (n <= ctas ? hi : lo) = mid;
       }
-      found = hi;
+      if (ok) found = hi;
     }
+  }
+  if (!ok) {
+    if (clean) (void)cudaGetLastError();
+    found = smem;
   }
   std::lock_guard<std::mutex> lock(g_cache_mutex);
   g_smem_for_ctas.emplace(key, found);
