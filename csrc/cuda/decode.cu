@@ -427,7 +427,8 @@ __global__ void __launch_bounds__(kDecThreads)
   // a third of a short split's instructions, profiled at B=1).
   const int32_t stride32 = static_cast<int32_t>(seq_stride);
   // This warp's i-th step: its stage slot (in 32 bits: a warp's steps number below 2^27, and a
-  // 64-bit modulo by the stage count was eight instructions on every step's path) and its first key.
+  // 64-bit modulo by the stage count was eight instructions on every step's path) and its first
+  // key.
   auto step_slot = [&](int64_t i) { return wsm + (static_cast<int>(i) % ST) * DecSlotElems(HD); };
   auto step_key = [&](int64_t i) { return k_begin + (warp + i * kDecWarps) * KS; };
   auto issue = [&](int64_t i) {
