@@ -6,6 +6,7 @@
 #
 #   bash bench/ncu_decode.sh 9/3/64 64x16384            # heads N/Nkv/H, decode BxL
 #   KERNELS=DecodeTc bash bench/ncu_decode.sh 28/4/128 1x4096
+#   LIBRARY=/tmp/bv/libort_kvlayout.so bash bench/ncu_decode.sh 28/4/128 64x16384   # a build
 #
 # ncu locks the SM clock near its base (1.33 GHz on the H200): compare kernels within one run,
 # not with bench_cuda.py's times. Needs ncu, a GPU and the packages bench_cuda.py needs.
@@ -20,7 +21,8 @@ for kernel in ${KERNELS:-DecodeTc flash}; do
   report="$OUT_DIR/ncu_${heads//\//-}_${case}_${kernel}.txt"
   # The fifth launch: after bench_cuda.py's warm-ups, so caches and plans are those of a timed run.
   ncu "${SECTIONS[@]}" -k "regex:$kernel" --launch-skip 4 --launch-count 1 \
-    python3 bench/bench_cuda.py --runs 2 --heads "$heads" --decode "$case" --prefill= >"$report" 2>&1 || true
+    python3 bench/bench_cuda.py --runs 2 --heads "$heads" --decode "$case" --prefill= \
+    ${LIBRARY:+--library "$LIBRARY"} >"$report" 2>&1 || true
   echo "== $heads $case kernel ~ $kernel ($report)"
   grep -E "^  [a-z_].*\(|Duration|DRAM Throughput|L2 Hit Rate|Registers Per|Grid Size|Block Size|Dynamic Shared|Issued Warp|Achieved Active Warps|Theoretical Occupancy" \
     "$report" | awk '!seen[$0]++' | cut -c1-120 || echo "   no profile (see $report)"
