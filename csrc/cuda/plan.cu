@@ -123,15 +123,13 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
     // rows than slots: one split each, in waves they fill (DecodeWaveCtasPerSm). At least 128
     // keys per split (two steps per warp).
     const int64_t base = s.batch * s.kv_num_heads;
-    if (base < kFewDecodeRows) {
-      p.split_target = std::min(std::max<int64_t>(1, sms / base), kMaxDecodeSplits);
-    } else {
-      const int fit = DecodeTcCtasPerSm(s, dev);
-      p.split_target = std::min(std::max<int64_t>(1, sms * fit / base), kMaxDecodeSplits);
-      if (base > sms * fit) {
-        const int ctas = DecodeWaveCtasPerSm(base, sms, fit);
-        if (ctas < fit) p.decode_ctas_per_sm = ctas;
-      }
+    const bool few = base < kFewDecodeRows;
+    const int fit = few ? 1 : DecodeTcCtasPerSm(s, dev);  // CTAs per SM
+    const int64_t slots = sms * fit;
+    p.split_target = std::min(std::max<int64_t>(1, slots / base), kMaxDecodeSplits);
+    if (!few && base > slots) {
+      const int ctas = DecodeWaveCtasPerSm(base, sms, fit);
+      if (ctas < fit) p.decode_ctas_per_sm = ctas;
     }
     const int64_t max_splits =
         std::max<int64_t>(1, (attn_rows + kMinDecodeSplitKeys - 1) / kMinDecodeSplitKeys);
@@ -325,7 +323,8 @@ Status SmemForCtasPerSm(const void* fn, int threads, size_t smem, int ctas, size
     }
   }
   // A hint, as CachedHint's: where a query fails, the launch takes `smem` unpadded (more CTAs
-  // per SM, the same results) and only this search's own error is cleared.
+  // per SM, the same results) and only this search's own error is cleared. Not through
+  // CachedHint: it holds g_cache_mutex while it queries, and EnsureSmemLimit takes it.
   const bool clean = cudaPeekAtLastError() == cudaSuccess;
   size_t found = smem;
   // The most a CTA may opt in to, less the kernel's static shared memory: the limit raised to it
