@@ -161,6 +161,18 @@ __host__ __device__ constexpr int DecStages(int hd) {
 #ifndef KVL_DECODE_NO_PLAIN
 #define KVL_DECODE_NO_PLAIN 0
 #endif
+// Build knob KVL_DECODE_STEP_ORDER=n (benchmarking only; 0, the default, compiles nothing): which
+// key steps a warp takes and when. 0: warp w takes steps w, w + 4, ..., each warp at its own pace
+// (the four drift apart over a long split). 1: the same steps, but every warp's loop runs the
+// CTA's ceil(steps / 4) iterations behind a CTA barrier, so the four warps issue adjacent steps
+// (a contiguous run of 4 x KS keys of K and of V) together, as the decode kernels that load one
+// tile with all their threads do. 2: warp w takes a contiguous quarter of the split's steps.
+// A test of whether the DRAM access order bounds the bandwidth-bound points (docs/BENCHMARKS.md).
+#ifndef KVL_DECODE_STEP_ORDER
+#define KVL_DECODE_STEP_ORDER 0
+#endif
+static_assert(KVL_DECODE_STEP_ORDER >= 0 && KVL_DECODE_STEP_ORDER <= 2,
+              "KVL_DECODE_STEP_ORDER: 0, 1 or 2");
 // Row pitch in elements: 16 bytes of padding put the 8 rows an ldmatrix reads on distinct banks.
 __host__ __device__ constexpr int DecPitch(int hd) { return hd + 8; }
 
@@ -411,7 +423,12 @@ __global__ void __launch_bounds__(kDecThreads)
     return;  // in a cluster too: a CTA that exits no longer holds up the cluster's barriers
   }
   const int64_t steps = (k_end - k_begin + KS - 1) / KS;  // of the CTA; warp w takes w, w+4, ...
-  const int64_t my_steps = steps > warp ? (steps - warp + kDecWarps - 1) / kDecWarps : 0;
+  // Steps per warp, rounded up: warp w's range under KVL_DECODE_STEP_ORDER=2.
+  const int64_t quarter = (steps + kDecWarps - 1) / kDecWarps;
+  const int64_t my_steps =
+      KVL_DECODE_STEP_ORDER == 2
+          ? max(int64_t(0), min(quarter, steps - warp * quarter))
+          : (steps > warp ? (steps - warp + kDecWarps - 1) / kDecWarps : 0);
 
   // Rows of this (batch, kv head): key j at base + (j - cache_base) * seq stride, in either
   // layout (cache_base: 0 unless a sliding window cache stages the rows, sliding.cu).
@@ -430,7 +447,9 @@ __global__ void __launch_bounds__(kDecThreads)
   // 64-bit modulo by the stage count was eight instructions on every step's path) and its first
   // key.
   auto step_slot = [&](int64_t i) { return wsm + (static_cast<int>(i) % ST) * DecSlotElems(HD); };
-  auto step_key = [&](int64_t i) { return k_begin + (warp + i * kDecWarps) * KS; };
+  auto step_key = [&](int64_t i) {
+    return k_begin + (KVL_DECODE_STEP_ORDER == 2 ? warp * quarter + i : warp + i * kDecWarps) * KS;
+  };
   auto issue = [&](int64_t i) {
     T* ks = step_slot(i);
     T* vs = ks + KS * P;
@@ -579,14 +598,22 @@ __global__ void __launch_bounds__(kDecThreads)
 #pragma unroll
   for (int n = 0; n < DT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
 
-  for (int64_t i = 0; i < my_steps; ++i) {
+  // Under KVL_DECODE_STEP_ORDER=1 every warp runs the CTA's most steps (quarter), those past
+  // its own only issuing empty groups, so all reach each barrier.
+  const int64_t loop_steps = KVL_DECODE_STEP_ORDER == 1 ? quarter : my_steps;
+  for (int64_t i = 0; i < loop_steps; ++i) {
     // The slot of step i - 1 was read by every lane before the barrier closing that step, so
     // step i + ST - 1 goes into it before waiting: ST steps in flight during the wait.
-    __syncwarp();
+    if constexpr (KVL_DECODE_STEP_ORDER == 1) {
+      __syncthreads();
+    } else {
+      __syncwarp();
+    }
     if (i + ST - 1 < my_steps) issue(i + ST - 1);
     ptx::CpAsyncCommit();
     ptx::CpAsyncWait<ST - 1>();  // this lane's copies of step i have landed
     __syncwarp();                // ... and every lane's
+    if (KVL_DECODE_STEP_ORDER == 1 && i >= my_steps) continue;
     if constexpr (KVL_DECODE_TRACE != 0) {
       if (i == 0) {
         prologue_trace.Mark();  // warp 0's first step landed
