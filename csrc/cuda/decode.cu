@@ -141,7 +141,21 @@ static_assert(kDecodeRows == kRowsPerCta, "the plan sizes decode slots in kRowsP
 constexpr int64_t DecHeadDim(int64_t head_size) { return (head_size + 31) / 32 * 32; }
 // Keys per warp step: 16 (one P V k-step) for wide heads, 32 for narrow ones, so a step moves
 // 4 to 16 KB of K and V.
-__host__ __device__ constexpr int DecKeys(int hd) { return hd <= 64 ? 32 : 16; }
+// Build knob KVL_DECODE_KEYS=n (benchmarking only; 0, the default, keeps 32 / 16): n keys per
+// step at head sizes up to 128 where n x head size <= 4096 (a step's K and V tiles at most 16 KB,
+// so two stages of four warps fit an SM), the default elsewhere: more independent mma chains per
+// step, fewer steps per key.
+#ifndef KVL_DECODE_KEYS
+#define KVL_DECODE_KEYS 0
+#endif
+static_assert(KVL_DECODE_KEYS == 0 || KVL_DECODE_KEYS == 16 || KVL_DECODE_KEYS == 32 ||
+                  KVL_DECODE_KEYS == 64,
+              "KVL_DECODE_KEYS: 0, 16, 32 or 64");
+__host__ __device__ constexpr int DecKeys(int hd) {
+  return KVL_DECODE_KEYS > 0 && hd <= 128 && KVL_DECODE_KEYS * hd <= 4096 ? KVL_DECODE_KEYS
+         : hd <= 64                                                          ? 32
+                                                                             : 16;
+}
 // cp.async stages per warp, both in flight while the oldest is waited for (the next step is
 // issued before the wait). Two, not three: 70 KB of stages at head size 128 (74 KB at 64) let
 // three CTAs share an SM instead of two, and at many rows more CTAs at once read faster than
