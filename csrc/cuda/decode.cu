@@ -187,6 +187,16 @@ __host__ __device__ constexpr int DecStages(int hd) {
 #endif
 static_assert(KVL_DECODE_STEP_ORDER >= 0 && KVL_DECODE_STEP_ORDER <= 2,
               "KVL_DECODE_STEP_ORDER: 0, 1 or 2");
+// Build knob KVL_DECODE_BULK=1 (benchmarking only; 0, the default, compiles nothing): on sm_90
+// code, each K and V row of a step is one bulk copy (cp.async.bulk, the TMA unit: one L2 request
+// per 128-byte line) completed through an mbarrier per stage, instead of 16-byte cp.async copies.
+// A test of whether the L2 requests of the 16-byte copies bound the bandwidth-bound points (ncu:
+// 44M L2 requests and 3.2 GB from L2 to the SMs for 2.1 GB of K/V at 28/4/128 B=64 L=16k, where
+// cuDNN's kernel makes 17M and 2.1 GB; docs/BENCHMARKS.md, fifteenth session). With
+// KVL_DECODE_STOP a CTA may leave with bulk copies in flight: phase builds and this knob do not mix.
+#ifndef KVL_DECODE_BULK
+#define KVL_DECODE_BULK 0
+#endif
 // Row pitch in elements: 16 bytes of padding put the 8 rows an ldmatrix reads on distinct banks.
 __host__ __device__ constexpr int DecPitch(int hd) { return hd + 8; }
 
@@ -324,6 +334,14 @@ __global__ void __launch_bounds__(kDecThreads)
   constexpr int DT = HD / 8;  // output n-tiles (8 dimensions each)
   constexpr int KT = HD / 16;  // k-steps of Q K^T
   extern __shared__ __align__(128) unsigned char dec_smem[];
+#if KVL_DECODE_BULK && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr bool kBulk = true;
+  __shared__ uint64_t step_bars[kDecWarps * ST];  // [warp][stage]: a stage's copies landed
+  uint64_t* const step_bar = step_bars + (threadIdx.x / kWarp) * ST;
+#else
+  constexpr bool kBulk = false;
+  uint64_t* const step_bar = nullptr;
+#endif
   __shared__ float red_m[kDecWarps][kDecodeRows], red_l[kDecWarps][kDecodeRows];
   __shared__ float row_scale[kDecodeRows];
   __shared__ float red_w[kDecWarps][kDecodeRows], row_m[kDecodeRows], row_l[kDecodeRows];
@@ -471,6 +489,28 @@ __global__ void __launch_bounds__(kDecThreads)
     const T* kstep = pk + (k0 - geo.cache_base) * seq_stride;
     const T* vstep = pv + (k0 - geo.cache_base) * seq_stride;
     const int rows_here = static_cast<int>(min(int64_t(KS), k_end - k0));
+    if constexpr (kBulk) {
+      // This lane's earlier reads and writes of the slot (the last step's fragments, the
+      // prologue's query tile and scratch) before any copy into it: a proxy fence, then the warp.
+      uint64_t* bar = step_bar + static_cast<int>(i) % ST;
+      const unsigned row_bytes = static_cast<unsigned>(chunks) * 16u;
+      ptx::FenceProxyAsyncShared();
+      if (lane == 0) ptx::MbarArriveExpectTx(bar, 2u * static_cast<unsigned>(rows_here) * row_bytes);
+      __syncwarp();
+      for (int idx = lane; idx < 2 * KS; idx += kWarp) {
+        const int j = idx % KS;
+        const bool is_v = idx >= KS;
+        T* dst = ks + (is_v ? KS * P : 0) + j * P;
+        if (j < rows_here) {
+          ptx::BulkCopy(dst, (is_v ? vstep : kstep) + j * seq_stride, row_bytes, bar);
+        } else {  // past the split's end: zero rows
+          for (int c = 0; c < chunks; ++c) {
+            *reinterpret_cast<uint4*>(dst + c * 8) = make_uint4(0u, 0u, 0u, 0u);
+          }
+        }
+      }
+      return;
+    }
     // Every step but a split's last holds KS rows: its copies need no row test, zero-fill
     // operand or select, and their offsets from the lane's first copy are compile-time for the
     // shared side and one multiply-add for the global side (the predicated form below cost
@@ -517,6 +557,13 @@ __global__ void __launch_bounds__(kDecThreads)
     // Its split: the one whose keys [k_begin, k_end) hold p (no division on the path).
     return (key_lo <= p && p < key_hi) ? (k_begin <= p && p < k_end) : split == 0;
   };
+  if constexpr (kBulk) {  // the warp's stage barriers, one arrival (lane 0's) per phase
+    if (lane < ST) {
+      ptx::MbarInit(step_bar + lane, 1);
+      ptx::MbarInitFence();
+    }
+    __syncwarp();
+  }
   bool appended = false;  // uniform over the CTA
   for (int64_t i = 0; i < written && !appended; ++i) appended = appends(i);
   auto reads_new_rows = [&](int i) { return appended && min(step_key(i) + KS, k_end) > geo.past; };
@@ -539,6 +586,7 @@ __global__ void __launch_bounds__(kDecThreads)
       AppendKvRow<T>(s, buf, present_st, geo, b, i, g, ClampedRotaryPosition(s, buf, geo, b, i),
                      x, lane);
     }
+    if constexpr (kBulk) ptx::FenceProxyAsyncGlobal();  // the rows before bulk copies read them
     __syncthreads();  // every warp's rows before any warp's copies read them
   }
   for (; issued < ST - 1; ++issued) {
@@ -626,6 +674,9 @@ __global__ void __launch_bounds__(kDecThreads)
     if (i + ST - 1 < my_steps) issue(i + ST - 1);
     ptx::CpAsyncCommit();
     ptx::CpAsyncWait<ST - 1>();  // this lane's copies of step i have landed
+    if constexpr (kBulk) {
+      if (i < my_steps) ptx::MbarWait(step_bar + static_cast<int>(i) % ST, (unsigned(i) / ST) & 1u);
+    }
     __syncwarp();                // ... and every lane's
     if (KVL_DECODE_STEP_ORDER == 1 && i >= my_steps) continue;
     if constexpr (KVL_DECODE_TRACE != 0) {
