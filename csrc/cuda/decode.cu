@@ -197,6 +197,8 @@ static_assert(KVL_DECODE_STEP_ORDER >= 0 && KVL_DECODE_STEP_ORDER <= 2,
 #ifndef KVL_DECODE_BULK
 #define KVL_DECODE_BULK 0
 #endif
+static_assert(!(KVL_DECODE_BULK && KVL_DECODE_STOP == 2),
+              "KVL_DECODE_STOP=2 leaves the prologue's bulk copies in flight");
 // Row pitch in elements: 16 bytes of padding put the 8 rows an ldmatrix reads on distinct banks.
 __host__ __device__ constexpr int DecPitch(int hd) { return hd + 8; }
 
@@ -490,11 +492,12 @@ __global__ void __launch_bounds__(kDecThreads)
     const T* vstep = pv + (k0 - geo.cache_base) * seq_stride;
     const int rows_here = static_cast<int>(min(int64_t(KS), k_end - k0));
     if constexpr (kBulk) {
-      // This lane's earlier reads and writes of the slot (the last step's fragments, the
-      // prologue's query tile and scratch) before any copy into it: a proxy fence, then the warp.
+      // A slot's reuse after the warp's ldmatrix reads of it needs no proxy fence (a write after
+      // read, ordered by the syncs, as CUTLASS's TMA pipelines do); the prologue's generic
+      // writes into slot ST - 1 are fenced once, before the query tile's second barrier; the
+      // rows zeroed below end a split, whose slot is never refilled.
       uint64_t* bar = step_bar + static_cast<int>(i) % ST;
       const unsigned row_bytes = static_cast<unsigned>(chunks) * 16u;
-      ptx::FenceProxyAsyncShared();
       if (lane == 0) ptx::MbarArriveExpectTx(bar, 2u * static_cast<unsigned>(rows_here) * row_bytes);
       __syncwarp();
       for (int idx = lane; idx < 2 * KS; idx += kWarp) {
@@ -622,6 +625,9 @@ __global__ void __launch_bounds__(kDecThreads)
       qa[kk][e] = *reinterpret_cast<const uint32_t*>(q_tile + (gq + (e % 2) * 8) * P + d);
     }
   }
+  // (With bulk copies: every thread's generic writes into the slots (query tile, raw rows,
+  // scratch, appended rows' scratch) before the async proxy's copies into them.)
+  if constexpr (kBulk) ptx::FenceProxyAsyncShared();
   __syncthreads();  // every warp holds its fragments: warp 0's free slot may take a step
   prologue_trace.Mark();  // the query tile in every warp's fragments
   KVL_DECODE_STOP_AFTER(2, qa[0][0] == 0x5a5a5a5au && qa[KT - 1][3] == 0xa5a5a5a5u)
