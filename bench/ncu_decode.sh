@@ -7,7 +7,11 @@
 #   bash bench/ncu_decode.sh 9/3/64 64x16384            # heads N/Nkv/H, decode BxL
 #   KERNELS=DecodeTc bash bench/ncu_decode.sh 28/4/128 1x4096
 #   LIBRARY=/tmp/bv/libort_kvlayout.so bash bench/ncu_decode.sh 28/4/128 64x16384   # a build
+#   L2=1 bash bench/ncu_decode.sh 28/4/128 64x16384   # what the L2 serves (clock left free)
 #
+# L2=1 measures instead the traffic between the SMs, the L2 and DRAM (bytes, requests, sectors,
+# hits; the fifteenth session's table in docs/BENCHMARKS.md), with the SM clock left free
+# (--clock-control none), so its durations are the benchmark's.
 # ncu locks the SM clock near its base (1.33 GHz on the H200): compare kernels within one run,
 # not with bench_cuda.py's times. Needs ncu, a GPU and the packages bench_cuda.py needs.
 set -euo pipefail
@@ -17,6 +21,13 @@ OUT_DIR="${OUT_DIR:-/tmp/ort_kvlayout_ncu}"
 mkdir -p "$OUT_DIR"
 SECTIONS=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy
           --section WarpStateStats --section LaunchStats --section SchedulerStats)
+if [ "${L2:-0}" = 1 ]; then
+  SECTIONS=(--clock-control none --metrics "gpu__time_duration.sum,dram__bytes_read.sum,\
+dram__bytes_read.sum.per_second,l1tex__m_xbar2l1tex_read_bytes.sum,\
+lts__t_requests_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_read.sum,\
+lts__t_sectors_srcunit_tex_op_read_lookup_hit.sum,lts__t_sectors_srcunit_tex_op_read_lookup_miss.sum,\
+sm__warps_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum")
+fi
 for kernel in ${KERNELS:-DecodeTc flash}; do
   report="$OUT_DIR/ncu_${heads//\//-}_${case}_${kernel}.txt"
   # The fifth launch: after bench_cuda.py's warm-ups, so caches and plans are those of a timed run.
@@ -24,6 +35,6 @@ for kernel in ${KERNELS:-DecodeTc flash}; do
     python3 bench/bench_cuda.py --runs 2 --heads "$heads" --decode "$case" --prefill= \
     ${LIBRARY:+--library "$LIBRARY"} >"$report" 2>&1 || true
   echo "== $heads $case kernel ~ $kernel ($report)"
-  grep -E "^  [a-z_].*\(|Duration|DRAM Throughput|L2 Hit Rate|Registers Per|Grid Size|Block Size|Dynamic Shared|Issued Warp|Achieved Active Warps|Theoretical Occupancy" \
+  grep -E "^  [a-z_].*\(|^    [a-z0-9_]+__[a-z0-9_.]+ |Duration|DRAM Throughput|L2 Hit Rate|Registers Per|Grid Size|Block Size|Dynamic Shared|Issued Warp|Achieved Active Warps|Theoretical Occupancy" \
     "$report" | awk '!seen[$0]++' | cut -c1-120 || echo "   no profile (see $report)"
 done
