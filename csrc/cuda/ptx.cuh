@@ -98,7 +98,7 @@ __device__ __forceinline__ void BulkCopy(void* smem_dst, const void* gmem_src, u
       : "memory");
 }
 // Orders this thread's generic-proxy accesses to shared (resp. global) memory before later
-// async-proxy ones (a bulk copy into a slot it read, or reading rows it wrote).
+// async-proxy ones (a bulk copy into shared memory it wrote, or reading global rows it wrote).
 __device__ __forceinline__ void FenceProxyAsyncShared() {
   KVL_PTX_SM90("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
