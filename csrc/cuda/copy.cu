@@ -1,6 +1,7 @@
 // Non-shared past -> present: the valid past rows are copied through both layouts' strides and
 // the rows nobody writes this call are zeroed.
 #include <algorithm>
+#include <cstdint>
 
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
@@ -9,36 +10,68 @@ namespace kvl {
 namespace cu {
 namespace {
 
+constexpr int kCopyWarps = 8;
+
+// One warp per present row (b, h, r): the row's lengths once, then the whole row copied from
+// past (r < past), zeroed (r at or past the rows this call writes) or left to the writers. In
+// 16-byte pieces when every row starts 16-byte aligned (`vec`), else element by element. An
+// element per thread with its own index arithmetic and length reads was 18 us for a first
+// prompt of 8192 rows at head size 256 that copies nothing (H200, docs/BENCHMARKS.md, sixteenth
+// session).
 template <typename T>
-__global__ void CopyPastKernel(GqaShape s, GqaCudaBuffers buf, KvStrides past_st,
-                               KvStrides present_st) {
+__global__ void __launch_bounds__(kCopyWarps* kWarp)
+    CopyPastKernel(GqaShape s, GqaCudaBuffers buf, KvStrides past_st, KvStrides present_st,
+                   bool vec) {
   const int64_t H = s.head_size, C = s.present_capacity;
-  const int64_t n = s.batch * s.kv_num_heads * C * H;
-  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n;
-       idx += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t d = idx % H, r = (idx / H) % C, h = (idx / (H * C)) % s.kv_num_heads;
-    const int64_t b = idx / (H * C * s.kv_num_heads);
+  const int64_t rows = s.batch * s.kv_num_heads * C;
+  const int lane = threadIdx.x % kWarp;
+  for (int64_t row = blockIdx.x * int64_t(kCopyWarps) + threadIdx.x / kWarp; row < rows;
+       row += int64_t(gridDim.x) * kCopyWarps) {
+    const int64_t r = row % C, bh = row / C, h = bh % s.kv_num_heads, b = bh / s.kv_num_heads;
     const BatchGeometry g = Geo(s, buf, b);
-    const int64_t dst = present_st.Offset(b, h, r) + d;
-    if (r < g.past) {
-      const int64_t src = past_st.Offset(b, h, r) + d;
-      static_cast<T*>(buf.present_key)[dst] = static_cast<const T*>(buf.past_key)[src];
-      static_cast<T*>(buf.present_value)[dst] = static_cast<const T*>(buf.past_value)[src];
-    } else if (r >= g.past + WrittenRows(s, g)) {
-      static_cast<T*>(buf.present_key)[dst] = FromF<T>(0.0f);
-      static_cast<T*>(buf.present_value)[dst] = FromF<T>(0.0f);
+    const bool copy = r < g.past;
+    if (!copy && r < g.past + WrittenRows(s, g)) continue;  // this call's new rows
+    const int64_t dst = present_st.Offset(b, h, r);
+    const int64_t src = copy ? past_st.Offset(b, h, r) : 0;
+    if (vec) {
+      constexpr int64_t E = 16 / sizeof(T);  // elements per piece
+      uint4* kd = reinterpret_cast<uint4*>(static_cast<T*>(buf.present_key) + dst);
+      uint4* vd = reinterpret_cast<uint4*>(static_cast<T*>(buf.present_value) + dst);
+      const uint4* ks = reinterpret_cast<const uint4*>(static_cast<const T*>(buf.past_key) + src);
+      const uint4* vs = reinterpret_cast<const uint4*>(static_cast<const T*>(buf.past_value) + src);
+      for (int64_t c = lane; c < H / E; c += kWarp) {
+        kd[c] = copy ? ks[c] : make_uint4(0u, 0u, 0u, 0u);
+        vd[c] = copy ? vs[c] : make_uint4(0u, 0u, 0u, 0u);
+      }
+    } else {
+      T* kd = static_cast<T*>(buf.present_key) + dst;
+      T* vd = static_cast<T*>(buf.present_value) + dst;
+      const T* ks = static_cast<const T*>(buf.past_key) + src;
+      const T* vs = static_cast<const T*>(buf.past_value) + src;
+      for (int64_t d = lane; d < H; d += kWarp) {
+        kd[d] = copy ? ks[d] : FromF<T>(0.0f);
+        vd[d] = copy ? vs[d] : FromF<T>(0.0f);
+      }
     }
   }
 }
+
+bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
 
 template <typename T>
 Status LaunchCopyPast(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides past_st,
                       KvStrides present_st, const CudaDeviceInfo& dev, cudaStream_t stream) {
-  const int64_t n = s.batch * s.kv_num_heads * s.present_capacity * s.head_size;
-  const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 8 * dev.sm_count));
-  CopyPastKernel<T><<<std::max(blocks, 1), 256, 0, stream>>>(s, buf, past_st, present_st);
+  const int64_t rows = s.batch * s.kv_num_heads * s.present_capacity;
+  // Row starts are multiples of H elements from the base pointers in both layouts.
+  const bool vec = (s.head_size * int64_t(sizeof(T))) % 16 == 0 && Aligned16(buf.past_key) &&
+                   Aligned16(buf.past_value) && Aligned16(buf.present_key) &&
+                   Aligned16(buf.present_value);
+  const int64_t wanted = (rows + kCopyWarps - 1) / kCopyWarps;
+  const int blocks = static_cast<int>(std::min<int64_t>(wanted, 64 * int64_t(dev.sm_count)));
+  CopyPastKernel<T><<<std::max(blocks, 1), kCopyWarps * kWarp, 0, stream>>>(s, buf, past_st,
+                                                                              present_st, vec);
   return CudaCheck(cudaGetLastError(), "copy past launch");
 }
 
