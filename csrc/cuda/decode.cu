@@ -141,21 +141,7 @@ static_assert(kDecodeRows == kRowsPerCta, "the plan sizes decode slots in kRowsP
 constexpr int64_t DecHeadDim(int64_t head_size) { return (head_size + 31) / 32 * 32; }
 // Keys per warp step: 16 (one P V k-step) for wide heads, 32 for narrow ones, so a step moves
 // 4 to 16 KB of K and V.
-// Build knob KVL_DECODE_KEYS=n (benchmarking only; 0, the default, keeps 32 / 16): n keys per
-// step at head sizes up to 128 where n x head size <= 4096 (a step's K and V tiles at most 16 KB,
-// so two stages of four warps fit an SM), the default elsewhere: more independent mma chains per
-// step, fewer steps per key.
-#ifndef KVL_DECODE_KEYS
-#define KVL_DECODE_KEYS 0
-#endif
-static_assert(KVL_DECODE_KEYS == 0 || KVL_DECODE_KEYS == 16 || KVL_DECODE_KEYS == 32 ||
-                  KVL_DECODE_KEYS == 64,
-              "KVL_DECODE_KEYS: 0, 16, 32 or 64");
-__host__ __device__ constexpr int DecKeys(int hd) {
-  return KVL_DECODE_KEYS > 0 && hd <= 128 && KVL_DECODE_KEYS * hd <= 4096 ? KVL_DECODE_KEYS
-         : hd <= 64                                                          ? 32
-                                                                             : 16;
-}
+__host__ __device__ constexpr int DecKeys(int hd) { return hd <= 64 ? 32 : 16; }
 // cp.async stages per warp, both in flight while the oldest is waited for (the next step is
 // issued before the wait). Two, not three: 70 KB of stages at head size 128 (74 KB at 64) let
 // three CTAs share an SM instead of two, and at many rows more CTAs at once read faster than
@@ -175,30 +161,6 @@ __host__ __device__ constexpr int DecStages(int hd) {
 #ifndef KVL_DECODE_NO_PLAIN
 #define KVL_DECODE_NO_PLAIN 0
 #endif
-// Build knob KVL_DECODE_STEP_ORDER=n (benchmarking only; 0, the default, compiles nothing): which
-// key steps a warp takes and when. 0: warp w takes steps w, w + 4, ..., each warp at its own pace
-// (the four drift apart over a long split). 1: the same steps, but every warp's loop runs the
-// CTA's ceil(steps / 4) iterations behind a CTA barrier, so the four warps issue adjacent steps
-// (a contiguous run of 4 x KS keys of K and of V) together, as the decode kernels that load one
-// tile with all their threads do. 2: warp w takes a contiguous quarter of the split's steps.
-// A test of whether the DRAM access order bounds the bandwidth-bound points (docs/BENCHMARKS.md).
-#ifndef KVL_DECODE_STEP_ORDER
-#define KVL_DECODE_STEP_ORDER 0
-#endif
-static_assert(KVL_DECODE_STEP_ORDER >= 0 && KVL_DECODE_STEP_ORDER <= 2,
-              "KVL_DECODE_STEP_ORDER: 0, 1 or 2");
-// Build knob KVL_DECODE_BULK=1 (benchmarking only; 0, the default, compiles nothing): on sm_90
-// code, each K and V row of a step is one bulk copy (cp.async.bulk, the TMA unit: one L2 request
-// per 128-byte line) completed through an mbarrier per stage, instead of 16-byte cp.async copies.
-// A test of whether the L2 requests of the 16-byte copies bound the bandwidth-bound points (ncu:
-// 44M L2 requests and 3.2 GB from L2 to the SMs for 2.1 GB of K/V at 28/4/128 B=64 L=16k, where
-// cuDNN's kernel makes 17M and 2.1 GB; docs/BENCHMARKS.md, fifteenth session). With
-// KVL_DECODE_STOP a CTA may leave with bulk copies in flight: phase builds and this knob do not mix.
-#ifndef KVL_DECODE_BULK
-#define KVL_DECODE_BULK 0
-#endif
-static_assert(!(KVL_DECODE_BULK && KVL_DECODE_STOP == 2),
-              "KVL_DECODE_STOP=2 leaves the prologue's bulk copies in flight");
 // Row pitch in elements: 16 bytes of padding put the 8 rows an ldmatrix reads on distinct banks.
 __host__ __device__ constexpr int DecPitch(int hd) { return hd + 8; }
 
@@ -336,14 +298,6 @@ __global__ void __launch_bounds__(kDecThreads)
   constexpr int DT = HD / 8;  // output n-tiles (8 dimensions each)
   constexpr int KT = HD / 16;  // k-steps of Q K^T
   extern __shared__ __align__(128) unsigned char dec_smem[];
-#if KVL_DECODE_BULK && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr bool kBulk = true;
-  __shared__ uint64_t step_bars[kDecWarps * ST];  // [warp][stage]: a stage's copies landed
-  uint64_t* const step_bar = step_bars + (threadIdx.x / kWarp) * ST;
-#else
-  constexpr bool kBulk = false;
-  uint64_t* const step_bar = nullptr;
-#endif
   __shared__ float red_m[kDecWarps][kDecodeRows], red_l[kDecWarps][kDecodeRows];
   __shared__ float row_scale[kDecodeRows];
   __shared__ float red_w[kDecWarps][kDecodeRows], row_m[kDecodeRows], row_l[kDecodeRows];
@@ -457,12 +411,7 @@ __global__ void __launch_bounds__(kDecThreads)
     return;  // in a cluster too: a CTA that exits no longer holds up the cluster's barriers
   }
   const int64_t steps = (k_end - k_begin + KS - 1) / KS;  // of the CTA; warp w takes w, w+4, ...
-  // Steps per warp, rounded up: warp w's range under KVL_DECODE_STEP_ORDER=2.
-  const int64_t quarter = (steps + kDecWarps - 1) / kDecWarps;
-  const int64_t my_steps =
-      KVL_DECODE_STEP_ORDER == 2
-          ? max(int64_t(0), min(quarter, steps - warp * quarter))
-          : (steps > warp ? (steps - warp + kDecWarps - 1) / kDecWarps : 0);
+  const int64_t my_steps = steps > warp ? (steps - warp + kDecWarps - 1) / kDecWarps : 0;
 
   // Rows of this (batch, kv head): key j at base + (j - cache_base) * seq stride, in either
   // layout (cache_base: 0 unless a sliding window cache stages the rows, sliding.cu).
@@ -481,9 +430,7 @@ __global__ void __launch_bounds__(kDecThreads)
   // 64-bit modulo by the stage count was eight instructions on every step's path) and its first
   // key.
   auto step_slot = [&](int64_t i) { return wsm + (static_cast<int>(i) % ST) * DecSlotElems(HD); };
-  auto step_key = [&](int64_t i) {
-    return k_begin + (KVL_DECODE_STEP_ORDER == 2 ? warp * quarter + i : warp + i * kDecWarps) * KS;
-  };
+  auto step_key = [&](int64_t i) { return k_begin + (warp + i * kDecWarps) * KS; };
   auto issue = [&](int64_t i) {
     T* ks = step_slot(i);
     T* vs = ks + KS * P;
@@ -491,29 +438,6 @@ __global__ void __launch_bounds__(kDecThreads)
     const T* kstep = pk + (k0 - geo.cache_base) * seq_stride;
     const T* vstep = pv + (k0 - geo.cache_base) * seq_stride;
     const int rows_here = static_cast<int>(min(int64_t(KS), k_end - k0));
-    if constexpr (kBulk) {
-      // A slot's reuse after the warp's ldmatrix reads of it needs no proxy fence (a write after
-      // read, ordered by the syncs, as CUTLASS's TMA pipelines do); the prologue's generic
-      // writes into slot ST - 1 are fenced once, before the query tile's second barrier; the
-      // rows zeroed below end a split, whose slot is never refilled.
-      uint64_t* bar = step_bar + static_cast<int>(i) % ST;
-      const unsigned row_bytes = static_cast<unsigned>(chunks) * 16u;
-      if (lane == 0) ptx::MbarArriveExpectTx(bar, 2u * static_cast<unsigned>(rows_here) * row_bytes);
-      __syncwarp();
-      for (int idx = lane; idx < 2 * KS; idx += kWarp) {
-        const int j = idx % KS;
-        const bool is_v = idx >= KS;
-        T* dst = ks + (is_v ? KS * P : 0) + j * P;
-        if (j < rows_here) {
-          ptx::BulkCopy(dst, (is_v ? vstep : kstep) + j * seq_stride, row_bytes, bar);
-        } else {  // past the split's end: zero rows
-          for (int c = 0; c < chunks; ++c) {
-            *reinterpret_cast<uint4*>(dst + c * 8) = make_uint4(0u, 0u, 0u, 0u);
-          }
-        }
-      }
-      return;
-    }
     // Every step but a split's last holds KS rows: its copies need no row test, zero-fill
     // operand or select, and their offsets from the lane's first copy are compile-time for the
     // shared side and one multiply-add for the global side (the predicated form below cost
@@ -560,13 +484,6 @@ __global__ void __launch_bounds__(kDecThreads)
     // Its split: the one whose keys [k_begin, k_end) hold p (no division on the path).
     return (key_lo <= p && p < key_hi) ? (k_begin <= p && p < k_end) : split == 0;
   };
-  if constexpr (kBulk) {  // the warp's stage barriers, one arrival (lane 0's) per phase
-    if (lane < ST) {
-      ptx::MbarInit(step_bar + lane, 1);
-      ptx::MbarInitFence();
-    }
-    __syncwarp();
-  }
   bool appended = false;  // uniform over the CTA
   for (int64_t i = 0; i < written && !appended; ++i) appended = appends(i);
   auto reads_new_rows = [&](int i) { return appended && min(step_key(i) + KS, k_end) > geo.past; };
@@ -589,7 +506,6 @@ __global__ void __launch_bounds__(kDecThreads)
       AppendKvRow<T>(s, buf, present_st, geo, b, i, g, ClampedRotaryPosition(s, buf, geo, b, i),
                      x, lane);
     }
-    if constexpr (kBulk) ptx::FenceProxyAsyncGlobal();  // the rows before bulk copies read them
     __syncthreads();  // every warp's rows before any warp's copies read them
   }
   for (; issued < ST - 1; ++issued) {
@@ -625,9 +541,6 @@ __global__ void __launch_bounds__(kDecThreads)
       qa[kk][e] = *reinterpret_cast<const uint32_t*>(q_tile + (gq + (e % 2) * 8) * P + d);
     }
   }
-  // (With bulk copies: every thread's generic writes into the slots (query tile, raw rows,
-  // scratch, appended rows' scratch) before the async proxy's copies into them.)
-  if constexpr (kBulk) ptx::FenceProxyAsyncShared();
   __syncthreads();  // every warp holds its fragments: warp 0's free slot may take a step
   prologue_trace.Mark();  // the query tile in every warp's fragments
   KVL_DECODE_STOP_AFTER(2, qa[0][0] == 0x5a5a5a5au && qa[KT - 1][3] == 0xa5a5a5a5u)
@@ -666,25 +579,14 @@ __global__ void __launch_bounds__(kDecThreads)
 #pragma unroll
   for (int n = 0; n < DT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
 
-  // Under KVL_DECODE_STEP_ORDER=1 every warp runs the CTA's most steps (quarter), those past
-  // its own only issuing empty groups, so all reach each barrier.
-  const int64_t loop_steps = KVL_DECODE_STEP_ORDER == 1 ? quarter : my_steps;
-  for (int64_t i = 0; i < loop_steps; ++i) {
+  for (int64_t i = 0; i < my_steps; ++i) {
     // The slot of step i - 1 was read by every lane before the barrier closing that step, so
     // step i + ST - 1 goes into it before waiting: ST steps in flight during the wait.
-    if constexpr (KVL_DECODE_STEP_ORDER == 1) {
-      __syncthreads();
-    } else {
-      __syncwarp();
-    }
+    __syncwarp();
     if (i + ST - 1 < my_steps) issue(i + ST - 1);
     ptx::CpAsyncCommit();
     ptx::CpAsyncWait<ST - 1>();  // this lane's copies of step i have landed
-    if constexpr (kBulk) {
-      if (i < my_steps) ptx::MbarWait(step_bar + static_cast<int>(i) % ST, (unsigned(i) / ST) & 1u);
-    }
     __syncwarp();                // ... and every lane's
-    if (KVL_DECODE_STEP_ORDER == 1 && i >= my_steps) continue;
     if constexpr (KVL_DECODE_TRACE != 0) {
       if (i == 0) {
         prologue_trace.Mark();  // warp 0's first step landed

@@ -3,6 +3,9 @@
 // and V appended to present at row past + i; the token's lengths checked against the op's
 // rules, the first violation recorded. Serves prefill and the portable kernel: the tensor-core
 // decode kernel does the same work itself (prepare_rows.cuh holds it for both).
+#include <cstdint>
+#include <initializer_list>
+
 #include "cuda/kernels.h"
 #include "cuda/prepare_rows.cuh"
 
@@ -52,6 +55,155 @@ __global__ void __launch_bounds__(kPrepareWarps* kWarp)
   }
 }
 
+// Build knob KVL_PREPARE_REGS=1 (benchmarking only; 0, the default, compiles nothing): at head
+// sizes 64, 128 and 256 with 2-byte types, a warp's row lives in registers, E = H / 32
+// contiguous values per lane, loaded and stored as one vector each, the rotary partner (half a
+// rotary width away) fetched by a shuffle. The row's loads (and V's, and the norm weights') go
+// out before the lengths are read, so a row costs two dependent trips (the lengths with the row,
+// then the rotary tables) instead of three, and no shared memory. A test of whether the prepare
+// kernel's 39.6 us at 4/1/256 B=1 S=8192 (ORT's UnpackRoPEAppend: 31.0) is its trips and 2-byte
+// accesses (docs/BENCHMARKS.md, sixteenth session).
+#ifndef KVL_PREPARE_REGS
+#define KVL_PREPARE_REGS 0
+#endif
+#if KVL_PREPARE_REGS
+// E values of T (2 bytes each) at p, 2E-byte aligned, in one load or store.
+template <int E, typename T>
+__device__ __forceinline__ void LoadRow(T (&v)[E], const T* p) {
+  static_assert(sizeof(T) == 2 && (E == 2 || E == 4 || E == 8), "2, 4 or 8 two-byte values");
+  if constexpr (E == 8) {
+    *reinterpret_cast<uint4*>(v) = *reinterpret_cast<const uint4*>(p);
+  } else if constexpr (E == 4) {
+    *reinterpret_cast<uint2*>(v) = *reinterpret_cast<const uint2*>(p);
+  } else {
+    *reinterpret_cast<uint32_t*>(v) = *reinterpret_cast<const uint32_t*>(p);
+  }
+}
+template <int E, typename T>
+__device__ __forceinline__ void StoreRow(T* p, const T (&v)[E]) {
+  if constexpr (E == 8) {
+    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(v);
+  } else if constexpr (E == 4) {
+    *reinterpret_cast<uint2*>(p) = *reinterpret_cast<const uint2*>(v);
+  } else {
+    *reinterpret_cast<uint32_t*>(p) = *reinterpret_cast<const uint32_t*>(v);
+  }
+}
+
+// PrepareKernel's work for one (token, head) row per warp, the row in registers (lane l holds
+// elements [l E, l E + E)). The host takes it only where PrepareRegsFit holds.
+template <typename T, int E>
+__global__ void __launch_bounds__(kPrepareWarps* kWarp)
+    PrepareRegsKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_st, Workspace ws) {
+  constexpr int H = E * kWarp;
+  const int64_t N = s.num_heads, Nkv = s.kv_num_heads;
+  const int lane = threadIdx.x % kWarp;
+  const int64_t row = blockIdx.x * int64_t(kPrepareWarps) + threadIdx.x / kWarp;
+  if (row >= s.batch * s.seq_len * (N + Nkv)) return;
+  const int64_t h = row % (N + Nkv), token = row / (N + Nkv);
+  const int64_t b = token / s.seq_len, i = token % s.seq_len;
+  const bool is_q = h < N;
+  const TokenInputs<T> in(s, buf, b, i);
+  T raw[E], val[E], wt[E];
+  LoadRow<E>(raw, (is_q ? in.q + h * H : in.k + (h - N) * H) + lane * E);
+  if (!is_q) LoadRow<E>(val, in.v + (h - N) * H + lane * E);
+  const bool norm = is_q ? s.has_q_norm : s.has_k_norm;
+  if (norm) {
+    LoadRow<E>(wt, static_cast<const T*>(is_q ? buf.q_norm_weight : buf.k_norm_weight) + lane * E);
+  }
+  if (h == 0 && lane == 0 && buf.length_record != nullptr) CheckLengths(s, buf, b, i);
+  const BatchGeometry g = Geo(s, buf, b);
+  if (ws.seq_len_q != nullptr && i == 0 && h == 0 && lane == 0) {
+    ws.seq_len_q[b] = static_cast<int32_t>(g.new_rows);
+    ws.seq_len_kv[b] = static_cast<int32_t>(g.total);
+  }
+  if (!s.is_first_prompt() && i >= g.new_rows) return;  // beyond query_seqlens: unused
+  if (!is_q && i >= WrittenRows(s, g)) return;
+  float x[E];
+#pragma unroll
+  for (int k = 0; k < E; ++k) x[k] = ToF(raw[k]);
+  if (norm) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < E; ++k) ss += x[k] * x[k];
+    ss = WarpSum(ss);
+    const float inv = rsqrtf(ss / H + (is_q ? s.q_norm_epsilon : s.k_norm_epsilon));
+#pragma unroll
+    for (int k = 0; k < E; ++k) x[k] = x[k] * inv * ToF(wt[k]);
+  }
+  if (s.rotary_dim > 0) {
+    const int64_t pos = ClampedRotaryPosition(s, buf, g, b, i);
+    const int64_t half = s.rotary_dim / 2, d0 = int64_t(lane) * E;
+    const T* cs = static_cast<const T*>(buf.cos_cache) + pos * half;
+    const T* sn = static_cast<const T*>(buf.sin_cache) + pos * half;
+    if (s.interleaved) {  // pairs (2p, 2p + 1) inside the lane's values
+#pragma unroll
+      for (int k = 0; k < E; k += 2) {
+        if (d0 + k < s.rotary_dim) {
+          const int64_t p = (d0 + k) / 2;
+          const float c = ToF(cs[p]), sv = ToF(sn[p]), x1 = x[k], x2 = x[k + 1];
+          x[k] = x1 * c - x2 * sv;
+          x[k + 1] = x2 * c + x1 * sv;
+        }
+      }
+    } else {  // pairs (p, p + half): the partner's values half / E lanes away (half % E == 0)
+      const int off = static_cast<int>(half / E);
+      const int partner = d0 < half ? lane + off : (d0 < s.rotary_dim ? lane - off : lane);
+      float px[E];
+#pragma unroll
+      for (int k = 0; k < E; ++k) px[k] = __shfl_sync(0xffffffffu, x[k], partner);
+      if (d0 < s.rotary_dim) {
+        const bool first = d0 < half;
+        const int64_t p0 = first ? d0 : d0 - half;
+#pragma unroll
+        for (int k = 0; k < E; ++k) {
+          const float c = ToF(cs[p0 + k]), sv = ToF(sn[p0 + k]);
+          x[k] = first ? x[k] * c - px[k] * sv : x[k] * c + px[k] * sv;
+        }
+      }
+    }
+  }
+  if (!is_q) {
+    const int64_t off = present_st.Offset(b, h - N, g.past - g.cache_base + i) + lane * E;
+    T out[E];
+#pragma unroll
+    for (int k = 0; k < E; ++k) out[k] = FromF<T>(x[k]);
+    StoreRow<E>(static_cast<T*>(buf.present_key) + off, out);
+    StoreRow<E>(static_cast<T*>(buf.present_value) + off, val);
+  } else if (ws.q_storage != nullptr) {  // cuDNN: (B, S, N, H) in T, unscaled (cuDNN scales)
+    T out[E];
+#pragma unroll
+    for (int k = 0; k < E; ++k) out[k] = FromF<T>(x[k]);
+    StoreRow<E>(static_cast<T*>(ws.q_storage) + (token * N + h) * H + lane * E, out);
+  } else {
+    float* dst = ws.q + ((b * N + h) * s.seq_len + i) * H + lane * E;
+#pragma unroll
+    for (int k = 0; k < E; k += 2) {
+      *reinterpret_cast<float2*>(dst + k) = make_float2(x[k] * s.scale, x[k + 1] * s.scale);
+    }
+  }
+}
+
+bool Aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// Where PrepareRegsKernel serves: 2-byte types, head size 64, 128 or 256, a rotary width whose
+// half is whole lanes' values, and every row it loads or stores aligned to its vector (rows
+// start at multiples of H elements from these pointers; 16 bytes covers every E).
+template <typename T>
+bool PrepareRegsFit(const GqaShape& s, const GqaCudaBuffers& buf, const Workspace& ws) {
+  const int64_t H = s.head_size, E = H / kWarp;
+  if (sizeof(T) != 2 || (H != 64 && H != 128 && H != 256)) return false;
+  if (s.rotary_dim > 0 && s.rotary_dim % (2 * E) != 0) return false;
+  const std::initializer_list<const void*> rows = {
+      buf.query, buf.key,  buf.value,        buf.present_key,  buf.present_value,
+      ws.q,      ws.q_storage, buf.q_norm_weight, buf.k_norm_weight};
+  for (const void* p : rows) {
+    if (p != nullptr && !Aligned(p, 16)) return false;
+  }
+  return true;
+}
+#endif  // KVL_PREPARE_REGS
+
 }  // namespace
 
 template <typename T>
@@ -63,6 +215,18 @@ Status LaunchPrepare(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pre
     return Status::Error("ai.kvlayout::GroupQueryAttention (CUDA): " + std::to_string(rows) +
                          " query and key rows exceed one prepare launch");
   }
+#if KVL_PREPARE_REGS
+  if constexpr (sizeof(T) == 2) {
+    if (PrepareRegsFit<T>(s, buf, ws)) {
+      auto kernel = s.head_size == 64    ? PrepareRegsKernel<T, 2>
+                    : s.head_size == 128 ? PrepareRegsKernel<T, 4>
+                                         : PrepareRegsKernel<T, 8>;
+      kernel<<<static_cast<unsigned>(blocks), kPrepareWarps * kWarp, 0, stream>>>(s, buf,
+                                                                                present_st, ws);
+      return CudaCheck(cudaGetLastError(), "prepare launch");
+    }
+  }
+#endif
   PrepareKernel<T><<<static_cast<unsigned>(blocks), kPrepareWarps * kWarp, 0, stream>>>(
       s, buf, present_st, ws);
   return CudaCheck(cudaGetLastError(), "prepare launch");

@@ -56,57 +56,6 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");  // orders the reads after it
 }
 
-// sm_90 bulk copies completed through an mbarrier (the decode kernel's KVL_DECODE_BULK knob).
-// Code compiled for an older target traps: callers take them only where __CUDA_ARCH__ >= 900.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define KVL_PTX_SM90(...) asm volatile(__VA_ARGS__)
-#else
-#define KVL_PTX_SM90(...) __trap()
-#endif
-// An mbarrier of `count` arrivals per phase, then the fence that shows its initialization to the
-// async proxy (the bulk copies' completions).
-__device__ __forceinline__ void MbarInit(uint64_t* bar, unsigned count) {
-  KVL_PTX_SM90("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(SharedAddress(bar)), "r"(count)
-               : "memory");
-}
-__device__ __forceinline__ void MbarInitFence() {
-  KVL_PTX_SM90("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-// One arrival that also expects `bytes` of bulk copies in this phase.
-__device__ __forceinline__ void MbarArriveExpectTx(uint64_t* bar, unsigned bytes) {
-  KVL_PTX_SM90("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(
-                   SharedAddress(bar)),
-               "r"(bytes)
-               : "memory");
-}
-// Waits for the phase of parity `parity` to complete.
-__device__ __forceinline__ void MbarWait(uint64_t* bar, unsigned parity) {
-  KVL_PTX_SM90(
-      "{\n.reg .pred p;\nKVL_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra KVL_WAIT;\n}\n" ::"r"(SharedAddress(bar)),
-      "r"(parity)
-      : "memory");
-}
-// `bytes` (a multiple of 16, both addresses 16-byte aligned) global -> shared, completing on bar.
-__device__ __forceinline__ void BulkCopy(void* smem_dst, const void* gmem_src, unsigned bytes,
-                                         uint64_t* bar) {
-  KVL_PTX_SM90(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
-          "r"(SharedAddress(smem_dst)),
-      "l"(gmem_src), "r"(bytes), "r"(SharedAddress(bar))
-      : "memory");
-}
-// Orders this thread's generic-proxy accesses to shared (resp. global) memory before later
-// async-proxy ones (a bulk copy into shared memory it wrote, or reading global rows it wrote).
-__device__ __forceinline__ void FenceProxyAsyncShared() {
-  KVL_PTX_SM90("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-__device__ __forceinline__ void FenceProxyAsyncGlobal() {
-  KVL_PTX_SM90("fence.proxy.async.global;\n" ::: "memory");
-}
-#undef KVL_PTX_SM90
-
 // Four 8x8 b16 matrices; lane l gives the address of row l % 8 of matrix l / 8.
 __device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const void* row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
