@@ -39,8 +39,9 @@ def _count(text: str | None) -> int:
     return int(text) if text and text.isdigit() else 0
 
 
-def read_lines(path: Path) -> list[Line]:
-    """The source lines of a `--print-source cuda,sass` CSV with their samples."""
+def read_lines(path: Path, column: str = SAMPLES) -> list[Line]:
+    """The source lines of a `--print-source cuda,sass` CSV with their `column` counts (the warp
+    stall samples unless another counter of the source page is named)."""
     lines: list[Line] = []
     current_file = "?"
     header: list[str] | None = None
@@ -59,6 +60,8 @@ def read_lines(path: Path) -> list[Line]:
                 continue
             if row and row[0] == "Line No":
                 header = row
+                if column not in header:
+                    raise KeyError(f"no column {column!r}; the page has: {', '.join(header[4:])}")
                 continue
             if header is None or len(row) < len(header) - 1:
                 continue
@@ -71,7 +74,7 @@ def read_lines(path: Path) -> list[Line]:
                     "file": current_file,
                     "number": int(row[0]),
                     "text": line_text.strip(),
-                    "samples": _count(rec.get(SAMPLES)),
+                    "samples": _count(rec.get(column)),
                     "calls": 0,
                 }
             elif pending is not None and "CALL" in sass_text:
@@ -84,8 +87,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("csv", type=Path, help="ncu --page source --csv --print-source cuda,sass output")
     p.add_argument("--top", type=int, default=30, help="lines to list (most samples first)")
+    p.add_argument(
+        "--column",
+        default=SAMPLES,
+        help="the source page's counter to rank by, e.g. 'L2 Theoretical Sectors Global Excessive'",
+    )
     args = p.parse_args(argv)
-    lines = read_lines(args.csv)
+    try:
+        lines = read_lines(args.csv, args.column)
+    except KeyError as e:
+        print(f"{args.csv}: {e.args[0]}", file=sys.stderr)
+        return 1
     if not lines:
         print(f"{args.csv}: no source lines (was it printed with --print-source cuda,sass?)",
               file=sys.stderr)  # fmt: skip
@@ -94,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     by_file = Counter()
     for x in lines:
         by_file[x.file] += x.samples
-    print(f"{total} samples over lines (inlined code counted under header and caller); by file: "
+    what = "samples" if args.column == SAMPLES else repr(args.column)
+    print(f"{total} {what} over lines (inlined code counted under header and caller); by file: "
           + ", ".join(f"{f} {n}" for f, n in by_file.most_common(8)))  # fmt: skip
     print("| samples | % | line | SASS calls | source |")
     print("|---:|---:|---|---:|---|")

@@ -69,3 +69,25 @@ def test_a_csv_without_source_lines_is_an_error(tmp_path, capsys):
                     '"0x10","MOV R1, R2","5"\n')  # fmt: skip
     assert ncu_source.main([str(path)]) == 1
     assert "--print-source cuda,sass" in capsys.readouterr().err
+
+
+def test_another_counter_ranks_the_lines(tmp_path, capsys):
+    header = '"Line No","Source","Address","Source","Warp Stall Sampling (All Samples)","L2 Excess"'
+    path = tmp_path / "mem.csv"
+    rows = [
+        '"File Path","/src/csrc/cuda/decode.cu"',
+        header,
+        '"10","load_k();","-","-","5","900"',
+        '"11","math();","-","-","50","0"',
+    ]
+    path.write_text("\n".join(rows) + "\n")
+    assert ncu_source.main([str(path), "--column", "L2 Excess", "--top", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("900 'L2 Excess' over lines")
+    assert out[3].startswith("| 900 | 100.0 | decode.cu:10 |")
+
+
+def test_an_unknown_counter_names_the_columns(tmp_path, capsys):
+    assert ncu_source.main([str(_csv(tmp_path)), "--column", "Nope"]) == 1
+    err = capsys.readouterr().err
+    assert "no column 'Nope'" in err and "Warp Stall Sampling (All Samples)" in err
