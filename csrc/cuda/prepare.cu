@@ -67,7 +67,8 @@ __global__ void __launch_bounds__(kPrepareWarps* kWarp)
 #define KVL_PREPARE_REGS 0
 #endif
 #if KVL_PREPARE_REGS
-// E values of T (2 bytes each) at p, 2E-byte aligned, in one load or store.
+// E values of T (2 bytes each) at p, 2E-byte aligned, in one load or store; v is declared
+// alignas(2 E) by the caller.
 template <int E, typename T>
 __device__ __forceinline__ void LoadRow(T (&v)[E], const T* p) {
   static_assert(sizeof(T) == 2 && (E == 2 || E == 4 || E == 8), "2, 4 or 8 two-byte values");
@@ -81,6 +82,7 @@ __device__ __forceinline__ void LoadRow(T (&v)[E], const T* p) {
 }
 template <int E, typename T>
 __device__ __forceinline__ void StoreRow(T* p, const T (&v)[E]) {
+  static_assert(sizeof(T) == 2 && (E == 2 || E == 4 || E == 8), "2, 4 or 8 two-byte values");
   if constexpr (E == 8) {
     *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(v);
   } else if constexpr (E == 4) {
@@ -104,7 +106,9 @@ __global__ void __launch_bounds__(kPrepareWarps* kWarp)
   const int64_t b = token / s.seq_len, i = token % s.seq_len;
   const bool is_q = h < N;
   const TokenInputs<T> in(s, buf, b, i);
-  T raw[E], val[E], wt[E];
+  // Vector-aligned: LoadRow / StoreRow move them as one 2E-byte word (in registers at -O3, but
+  // a -G build keeps them in local memory).
+  alignas(2 * E) T raw[E], val[E], wt[E];
   LoadRow<E>(raw, (is_q ? in.q + h * H : in.k + (h - N) * H) + lane * E);
   if (!is_q) LoadRow<E>(val, in.v + (h - N) * H + lane * E);
   const bool norm = is_q ? s.has_q_norm : s.has_k_norm;
@@ -165,13 +169,13 @@ __global__ void __launch_bounds__(kPrepareWarps* kWarp)
   }
   if (!is_q) {
     const int64_t off = present_st.Offset(b, h - N, g.past - g.cache_base + i) + lane * E;
-    T out[E];
+    alignas(2 * E) T out[E];
 #pragma unroll
     for (int k = 0; k < E; ++k) out[k] = FromF<T>(x[k]);
     StoreRow<E>(static_cast<T*>(buf.present_key) + off, out);
     StoreRow<E>(static_cast<T*>(buf.present_value) + off, val);
   } else if (ws.q_storage != nullptr) {  // cuDNN: (B, S, N, H) in T, unscaled (cuDNN scales)
-    T out[E];
+    alignas(2 * E) T out[E];
 #pragma unroll
     for (int k = 0; k < E; ++k) out[k] = FromF<T>(x[k]);
     StoreRow<E>(static_cast<T*>(ws.q_storage) + (token * N + h) * H + lane * E, out);
