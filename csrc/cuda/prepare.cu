@@ -15,6 +15,32 @@ namespace {
 
 constexpr int kPrepareWarps = 8;
 
+// A warp's (token, head) row: h in [0, N + Nkv), the token's batch entry b and index i.
+struct PrepareRow {
+  int64_t h, token, b, i;
+};
+__device__ __forceinline__ PrepareRow LocateRow(const GqaShape& s, int64_t row) {
+  const int64_t heads = s.num_heads + s.kv_num_heads;
+  const int64_t h = row % heads, token = row / heads;
+  return {h, token, token / s.seq_len, token % s.seq_len};
+}
+
+// The entry's lengths, and what one warp per token or entry does with them: the token's length
+// checks (its head 0 warp), cuDNN's per-entry lengths (its padding mask and bottom-right causal
+// mask follow them; the entry's token 0).
+__device__ __forceinline__ BatchGeometry EntryLengthsOnce(const GqaShape& s,
+                                                          const GqaCudaBuffers& buf,
+                                                          const Workspace& ws, const PrepareRow& r,
+                                                          int lane) {
+  if (r.h == 0 && lane == 0 && buf.length_record != nullptr) CheckLengths(s, buf, r.b, r.i);
+  const BatchGeometry g = Geo(s, buf, r.b);
+  if (ws.seq_len_q != nullptr && r.i == 0 && r.h == 0 && lane == 0) {
+    ws.seq_len_q[r.b] = static_cast<int32_t>(g.new_rows);
+    ws.seq_len_kv[r.b] = static_cast<int32_t>(g.total);
+  }
+  return g;
+}
+
 // One warp per (token, head) row: query heads 0..N-1, then kv heads (K normed and rotated, V
 // copied). A CTA per token whose warps looped over the heads left warps idle (5 of 8 at 4/1/256)
 // or ran five rows one after another in each (32/8/128), each row a chain of dependent loads:
@@ -28,15 +54,9 @@ __global__ void __launch_bounds__(kPrepareWarps* kWarp)
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int64_t row = blockIdx.x * int64_t(kPrepareWarps) + warp;
   if (row >= s.batch * s.seq_len * (N + Nkv)) return;
-  const int64_t h = row % (N + Nkv), token = row / (N + Nkv);
-  const int64_t b = token / s.seq_len, i = token % s.seq_len;
-  if (h == 0 && lane == 0 && buf.length_record != nullptr) CheckLengths(s, buf, b, i);
-  const BatchGeometry g = Geo(s, buf, b);
-  if (ws.seq_len_q != nullptr && i == 0 && h == 0 && lane == 0) {
-    // cuDNN's per-entry lengths: its padding mask and bottom-right causal mask follow them.
-    ws.seq_len_q[b] = static_cast<int32_t>(g.new_rows);
-    ws.seq_len_kv[b] = static_cast<int32_t>(g.total);
-  }
+  const PrepareRow r = LocateRow(s, row);
+  const int64_t h = r.h, token = r.token, b = r.b, i = r.i;
+  const BatchGeometry g = EntryLengthsOnce(s, buf, ws, r, lane);
   if (!s.is_first_prompt() && i >= g.new_rows) return;  // beyond query_seqlens: unused
   const int64_t pos = ClampedRotaryPosition(s, buf, g, b, i);
   float* x = xs[warp];
@@ -102,8 +122,8 @@ __global__ void __launch_bounds__(kPrepareWarps* kWarp)
   const int lane = threadIdx.x % kWarp;
   const int64_t row = blockIdx.x * int64_t(kPrepareWarps) + threadIdx.x / kWarp;
   if (row >= s.batch * s.seq_len * (N + Nkv)) return;
-  const int64_t h = row % (N + Nkv), token = row / (N + Nkv);
-  const int64_t b = token / s.seq_len, i = token % s.seq_len;
+  const PrepareRow r = LocateRow(s, row);
+  const int64_t h = r.h, token = r.token, b = r.b, i = r.i;
   const bool is_q = h < N;
   const TokenInputs<T> in(s, buf, b, i);
   // Vector-aligned: LoadRow / StoreRow move them as one 2E-byte word (in registers at -O3, but
@@ -115,12 +135,7 @@ __global__ void __launch_bounds__(kPrepareWarps* kWarp)
   if (norm) {
     LoadRow<E>(wt, static_cast<const T*>(is_q ? buf.q_norm_weight : buf.k_norm_weight) + lane * E);
   }
-  if (h == 0 && lane == 0 && buf.length_record != nullptr) CheckLengths(s, buf, b, i);
-  const BatchGeometry g = Geo(s, buf, b);
-  if (ws.seq_len_q != nullptr && i == 0 && h == 0 && lane == 0) {
-    ws.seq_len_q[b] = static_cast<int32_t>(g.new_rows);
-    ws.seq_len_kv[b] = static_cast<int32_t>(g.total);
-  }
+  const BatchGeometry g = EntryLengthsOnce(s, buf, ws, r, lane);
   if (!s.is_first_prompt() && i >= g.new_rows) return;  // beyond query_seqlens: unused
   if (!is_q && i >= WrittenRows(s, g)) return;
   float x[E];
