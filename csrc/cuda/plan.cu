@@ -254,7 +254,11 @@ Status Launch(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo
     KVL_RETURN_IF_ERROR(Attend<T>(s, staged, dev, SlidingStageStrides(s), plan, ws, stream));
     return LaunchSlidingPresent<T>(s, buf, present_st, ws, dev, stream);
   }
-  if (!buf.shared()) {
+  // A first prompt has no past rows and writes its S rows, so with a present of S rows there is
+  // nothing to copy or zero: the launch is skipped (it cost 1.4 to 40 us at the benchmark's
+  // prefill points, H200, docs/BENCHMARKS.md, sixteenth session).
+  const bool nothing_to_copy = s.is_first_prompt() && s.present_capacity <= s.seq_len;
+  if (!buf.shared() && !nothing_to_copy) {
     KVL_RETURN_IF_ERROR(LaunchCopyPast<T>(s, buf, past_st, present_st, dev, stream));
   }
   return Attend<T>(s, buf, dev, present_st, plan, ws, stream);
