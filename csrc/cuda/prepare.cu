@@ -42,7 +42,7 @@ __device__ __forceinline__ BatchGeometry EntryLengthsOnce(const GqaShape& s,
 }
 
 // One warp per (token, head) row: query heads 0..N-1, then kv heads (K normed and rotated, V
-// copied). A CTA per token whose warps looped over the heads left warps idle (5 of 8 at 4/1/256)
+// copied). A CTA per token whose warps looped over the heads left warps idle (3 of 8 at 4/1/256)
 // or ran five rows one after another in each (32/8/128), each row a chain of dependent loads:
 // 50 us for 8192 tokens at 4/1/256 against ORT's 31 (H200, docs/BENCHMARKS.md, sixteenth
 // session).
