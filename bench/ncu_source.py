@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     what = "samples" if args.column == SAMPLES else repr(args.column)
     print(f"{total} {what} over lines (inlined code counted under header and caller); by file: "
           + ", ".join(f"{f} {n}" for f, n in by_file.most_common(8)))  # fmt: skip
-    print("| samples | % | line | SASS calls | source |")
+    label = "samples" if args.column == SAMPLES else args.column.replace("|", "\\|")
+    print(f"| {label} | % | line | SASS calls | source |")
     print("|---:|---:|---|---:|---|")
     for x in sorted(lines, key=lambda x: -x.samples)[: args.top]:
         text = x.text.replace("|", "\\|")[:90]

@@ -84,6 +84,7 @@ def test_another_counter_ranks_the_lines(tmp_path, capsys):
     assert ncu_source.main([str(path), "--column", "L2 Excess", "--top", "1"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("900 'L2 Excess' over lines")
+    assert out[1].startswith("| L2 Excess | % |")
     assert out[3].startswith("| 900 | 100.0 | decode.cu:10 |")
 
 

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <type_traits>
 
@@ -16,6 +17,14 @@
 
 namespace kvl {
 namespace cu {
+
+// Whether every pointer is 16-byte aligned (null counts as aligned): the host's test before a
+// kernel's 16-byte path.
+inline bool Aligned16(std::initializer_list<const void*> ptrs) {
+  uintptr_t bits = 0;
+  for (const void* p : ptrs) bits |= reinterpret_cast<uintptr_t>(p);
+  return bits % 16 == 0;
+}
 
 inline Status CudaCheck(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return Status::Ok();

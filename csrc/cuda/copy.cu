@@ -1,7 +1,6 @@
 // Non-shared past -> present: the valid past rows are copied through both layouts' strides and
 // the rows nobody writes this call are zeroed.
 #include <algorithm>
-#include <cstdint>
 
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
@@ -56,8 +55,6 @@ __global__ void __launch_bounds__(kCopyWarps* kWarp)
   }
 }
 
-bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 }  // namespace
 
 template <typename T>
@@ -65,9 +62,8 @@ Status LaunchCopyPast(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pa
                       KvStrides present_st, const CudaDeviceInfo& dev, cudaStream_t stream) {
   const int64_t rows = s.batch * s.kv_num_heads * s.present_capacity;
   // Row starts are multiples of H elements from the base pointers in both layouts.
-  const bool vec = (s.head_size * int64_t(sizeof(T))) % 16 == 0 && Aligned16(buf.past_key) &&
-                   Aligned16(buf.past_value) && Aligned16(buf.present_key) &&
-                   Aligned16(buf.present_value);
+  const bool vec = (s.head_size * int64_t(sizeof(T))) % 16 == 0 &&
+                   Aligned16({buf.past_key, buf.past_value, buf.present_key, buf.present_value});
   const int64_t wanted = (rows + kCopyWarps - 1) / kCopyWarps;
   const int blocks = static_cast<int>(std::min<int64_t>(wanted, 64 * int64_t(dev.sm_count)));
   CopyPastKernel<T><<<std::max(blocks, 1), kCopyWarps * kWarp, 0, stream>>>(s, buf, past_st,

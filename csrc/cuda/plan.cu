@@ -19,8 +19,7 @@ namespace {
 // 16-byte row loads (cp.async) need 16-byte aligned caches (rows are, since H % 8 == 0); a cache
 // bound at an odd offset takes the portable kernel, which has an element-load path.
 bool CachesAligned16(const GqaCudaBuffers& buf) {
-  return (reinterpret_cast<uintptr_t>(buf.present_key) |
-          reinterpret_cast<uintptr_t>(buf.present_value)) % 16 == 0;
+  return Aligned16({buf.present_key, buf.present_value});
 }
 
 AttnKernel ChooseKernel(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo& dev) {

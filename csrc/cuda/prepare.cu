@@ -3,9 +3,6 @@
 // and V appended to present at row past + i; the token's lengths checked against the op's
 // rules, the first violation recorded. Serves prefill and the portable kernel: the tensor-core
 // decode kernel does the same work itself (prepare_rows.cuh holds it for both).
-#include <cstdint>
-#include <initializer_list>
-
 #include "cuda/kernels.h"
 #include "cuda/prepare_rows.cuh"
 
@@ -203,8 +200,6 @@ __global__ void __launch_bounds__(kPrepareWarps* kWarp)
   }
 }
 
-bool Aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
-
 // Where PrepareRegsKernel serves: 2-byte types, head size 64, 128 or 256, a rotary width whose
 // half is whole lanes' values, and every row it loads or stores aligned to its vector (rows
 // start at multiples of H elements from these pointers; 16 bytes covers every E).
@@ -213,13 +208,8 @@ bool PrepareRegsFit(const GqaShape& s, const GqaCudaBuffers& buf, const Workspac
   const int64_t H = s.head_size, E = H / kWarp;
   if (sizeof(T) != 2 || (H != 64 && H != 128 && H != 256)) return false;
   if (s.rotary_dim > 0 && s.rotary_dim % (2 * E) != 0) return false;
-  const std::initializer_list<const void*> rows = {
-      buf.query, buf.key,  buf.value,        buf.present_key,  buf.present_value,
-      ws.q,      ws.q_storage, buf.q_norm_weight, buf.k_norm_weight};
-  for (const void* p : rows) {
-    if (p != nullptr && !Aligned(p, 16)) return false;
-  }
-  return true;
+  return Aligned16({buf.query, buf.key, buf.value, buf.present_key, buf.present_value, ws.q,
+                    ws.q_storage, buf.q_norm_weight, buf.k_norm_weight});
 }
 #endif  // KVL_PREPARE_REGS
 

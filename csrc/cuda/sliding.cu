@@ -79,10 +79,6 @@ __global__ void SlidingPresentKernel(GqaShape s, GqaCudaBuffers buf, KvStrides s
 template <typename T>
 using ElementBits = std::conditional_t<sizeof(T) == 4, uint32_t, uint16_t>;
 
-bool Aligned16(const void* a, const void* b, const void* c, const void* d) {
-  return (reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b) |
-          reinterpret_cast<uintptr_t>(c) | reinterpret_cast<uintptr_t>(d)) % 16 == 0;
-}
 
 int CopyBlocks(int64_t n, const CudaDeviceInfo& dev) {
   const int64_t blocks = std::min<int64_t>((n + 255) / 256, 8 * dev.sm_count);
@@ -109,7 +105,7 @@ template <typename T>
 Status LaunchSlidingStage(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides past_st,
                           const Workspace& ws, const CudaDeviceInfo& dev, cudaStream_t stream) {
   const KvStrides stage_st = SlidingStageStrides(s);
-  if (Aligned16(buf.past_key, buf.past_value, ws.stage_k, ws.stage_v)) {
+  if (Aligned16({buf.past_key, buf.past_value, ws.stage_k, ws.stage_v})) {
     const int per = 16 / sizeof(T);
     const int64_t n = s.batch * s.kv_num_heads * s.past_capacity * (s.head_size / per);
     SlidingStageKernel<uint4><<<CopyBlocks(n, dev), 256, 0, stream>>>(
@@ -128,7 +124,7 @@ template <typename T>
 Status LaunchSlidingPresent(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
                             const Workspace& ws, const CudaDeviceInfo& dev, cudaStream_t stream) {
   const KvStrides stage_st = SlidingStageStrides(s);
-  if (Aligned16(buf.present_key, buf.present_value, ws.stage_k, ws.stage_v)) {
+  if (Aligned16({buf.present_key, buf.present_value, ws.stage_k, ws.stage_v})) {
     const int per = 16 / sizeof(T);
     const int64_t n = s.batch * s.kv_num_heads * s.present_capacity * (s.head_size / per);
     SlidingPresentKernel<uint4><<<CopyBlocks(n, dev), 256, 0, stream>>>(
