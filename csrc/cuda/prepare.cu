@@ -72,18 +72,14 @@ __global__ void __launch_bounds__(kPrepareWarps* kWarp)
   }
 }
 
-// Build knob KVL_PREPARE_REGS=1 (benchmarking only; 0, the default, compiles nothing): at head
-// sizes 64, 128 and 256 with 2-byte types, a warp's row lives in registers, E = H / 32
-// contiguous values per lane, loaded and stored as one vector each, the rotary partner (half a
-// rotary width away) fetched by a shuffle. The row's loads (and V's, and the norm weights') go
-// out before the lengths are read, so a row costs two dependent trips (the lengths with the row,
-// then the rotary tables) instead of three, and no shared memory. A test of whether the prepare
-// kernel's 39.6 us at 4/1/256 B=1 S=8192 (ORT's UnpackRoPEAppend: 31.0) is its trips and 2-byte
-// accesses (docs/BENCHMARKS.md, sixteenth session).
-#ifndef KVL_PREPARE_REGS
-#define KVL_PREPARE_REGS 0
-#endif
-#if KVL_PREPARE_REGS
+// The fast path, at head sizes 64, 128 and 256 with 2-byte types (PrepareRegsFit): a warp's row
+// lives in registers, E = H / 32 contiguous values per lane, loaded and stored as one vector
+// each, the rotary partner (half a rotary width away) fetched by a shuffle. The row's loads (and
+// V's, and the norm weights') go out before the lengths are read, so a row costs two dependent
+// trips (the lengths with the row, then the rotary tables) instead of three, and no shared
+// memory. At 4/1/256 B=1 S=8192 it takes 18.1 us where PrepareKernel took 40.1 (ORT's
+// UnpackRoPEAppend: 30.9; H200, docs/BENCHMARKS.md, seventeenth session). PrepareKernel serves
+// the rest (4-byte types, other head sizes, rows not aligned to the vector).
 // E values of T (2 bytes each) at p, 2E-byte aligned, in one load or store; v is declared
 // alignas(2 E) by the caller.
 template <int E, typename T>
@@ -211,7 +207,6 @@ bool PrepareRegsFit(const GqaShape& s, const GqaCudaBuffers& buf, const Workspac
   return Aligned16({buf.query, buf.key, buf.value, buf.present_key, buf.present_value, ws.q,
                     ws.q_storage, buf.q_norm_weight, buf.k_norm_weight});
 }
-#endif  // KVL_PREPARE_REGS
 
 }  // namespace
 
@@ -224,7 +219,6 @@ Status LaunchPrepare(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pre
     return Status::Error("ai.kvlayout::GroupQueryAttention (CUDA): " + std::to_string(rows) +
                          " query and key rows exceed one prepare launch");
   }
-#if KVL_PREPARE_REGS
   if constexpr (sizeof(T) == 2) {
     if (PrepareRegsFit<T>(s, buf, ws)) {
       auto kernel = s.head_size == 64    ? PrepareRegsKernel<T, 2>
@@ -235,7 +229,6 @@ Status LaunchPrepare(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pre
       return CudaCheck(cudaGetLastError(), "prepare launch");
     }
   }
-#endif
   PrepareKernel<T><<<static_cast<unsigned>(blocks), kPrepareWarps * kWarp, 0, stream>>>(
       s, buf, present_st, ws);
   return CudaCheck(cudaGetLastError(), "prepare launch");
