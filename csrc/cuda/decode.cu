@@ -163,6 +163,23 @@ __host__ __device__ constexpr int DecStages(int hd) {
 #endif
 // Row pitch in elements: 16 bytes of padding put the 8 rows an ldmatrix reads on distinct banks.
 __host__ __device__ constexpr int DecPitch(int hd) { return hd + 8; }
+// K and V stage tiles at head sizes that are multiples of 64: rows of HD elements, unpadded, row
+// j's 16-byte chunk c stored at chunk c ^ (j % 8), so the 8 rows an ldmatrix reads still fall on
+// distinct banks and every 8 lanes of a copy write one aligned 128-byte line. With the padded
+// pitch, a 16-byte cp.async of a warp wrote lines it shared with the next row: Nsight Compute
+// counted 8 to 12 shared wavefronts per copy where 4 suffice and 24 L2 sectors per copy where
+// 16 suffice (1.5x the bytes from L2 at 28/4/128 B=64 L=16k, 44 M requests against cuDNN's
+// 17 M; H200, docs/BENCHMARKS.md, seventeenth session). Other head sizes keep the padded rows.
+__host__ __device__ constexpr bool DecSwizzled(int hd) { return hd % 64 == 0; }
+// Element offset of (row j, column d) in a K or V stage tile of head dim HD.
+template <int HD>
+__device__ __forceinline__ int DecKvAt(int j, int d) {
+  if constexpr (DecSwizzled(HD)) {
+    return j * HD + ((((d >> 3) ^ (j & 7))) << 3) + (d & 7);
+  } else {
+    return j * DecPitch(HD) + d;
+  }
+}
 
 // The slot a warp's stage ring leaves free until its key loop starts (slot ST - 1: the prologue
 // fills slots 0 .. ST - 2) holds, before that: in warp 0's, the CTA's query tile (kDecodeRows
@@ -449,6 +466,25 @@ __global__ void __launch_bounds__(kDecThreads)
       // form below).
       constexpr int R = kWarp % CPR == 0 ? kWarp / CPR : 1;  // rows per warp-wide copy
       const int c = lane % CPR, j0 = lane / CPR;
+      if constexpr (DecSwizzled(HD)) {
+        // Swizzled tiles: a lane copies chunk c of KS / R consecutive rows from row j0 KS / R on,
+        // so row it's chunk lands at c ^ (it % 8), it known at compile time (KS / R is a
+        // multiple of 8); a warp-wide copy reads R rows KS / R apart, each whole.
+        constexpr int RL = KS / R;
+        static_assert(RL % 8 == 0, "rows per lane: whole swizzle periods");
+        if (c < chunks) {
+          const T* kg = kstep + j0 * RL * seq_stride + c * 8;
+          const T* vg = vstep + j0 * RL * seq_stride + c * 8;
+          T* kd = ks + j0 * RL * HD;
+#pragma unroll
+          for (int it = 0; it < RL; ++it) {
+            const int at = it * HD + ((c ^ (it & 7)) << 3);
+            ptx::CpAsync16(kd + at, kg + it * seq_stride);
+            ptx::CpAsync16(kd + KS * P + at, vg + it * seq_stride);
+          }
+        }
+        return;
+      }
       if (c < chunks) {
         const T* kg = kstep + j0 * seq_stride + c * 8;
         const T* vg = vstep + j0 * seq_stride + c * 8;
@@ -470,8 +506,8 @@ __global__ void __launch_bounds__(kDecThreads)
       if (idx >= KS * CPR || c >= chunks) continue;
       const bool valid = j < rows_here;  // past the split's end: zero rows (row k0 is read)
       const int32_t off = valid ? j * stride32 + c * 8 : 0;
-      ptx::CpAsync16(ks + j * P + c * 8, kstep + off, valid);
-      ptx::CpAsync16(vs + j * P + c * 8, vstep + off, valid);
+      ptx::CpAsync16(ks + DecKvAt<HD>(j, c * 8), kstep + off, valid);
+      ptx::CpAsync16(vs + DecKvAt<HD>(j, c * 8), vstep + off, valid);
     }
   };
   // The new K/V rows of this kv head (positions past + i) are appended by the CTA whose split
@@ -547,7 +583,9 @@ __global__ void __launch_bounds__(kDecThreads)
   // Padding columns [H, HD) of every stage are zeroed once, now that no slot holds the tile or a
   // scratch row; the copies write columns [0, H) only.
   for (int64_t idx = lane; HD > H && idx < ST * 2 * KS * (HD - H); idx += kWarp) {
-    wsm[(idx / (HD - H)) * P + H + idx % (HD - H)] = FromF<T>(0.0f);
+    const int row = static_cast<int>(idx / (HD - H));  // of the ST x {K, V} tiles of KS rows
+    wsm[(row / KS) * KS * P + DecKvAt<HD>(row % KS, static_cast<int>(H + idx % (HD - H)))] =
+        FromF<T>(0.0f);
   }
 
   // This thread's two rows: their key ranges inside the split. Rows past S x G are idle: their
@@ -608,7 +646,7 @@ __global__ void __launch_bounds__(kDecThreads)
       for (int n = 0; n < NT; n += 2) {  // two key n-tiles per ldmatrix.x4
         uint32_t kb[4];
         const int mi = lane / 8;  // matrices: (keys n, d lo) (keys n, d hi) (n+8, lo) (n+8, hi)
-        ptx::LdMatrixX4(kb, ks + (n * 8 + (mi / 2) * 8 + lane % 8) * P + kk * 16 + (mi % 2) * 8);
+        ptx::LdMatrixX4(kb, ks + DecKvAt<HD>(n * 8 + (mi / 2) * 8 + lane % 8, kk * 16 + (mi % 2) * 8));
         ptx::Mma16816<T>(sc[n], qa[kk], kb[0], kb[1]);
         ptx::Mma16816<T>(sc[n + 1], qa[kk], kb[2], kb[3]);
       }
@@ -672,7 +710,7 @@ __global__ void __launch_bounds__(kDecThreads)
       for (int n = 0; n < DT; n += 2) {  // two dimension n-tiles per ldmatrix.x4.trans
         uint32_t vb[4];
         const int mi = lane / 8;  // matrices: (keys lo, d n) (keys hi, d n) (lo, n+8) (hi, n+8)
-        ptx::LdMatrixX4Trans(vb, vs + (kk * 16 + (mi % 2) * 8 + lane % 8) * P + n * 8 + (mi / 2) * 8);
+        ptx::LdMatrixX4Trans(vb, vs + DecKvAt<HD>(kk * 16 + (mi % 2) * 8 + lane % 8, n * 8 + (mi / 2) * 8));
         ptx::Mma16816<T>(o[n], a, vb[0], vb[1]);
         ptx::Mma16816<T>(o[n + 1], a, vb[2], vb[3]);
       }
