@@ -171,6 +171,18 @@ __host__ __device__ constexpr int DecPitch(int hd) { return hd + 8; }
 // 16 suffice (1.5x the bytes from L2 at 28/4/128 B=64 L=16k, 44 M requests against cuDNN's
 // 17 M; H200, docs/BENCHMARKS.md, seventeenth session). Other head sizes keep the padded rows.
 __host__ __device__ constexpr bool DecSwizzled(int hd) { return hd % 64 == 0; }
+// Build knob KVL_DECODE_SWZ_ADDR=1 (benchmarking only; 0, the default, compiles nothing): the
+// swizzled tiles' shared addresses as one XOR per copy or ldmatrix. Every tile starts on a
+// 128-byte boundary of the shared window (checked once per CTA) and a row is a whole number of
+// 128-byte lines, so bits 4-6 of a chunk's address are its chunk index mod 8: a lane's address
+// for chunk position c ^ k is its address for c with those bits XORed by k, and the rest of the
+// offset is a compile-time immediate. The default form costs about 15 more instructions per
+// warp step for the copies and about 45 for the ldmatrix addresses at head size 128 than the
+// padded tiles did (sm_90a SASS, seventeenth session); a test of whether that matters where a
+// call is bound by issue (B=1, few kv heads).
+#ifndef KVL_DECODE_SWZ_ADDR
+#define KVL_DECODE_SWZ_ADDR 0
+#endif
 // Element offset of (row j, column d) in a K or V stage tile of head dim HD.
 template <int HD>
 __device__ __forceinline__ int DecKvAt(int j, int d) {
@@ -315,6 +327,9 @@ __global__ void __launch_bounds__(kDecThreads)
   constexpr int DT = HD / 8;  // output n-tiles (8 dimensions each)
   constexpr int KT = HD / 16;  // k-steps of Q K^T
   extern __shared__ __align__(128) unsigned char dec_smem[];
+#if KVL_DECODE_SWZ_ADDR
+  if (DecSwizzled(HD) && (ptx::SharedAddress(dec_smem) & 127u) != 0) __trap();  // the XOR forms
+#endif
   __shared__ float red_m[kDecWarps][kDecodeRows], red_l[kDecWarps][kDecodeRows];
   __shared__ float row_scale[kDecodeRows];
   __shared__ float red_w[kDecWarps][kDecodeRows], row_m[kDecodeRows], row_l[kDecodeRows];
@@ -475,6 +490,15 @@ __global__ void __launch_bounds__(kDecThreads)
         if (c < chunks) {
           const T* kg = kstep + j0 * RL * seq_stride + c * 8;
           const T* vg = vstep + j0 * RL * seq_stride + c * 8;
+#if KVL_DECODE_SWZ_ADDR
+          const unsigned ka = ptx::SharedAddress(ks + j0 * RL * HD + c * 8);  // bits 4-6: c % 8
+#pragma unroll
+          for (int it = 0; it < RL; ++it) {
+            const unsigned a = (ka ^ unsigned((it & 7) << 4)) + unsigned(it * HD * 2);
+            ptx::CpAsync16At(a, kg + it * seq_stride);
+            ptx::CpAsync16At(a + unsigned(KS * P * 2), vg + it * seq_stride);
+          }
+#else
           T* kd = ks + j0 * RL * HD;
 #pragma unroll
           for (int it = 0; it < RL; ++it) {
@@ -482,6 +506,7 @@ __global__ void __launch_bounds__(kDecThreads)
             ptx::CpAsync16(kd + at, kg + it * seq_stride);
             ptx::CpAsync16(kd + KS * P + at, vg + it * seq_stride);
           }
+#endif
         }
         return;
       }
@@ -636,6 +661,15 @@ __global__ void __launch_bounds__(kDecThreads)
     const T* ks = step_slot(i);
     const T* vs = ks + KS * P;
     const int64_t k0 = step_key(i);
+#if KVL_DECODE_SWZ_ADDR
+    // The lane's ldmatrix rows (K: keys (mi / 2) 8 + l, chunk mi % 2; V: keys (mi % 2) 8 + l,
+    // chunk mi / 2; l = lane % 8) at chunk position (chunk ^ l): bits 4-6 of these addresses.
+    const int mi_l = lane / 8, l8 = lane % 8;
+    const unsigned k_lane =
+        ptx::SharedAddress(ks) + unsigned((((mi_l / 2) * 8 + l8) * HD + (((mi_l % 2) ^ l8) << 3)) * 2);
+    const unsigned v_lane =
+        ptx::SharedAddress(vs) + unsigned((((mi_l % 2) * 8 + l8) * HD + (((mi_l / 2) ^ l8) << 3)) * 2);
+#endif
 
     float sc[NT][4];
 #pragma unroll
@@ -646,7 +680,16 @@ __global__ void __launch_bounds__(kDecThreads)
       for (int n = 0; n < NT; n += 2) {  // two key n-tiles per ldmatrix.x4
         uint32_t kb[4];
         const int mi = lane / 8;  // matrices: (keys n, d lo) (keys n, d hi) (n+8, lo) (n+8, hi)
+#if KVL_DECODE_SWZ_ADDR
+        if constexpr (DecSwizzled(HD)) {
+          ptx::LdMatrixX4At(kb, (k_lane ^ unsigned(((2 * kk) & 7) << 4)) +
+                                    unsigned((n * 8 * HD + ((2 * kk) & ~7) * 8) * 2));
+        } else {
+          ptx::LdMatrixX4(kb, ks + DecKvAt<HD>(n * 8 + (mi / 2) * 8 + lane % 8, kk * 16 + (mi % 2) * 8));
+        }
+#else
         ptx::LdMatrixX4(kb, ks + DecKvAt<HD>(n * 8 + (mi / 2) * 8 + lane % 8, kk * 16 + (mi % 2) * 8));
+#endif
         ptx::Mma16816<T>(sc[n], qa[kk], kb[0], kb[1]);
         ptx::Mma16816<T>(sc[n + 1], qa[kk], kb[2], kb[3]);
       }
@@ -710,7 +753,16 @@ __global__ void __launch_bounds__(kDecThreads)
       for (int n = 0; n < DT; n += 2) {  // two dimension n-tiles per ldmatrix.x4.trans
         uint32_t vb[4];
         const int mi = lane / 8;  // matrices: (keys lo, d n) (keys hi, d n) (lo, n+8) (hi, n+8)
+#if KVL_DECODE_SWZ_ADDR
+        if constexpr (DecSwizzled(HD)) {
+          ptx::LdMatrixX4TransAt(vb, (v_lane ^ unsigned((n & 7) << 4)) +
+                                         unsigned((kk * 16 * HD + (n & ~7) * 8) * 2));
+        } else {
+          ptx::LdMatrixX4Trans(vb, vs + DecKvAt<HD>(kk * 16 + (mi % 2) * 8 + lane % 8, n * 8 + (mi / 2) * 8));
+        }
+#else
         ptx::LdMatrixX4Trans(vb, vs + DecKvAt<HD>(kk * 16 + (mi % 2) * 8 + lane % 8, n * 8 + (mi / 2) * 8));
+#endif
         ptx::Mma16816<T>(o[n], a, vb[0], vb[1]);
         ptx::Mma16816<T>(o[n + 1], a, vb[2], vb[3]);
       }

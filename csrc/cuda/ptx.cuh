@@ -47,6 +47,10 @@ __device__ __forceinline__ void CpAsync16(void* smem_dst, const void* gmem_src, 
                "l"(gmem_src), "r"(src_bytes)
                : "memory");
 }
+// 16 bytes global -> shared, the destination as a shared-window address.
+__device__ __forceinline__ void CpAsync16At(unsigned smem_addr, const void* gmem_src) {
+  asm volatile(KVL_CP_ASYNC_CG " [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gmem_src) : "memory");
+}
 __device__ __forceinline__ void CpAsyncCommit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
@@ -67,6 +71,18 @@ __device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], const void* ro
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(SharedAddress(row)));
+}
+
+// The same two, the row as a shared-window address.
+__device__ __forceinline__ void LdMatrixX4At(uint32_t (&r)[4], unsigned row_addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(row_addr));
+}
+__device__ __forceinline__ void LdMatrixX4TransAt(uint32_t (&r)[4], unsigned row_addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(row_addr));
 }
 
 // c += a * b, m16n8k16, float accumulators.
