@@ -665,10 +665,10 @@ __global__ void __launch_bounds__(kDecThreads)
     // The lane's ldmatrix rows (K: keys (mi / 2) 8 + l, chunk mi % 2; V: keys (mi % 2) 8 + l,
     // chunk mi / 2; l = lane % 8) at chunk position (chunk ^ l): bits 4-6 of these addresses.
     const int mi_l = lane / 8, l8 = lane % 8;
-    const unsigned k_lane =
-        ptx::SharedAddress(ks) + unsigned((((mi_l / 2) * 8 + l8) * HD + (((mi_l % 2) ^ l8) << 3)) * 2);
-    const unsigned v_lane =
-        ptx::SharedAddress(vs) + unsigned((((mi_l % 2) * 8 + l8) * HD + (((mi_l / 2) ^ l8) << 3)) * 2);
+    const unsigned k_lane = ptx::SharedAddress(ks) +
+                            unsigned((((mi_l / 2) * 8 + l8) * HD + (((mi_l % 2) ^ l8) << 3)) * 2);
+    const unsigned v_lane = ptx::SharedAddress(vs) +
+                            unsigned((((mi_l % 2) * 8 + l8) * HD + (((mi_l / 2) ^ l8) << 3)) * 2);
 #endif
 
     float sc[NT][4];
@@ -685,10 +685,12 @@ __global__ void __launch_bounds__(kDecThreads)
           ptx::LdMatrixX4At(kb, (k_lane ^ unsigned(((2 * kk) & 7) << 4)) +
                                     unsigned((n * 8 * HD + ((2 * kk) & ~7) * 8) * 2));
         } else {
-          ptx::LdMatrixX4(kb, ks + DecKvAt<HD>(n * 8 + (mi / 2) * 8 + lane % 8, kk * 16 + (mi % 2) * 8));
+          ptx::LdMatrixX4(kb, ks + DecKvAt<HD>(n * 8 + (mi / 2) * 8 + lane % 8,
+                                               kk * 16 + (mi % 2) * 8));
         }
 #else
-        ptx::LdMatrixX4(kb, ks + DecKvAt<HD>(n * 8 + (mi / 2) * 8 + lane % 8, kk * 16 + (mi % 2) * 8));
+        ptx::LdMatrixX4(kb,
+                        ks + DecKvAt<HD>(n * 8 + (mi / 2) * 8 + lane % 8, kk * 16 + (mi % 2) * 8));
 #endif
         ptx::Mma16816<T>(sc[n], qa[kk], kb[0], kb[1]);
         ptx::Mma16816<T>(sc[n + 1], qa[kk], kb[2], kb[3]);
@@ -758,10 +760,12 @@ __global__ void __launch_bounds__(kDecThreads)
           ptx::LdMatrixX4TransAt(vb, (v_lane ^ unsigned((n & 7) << 4)) +
                                          unsigned((kk * 16 * HD + (n & ~7) * 8) * 2));
         } else {
-          ptx::LdMatrixX4Trans(vb, vs + DecKvAt<HD>(kk * 16 + (mi % 2) * 8 + lane % 8, n * 8 + (mi / 2) * 8));
+          ptx::LdMatrixX4Trans(vb, vs + DecKvAt<HD>(kk * 16 + (mi % 2) * 8 + lane % 8,
+                                                    n * 8 + (mi / 2) * 8));
         }
 #else
-        ptx::LdMatrixX4Trans(vb, vs + DecKvAt<HD>(kk * 16 + (mi % 2) * 8 + lane % 8, n * 8 + (mi / 2) * 8));
+        ptx::LdMatrixX4Trans(
+            vb, vs + DecKvAt<HD>(kk * 16 + (mi % 2) * 8 + lane % 8, n * 8 + (mi / 2) * 8));
 #endif
         ptx::Mma16816<T>(o[n], a, vb[0], vb[1]);
         ptx::Mma16816<T>(o[n + 1], a, vb[2], vb[3]);
