@@ -8,6 +8,7 @@
 #   KERNELS=DecodeTc bash bench/ncu_decode.sh 28/4/128 1x4096
 #   LIBRARY=/tmp/bv/libort_kvlayout.so bash bench/ncu_decode.sh 28/4/128 64x16384   # a build
 #   L2=1 bash bench/ncu_decode.sh 28/4/128 64x16384   # what the L2 serves (clock left free)
+#   SKIP=11 KERNELS=DecodeTc bash bench/ncu_decode.sh 9/3/64 64x16384  # kv_layout=1's launch
 #
 # L2=1 measures instead the traffic between the SMs, the L2 and DRAM (bytes, requests, sectors,
 # hits; the fifteenth session's table in docs/BENCHMARKS.md), with the SM clock left free
@@ -30,8 +31,11 @@ sm__warps_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum")
 fi
 for kernel in ${KERNELS:-DecodeTc flash}; do
   report="$OUT_DIR/ncu_${heads//\//-}_${case}_${kernel}.txt"
-  # The fifth launch: after bench_cuda.py's warm-ups, so caches and plans are those of a timed run.
-  ncu "${SECTIONS[@]}" -k "regex:$kernel" --launch-skip 4 --launch-count 1 \
+  # The fifth launch (SKIP=4): after bench_cuda.py's warm-ups, so caches and plans are those of a
+  # timed run. Under ncu each layout launches our kernel 7 times (3 warm-ups, 2 runs in the
+  # profiler, which sees no CUPTI records, then 2 wall-time runs), kv0 first: SKIP=11 is kv1's
+  # fifth.
+  ncu "${SECTIONS[@]}" -k "regex:$kernel" --launch-skip "${SKIP:-4}" --launch-count 1 \
     python3 bench/bench_cuda.py --runs 2 --heads "$heads" --decode "$case" --prefill= \
     ${LIBRARY:+--library "$LIBRARY"} >"$report" 2>&1 || true
   echo "== $heads $case kernel ~ $kernel ($report)"
