@@ -183,6 +183,16 @@ __host__ __device__ constexpr bool DecSwizzled(int hd) { return hd % 64 == 0; }
 #ifndef KVL_DECODE_SWZ_ADDR
 #define KVL_DECODE_SWZ_ADDR 0
 #endif
+// Build knob KVL_DECODE_SWZ_ROWS=1 (benchmarking only; 0, the default, compiles nothing): the
+// swizzled tiles' copies with the padded tiles' row order, a warp-wide copy reading R adjacent
+// rows (512 contiguous bytes of a head-major cache at head size 128) instead of R rows KS / R
+// apart. Row j0 + R it sits at chunk position (c ^ j0) ^ (R it % 8), since j0 < R and R it % 8
+// has no bits below R: the same compile-time XOR per copy. A test of whether the rows' spread
+// costs DRAM locality (9/3/64 kv_layout=1 at B >= 32 runs 3 to 6% behind kv_layout=0, the
+// seventeenth session's grid).
+#ifndef KVL_DECODE_SWZ_ROWS
+#define KVL_DECODE_SWZ_ROWS 0
+#endif
 // Element offset of (row j, column d) in a K or V stage tile of head dim HD.
 template <int HD>
 __device__ __forceinline__ int DecKvAt(int j, int d) {
@@ -487,6 +497,33 @@ __global__ void __launch_bounds__(kDecThreads)
         // multiple of 8); a warp-wide copy reads R rows KS / R apart, each whole.
         constexpr int RL = KS / R;
         static_assert(RL % 8 == 0, "rows per lane: whole swizzle periods");
+#if KVL_DECODE_SWZ_ROWS
+        static_assert(R == 1 || R == 2 || R == 4, "j0 < R: its bits and R it's are disjoint");
+        if (c < chunks) {
+          const T* kg = kstep + j0 * seq_stride + c * 8;
+          const T* vg = vstep + j0 * seq_stride + c * 8;
+          const int64_t step_r = R * seq_stride;
+          const int cj = c ^ j0;  // row j0's chunk position; row j0 + R it's: cj ^ (R it % 8)
+#if KVL_DECODE_SWZ_ADDR
+          const unsigned ka = ptx::SharedAddress(ks + j0 * HD + cj * 8);  // bits 4-6: cj % 8
+#pragma unroll
+          for (int it = 0; it < RL; ++it) {
+            const unsigned a = (ka ^ unsigned(((R * it) & 7) << 4)) + unsigned(it * R * HD * 2);
+            ptx::CpAsync16At(a, kg + it * step_r);
+            ptx::CpAsync16At(a + unsigned(KS * P * 2), vg + it * step_r);
+          }
+#else
+          T* kd = ks + j0 * HD;
+#pragma unroll
+          for (int it = 0; it < RL; ++it) {
+            const int at = it * R * HD + ((cj ^ ((R * it) & 7)) << 3);
+            ptx::CpAsync16(kd + at, kg + it * step_r);
+            ptx::CpAsync16(kd + KS * P + at, vg + it * step_r);
+          }
+#endif
+        }
+        return;
+#endif
         if (c < chunks) {
           const T* kg = kstep + j0 * RL * seq_stride + c * 8;
           const T* vg = vstep + j0 * RL * seq_stride + c * 8;
