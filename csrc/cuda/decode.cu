@@ -370,7 +370,7 @@ __global__ void __launch_bounds__(kDecThreads)
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int gq = lane / 4, tq = lane % 4;  // fragment row group, thread in group
   // This warp's stages: [stage][K, V] tiles of KS x P elements, a tile's rows placed by DecKvAt
-  // (swizzled rows of HD use HD of each P). Its free slot (DecSlotElems) holds, until the key
+  // (a swizzled tile fills the first KS x HD). Its free slot (DecSlotElems) holds, until the key
   // loop, the query tile (warp 0's), the raw query rows of the warp and its float scratch.
   T* wsm = reinterpret_cast<T*>(dec_smem) + size_t(warp) * ST * DecSlotElems(HD);
   float* x = reinterpret_cast<float*>(wsm + ST * DecSlotElems(HD)) - HD;
