@@ -80,6 +80,7 @@ __global__ void __launch_bounds__(kPrepareWarps* kWarp)
 // memory. At 4/1/256 B=1 S=8192 it takes 18.1 us where PrepareKernel took 40.1 (ORT's
 // UnpackRoPEAppend: 30.9; H200, docs/BENCHMARKS.md, seventeenth session). PrepareKernel serves
 // the rest (4-byte types, other head sizes, rows not aligned to the vector).
+
 // E values of T (2 bytes each) at p, 2E-byte aligned, in one load or store; v is declared
 // alignas(2 E) by the caller.
 template <int E, typename T>
