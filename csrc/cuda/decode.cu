@@ -493,56 +493,38 @@ __global__ void __launch_bounds__(kDecThreads)
       constexpr int R = kWarp % CPR == 0 ? kWarp / CPR : 1;  // rows per warp-wide copy
       const int c = lane % CPR, j0 = lane / CPR;
       if constexpr (DecSwizzled(HD)) {
-        // Swizzled tiles: a lane copies chunk c of KS / R consecutive rows from row j0 KS / R on,
-        // so row it's chunk lands at c ^ (it % 8), it known at compile time (KS / R is a
-        // multiple of 8); a warp-wide copy reads R rows KS / R apart, each whole.
+        // Swizzled tiles: a lane copies chunk c of RL rows, row jb + RS it for it < RL, whose
+        // chunk lands at (c ^ jb % 8) ^ (RS it % 8): it known at compile time, so one XOR per
+        // copy. By default the rows are consecutive from j0 RL on (RS = 1; RL is a multiple of
+        // 8, so jb % 8 = 0) and a warp-wide copy reads R rows RL apart, each whole; with
+        // KVL_DECODE_SWZ_ROWS they are the padded tiles' j0 + R it (j0 < R, and R it % 8 has no
+        // bits below R), a warp-wide copy reading R adjacent rows.
         constexpr int RL = KS / R;
         static_assert(RL % 8 == 0, "rows per lane: whole swizzle periods");
-#if KVL_DECODE_SWZ_ROWS
-        static_assert(R == 1 || R == 2 || R == 4, "j0 < R: its bits and R it's are disjoint");
+        static_assert(!KVL_DECODE_SWZ_ROWS || R == 1 || R == 2 || R == 4,
+                      "j0 < R: its bits and R it's are disjoint");
+        constexpr int RS = KVL_DECODE_SWZ_ROWS ? R : 1;  // row step between a lane's copies
+        const int jb = KVL_DECODE_SWZ_ROWS ? j0 : j0 * RL;  // the lane's first row
+        const int cj = c ^ (jb & 7);                        // its chunk position in row jb
         if (c < chunks) {
-          const T* kg = kstep + j0 * seq_stride + c * 8;
-          const T* vg = vstep + j0 * seq_stride + c * 8;
-          const int64_t step_r = R * seq_stride;
-          const int cj = c ^ j0;  // row j0's chunk position; row j0 + R it's: cj ^ (R it % 8)
+          const T* kg = kstep + jb * seq_stride + c * 8;
+          const T* vg = vstep + jb * seq_stride + c * 8;
+          const int64_t step_r = RS * seq_stride;
 #if KVL_DECODE_SWZ_ADDR
-          const unsigned ka = ptx::SharedAddress(ks + j0 * HD + cj * 8);  // bits 4-6: cj % 8
+          const unsigned ka = ptx::SharedAddress(ks + jb * HD + cj * 8);  // bits 4-6: cj % 8
 #pragma unroll
           for (int it = 0; it < RL; ++it) {
-            const unsigned a = (ka ^ unsigned(((R * it) & 7) << 4)) + unsigned(it * R * HD * 2);
+            const unsigned a = (ka ^ unsigned(((RS * it) & 7) << 4)) + unsigned(it * RS * HD * 2);
             ptx::CpAsync16At(a, kg + it * step_r);
             ptx::CpAsync16At(a + unsigned(KS * P * 2), vg + it * step_r);
           }
 #else
-          T* kd = ks + j0 * HD;
+          T* kd = ks + jb * HD;
 #pragma unroll
           for (int it = 0; it < RL; ++it) {
-            const int at = it * R * HD + ((cj ^ ((R * it) & 7)) << 3);
+            const int at = it * RS * HD + ((cj ^ ((RS * it) & 7)) << 3);
             ptx::CpAsync16(kd + at, kg + it * step_r);
             ptx::CpAsync16(kd + KS * P + at, vg + it * step_r);
-          }
-#endif
-        }
-        return;
-#endif
-        if (c < chunks) {
-          const T* kg = kstep + j0 * RL * seq_stride + c * 8;
-          const T* vg = vstep + j0 * RL * seq_stride + c * 8;
-#if KVL_DECODE_SWZ_ADDR
-          const unsigned ka = ptx::SharedAddress(ks + j0 * RL * HD + c * 8);  // bits 4-6: c % 8
-#pragma unroll
-          for (int it = 0; it < RL; ++it) {
-            const unsigned a = (ka ^ unsigned((it & 7) << 4)) + unsigned(it * HD * 2);
-            ptx::CpAsync16At(a, kg + it * seq_stride);
-            ptx::CpAsync16At(a + unsigned(KS * P * 2), vg + it * seq_stride);
-          }
-#else
-          T* kd = ks + j0 * RL * HD;
-#pragma unroll
-          for (int it = 0; it < RL; ++it) {
-            const int at = it * HD + ((c ^ (it & 7)) << 3);
-            ptx::CpAsync16(kd + at, kg + it * seq_stride);
-            ptx::CpAsync16(kd + KS * P + at, vg + it * seq_stride);
           }
 #endif
         }
@@ -699,15 +681,19 @@ __global__ void __launch_bounds__(kDecThreads)
     const T* ks = step_slot(i);
     const T* vs = ks + KS * P;
     const int64_t k0 = step_key(i);
-#if KVL_DECODE_SWZ_ADDR
-    // The lane's ldmatrix rows (K: keys (mi / 2) 8 + l, chunk mi % 2; V: keys (mi % 2) 8 + l,
-    // chunk mi / 2; l = lane % 8) at chunk position (chunk ^ l): bits 4-6 of these addresses.
+    // KVL_DECODE_SWZ_ADDR: the lane's ldmatrix rows (K: keys (mi / 2) 8 + l, chunk mi % 2; V:
+    // keys (mi % 2) 8 + l, chunk mi / 2; l = lane % 8) at chunk position (chunk ^ l), bits 4-6
+    // of these addresses (unused, and 0, without the knob).
+    constexpr bool kXorAddr = KVL_DECODE_SWZ_ADDR && DecSwizzled(HD);
     const int mi_l = lane / 8, l8 = lane % 8;
-    const unsigned k_lane = ptx::SharedAddress(ks) +
-                            unsigned((((mi_l / 2) * 8 + l8) * HD + (((mi_l % 2) ^ l8) << 3)) * 2);
-    const unsigned v_lane = ptx::SharedAddress(vs) +
-                            unsigned((((mi_l % 2) * 8 + l8) * HD + (((mi_l / 2) ^ l8) << 3)) * 2);
-#endif
+    const unsigned k_lane =
+        kXorAddr ? ptx::SharedAddress(ks) +
+                       unsigned((((mi_l / 2) * 8 + l8) * HD + (((mi_l % 2) ^ l8) << 3)) * 2)
+                 : 0u;
+    const unsigned v_lane =
+        kXorAddr ? ptx::SharedAddress(vs) +
+                       unsigned((((mi_l % 2) * 8 + l8) * HD + (((mi_l / 2) ^ l8) << 3)) * 2)
+                 : 0u;
 
     float sc[NT][4];
 #pragma unroll
@@ -718,18 +704,13 @@ __global__ void __launch_bounds__(kDecThreads)
       for (int n = 0; n < NT; n += 2) {  // two key n-tiles per ldmatrix.x4
         uint32_t kb[4];
         const int mi = lane / 8;  // matrices: (keys n, d lo) (keys n, d hi) (n+8, lo) (n+8, hi)
-#if KVL_DECODE_SWZ_ADDR
-        if constexpr (DecSwizzled(HD)) {
+        if constexpr (kXorAddr) {
           ptx::LdMatrixX4At(kb, (k_lane ^ unsigned(((2 * kk) & 7) << 4)) +
                                     unsigned((n * 8 * HD + ((2 * kk) & ~7) * 8) * 2));
         } else {
           ptx::LdMatrixX4(kb, ks + DecKvAt<HD>(n * 8 + (mi / 2) * 8 + lane % 8,
                                                kk * 16 + (mi % 2) * 8));
         }
-#else
-        ptx::LdMatrixX4(kb,
-                        ks + DecKvAt<HD>(n * 8 + (mi / 2) * 8 + lane % 8, kk * 16 + (mi % 2) * 8));
-#endif
         ptx::Mma16816<T>(sc[n], qa[kk], kb[0], kb[1]);
         ptx::Mma16816<T>(sc[n + 1], qa[kk], kb[2], kb[3]);
       }
@@ -793,18 +774,13 @@ __global__ void __launch_bounds__(kDecThreads)
       for (int n = 0; n < DT; n += 2) {  // two dimension n-tiles per ldmatrix.x4.trans
         uint32_t vb[4];
         const int mi = lane / 8;  // matrices: (keys lo, d n) (keys hi, d n) (lo, n+8) (hi, n+8)
-#if KVL_DECODE_SWZ_ADDR
-        if constexpr (DecSwizzled(HD)) {
+        if constexpr (kXorAddr) {
           ptx::LdMatrixX4TransAt(vb, (v_lane ^ unsigned((n & 7) << 4)) +
                                          unsigned((kk * 16 * HD + (n & ~7) * 8) * 2));
         } else {
           ptx::LdMatrixX4Trans(vb, vs + DecKvAt<HD>(kk * 16 + (mi % 2) * 8 + lane % 8,
                                                     n * 8 + (mi / 2) * 8));
         }
-#else
-        ptx::LdMatrixX4Trans(
-            vb, vs + DecKvAt<HD>(kk * 16 + (mi % 2) * 8 + lane % 8, n * 8 + (mi / 2) * 8));
-#endif
         ptx::Mma16816<T>(o[n], a, vb[0], vb[1]);
         ptx::Mma16816<T>(o[n + 1], a, vb[2], vb[3]);
       }
