@@ -81,29 +81,14 @@ __global__ void __launch_bounds__(kPrepareWarps* kWarp)
 // UnpackRoPEAppend: 30.9; H200, docs/BENCHMARKS.md, seventeenth session). PrepareKernel serves
 // the rest (4-byte types, other head sizes, rows not aligned to the vector).
 
-// E values of T (2 bytes each) at p, 2E-byte aligned, in one load or store; v is declared
-// alignas(2 E) by the caller.
+// E two-byte values from src to dst, both 2E-byte aligned, as one load and one store (the
+// caller's row arrays are declared alignas(2 E)).
+template <int E>
+using RowWord = std::conditional_t<E == 8, uint4, std::conditional_t<E == 4, uint2, uint32_t>>;
 template <int E, typename T>
-__device__ __forceinline__ void LoadRow(T (&v)[E], const T* p) {
+__device__ __forceinline__ void MoveRow(T* dst, const T* src) {
   static_assert(sizeof(T) == 2 && (E == 2 || E == 4 || E == 8), "2, 4 or 8 two-byte values");
-  if constexpr (E == 8) {
-    *reinterpret_cast<uint4*>(v) = *reinterpret_cast<const uint4*>(p);
-  } else if constexpr (E == 4) {
-    *reinterpret_cast<uint2*>(v) = *reinterpret_cast<const uint2*>(p);
-  } else {
-    *reinterpret_cast<uint32_t*>(v) = *reinterpret_cast<const uint32_t*>(p);
-  }
-}
-template <int E, typename T>
-__device__ __forceinline__ void StoreRow(T* p, const T (&v)[E]) {
-  static_assert(sizeof(T) == 2 && (E == 2 || E == 4 || E == 8), "2, 4 or 8 two-byte values");
-  if constexpr (E == 8) {
-    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(v);
-  } else if constexpr (E == 4) {
-    *reinterpret_cast<uint2*>(p) = *reinterpret_cast<const uint2*>(v);
-  } else {
-    *reinterpret_cast<uint32_t*>(p) = *reinterpret_cast<const uint32_t*>(v);
-  }
+  *reinterpret_cast<RowWord<E>*>(dst) = *reinterpret_cast<const RowWord<E>*>(src);
 }
 
 // PrepareKernel's work for one (token, head) row per warp, the row in registers (lane l holds
@@ -120,14 +105,14 @@ __global__ void __launch_bounds__(kPrepareWarps* kWarp)
   const int64_t h = r.h, token = r.token, b = r.b, i = r.i;
   const bool is_q = h < N;
   const TokenInputs<T> in(s, buf, b, i);
-  // Vector-aligned: LoadRow / StoreRow move them as one 2E-byte word (in registers at -O3, but
-  // a -G build keeps them in local memory).
+  // Vector-aligned: MoveRow moves them as one 2E-byte word (in registers at -O3, but a -G
+  // build keeps them in local memory).
   alignas(2 * E) T raw[E], val[E], wt[E];
-  LoadRow<E>(raw, (is_q ? in.q + h * H : in.k + (h - N) * H) + lane * E);
-  if (!is_q) LoadRow<E>(val, in.v + (h - N) * H + lane * E);
+  MoveRow<E>(raw, (is_q ? in.q + h * H : in.k + (h - N) * H) + lane * E);
+  if (!is_q) MoveRow<E>(val, in.v + (h - N) * H + lane * E);
   const bool norm = is_q ? s.has_q_norm : s.has_k_norm;
   if (norm) {
-    LoadRow<E>(wt, static_cast<const T*>(is_q ? buf.q_norm_weight : buf.k_norm_weight) + lane * E);
+    MoveRow<E>(wt, static_cast<const T*>(is_q ? buf.q_norm_weight : buf.k_norm_weight) + lane * E);
   }
   const BatchGeometry g = EntryLengthsOnce(s, buf, ws, r, lane);
   if (!s.is_first_prompt() && i >= g.new_rows) return;  // beyond query_seqlens: unused
@@ -181,13 +166,13 @@ __global__ void __launch_bounds__(kPrepareWarps* kWarp)
     alignas(2 * E) T out[E];
 #pragma unroll
     for (int k = 0; k < E; ++k) out[k] = FromF<T>(x[k]);
-    StoreRow<E>(static_cast<T*>(buf.present_key) + off, out);
-    StoreRow<E>(static_cast<T*>(buf.present_value) + off, val);
+    MoveRow<E>(static_cast<T*>(buf.present_key) + off, out);
+    MoveRow<E>(static_cast<T*>(buf.present_value) + off, val);
   } else if (ws.q_storage != nullptr) {  // cuDNN: (B, S, N, H) in T, unscaled (cuDNN scales)
     alignas(2 * E) T out[E];
 #pragma unroll
     for (int k = 0; k < E; ++k) out[k] = FromF<T>(x[k]);
-    StoreRow<E>(static_cast<T*>(ws.q_storage) + (token * N + h) * H + lane * E, out);
+    MoveRow<E>(static_cast<T*>(ws.q_storage) + (token * N + h) * H + lane * E, out);
   } else {
     float* dst = ws.q + ((b * N + h) * s.seq_len + i) * H + lane * E;
 #pragma unroll

@@ -79,7 +79,6 @@ __global__ void SlidingPresentKernel(GqaShape s, GqaCudaBuffers buf, KvStrides s
 template <typename T>
 using ElementBits = std::conditional_t<sizeof(T) == 4, uint32_t, uint16_t>;
 
-
 int CopyBlocks(int64_t n, const CudaDeviceInfo& dev) {
   const int64_t blocks = std::min<int64_t>((n + 255) / 256, 8 * dev.sm_count);
   return static_cast<int>(std::max<int64_t>(1, blocks));
