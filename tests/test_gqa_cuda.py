@@ -649,15 +649,16 @@ def test_deterministic(layout, dtype):
     "heads,batch,past_len,big_cap,extra",
     [((8, 2, 128), 2, 1000, 5000, {}),  # the splits merge in one level
      # On sm_90 the grids of at most 8 splits are one thread-block cluster per row, merged
-     # through its shared memory: 1000 keys (8 splits) against the global merge (33 splits) in
-     # `flat` and here with 16 rows and a head sink; then 3 splits against 8, of which 5 (6 in
+     # through its shared memory: 1000 keys (8 splits) against the global merge (the larger
+     # grid) in `flat` and here with 16 rows and a head sink; then 3 splits against 8, of which 5 (6 in
      # the shorter entry's row) leave at once
      ((16, 1, 64), 1, 1000, 5000, {"head_sink": True}),
      ((8, 2, 128), 2, 300, 1001, {}),
      # 63 live splits x 4 rows x 256 floats: a two-level tree (16 splits of one level would read
      # 563 keys, 563 KB of K and V each: above kDecodeFlatSplitBytes, kernels.h)
      ((4, 1, 256), 2, 9000, 12000, {}),
-     # 33 splits targeted, 18 taken (one level: 18 x 7 rows x 128 floats, 224 keys each)
+     # 24 splits targeted (a two-round merge: three quarters of the SMs), 23 live (one level:
+     # 23 x 7 rows x 128 floats, 176 keys each)
      ((28, 4, 128), 1, 4000, 9000, {})],
     ids=["flat", "clusters_sink", "clusters", "two_levels", "flat_capped"],
 )  # fmt: skip

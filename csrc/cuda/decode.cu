@@ -134,6 +134,7 @@ struct DecTrace {
 
 constexpr int kDecWarps = 4;
 constexpr int kDecThreads = kDecWarps * kWarp;
+static_assert(kDecThreads == kDecodeCtaThreads, "the plan's count of the decode CTA's threads");
 static_assert(kDecodeRows % kDecWarps == 0, "each warp prepares kDecodeRows / kDecWarps rows");
 static_assert(kDecodeRows == kRowsPerCta, "the plan sizes decode slots in kRowsPerCta rows");
 
@@ -171,28 +172,15 @@ __host__ __device__ constexpr int DecPitch(int hd) { return hd + 8; }
 // 16 suffice (1.5x the bytes from L2 at 28/4/128 B=64 L=16k, 44 M requests against cuDNN's
 // 17 M; H200, docs/BENCHMARKS.md, seventeenth session). Other head sizes keep the padded rows.
 __host__ __device__ constexpr bool DecSwizzled(int hd) { return hd % 64 == 0; }
-// Build knob KVL_DECODE_SWZ_ADDR=1 (benchmarking only; 0, the default, compiles nothing): the
-// swizzled tiles' shared addresses as one XOR per copy or ldmatrix. Every tile starts on a
-// 128-byte boundary of the shared window (checked once per CTA) and a row is a whole number of
-// 128-byte lines, so bits 4-6 of a chunk's address are its chunk index mod 8: a lane's address
-// for chunk position c ^ k is its address for c with those bits XORed by k, and the rest of the
-// offset is a compile-time immediate. The default form costs about 15 more instructions per
-// warp step for the copies and about 45 for the ldmatrix addresses at head size 128 than the
-// padded tiles did (sm_90a SASS, seventeenth session); a test of whether that matters where a
-// call is bound by issue (B=1, few kv heads).
-#ifndef KVL_DECODE_SWZ_ADDR
-#define KVL_DECODE_SWZ_ADDR 0
-#endif
-// Build knob KVL_DECODE_SWZ_ROWS=1 (benchmarking only; 0, the default, compiles nothing): the
-// swizzled tiles' copies with the padded tiles' row order, a warp-wide copy reading R adjacent
-// rows (512 contiguous bytes of a head-major cache at head size 128) instead of R rows KS / R
-// apart. Row j0 + R it sits at chunk position (c ^ j0) ^ (R it % 8), since j0 < R and R it % 8
-// has no bits below R: the same compile-time XOR per copy. A test of whether the rows' spread
-// costs DRAM locality (9/3/64 kv_layout=1 at B >= 32 runs 3 to 6% behind kv_layout=0, the
-// seventeenth session's grid).
-#ifndef KVL_DECODE_SWZ_ROWS
-#define KVL_DECODE_SWZ_ROWS 0
-#endif
+// The swizzled tiles' shared addresses are one XOR plus an immediate per copy or ldmatrix: every
+// tile starts on a 128-byte boundary of the shared window (checked once per CTA) and a row is a
+// whole number of 128-byte lines, so bits 4-6 of a chunk's address are its chunk index mod 8, and
+// a lane's address for chunk position c ^ k is its address for c with those bits XORed by k.
+// DecKvAt's form cost about 15 more instructions per warp step for the copies and about 45 for
+// the ldmatrix addresses at head size 128; the XOR form measured 1% faster at the median of 28
+// decode points and up to 5% at B=1 (H200, docs/BENCHMARKS.md, eighteenth session). Copying the
+// padded tiles' row order instead (a warp-wide copy reading adjacent rows) measured no change,
+// also at 9/3/64 kv_layout=1, whose gap it was meant to close.
 // Element offset of (row j, column d) in a K or V stage tile of head dim HD.
 template <int HD>
 __device__ __forceinline__ int DecKvAt(int j, int d) {
@@ -337,9 +325,9 @@ __global__ void __launch_bounds__(kDecThreads)
   constexpr int DT = HD / 8;  // output n-tiles (8 dimensions each)
   constexpr int KT = HD / 16;  // k-steps of Q K^T
   extern __shared__ __align__(128) unsigned char dec_smem[];
-#if KVL_DECODE_SWZ_ADDR
-  if (DecSwizzled(HD) && (ptx::SharedAddress(dec_smem) & 127u) != 0) __trap();  // the XOR forms
-#endif
+  // The XOR address forms need the tiles on 128-byte boundaries (an invariant of the build:
+  // dec_smem's alignment, so never taken).
+  if (DecSwizzled(HD) && (ptx::SharedAddress(dec_smem) & 127u) != 0) __trap();
   __shared__ float red_m[kDecWarps][kDecodeRows], red_l[kDecWarps][kDecodeRows];
   __shared__ float row_scale[kDecodeRows];
   __shared__ float red_w[kDecWarps][kDecodeRows], row_m[kDecodeRows], row_l[kDecodeRows];
@@ -493,40 +481,22 @@ __global__ void __launch_bounds__(kDecThreads)
       constexpr int R = kWarp % CPR == 0 ? kWarp / CPR : 1;  // rows per warp-wide copy
       const int c = lane % CPR, j0 = lane / CPR;
       if constexpr (DecSwizzled(HD)) {
-        // Swizzled tiles: a lane copies chunk c of RL rows, row jb + RS it for it < RL, whose
-        // chunk lands at (c ^ jb % 8) ^ (RS it % 8): it known at compile time, so one XOR per
-        // copy. By default the rows are consecutive from j0 RL on (RS = 1; RL is a multiple of
-        // 8, so jb % 8 = 0) and a warp-wide copy reads R rows RL apart, each whole; with
-        // KVL_DECODE_SWZ_ROWS they are the padded tiles' j0 + R it (j0 < R, and R it % 8 has no
-        // bits below R), a warp-wide copy reading R adjacent rows.
+        // Swizzled tiles: a lane copies chunk c of RL consecutive rows from j0 RL on (RL is a
+        // multiple of 8, so row j0 RL + it's chunk c lands at position c ^ it % 8: it known at
+        // compile time, one XOR per copy); a warp-wide copy reads R rows RL apart, each whole.
         constexpr int RL = KS / R;
         static_assert(RL % 8 == 0, "rows per lane: whole swizzle periods");
-        static_assert(!KVL_DECODE_SWZ_ROWS || R == 1 || R == 2 || R == 4,
-                      "j0 < R: its bits and R it's are disjoint");
-        constexpr int RS = KVL_DECODE_SWZ_ROWS ? R : 1;  // row step between a lane's copies
-        const int jb = KVL_DECODE_SWZ_ROWS ? j0 : j0 * RL;  // the lane's first row
-        const int cj = c ^ (jb & 7);                        // its chunk position in row jb
+        const int jb = j0 * RL;  // the lane's first row
         if (c < chunks) {
           const T* kg = kstep + jb * seq_stride + c * 8;
           const T* vg = vstep + jb * seq_stride + c * 8;
-          const int64_t step_r = RS * seq_stride;
-#if KVL_DECODE_SWZ_ADDR
-          const unsigned ka = ptx::SharedAddress(ks + jb * HD + cj * 8);  // bits 4-6: cj % 8
+          const unsigned ka = ptx::SharedAddress(ks + jb * HD + c * 8);  // bits 4-6: c
 #pragma unroll
           for (int it = 0; it < RL; ++it) {
-            const unsigned a = (ka ^ unsigned(((RS * it) & 7) << 4)) + unsigned(it * RS * HD * 2);
-            ptx::CpAsync16At(a, kg + it * step_r);
-            ptx::CpAsync16At(a + unsigned(KS * P * 2), vg + it * step_r);
+            const unsigned a = (ka ^ unsigned((it & 7) << 4)) + unsigned(it * HD * 2);
+            ptx::CpAsync16At(a, kg + it * seq_stride);
+            ptx::CpAsync16At(a + unsigned(KS * P * 2), vg + it * seq_stride);
           }
-#else
-          T* kd = ks + jb * HD;
-#pragma unroll
-          for (int it = 0; it < RL; ++it) {
-            const int at = it * RS * HD + ((cj ^ ((RS * it) & 7)) << 3);
-            ptx::CpAsync16(kd + at, kg + it * step_r);
-            ptx::CpAsync16(kd + KS * P + at, vg + it * step_r);
-          }
-#endif
         }
         return;
       }
@@ -681,10 +651,10 @@ __global__ void __launch_bounds__(kDecThreads)
     const T* ks = step_slot(i);
     const T* vs = ks + KS * P;
     const int64_t k0 = step_key(i);
-    // KVL_DECODE_SWZ_ADDR: the lane's ldmatrix rows (K: keys (mi / 2) 8 + l, chunk mi % 2; V:
-    // keys (mi % 2) 8 + l, chunk mi / 2; l = lane % 8) at chunk position (chunk ^ l), bits 4-6
-    // of these addresses (unused, and 0, without the knob).
-    constexpr bool kXorAddr = KVL_DECODE_SWZ_ADDR && DecSwizzled(HD);
+    // Swizzled tiles: the lane's ldmatrix rows (K: keys (mi / 2) 8 + l, chunk mi % 2; V: keys
+    // (mi % 2) 8 + l, chunk mi / 2; l = lane % 8) at chunk position (chunk ^ l), bits 4-6 of
+    // these addresses (unused, and 0, with padded tiles).
+    constexpr bool kXorAddr = DecSwizzled(HD);
     const int mi_l = lane / 8, l8 = lane % 8;
     const unsigned k_lane =
         kXorAddr ? ptx::SharedAddress(ks) +

@@ -181,6 +181,14 @@ constexpr int64_t kMinDecodeSplitKeys = 128;
 // every CTA slot in one wave, or past one wave takes one split per row, with fewer CTAs per SM
 // (padded shared memory) where the rows fill those waves better (MakePlan says why).
 constexpr int64_t kFewDecodeRows = 16;
+// Threads of a decode CTA (four warps; decode.cu's kDecThreads). A row's split merge writes its
+// rows x head size values four per thread: past one item per thread (28/4/128: 7 rows x 128 / 4
+// = 224; 4/1/256: 256) each 8 splits add two rounds of loads to the merge, not one, and the plan
+// targets fewer splits (MakePlan).
+constexpr int kDecodeCtaThreads = 128;
+__host__ __device__ constexpr bool DecodeMergeTwoRounds(int64_t rows, int64_t head_size) {
+  return rows * head_size / 4 > kDecodeCtaThreads;
+}
 bool DecodeTcFits(const GqaShape& s, size_t elem, const CudaDeviceInfo& dev);
 int DecodeTcCtasPerSm(const GqaShape& s, const CudaDeviceInfo& dev);  // cached per device/kernel
 // Whether a row's key splits can be one thread-block cluster of `cluster` CTAs (an sm_90+ device

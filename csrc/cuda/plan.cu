@@ -125,7 +125,16 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
     const bool few = base < kFewDecodeRows;
     const int fit = few ? 1 : DecodeTcCtasPerSm(s, dev);  // CTAs per SM
     const int64_t slots = sms * fit;
-    p.split_target = std::min(std::max<int64_t>(1, slots / base), kMaxDecodeSplits);
+    // Where a row's merge takes two rounds of loads per 8 splits (DecodeMergeTwoRounds: 28/4/128,
+    // 4/1/256), fewer splits: with few rows three quarters of the SMs, with many two CTAs per SM
+    // rather than every slot. Measured on the H200 by ORT_KVLAYOUT_DECODE_SPLITS sweeps (kernel
+    // us, docs/BENCHMARKS.md, eighteenth session): 28/4/128 B=1 L=4k 12.5 (32 splits) -> 11.7
+    // (24), B=8 L=4k 28.0 (12) -> 27.2 (8), B=32 L=4k 72.5 (3) -> 70.3 (2); 4/1/256 B=8 L=16k
+    // 46.5 (16) -> 44.8 (12). (At 32/8/128, one round, two CTAs per SM gained 1 to 2% at B=8,
+    // within the spread: not taken; at 9/3/64, one CTA per SM lost 15%, fourteenth session.)
+    const bool two_rounds = DecodeMergeTwoRounds(s.seq_len * s.group_size(), s.head_size);
+    const int64_t split_slots = !two_rounds ? slots : few ? sms * 3 / 4 : sms * std::min(fit, 2);
+    p.split_target = std::min(std::max<int64_t>(1, split_slots / base), kMaxDecodeSplits);
     if (!few && base > slots) {
       const int ctas = DecodeWaveCtasPerSm(base, sms, fit);
       if (ctas < fit) p.decode_ctas_per_sm = ctas;
