@@ -65,15 +65,6 @@ namespace {
 #ifndef KVL_DECODE_TRACE
 #define KVL_DECODE_TRACE 0
 #endif
-// Build knob KVL_DECODE_MERGE_STAGE=1 (benchmarking only; 0, the default, compiles nothing): the
-// global merge's values pass stages the partials in shared memory through cp.async, a chunk of
-// slots per round trip (up to the stage memory, about 60 KB at head size 128), instead of eight
-// 16-byte loads per thread per round trip (16 KB per CTA). A test of whether the merge of
-// 28/4/128, two rounds of eight loads per eight splits (docs/BENCHMARKS.md, eighteenth session),
-// is bound by its bytes in flight.
-#ifndef KVL_DECODE_MERGE_STAGE
-#define KVL_DECODE_MERGE_STAGE 0
-#endif
 struct DecTrace {
 #if KVL_DECODE_TRACE
   static constexpr int kMarks = 10;
@@ -236,11 +227,6 @@ constexpr size_t DecSmemBytes(int hd, size_t elem) {
       sizeof(float) * (kDecodeRows * kMaxDecodeSplits + 2 * kMaxDecodeSplits * kDecMergeRowPitch);
   return std::max(stages, std::max(merge, weights));
 }
-
-// The dynamic shared memory of a head size's kernel in floats, for device code (a namespace-scope
-// constant: DecSmemBytes is a host function).
-template <int HD, typename T>
-constexpr int kDecSmemFloats = static_cast<int>(DecSmemBytes(HD, sizeof(T)) / sizeof(float));
 
 // Thread-block clusters (sm_90): a barrier of every thread of the cluster that orders each
 // CTA's shared-memory writes before it against the reads after it in the others, and the
@@ -956,21 +942,10 @@ __global__ void __launch_bounds__(kDecThreads)
   // shared memory and each row's weights from there (the weights took two trips per row of a
   // warp before: 4.7k -> 3.2k cycles at 28/4/128 B=1 L=4k), then the values.
   float* weight = reinterpret_cast<float*>(dec_smem);  // [row][slot]; red_o is no longer read
-  constexpr bool kStaged = KVL_DECODE_MERGE_STAGE != 0;
-#if !KVL_DECODE_MERGE_STAGE
-  constexpr int64_t wp = kMaxDecodeSplits;  // the weights' row pitch
   float* slot_m = weight + kDecodeRows * kMaxDecodeSplits;  // [slot][kDecMergeRowPitch]
   float* slot_l = slot_m + kMaxDecodeSplits * kDecMergeRowPitch;
-#endif
   auto merge = [&](int64_t first, int64_t n, int64_t dst) {
     const int nn = static_cast<int>(n);
-#if KVL_DECODE_MERGE_STAGE
-    // The arrays packed for this merge's n slots, so the rest of the shared memory can stage
-    // the partials.
-    const int wp = nn;
-    float* const slot_m = weight + kDecodeRows * wp;
-    float* const slot_l = slot_m + wp * kDecMergeRowPitch;
-#endif
     {
       // Slot sp's row r is element sp * kDecodeRows + r of part_m / part_l: thread i takes
       // element i (rows past the CTA's are skipped), four per thread in flight.
@@ -1007,7 +982,7 @@ __global__ void __launch_bounds__(kDecThreads)
       for (int sp = lane; sp < nn; sp += kWarp) {
         const float ls = slot_l[sp * kDecMergeRowPitch + r];
         const float wt = PartialWeight(slot_m[sp * kDecMergeRowPitch + r], ls, mx);
-        weight[r * wp + sp] = wt;
+        weight[r * kMaxDecodeSplits + sp] = wt;
         if (wt != 0.0f) lsum += ls * wt;
       }
       lsum = WarpSum(lsum);
@@ -1022,63 +997,6 @@ __global__ void __launch_bounds__(kDecThreads)
     }
     __syncthreads();
     trace.Mark();
-    if constexpr (kStaged) {
-      // KVL_DECODE_MERGE_STAGE: the partials copied to shared memory by cp.async a chunk of
-      // slots at a time, every copy of a chunk in flight at once (no registers held), then each
-      // thread's items (row r, dimensions d .. d + 3; up to kItems) summed from there: the same
-      // products in the same split order as the loop below, so the same bits.
-      constexpr int kItems = (kDecodeRows * HD / 4 + kDecThreads - 1) / kDecThreads;
-      const int items = nrows * hs / 4, slot_floats = nrows * hs;  // a slot's rows: contiguous
-      const int used = (kDecodeRows * wp + 2 * wp * kDecMergeRowPitch + 3) / 4 * 4;  // 16 B
-      float* const stage = weight + used;
-      const int chunk = max(1, (kDecSmemFloats<HD, T> - used) / slot_floats);
-      float4 acc[kItems];
-#pragma unroll
-      for (int k = 0; k < kItems; ++k) acc[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      const float* src = part_o + (slot_base + first) * kDecodeRows * H;
-      for (int c0 = 0; c0 < nn; c0 += chunk) {
-        const int cn = min(chunk, nn - c0), per_slot = slot_floats / 4;
-        for (int p = threadIdx.x; p < cn * per_slot; p += kDecThreads) {
-          const int sp = p / per_slot, off = (p % per_slot) * 4;
-          ptx::CpAsync16(stage + sp * slot_floats + off,
-                         src + (c0 + sp) * kDecodeRows * H + off);
-        }
-        ptx::CpAsyncCommit();
-        ptx::CpAsyncWait<0>();
-        __syncthreads();
-#pragma unroll
-        for (int k = 0; k < kItems; ++k) {
-          const int idx = threadIdx.x + k * kDecThreads;
-          if (idx >= items) break;
-          const int r = idx / (hs / 4), d = (idx % (hs / 4)) * 4;
-          const float* wr = weight + r * wp + c0;
-          for (int sp = 0; sp < cn; ++sp) {
-            const float wt = wr[sp];
-            if (wt == 0.0f) continue;  // an empty partial adds nothing (no 0 x Inf)
-            Fma4(acc[k], *reinterpret_cast<const float4*>(stage + sp * slot_floats + r * hs + d),
-                 wt);
-          }
-        }
-        __syncthreads();  // the chunk read before the next one lands on it
-      }
-#pragma unroll
-      for (int k = 0; k < kItems; ++k) {
-        const int idx = threadIdx.x + k * kDecThreads;
-        if (idx >= items) break;
-        const int r = idx / (hs / 4), d = (idx % (hs / 4)) * 4;
-        if (dst < 0) {
-          StoreScaled4(out_row(r) + d, acc[k], row_scale[r]);
-        } else {
-          *reinterpret_cast<float4*>(part_o + ((slot_base + dst) * kDecodeRows + r) * H + d) =
-              acc[k];
-        }
-      }
-      if constexpr (KVL_DECODE_TRACE != 0) {
-        __syncthreads();
-        trace.Mark();
-      }
-      return;
-    }
     // Four dimensions per thread (H % 8 == 0): one 16-byte load per partial, eight issued
     // before any is used (a skip test between the loads kept one in flight: +4 to 6 us at B=1).
     // Sixteen in flight, or two items' eight, measured slower (docs/BENCHMARKS.md, eleventh
@@ -1087,7 +1005,7 @@ __global__ void __launch_bounds__(kDecThreads)
       const int r = idx / (hs / 4), d = (idx % (hs / 4)) * 4;
       const float* po = part_o + ((slot_base + first) * kDecodeRows + r) * H + d;
       const int64_t pitch = kDecodeRows * H;  // from one slot's row to the next
-      const float* wr = weight + r * wp;
+      const float* wr = weight + r * kMaxDecodeSplits;
       float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       auto add = [&](const float4& x, float wt) {
         if (wt == 0.0f) return;  // an empty partial adds nothing, whatever it holds (no 0 x Inf)
