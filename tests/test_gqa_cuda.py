@@ -654,11 +654,12 @@ def test_deterministic(layout, dtype):
      # the shorter entry's row) leave at once
      ((16, 1, 64), 1, 1000, 5000, {"head_sink": True}),
      ((8, 2, 128), 2, 300, 1001, {}),
-     # 63 live splits x 4 rows x 256 floats: a two-level tree (16 splits of one level would read
+     # 47 live splits x 4 rows x 256 floats: a two-level tree (16 splits of one level would read
      # 563 keys, 563 KB of K and V each: above kDecodeFlatSplitBytes, kernels.h)
      ((4, 1, 256), 2, 9000, 12000, {}),
      # 24 splits targeted (a two-round merge: three quarters of the SMs), 23 live (one level:
-     # 23 x 7 rows x 128 floats, 176 keys each)
+     # 23 x 7 rows x 128 floats, 176 keys each; the one-level bound, 36 splits at 7 rows, capped
+     # the 33 targeted before the two-round rule)
      ((28, 4, 128), 1, 4000, 9000, {})],
     ids=["flat", "clusters_sink", "clusters", "two_levels", "flat_capped"],
 )  # fmt: skip
