@@ -179,7 +179,8 @@ struct DecodeMergeTree {
 constexpr int64_t kMinDecodeSplitKeys = 128;
 // Below this many (batch, kv head) rows the plan puts one decode CTA per SM, else it fills
 // every CTA slot in one wave, or past one wave takes one split per row, with fewer CTAs per SM
-// (padded shared memory) where the rows fill those waves better (MakePlan says why).
+// (padded shared memory) where the rows fill those waves better; fewer splits where the merge
+// takes two rounds (DecodeMergeTwoRounds). MakePlan says why.
 constexpr int64_t kFewDecodeRows = 16;
 // Threads of a decode CTA (four warps; decode.cu's kDecThreads). A row's split merge writes its
 // rows x head size values four per thread: past one item per thread (28/4/128: 7 rows x 128 / 4
