@@ -132,9 +132,8 @@ struct DecTrace {
 #endif
 };
 
-constexpr int kDecWarps = 4;
-constexpr int kDecThreads = kDecWarps * kWarp;
-static_assert(kDecThreads == kDecodeCtaThreads, "the plan's count of the decode CTA's threads");
+constexpr int kDecThreads = kDecodeCtaThreads;  // kernels.h: the plan counts them too
+constexpr int kDecWarps = kDecThreads / kWarp;
 static_assert(kDecodeRows % kDecWarps == 0, "each warp prepares kDecodeRows / kDecWarps rows");
 static_assert(kDecodeRows == kRowsPerCta, "the plan sizes decode slots in kRowsPerCta rows");
 
@@ -1000,7 +999,7 @@ __global__ void __launch_bounds__(kDecThreads)
     // Four dimensions per thread (H % 8 == 0): one 16-byte load per partial, eight issued
     // before any is used (a skip test between the loads kept one in flight: +4 to 6 us at B=1).
     // Sixteen in flight, or two items' eight, measured slower (docs/BENCHMARKS.md, eleventh
-    // session).
+    // session), and so did a whole chunk of partials staged through cp.async (eighteenth).
     for (int idx = threadIdx.x; idx < nrows * hs / 4; idx += kDecThreads) {
       const int r = idx / (hs / 4), d = (idx % (hs / 4)) * 4;
       const float* po = part_o + ((slot_base + first) * kDecodeRows + r) * H + d;
