@@ -1009,7 +1009,7 @@ __global__ void __launch_bounds__(kDecThreads)
       const T* po = item_partials(threadIdx.x);
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
-        if (u < first_loads) first_x[u] = ptx::LoadCg16(po + u * pitch);
+        if (u < first_loads) first_x[u] = __ldcg(reinterpret_cast<const uint4*>(po + u * pitch));
       }
     }
     {
@@ -1089,12 +1089,12 @@ __global__ void __launch_bounds__(kDecThreads)
         uint4 x[8];
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
-          x[u] = ptx::LoadCg16(po + (sp + u) * pitch);
+          x[u] = __ldcg(reinterpret_cast<const uint4*>(po + (sp + u) * pitch));
         }
 #pragma unroll
         for (int u = 0; u < 8; ++u) add(x[u], wr[sp + u]);
       }
-      for (; sp < n; ++sp) add(ptx::LoadCg16(po + sp * pitch), wr[sp]);
+      for (; sp < n; ++sp) add(__ldcg(reinterpret_cast<const uint4*>(po + sp * pitch)), wr[sp]);
       if (dst < 0) {
         T* out = out_row(r) + d;
         const float sc = row_scale[r];

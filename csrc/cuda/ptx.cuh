@@ -51,18 +51,6 @@ __device__ __forceinline__ void CpAsync16(void* smem_dst, const void* gmem_src, 
 __device__ __forceinline__ void CpAsync16At(unsigned smem_addr, const void* gmem_src) {
   asm volatile(KVL_CP_ASYNC_CG " [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gmem_src) : "memory");
 }
-// A 16-byte global load past L1 (ld.global.cg) in volatile asm, issued where it stands.
-// __ldcg's asm is not volatile: the compiler sank the first of the decode merge's eight partial
-// loads into the branch of its `weight != 0` test, after the other seven, which put one more L2
-// round trip on every eight partials (sm_90a SASS of 73c3a25: +1 to 1.4 us at 9/3/64 B=1 on the
-// H200, docs/BENCHMARKS.md, nineteenth session).
-__device__ __forceinline__ uint4 LoadCg16(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
 __device__ __forceinline__ void CpAsyncCommit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
