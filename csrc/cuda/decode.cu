@@ -991,27 +991,8 @@ __global__ void __launch_bounds__(kDecThreads)
   float* weight = reinterpret_cast<float*>(dec_smem);  // [row][slot]; red_o is no longer read
   float* slot_m = weight + kDecodeRows * kMaxDecodeSplits;  // [slot][kDecMergeRowPitch]
   float* slot_l = slot_m + kMaxDecodeSplits * kDecMergeRowPitch;
-  constexpr int kV = kPartialVec;
-  const int64_t pitch = kDecodeRows * H;  // from one slot's row of partials to the next
   auto merge = [&](int64_t first, int64_t n, int64_t dst) {
     const int nn = static_cast<int>(n);
-    // Item idx of the values pass: row r, dimensions d .. d + 7, its partials from slot `first`.
-    auto item_partials = [&](int idx) {
-      const int r = idx / (hs / kV), d = (idx % (hs / kV)) * kV;
-      return part_o + ((slot_base + first) * kDecodeRows + r) * H + d;
-    };
-    // This thread's first item's first eight partials are loaded with the slots' m and l, so
-    // they are in flight during the weights pass instead of after it (one L2 round trip less on
-    // the merge's path). They need no weight to be loaded, only the count's acquire.
-    const int first_loads = nn < 8 ? nn : 8;
-    uint4 first_x[8];
-    if (threadIdx.x < nrows * hs / kV) {
-      const T* po = item_partials(threadIdx.x);
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        if (u < first_loads) first_x[u] = __ldcg(reinterpret_cast<const uint4*>(po + u * pitch));
-      }
-    }
     {
       // Slot sp's row r is element sp * kDecodeRows + r of part_m / part_l: thread i takes
       // element i (rows past the CTA's are skipped), four per thread in flight.
@@ -1068,9 +1049,11 @@ __global__ void __launch_bounds__(kDecThreads)
     // before any is used (a skip test between the loads kept one in flight: +4 to 6 us at B=1).
     // Sixteen in flight, or two items' eight, measured slower (docs/BENCHMARKS.md, eleventh
     // session), and so did a whole chunk of float partials staged through cp.async (eighteenth).
+    constexpr int kV = kPartialVec;
     for (int idx = threadIdx.x; idx < nrows * hs / kV; idx += kDecThreads) {
       const int r = idx / (hs / kV), d = (idx % (hs / kV)) * kV;
-      const T* po = item_partials(idx);
+      const T* po = part_o + ((slot_base + first) * kDecodeRows + r) * H + d;
+      const int64_t pitch = kDecodeRows * H;  // from one slot's row to the next
       const float* wr = weight + r * kMaxDecodeSplits;
       float4 lo = make_float4(0.0f, 0.0f, 0.0f, 0.0f), hi = lo;
       auto add = [&](const uint4& x, float lw) {
@@ -1078,13 +1061,6 @@ __global__ void __launch_bounds__(kDecThreads)
         Fma8<T>(lo, hi, x, lw);
       };
       int64_t sp = 0;
-      if (idx == threadIdx.x) {  // the first item: its first partials are loaded
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          if (u < first_loads) add(first_x[u], wr[u]);
-        }
-        sp = first_loads;
-      }
       for (; sp + 8 <= n; sp += 8) {
         uint4 x[8];
 #pragma unroll
