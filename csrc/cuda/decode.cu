@@ -265,52 +265,6 @@ __device__ __forceinline__ void StoreScaled4(T* out, const float4& v, float sc) 
   out[3] = FromF<T>(v.w * sc);
 }
 
-// The split merge's partials (global and cluster) hold a split's values divided by its own sum l,
-// rounded to the storage type T, as FlashInfer's merge states hold theirs in the output type: a
-// weighted mean of V rows lies within V's range, so T holds it, and the merge reads half the
-// bytes of float partials: a 16-byte load carries eight values, so a row of 7 x 128 (28/4/128)
-// takes one round of loads per eight splits, not two (docs/BENCHMARKS.md, nineteenth session).
-// The rounding adds at most T's half ulp of the mean per partial, before the output's own
-// rounding to T. The merge weighs partial k by l_k x exp(m_k - max) (PartialLw). A partial
-// without live keys (l = 0) stores zeros and weighs 0; a NaN l stays NaN (PartialWeight).
-constexpr int kPartialVec = kDecodeMergeItemValues;  // T values of a partial per 16-byte load
-static_assert(kPartialVec * 2 == 16, "one 16-byte load of fp16 / bf16 partial values");
-__device__ __forceinline__ float PartialInv(float l) {
-  return l == 0.0f ? 0.0f : __frcp_rn(l);
-}
-template <typename T>
-struct alignas(8) Partial4 {
-  T v[4];
-};
-template <typename T>
-__device__ __forceinline__ Partial4<T> ToPartial4(const float4& acc, float inv) {
-  Partial4<T> p;
-  p.v[0] = FromF<T>(__fmul_rn(acc.x, inv));
-  p.v[1] = FromF<T>(__fmul_rn(acc.y, inv));
-  p.v[2] = FromF<T>(__fmul_rn(acc.z, inv));
-  p.v[3] = FromF<T>(__fmul_rn(acc.w, inv));
-  return p;
-}
-template <typename T>
-__device__ __forceinline__ float4 PartialFloats(const Partial4<T>& p) {
-  return make_float4(ToF(p.v[0]), ToF(p.v[1]), ToF(p.v[2]), ToF(p.v[3]));
-}
-// A partial's weight in a merge of maximum mx: its sum times its softmax weight, one rounded
-// product (never contracted), 0 where the weight is (an empty partial adds nothing: no 0 x Inf).
-__device__ __forceinline__ float PartialLw(float m, float l, float mx) {
-  const float wt = PartialWeight(m, l, mx);
-  return wt == 0.0f ? 0.0f : __fmul_rn(l, wt);
-}
-// acc += the eight T values of a 16-byte partial load times lw (Fma4's arithmetic).
-template <typename T>
-__device__ __forceinline__ void Fma8(float4& lo, float4& hi, const uint4& x, float lw) {
-  const T* tag = nullptr;
-  const float2 a = Unpack(x.x, tag), b = Unpack(x.y, tag), c = Unpack(x.z, tag),
-               e = Unpack(x.w, tag);
-  Fma4(lo, make_float4(a.x, a.y, b.x, b.y), lw);
-  Fma4(hi, make_float4(c.x, c.y, e.x, e.y), lw);
-}
-
 // The grid's checker row (blockIdx.y == B x Nkv): the lengths of every (batch entry, token), as
 // the prepare kernel checks them, one item per thread over the row's CTAs. A row of its own: the
 // check on a working CTA (split 0 with a full cache) made that CTA's partial the last of its row
@@ -356,10 +310,9 @@ __device__ __forceinline__ GqaShape PlainShape(GqaShape s) {
 template <typename T, int HD, bool kPlain>
 __global__ void __launch_bounds__(kDecThreads)
     DecodeTcKernel(GqaShape s_arg, GqaCudaBuffers buf, KvStrides present_st, int64_t splits,
-                   int64_t split_target, int cluster, void* part_o_raw, float* part_m,
-                   float* part_l, unsigned* counters) {
+                   int64_t split_target, int cluster, float* part_o, float* part_m, float* part_l,
+                   unsigned* counters) {
   const GqaShape s = kPlain ? PlainShape(s_arg) : s_arg;
-  T* const part_o = static_cast<T*>(part_o_raw);  // split partials in T (ToPartial4)
   // The checker row (ptxas lays its code right after this branch whatever the source order or
   // a __builtin_expect says: the working CTAs jump over it once).
   if (blockIdx.y >= s.batch * s.kv_num_heads) {
@@ -896,9 +849,11 @@ __global__ void __launch_bounds__(kDecThreads)
 #pragma unroll
       for (int sp = 0; sp < kMaxDecodeCluster; ++sp) {
         if (sp >= live) continue;
-        lw[sp] = PartialLw(pm[sp], pl[sp], mx);  // the flat merge's weight, the same bits
-        if (lw[sp] == 0.0f) continue;  // an empty partial adds nothing (no 0 x Inf)
-        Fma4(acc, px[sp], lw[sp]);
+        const float wt = PartialWeight(pm[sp], pl[sp], mx);
+        if (wt == 0.0f) continue;  // an empty partial adds nothing (no 0 x Inf)
+        const float4 x = px[sp];
+        lw[sp] = __fmul_rn(pl[sp], wt);  // never contracted: the flat merge's product, rounded once
+        Fma4(acc, x, wt);
       }
       // WarpSum's butterfly (xor 16, 8, 4, 2, 1) over lanes holding lw[0 .. C-1], zeros
       // elsewhere: the steps above C add zeros (exact), then lane i adds lane i + w's sum.
@@ -952,18 +907,15 @@ __global__ void __launch_bounds__(kDecThreads)
       StoreScaled4(out, acc, sc);
       continue;
     }
-    // The partial as the merges read it (ToPartial4); the cluster's, in its shared memory, is
-    // the same values as floats, so both merges give the same bits.
-    const Partial4<T> pv = ToPartial4<T>(acc, PartialInv(lsum));
     if (cluster_merge) {
-      *reinterpret_cast<float4*>(cpart + r * HD + d) = PartialFloats(pv);
+      *reinterpret_cast<float4*>(cpart + r * HD + d) = acc;
       if (d == 0) {
         cpart_m[r] = mx;
         cpart_l[r] = lsum;
       }
       continue;
     }
-    *reinterpret_cast<Partial4<T>*>(part_o + (slot0 + r) * H + d) = pv;
+    *reinterpret_cast<float4*>(part_o + (slot0 + r) * H + d) = acc;
     if (d == 0) {
       part_m[slot0 + r] = mx;
       part_l[slot0 + r] = lsum;
@@ -1027,17 +979,16 @@ __global__ void __launch_bounds__(kDecThreads)
       mx = WarpMax(mx);
       float lsum = 0.0f;
       for (int sp = lane; sp < nn; sp += kWarp) {
-        const float lw = PartialLw(slot_m[sp * kDecMergeRowPitch + r],
-                                   slot_l[sp * kDecMergeRowPitch + r], mx);
-        weight[r * kMaxDecodeSplits + sp] = lw;
-        lsum += lw;
+        const float ls = slot_l[sp * kDecMergeRowPitch + r];
+        const float wt = PartialWeight(slot_m[sp * kDecMergeRowPitch + r], ls, mx);
+        weight[r * kMaxDecodeSplits + sp] = wt;
+        if (wt != 0.0f) lsum += ls * wt;
       }
       lsum = WarpSum(lsum);
       if (lane == 0) {
         if (dst < 0) {
           row_scale[r] = OutputScale(mx, lsum, extra, row_sink(r));
-        } else {  // a group partial, normalized like the splits' (ToPartial4)
-          row_scale[r] = PartialInv(lsum);
+        } else {
           part_m[(slot_base + dst) * kDecodeRows + r] = mx;
           part_l[(slot_base + dst) * kDecodeRows + r] = lsum;
         }
@@ -1045,42 +996,37 @@ __global__ void __launch_bounds__(kDecThreads)
     }
     __syncthreads();
     trace.Mark();
-    // Eight dimensions per thread (H % 8 == 0): one 16-byte load per partial, eight issued
+    // Four dimensions per thread (H % 8 == 0): one 16-byte load per partial, eight issued
     // before any is used (a skip test between the loads kept one in flight: +4 to 6 us at B=1).
     // Sixteen in flight, or two items' eight, measured slower (docs/BENCHMARKS.md, eleventh
-    // session), and so did a whole chunk of float partials staged through cp.async (eighteenth).
-    constexpr int kV = kPartialVec;
-    for (int idx = threadIdx.x; idx < nrows * hs / kV; idx += kDecThreads) {
-      const int r = idx / (hs / kV), d = (idx % (hs / kV)) * kV;
-      const T* po = part_o + ((slot_base + first) * kDecodeRows + r) * H + d;
+    // session), and so did a whole chunk of partials staged through cp.async (eighteenth).
+    for (int idx = threadIdx.x; idx < nrows * hs / 4; idx += kDecThreads) {
+      const int r = idx / (hs / 4), d = (idx % (hs / 4)) * 4;
+      const float* po = part_o + ((slot_base + first) * kDecodeRows + r) * H + d;
       const int64_t pitch = kDecodeRows * H;  // from one slot's row to the next
       const float* wr = weight + r * kMaxDecodeSplits;
-      float4 lo = make_float4(0.0f, 0.0f, 0.0f, 0.0f), hi = lo;
-      auto add = [&](const uint4& x, float lw) {
-        if (lw == 0.0f) return;  // an empty partial adds nothing, whatever it holds (no 0 x Inf)
-        Fma8<T>(lo, hi, x, lw);
+      float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      auto add = [&](const float4& x, float wt) {
+        if (wt == 0.0f) return;  // an empty partial adds nothing, whatever it holds (no 0 x Inf)
+        Fma4(acc, x, wt);
       };
       int64_t sp = 0;
       for (; sp + 8 <= n; sp += 8) {
-        uint4 x[8];
+        float4 x[8];
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
-          x[u] = __ldcg(reinterpret_cast<const uint4*>(po + (sp + u) * pitch));
+          x[u] = __ldcg(reinterpret_cast<const float4*>(po + (sp + u) * pitch));
         }
 #pragma unroll
         for (int u = 0; u < 8; ++u) add(x[u], wr[sp + u]);
       }
-      for (; sp < n; ++sp) add(__ldcg(reinterpret_cast<const uint4*>(po + sp * pitch)), wr[sp]);
+      for (; sp < n; ++sp) add(__ldcg(reinterpret_cast<const float4*>(po + sp * pitch)), wr[sp]);
       if (dst < 0) {
         T* out = out_row(r) + d;
         const float sc = row_scale[r];
-        StoreScaled4(out, lo, sc);
-        StoreScaled4(out + 4, hi, sc);
+        StoreScaled4(out, acc, sc);
       } else {
-        const float inv = row_scale[r];
-        T* gp = part_o + ((slot_base + dst) * kDecodeRows + r) * H + d;
-        *reinterpret_cast<Partial4<T>*>(gp) = ToPartial4<T>(lo, inv);
-        *reinterpret_cast<Partial4<T>*>(gp + 4) = ToPartial4<T>(hi, inv);
+        *reinterpret_cast<float4*>(part_o + ((slot_base + dst) * kDecodeRows + r) * H + d) = acc;
       }
     }
     if constexpr (KVL_DECODE_TRACE != 0) {
@@ -1135,7 +1081,7 @@ __global__ void __launch_bounds__(kDecThreads)
   }
 }
 
-using DecodeFn = void (*)(GqaShape, GqaCudaBuffers, KvStrides, int64_t, int64_t, int, void*,
+using DecodeFn = void (*)(GqaShape, GqaCudaBuffers, KvStrides, int64_t, int64_t, int, float*,
                           float*, float*, unsigned*);
 
 template <typename T>

@@ -28,8 +28,7 @@ using AttnPlan = GqaCudaPlan;
 struct Workspace {
   float* q = nullptr;               // (B, N, S, H) float: normed, rotated, scaled queries
                                     // (null for the decode kernel, which prepares its own)
-  float* part_o = nullptr;          // split partials: (slot, H) floats; the decode kernel's
-                                    // in T, each divided by its l (decode.cu's ToPartial4)
+  float* part_o = nullptr;          // split partials: (slot, H)
   float* part_m = nullptr;          // (slot)
   float* part_l = nullptr;          // (slot)
   // Decode split merge tree: B * Nkv x DecodeMergeTree::CountersPerRow, zeroed by a memset
@@ -107,10 +106,8 @@ constexpr int64_t kMaxDecodeSplits = 256;  // the merging CTA keeps 16 x splits 
 // group of `group` splits merges the group into a group partial, and the last group merger merges
 // the groups. One merging CTA reads all of its partials alone (one SM, an L2 round trip per eight
 // loads of each thread), so a flat merge of 128 splits x 4 rows x 256 floats took longer than the
-// reads it followed. When the live splits' partials exceed kDecodeFlatMergeFloats values (eight
-// rounds of the CTA's loads of the float partials it was measured with, four of the fp16 / bf16
-// partials since the nineteenth session: not swept again), groups of ceil(sqrt(live)) splits;
-// else one level (group == live).
+// reads it followed. When the live splits' partials exceed kDecodeFlatMergeFloats floats (eight
+// rounds of the CTA's loads), groups of ceil(sqrt(live)) splits; else one level (group == live).
 // 32K: a level of the tree costs an arrival, a weights pass and a values pass (about 2 us on the
 // H200), more than the four rounds of values that 16K more floats add (28/4/128 B=1 L=16k: 24.1 ->
 // 21.7 us, L=32k 35.8 -> 31.4, 4/1/256 B=1 L=4k 20.0 -> 18.4; docs/BENCHMARKS.md, twelfth session).
@@ -186,14 +183,12 @@ constexpr int64_t kMinDecodeSplitKeys = 128;
 // takes two rounds (DecodeMergeTwoRounds). MakePlan says why.
 constexpr int64_t kFewDecodeRows = 16;
 // Threads of a decode CTA (four warps; decode.cu's kDecThreads is this). A row's split merge writes its
-// rows x head size values eight per thread (one 16-byte load of fp16 / bf16 partials): past one
-// item per thread (16 rows x 128 / 8 = 256) each 8 splits add two rounds of loads to the merge,
-// not one, and the plan targets fewer splits (MakePlan). With float partials (to the eighteenth
-// session) items were four values: 28/4/128 (224) and 4/1/256 (256) took two rounds.
+// rows x head size values four per thread: past one item per thread (28/4/128: 7 rows x 128 / 4
+// = 224; 4/1/256: 256) each 8 splits add two rounds of loads to the merge, not one, and the plan
+// targets fewer splits (MakePlan).
 constexpr int kDecodeCtaThreads = 128;
-constexpr int kDecodeMergeItemValues = 8;
 __host__ __device__ constexpr bool DecodeMergeTwoRounds(int64_t rows, int64_t head_size) {
-  return rows * head_size / kDecodeMergeItemValues > kDecodeCtaThreads;
+  return rows * head_size / 4 > kDecodeCtaThreads;
 }
 bool DecodeTcFits(const GqaShape& s, size_t elem, const CudaDeviceInfo& dev);
 int DecodeTcCtasPerSm(const GqaShape& s, const CudaDeviceInfo& dev);  // cached per device/kernel

@@ -177,10 +177,7 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
         decode ? DecodeMergeTree::SlotsPerRow(p.splits, s.seq_len * s.group_size(), s.head_size)
                : p.splits;
     const size_t rows = size_t(s.batch * s.kv_num_heads * p.row_blocks) * slots * kRowsPerCta;
-    // The decode kernel's partials are in the storage type (fp16 / bf16: decode.cu's
-    // ToPartial4), the portable kernel's in float.
-    const size_t part_elem = decode ? sizeof(uint16_t) : sizeof(float);
-    p.part_o_bytes = align(part_elem * rows * s.head_size);
+    p.part_o_bytes = align(sizeof(float) * rows * s.head_size);
     p.part_ml_bytes = align(sizeof(float) * rows);
     if (decode) {
       p.counter_bytes =
