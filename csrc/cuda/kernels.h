@@ -182,10 +182,10 @@ constexpr int64_t kMinDecodeSplitKeys = 128;
 // (padded shared memory) where the rows fill those waves better; fewer splits where the merge
 // takes two rounds (DecodeMergeTwoRounds). MakePlan says why.
 constexpr int64_t kFewDecodeRows = 16;
-// Threads of a decode CTA (four warps; decode.cu's kDecThreads is this). A row's split merge writes its
-// rows x head size values four per thread: past one item per thread (28/4/128: 7 rows x 128 / 4
-// = 224; 4/1/256: 256) each 8 splits add two rounds of loads to the merge, not one, and the plan
-// targets fewer splits (MakePlan).
+// Threads of a decode CTA (four warps; decode.cu's kDecThreads is this). A row's split merge
+// writes its rows x head size values four per thread: past one item per thread (28/4/128: 7 rows
+// x 128 / 4 = 224; 4/1/256: 256) each 8 splits add two rounds of loads to the merge, not one, and
+// the plan targets fewer splits (MakePlan).
 constexpr int kDecodeCtaThreads = 128;
 __host__ __device__ constexpr bool DecodeMergeTwoRounds(int64_t rows, int64_t head_size) {
   return rows * head_size / 4 > kDecodeCtaThreads;
