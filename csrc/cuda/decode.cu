@@ -265,6 +265,63 @@ __device__ __forceinline__ void StoreScaled4(T* out, const float4& v, float sc) 
   out[3] = FromF<T>(v.w * sc);
 }
 
+// One item (a row's values d .. d + 3) of a merge of n <= N split partials, where load(sp, m,
+// l, x) gives partial sp's maximum, sum and four values: every partial's loads are issued
+// before any is used (one round trip to where the partials lie: the cluster's shared memory or
+// L2), and an empty partial (weight 0) adds zeros through a select, not a skipped branch (the
+// compiler sank a partial's load into such a branch, after the other loads had landed:
+// docs/BENCHMARKS.md, nineteenth session). The arithmetic and its order are the staged global
+// merge's (split order, l sums in WarpSum's butterfly), so the bits do not depend on which of
+// them ran: the plan picks clusters from the capacity. Returns the weighted sum of the values,
+// with the merge's maximum in mx and its sum in lsum.
+template <int N, typename Load>
+__device__ __forceinline__ float4 MergeFewPartials(int n, Load load, float& mx, float& lsum) {
+  static_assert(N >= 2 && N <= 16 && (N & (N - 1)) == 0, "WarpSum's butterfly over N lanes");
+  float pm[N], pl[N];
+  float4 px[N];
+#pragma unroll
+  for (int sp = 0; sp < N; ++sp) {
+    if (sp < n) load(sp, pm[sp], pl[sp], px[sp]);
+  }
+  mx = -INFINITY;
+#pragma unroll
+  for (int sp = 0; sp < N; ++sp) {
+    if (sp < n) mx = fmaxf(mx, pm[sp]);
+  }
+  float lw[N] = {};  // l x weight of each split, 0 past the live ones
+  float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  const float4 zero = acc;
+#pragma unroll
+  for (int sp = 0; sp < N; ++sp) {
+    if (sp >= n) continue;  // compile-time sp against the count: a predicate
+    const float wt = PartialWeight(pm[sp], pl[sp], mx);
+    // An empty partial adds nothing, whatever it holds (no 0 x Inf): x = 0 and wt = 0 leave acc
+    // as it is (it is never -0: it starts at +0 and a sum with +0 is +0), as a skip would.
+    const bool empty = wt == 0.0f;
+    const float4 x = empty ? zero : px[sp];
+    lw[sp] = empty ? 0.0f : __fmul_rn(pl[sp], wt);  // never contracted: rounded once
+    Fma4(acc, x, wt);
+  }
+  // WarpSum's butterfly (xor 16, 8, 4, 2, 1) over lanes holding lw[0 .. N-1], zeros elsewhere:
+  // the steps above N add zeros (exact), then lane i adds lane i + w's sum.
+#pragma unroll
+  for (int w = N / 2; w >= 1; w /= 2) {
+#pragma unroll
+    for (int i = 0; i < w; ++i) lw[i] = __fadd_rn(lw[i], lw[i + w]);
+  }
+  lsum = lw[0];
+  return acc;
+}
+
+// Global merges of at most this many partials take MergeFewPartials' single trip per item
+// rather than a staged weights pass and then the values (the two give the same bits for up to
+// 32 partials: one l x weight per lane of the staged pass's WarpSum). Build knob
+// KVL_DECODE_FEW_MERGE=n (benchmarking only; a power of two from 2 to 16, 8 by default).
+#ifndef KVL_DECODE_FEW_MERGE
+#define KVL_DECODE_FEW_MERGE 8
+#endif
+constexpr int kDecodeFewMerge = KVL_DECODE_FEW_MERGE;
+
 // The grid's checker row (blockIdx.y == B x Nkv): the lengths of every (batch entry, token), as
 // the prepare kernel checks them, one item per thread over the row's CTAs. A row of its own: the
 // check on a working CTA (split 0 with a full cache) made that CTA's partial the last of its row
@@ -826,46 +883,16 @@ __global__ void __launch_bounds__(kDecThreads)
     for (int idx = static_cast<int>(split) * kDecThreads + threadIdx.x; idx < rows * hs4;
          idx += static_cast<int>(live) * kDecThreads) {
       const int r = idx / hs4, d = (idx % hs4) * 4;
-      // Every live split's m, l and values are loaded before any is used: one round trip to the
-      // peers' shared memory (loops over `live` with a skip test between the loads issued them
-      // a few at a time).
-      float pm[kMaxDecodeCluster], pl[kMaxDecodeCluster];
-      float4 px[kMaxDecodeCluster];
-#pragma unroll
-      for (int sp = 0; sp < kMaxDecodeCluster; ++sp) {
-        if (sp < live) {
-          pm[sp] = *ClusterPeer(cpart_m + r, sp);
-          pl[sp] = *ClusterPeer(cpart_l + r, sp);
-          px[sp] = *reinterpret_cast<const float4*>(ClusterPeer(cpart + r * HD + d, sp));
-        }
-      }
-      float mx = -INFINITY;
-#pragma unroll
-      for (int sp = 0; sp < kMaxDecodeCluster; ++sp) {
-        if (sp < live) mx = fmaxf(mx, pm[sp]);
-      }
-      float lw[kMaxDecodeCluster] = {};  // l x weight of each split, 0 past the live ones
-      float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-      for (int sp = 0; sp < kMaxDecodeCluster; ++sp) {
-        if (sp >= live) continue;
-        const float wt = PartialWeight(pm[sp], pl[sp], mx);
-        if (wt == 0.0f) continue;  // an empty partial adds nothing (no 0 x Inf)
-        const float4 x = px[sp];
-        lw[sp] = __fmul_rn(pl[sp], wt);  // never contracted: the flat merge's product, rounded once
-        Fma4(acc, x, wt);
-      }
-      // WarpSum's butterfly (xor 16, 8, 4, 2, 1) over lanes holding lw[0 .. C-1], zeros
-      // elsewhere: the steps above C add zeros (exact), then lane i adds lane i + w's sum.
-#pragma unroll
-      for (int w = kMaxDecodeCluster / 2; w >= 1; w /= 2) {
-#pragma unroll
-        for (int i = 0; i < w; ++i) lw[i] = __fadd_rn(lw[i], lw[i + w]);
-      }
-      const float lsum = lw[0];
-      const float sc = OutputScale(mx, lsum, extra, row_sink(r));
-      T* out = out_row(r) + d;
-      StoreScaled4(out, acc, sc);
+      float mx, lsum;
+      const float4 acc = MergeFewPartials<kMaxDecodeCluster>(
+          static_cast<int>(live),
+          [&](int sp, float& pm, float& pl, float4& px) {
+            pm = *ClusterPeer(cpart_m + r, sp);
+            pl = *ClusterPeer(cpart_l + r, sp);
+            px = *reinterpret_cast<const float4*>(ClusterPeer(cpart + r * HD + d, sp));
+          },
+          mx, lsum);
+      StoreScaled4(out_row(r) + d, acc, OutputScale(mx, lsum, extra, row_sink(r)));
     }
   };
   auto merge_in_cluster = [&] {
@@ -945,6 +972,44 @@ __global__ void __launch_bounds__(kDecThreads)
   float* slot_l = slot_m + kMaxDecodeSplits * kDecMergeRowPitch;
   auto merge = [&](int64_t first, int64_t n, int64_t dst) {
     const int nn = static_cast<int>(n);
+    if (nn <= kDecodeFewMerge) {
+      // Few partials: each item's m, l and values in one trip (MergeFewPartials), no weights
+      // pass of its own (a round trip, two barriers and the rows' reductions before the first
+      // value load). Row r of slot k is element k * kDecodeRows + r of part_m and part_l, and
+      // row k * kDecodeRows + r of part_o.
+      const int64_t row0 = (slot_base + first) * kDecodeRows;
+      for (int idx = threadIdx.x; idx < nrows * hs / 4; idx += kDecThreads) {
+        const int r = idx / (hs / 4), d = (idx % (hs / 4)) * 4;
+        const float* pm = part_m + row0 + r;
+        const float* pl = part_l + row0 + r;
+        const float* po = part_o + (row0 + r) * H + d;
+        float mx, lsum;
+        const float4 acc = MergeFewPartials<kDecodeFewMerge>(
+            nn,
+            [&](int sp, float& m_sp, float& l_sp, float4& x_sp) {
+              m_sp = __ldcg(pm + sp * kDecodeRows);
+              l_sp = __ldcg(pl + sp * kDecodeRows);
+              x_sp = __ldcg(reinterpret_cast<const float4*>(po + int64_t(sp) * kDecodeRows * H));
+            },
+            mx, lsum);
+        if (dst < 0) {
+          StoreScaled4(out_row(r) + d, acc, OutputScale(mx, lsum, extra, row_sink(r)));
+        } else {
+          const int64_t at = (slot_base + dst) * kDecodeRows + r;
+          *reinterpret_cast<float4*>(part_o + at * H + d) = acc;
+          if (d == 0) {
+            part_m[at] = mx;
+            part_l[at] = lsum;
+          }
+        }
+      }
+      if constexpr (KVL_DECODE_TRACE != 0) {  // the trace's two marks: weights (none), values
+        trace.Mark();
+        __syncthreads();
+        trace.Mark();
+      }
+      return;
+    }
     {
       // Slot sp's row r is element sp * kDecodeRows + r of part_m / part_l: thread i takes
       // element i (rows past the CTA's are skipped), four per thread in flight.
