@@ -17,6 +17,7 @@
 // A decode step launches this kernel (plus the counters' memset where they are not kept across
 // calls) instead of prepare + decode.
 #include <algorithm>
+#include <type_traits>
 
 #include <cooperative_groups.h>
 #include <cuda/atomic>
@@ -265,52 +266,70 @@ __device__ __forceinline__ void StoreScaled4(T* out, const float4& v, float sc) 
   out[3] = FromF<T>(v.w * sc);
 }
 
-// One item (a row's values d .. d + 3) of a merge of n <= N split partials, where load(sp, m,
-// l, x) gives partial sp's maximum, sum and four values: every partial's loads are issued
-// before any is used (one round trip to where the partials lie: the cluster's shared memory or
-// L2), and an empty partial (weight 0) adds zeros through a select, not a skipped branch (the
-// compiler sank a partial's load into such a branch, after the other loads had landed:
-// docs/BENCHMARKS.md, nineteenth session). The arithmetic and its order are the staged global
-// merge's (split order, l sums in WarpSum's butterfly), so the bits do not depend on which of
-// them ran: the plan picks clusters from the capacity. Returns the weighted sum of the values,
-// with the merge's maximum in mx and its sum in lsum.
+// K items (each a row's values d .. d + 3; the first k_items of them are real) of a merge of
+// n <= N split partials, where load(k, sp, m, l, x) gives partial sp's maximum, sum and four
+// values for item k: every load of every item is issued before any is used (one round trip to
+// where the partials lie: the cluster's shared memory or L2), and an empty partial (weight 0)
+// adds zeros through a select, not a skipped branch (the compiler sank a partial's load into
+// such a branch, after the other loads had landed: docs/BENCHMARKS.md, nineteenth session). The
+// arithmetic and its order are the staged global merge's (split order, l sums in WarpSum's
+// butterfly), so the bits do not depend on which of them ran: the plan picks clusters from the
+// capacity. Gives each item's weighted sum of the values in acc, the merge's maximum in mx and
+// its sum in lsum.
+template <int N, int K, typename Load>
+__device__ __forceinline__ void MergeFewPartials(int n, int k_items, Load load, float4 (&acc)[K],
+                                                 float (&mx)[K], float (&lsum)[K]) {
+  static_assert(N >= 2 && N <= 16 && (N & (N - 1)) == 0, "WarpSum's butterfly over N lanes");
+  float pm[K][N], pl[K][N];
+  float4 px[K][N];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+#pragma unroll
+    for (int sp = 0; sp < N; ++sp) {
+      if (k < k_items && sp < n) load(k, sp, pm[k][sp], pl[k][sp], px[k][sp]);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    mx[k] = -INFINITY;
+#pragma unroll
+    for (int sp = 0; sp < N; ++sp) {
+      if (sp < n) mx[k] = fmaxf(mx[k], pm[k][sp]);
+    }
+    float lw[N] = {};  // l x weight of each split, 0 past the live ones
+    acc[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const float4 zero = acc[k];
+#pragma unroll
+    for (int sp = 0; sp < N; ++sp) {
+      if (sp >= n) continue;  // compile-time sp against the count: a predicate
+      const float wt = PartialWeight(pm[k][sp], pl[k][sp], mx[k]);
+      // An empty partial adds nothing, whatever it holds (no 0 x Inf): x = 0 and wt = 0 leave
+      // acc as it is (it is never -0: it starts at +0 and a sum with +0 is +0), as a skip would.
+      const bool empty = wt == 0.0f;
+      const float4 x = empty ? zero : px[k][sp];
+      lw[sp] = empty ? 0.0f : __fmul_rn(pl[k][sp], wt);  // never contracted: rounded once
+      Fma4(acc[k], x, wt);
+    }
+    // WarpSum's butterfly (xor 16, 8, 4, 2, 1) over lanes holding lw[0 .. N-1], zeros
+    // elsewhere: the steps above N add zeros (exact), then lane i adds lane i + w's sum.
+#pragma unroll
+    for (int w = N / 2; w >= 1; w /= 2) {
+#pragma unroll
+      for (int i = 0; i < w; ++i) lw[i] = __fadd_rn(lw[i], lw[i + w]);
+    }
+    lsum[k] = lw[0];
+  }
+}
+// One item: load(sp, m, l, x).
 template <int N, typename Load>
 __device__ __forceinline__ float4 MergeFewPartials(int n, Load load, float& mx, float& lsum) {
-  static_assert(N >= 2 && N <= 16 && (N & (N - 1)) == 0, "WarpSum's butterfly over N lanes");
-  float pm[N], pl[N];
-  float4 px[N];
-#pragma unroll
-  for (int sp = 0; sp < N; ++sp) {
-    if (sp < n) load(sp, pm[sp], pl[sp], px[sp]);
-  }
-  mx = -INFINITY;
-#pragma unroll
-  for (int sp = 0; sp < N; ++sp) {
-    if (sp < n) mx = fmaxf(mx, pm[sp]);
-  }
-  float lw[N] = {};  // l x weight of each split, 0 past the live ones
-  float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  const float4 zero = acc;
-#pragma unroll
-  for (int sp = 0; sp < N; ++sp) {
-    if (sp >= n) continue;  // compile-time sp against the count: a predicate
-    const float wt = PartialWeight(pm[sp], pl[sp], mx);
-    // An empty partial adds nothing, whatever it holds (no 0 x Inf): x = 0 and wt = 0 leave acc
-    // as it is (it is never -0: it starts at +0 and a sum with +0 is +0), as a skip would.
-    const bool empty = wt == 0.0f;
-    const float4 x = empty ? zero : px[sp];
-    lw[sp] = empty ? 0.0f : __fmul_rn(pl[sp], wt);  // never contracted: rounded once
-    Fma4(acc, x, wt);
-  }
-  // WarpSum's butterfly (xor 16, 8, 4, 2, 1) over lanes holding lw[0 .. N-1], zeros elsewhere:
-  // the steps above N add zeros (exact), then lane i adds lane i + w's sum.
-#pragma unroll
-  for (int w = N / 2; w >= 1; w /= 2) {
-#pragma unroll
-    for (int i = 0; i < w; ++i) lw[i] = __fadd_rn(lw[i], lw[i + w]);
-  }
-  lsum = lw[0];
-  return acc;
+  float4 acc[1];
+  float m1[1], l1[1];
+  MergeFewPartials<N, 1>(
+      n, 1, [&](int, int sp, float& m, float& l, float4& x) { load(sp, m, l, x); }, acc, m1, l1);
+  mx = m1[0];
+  lsum = l1[0];
+  return acc[0];
 }
 
 // Global merges of at most this many partials take MergeFewPartials' single trip per item
@@ -321,6 +340,10 @@ __device__ __forceinline__ float4 MergeFewPartials(int n, Load load, float& mx, 
 #define KVL_DECODE_FEW_MERGE 8
 #endif
 constexpr int kDecodeFewMerge = KVL_DECODE_FEW_MERGE;
+// Build knob KVL_DECODE_FEW_PAIRS=0 (benchmarking only): one item per thread per trip always.
+#ifndef KVL_DECODE_FEW_PAIRS
+#define KVL_DECODE_FEW_PAIRS 1
+#endif
 
 // The grid's checker row (blockIdx.y == B x Nkv): the lengths of every (batch entry, token), as
 // the prepare kernel checks them, one item per thread over the row's CTAs. A row of its own: the
@@ -975,33 +998,58 @@ __global__ void __launch_bounds__(kDecThreads)
     if (nn <= kDecodeFewMerge) {
       // Few partials: each item's m, l and values in one trip (MergeFewPartials), no weights
       // pass of its own (a round trip, two barriers and the rows' reductions before the first
-      // value load). Row r of slot k is element k * kDecodeRows + r of part_m and part_l, and
-      // row k * kDecodeRows + r of part_o.
+      // value load: 0.6 to 1.5 us less at B >= 8, H200, docs/BENCHMARKS.md, twentieth session).
+      // Row r of slot k is element k * kDecodeRows + r of part_m and part_l, and row
+      // k * kDecodeRows + r of part_o. Where a thread has two items (28/4/128: 7 x 128 / 4 = 224
+      // items for 128 threads) and at most 4 partials, both items' loads go out together: one
+      // trip, not two, in the registers of one item of 8 partials.
       const int64_t row0 = (slot_base + first) * kDecodeRows;
-      for (int idx = threadIdx.x; idx < nrows * hs / 4; idx += kDecThreads) {
-        const int r = idx / (hs / 4), d = (idx % (hs / 4)) * 4;
-        const float* pm = part_m + row0 + r;
-        const float* pl = part_l + row0 + r;
-        const float* po = part_o + (row0 + r) * H + d;
-        float mx, lsum;
-        const float4 acc = MergeFewPartials<kDecodeFewMerge>(
-            nn,
-            [&](int sp, float& m_sp, float& l_sp, float4& x_sp) {
-              m_sp = __ldcg(pm + sp * kDecodeRows);
-              l_sp = __ldcg(pl + sp * kDecodeRows);
-              x_sp = __ldcg(reinterpret_cast<const float4*>(po + int64_t(sp) * kDecodeRows * H));
-            },
-            mx, lsum);
-        if (dst < 0) {
-          StoreScaled4(out_row(r) + d, acc, OutputScale(mx, lsum, extra, row_sink(r)));
-        } else {
-          const int64_t at = (slot_base + dst) * kDecodeRows + r;
-          *reinterpret_cast<float4*>(part_o + at * H + d) = acc;
-          if (d == 0) {
-            part_m[at] = mx;
-            part_l[at] = lsum;
+      const int items = nrows * hs / 4;
+      auto merge_items = [&](auto few_n, auto k_n) {
+        constexpr int FN = decltype(few_n)::value, K = decltype(k_n)::value;
+        for (int idx0 = threadIdx.x; idx0 < items; idx0 += K * kDecThreads) {
+          int r[K], d[K];
+#pragma unroll
+          for (int k = 0; k < K; ++k) {
+            const int idx = idx0 + k * kDecThreads;
+            r[k] = idx / (hs / 4);
+            d[k] = (idx % (hs / 4)) * 4;
+          }
+          const int k_items = min(K, (items - idx0 + kDecThreads - 1) / kDecThreads);
+          float4 acc[K];
+          float mx[K], lsum[K];
+          MergeFewPartials<FN, K>(
+              nn, k_items,
+              [&](int k, int sp, float& m_sp, float& l_sp, float4& x_sp) {
+                const int64_t at = row0 + int64_t(sp) * kDecodeRows + r[k];
+                m_sp = __ldcg(part_m + at);
+                l_sp = __ldcg(part_l + at);
+                x_sp = __ldcg(reinterpret_cast<const float4*>(part_o + at * H + d[k]));
+              },
+              acc, mx, lsum);
+#pragma unroll
+          for (int k = 0; k < K; ++k) {
+            if (k >= k_items) break;
+            if (dst < 0) {
+              StoreScaled4(out_row(r[k]) + d[k], acc[k],
+                           OutputScale(mx[k], lsum[k], extra, row_sink(r[k])));
+            } else {
+              const int64_t at = (slot_base + dst) * kDecodeRows + r[k];
+              *reinterpret_cast<float4*>(part_o + at * H + d[k]) = acc[k];
+              if (d[k] == 0) {
+                part_m[at] = mx[k];
+                part_l[at] = lsum[k];
+              }
+            }
           }
         }
+      };
+      using One = std::integral_constant<int, 1>;
+      using Two = std::integral_constant<int, 2>;
+      if (KVL_DECODE_FEW_PAIRS != 0 && items > kDecThreads && nn <= kDecodeFewMerge / 2) {
+        merge_items(std::integral_constant<int, kDecodeFewMerge / 2>(), Two());
+      } else {
+        merge_items(std::integral_constant<int, kDecodeFewMerge>(), One());
       }
       if constexpr (KVL_DECODE_TRACE != 0) {  // the trace's two marks: weights (none), values
         trace.Mark();
