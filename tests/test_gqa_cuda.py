@@ -649,9 +649,11 @@ def test_deterministic(layout, dtype):
     "heads,batch,past_len,big_cap,extra",
     [((8, 2, 128), 2, 1000, 5000, {}),  # the splits merge in one level
      # On sm_90 the grids of at most 8 splits are one thread-block cluster per row, merged
-     # through its shared memory: 1000 keys (8 splits) against the global merge (the larger
-     # grid) in `flat` and here with 16 rows and a head sink; then 3 splits against 8, of which 5 (6 in
-     # the shorter entry's row) leave at once
+     # through its shared memory: 1000 keys (8 splits) against the larger grid in `flat` and
+     # here with 16 rows and a head sink (the global merge where the larger grid has no
+     # clusters: sm_80, ORT_KVLAYOUT_DECODE_CLUSTERS=0, or more splits than one cluster without
+     # group clusters; with group clusters, clusters of 8 of which the first holds the live
+     # splits); then 3 splits against 8, of which 5 (6 in the shorter entry's row) leave at once
      ((16, 1, 64), 1, 1000, 5000, {"head_sink": True}),
      ((8, 2, 128), 2, 300, 1001, {}),
      # 47 live splits x 4 rows x 256 floats: a two-level tree (16 splits of one level would read
@@ -659,9 +661,15 @@ def test_deterministic(layout, dtype):
      ((4, 1, 256), 2, 9000, 12000, {}),
      # 24 splits targeted (a two-round merge: three quarters of the SMs), 23 live (one level:
      # 23 x 7 rows x 128 floats, 176 keys each; the one-level bound, 36 splits at 7 rows, capped
-     # the 33 targeted before the two-round rule)
-     ((28, 4, 128), 1, 4000, 9000, {})],
-    ids=["flat", "clusters_sink", "clusters", "two_levels", "flat_capped"],
+     # the 33 targeted before the two-round rule). On sm_90 with group clusters: clusters of 8,
+     # 8 and 7 live splits, each merged in its shared memory, then the three groups
+     ((28, 4, 128), 1, 4000, 9000, {}),
+     # About 2000 keys: 16 live splits of 128 keys in a grid of 16 (capacity 2001) and of 24
+     # (9000). On sm_90 with group clusters: two clusters of 8 live splits, then the two groups;
+     # the larger grid adds a cluster whose CTAs all leave at once, and its group slots lie
+     # further on (after 24 split slots, not 16)
+     ((28, 4, 128), 1, 2000, 9000, {})],
+    ids=["flat", "clusters_sink", "clusters", "two_levels", "flat_capped", "group_clusters"],
 )  # fmt: skip
 def test_decode_bits_do_not_depend_on_the_capacity(
     layout, dtype, heads, batch, past_len, big_cap, extra

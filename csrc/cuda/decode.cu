@@ -892,50 +892,67 @@ __global__ void __launch_bounds__(kDecThreads)
   // from every live partial. No global partial, fence, counter or lone merging CTA on the row's
   // path (docs/BENCHMARKS.md, ninth session). The arithmetic and its order are the flat merge's
   // below (split order; the sums of the l's in WarpSum's tree), so the bits do not depend on
-  // whether the plan launched clusters, which it decides from the capacity.
-  const bool cluster_merge = cluster > 1 && live > 1 && live <= cluster &&
-                             DecodeMergeTree::For(live, rows, H).groups == 1;
+  // whether the plan launched clusters, which it decides from the capacity. With more live
+  // splits than a cluster of kMaxDecodeCluster (the plan launches those for a shape class, not a
+  // capacity: MakePlan), each cluster merges its group of the tree so into a group partial in
+  // global memory, and the last CTA of the row to arrive merges the groups (a tree the same for
+  // every capacity: DecodeMergeTree::For).
+  const DecodeMergeTree tree = DecodeMergeTree::For(live, rows, H, cluster);
+  const bool cluster_merge =
+      cluster > 1 && live > 1 && (tree.groups == 1 ? live <= cluster : tree.group == cluster);
+  // Partial slots of this (batch, kv head): one per launched split, then one per group of its
+  // merge tree (DecodeMergeTree); slot k holds rows k * kDecodeRows + r.
+  const int64_t slot_base = bg * DecodeMergeTree::SlotsPerRow(splits, rows, H, cluster);
+  const int64_t slot0 = (slot_base + split) * kDecodeRows;
   static_assert(kMaxDecodeCluster >= 2 && kMaxDecodeCluster <= 16 &&
                     (kMaxDecodeCluster & (kMaxDecodeCluster - 1)) == 0,
                 "a cluster of at most 16 CTAs (sm_90) whose l sums follow WarpSum's butterfly");
   float* cpart = reinterpret_cast<float*>(dec_smem) + DecClusterPartialOffset(HD);  // [row][HD]
   float* cpart_m = cpart + kDecodeRows * HD;
   float* cpart_l = cpart_m + kDecodeRows;
-  auto cluster_values = [&] {
+  // The cluster's merge of its `members` live partials (ranks 0 .. members - 1) into the output
+  // (dst < 0) or into group slot dst: each CTA takes a share of the items.
+  auto cluster_values = [&](int members, int64_t dst) {
     const int hs4 = static_cast<int>(H / 4);
-    for (int idx = static_cast<int>(split) * kDecThreads + threadIdx.x; idx < rows * hs4;
-         idx += static_cast<int>(live) * kDecThreads) {
+    const int rank = static_cast<int>(split % cluster);
+    for (int idx = rank * kDecThreads + threadIdx.x; idx < rows * hs4;
+         idx += members * kDecThreads) {
       const int r = idx / hs4, d = (idx % hs4) * 4;
       float mx, lsum;
       const float4 acc = MergeFewPartials<kMaxDecodeCluster>(
-          static_cast<int>(live),
+          members,
           [&](int sp, float& pm, float& pl, float4& px) {
             pm = *ClusterPeer(cpart_m + r, sp);
             pl = *ClusterPeer(cpart_l + r, sp);
             px = *reinterpret_cast<const float4*>(ClusterPeer(cpart + r * HD + d, sp));
           },
           mx, lsum);
-      StoreScaled4(out_row(r) + d, acc, OutputScale(mx, lsum, extra, row_sink(r)));
+      if (dst < 0) {
+        StoreScaled4(out_row(r) + d, acc, OutputScale(mx, lsum, extra, row_sink(r)));
+      } else {
+        const int64_t at = (slot_base + dst) * kDecodeRows + r;
+        *reinterpret_cast<float4*>(part_o + at * H + d) = acc;
+        if (d == 0) {
+          part_m[at] = mx;
+          part_l[at] = lsum;
+        }
+      }
     }
   };
-  auto merge_in_cluster = [&] {
+  auto merge_in_cluster = [&](int members, int64_t dst) {
     ClusterSync();  // every live split's partial is in its shared memory
     trace.Mark();
     KVL_DECODE_STOP_AFTER(5, false)
-    cluster_values();
+    cluster_values(members, dst);
     if constexpr (KVL_DECODE_TRACE != 0) {
       trace.Mark();
-      cluster_values();
+      cluster_values(members, dst);
       trace.Mark();
     }
     ClusterSync();  // no CTA leaves while another still reads its shared memory
     trace.Mark();
-    if (split == 0) trace.Print("cluster", splits, live, 1);
+    if (split == 0) trace.Print("cluster", splits, live, tree.groups);
   };
-  // Partial slots of this (batch, kv head): one per launched split, then one per group of its
-  // merge tree (DecodeMergeTree); slot k holds rows k * kDecodeRows + r.
-  const int64_t slot_base = bg * DecodeMergeTree::SlotsPerRow(splits, rows, H);
-  const int64_t slot0 = (slot_base + split) * kDecodeRows;
   const int hs = static_cast<int>(H), nrows = static_cast<int>(rows);
   // Four values per thread: row r, columns d .. d + 3 (H % 8 == 0).
   constexpr int HD4 = HD / 4;
@@ -978,8 +995,8 @@ __global__ void __launch_bounds__(kDecThreads)
   if (live == 1) return;
   trace.Mark();
   KVL_DECODE_STOP_AFTER(4, false)
-  if (cluster_merge) {
-    merge_in_cluster();
+  if (cluster_merge && tree.groups == 1) {
+    merge_in_cluster(static_cast<int>(live), -1);
     return;
   }
 
@@ -1167,8 +1184,19 @@ __global__ void __launch_bounds__(kDecThreads)
   };
   // The tree of this row's live splits (the same in each of its CTAs): counter 0 is the top
   // merge's, 1 + k group k's.
-  const DecodeMergeTree tree = DecodeMergeTree::For(live, rows, H);
-  unsigned* row_counters = counters + bg * DecodeMergeTree::CountersPerRow(splits, rows, H);
+  unsigned* row_counters =
+      counters + bg * DecodeMergeTree::CountersPerRow(splits, rows, H, cluster);
+  if (cluster_merge) {
+    // This cluster's group into its group partial; then every live CTA has written its share
+    // and arrives, and the row's last arrival merges the groups.
+    const int64_t grp = split / cluster, first = grp * cluster;
+    merge_in_cluster(static_cast<int>(min(int64_t(cluster), live - first)), splits + grp);
+    if (!last_to_finish(row_counters, live)) return;
+    trace.Mark();
+    merge(splits, tree.groups, -1);
+    trace.Print("cluster-tree", splits, live, tree.groups);
+    return;
+  }
   if (tree.groups == 1) {
     if (!last_to_finish(row_counters, live)) return;
     trace.Mark();
@@ -1232,18 +1260,21 @@ bool DecodeTcFits(const GqaShape& s, size_t elem, const CudaDeviceInfo& dev) {
          size_t(dev.max_smem_optin);
 }
 
-bool DecodeTcClustersFit(const GqaShape& s, const CudaDeviceInfo& dev, int64_t cluster) {
+int DecodeTcActiveClusters(const GqaShape& s, const CudaDeviceInfo& dev, int64_t cluster) {
   size_t smem = 0;
   const DecodeFn fn = DecodeKernelForShape(s, &smem);
   if (fn == nullptr || dev.cc_major < 9 || cluster < 2 || cluster > kMaxDecodeCluster) {
-    return false;
+    return 0;
   }
   const void* f = reinterpret_cast<const void*>(fn);
   // The code that runs on this device was compiled for sm_90 or newer (its PTX target: an
   // sm_80 build JIT-compiled for this GPU reports binary version 90 but has no cluster code),
-  // and a cluster of these CTAs fits the device.
-  if (CachedPtxVersion(f) < 90 || !EnsureSmemLimit(f, smem).ok()) return false;
-  return CachedMaxActiveClusters(f, kDecThreads, smem, static_cast<int>(cluster)) > 0;
+  // and clusters of these CTAs fit the device.
+  if (CachedPtxVersion(f) < 90 || !EnsureSmemLimit(f, smem).ok()) return 0;
+  return CachedMaxActiveClusters(f, kDecThreads, smem, static_cast<int>(cluster));
+}
+bool DecodeTcClustersFit(const GqaShape& s, const CudaDeviceInfo& dev, int64_t cluster) {
+  return DecodeTcActiveClusters(s, dev, cluster) > 0;
 }
 
 int DecodeTcCtasPerSm(const GqaShape& s, const CudaDeviceInfo& dev) {
@@ -1284,7 +1315,7 @@ Status LaunchDecodeTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pr
   const dim3 grid(static_cast<unsigned>(plan.splits),
                   static_cast<unsigned>(s.batch * s.kv_num_heads + check_rows));
   const int cluster = static_cast<int>(plan.cluster);
-  if (cluster > 1) {  // one cluster per row: plan.splits == cluster
+  if (cluster > 1) {  // one cluster per row (plan.splits == cluster) or per group of its splits
     const ClusterLaunch launch(grid, dim3(kDecThreads), smem, stream, cluster);
     return CudaCheck(cudaLaunchKernelEx(&launch.config, fn, s, buf, present_st, plan.splits,
                                         plan.split_target, cluster, ws.part_o, ws.part_m,

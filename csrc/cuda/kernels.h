@@ -102,6 +102,13 @@ std::string CudnnStatus();
 // per CTA, key splits merged by the last CTA of each (batch, kv head).
 constexpr int kDecodeRows = 16;
 constexpr int64_t kMaxDecodeSplits = 256;  // the merging CTA keeps 16 x splits weights
+// The largest thread-block cluster of decode CTAs (one row's splits, or a group of them).
+// 8 is the portable cluster size; KVL_DECODE_MAX_CLUSTER=16 (a build knob for benchmarking)
+// allows the non-portable 16 of sm_90 (cudaFuncAttributeNonPortableClusterSizeAllowed).
+#ifndef KVL_DECODE_MAX_CLUSTER
+#define KVL_DECODE_MAX_CLUSTER 8
+#endif
+constexpr int64_t kMaxDecodeCluster = KVL_DECODE_MAX_CLUSTER;
 // The splits of a (batch, kv head) merge in a tree of at most two levels: the last CTA of each
 // group of `group` splits merges the group into a group partial, and the last group merger merges
 // the groups. One merging CTA reads all of its partials alone (one SM, an L2 round trip per eight
@@ -132,22 +139,34 @@ constexpr int64_t kDecodeFlatMergeFloats = KVL_DECODE_FLAT_MERGE_FLOATS;
 constexpr int64_t kDecodeFlatSplitBytes = 256 * 1024;
 struct DecodeMergeTree {
   int64_t group = 1, groups = 1;  // splits per group (the last may hold fewer), groups
-  __host__ __device__ static DecodeMergeTree For(int64_t live, int64_t rows, int64_t head_size) {
+  // `cluster`: the launch's thread-block cluster size where it is kMaxDecodeCluster (else 0):
+  // more live splits than one cluster then merge in groups of one cluster each (the cluster's
+  // shared memory, decode.cu), then the groups in global memory. The plan launches such clusters
+  // for a shape class (MakePlan: few rows, clusters that all fit at once), never for a capacity,
+  // so the tree still follows the live splits only.
+  __host__ __device__ static DecodeMergeTree For(int64_t live, int64_t rows, int64_t head_size,
+                                                 int64_t cluster) {
     DecodeMergeTree t;
     t.group = live;
-    if (live * rows * head_size > kDecodeFlatMergeFloats) t.group = CeilSqrt(live);
+    if (cluster == kMaxDecodeCluster && live > cluster) {
+      t.group = cluster;
+    } else if (live * rows * head_size > kDecodeFlatMergeFloats) {
+      t.group = CeilSqrt(live);
+    }
     t.groups = (live + t.group - 1) / t.group;
     return t;
   }
   // Partial slots of one (batch, kv head) for `splits` launched splits: one per split, then one
-  // per group of the largest tree (ceil(live / ceil(sqrt(live))) <= ceil(sqrt(live))).
-  __host__ __device__ static int64_t SlotsPerRow(int64_t splits, int64_t rows, int64_t head_size) {
-    return splits + MaxGroups(splits, rows, head_size);
+  // per group of the largest tree (ceil(live / ceil(sqrt(live))) <= ceil(sqrt(live)); with
+  // cluster groups ceil(live / cluster)).
+  __host__ __device__ static int64_t SlotsPerRow(int64_t splits, int64_t rows, int64_t head_size,
+                                                 int64_t cluster) {
+    return splits + MaxGroups(splits, rows, head_size, cluster);
   }
   // Counters of one (batch, kv head): the top merge's (index 0), then one per group.
   __host__ __device__ static int64_t CountersPerRow(int64_t splits, int64_t rows,
-                                                    int64_t head_size) {
-    return 1 + MaxGroups(splits, rows, head_size);
+                                                    int64_t head_size, int64_t cluster) {
+    return 1 + MaxGroups(splits, rows, head_size, cluster);
   }
   // The split target for `keys` live keys of `rows` rows (the kernel's partition; the plan's
   // target sized the grid): at most the splits of a one-level merge while each of those reads at
@@ -171,8 +190,13 @@ struct DecodeMergeTree {
   }
 
  private:
-  __host__ __device__ static int64_t MaxGroups(int64_t splits, int64_t rows, int64_t head_size) {
-    return splits * rows * head_size > kDecodeFlatMergeFloats ? CeilSqrt(splits) : 0;
+  __host__ __device__ static int64_t MaxGroups(int64_t splits, int64_t rows, int64_t head_size,
+                                               int64_t cluster) {
+    const int64_t by_size =
+        splits * rows * head_size > kDecodeFlatMergeFloats ? CeilSqrt(splits) : 0;
+    const int64_t by_cluster =
+        cluster == kMaxDecodeCluster && splits > cluster ? (splits + cluster - 1) / cluster : 0;
+    return by_size > by_cluster ? by_size : by_cluster;
   }
 };
 // At least two KS steps per warp, so the merge stays small against the reads.
@@ -194,13 +218,10 @@ bool DecodeTcFits(const GqaShape& s, size_t elem, const CudaDeviceInfo& dev);
 int DecodeTcCtasPerSm(const GqaShape& s, const CudaDeviceInfo& dev);  // cached per device/kernel
 // Whether a row's key splits can be one thread-block cluster of `cluster` CTAs (an sm_90+ device
 // running code compiled for sm_90+, at most kMaxDecodeCluster, resident together on it).
-// 8 is the portable cluster size; KVL_DECODE_MAX_CLUSTER=16 (a build knob for benchmarking)
-// allows the non-portable 16 of sm_90 (cudaFuncAttributeNonPortableClusterSizeAllowed).
-#ifndef KVL_DECODE_MAX_CLUSTER
-#define KVL_DECODE_MAX_CLUSTER 8
-#endif
-constexpr int64_t kMaxDecodeCluster = KVL_DECODE_MAX_CLUSTER;
 bool DecodeTcClustersFit(const GqaShape& s, const CudaDeviceInfo& dev, int64_t cluster);
+// How many clusters of `cluster` decode CTAs for this shape the device holds at once (0 where
+// they do not fit or the code has no cluster support; cached per device and kernel).
+int DecodeTcActiveClusters(const GqaShape& s, const CudaDeviceInfo& dev, int64_t cluster);
 template <typename T>
 Status LaunchDecodeTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
                       const AttnPlan& plan, const Workspace& ws, cudaStream_t stream);

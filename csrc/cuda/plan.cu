@@ -62,6 +62,12 @@ bool DecodeClustersAllowed() {
   static const bool allowed = EnvNotZero("ORT_KVLAYOUT_DECODE_CLUSTERS");
   return allowed;
 }
+// ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS=0 (read once) keeps clusters to rows of at most
+// kMaxDecodeCluster splits (the merge of more in global memory only): a benchmarking knob.
+bool DecodeGroupClustersAllowed() {
+  static const bool allowed = EnvNotZero("ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS");
+  return allowed;
+}
 
 // With more (batch, kv head) rows than one wave of decode CTAs holds (one split each), the CTAs
 // per SM whose waves the rows fill best: `fit` or one fewer, never below two (ties: more). A
@@ -87,7 +93,8 @@ int DecodeWaveCtasPerSm(int64_t rows, int64_t sms, int fit) {
 // Counters of the decode kernel's split merge tree for a plan (DecodeMergeTree sizes them for
 // any live split count; the kernel builds its row's tree).
 int64_t DecodeCountersPerRow(const GqaShape& s, const AttnPlan& p) {
-  return DecodeMergeTree::CountersPerRow(p.splits, s.seq_len * s.group_size(), s.head_size);
+  return DecodeMergeTree::CountersPerRow(p.splits, s.seq_len * s.group_size(), s.head_size,
+                                         p.cluster);
 }
 
 AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo& dev) {
@@ -145,6 +152,21 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
       p.split_target = DecodeSplitsOverride();
       p.decode_ctas_per_sm = 0;
     }
+    // With few rows and more splits targeted than one cluster holds, the splits go in clusters
+    // of kMaxDecodeCluster, each merging its group through its shared memory before a global
+    // merge of the groups (decode.cu), where every row's clusters run at once: the target is
+    // cut to the clusters the device holds together. A choice of the shape class and device,
+    // never of the capacity: the merge tree (and so the bits) follows it for every capacity.
+    // ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS=0 turns it off (a benchmarking knob).
+    bool group_clusters = false;
+    if (few && p.split_target > kMaxDecodeCluster && DecodeClustersAllowed() &&
+        DecodeGroupClustersAllowed()) {
+      const int64_t per_row = DecodeTcActiveClusters(s, dev, kMaxDecodeCluster) / base;
+      if (per_row >= 2) {
+        p.split_target = std::min(p.split_target, per_row * kMaxDecodeCluster);
+        group_clusters = true;
+      }
+    }
     p.splits = std::min(p.split_target, max_splits);
     // With few rows (one CTA per SM, the latency-bound decode) and at most 8 splits, each row's
     // splits are one thread-block cluster where the device has them: they merge through its
@@ -152,8 +174,12 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
     // the SMs worse (32/8/128 B=8 L=4k: 46 -> 83 us on the H200 with clusters of 8 and half
     // their CTAs without keys, docs/BENCHMARKS.md, ninth session). The kernel's merge gives the
     // same bits either way, so the choice may follow the capacity.
-    if (base < kFewDecodeRows && p.splits > 1 && p.splits <= kMaxDecodeCluster &&
-        DecodeClustersAllowed() && DecodeTcClustersFit(s, dev, p.splits)) {
+    if (group_clusters && p.splits > kMaxDecodeCluster) {
+      // Whole clusters: the splits past the live ones leave at once.
+      p.splits = (p.splits + kMaxDecodeCluster - 1) / kMaxDecodeCluster * kMaxDecodeCluster;
+      p.cluster = kMaxDecodeCluster;
+    } else if (base < kFewDecodeRows && p.splits > 1 && p.splits <= kMaxDecodeCluster &&
+               DecodeClustersAllowed() && DecodeTcClustersFit(s, dev, p.splits)) {
       p.cluster = p.splits;
     }
   } else if (p.kernel == AttnKernel::kPortable) {
@@ -174,7 +200,8 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
   if (p.splits > 1) {
     const bool decode = p.kernel == AttnKernel::kDecodeTc;
     const int64_t slots =  // per (b, kv head, row block)
-        decode ? DecodeMergeTree::SlotsPerRow(p.splits, s.seq_len * s.group_size(), s.head_size)
+        decode ? DecodeMergeTree::SlotsPerRow(p.splits, s.seq_len * s.group_size(), s.head_size,
+                                              p.cluster)
                : p.splits;
     const size_t rows = size_t(s.batch * s.kv_num_heads * p.row_blocks) * slots * kRowsPerCta;
     p.part_o_bytes = align(sizeof(float) * rows * s.head_size);
