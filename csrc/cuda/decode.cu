@@ -914,7 +914,10 @@ __global__ void __launch_bounds__(kDecThreads)
   // (dst < 0) or into group slot dst: each CTA takes a share of the items.
   auto cluster_values = [&](int members, int64_t dst) {
     const int hs4 = static_cast<int>(H / 4);
-    const int rank = static_cast<int>(split % cluster);
+    // Rank in the cluster: split itself in a row's only cluster (split < splits == cluster <=
+    // kMaxDecodeCluster), else split modulo the group clusters' kMaxDecodeCluster (a power of
+    // two: a mask, not a 64-bit division on the merge's path).
+    const int rank = static_cast<int>(split) % static_cast<int>(kMaxDecodeCluster);
     for (int idx = rank * kDecThreads + threadIdx.x; idx < rows * hs4;
          idx += members * kDecThreads) {
       const int r = idx / hs4, d = (idx % hs4) * 4;
@@ -1189,8 +1192,8 @@ __global__ void __launch_bounds__(kDecThreads)
   if (cluster_merge) {
     // This cluster's group into its group partial; then every live CTA has written its share
     // and arrives, and the row's last arrival merges the groups.
-    const int64_t grp = split / cluster, first = grp * cluster;
-    merge_in_cluster(static_cast<int>(min(int64_t(cluster), live - first)), splits + grp);
+    const int64_t grp = split / kMaxDecodeCluster, first = grp * kMaxDecodeCluster;  // cluster
+    merge_in_cluster(static_cast<int>(min(kMaxDecodeCluster, live - first)), splits + grp);
     if (!last_to_finish(row_counters, live)) return;
     trace.Mark();
     merge(splits, tree.groups, -1);
@@ -1260,7 +1263,8 @@ bool DecodeTcFits(const GqaShape& s, size_t elem, const CudaDeviceInfo& dev) {
          size_t(dev.max_smem_optin);
 }
 
-int DecodeTcActiveClusters(const GqaShape& s, const CudaDeviceInfo& dev, int64_t cluster) {
+int DecodeTcActiveClusters(const GqaShape& s, const CudaDeviceInfo& dev, int64_t cluster,
+                           int ctas_per_sm) {
   size_t smem = 0;
   const DecodeFn fn = DecodeKernelForShape(s, &smem);
   if (fn == nullptr || dev.cc_major < 9 || cluster < 2 || cluster > kMaxDecodeCluster) {
@@ -1271,7 +1275,12 @@ int DecodeTcActiveClusters(const GqaShape& s, const CudaDeviceInfo& dev, int64_t
   // sm_80 build JIT-compiled for this GPU reports binary version 90 but has no cluster code),
   // and clusters of these CTAs fit the device.
   if (CachedPtxVersion(f) < 90 || !EnsureSmemLimit(f, smem).ok()) return 0;
-  return CachedMaxActiveClusters(f, kDecThreads, smem, static_cast<int>(cluster));
+  size_t launch_smem = smem;
+  if (!SmemForCtasPerSm(f, kDecThreads, smem, ctas_per_sm, &launch_smem).ok() ||
+      !EnsureSmemLimit(f, launch_smem).ok()) {
+    return 0;
+  }
+  return CachedMaxActiveClusters(f, kDecThreads, launch_smem, static_cast<int>(cluster));
 }
 bool DecodeTcClustersFit(const GqaShape& s, const CudaDeviceInfo& dev, int64_t cluster) {
   return DecodeTcActiveClusters(s, dev, cluster) > 0;
@@ -1295,12 +1304,8 @@ Status LaunchDecodeTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pr
     return Status::Error("ai.kvlayout::GroupQueryAttention (CUDA): no decode tile for head_size " +
                          std::to_string(s.head_size));
   }
-  // Padded where the plan allows fewer CTAs per SM than fit (plan.decode_ctas_per_sm, set only
-  // with many rows; clusters only with few).
-  if (plan.cluster > 1 && plan.decode_ctas_per_sm > 0) {
-    return Status::Error("ai.kvlayout::GroupQueryAttention (CUDA): decode plan with clusters and "
-                         "padded shared memory (internal)");
-  }
+  // Padded where the plan allows fewer CTAs per SM than fit (plan.decode_ctas_per_sm: with many
+  // rows, or group clusters of one CTA per SM, ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS=3).
   KVL_RETURN_IF_ERROR(SmemForCtasPerSm(reinterpret_cast<const void*>(fn), kDecThreads, smem,
                                        plan.decode_ctas_per_sm, &smem));
   KVL_RETURN_IF_ERROR(EnsureSmemLimit(reinterpret_cast<const void*>(fn), smem));

@@ -53,11 +53,13 @@ struct GqaCudaPlan {
   // one) partition the same live keys the same way and give bit-identical results.
   int64_t split_target = 1;
   // Decode: CTAs per thread-block cluster along the splits (sm_90: a row whose live splits fit
-  // one cluster merges them through its shared memory), 0 without clusters. When set it equals
-  // `splits`: one cluster per row.
+  // one cluster merges them through its shared memory), 0 without clusters. Either `splits` (one
+  // cluster per row) or kMaxDecodeCluster with more splits (group clusters: each cluster merges
+  // its group of the row's splits, DecodeMergeTree).
   int64_t cluster = 0;
   // Decode: the CTAs per SM its launch allows, below what fits (its shared memory padded, so
-  // waves of one split per row fill the slots: MakePlan); 0: as many as fit.
+  // waves of one split per row fill the slots, or, as a knob, group clusters of one CTA per SM:
+  // MakePlan); 0: as many as fit.
   int decode_ctas_per_sm = 0;
   size_t q_bytes = 0, part_o_bytes = 0, part_ml_bytes = 0, counter_bytes = 0;
   // A window-sized cache: K (and again V) staging rows the attention reads (csrc/cuda/sliding.cu).

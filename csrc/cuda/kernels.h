@@ -149,8 +149,11 @@ struct DecodeMergeTree {
     DecodeMergeTree t;
     t.group = live;
     if (cluster == kMaxDecodeCluster && live > cluster) {
-      t.group = cluster;
-    } else if (live * rows * head_size > kDecodeFlatMergeFloats) {
+      t.group = kMaxDecodeCluster;
+      t.groups = (live + kMaxDecodeCluster - 1) / kMaxDecodeCluster;  // a shift
+      return t;
+    }
+    if (live * rows * head_size > kDecodeFlatMergeFloats) {
       t.group = CeilSqrt(live);
     }
     t.groups = (live + t.group - 1) / t.group;
@@ -195,7 +198,9 @@ struct DecodeMergeTree {
     const int64_t by_size =
         splits * rows * head_size > kDecodeFlatMergeFloats ? CeilSqrt(splits) : 0;
     const int64_t by_cluster =
-        cluster == kMaxDecodeCluster && splits > cluster ? (splits + cluster - 1) / cluster : 0;
+        cluster == kMaxDecodeCluster && splits > cluster
+            ? (splits + kMaxDecodeCluster - 1) / kMaxDecodeCluster  // a shift, not a division
+            : 0;
     return by_size > by_cluster ? by_size : by_cluster;
   }
 };
@@ -220,8 +225,10 @@ int DecodeTcCtasPerSm(const GqaShape& s, const CudaDeviceInfo& dev);  // cached 
 // running code compiled for sm_90+, at most kMaxDecodeCluster, resident together on it).
 bool DecodeTcClustersFit(const GqaShape& s, const CudaDeviceInfo& dev, int64_t cluster);
 // How many clusters of `cluster` decode CTAs for this shape the device holds at once (0 where
-// they do not fit or the code has no cluster support; cached per device and kernel).
-int DecodeTcActiveClusters(const GqaShape& s, const CudaDeviceInfo& dev, int64_t cluster);
+// they do not fit or the code has no cluster support; cached per device and kernel), with
+// `ctas_per_sm` > 0 for a launch padded to at most that many CTAs per SM (SmemForCtasPerSm).
+int DecodeTcActiveClusters(const GqaShape& s, const CudaDeviceInfo& dev, int64_t cluster,
+                           int ctas_per_sm = 0);
 template <typename T>
 Status LaunchDecodeTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
                       const AttnPlan& plan, const Workspace& ws, cudaStream_t stream);

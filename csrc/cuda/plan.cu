@@ -3,6 +3,7 @@
 // only; the kernels live one family per file.
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <string>
@@ -62,11 +63,19 @@ bool DecodeClustersAllowed() {
   static const bool allowed = EnvNotZero("ORT_KVLAYOUT_DECODE_CLUSTERS");
   return allowed;
 }
-// ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS=0 (read once) keeps clusters to rows of at most
-// kMaxDecodeCluster splits (the merge of more in global memory only): a benchmarking knob.
-bool DecodeGroupClustersAllowed() {
-  static const bool allowed = EnvNotZero("ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS");
-  return allowed;
+// Where group clusters serve (MakePlan), read once from ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS, a
+// benchmarking knob: 0 nowhere (rows of more than kMaxDecodeCluster splits merge in global memory
+// only), unset or 1 the shapes whose merge takes two rounds of loads (the default, measured),
+// 2 every few-row shape, 3 every few-row shape with one CTA per SM (shared memory padded).
+enum class GroupClusters { kOff = 0, kTwoRounds = 1, kAll = 2, kAllPadded = 3 };
+GroupClusters DecodeGroupClusters() {
+  static const GroupClusters mode = [] {
+    const char* v = std::getenv("ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS");
+    if (v != nullptr && std::strcmp(v, "0") == 0) return GroupClusters::kOff;
+    const int64_t n = EnvPositiveInt("ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS");
+    return n >= 1 && n <= 3 ? static_cast<GroupClusters>(n) : GroupClusters::kTwoRounds;
+  }();
+  return mode;
 }
 
 // With more (batch, kv head) rows than one wave of decode CTAs holds (one split each), the CTAs
@@ -157,13 +166,20 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
     // merge of the groups (decode.cu), where every row's clusters run at once: the target is
     // cut to the clusters the device holds together. A choice of the shape class and device,
     // never of the capacity: the merge tree (and so the bits) follows it for every capacity.
-    // ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS=0 turns it off (a benchmarking knob).
+    // Only where the row's merge takes two rounds of loads: measured on the H200 (kernel us,
+    // docs/BENCHMARKS.md, twenty-first session) 28/4/128 B=1 L=4k 11.3 -> 10.7, 4/1/256 B=1
+    // L=16k 17.1 -> 14.9, but 32/8/128 B=1 L=32k 40.1 -> 42.7 and 9/3/64 B=1 L=32k 13.2 -> 14.9.
+    // ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS picks other shapes (DecodeGroupClusters).
+    const GroupClusters gc = DecodeGroupClusters();
     bool group_clusters = false;
     if (few && p.split_target > kMaxDecodeCluster && DecodeClustersAllowed() &&
-        DecodeGroupClustersAllowed()) {
-      const int64_t per_row = DecodeTcActiveClusters(s, dev, kMaxDecodeCluster) / base;
+        (gc == GroupClusters::kAll || gc == GroupClusters::kAllPadded ||
+         (gc == GroupClusters::kTwoRounds && two_rounds))) {
+      const int pad = gc == GroupClusters::kAllPadded ? 1 : 0;
+      const int64_t per_row = DecodeTcActiveClusters(s, dev, kMaxDecodeCluster, pad) / base;
       if (per_row >= 2) {
         p.split_target = std::min(p.split_target, per_row * kMaxDecodeCluster);
+        p.decode_ctas_per_sm = pad;
         group_clusters = true;
       }
     }
