@@ -13,7 +13,10 @@ compute-sanitizer passes of scripts/run_gpu_tests.sh).
 from __future__ import annotations
 
 import itertools
+import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -657,7 +660,8 @@ def test_deterministic(layout, dtype):
      ((16, 1, 64), 1, 1000, 5000, {"head_sink": True}),
      ((8, 2, 128), 2, 300, 1001, {}),
      # 47 live splits x 4 rows x 256 floats: a two-level tree (16 splits of one level would read
-     # 563 keys, 563 KB of K and V each: above kDecodeFlatSplitBytes, kernels.h)
+     # 563 keys, 563 KB of K and V each: above kDecodeFlatSplitBytes, kernels.h); on sm_90 with
+     # group clusters, groups of 8 instead (the tree of sm_80: the test after this one)
      ((4, 1, 256), 2, 9000, 12000, {}),
      # 24 splits targeted (a two-round merge: three quarters of the SMs), 23 live (one level:
      # 23 x 7 rows x 128 floats, 176 keys each; the one-level bound, 36 splits at 7 rows, capped
@@ -697,6 +701,27 @@ def test_decode_bits_do_not_depend_on_the_capacity(
         f"{np.abs(out_small.astype(np.float64) - out_big.astype(np.float64)).max():.3g} {c!r}"
     )
     check_oracle(c, run_case_cuda(c, feeds=small))
+
+
+@pytest.mark.parametrize(
+    "setting", ["ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS=0", "ORT_KVLAYOUT_DECODE_CLUSTERS=0"]
+)
+def test_decode_bits_do_not_depend_on_the_capacity_without_group_clusters(setting):
+    """On sm_90 the capacity cases of more than 8 splits at 28/4/128 and 4/1/256 take group
+    clusters; the global merges those replace there (one level, and the two-level tree) still
+    serve sm_80 and these settings. The same cases again in a child process with the setting (the
+    library reads it once per process): bit-identical across capacities and right by the oracle."""
+    name, value = setting.split("=")
+    cases = "two_levels or flat_capped or group_clusters"
+    p = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+         f"{__file__}::test_decode_bits_do_not_depend_on_the_capacity", "-k", f"fp16 and ({cases})"],
+        capture_output=True, text=True, timeout=600, check=False,
+        env=dict(os.environ, **{name: value}),
+    )  # fmt: skip
+    tail = (p.stdout + p.stderr)[-3000:]
+    assert p.returncode == 0, f"with {setting}: the child pytest failed {seed_note()}:\n{tail}"
+    assert re.search(r"\b6 passed\b", p.stdout), f"with {setting}: not 6 cases passed:\n{tail}"
 
 
 @pytest.mark.parametrize("layout", [0, 1])

@@ -49,7 +49,9 @@ namespace {
   }
 
 // Build knob KVL_DECODE_TRACE=1 (benchmarking only; 0, the default, compiles nothing): the CTA
-// that ends row 0's merge (the cluster's rank 0 with a cluster merge) prints, per launch, the
+// that ends row 0's merge (the cluster's rank 0 with a cluster merge; with group clusters split 0
+// prints its cluster's merge as "cluster" and the row's last arrival the groups' as
+// "cluster-tree") prints, per launch, the
 // clock64 cycles of its phases from its own start: partial written, merge arrival, each merge
 // level's weights and values; the one-level merges run twice (the second with the merge's code
 // and data warm) to tell instruction fetch from data trips. Split 0, the last live split and
@@ -1185,15 +1187,17 @@ __global__ void __launch_bounds__(kDecThreads)
     __syncthreads();
     return merges_splits;
   };
-  // The tree of this row's live splits (the same in each of its CTAs): counter 0 is the top
-  // merge's, 1 + k group k's.
+  // Counters of this row's merge tree (`tree`, the same in each of its CTAs): counter 0 is the
+  // top merge's, 1 + k group k's.
   unsigned* row_counters =
       counters + bg * DecodeMergeTree::CountersPerRow(splits, rows, H, cluster);
   if (cluster_merge) {
-    // This cluster's group into its group partial; then every live CTA has written its share
-    // and arrives, and the row's last arrival merges the groups.
+    // Group clusters: this cluster's group into its group partial; then every live CTA has
+    // written its share and counts on counter 0, and the row's last arrival merges the groups
+    // (the group counters are not used).
     const int64_t grp = split / kMaxDecodeCluster, first = grp * kMaxDecodeCluster;  // cluster
     merge_in_cluster(static_cast<int>(min(kMaxDecodeCluster, live - first)), splits + grp);
+    KVL_DECODE_STOP_AFTER(5, false)  // merge_in_cluster's own stop leaves only its lambda
     if (!last_to_finish(row_counters, live)) return;
     trace.Mark();
     merge(splits, tree.groups, -1);

@@ -110,8 +110,9 @@ constexpr int64_t kMaxDecodeSplits = 256;  // the merging CTA keeps 16 x splits 
 #endif
 constexpr int64_t kMaxDecodeCluster = KVL_DECODE_MAX_CLUSTER;
 // The splits of a (batch, kv head) merge in a tree of at most two levels: the last CTA of each
-// group of `group` splits merges the group into a group partial, and the last group merger merges
-// the groups. One merging CTA reads all of its partials alone (one SM, an L2 round trip per eight
+// group of `group` splits merges the group into a group partial (with group clusters, the CTAs
+// of each cluster of kMaxDecodeCluster together, through its shared memory: decode.cu), and the
+// last group merger (the row's last arrival) merges the groups. One merging CTA reads all of its partials alone (one SM, an L2 round trip per eight
 // loads of each thread), so a flat merge of 128 splits x 4 rows x 256 floats took longer than the
 // reads it followed. When the live splits' partials exceed kDecodeFlatMergeFloats floats (eight
 // rounds of the CTA's loads), groups of ceil(sqrt(live)) splits; else one level (group == live).
@@ -139,9 +140,10 @@ constexpr int64_t kDecodeFlatMergeFloats = KVL_DECODE_FLAT_MERGE_FLOATS;
 constexpr int64_t kDecodeFlatSplitBytes = 256 * 1024;
 struct DecodeMergeTree {
   int64_t group = 1, groups = 1;  // splits per group (the last may hold fewer), groups
-  // `cluster`: the launch's thread-block cluster size where it is kMaxDecodeCluster (else 0):
-  // more live splits than one cluster then merge in groups of one cluster each (the cluster's
-  // shared memory, decode.cu), then the groups in global memory. The plan launches such clusters
+  // `cluster`: the launch's thread-block cluster size (0 without clusters; 2 to 8 for a row's one
+  // cluster, which holds every live split: one group). At kMaxDecodeCluster, more live splits
+  // than one cluster merge in groups of one cluster each (the cluster's shared memory,
+  // decode.cu), then the groups in global memory. The plan launches such clusters
   // for a shape class (MakePlan: few rows, clusters that all fit at once), never for a capacity,
   // so the tree still follows the live splits only.
   __host__ __device__ static DecodeMergeTree For(int64_t live, int64_t rows, int64_t head_size,

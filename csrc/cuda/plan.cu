@@ -184,18 +184,19 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
       }
     }
     p.splits = std::min(p.split_target, max_splits);
-    // With few rows (one CTA per SM, the latency-bound decode) and at most 8 splits, each row's
-    // splits are one thread-block cluster where the device has them: they merge through its
-    // shared memory (decode.cu). Not with more rows: CTAs scheduled a cluster at a time filled
-    // the SMs worse (32/8/128 B=8 L=4k: 46 -> 83 us on the H200 with clusters of 8 and half
-    // their CTAs without keys, docs/BENCHMARKS.md, ninth session). The kernel's merge gives the
-    // same bits either way, so the choice may follow the capacity.
     if (group_clusters && p.splits > kMaxDecodeCluster) {
-      // Whole clusters: the splits past the live ones leave at once.
+      // Whole clusters: the splits past the live ones leave at once. (A grid of at most 8 splits
+      // holds at most 8 live ones, one group: the one-cluster branch below gives its bits.)
       p.splits = (p.splits + kMaxDecodeCluster - 1) / kMaxDecodeCluster * kMaxDecodeCluster;
       p.cluster = kMaxDecodeCluster;
     } else if (base < kFewDecodeRows && p.splits > 1 && p.splits <= kMaxDecodeCluster &&
                DecodeClustersAllowed() && DecodeTcClustersFit(s, dev, p.splits)) {
+      // With few rows (one CTA per SM, the latency-bound decode) and at most 8 splits, each
+      // row's splits are one thread-block cluster where the device has them: they merge through
+      // its shared memory (decode.cu). Not with more rows: CTAs scheduled a cluster at a time
+      // filled the SMs worse (32/8/128 B=8 L=4k: 46 -> 83 us on the H200 with clusters of 8 and
+      // half their CTAs without keys, docs/BENCHMARKS.md, ninth session). The kernel's merge
+      // gives the same bits either way, so this choice may follow the capacity.
       p.cluster = p.splits;
     }
   } else if (p.kernel == AttnKernel::kPortable) {
