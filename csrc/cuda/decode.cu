@@ -906,6 +906,17 @@ __global__ void __launch_bounds__(kDecThreads)
   // merge tree (DecodeMergeTree); slot k holds rows k * kDecodeRows + r.
   const int64_t slot_base = bg * DecodeMergeTree::SlotsPerRow(splits, rows, H, cluster);
   const int64_t slot0 = (slot_base + split) * kDecodeRows;
+  // Four values of row r of group slot `dst`, columns d .. d + 3, with the row's m and l (the
+  // cluster merge's and the few-partial merge's group partials).
+  auto store_group_partial = [&](int64_t dst, int r, int d, const float4& acc, float mx,
+                                 float lsum) {
+    const int64_t at = (slot_base + dst) * kDecodeRows + r;
+    *reinterpret_cast<float4*>(part_o + at * H + d) = acc;
+    if (d == 0) {
+      part_m[at] = mx;
+      part_l[at] = lsum;
+    }
+  };
   static_assert(kMaxDecodeCluster >= 2 && kMaxDecodeCluster <= 16 &&
                     (kMaxDecodeCluster & (kMaxDecodeCluster - 1)) == 0,
                 "a cluster of at most 16 CTAs (sm_90) whose l sums follow WarpSum's butterfly");
@@ -935,12 +946,7 @@ __global__ void __launch_bounds__(kDecThreads)
       if (dst < 0) {
         StoreScaled4(out_row(r) + d, acc, OutputScale(mx, lsum, extra, row_sink(r)));
       } else {
-        const int64_t at = (slot_base + dst) * kDecodeRows + r;
-        *reinterpret_cast<float4*>(part_o + at * H + d) = acc;
-        if (d == 0) {
-          part_m[at] = mx;
-          part_l[at] = lsum;
-        }
+        store_group_partial(dst, r, d, acc, mx, lsum);
       }
     }
   };
@@ -1056,12 +1062,7 @@ __global__ void __launch_bounds__(kDecThreads)
               StoreScaled4(out_row(r[k]) + d[k], acc[k],
                            OutputScale(mx[k], lsum[k], extra, row_sink(r[k])));
             } else {
-              const int64_t at = (slot_base + dst) * kDecodeRows + r[k];
-              *reinterpret_cast<float4*>(part_o + at * H + d[k]) = acc[k];
-              if (d[k] == 0) {
-                part_m[at] = mx[k];
-                part_l[at] = lsum[k];
-              }
+              store_group_partial(dst, r[k], d[k], acc[k], mx[k], lsum[k]);
             }
           }
         }

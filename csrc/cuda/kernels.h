@@ -112,10 +112,11 @@ constexpr int64_t kMaxDecodeCluster = KVL_DECODE_MAX_CLUSTER;
 // The splits of a (batch, kv head) merge in a tree of at most two levels: the last CTA of each
 // group of `group` splits merges the group into a group partial (with group clusters, the CTAs
 // of each cluster of kMaxDecodeCluster together, through its shared memory: decode.cu), and the
-// last group merger (the row's last arrival) merges the groups. One merging CTA reads all of its partials alone (one SM, an L2 round trip per eight
-// loads of each thread), so a flat merge of 128 splits x 4 rows x 256 floats took longer than the
-// reads it followed. When the live splits' partials exceed kDecodeFlatMergeFloats floats (eight
-// rounds of the CTA's loads), groups of ceil(sqrt(live)) splits; else one level (group == live).
+// last group merger (the row's last arrival) merges the groups. One merging CTA reads all of its
+// partials alone (one SM, an L2 round trip per eight loads of each thread), so a flat merge of
+// 128 splits x 4 rows x 256 floats took longer than the reads it followed. When the live splits'
+// partials exceed kDecodeFlatMergeFloats floats (eight rounds of the CTA's loads), groups of
+// ceil(sqrt(live)) splits; else one level (group == live).
 // 32K: a level of the tree costs an arrival, a weights pass and a values pass (about 2 us on the
 // H200), more than the four rounds of values that 16K more floats add (28/4/128 B=1 L=16k: 24.1 ->
 // 21.7 us, L=32k 35.8 -> 31.4, 4/1/256 B=1 L=4k 20.0 -> 18.4; docs/BENCHMARKS.md, twelfth session).
