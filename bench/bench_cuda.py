@@ -80,6 +80,8 @@ SPAN = False
 CAPACITY = 0
 # --rotary: the op rotates q and the new k (do_rotary=1, cos/sin caches), as exported LLMs run it.
 ROTARY = False
+# --rounds R: the three variants' timed Runs interleaved in R rounds (run_case).
+ROUNDS = 1
 
 
 def session(model: bytes) -> ort.InferenceSession:
@@ -211,12 +213,10 @@ def run_case(kind: str, b: int, length: int, heads: tuple[int, int, int], runs: 
     row = {"kind": kind, "batch": b, "length": length, "capacity": cap, "heads": f"{n}/{nkv}/{h}"}
     if ROTARY:
         row["rotary"] = True
-    outputs = {}
-    for label, domain, layout in (
-        ("ort", "com.microsoft", None),
-        ("kv0", ort_kvlayout.DOMAIN, 0),
-        ("kv1", ort_kvlayout.DOMAIN, 1),
-    ):
+    variants = (("ort", "com.microsoft", None), ("kv0", ort_kvlayout.DOMAIN, 0),
+                ("kv1", ort_kvlayout.DOMAIN, 1))  # fmt: skip
+    live = {}
+    for label, domain, layout in variants:
         feeds = dict(base)
         feeds["past_key"] = in_layout(pk, layout or 0)
         feeds["past_value"] = in_layout(pv, layout or 0)
@@ -224,20 +224,41 @@ def run_case(kind: str, b: int, length: int, heads: tuple[int, int, int], runs: 
         io, keep = bind(sess, feeds, shared=kind == "decode")
         for _ in range(3):
             sess.run_with_iobinding(io)
-        times, per_kernel = kernel_times(sess, io, runs)
-        outputs[label] = keep["output"].float()
+        live[label] = (sess, io, keep, feeds)
+    # --rounds R: the three variants take turns, R rounds of runs / R timed Runs each (the order
+    # reversed every other round), so a drift of the clocks or the machine over the case weighs
+    # on all three alike; each turn starts with two untimed Runs, which leave the L2 holding
+    # what back-to-back calls of that variant leave there. R = 1: each variant's runs in one
+    # block, ORT's first.
+    rounds = max(1, min(ROUNDS, runs))
+    times: dict[str, list[float]] = {label: [] for label, _, _ in variants}
+    per_kernel: dict[str, dict[str, float]] = {label: {} for label, _, _ in variants}
+    for r in range(rounds):
+        n_runs = runs // rounds + (1 if r < runs % rounds else 0)
+        order = variants if r % 2 == 0 else variants[::-1]
+        for label, _, _ in order:
+            sess, io = live[label][:2]
+            for _ in range(2):
+                sess.run_with_iobinding(io)
+            t, names = kernel_times(sess, io, n_runs)
+            times[label] += t
+            for name, us in names.items():
+                per_kernel[label][name] = per_kernel[label].get(name, 0.0) + us * n_runs / runs
+    outputs = {}
+    for label, _, _ in variants:
+        outputs[label] = live[label][2]["output"].float()
         if BREAKDOWN:
-            top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:6]
+            top = sorted(per_kernel[label].items(), key=lambda kv: -kv[1])[:6]
             print(f"  {kind} {row['heads']} B={b} L={length} C={cap} {label}: "
                   + ", ".join(f"{name[:60]} {us:.1f} us" for name, us in top), file=sys.stderr)  # fmt: skip
-        t = statistics.median(times)
-        cell = {"kernel_ms": t, "kernel_ms_p10_p90": np.percentile(times, [10, 90]).tolist()}
+        t = statistics.median(times[label])
+        cell = {"kernel_ms": t, "kernel_ms_p10_p90": np.percentile(times[label], [10, 90]).tolist()}
         if kind == "decode":
             cell["TB/s"] = 2 * b * nkv * length * h * 2 / (t * 1e-3) / 1e12
         else:
             cell["TFLOP/s"] = 4 * b * n * h * s * (s + 1) / 2 / (t * 1e-3) / 1e12
         row[label] = cell
-        del keep, feeds, sess, io
+    del live
     unit = "TB/s" if kind == "decode" else "TFLOP/s"
     row["ratio0"] = row["kv0"][unit] / row["ort"][unit]
     row["ratio1"] = row["kv1"][unit] / row["ort"][unit]
@@ -268,10 +289,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--capacity", type=int, default=0, help="decode cache rows (0: L)")
     p.add_argument("--rotary", action="store_true", help="do_rotary=1 with cos/sin caches")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="interleave the three variants' timed Runs in this many rounds")  # fmt: skip
     args = p.parse_args(argv)
-    global LIBRARY, BREAKDOWN, SPAN, CAPACITY, ROTARY
+    global LIBRARY, BREAKDOWN, SPAN, CAPACITY, ROTARY, ROUNDS
     LIBRARY, BREAKDOWN, SPAN, CAPACITY = args.library, args.breakdown, args.span, args.capacity
-    ROTARY = args.rotary
+    ROTARY, ROUNDS = args.rotary, args.rounds
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         print("CUDAExecutionProvider not available", file=sys.stderr)
         return 2
@@ -318,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = {"date": date, "onnxruntime": ort.__version__, "device": torch.cuda.get_device_name(),
-                "command": "python " + " ".join(sys.argv), "runs": args.runs}  # fmt: skip
+                "command": "python " + " ".join(sys.argv), "runs": args.runs,
+                "rounds": ROUNDS}  # fmt: skip
         args.json.write_text(json.dumps({**meta, "rows": rows}, indent=1))
     return 0
 

@@ -13,6 +13,9 @@
 # L2=1 measures instead the traffic between the SMs, the L2 and DRAM (bytes, requests, sectors,
 # hits; the fifteenth session's table in docs/BENCHMARKS.md), with the SM clock left free
 # (--clock-control none), so its durations are the benchmark's.
+# ncu flushes the caches before each profiled launch; CACHE=none keeps them (--cache-control
+# none), so the L2 holds what the previous launches left, as in bench_cuda.py's back-to-back runs:
+#   L2=1 CACHE=none bash bench/ncu_decode.sh 28/4/128 1x16384   # what a warm L2 serves
 # ncu locks the SM clock near its base (1.33 GHz on the H200): compare kernels within one run,
 # not with bench_cuda.py's times. Needs ncu, a GPU and the packages bench_cuda.py needs.
 set -euo pipefail
@@ -35,7 +38,7 @@ for kernel in ${KERNELS:-DecodeTc flash}; do
   # timed run. Under ncu each layout launches our kernel 7 times (3 warm-ups, 2 runs in the
   # profiler, which sees no CUPTI records, then 2 wall-time runs), kv0 first: SKIP=11 is kv1's
   # fifth.
-  ncu "${SECTIONS[@]}" -k "regex:$kernel" --launch-skip "${SKIP:-4}" --launch-count 1 \
+  ncu "${SECTIONS[@]}" --cache-control "${CACHE:-all}" -k "regex:$kernel" --launch-skip "${SKIP:-4}" --launch-count 1 \
     python3 bench/bench_cuda.py --runs 2 --heads "$heads" --decode "$case" --prefill= \
     ${LIBRARY:+--library "$LIBRARY"} >"$report" 2>&1 || true
   echo "== $heads $case kernel ~ $kernel ($report)"
