@@ -8,7 +8,7 @@
 #   KERNELS=DecodeTc bash bench/ncu_decode.sh 28/4/128 1x4096
 #   LIBRARY=/tmp/bv/libort_kvlayout.so bash bench/ncu_decode.sh 28/4/128 64x16384   # a build
 #   L2=1 bash bench/ncu_decode.sh 28/4/128 64x16384   # what the L2 serves (clock left free)
-#   SKIP=11 KERNELS=DecodeTc bash bench/ncu_decode.sh 9/3/64 64x16384  # kv_layout=1's launch
+#   SKIP=13 KERNELS=DecodeTc bash bench/ncu_decode.sh 9/3/64 64x16384  # kv_layout=1's launch
 #
 # L2=1 measures instead the traffic between the SMs, the L2 and DRAM (bytes, requests, sectors,
 # hits; the fifteenth session's table in docs/BENCHMARKS.md), with the SM clock left free
@@ -35,9 +35,9 @@ fi
 for kernel in ${KERNELS:-DecodeTc flash}; do
   report="$OUT_DIR/ncu_${heads//\//-}_${case}_${kernel}.txt"
   # The fifth launch (SKIP=4): after bench_cuda.py's warm-ups, so caches and plans are those of a
-  # timed run. Under ncu each layout launches our kernel 7 times (3 warm-ups, 2 runs in the
-  # profiler, which sees no CUPTI records, then 2 wall-time runs), kv0 first: SKIP=11 is kv1's
-  # fifth.
+  # timed run. Under ncu each layout launches our kernel 9 times (3 warm-ups, 2 untimed runs, 2
+  # runs in the profiler, which sees no CUPTI records, then 2 wall-time runs), kv0 first: SKIP=13
+  # is kv1's fifth.
   ncu "${SECTIONS[@]}" --cache-control "${CACHE:-all}" -k "regex:$kernel" --launch-skip "${SKIP:-4}" --launch-count 1 \
     python3 bench/bench_cuda.py --runs 2 --heads "$heads" --decode "$case" --prefill= \
     ${LIBRARY:+--library "$LIBRARY"} >"$report" 2>&1 || true
