@@ -82,6 +82,36 @@ CAPACITY = 0
 ROTARY = False
 # --rounds R: the three variants' timed Runs interleaved in R rounds (run_case).
 ROUNDS = 1
+# --flush-l2: every timed Run starts with nothing of its inputs in the L2 (a read of a buffer
+# twice the L2's size before it), as in a model whose layers' caches together exceed the L2.
+# Without it, back-to-back Runs on one cache find in the L2 what the last Run left there.
+FLUSH_L2 = False
+FLUSH_KERNELS: set[str] = set()  # the names of the flush's kernels, left out of the sums
+_FLUSH_BUF = None
+
+
+def flush_l2() -> None:
+    """Reads a buffer of twice the L2's size (a read: no dirty lines to write back later)."""
+    import torch
+
+    global _FLUSH_BUF
+    if _FLUSH_BUF is None:
+        l2 = torch.cuda.get_device_properties(0).L2_cache_size
+        _FLUSH_BUF = torch.ones(2 * l2 // 4, dtype=torch.float32, device="cuda")
+    _FLUSH_BUF.sum()
+
+
+def flush_kernel_names() -> set[str]:
+    """The kernels one flush_l2() launches (profiled once, alone)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    flush_l2()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        flush_l2()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if e.device_type.name == "CUDA"}
 
 
 def session(model: bytes) -> ort.InferenceSession:
@@ -120,17 +150,27 @@ def bind(sess, feeds: dict, shared: bool):
 
 
 def kernel_times(sess, io, runs: int) -> tuple[list[float], dict[str, float]]:
-    """Device time of each Run (ms: its kernels summed, from CUPTI), and per kernel (us/Run)."""
+    """Device time of each Run (ms: its kernels summed, from CUPTI), and per kernel (us/Run).
+    With --flush-l2, each Run follows a read of a buffer twice the L2's size, whose kernels are
+    not counted."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(runs):
+            if FLUSH_L2:
+                flush_l2()
             sess.run_with_iobinding(io)
         torch.cuda.synchronize()
     kernels = sorted(
-        (e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time_total > 0),
+        (
+            e
+            for e in prof.events()
+            if e.device_type.name == "CUDA"
+            and e.device_time_total > 0
+            and e.name not in FLUSH_KERNELS
+        ),
         key=lambda e: e.time_range.start,
     )
     per_run = len(kernels) // runs if runs else 0
@@ -293,17 +333,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--capacity", type=int, default=0, help="decode cache rows (0: L)")
     p.add_argument("--rotary", action="store_true", help="do_rotary=1 with cos/sin caches")
+    p.add_argument("--flush-l2", action="store_true",
+                   help="read a buffer of twice the L2 before each timed Run (not counted)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=1,
                    help="interleave the three variants' timed Runs in this many rounds")  # fmt: skip
     args = p.parse_args(argv)
-    global LIBRARY, BREAKDOWN, SPAN, CAPACITY, ROTARY, ROUNDS
+    global LIBRARY, BREAKDOWN, SPAN, CAPACITY, ROTARY, ROUNDS, FLUSH_L2, FLUSH_KERNELS
     LIBRARY, BREAKDOWN, SPAN, CAPACITY = args.library, args.breakdown, args.span, args.capacity
-    ROTARY, ROUNDS = args.rotary, args.rounds
+    ROTARY, ROUNDS, FLUSH_L2 = args.rotary, args.rounds, args.flush_l2
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         print("CUDAExecutionProvider not available", file=sys.stderr)
         return 2
     import torch
 
+    if FLUSH_L2:
+        FLUSH_KERNELS = flush_kernel_names()
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     rows = []
     for heads_text in filter(None, args.heads.split(",")):
@@ -346,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = {"date": date, "onnxruntime": ort.__version__, "device": torch.cuda.get_device_name(),
                 "command": "python " + " ".join(sys.argv), "runs": args.runs,
-                "rounds": ROUNDS}  # fmt: skip
+                "rounds": ROUNDS, "flush_l2": FLUSH_L2}  # fmt: skip
         args.json.write_text(json.dumps({**meta, "rows": rows}, indent=1))
     return 0
 
