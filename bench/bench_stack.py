@@ -1,18 +1,19 @@
-"""End-to-end figure: a 32-layer stack of GroupQueryAttention nodes (32/8/128, fp16, one shared
-KV cache per layer, each layer's output the next layer's query) as one ONNX graph, one decode step
-(S = 1) replayed under ONNX Runtime's CUDA graph capture, com.microsoft vs ai.kvlayout in both
-layouts. Reported: the median time of one replayed step (host launch of the graph included), from
+"""End-to-end figure: a 32-layer stack of GroupQueryAttention nodes (32/8/128 or --heads, fp16,
+one shared KV cache per layer, each layer's output the next layer's query) as one ONNX graph,
+one decode step (S = 1) replayed under ONNX Runtime's CUDA graph capture, com.microsoft vs
+ai.kvlayout in both layouts. Reported: the median time of one replayed step (host launch of the graph included), from
 CUDA events, over steps that keep the cache length fixed (the same replay every time).
 
-With --mlp F, two MatMuls (4096 x F, then F x 4096, one pair of fp16 weights shared by every
-layer) stand between each layer's attention and the next layer's query, as an MLP does in the
-model: at F = 14336 (Llama-3-8B) they stream 235 MB of weights per layer, more than the L2, so
+With --mlp F, two MatMuls (D x F, then F x D with D = N x H, one pair of fp16 weights shared by
+every layer) stand between each layer's attention and the next layer's query, as an MLP does in
+the model: at F = 14336 (Llama-3-8B) they stream 235 MB of weights per layer, more than the L2, so
 each attention layer starts with cold caches instead of finding the previous layer's code and
 data there.
 
     python bench/bench_stack.py                      # B {1, 8} x L {4096, 16384}
     python bench/bench_stack.py --cases 1x4096 --layers 8
     python bench/bench_stack.py --mlp 14336          # weight MatMuls between the layers
+    python bench/bench_stack.py --heads 28/4/128 --mlp 18944 --cases 1x4096   # Qwen2.5-7B's
 """
 
 from __future__ import annotations
@@ -68,11 +69,18 @@ def build_stack(
 
 
 def time_stack(
-    label: str, b: int, length: int, layers: int, steps: int, gen, mlp: int = 0
+    label: str,
+    b: int,
+    length: int,
+    layers: int,
+    steps: int,
+    gen,
+    mlp: int = 0,
+    heads: tuple[int, int, int] = (32, 8, 128),
 ) -> float:
     import torch
 
-    n, nkv, h = 32, 8, 128
+    n, nkv, h = heads
     domain, layout = (
         ("com.microsoft", None) if label == "ort" else (ort_kvlayout.DOMAIN, int(label[-1]))
     )
@@ -128,14 +136,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", default="1x4096,1x16384,8x4096,8x16384")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--heads", default="32/8/128", help="N/Nkv/H of every layer")
     p.add_argument("--mlp", type=int, default=0,
                    help="hidden size F of two weight MatMuls between the layers (0: none)")  # fmt: skip
     args = p.parse_args(argv)
     import torch
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    mlp = f", MatMuls 4096 x {args.mlp} x 4096 between the layers" if args.mlp else ""
-    print(f"# {args.layers}-layer GQA stack (32/8/128, fp16{mlp}), one decode step under CUDA "
+    heads = tuple(int(x) for x in args.heads.split("/"))
+    d = heads[0] * heads[2]
+    mlp = f", MatMuls {d} x {args.mlp} x {d} between the layers" if args.mlp else ""
+    print(f"# {args.layers}-layer GQA stack ({args.heads}, fp16{mlp}), one decode step under CUDA "
           f"graph replay, median of {args.steps}; onnxruntime {ort.__version__}, "
           f"{torch.cuda.get_device_name()}")  # fmt: skip
     print(f"command: python {' '.join(sys.argv)}")
@@ -147,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     for spec in filter(None, args.cases.split(",")):
         b, length = (int(x) for x in spec.split("x"))
         t = {
-            v: time_stack(v, b, length, args.layers, args.steps, gen, args.mlp)
+            v: time_stack(v, b, length, args.layers, args.steps, gen, args.mlp, heads)
             for v in ("ort", "kv0", "kv1")
         }
         print(f"| {b} | {length} | {t['ort']:.3f} | {t['kv0']:.3f} | {t['kv1']:.3f} "
