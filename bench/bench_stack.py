@@ -1,8 +1,9 @@
 """End-to-end figure: a 32-layer stack of GroupQueryAttention nodes (32/8/128 or --heads, fp16,
 one shared KV cache per layer, each layer's output the next layer's query) as one ONNX graph,
 one decode step (S = 1) replayed under ONNX Runtime's CUDA graph capture, com.microsoft vs
-ai.kvlayout in both layouts. Reported: the median time of one replayed step (host launch of the graph included), from
-CUDA events, over steps that keep the cache length fixed (the same replay every time).
+ai.kvlayout in both layouts. Reported: the median time of one replayed step (host launch of the
+graph included), from CUDA events, over steps that keep the cache length fixed (the same replay
+every time).
 
 With --mlp F, two MatMuls (D x F, then F x D with D = N x H, one pair of fp16 weights shared by
 every layer) stand between each layer's attention and the next layer's query, as an MLP does in
