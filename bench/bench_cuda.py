@@ -86,12 +86,14 @@ ROUNDS = 1
 # twice the L2's size before it), as in a model whose layers' caches together exceed the L2.
 # Without it, back-to-back Runs on one cache find in the L2 what the last Run left there.
 FLUSH_L2 = False
-FLUSH_KERNELS: set[str] = set()  # the names of the flush's kernels, left out of the sums
+FLUSH_EVENTS: list[str] = []  # the device events of one flush, by name, sorted
 _FLUSH_BUF = None
 
 
 def flush_l2() -> None:
-    """Reads a buffer of twice the L2's size (a read: no dirty lines to write back later)."""
+    """Reads a buffer of twice the L2's size (a read: no dirty lines to write back later), then
+    waits for it: the flush runs on torch's stream, the op on ORT's, and nothing else orders
+    them."""
     import torch
 
     global _FLUSH_BUF
@@ -99,19 +101,26 @@ def flush_l2() -> None:
         l2 = torch.cuda.get_device_properties(0).L2_cache_size
         _FLUSH_BUF = torch.ones(2 * l2 // 4, dtype=torch.float32, device="cuda")
     _FLUSH_BUF.sum()
+    torch.cuda.synchronize()
 
 
-def flush_kernel_names() -> set[str]:
-    """The kernels one flush_l2() launches (profiled once, alone)."""
-    import torch
+def device_events(prof) -> list:
+    """The profile's device events (kernels, memsets, copies) with a duration, by start time."""
+    return sorted(
+        (e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time_total > 0),
+        key=lambda e: e.time_range.start,
+    )
+
+
+def flush_events() -> list[str]:
+    """The device events one flush_l2() runs (profiled once, alone): its reduction kernel and,
+    with torch's multi-block reductions, a memset of their semaphores."""
     from torch.profiler import ProfilerActivity, profile
 
     flush_l2()
-    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         flush_l2()
-        torch.cuda.synchronize()
-    return {e.name for e in prof.events() if e.device_type.name == "CUDA"}
+    return sorted(e.name for e in device_events(prof))
 
 
 def session(model: bytes) -> ort.InferenceSession:
@@ -163,16 +172,21 @@ def kernel_times(sess, io, runs: int) -> tuple[list[float], dict[str, float]]:
                 flush_l2()
             sess.run_with_iobinding(io)
         torch.cuda.synchronize()
-    kernels = sorted(
-        (
-            e
-            for e in prof.events()
-            if e.device_type.name == "CUDA"
-            and e.device_time_total > 0
-            and e.name not in FLUSH_KERNELS
-        ),
-        key=lambda e: e.time_range.start,
-    )
+    kernels = device_events(prof)
+    if FLUSH_L2 and kernels:
+        # Each Run's events follow its flush's (flush_l2 waits for it): drop the first
+        # len(FLUSH_EVENTS) of each Run's share, checked by name. Not by name alone: the flush's
+        # memset and an op's memset have the same name.
+        k, per = len(FLUSH_EVENTS), len(kernels) // runs
+        shares = [kernels[i * per : (i + 1) * per] for i in range(runs)]
+        if per * runs != len(kernels) or any(
+            sorted(e.name for e in share[:k]) != FLUSH_EVENTS for share in shares
+        ):
+            raise RuntimeError(
+                f"--flush-l2: {len(kernels)} device events over {runs} Runs do not start with "
+                f"the flush's {FLUSH_EVENTS} in each Run"
+            )
+        kernels = [e for share in shares for e in share[k:]]
     per_run = len(kernels) // runs if runs else 0
     if not kernels:  # CUPTI taken by another tool (ncu): wall time, so a profile run still works
         print("  note: no CUPTI kernel records; reporting wall time (not a span)", file=sys.stderr)
@@ -338,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1,
                    help="interleave the three variants' timed Runs in this many rounds")  # fmt: skip
     args = p.parse_args(argv)
-    global LIBRARY, BREAKDOWN, SPAN, CAPACITY, ROTARY, ROUNDS, FLUSH_L2, FLUSH_KERNELS
+    global LIBRARY, BREAKDOWN, SPAN, CAPACITY, ROTARY, ROUNDS, FLUSH_L2, FLUSH_EVENTS
     LIBRARY, BREAKDOWN, SPAN, CAPACITY = args.library, args.breakdown, args.span, args.capacity
     ROTARY, ROUNDS, FLUSH_L2 = args.rotary, args.rounds, args.flush_l2
     if "CUDAExecutionProvider" not in ort.get_available_providers():
@@ -347,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if FLUSH_L2:
-        FLUSH_KERNELS = flush_kernel_names()
+        FLUSH_EVENTS = flush_events()
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     rows = []
     for heads_text in filter(None, args.heads.split(",")):
