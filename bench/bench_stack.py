@@ -14,7 +14,7 @@ data there.
     python bench/bench_stack.py                      # B {1, 8} x L {4096, 16384}
     python bench/bench_stack.py --cases 1x4096 --layers 8
     python bench/bench_stack.py --mlp 14336          # weight MatMuls between the layers
-    python bench/bench_stack.py --heads 28/4/128 --layers 28 --mlp 18944 --cases 1x4096  # Qwen2.5-7B
+    python bench/bench_stack.py --heads 28/4/128 --layers 28 --mlp 18944 --cases 1x4096 # Qwen2.5-7B
 """
 
 from __future__ import annotations
