@@ -11,6 +11,10 @@ Metrics: decode TB/s of KV read = 2 * B * Nkv * L * H * 2 bytes / kernel time;
 prefill TFLOP/s with causal flops = 4 * B * N * H * S*(S+1)/2. Kernel time is the median over
 the timed Runs of the summed device time of one Run's kernels.
 
+Each variant's timed Runs follow one another on one cache (warm: the L2 holds what the last Run
+left); --flush-l2 empties the L2 before each timed Run instead, as a model's weight MatMuls do
+between two attention layers.
+
 Inputs are drawn on the GPU (torch) and bound by pointer, so the largest cases (B=64, L=32k:
 8.6 GB of KV per variant) cost no host time.
 
@@ -18,6 +22,7 @@ Inputs are drawn on the GPU (torch) and bound by pointer, so the largest cases (
   python bench/bench_cuda.py --heads 32/8/128 --decode 64x16384 --prefill ""
   python bench/bench_cuda.py --json bench/results/cuda-h200.json
   python bench/bench_cuda.py --rotary --heads 28/4/128 --decode 1x4096 --prefill ""  # as LLMs run it
+  python bench/bench_cuda.py --flush-l2 --heads 28/4/128 --decode 1x4096 --prefill ""  # cold L2
 """
 
 from __future__ import annotations
