@@ -38,7 +38,8 @@ for kernel in ${KERNELS:-DecodeTc flash}; do
   # timed run. Under ncu each layout launches our kernel 9 times (3 warm-ups, 2 untimed runs, 2
   # runs in the profiler, which sees no CUPTI records, then 2 wall-time runs), kv0 first: SKIP=13
   # is kv1's fifth.
-  ncu "${SECTIONS[@]}" --cache-control "${CACHE:-all}" -k "regex:$kernel" --launch-skip "${SKIP:-4}" --launch-count 1 \
+  ncu "${SECTIONS[@]}" --cache-control "${CACHE:-all}" -k "regex:$kernel" \
+    --launch-skip "${SKIP:-4}" --launch-count 1 \
     python3 bench/bench_cuda.py --runs 2 --heads "$heads" --decode "$case" --prefill= \
     ${LIBRARY:+--library "$LIBRARY"} >"$report" 2>&1 || true
   echo "== $heads $case kernel ~ $kernel ($report)"

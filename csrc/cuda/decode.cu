@@ -48,21 +48,20 @@ namespace {
     return;                                                          \
   }
 
-// Build knob KVL_DECODE_TRACE=1 (benchmarking only; 0, the default, compiles nothing): the CTA
-// that ends row 0's merge (the cluster's rank 0 with a cluster merge; with group clusters split 0
-// prints its cluster's merge as "cluster" and the row's last arrival the groups' as
-// "cluster-tree") prints, per launch, the
-// clock64 cycles of its phases from its own start: partial written, merge arrival, each merge
-// level's weights and values; the one-level merges run twice (the second with the merge's code
-// and data warm) to tell instruction fetch from data trips. Split 0, the last live split and
-// the CTA that appends the new row print their prologue: the lengths landed, partition known,
-// first steps issued, query fragments ready, first step landed. A mark taken with a value
-// (`Mark(v)`) waits for it: the clock is read after an instruction that uses v. Each line is
-// one printf (lines of CTAs printing at once do not interleave) and names its case (head size,
-// rows, B x Nkv, live keys) so bench/trace_summary.py can group lines by case; it ends with the
-// CTA's %globaltimer start. KVL_DECODE_TRACE=2 prints instead one line per CTA of row 0 (B x
-// Nkv row 0, every split): its prologue marks, the cycles and the %globaltimer when its partial
-// is written (before it arrives at a merge), so the CTA whose partial comes last can be named
+// Build knob KVL_DECODE_TRACE=1 (benchmarking only; 0, the default, compiles nothing): the CTA that
+// ends row 0's merge (the cluster's rank 0 with a cluster merge; with group clusters split 0 prints
+// its cluster's merge as "cluster" and the row's last arrival the groups' as "cluster-tree")
+// prints, per launch, the clock64 cycles of its phases from its own start: partial written, merge
+// arrival, each merge level's weights and values; the one-level merges run twice (the second with
+// the merge's code and data warm) to tell instruction fetch from data trips. Split 0, the last live
+// split and the CTA that appends the new row print their prologue: the lengths landed, partition
+// known, first steps issued, query fragments ready, first step landed. A mark taken with a value
+// (`Mark(v)`) waits for it: the clock is read after an instruction that uses v. Each line is one
+// printf (lines of CTAs printing at once do not interleave) and names its case (head size, rows, B
+// x Nkv, live keys) so bench/trace_summary.py can group lines by case; it ends with the CTA's
+// %globaltimer start. KVL_DECODE_TRACE=2 prints instead one line per CTA of row 0 (B x Nkv row 0,
+// every split): its prologue marks, the cycles and the %globaltimer when its partial is written
+// (before it arrives at a merge), so the CTA whose partial comes last can be named
 // (bench/trace_summary.py); no merge lines, and no CTA prints before its own partial.
 // bench/README.md says how.
 #ifndef KVL_DECODE_TRACE
