@@ -142,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode", default="1x4096,1x32768")
     p.add_argument("--warm-length", type=int, default=4096, help="the warmer call's cache")
     p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--library", default=None, help="load this libort_kvlayout.so instead")
     args = p.parse_args(argv)
+    bc.LIBRARY = args.library
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         print("CUDAExecutionProvider not available", file=sys.stderr)
         return 2
