@@ -7,11 +7,13 @@
 A trace build (bench/README.md) prints one line per CTA that traces, per launch:
 `KVL_TRACE <kind> hd=.. rows=.. bg=.. keys=.. <k1>=.. live=.. <k3>=.. cycles c1 .. c9 start_ns=..`
 (-1 for marks not taken). Lines are grouped by case (head size, query rows per CTA, B x Nkv,
-live keys) and by kind: a merge (`cluster`, `flat`, `tree`) or a prologue line, whose role is
-split 0, the CTA that appends the new row, or the last live split. Each column is the median, over
-the group's lines, of the clock64 cycles from the CTA's start to that mark (cumulative, not
-per phase). The warm-up launches count too: their marks differ from the timed ones' by less
-than the spread between CTAs.
+live keys) and by kind: a merge (`cluster`, `cluster-tree`, `flat`, `tree`) or a prologue line,
+whose role is split 0, the CTA that appends the new row, or the last live split. Each column is
+the median, over the group's lines, of the clock64 cycles from the CTA's start to that mark
+(cumulative, not per phase). The warm-up launches count too: their marks differ from the timed
+ones' by less than the spread between CTAs. A printf costs the printing CTA about 100k cycles
+(H200, twenty-third session): a CTA's marks after its own earlier line (split 0's merge after its
+prologue line) include it, and a trace build's kernel times are not the normal build's.
 
 A KVL_DECODE_TRACE=2 build prints instead one `KVL_TRACE cta ...` line per CTA of row 0 with the
 %globaltimer at which its partial was written (`end_ns`): the first table then gives, per case,
@@ -30,7 +32,7 @@ from collections import defaultdict
 from pathlib import Path
 
 LINE = re.compile(
-    r"KVL_TRACE (?P<kind>\w+) hd=(?P<hd>\d+) rows=(?P<rows>\d+) bg=(?P<bg>\d+) keys=(?P<keys>\d+) "
+    r"KVL_TRACE (?P<kind>[\w-]+) hd=(?P<hd>\d+) rows=(?P<rows>\d+) bg=(?P<bg>\d+) keys=(?P<keys>\d+) "
     r"(?P<k1>\w+)=(?P<v1>\d+) live=(?P<live>\d+) (?P<k3>\w+)=(?P<v3>\d+) "
     r"cycles (?P<cycles>(?:-?\d+ )+)start_ns=(?P<start>\d+)"
     r"(?: end_ns=(?P<end>\d+) partial=(?P<partial>-?\d+))?"
@@ -44,6 +46,19 @@ MARKS = {
     "cluster": ["partial", "barrier", "values", "values warm", "last barrier"],
     "flat": ["partial", "arrival", "weights", "values", "weights warm", "values warm"],
     "tree": ["partial", "arrival", "weights", "values", "top arrival", "top weights", "top values"],
+    # Group clusters, printed by the row's last arrival: its own cluster's merge, then its merge
+    # of the groups, a few-partial merge whose "weights" mark comes after its values (it has no
+    # weights pass) and "values" after the CTA's barrier.
+    "cluster-tree": [
+        "partial",
+        "barrier",
+        "values",
+        "values warm",
+        "last barrier",
+        "top arrival",
+        "top weights",
+        "top values",
+    ],
 }
 
 

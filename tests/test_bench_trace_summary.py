@@ -105,3 +105,13 @@ def test_arrivals_name_the_split_whose_partial_came_last():
     # launches, start spread, first, split 0, appender, last, last split
     assert cells[5:] == ["2", "200", "4100", "4100", "7500", "8500", "1: 1, 2 (appends): 1"]
     assert "| line |" not in out  # no marks table without other lines
+
+
+def test_cluster_tree_lines_are_read_with_their_marks():
+    """Group clusters print `cluster-tree` (a hyphen in the kind): its eight marks are named."""
+    cycles = [900, 1800, 3900, 6100, 7000, 8000, 10200, 10300]
+    text = _line("cluster-tree", 4096, "splits", 24, 24, "groups", 3, cycles)
+    rows = trace_summary.summarize(text).splitlines()[2:]
+    assert len(rows) == 1
+    assert "cluster-tree (24 splits, 24 live, 3 groups)" in rows[0]
+    assert "last barrier 7000, top arrival 8000, top weights 10200, top values 10300" in rows[0]
