@@ -63,9 +63,25 @@ def events_of(action) -> list[str]:
     return sorted(e.name for e in bc.device_events(prof))
 
 
+def round_times(events: list, runs: int, pre: list[str]) -> list[float]:
+    """Kernel time (us) of the timed call in each round: `events` (device events by start time,
+    with .name and .device_time_total) fall into `runs` rounds of the same count, each starting
+    with the events of before() (`pre`, by name), which are dropped."""
+    per = len(events) // runs
+    if per * runs != len(events) or per <= len(pre):
+        raise RuntimeError(f"{len(events)} device events over {runs} rounds: not a fixed set each")
+    out = []
+    for i in range(runs):
+        share = events[i * per : (i + 1) * per]
+        if sorted(e.name for e in share[: len(pre)]) != pre:
+            raise RuntimeError(f"round {i} does not start with the warmer's events {pre}")
+        out.append(sum(e.device_time_total for e in share[len(pre) :]))
+    return out
+
+
 def timed(before, run, runs: int) -> list[float]:
-    """Kernel time (us) of `run` in each of `runs` rounds of before(); run(), dropping the
-    events of before() (counted once alone, checked by name)."""
+    """Kernel time (us) of `run` in each of `runs` rounds of before(); run(), the events of
+    before() (counted once alone) dropped."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -77,17 +93,7 @@ def timed(before, run, runs: int) -> list[float]:
                 before()
             run()
         torch.cuda.synchronize()
-    ev = bc.device_events(prof)
-    per = len(ev) // runs
-    if per * runs != len(ev) or per <= len(pre):
-        raise RuntimeError(f"{len(ev)} device events over {runs} rounds: not a fixed set each")
-    out = []
-    for i in range(runs):
-        share = ev[i * per : (i + 1) * per]
-        if sorted(e.name for e in share[: len(pre)]) != pre:
-            raise RuntimeError(f"round {i} does not start with the warmer's events {pre}")
-        out.append(sum(e.device_time_total for e in share[len(pre) :]))
-    return out
+    return round_times(bc.device_events(prof), runs, pre)
 
 
 def variant(
