@@ -15,6 +15,16 @@ data there.
     python bench/bench_stack.py --cases 1x4096 --layers 8
     python bench/bench_stack.py --mlp 14336          # weight MatMuls between the layers
     python bench/bench_stack.py --heads 28/4/128 --layers 28 --mlp 18944 --cases 1x4096 # Qwen2.5-7B
+    python bench/bench_stack.py --rounds 5 ...       # the three variants' steps interleaved
+
+With --rounds R the three sessions live through a case and take turns, R rounds of steps / R
+replays each, the order reversed every other round: a drift of the clocks or the machine over
+the case then weighs on all three alike, and each turn starts with one untimed step. Three
+stacks' caches are then allocated at once (51 GB at 32/8/128 B=8 L=16k, 32 layers). R = 1 (the
+default): each variant's session is made, timed and freed in turn (ORT, kv_layout=0,
+kv_layout=1), so only one stack's caches are allocated at a time. In the twenty-third session's runs, R = 1, kv_layout=1 came out 0.7 to 3.4
+us per layer faster than kv_layout=0 in all eight comparisons though both read the same bytes
+(docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -69,16 +79,31 @@ def build_stack(
     return model.SerializeToString()
 
 
-def time_stack(
+VARIANTS = ("ort", "kv0", "kv1")
+
+
+def turns(steps: int, rounds: int) -> list[tuple[str, int]]:
+    """The order of the timed replays: (variant, replays) per turn, R rounds of the three
+    variants, the order reversed every other round, the steps split as evenly as they go."""
+    rounds = max(1, min(rounds, steps))
+    out = []
+    for r in range(rounds):
+        n = steps // rounds + (1 if r < steps % rounds else 0)
+        out += [(v, n) for v in (VARIANTS if r % 2 == 0 else VARIANTS[::-1])]
+    return out
+
+
+def make_stack(
     label: str,
     b: int,
     length: int,
     layers: int,
-    steps: int,
     gen,
     mlp: int = 0,
     heads: tuple[int, int, int] = (32, 8, 128),
-) -> float:
+) -> tuple:
+    """A session of the stack for one variant, its binding (the graph captured) and the tensors
+    the binding points to."""
     import torch
 
     n, nkv, h = heads
@@ -106,8 +131,9 @@ def time_stack(
     for name, t in keep.items():
         io.bind_input(name, "cuda", 0, np.int32 if t.dtype == torch.int32 else np.float16,
                       list(t.shape), t.data_ptr())  # fmt: skip
-    total = ort.OrtValue.ortvalue_from_numpy(np.array(length, np.int32), "cpu", 0)
-    io.bind_ortvalue_input("total_sequence_length", total)
+    # Everything the binding points to lives in `keep`, which outlives the session's replays.
+    keep["total"] = ort.OrtValue.ortvalue_from_numpy(np.array(length, np.int32), "cpu", 0)
+    io.bind_ortvalue_input("total_sequence_length", keep["total"])
     for i in range(layers):
         for kv in ("key", "value"):
             t = torch.randn(b * nkv * length * h, generator=gen, device=dev).to(f16)
@@ -115,21 +141,49 @@ def time_stack(
             shape = [b, nkv, length, h]
             io.bind_input(f"past_{kv}_{i}", "cuda", 0, np.float16, shape, t.data_ptr())
             io.bind_output(f"present_{kv}_{i}", "cuda", 0, np.float16, shape, t.data_ptr())
-    out = torch.empty(b, 1, n * h, dtype=f16, device=dev)
+    out = keep["out"] = torch.empty(b, 1, n * h, dtype=f16, device=dev)
     io.bind_output(f"out_{layers - 1}", "cuda", 0, np.float16, list(out.shape), out.data_ptr())
     for _ in range(3):  # the first run captures the graph
         sess.run_with_iobinding(io)
+    return sess, io, keep
+
+
+def replay_ms(sess, io, n: int) -> list[float]:
+    """Milliseconds of n replayed steps, each from CUDA events around the Run (the host's
+    launch of the graph included)."""
+    import torch
+
     times = []
-    for _ in range(steps):  # seqlens_k stays: every replay appends at row L-1 and reads L keys
+    for _ in range(n):  # seqlens_k stays: every replay appends at row L-1 and reads L keys
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         sess.run_with_iobinding(io)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    del sess, io, keep
-    torch.cuda.empty_cache()
-    return statistics.median(times)
+    return times
+
+
+def time_case(b: int, length: int, layers: int, steps: int, gen, mlp: int, heads, rounds: int):
+    """Median step time (ms) of each variant."""
+    import torch
+
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    if rounds <= 1:  # one session at a time
+        for v in VARIANTS:
+            sess, io, keep = make_stack(v, b, length, layers, gen, mlp, heads)
+            times[v] = replay_ms(sess, io, steps)
+            del sess, io, keep
+            torch.cuda.empty_cache()
+    else:
+        live = {v: make_stack(v, b, length, layers, gen, mlp, heads) for v in VARIANTS}
+        for v, n in turns(steps, rounds):
+            sess, io = live[v][:2]
+            sess.run_with_iobinding(io)  # untimed: the turn starts as back-to-back steps do
+            times[v] += replay_ms(sess, io, n)
+        del live
+        torch.cuda.empty_cache()
+    return {v: statistics.median(t) for v, t in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", default="32/8/128", help="N/Nkv/H of every layer")
     p.add_argument("--mlp", type=int, default=0,
                    help="hidden size F of two weight MatMuls between the layers (0: none)")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=1,
+                   help="interleave the three variants' steps in this many rounds")  # fmt: skip
     args = p.parse_args(argv)
     import torch
 
@@ -148,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     d = heads[0] * heads[2]
     mlp = f", MatMuls {d} x {args.mlp} x {d} between the layers" if args.mlp else ""
     print(f"# {args.layers}-layer GQA stack ({args.heads}, fp16{mlp}), one decode step under CUDA "
-          f"graph replay, median of {args.steps}; onnxruntime {ort.__version__}, "
+          f"graph replay, median of {args.steps} in {max(1, args.rounds)} round(s); "
+          f"onnxruntime {ort.__version__}, "
           f"{torch.cuda.get_device_name()}")  # fmt: skip
     print(f"command: python {' '.join(sys.argv)}")
     print(
@@ -158,10 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|---|")
     for spec in filter(None, args.cases.split(",")):
         b, length = (int(x) for x in spec.split("x"))
-        t = {
-            v: time_stack(v, b, length, args.layers, args.steps, gen, args.mlp, heads)
-            for v in ("ort", "kv0", "kv1")
-        }
+        t = time_case(b, length, args.layers, args.steps, gen, args.mlp, heads, args.rounds)
         print(f"| {b} | {length} | {t['ort']:.3f} | {t['kv0']:.3f} | {t['kv1']:.3f} "
               f"| {t['ort'] / t['kv0']:.2f} | {t['ort'] / t['kv1']:.2f} "
               f"| {(t['ort'] - t['kv0']) * 1e3 / args.layers:.1f} "
