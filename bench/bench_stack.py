@@ -18,13 +18,13 @@ data there.
     python bench/bench_stack.py --rounds 5 ...       # the three variants' steps interleaved
 
 With --rounds R the three sessions live through a case and take turns, R rounds of steps / R
-replays each, the order reversed every other round: a drift of the clocks or the machine over
-the case then weighs on all three alike, and each turn starts with one untimed step. Three
-stacks' caches are then allocated at once (51 GB at 32/8/128 B=8 L=16k, 32 layers). R = 1 (the
-default): each variant's session is made, timed and freed in turn (ORT, kv_layout=0,
-kv_layout=1), so only one stack's caches are allocated at a time. In the twenty-third session's runs, R = 1, kv_layout=1 came out 0.7 to 3.4
-us per layer faster than kv_layout=0 in all eight comparisons though both read the same bytes
-(docs/BENCHMARKS.md).
+replays each, the order reversed every other round: a drift of the clocks or the machine over the
+case then weighs on all three alike, and each turn starts with one untimed step. Three stacks'
+caches are then allocated at once (51 GB at 32/8/128 B=8 L=16k, 32 layers). R = 1 (the default):
+each variant's session is made, timed and freed in turn (ORT, kv_layout=0, kv_layout=1), so only
+one stack's caches are allocated at a time. In the twenty-third session's runs, R = 1, kv_layout=1
+came out 0.7 to 3.4 us per layer faster than kv_layout=0 in all eight comparisons though both read
+the same bytes (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
