@@ -117,15 +117,38 @@ def device_events(prof) -> list:
     )
 
 
-def flush_events() -> list[str]:
-    """The device events one flush_l2() runs (profiled once, alone): its reduction kernel and,
-    with torch's multi-block reductions, a memset of their semaphores."""
+def events_of(action) -> list[str]:
+    """The device events one call of `action` runs (profiled once, alone, after an untimed call),
+    by name, sorted."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
-    flush_l2()
+    action()
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        flush_l2()
+        action()
+        torch.cuda.synchronize()
     return sorted(e.name for e in device_events(prof))
+
+
+def flush_events() -> list[str]:
+    """The device events one flush_l2() runs: its reduction kernel and, with torch's multi-block
+    reductions, a memset of their semaphores."""
+    return events_of(flush_l2)
+
+
+def split_rounds(events: list, runs: int, pre: list[str]) -> list[list]:
+    """`events` (by start time) cut into `runs` rounds of the same count, each round's first
+    len(pre) events dropped after checking they are `pre` by name. Not by name alone: a
+    flush's memset and an op's memset have the same name."""
+    k, per = len(pre), len(events) // runs
+    if per * runs != len(events):
+        raise RuntimeError(f"{len(events)} device events over {runs} rounds: not a fixed set each")
+    shares = [events[i * per : (i + 1) * per] for i in range(runs)]
+    for i, share in enumerate(shares):
+        if sorted(e.name for e in share[:k]) != pre:
+            raise RuntimeError(f"round {i} does not start with the events {pre}")
+    return [share[k:] for share in shares]
 
 
 def session(model: bytes) -> ort.InferenceSession:
@@ -179,19 +202,11 @@ def kernel_times(sess, io, runs: int) -> tuple[list[float], dict[str, float]]:
         torch.cuda.synchronize()
     kernels = device_events(prof)
     if FLUSH_L2 and kernels:
-        # Each Run's events follow its flush's (flush_l2 waits for it): drop the first
-        # len(FLUSH_EVENTS) of each Run's share, checked by name. Not by name alone: the flush's
-        # memset and an op's memset have the same name.
-        k, per = len(FLUSH_EVENTS), len(kernels) // runs
-        shares = [kernels[i * per : (i + 1) * per] for i in range(runs)]
-        if per * runs != len(kernels) or any(
-            sorted(e.name for e in share[:k]) != FLUSH_EVENTS for share in shares
-        ):
-            raise RuntimeError(
-                f"--flush-l2: {len(kernels)} device events over {runs} Runs do not start with "
-                f"the flush's {FLUSH_EVENTS} in each Run"
-            )
-        kernels = [e for share in shares for e in share[k:]]
+        # Each Run's events follow its flush's (flush_l2 waits for it): drop them.
+        try:
+            kernels = [e for share in split_rounds(kernels, runs, FLUSH_EVENTS) for e in share]
+        except RuntimeError as e:
+            raise RuntimeError(f"--flush-l2: {e} (the flush's)") from None
     per_run = len(kernels) // runs if runs else 0
     if not kernels:  # CUPTI taken by another tool (ncu): wall time, so a profile run still works
         print("  note: no CUPTI kernel records; reporting wall time (not a span)", file=sys.stderr)

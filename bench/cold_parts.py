@@ -50,33 +50,13 @@ def feeds_for(b: int, length: int, heads: tuple[int, int, int], layout: int, gen
     }  # fmt: skip
 
 
-def events_of(action) -> list[str]:
-    """The device events one call of `action` runs, by name, sorted."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    action()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        action()
-        torch.cuda.synchronize()
-    return sorted(e.name for e in bc.device_events(prof))
-
-
 def round_times(events: list, runs: int, pre: list[str]) -> list[float]:
     """Kernel time (us) of the timed call in each round: `events` (device events by start time,
     with .name and .device_time_total) fall into `runs` rounds of the same count, each starting
-    with the events of before() (`pre`, by name), which are dropped."""
-    per = len(events) // runs
-    if per * runs != len(events) or per <= len(pre):
+    with the events of before() (`pre`, by name), which are dropped (bench_cuda.split_rounds)."""
+    if len(events) // runs <= len(pre):
         raise RuntimeError(f"{len(events)} device events over {runs} rounds: not a fixed set each")
-    out = []
-    for i in range(runs):
-        share = events[i * per : (i + 1) * per]
-        if sorted(e.name for e in share[: len(pre)]) != pre:
-            raise RuntimeError(f"round {i} does not start with the warmer's events {pre}")
-        out.append(sum(e.device_time_total for e in share[len(pre) :]))
-    return out
+    return [sum(e.device_time_total for e in share) for share in bc.split_rounds(events, runs, pre)]
 
 
 def timed(before, run, runs: int) -> list[float]:
@@ -85,7 +65,7 @@ def timed(before, run, runs: int) -> list[float]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    pre = events_of(before) if before else []
+    pre = bc.events_of(before) if before else []
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(runs):
