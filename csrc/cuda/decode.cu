@@ -363,19 +363,30 @@ __device__ __forceinline__ void CheckLengthsRow(const GqaShape& s, const GqaCuda
   }
 }
 
-// The plain instance of the kernel (kPlain) serves the calls that use none of the features
-// below: DecodePlain, on the host, from the shape. Its shape says so as constants (PlainShape;
-// the kernel reads an optional input only where the shape's flag says it exists), so every test
-// of a feature folds away and the code on a CTA's path is shorter: a B=1 call is a prologue and
-// a merge run once per CTA, whose code is fetched cold (43% of the warp samples waited for
+// The plain instances of the kernel serve the calls that use none of the features below:
+// DecodePlain, on the host, from the shape. Their shape says so as constants (PlainShape; the
+// kernel reads an optional input only where the shape's flag says it exists), so every test of
+// a feature folds away and the code on a CTA's path is shorter: a B=1 call is a prologue and a
+// merge run once per CTA, whose code is fetched cold (43% of the warp samples waited for
 // instructions: docs/BENCHMARKS.md, twelfth session; measured: thirteenth session). The
-// arithmetic is the same code, with constants.
+// arithmetic is the same code, with constants. A one-token call (S = 1, every decode step) takes
+// the instance whose shape also says S = 1: a CTA's rows are then the group's heads of one
+// token, and the per-row token arithmetic folds away (sm_90 SASS of the fp16 head size 128
+// instance: 952 -> 698 instructions before the first copy of the key loop; twenty-third
+// session, where a cold call at B=1 spent most of its time waiting for instructions).
 __host__ __device__ inline bool DecodePlain(const GqaShape& s) {
   return KVL_DECODE_NO_PLAIN == 0 && !s.has_attention_bias && !(s.softcap > 0.0f) &&
          s.local_window < 0 && !s.sliding_window_cache && !s.has_head_sink && !s.smooth_softmax &&
          !s.has_q_norm && !s.has_k_norm && !s.has_query_seqlens && s.causal;
 }
-__device__ __forceinline__ GqaShape PlainShape(GqaShape s) {
+// Which instance serves a call: the full one, the plain one, or the plain one for one token.
+enum class DecodeForm : int { kFull, kPlain, kPlainOneToken };
+__host__ __device__ inline DecodeForm DecodeFormOf(const GqaShape& s) {
+  if (!DecodePlain(s)) return DecodeForm::kFull;
+  return s.seq_len == 1 ? DecodeForm::kPlainOneToken : DecodeForm::kPlain;
+}
+__device__ __forceinline__ GqaShape PlainShape(GqaShape s, bool one_token) {
+  if (one_token) s.seq_len = 1;
   s.has_attention_bias = false;
   s.softcap = 0.0f;
   s.local_window = -1;
@@ -388,12 +399,14 @@ __device__ __forceinline__ GqaShape PlainShape(GqaShape s) {
   s.causal = true;
   return s;
 }
-template <typename T, int HD, bool kPlain>
+template <typename T, int HD, DecodeForm kForm>
 __global__ void __launch_bounds__(kDecThreads)
     DecodeTcKernel(GqaShape s_arg, GqaCudaBuffers buf, KvStrides present_st, int64_t splits,
                    int64_t split_target, int cluster, float* part_o, float* part_m, float* part_l,
                    unsigned* counters) {
-  const GqaShape s = kPlain ? PlainShape(s_arg) : s_arg;
+  const GqaShape s = kForm == DecodeForm::kFull
+                         ? s_arg
+                         : PlainShape(s_arg, kForm == DecodeForm::kPlainOneToken);
   // The checker row (ptxas lays its code right after this branch whatever the source order or
   // a __builtin_expect says: the working CTAs jump over it once).
   if (blockIdx.y >= s.batch * s.kv_num_heads) {
@@ -1232,14 +1245,26 @@ __global__ void __launch_bounds__(kDecThreads)
 using DecodeFn = void (*)(GqaShape, GqaCudaBuffers, KvStrides, int64_t, int64_t, int, float*,
                           float*, float*, unsigned*);
 
+template <typename T, int HD>
+DecodeFn DecodeKernelOfForm(DecodeForm form) {
+  switch (form) {
+    case DecodeForm::kPlainOneToken:
+      return DecodeTcKernel<T, HD, DecodeForm::kPlainOneToken>;
+    case DecodeForm::kPlain:
+      return DecodeTcKernel<T, HD, DecodeForm::kPlain>;
+    default:
+      return DecodeTcKernel<T, HD, DecodeForm::kFull>;
+  }
+}
+
 template <typename T>
 DecodeFn DecodeKernelFor(const GqaShape& s, size_t* smem) {
-  const bool plain = DecodePlain(s);
+  const DecodeForm form = DecodeFormOf(s);
   switch (DecHeadDim(s.head_size)) {
-#define KVL_DECODE_HD(hd)                                                        \
-  case hd:                                                                       \
-    *smem = DecSmemBytes(hd, sizeof(T));                                         \
-    return plain ? DecodeTcKernel<T, hd, true> : DecodeTcKernel<T, hd, false>;
+#define KVL_DECODE_HD(hd)                  \
+  case hd:                                 \
+    *smem = DecSmemBytes(hd, sizeof(T));   \
+    return DecodeKernelOfForm<T, hd>(form);
     KVL_DECODE_HD(32)
     KVL_DECODE_HD(64)
     KVL_DECODE_HD(96)
