@@ -148,8 +148,15 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
     // (24), B=8 L=4k 28.0 (12) -> 27.2 (8), B=32 L=4k 72.5 (3) -> 70.3 (2); 4/1/256 B=8 L=16k
     // 46.5 (16) -> 44.8 (12). (At 32/8/128, one round, two CTAs per SM gained 1 to 2% at B=8,
     // within the spread: not taken; at 9/3/64, one CTA per SM lost 15%, fourteenth session.)
+    // With many rows but at most one per two SMs, one CTA per SM: each row's merge takes half
+    // the partials (28/4/128 B=8, 4 splits rather than 8: L=1k 11.7 -> 11.3 us, 4k 26.8 -> 25.2,
+    // 16k 72.2 -> 70.9, 32k 132.3 -> 130.6; but B=32, 1 split rather than 2 in 132 slots: 1%
+    // slower at L >= 16k; twenty-fourth session).
     const bool two_rounds = DecodeMergeTwoRounds(s.seq_len * s.group_size(), s.head_size);
-    const int64_t split_slots = !two_rounds ? slots : few ? sms * 3 / 4 : sms * std::min(fit, 2);
+    const int64_t split_slots = !two_rounds ? slots
+                                : few       ? sms * 3 / 4
+                                : 2 * base <= sms ? sms
+                                                  : sms * std::min(fit, 2);
     p.split_target = std::min(std::max<int64_t>(1, split_slots / base), kMaxDecodeSplits);
     if (!few && base > slots) {
       const int ctas = DecodeWaveCtasPerSm(base, sms, fit);
