@@ -87,6 +87,23 @@ CAPACITY = 0
 ROTARY = False
 # --rounds R: the three variants' timed Runs interleaved in R rounds (run_case).
 ROUNDS = 1
+# --order: the variants in the order their sessions and caches are made (so where their caches
+# lie in device memory) and their turns taken. At 4/1/256 (one KV head) the two layouts are the
+# same bytes at the same offsets, yet kv_layout=1 measured 7% slower than kv_layout=0 at B=8
+# L=16k in the grid (twenty-fourth session): a place or an order, never a layout.
+VARIANTS = ("ort", "kv0", "kv1")
+ORDER = VARIANTS
+
+
+def parse_order(text: str) -> tuple[str, ...]:
+    order = tuple(x.strip() for x in text.split(","))
+    if sorted(order) != sorted(VARIANTS):
+        raise ValueError(
+            f"--order: the three variants {', '.join(VARIANTS)} once each, got {text!r}"
+        )
+    return order
+
+
 # --flush-l2: every timed Run starts with nothing of its inputs in the L2 (a read of a buffer
 # twice the L2's size before it), as in a model whose layers' caches together exceed the L2.
 # Without it, back-to-back Runs on one cache find in the L2 what the last Run left there.
@@ -287,8 +304,9 @@ def run_case(kind: str, b: int, length: int, heads: tuple[int, int, int], runs: 
     row = {"kind": kind, "batch": b, "length": length, "capacity": cap, "heads": f"{n}/{nkv}/{h}"}
     if ROTARY:
         row["rotary"] = True
-    variants = (("ort", "com.microsoft", None), ("kv0", ort_kvlayout.DOMAIN, 0),
-                ("kv1", ort_kvlayout.DOMAIN, 1))  # fmt: skip
+    of = {"ort": ("com.microsoft", None), "kv0": (ort_kvlayout.DOMAIN, 0),
+          "kv1": (ort_kvlayout.DOMAIN, 1)}  # fmt: skip
+    variants = tuple((label, *of[label]) for label in ORDER)
 
     def start(domain: str, layout: int | None, past: tuple) -> tuple:
         feeds = dict(base)
@@ -305,7 +323,7 @@ def run_case(kind: str, b: int, length: int, heads: tuple[int, int, int], runs: 
     # on all three alike; each turn starts with two untimed Runs, which leave the L2 holding
     # what back-to-back calls of that variant leave there. A variant's session is made (and
     # warmed up) at its first turn and kept through the case. R = 1: each variant's Runs in one
-    # block, ORT's first.
+    # block, in --order (ORT's first by default).
     rounds = max(1, min(ROUNDS, runs))
     live: dict[str, tuple] = {}
     times: dict[str, list[float]] = {label: [] for label, _, _ in variants}
@@ -371,10 +389,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="read a buffer of twice the L2 before each timed Run (not counted)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=1,
                    help="interleave the three variants' timed Runs in this many rounds")  # fmt: skip
+    p.add_argument("--order", default=",".join(VARIANTS),
+                   help="the variants' order: sessions and caches made, turns taken")  # fmt: skip
     args = p.parse_args(argv)
-    global LIBRARY, BREAKDOWN, SPAN, CAPACITY, ROTARY, ROUNDS, FLUSH_L2, FLUSH_EVENTS
+    global LIBRARY, BREAKDOWN, SPAN, CAPACITY, ROTARY, ROUNDS, FLUSH_L2, FLUSH_EVENTS, ORDER
     LIBRARY, BREAKDOWN, SPAN, CAPACITY = args.library, args.breakdown, args.span, args.capacity
     ROTARY, ROUNDS, FLUSH_L2 = args.rotary, args.rounds, args.flush_l2
+    try:
+        ORDER = parse_order(args.order)
+    except ValueError as e:
+        p.error(str(e))
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         print("CUDAExecutionProvider not available", file=sys.stderr)
         return 2
@@ -424,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = {"date": date, "onnxruntime": ort.__version__, "device": torch.cuda.get_device_name(),
                 "command": "python " + " ".join(sys.argv), "runs": args.runs,
-                "rounds": ROUNDS, "flush_l2": FLUSH_L2}  # fmt: skip
+                "rounds": ROUNDS, "flush_l2": FLUSH_L2, "order": list(ORDER)}  # fmt: skip
         args.json.write_text(json.dumps({**meta, "rows": rows}, indent=1))
     return 0
 

@@ -87,3 +87,16 @@ def test_rotary_caches_are_the_usual_frequencies():
     )
     np.testing.assert_array_equal(got["cos_cache"].numpy(), cos)
     np.testing.assert_array_equal(got["sin_cache"].numpy(), sin)
+
+
+def test_order_is_a_permutation_of_the_three_variants():
+    assert bench_cuda.parse_order("kv1, ort,kv0") == ("kv1", "ort", "kv0")
+    for bad in ("kv0,kv0,ort", "ort,kv0", "ort,kv0,kv1,kv1", "ort,kv0,kv2"):
+        with pytest.raises(ValueError, match="--order"):
+            bench_cuda.parse_order(bad)
+
+
+def test_a_bad_order_is_refused_before_any_run(capsys):
+    with pytest.raises(SystemExit):
+        bench_cuda.main(["--order", "kv0,kv1", "--decode", "1x16", "--prefill="])
+    assert "--order" in capsys.readouterr().err
