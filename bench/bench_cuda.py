@@ -104,6 +104,18 @@ def parse_order(text: str) -> tuple[str, ...]:
     return order
 
 
+def turns(order: tuple[str, ...], runs: int, rounds: int) -> list[tuple[str, int]]:
+    """The timed turns of --rounds R: (variant, Runs) per turn, R rounds of the variants in
+    `order`, the order reversed every other round, the Runs split as evenly as they go (R at
+    least 1 and at most the Runs). bench_stack.py's --rounds takes its steps in the same turns."""
+    rounds = max(1, min(rounds, runs))
+    out = []
+    for r in range(rounds):
+        n = runs // rounds + (1 if r < runs % rounds else 0)
+        out += [(v, n) for v in (order if r % 2 == 0 else order[::-1])]
+    return out
+
+
 # --flush-l2: every timed Run starts with nothing of its inputs in the L2 (a read of a buffer
 # twice the L2's size before it), as in a model whose layers' caches together exceed the L2.
 # Without it, back-to-back Runs on one cache find in the L2 what the last Run left there.
@@ -306,7 +318,6 @@ def run_case(kind: str, b: int, length: int, heads: tuple[int, int, int], runs: 
         row["rotary"] = True
     of = {"ort": ("com.microsoft", None), "kv0": (ort_kvlayout.DOMAIN, 0),
           "kv1": (ort_kvlayout.DOMAIN, 1)}  # fmt: skip
-    variants = tuple((label, *of[label]) for label in ORDER)
 
     def start(domain: str, layout: int | None, past: tuple) -> tuple:
         feeds = dict(base)
@@ -324,24 +335,21 @@ def run_case(kind: str, b: int, length: int, heads: tuple[int, int, int], runs: 
     # what back-to-back calls of that variant leave there. A variant's session is made (and
     # warmed up) at its first turn and kept through the case. R = 1: each variant's Runs in one
     # block, in --order (ORT's first by default).
-    rounds = max(1, min(ROUNDS, runs))
     live: dict[str, tuple] = {}
-    times: dict[str, list[float]] = {label: [] for label, _, _ in variants}
-    per_kernel: dict[str, dict[str, float]] = {label: {} for label, _, _ in variants}
-    for r in range(rounds):
-        n_runs = runs // rounds + (1 if r < runs % rounds else 0)
-        for label, domain, layout in variants if r % 2 == 0 else variants[::-1]:
-            if label not in live:
-                live[label] = start(domain, layout, (pk, pv))
-            sess, io = live[label][:2]
-            for _ in range(2):
-                sess.run_with_iobinding(io)
-            t, names = kernel_times(sess, io, n_runs)
-            times[label] += t
-            for name, us in names.items():
-                per_kernel[label][name] = per_kernel[label].get(name, 0.0) + us * n_runs / runs
+    times: dict[str, list[float]] = {label: [] for label in ORDER}
+    per_kernel: dict[str, dict[str, float]] = {label: {} for label in ORDER}
+    for label, n_runs in turns(ORDER, runs, ROUNDS):
+        if label not in live:
+            live[label] = start(*of[label], (pk, pv))
+        sess, io = live[label][:2]
+        for _ in range(2):
+            sess.run_with_iobinding(io)
+        t, names = kernel_times(sess, io, n_runs)
+        times[label] += t
+        for name, us in names.items():
+            per_kernel[label][name] = per_kernel[label].get(name, 0.0) + us * n_runs / runs
     outputs = {}
-    for label, _, _ in variants:
+    for label in ORDER:
         outputs[label] = live[label][2]["output"].float()
         if BREAKDOWN:
             top = sorted(per_kernel[label].items(), key=lambda kv: -kv[1])[:6]

@@ -33,6 +33,7 @@ import argparse
 import statistics
 import sys
 
+import bench_cuda  # a sibling: the --rounds turns
 import numpy as np
 import onnxruntime as ort
 import ort_kvlayout
@@ -79,18 +80,7 @@ def build_stack(
     return model.SerializeToString()
 
 
-VARIANTS = ("ort", "kv0", "kv1")
-
-
-def turns(steps: int, rounds: int) -> list[tuple[str, int]]:
-    """The order of the timed replays: (variant, replays) per turn, R rounds of the three
-    variants, the order reversed every other round, the steps split as evenly as they go."""
-    rounds = max(1, min(rounds, steps))
-    out = []
-    for r in range(rounds):
-        n = steps // rounds + (1 if r < steps % rounds else 0)
-        out += [(v, n) for v in (VARIANTS if r % 2 == 0 else VARIANTS[::-1])]
-    return out
+VARIANTS = bench_cuda.VARIANTS
 
 
 def make_stack(
@@ -177,7 +167,7 @@ def time_case(b: int, length: int, layers: int, steps: int, gen, mlp: int, heads
             torch.cuda.empty_cache()
     else:
         live = {v: make_stack(v, b, length, layers, gen, mlp, heads) for v in VARIANTS}
-        for v, n in turns(steps, rounds):
+        for v, n in bench_cuda.turns(VARIANTS, steps, rounds):
             sess, io = live[v][:2]
             sess.run_with_iobinding(io)  # untimed: the turn starts as back-to-back steps do
             times[v] += replay_ms(sess, io, n)

@@ -3,18 +3,32 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from collections import Counter
 from pathlib import Path
 
-_SPEC = importlib.util.spec_from_file_location(
-    "bench_stack", Path(__file__).resolve().parents[1] / "bench" / "bench_stack.py"
-)
-bench_stack = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(bench_stack)
+import pytest
+
+_BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
-def test_rounds_alternate_the_order_and_split_the_steps_evenly():
-    t = bench_stack.turns(10, 3)
+@pytest.fixture(scope="module")
+def turns():
+    """The stack's turns: bench_cuda.py's, over the stack's variants."""
+    sys.path.insert(0, str(_BENCH))  # bench_stack imports bench_cuda as a sibling
+    try:
+        spec = importlib.util.spec_from_file_location("bench_stack", _BENCH / "bench_stack.py")
+        bench_stack = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench_stack)
+        yield lambda steps, rounds: bench_stack.bench_cuda.turns(
+            bench_stack.VARIANTS, steps, rounds
+        )
+    finally:
+        sys.path.remove(str(_BENCH))
+
+
+def test_rounds_alternate_the_order_and_split_the_steps_evenly(turns):
+    t = turns(10, 3)
     assert [v for v, _ in t] == ["ort", "kv0", "kv1", "kv1", "kv0", "ort", "ort", "kv0", "kv1"]
     assert [n for _, n in t] == [4, 4, 4, 3, 3, 3, 3, 3, 3]
     per_variant = Counter()
@@ -23,8 +37,8 @@ def test_rounds_alternate_the_order_and_split_the_steps_evenly():
     assert per_variant == {"ort": 10, "kv0": 10, "kv1": 10}
 
 
-def test_one_round_is_each_variant_once_and_rounds_never_exceed_steps():
-    assert bench_stack.turns(20, 1) == [("ort", 20), ("kv0", 20), ("kv1", 20)]
-    assert bench_stack.turns(20, 0) == [("ort", 20), ("kv0", 20), ("kv1", 20)]
-    assert len(bench_stack.turns(2, 5)) == 6  # two rounds: no turn of zero steps
-    assert all(n > 0 for _, n in bench_stack.turns(2, 5))
+def test_one_round_is_each_variant_once_and_rounds_never_exceed_steps(turns):
+    assert turns(20, 1) == [("ort", 20), ("kv0", 20), ("kv1", 20)]
+    assert turns(20, 0) == [("ort", 20), ("kv0", 20), ("kv1", 20)]
+    assert len(turns(2, 5)) == 6  # two rounds: no turn of zero steps
+    assert all(n > 0 for _, n in turns(2, 5))
