@@ -25,14 +25,16 @@ import statistics
 import sys
 from pathlib import Path
 
+import bench_cuda  # a sibling: the bytes a decode point reads
+
 GIB = 1 << 30
 LAYOUTS = ("kv0", "kv1")
 
 
 def kv_bytes(row: dict) -> int:
-    """Bytes of K and V a decode point reads: 2 x B x Nkv x L x H x 2 (fp16)."""
+    """Bytes of K and V a decode point reads, as bench_cuda.py counts them for its TB/s."""
     _, nkv, h = (int(x) for x in row["heads"].split("/"))
-    return 2 * row["batch"] * nkv * row["length"] * h * 2
+    return bench_cuda.kv_read_bytes(row["batch"], nkv, row["length"], h)
 
 
 def point(row: dict) -> str:

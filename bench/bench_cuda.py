@@ -104,6 +104,11 @@ def parse_order(text: str) -> tuple[str, ...]:
     return order
 
 
+def kv_read_bytes(b: int, nkv: int, length: int, h: int) -> int:
+    """Bytes of K and V a decode call reads: 2 x B x Nkv x L x H x 2 (fp16), the TB/s numerator."""
+    return 2 * b * nkv * length * h * 2
+
+
 def turns(order: tuple[str, ...], runs: int, rounds: int) -> list[tuple[str, int]]:
     """The timed turns of --rounds R: (variant, Runs) per turn, R rounds of the variants in
     `order`, the order reversed every other round, the Runs split as evenly as they go (R at
@@ -358,7 +363,7 @@ def run_case(kind: str, b: int, length: int, heads: tuple[int, int, int], runs: 
         t = statistics.median(times[label])
         cell = {"kernel_ms": t, "kernel_ms_p10_p90": np.percentile(times[label], [10, 90]).tolist()}
         if kind == "decode":
-            cell["TB/s"] = 2 * b * nkv * length * h * 2 / (t * 1e-3) / 1e12
+            cell["TB/s"] = kv_read_bytes(b, nkv, length, h) / (t * 1e-3) / 1e12
         else:
             cell["TFLOP/s"] = 4 * b * n * h * s * (s + 1) / 2 / (t * 1e-3) / 1e12
         row[label] = cell
