@@ -663,15 +663,17 @@ def test_deterministic(layout, dtype):
      # 563 keys, 563 KB of K and V each: above kDecodeFlatSplitBytes, kernels.h); on sm_90 with
      # group clusters, groups of 8 instead (the tree of sm_80: the test after this one)
      ((4, 1, 256), 2, 9000, 12000, {}),
-     # 24 splits targeted (a two-round merge: three quarters of the SMs), 23 live (one level:
-     # 23 x 7 rows x 128 floats, 176 keys each; the one-level bound, 36 splits at 7 rows, capped
-     # the 33 targeted before the two-round rule). On sm_90 with group clusters: clusters of 8,
-     # 8 and 7 live splits, each merged in its shared memory, then the three groups
+     # 24 splits targeted (a two-round merge at four warps: three quarters of the SMs), 23 live
+     # (one level: 23 x 7 rows x 128 floats, 176 keys each; the one-level bound, 36 splits at 7
+     # rows, capped the 33 targeted before the two-round rule). The plan runs the wide instance
+     # (eight warps, one-round merge, no group clusters); with ORT_KVLAYOUT_DECODE_WIDE=0 (the
+     # test after this one) four warps and, on sm_90, group clusters: clusters of 8, 8 and 7 live
+     # splits, each merged in its shared memory, then the three groups
      ((28, 4, 128), 1, 4000, 9000, {}),
      # About 2000 keys: 16 live splits of 128 keys in a grid of 16 (capacity 2001) and of 24
-     # (9000). On sm_90 with group clusters: two clusters of 8 live splits, then the two groups;
-     # the larger grid adds a cluster whose CTAs all leave at once, and its group slots lie
-     # further on (after 24 split slots, not 16)
+     # (9000). Four warps on sm_90 with group clusters: two clusters of 8 live splits, then the
+     # two groups; the larger grid adds a cluster whose CTAs all leave at once, and its group
+     # slots lie further on (after 24 split slots, not 16)
      ((28, 4, 128), 1, 2000, 9000, {})],
     ids=["flat", "clusters_sink", "clusters", "two_levels", "flat_capped", "group_clusters"],
 )  # fmt: skip
@@ -704,13 +706,18 @@ def test_decode_bits_do_not_depend_on_the_capacity(
 
 
 @pytest.mark.parametrize(
-    "setting", ["ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS=0", "ORT_KVLAYOUT_DECODE_CLUSTERS=0"]
-)
+    "setting",
+    ["ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS=0", "ORT_KVLAYOUT_DECODE_CLUSTERS=0",
+     "ORT_KVLAYOUT_DECODE_WIDE=0"],
+)  # fmt: skip
 def test_decode_bits_do_not_depend_on_the_capacity_without_group_clusters(setting):
-    """On sm_90 the capacity cases of more than 8 splits at 28/4/128 and 4/1/256 take group
-    clusters; the global merges those replace there (one level, and the two-level tree) still
-    serve sm_80 and these settings. The same cases again in a child process with the setting (the
-    library reads it once per process): bit-identical across capacities and right by the oracle."""
+    """On sm_90 the capacity cases of more than 8 splits at 4/1/256 take group clusters, and at
+    28/4/128 the wide instance (eight warps, a global merge); the global merges group clusters
+    replace (one level, and the two-level tree) still serve sm_80 and the first two settings, and
+    with the third 28/4/128 takes four warps and group clusters (the kernel of calls the wide
+    instance does not serve: a head sink, a softcap, several tokens). The same cases again in a
+    child process with the setting (the library reads it once per process): bit-identical across
+    capacities and right by the oracle."""
     name, value = setting.split("=")
     cases = "two_levels or flat_capped or group_clusters"
     p = subprocess.run(
@@ -722,6 +729,41 @@ def test_decode_bits_do_not_depend_on_the_capacity_without_group_clusters(settin
     tail = (p.stdout + p.stderr)[-3000:]
     assert p.returncode == 0, f"with {setting}: the child pytest failed {seed_note()}:\n{tail}"
     assert re.search(r"\b6 passed\b", p.stdout), f"with {setting}: not 6 cases passed:\n{tail}"
+
+
+def _wide_cases() -> list[GqaCase]:
+    # (heads, batch, past, extra capacity): few (batch, kv head) rows of one token whose merge
+    # takes two rounds at four warps, head tile 128 (MakePlan's wide class): G = 7 at one and
+    # 8 splits (on sm_90 one cluster of eight-warp CTAs), 24 and a grid larger than the live
+    # splits; three entries (12 rows), ragged; head size 112 in the 128 tile (padding columns);
+    # G = 16 (16 rows, the whole tile).
+    specs = [((28, 4, 128), 1, 5, 0), ((28, 4, 128), 1, 700, 300), ((28, 4, 128), 1, 3000, 0),
+             ((28, 4, 128), 1, 12000, 4000), ((28, 4, 128), 3, 2000, 0),
+             ((14, 2, 112), 2, 900, 64), ((32, 2, 128), 1, 5000, 0)]  # fmt: skip
+    out = []
+    for i, ((n, nkv, h), batch, past, extra) in enumerate(specs):
+        for layout in (0, 1):
+            out.append(GqaCase(kind="decode", batch=batch, past_len=past,
+                               pad=min(past - 1, 37) if batch > 1 else 0, num_heads=n,
+                               kv_num_heads=nkv, head_size=h,
+                               dtype=("fp16", "bf16")[(i + layout) % 2], kv_layout=layout,
+                               shared=extra > 0 or i in (0, 4),
+                               extra_capacity=extra, do_rotary=i % 3 != 1,
+                               seed=case_seed(50_200 + 2 * i + layout)))  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("case", _wide_cases(), ids=_label)
+def test_decode_wide_instance_vs_oracle(case):
+    """The calls the plan gives the wide decode instance (eight warps: few rows of one token at
+    head tile 128 whose merge would take two rounds at four warps): right by the oracle, and two
+    runs bit-identical (the warps merge in a fixed order)."""
+    a = ours(case)
+    check_oracle(case, a)
+    b = ours(case)
+    assert np.array_equal(np.asarray(a[0]).view(np.uint8), np.asarray(b[0]).view(np.uint8)), (
+        f"output differs between two identical runs {case!r}"
+    )
 
 
 @pytest.mark.parametrize("layout", [0, 1])

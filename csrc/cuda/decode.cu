@@ -1,11 +1,12 @@
 // Token generation (and chunks of a few tokens) on tensor cores, fp16/bf16, sm_80 and newer.
 //
-// CTA = (key split, batch x kv head), 4 warps. Its rows are the S x G (token, query head) rows of
-// one KV group, at most 16: one m16 tile, so every K/V byte is read once per group and the
-// scores and P V products run on mma.sync m16n8k16 (the CUDA-core form of this kernel was bound
-// by its FMAs and shuffles, not by HBM). Each warp owns every fourth KS-key step of the split and
-// streams its own rows through DecStages cp.async stages: no CTA barrier inside the key loop. At
-// the end the four warps merge in shared memory, and with several splits the last CTAs to finish
+// CTA = (key split, batch x kv head), 4 warps (8 in the wide instance). Its rows are the S x G
+// (token, query head) rows of one KV group, at most 16: one m16 tile, so every K/V byte is read
+// once per group and the scores and P V products run on mma.sync m16n8k16 (the CUDA-core form of
+// this kernel was bound by its FMAs and shuffles, not by HBM). Each warp owns every fourth
+// (eighth) KS-key step of the split and streams its own rows through DecStages cp.async stages:
+// no CTA barrier inside the key loop. At
+// the end the warps merge in shared memory, and with several splits the last CTAs to finish
 // merge the splits through DecodeMergeTree (counters kept across calls and reset by their last
 // arrival, or the workspace's zeroed by a memset before the launch): no combine kernel. On sm_90
 // a row's splits launched as one thread-block cluster merge through its shared memory instead.
@@ -134,9 +135,13 @@ struct DecTrace {
 #endif
 };
 
-constexpr int kDecThreads = kDecodeCtaThreads;  // kernels.h: the plan counts them too
-constexpr int kDecWarps = kDecThreads / kWarp;
-static_assert(kDecodeRows % kDecWarps == 0, "each warp prepares kDecodeRows / kDecWarps rows");
+// Warps of a decode CTA: four, or eight in the wide instance (kernels.h; the kernel's W).
+constexpr int kDecWarpsOf4 = kDecodeCtaThreads / kWarp;
+constexpr int kDecWideWarps = kDecodeWideCtaThreads / kWarp;
+// The one head tile the wide instance is compiled for (DecodeTcWideServes).
+constexpr int kDecWideHd = 128;
+static_assert(kDecodeRows % kDecWarpsOf4 == 0 && kDecodeRows % kDecWideWarps == 0,
+              "each warp prepares kDecodeRows / warps rows");
 static_assert(kDecodeRows == kRowsPerCta, "the plan sizes decode slots in kRowsPerCta rows");
 
 // The tile width of a head size: rounded up to a multiple of 32 (padding columns are zero).
@@ -195,35 +200,40 @@ __device__ __forceinline__ int DecKvAt(int j, int d) {
 // The slot a warp's stage ring leaves free until its key loop starts (slot ST - 1: the prologue
 // fills slots 0 .. ST - 2) holds, before that: in warp 0's, the CTA's query tile (kDecodeRows
 // rows of pitch DecPitch, at its start); in every warp's, at its end, the warp's raw query rows
-// (kDecodeRows / kDecWarps x HD floats) then its float scratch (HD floats).
+// (kDecodeRows / warps x HD floats) then its float scratch (HD floats).
 __host__ __device__ constexpr size_t DecSlotElems(int hd) {
   return size_t(2) * DecKeys(hd) * DecPitch(hd);
 }
-constexpr bool DecSlotHoldsPrologue(int hd) {  // fp16/bf16 elements (2 bytes)
-  return kDecodeRows * DecPitch(hd) * 2 + (kDecodeRows / kDecWarps + 1) * hd * sizeof(float) <=
+constexpr bool DecSlotHoldsPrologue(int hd, int warps) {  // fp16/bf16 elements (2 bytes)
+  return kDecodeRows * DecPitch(hd) * 2 + (kDecodeRows / warps + 1) * hd * sizeof(float) <=
          DecSlotElems(hd) * 2;
 }
-static_assert(DecSlotHoldsPrologue(32) && DecSlotHoldsPrologue(64) && DecSlotHoldsPrologue(96) &&
-                  DecSlotHoldsPrologue(128) && DecSlotHoldsPrologue(160) &&
-                  DecSlotHoldsPrologue(192) && DecSlotHoldsPrologue(224) &&
-                  DecSlotHoldsPrologue(256),
+static_assert(DecSlotHoldsPrologue(32, kDecWarpsOf4) && DecSlotHoldsPrologue(64, kDecWarpsOf4) &&
+                  DecSlotHoldsPrologue(96, kDecWarpsOf4) &&
+                  DecSlotHoldsPrologue(128, kDecWarpsOf4) &&
+                  DecSlotHoldsPrologue(160, kDecWarpsOf4) &&
+                  DecSlotHoldsPrologue(192, kDecWarpsOf4) &&
+                  DecSlotHoldsPrologue(224, kDecWarpsOf4) &&
+                  DecSlotHoldsPrologue(256, kDecWarpsOf4) &&
+                  DecSlotHoldsPrologue(kDecWideHd, kDecWideWarps),
               "the query tile, raw rows and scratch fit one free stage slot");
 
-// After the key loop: the four warps' partials (red_o, rows of DecRedPitch floats), then the
+// After the key loop: the warps' partials (red_o, rows of DecRedPitch floats), then the
 // CTA's partial for a merge through the cluster's shared memory: kDecodeRows x hd values, then
 // the rows' maxima and sums. The pitch puts the 8-byte fragment stores of a half warp (rows
 // gq = 0..3, columns 2 tq) on 32 distinct banks: at a pitch of hd a warp's 8 rows fell on the
 // same banks (ncu: 45% excess shared wavefronts in the kernel, tenth session).
 __host__ __device__ constexpr int DecRedPitch(int hd) { return hd + 8; }
-__host__ __device__ constexpr size_t DecClusterPartialOffset(int hd) {
-  return size_t(kDecWarps) * kDecodeRows * DecRedPitch(hd);
+__host__ __device__ constexpr size_t DecClusterPartialOffset(int hd, int warps) {
+  return size_t(warps) * kDecodeRows * DecRedPitch(hd);
 }
 // The global merge's copies of the slots' m and l: [slot][row] at this pitch (odd, so a warp
 // reading one row's slots hits 32 banks).
 constexpr int kDecMergeRowPitch = kDecodeRows + 1;
-constexpr size_t DecSmemBytes(int hd, size_t elem) {
-  const size_t stages = size_t(kDecWarps) * DecStages(hd) * DecSlotElems(hd) * elem;
-  const size_t merge = sizeof(float) * (DecClusterPartialOffset(hd) + kDecodeRows * (hd + 2));
+constexpr size_t DecSmemBytes(int hd, size_t elem, int warps) {
+  const size_t stages = size_t(warps) * DecStages(hd) * DecSlotElems(hd) * elem;
+  const size_t merge =
+      sizeof(float) * (DecClusterPartialOffset(hd, warps) + kDecodeRows * (hd + 2));
   const size_t weights =
       sizeof(float) * (kDecodeRows * kMaxDecodeSplits + 2 * kMaxDecodeSplits * kDecMergeRowPitch);
   return std::max(stages, std::max(merge, weights));
@@ -355,6 +365,7 @@ constexpr int kDecodeFewMerge = KVL_DECODE_FEW_MERGE;
 // one after another, each a chain of loads, so at thousands of batch entries with one split
 // (short caches) it can outlast the working CTAs (reasoned in review, not measured; more checker
 // rows would spread it).
+template <int kDecThreads>
 __device__ __forceinline__ void CheckLengthsRow(const GqaShape& s, const GqaCudaBuffers& buf) {
   const int64_t items = s.batch * s.seq_len;
   for (int64_t i = int64_t(blockIdx.x) * kDecThreads + threadIdx.x; i < items;
@@ -399,8 +410,9 @@ __device__ __forceinline__ GqaShape PlainShape(GqaShape s, bool one_token) {
   s.causal = true;
   return s;
 }
-template <typename T, int HD, DecodeForm kForm>
-__global__ void __launch_bounds__(kDecThreads)
+// W warps: four, or eight in the wide instance (kDecWideHd, one token: DecodeKernelFor).
+template <typename T, int HD, DecodeForm kForm, int W>
+__global__ void __launch_bounds__(W * kWarp)
     DecodeTcKernel(GqaShape s_arg, GqaCudaBuffers buf, KvStrides present_st, int64_t splits,
                    int64_t split_target, int cluster, float* part_o, float* part_m, float* part_l,
                    unsigned* counters) {
@@ -409,8 +421,9 @@ __global__ void __launch_bounds__(kDecThreads)
                          : PlainShape(s_arg, kForm == DecodeForm::kPlainOneToken);
   // The checker row (ptxas lays its code right after this branch whatever the source order or
   // a __builtin_expect says: the working CTAs jump over it once).
+  constexpr int kDecWarps = W, kDecThreads = W * kWarp;
   if (blockIdx.y >= s.batch * s.kv_num_heads) {
-    CheckLengthsRow(s, buf);
+    CheckLengthsRow<kDecThreads>(s, buf);
     return;
   }
   constexpr int KS = DecKeys(HD), ST = DecStages(HD), P = DecPitch(HD);
@@ -857,7 +870,7 @@ __global__ void __launch_bounds__(kDecThreads)
     for (int n = 0; n < DT; ++n) t += o[n][0] + o[n][1] + o[n][2] + o[n][3];
     return t;
   }() == 1234.5f)
-  // Merge the four warps (fixed order: deterministic) in the stage memory: every copy has landed
+  // Merge the warps (fixed order: deterministic) in the stage memory: every copy has landed
   // (only empty groups can be pending) and every warp is past its last read of it.
   ptx::CpAsyncWait<0>();
   __syncthreads();
@@ -881,7 +894,7 @@ __global__ void __launch_bounds__(kDecThreads)
     }
   }
   __syncthreads();
-  // Each row's maximum, the four warps' weights and the row's sum, once per row (not again for
+  // Each row's maximum, the warps' weights and the row's sum, once per row (not again for
   // each of its values).
   if (threadIdx.x < rows) {
     const int r = threadIdx.x;
@@ -932,7 +945,8 @@ __global__ void __launch_bounds__(kDecThreads)
   static_assert(kMaxDecodeCluster >= 2 && kMaxDecodeCluster <= 16 &&
                     (kMaxDecodeCluster & (kMaxDecodeCluster - 1)) == 0,
                 "a cluster of at most 16 CTAs (sm_90) whose l sums follow WarpSum's butterfly");
-  float* cpart = reinterpret_cast<float*>(dec_smem) + DecClusterPartialOffset(HD);  // [row][HD]
+  float* cpart =  // [row][HD]
+      reinterpret_cast<float*>(dec_smem) + DecClusterPartialOffset(HD, kDecWarps);
   float* cpart_m = cpart + kDecodeRows * HD;
   float* cpart_l = cpart_m + kDecodeRows;
   // The cluster's merge of its `members` live partials (ranks 0 .. members - 1) into the output
@@ -1249,21 +1263,34 @@ template <typename T, int HD>
 DecodeFn DecodeKernelOfForm(DecodeForm form) {
   switch (form) {
     case DecodeForm::kPlainOneToken:
-      return DecodeTcKernel<T, HD, DecodeForm::kPlainOneToken>;
+      return DecodeTcKernel<T, HD, DecodeForm::kPlainOneToken, kDecWarpsOf4>;
     case DecodeForm::kPlain:
-      return DecodeTcKernel<T, HD, DecodeForm::kPlain>;
+      return DecodeTcKernel<T, HD, DecodeForm::kPlain, kDecWarpsOf4>;
     default:
-      return DecodeTcKernel<T, HD, DecodeForm::kFull>;
+      return DecodeTcKernel<T, HD, DecodeForm::kFull, kDecWarpsOf4>;
   }
 }
 
+// The instance for a shape at `threads` per CTA and its shared memory, or null where none is
+// compiled: four warps for every form and head tile; eight (the wide instance) only for the
+// one-token plain form at head tile kDecWideHd, the class MakePlan gives them (each instance
+// adds to decode.cu's build, the slowest of the library's).
 template <typename T>
-DecodeFn DecodeKernelFor(const GqaShape& s, size_t* smem) {
+DecodeFn DecodeKernelFor(const GqaShape& s, int threads, size_t* smem) {
+  *smem = 0;
   const DecodeForm form = DecodeFormOf(s);
+  if (threads == kDecodeWideCtaThreads) {
+    if (form != DecodeForm::kPlainOneToken || DecHeadDim(s.head_size) != kDecWideHd) {
+      return nullptr;
+    }
+    *smem = DecSmemBytes(kDecWideHd, sizeof(T), kDecWideWarps);
+    return DecodeTcKernel<T, kDecWideHd, DecodeForm::kPlainOneToken, kDecWideWarps>;
+  }
+  if (threads != kDecodeCtaThreads) return nullptr;
   switch (DecHeadDim(s.head_size)) {
-#define KVL_DECODE_HD(hd)                  \
-  case hd:                                 \
-    *smem = DecSmemBytes(hd, sizeof(T));   \
+#define KVL_DECODE_HD(hd)                                \
+  case hd:                                               \
+    *smem = DecSmemBytes(hd, sizeof(T), kDecWarpsOf4);   \
     return DecodeKernelOfForm<T, hd>(form);
     KVL_DECODE_HD(32)
     KVL_DECODE_HD(64)
@@ -1275,27 +1302,32 @@ DecodeFn DecodeKernelFor(const GqaShape& s, size_t* smem) {
     KVL_DECODE_HD(256)
 #undef KVL_DECODE_HD
     default:
-      *smem = 0;
       return nullptr;
   }
 }
 
-DecodeFn DecodeKernelForShape(const GqaShape& s, size_t* smem) {
-  return s.dtype == DType::kFloat16 ? DecodeKernelFor<__half>(s, smem)
-                                    : DecodeKernelFor<__nv_bfloat16>(s, smem);
+DecodeFn DecodeKernelForShape(const GqaShape& s, int threads, size_t* smem) {
+  return s.dtype == DType::kFloat16 ? DecodeKernelFor<__half>(s, threads, smem)
+                                    : DecodeKernelFor<__nv_bfloat16>(s, threads, smem);
 }
 
 }  // namespace
 
 bool DecodeTcFits(const GqaShape& s, size_t elem, const CudaDeviceInfo& dev) {
-  return DecSmemBytes(static_cast<int>(DecHeadDim(s.head_size)), elem) <=
+  return DecSmemBytes(static_cast<int>(DecHeadDim(s.head_size)), elem, kDecWarpsOf4) <=
          size_t(dev.max_smem_optin);
 }
 
-int DecodeTcActiveClusters(const GqaShape& s, const CudaDeviceInfo& dev, int64_t cluster,
-                           int ctas_per_sm) {
+bool DecodeTcWideServes(const GqaShape& s, const CudaDeviceInfo& dev) {
   size_t smem = 0;
-  const DecodeFn fn = DecodeKernelForShape(s, &smem);
+  return DecodeKernelForShape(s, kDecodeWideCtaThreads, &smem) != nullptr &&
+         smem <= size_t(dev.max_smem_optin);
+}
+
+int DecodeTcActiveClusters(const GqaShape& s, const CudaDeviceInfo& dev, int64_t cluster,
+                           int ctas_per_sm, int threads) {
+  size_t smem = 0;
+  const DecodeFn fn = DecodeKernelForShape(s, threads, &smem);
   if (fn == nullptr || dev.cc_major < 9 || cluster < 2 || cluster > kMaxDecodeCluster) {
     return 0;
   }
@@ -1305,37 +1337,40 @@ int DecodeTcActiveClusters(const GqaShape& s, const CudaDeviceInfo& dev, int64_t
   // and clusters of these CTAs fit the device.
   if (CachedPtxVersion(f) < 90 || !EnsureSmemLimit(f, smem).ok()) return 0;
   size_t launch_smem = smem;
-  if (!SmemForCtasPerSm(f, kDecThreads, smem, ctas_per_sm, &launch_smem).ok() ||
+  if (!SmemForCtasPerSm(f, threads, smem, ctas_per_sm, &launch_smem).ok() ||
       !EnsureSmemLimit(f, launch_smem).ok()) {
     return 0;
   }
-  return CachedMaxActiveClusters(f, kDecThreads, launch_smem, static_cast<int>(cluster));
+  return CachedMaxActiveClusters(f, threads, launch_smem, static_cast<int>(cluster));
 }
-bool DecodeTcClustersFit(const GqaShape& s, const CudaDeviceInfo& dev, int64_t cluster) {
-  return DecodeTcActiveClusters(s, dev, cluster) > 0;
+bool DecodeTcClustersFit(const GqaShape& s, const CudaDeviceInfo& dev, int64_t cluster,
+                         int threads) {
+  return DecodeTcActiveClusters(s, dev, cluster, 0, threads) > 0;
 }
 
-int DecodeTcCtasPerSm(const GqaShape& s, const CudaDeviceInfo& dev) {
+int DecodeTcCtasPerSm(const GqaShape& s, const CudaDeviceInfo& dev, int threads) {
   size_t smem = 0;
-  const DecodeFn fn = DecodeKernelForShape(s, &smem);
+  const DecodeFn fn = DecodeKernelForShape(s, threads, &smem);
   if (fn == nullptr) return 1;
   const void* f = reinterpret_cast<const void*>(fn);
   if (!EnsureSmemLimit(f, smem).ok()) return 1;
-  return CachedCtasPerSm(f, kDecThreads, smem);
+  return CachedCtasPerSm(f, threads, smem);
 }
 
 template <typename T>
 Status LaunchDecodeTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
                       const AttnPlan& plan, const Workspace& ws, cudaStream_t stream) {
   size_t smem = 0;
-  const DecodeFn fn = DecodeKernelFor<T>(s, &smem);
+  const int threads = plan.decode_threads;
+  const DecodeFn fn = DecodeKernelFor<T>(s, threads, &smem);
   if (fn == nullptr) {
-    return Status::Error("ai.kvlayout::GroupQueryAttention (CUDA): no decode tile for head_size " +
-                         std::to_string(s.head_size));
+    return Status::Error(
+        "ai.kvlayout::GroupQueryAttention (CUDA): no decode instance for head_size " +
+        std::to_string(s.head_size) + " at " + std::to_string(threads) + " threads per CTA");
   }
   // Padded where the plan allows fewer CTAs per SM than fit (plan.decode_ctas_per_sm: with many
   // rows, or group clusters of one CTA per SM, ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS=3).
-  KVL_RETURN_IF_ERROR(SmemForCtasPerSm(reinterpret_cast<const void*>(fn), kDecThreads, smem,
+  KVL_RETURN_IF_ERROR(SmemForCtasPerSm(reinterpret_cast<const void*>(fn), threads, smem,
                                        plan.decode_ctas_per_sm, &smem));
   KVL_RETURN_IF_ERROR(EnsureSmemLimit(reinterpret_cast<const void*>(fn), smem));
   if (ws.counter_count > 0 && !ws.counters_zero) {  // a memset node under graph capture
@@ -1350,14 +1385,14 @@ Status LaunchDecodeTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pr
                   static_cast<unsigned>(s.batch * s.kv_num_heads + check_rows));
   const int cluster = static_cast<int>(plan.cluster);
   if (cluster > 1) {  // one cluster per row (plan.splits == cluster) or per group of its splits
-    const ClusterLaunch launch(grid, dim3(kDecThreads), smem, stream, cluster);
+    const ClusterLaunch launch(grid, dim3(threads), smem, stream, cluster);
     return CudaCheck(cudaLaunchKernelEx(&launch.config, fn, s, buf, present_st, plan.splits,
                                         plan.split_target, cluster, ws.part_o, ws.part_m,
                                         ws.part_l, ws.counters),
                      "decode launch (clusters)");
   }
-  fn<<<grid, kDecThreads, smem, stream>>>(s, buf, present_st, plan.splits, plan.split_target, 0,
-                                          ws.part_o, ws.part_m, ws.part_l, ws.counters);
+  fn<<<grid, threads, smem, stream>>>(s, buf, present_st, plan.splits, plan.split_target, 0,
+                                      ws.part_o, ws.part_m, ws.part_l, ws.counters);
   return CudaCheck(cudaGetLastError(), "decode launch");
 }
 

@@ -61,6 +61,8 @@ struct GqaCudaPlan {
   // waves of one split per row fill the slots, or, as a knob, group clusters of one CTA per SM:
   // MakePlan); 0: as many as fit.
   int decode_ctas_per_sm = 0;
+  // Decode: threads per CTA, 128 (four warps) or 256 (the wide instance: kernels.h, MakePlan).
+  int decode_threads = 128;
   size_t q_bytes = 0, part_o_bytes = 0, part_ml_bytes = 0, counter_bytes = 0;
   // A window-sized cache: K (and again V) staging rows the attention reads (csrc/cuda/sliding.cu).
   size_t stage_bytes = 0;

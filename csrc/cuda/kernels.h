@@ -214,24 +214,35 @@ constexpr int64_t kMinDecodeSplitKeys = 128;
 // (padded shared memory) where the rows fill those waves better; fewer splits where the merge
 // takes two rounds (DecodeMergeTwoRounds). MakePlan says why.
 constexpr int64_t kFewDecodeRows = 16;
-// Threads of a decode CTA (four warps; decode.cu's kDecThreads is this). A row's split merge
-// writes its rows x head size values four per thread: past one item per thread (28/4/128: 7 rows
-// x 128 / 4 = 224; 4/1/256: 256) each 8 splits add two rounds of loads to the merge, not one, and
-// the plan targets fewer splits (MakePlan).
+// Threads of a decode CTA: four warps. A row's split merge writes its rows x head size values
+// four per thread: past one item per thread (28/4/128: 7 rows x 128 / 4 = 224; 4/1/256: 256) each
+// 8 splits add two rounds of loads to the merge, not one, and the plan targets fewer splits
+// (MakePlan).
 constexpr int kDecodeCtaThreads = 128;
+// The wide instance's threads: eight warps, for few rows of one token at head size 128 whose
+// merge takes two rounds at four warps (MakePlan says why; DecodeTcWideServes where it exists).
+constexpr int kDecodeWideCtaThreads = 256;
 __host__ __device__ constexpr bool DecodeMergeTwoRounds(int64_t rows, int64_t head_size) {
   return rows * head_size / 4 > kDecodeCtaThreads;
 }
 bool DecodeTcFits(const GqaShape& s, size_t elem, const CudaDeviceInfo& dev);
-int DecodeTcCtasPerSm(const GqaShape& s, const CudaDeviceInfo& dev);  // cached per device/kernel
+// Whether the wide (eight-warp) instance serves this shape on this device: it is compiled for
+// the shape's form and head size (the one-token plain form, a head tile of 128) and its shared
+// memory fits.
+bool DecodeTcWideServes(const GqaShape& s, const CudaDeviceInfo& dev);
+// CTAs of `threads` threads (kDecodeCtaThreads or kDecodeWideCtaThreads) per SM; cached per
+// device and kernel.
+int DecodeTcCtasPerSm(const GqaShape& s, const CudaDeviceInfo& dev,
+                      int threads = kDecodeCtaThreads);
 // Whether a row's key splits can be one thread-block cluster of `cluster` CTAs (an sm_90+ device
 // running code compiled for sm_90+, at most kMaxDecodeCluster, resident together on it).
-bool DecodeTcClustersFit(const GqaShape& s, const CudaDeviceInfo& dev, int64_t cluster);
+bool DecodeTcClustersFit(const GqaShape& s, const CudaDeviceInfo& dev, int64_t cluster,
+                         int threads = kDecodeCtaThreads);
 // How many clusters of `cluster` decode CTAs for this shape the device holds at once (0 where
 // they do not fit or the code has no cluster support; cached per device and kernel), with
 // `ctas_per_sm` > 0 for a launch padded to at most that many CTAs per SM (SmemForCtasPerSm).
 int DecodeTcActiveClusters(const GqaShape& s, const CudaDeviceInfo& dev, int64_t cluster,
-                           int ctas_per_sm = 0);
+                           int ctas_per_sm = 0, int threads = kDecodeCtaThreads);
 template <typename T>
 Status LaunchDecodeTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
                       const AttnPlan& plan, const Workspace& ws, cudaStream_t stream);

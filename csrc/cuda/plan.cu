@@ -78,6 +78,13 @@ GroupClusters DecodeGroupClusters() {
   return mode;
 }
 
+// ORT_KVLAYOUT_DECODE_WIDE=0 (read once) keeps the decode kernel at four warps where the plan
+// would take the wide instance (MakePlan): a benchmarking and testing knob (docs/BENCHMARKS.md).
+bool DecodeWideAllowed() {
+  static const bool allowed = EnvNotZero("ORT_KVLAYOUT_DECODE_WIDE");
+  return allowed;
+}
+
 // With more (batch, kv head) rows than one wave of decode CTAs holds (one split each), the CTAs
 // per SM whose waves the rows fill best: `fit` or one fewer, never below two (ties: more). A
 // CTA's reads are bounded by its loads in flight, so a wave the CTAs fill in part reads slower:
@@ -158,6 +165,18 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
                                 : 2 * base <= sms ? sms
                                                   : sms * std::min(fit, 2);
     p.split_target = std::min(std::max<int64_t>(1, split_slots / base), kMaxDecodeSplits);
+    // Few rows of one token whose merge takes two rounds at four warps: eight warps (the wide
+    // instance, head tile 128), the same split target, no group clusters. With one CTA per SM
+    // each scheduler then has two warps to issue from, and the merge takes one round. Measured
+    // on the H200 (kernel us, docs/BENCHMARKS.md, twenty-fifth session) at 28/4/128 B=1, 24
+    // splits without group clusters at four warps -> eight: L=4k 11.4 -> 10.3, 16k 17.5 -> 14.0,
+    // 32k 27.6 -> 25.4 (and against four warps with group clusters, the plan before: 10.4,
+    // 16.4, 26.1). Not at one-round shapes: eight warps measured 3% slower at 32/8/128 B=1 L=16k
+    // and 6% at 9/3/64 B=1 L=4k. (Eight warps with every slot's splits, 33: L=4k 10.9, 32k 24.2.)
+    if (few && two_rounds && DecodeWideAllowed() && DecodeTcWideServes(s, dev)) {
+      p.decode_threads = kDecodeWideCtaThreads;
+    }
+    const bool wide = p.decode_threads == kDecodeWideCtaThreads;
     if (!few && base > slots) {
       const int ctas = DecodeWaveCtasPerSm(base, sms, fit);
       if (ctas < fit) p.decode_ctas_per_sm = ctas;
@@ -179,7 +198,7 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
     // ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS picks other shapes (DecodeGroupClusters).
     const GroupClusters gc = DecodeGroupClusters();
     bool group_clusters = false;
-    if (few && p.split_target > kMaxDecodeCluster && DecodeClustersAllowed() &&
+    if (few && !wide && p.split_target > kMaxDecodeCluster && DecodeClustersAllowed() &&
         (gc == GroupClusters::kAll || gc == GroupClusters::kAllPadded ||
          (gc == GroupClusters::kTwoRounds && two_rounds))) {
       const int pad = gc == GroupClusters::kAllPadded ? 1 : 0;
@@ -197,7 +216,7 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
       p.splits = (p.splits + kMaxDecodeCluster - 1) / kMaxDecodeCluster * kMaxDecodeCluster;
       p.cluster = kMaxDecodeCluster;
     } else if (base < kFewDecodeRows && p.splits > 1 && p.splits <= kMaxDecodeCluster &&
-               DecodeClustersAllowed() && DecodeTcClustersFit(s, dev, p.splits)) {
+               DecodeClustersAllowed() && DecodeTcClustersFit(s, dev, p.splits, p.decode_threads)) {
       // With few rows (one CTA per SM, the latency-bound decode) and at most 8 splits, each
       // row's splits are one thread-block cluster where the device has them: they merge through
       // its shared memory (decode.cu). Not with more rows: CTAs scheduled a cluster at a time
