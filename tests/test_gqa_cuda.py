@@ -674,8 +674,12 @@ def test_deterministic(layout, dtype):
      # (9000). Four warps on sm_90 with group clusters: two clusters of 8 live splits, then the
      # two groups; the larger grid adds a cluster whose CTAs all leave at once, and its group
      # slots lie further on (after 24 split slots, not 16)
-     ((28, 4, 128), 1, 2000, 9000, {})],
-    ids=["flat", "clusters_sink", "clusters", "two_levels", "flat_capped", "group_clusters"],
+     ((28, 4, 128), 1, 2000, 9000, {}),
+     # The wide instance (eight warps) with 8 live splits: one cluster merged through its shared
+     # memory (capacity 1001, sm_90) against a flat global merge of the same 8 in a grid of 24
+     ((28, 4, 128), 1, 1000, 9000, {})],
+    ids=["flat", "clusters_sink", "clusters", "two_levels", "flat_capped", "group_clusters",
+         "wide_cluster_vs_global"],
 )  # fmt: skip
 def test_decode_bits_do_not_depend_on_the_capacity(
     layout, dtype, heads, batch, past_len, big_cap, extra
@@ -733,10 +737,10 @@ def test_decode_bits_do_not_depend_on_the_capacity_without_group_clusters(settin
 
 def _wide_cases() -> list[GqaCase]:
     # (heads, batch, past, extra capacity): few (batch, kv head) rows of one token whose merge
-    # takes two rounds at four warps, head tile 128 (MakePlan's wide class): G = 7 at one and
-    # 8 splits (on sm_90 one cluster of eight-warp CTAs), 24 and a grid larger than the live
-    # splits; three entries (12 rows), ragged; head size 112 in the 128 tile (padding columns);
-    # G = 16 (16 rows, the whole tile).
+    # takes two rounds at four warps, head tile 128 (MakePlan's wide class): G = 7 at one live
+    # split, 6 live in a grid of 8 (on sm_90 one cluster of eight-warp CTAs), 24 live of 24 (a
+    # flat global merge) twice; three entries (12 rows), ragged; head size 112 in the 128 tile
+    # (padding columns); G = 16 (16 rows, the whole tile: still two rounds at eight warps).
     specs = [((28, 4, 128), 1, 5, 0), ((28, 4, 128), 1, 700, 300), ((28, 4, 128), 1, 3000, 0),
              ((28, 4, 128), 1, 12000, 4000), ((28, 4, 128), 3, 2000, 0),
              ((14, 2, 112), 2, 900, 64), ((32, 2, 128), 1, 5000, 0)]  # fmt: skip

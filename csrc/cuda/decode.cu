@@ -473,7 +473,7 @@ __global__ void __launch_bounds__(W * kWarp)
   T* q_tile = reinterpret_cast<T*>(dec_smem) + (ST - 1) * DecSlotElems(HD);
 
   // The lengths first in the source (every later step waits on them; LoadNow, common.cuh), then
-  // the raw queries of this warp's rows (r = warp + 4 j), whose addresses do not depend on them,
+  // the raw queries of this warp's rows (r = warp + W j), whose addresses do not depend on them,
   // kept raw in registers: the partition and the first steps' copies go out before anything
   // waits on a query (a warp issues in order: a conversion or store of a query value here held
   // up the whole prologue until the query loads landed). (sm_80, not measured: ptxas spills 24
@@ -547,7 +547,7 @@ __global__ void __launch_bounds__(W * kWarp)
   if (split >= live) {
     return;  // in a cluster too: a CTA that exits no longer holds up the cluster's barriers
   }
-  const int64_t steps = (k_end - k_begin + KS - 1) / KS;  // of the CTA; warp w takes w, w+4, ...
+  const int64_t steps = (k_end - k_begin + KS - 1) / KS;  // of the CTA; warp w takes w, w+W, ...
   const int64_t my_steps = steps > warp ? (steps - warp + kDecWarps - 1) / kDecWarps : 0;
 
   // Rows of this (batch, kv head): key j at base + (j - cache_base) * seq stride, in either
@@ -1054,8 +1054,8 @@ __global__ void __launch_bounds__(W * kWarp)
       // pass of its own (a round trip, two barriers and the rows' reductions before the first
       // value load: 0.6 to 1.5 us less at B >= 8, H200, docs/BENCHMARKS.md, twentieth session).
       // Row r of slot k is element k * kDecodeRows + r of part_m and part_l, and row
-      // k * kDecodeRows + r of part_o. Where a thread has two items (28/4/128: 7 x 128 / 4 = 224
-      // items for 128 threads) and at most 4 partials, both items' loads go out together: one
+      // k * kDecodeRows + r of part_o. Where a thread has two items (28/4/128 at four warps: 7 x
+      // 128 / 4 = 224 items for 128 threads) and at most 4 partials, both items' loads go out together: one
       // trip, not two, in the registers of one item of 8 partials.
       const int64_t row0 = (slot_base + first) * kDecodeRows;
       const int items = nrows * hs / 4;

@@ -207,7 +207,8 @@ struct DecodeMergeTree {
     return by_size > by_cluster ? by_size : by_cluster;
   }
 };
-// At least two KS steps per warp, so the merge stays small against the reads.
+// At least two KS steps per warp at four warps (one at eight), so the merge stays small against
+// the reads.
 constexpr int64_t kMinDecodeSplitKeys = 128;
 // Below this many (batch, kv head) rows the plan puts one decode CTA per SM, else it fills
 // every CTA slot in one wave, or past one wave takes one split per row, with fewer CTAs per SM

@@ -66,7 +66,8 @@ bool DecodeClustersAllowed() {
 // Where group clusters serve (MakePlan), read once from ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS, a
 // benchmarking knob: 0 nowhere (rows of more than kMaxDecodeCluster splits merge in global memory
 // only), unset or 1 the shapes whose merge takes two rounds of loads (the default, measured),
-// 2 every few-row shape, 3 every few-row shape with one CTA per SM (shared memory padded).
+// 2 every few-row shape, 3 every few-row shape with one CTA per SM (shared memory padded); never
+// the calls the wide instance serves (MakePlan; ORT_KVLAYOUT_DECODE_WIDE=0 gives them back).
 enum class GroupClusters { kOff = 0, kTwoRounds = 1, kAll = 2, kAllPadded = 3 };
 GroupClusters DecodeGroupClusters() {
   static const GroupClusters mode = [] {
@@ -143,7 +144,7 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
     // 6 to 10% faster than one split in 264 slots of 2), never a second wave of splits (in waves of
     // short splits each CTA's prologue is on the path: 9/3/64 B=32 L=1k took 70% longer). More
     // rows than slots: one split each, in waves they fill (DecodeWaveCtasPerSm). At least 128
-    // keys per split (two steps per warp).
+    // keys per split (two steps per warp at four warps).
     const int64_t base = s.batch * s.kv_num_heads;
     const bool few = base < kFewDecodeRows;
     const int fit = few ? 1 : DecodeTcCtasPerSm(s, dev);  // CTAs per SM
@@ -167,12 +168,16 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
     p.split_target = std::min(std::max<int64_t>(1, split_slots / base), kMaxDecodeSplits);
     // Few rows of one token whose merge takes two rounds at four warps: eight warps (the wide
     // instance, head tile 128), the same split target, no group clusters. With one CTA per SM
-    // each scheduler then has two warps to issue from, and the merge takes one round. Measured
-    // on the H200 (kernel us, docs/BENCHMARKS.md, twenty-fifth session) at 28/4/128 B=1, 24
-    // splits without group clusters at four warps -> eight: L=4k 11.4 -> 10.3, 16k 17.5 -> 14.0,
-    // 32k 27.6 -> 25.4 (and against four warps with group clusters, the plan before: 10.4,
-    // 16.4, 26.1). Not at one-round shapes: eight warps measured 3% slower at 32/8/128 B=1 L=16k
-    // and 6% at 9/3/64 B=1 L=4k. (Eight warps with every slot's splits, 33: L=4k 10.9, 32k 24.2.)
+    // each scheduler then has two warps to issue from, and the merge takes half the rounds (one
+    // at G <= 8). Measured on the H200 (kernel us, docs/BENCHMARKS.md, twenty-fifth session) at
+    // 28/4/128 B=1 only (4 rows, G = 7), 24 splits without group clusters at four warps ->
+    // eight (an all-eight-warp build): L=4k 11.4 -> 10.3, 16k 17.5 -> 14.0, 32k 27.6 -> 25.4;
+    // this instance against the plan before (four warps, group clusters) L=4k 10.35 -> 10.1,
+    // 16k 16.4 -> 14.2, but 32k 26.1 -> 24.8 to 27.4 (the same process's two sessions can
+    // differ by 2.6 us there). 5 to 15 rows, G = 9 to 16 and head sizes 97 to 120 take it
+    // unmeasured (tested for correctness). Not at one-round shapes: eight warps measured 3%
+    // slower at 32/8/128 B=1 L=16k and 6% at 9/3/64 B=1 L=4k. (Eight warps with every slot's
+    // splits, 33: steadier at 32k, 24.0 to 24.7, but 0.96x to 0.99x of ORT at L=4k.)
     if (few && two_rounds && DecodeWideAllowed() && DecodeTcWideServes(s, dev)) {
       p.decode_threads = kDecodeWideCtaThreads;
     }
@@ -202,7 +207,8 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
         (gc == GroupClusters::kAll || gc == GroupClusters::kAllPadded ||
          (gc == GroupClusters::kTwoRounds && two_rounds))) {
       const int pad = gc == GroupClusters::kAllPadded ? 1 : 0;
-      const int64_t per_row = DecodeTcActiveClusters(s, dev, kMaxDecodeCluster, pad) / base;
+      const int64_t per_row =
+          DecodeTcActiveClusters(s, dev, kMaxDecodeCluster, pad, p.decode_threads) / base;
       if (per_row >= 2) {
         p.split_target = std::min(p.split_target, per_row * kMaxDecodeCluster);
         p.decode_ctas_per_sm = pad;
