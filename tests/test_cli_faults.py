@@ -275,9 +275,13 @@ def test_unwritable_output_as_a_file(tmp_path, fake_library):
 # ---------------------------------------------------------------------------------------------
 # Signals: SIGTERM like SIGINT, in the middle of copying a large-ish external-data file
 
+# The child takes SIGINT as from a terminal: a runner started in the background (`cmd &` in a
+# script) passes SIGINT on ignored, and a Python started so never turns it into KeyboardInterrupt
+# (the tool then rightly keeps ignoring it: nothing to test).
 _SLOW_COPY = """
-import os, sys, time
+import os, signal, sys, time
 from pathlib import Path
+signal.signal(signal.SIGINT, signal.default_int_handler)
 marker = Path(sys.argv.pop(1))
 real = os.copy_file_range
 def slow(src, dst, count, *args):  # 1 MiB at a time, slowly: the copy is caught mid-way
