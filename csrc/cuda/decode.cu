@@ -5,11 +5,11 @@
 // once per group and the scores and P V products run on mma.sync m16n8k16 (the CUDA-core form of
 // this kernel was bound by its FMAs and shuffles, not by HBM). Each warp owns every fourth
 // (eighth) KS-key step of the split and streams its own rows through DecStages cp.async stages:
-// no CTA barrier inside the key loop. At
-// the end the warps merge in shared memory, and with several splits the last CTAs to finish
-// merge the splits through DecodeMergeTree (counters kept across calls and reset by their last
-// arrival, or the workspace's zeroed by a memset before the launch): no combine kernel. On sm_90
-// a row's splits launched as one thread-block cluster merge through its shared memory instead.
+// no CTA barrier inside the key loop. At the end the warps merge in shared memory, and with
+// several splits the last CTAs to finish merge the splits through DecodeMergeTree (counters kept
+// across calls and reset by their last arrival, or the workspace's zeroed by a memset before the
+// launch): no combine kernel. On sm_90 a row's splits launched as one thread-block cluster merge
+// through its shared memory instead.
 //
 // The kernel also does the prepare kernel's work for its rows (prepare_rows.cuh): each CTA
 // norms, rotates and scales its group's queries itself, the CTA whose key split holds a new row
@@ -419,9 +419,9 @@ __global__ void __launch_bounds__(W * kWarp)
   const GqaShape s = kForm == DecodeForm::kFull
                          ? s_arg
                          : PlainShape(s_arg, kForm == DecodeForm::kPlainOneToken);
+  constexpr int kDecWarps = W, kDecThreads = W * kWarp;
   // The checker row (ptxas lays its code right after this branch whatever the source order or
   // a __builtin_expect says: the working CTAs jump over it once).
-  constexpr int kDecWarps = W, kDecThreads = W * kWarp;
   if (blockIdx.y >= s.batch * s.kv_num_heads) {
     CheckLengthsRow<kDecThreads>(s, buf);
     return;
@@ -1055,8 +1055,8 @@ __global__ void __launch_bounds__(W * kWarp)
       // value load: 0.6 to 1.5 us less at B >= 8, H200, docs/BENCHMARKS.md, twentieth session).
       // Row r of slot k is element k * kDecodeRows + r of part_m and part_l, and row
       // k * kDecodeRows + r of part_o. Where a thread has two items (28/4/128 at four warps: 7 x
-      // 128 / 4 = 224 items for 128 threads) and at most 4 partials, both items' loads go out together: one
-      // trip, not two, in the registers of one item of 8 partials.
+      // 128 / 4 = 224 items for 128 threads) and at most 4 partials, both items' loads go out
+      // together: one trip, not two, in the registers of one item of 8 partials.
       const int64_t row0 = (slot_base + first) * kDecodeRows;
       const int items = nrows * hs / 4;
       auto merge_items = [&](auto few_n, auto k_n) {
