@@ -177,7 +177,7 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
     // differ by 2.6 us there). 5 to 15 rows, G = 9 to 16 and head sizes 97 to 120 take it
     // unmeasured (tested for correctness). Not at one-round shapes: eight warps measured 3%
     // slower at 32/8/128 B=1 L=16k and 6% at 9/3/64 B=1 L=4k. (Eight warps with every slot's
-    // splits, 33: steadier at 32k, 24.0 to 24.7, but 0.96x to 0.99x of ORT at L=4k.)
+    // splits, 33: steadier at 32k, 24.0 to 24.7, but 0.96x to 1.02x of ORT at L=4k by session.)
     if (few && two_rounds && DecodeWideAllowed() && DecodeTcWideServes(s, dev)) {
       p.decode_threads = kDecodeWideCtaThreads;
     }
