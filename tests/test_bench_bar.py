@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from bench_util import load_bench
 
-_BENCH = Path(__file__).resolve().parents[1] / "bench"
-sys.path.insert(0, str(_BENCH))  # bar imports bench_cuda as a sibling
-try:
-    _SPEC = importlib.util.spec_from_file_location("bar", _BENCH / "bar.py")
-    bar = importlib.util.module_from_spec(_SPEC)
-    _SPEC.loader.exec_module(bar)
-finally:
-    sys.path.remove(str(_BENCH))
+bar = load_bench("bar")
 
 
 def _row(kind: str, heads: str, batch: int, length: int, ort: float, kv0: float, kv1: float):

@@ -3,26 +3,15 @@ dropped by count and checked by name (the warmer and the timed call run kernels 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-_BENCH = Path(__file__).resolve().parents[1] / "bench"
+from bench_util import load_bench
 
 
 @pytest.fixture(scope="module")
 def cold_parts():
-    sys.path.insert(0, str(_BENCH))  # cold_parts imports bench_cuda as a sibling
-    try:
-        spec = importlib.util.spec_from_file_location("cold_parts", _BENCH / "cold_parts.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(_BENCH))
+    return load_bench("cold_parts")
 
 
 def _ev(name, us):

@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from bench_util import load_bench
 
-_SPEC = importlib.util.spec_from_file_location(
-    "compare_cuda", Path(__file__).resolve().parents[1] / "bench" / "compare_cuda.py"
-)
-compare_cuda = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(compare_cuda)
+compare_cuda = load_bench("compare_cuda")
 
 
 def _row(heads: str, batch: int, length: int, ort: float, kv0: float, kv1: float, cap: int = 0):

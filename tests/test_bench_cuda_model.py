@@ -4,19 +4,13 @@ rotary changes the output (the bench measures the op with its rotation, as LLMs 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import onnxruntime as ort
 import ort_kvlayout
 import pytest
+from bench_util import load_bench
 
-_SPEC = importlib.util.spec_from_file_location(
-    "bench_cuda", Path(__file__).resolve().parents[1] / "bench" / "bench_cuda.py"
-)
-bench_cuda = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(bench_cuda)
+bench_cuda = load_bench("bench_cuda")
 
 N, NKV, H, B, L = 4, 2, 16, 2, 9  # decode: one new token after L - 1 cached ones
 

@@ -3,16 +3,11 @@ session's profile in docs/BENCHMARKS.md came from it)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
-_SPEC = importlib.util.spec_from_file_location(
-    "ncu_source", Path(__file__).resolve().parents[1] / "bench" / "ncu_source.py"
-)
-ncu_source = importlib.util.module_from_spec(_SPEC)
-sys.modules[_SPEC.name] = ncu_source  # its dataclass looks its module up
-_SPEC.loader.exec_module(ncu_source)
+from bench_util import load_bench
+
+ncu_source = load_bench("ncu_source", register=True)  # its dataclass looks its module up
 
 HEADER = ('"Line No","Source","Address","Source","Warp Stall Sampling (All Samples)",'
           '"Warp Stall Sampling (Not-issued Samples)","# Samples"')  # fmt: skip

@@ -3,14 +3,9 @@ line of one profiled kernel, as docs/BENCHMARKS.md quotes them (twenty-third ses
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from bench_util import load_bench
 
-_SPEC = importlib.util.spec_from_file_location(
-    "sass_regions", Path(__file__).resolve().parents[1] / "bench" / "sass_regions.py"
-)
-sass_regions = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(sass_regions)
+sass_regions = load_bench("sass_regions")
 
 HEADER = [
     "Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",

@@ -2,29 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
-
-_BENCH = Path(__file__).resolve().parents[1] / "bench"
+from bench_util import load_bench
 
 
 @pytest.fixture(scope="module")
 def turns():
     """The stack's turns: bench_cuda.py's, over the stack's variants."""
-    sys.path.insert(0, str(_BENCH))  # bench_stack imports bench_cuda as a sibling
-    try:
-        spec = importlib.util.spec_from_file_location("bench_stack", _BENCH / "bench_stack.py")
-        bench_stack = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(bench_stack)
-        yield lambda steps, rounds: bench_stack.bench_cuda.turns(
-            bench_stack.VARIANTS, steps, rounds
-        )
-    finally:
-        sys.path.remove(str(_BENCH))
+    bench_stack = load_bench("bench_stack")
+    return lambda steps, rounds: bench_stack.bench_cuda.turns(bench_stack.VARIANTS, steps, rounds)
 
 
 def test_rounds_alternate_the_order_and_split_the_steps_evenly(turns):

@@ -3,16 +3,10 @@ quotes, grouped by case and line (the lines' format is DecTrace::Line in csrc/cu
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from bench_util import load_bench
 
-_SPEC = importlib.util.spec_from_file_location(
-    "trace_summary", Path(__file__).resolve().parents[1] / "bench" / "trace_summary.py"
-)
-trace_summary = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(trace_summary)
+trace_summary = load_bench("trace_summary")
 
 
 def _line(
