@@ -495,6 +495,50 @@ def _robust_one(layout: int, sc: dict) -> dict:
     return rec
 
 
+def decode_kernels_child(specs: list[dict]) -> None:
+    """For each GqaCase (its fields as a dict), one run on the CUDA EP, then one under torch's
+    profiler; prints "RESULT " and a JSON object: the device's SM count ("sms") and the names of
+    the device kernels of that run that name a decode kernel ("kernels"; ours is
+    DecodeTcKernel<T, HD, form, W>). In a child: torch's CUDA libraries stay out of the suite's
+    process."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for spec in specs:
+        case = GqaCase(**spec)
+        feeds, attrs = case.feeds(), case.attrs()
+        sess = cuda_session(build_model(feeds, attrs, KV_DOMAIN, case.kv_layout), KV_DOMAIN)
+        bind_and_run(sess, feeds, attrs, case.shared)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            bind_and_run(sess, feeds, attrs, case.shared)
+            torch.cuda.synchronize()
+        names = sorted(
+            {e.name for e in prof.events() if e.device_type.name == "CUDA" and "Decode" in e.name}
+        )
+        print("RESULT " + json.dumps({"sms": sms, "kernels": names}), flush=True)
+
+
+def run_decode_kernels_child(specs: list[dict], timeout: float = 600.0):
+    """Runs ``decode_kernels_child(specs)`` in a fresh interpreter; returns (returncode, one
+    record per spec, stdout + stderr)."""
+    import subprocess
+
+    code = (
+        f"import sys, json; sys.path.insert(0, {HERE!r})\n"
+        "import gpu_util\n"
+        f"gpu_util.decode_kernels_child(json.loads({json.dumps(specs)!r}))\n"
+    )
+    env = dict(os.environ, GQA_GPU_SEED=str(BASE_SEED))
+    p = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+        check=False, env=env,
+    )  # fmt: skip
+    recs = [json.loads(line[7:]) for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    return p.returncode, recs, p.stdout + p.stderr
+
+
 def run_robustness_child(spec: dict, timeout: float = 900.0):
     """Runs ``robustness_child(spec)`` in a fresh interpreter; returns (returncode, records,
     stdout, stderr)."""

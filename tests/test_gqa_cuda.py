@@ -39,6 +39,7 @@ from gpu_util import (
     output_shapes,
     run_case_cuda,
     run_cuda,
+    run_decode_kernels_child,
     run_robustness_child,
     seed_note,
     to_device,
@@ -677,9 +678,14 @@ def test_deterministic(layout, dtype):
      ((28, 4, 128), 1, 2000, 9000, {}),
      # The wide instance (eight warps) with 8 live splits: one cluster merged through its shared
      # memory (capacity 1001, sm_90) against a flat global merge of the same 8 in a grid of 24
-     ((28, 4, 128), 1, 1000, 9000, {})],
+     ((28, 4, 128), 1, 1000, 9000, {}),
+     # The wide instance at 16 to one row per SM (one CTA of eight warps per SM, no clusters):
+     # 18 rows at head tile 64, a grid of 4 splits (capacity 501) against 7 of which 4 are
+     # live; 16 rows at head tile 128, 3 against 8
+     ((9, 3, 64), 6, 500, 5000, {}),
+     ((32, 8, 128), 2, 300, 3000, {})],
     ids=["flat", "clusters_sink", "clusters", "two_levels", "flat_capped", "group_clusters",
-         "wide_cluster_vs_global"],
+         "wide_cluster_vs_global", "wide_rows_hd64", "wide_rows_hd128"],
 )  # fmt: skip
 def test_decode_bits_do_not_depend_on_the_capacity(
     layout, dtype, heads, batch, past_len, big_cap, extra
@@ -736,14 +742,20 @@ def test_decode_bits_do_not_depend_on_the_capacity_without_group_clusters(settin
 
 
 def _wide_cases() -> list[GqaCase]:
-    # (heads, batch, past, extra capacity): few (batch, kv head) rows of one token whose merge
-    # takes two rounds at four warps, head tile 128 (MakePlan's wide class): G = 7 at one live
-    # split, 6 live in a grid of 8 (on sm_90 one cluster of eight-warp CTAs), 24 live of 24 (a
-    # flat global merge) twice; three entries (12 rows), ragged; head size 112 in the 128 tile
-    # (padding columns); G = 16 (16 rows, the whole tile: still two rounds at eight warps).
+    # (heads, batch, past, extra capacity): calls of one token the plan gives the wide instance
+    # (MakePlan). Few (batch, kv head) rows whose merge takes two rounds at four warps, head
+    # tile 128: G = 7 at one live split, 6 live in a grid of 8 (on sm_90 one cluster of
+    # eight-warp CTAs), 24 live of 24 (a flat global merge) twice; three entries (12 rows),
+    # ragged; head size 112 in the 128 tile (padding columns); G = 16 (16 rows, the whole tile:
+    # still two rounds at eight warps). Head tile 64 at few rows: G = 16 (two rounds). From 16
+    # rows to one per SM (one CTA per SM): 16 rows at head tile 128, 20 ragged at G = 4, 24 at
+    # head tile 64 (9/3/64 B=8), 18 at G = 7, head size 40 in the 64 tile.
     specs = [((28, 4, 128), 1, 5, 0), ((28, 4, 128), 1, 700, 300), ((28, 4, 128), 1, 3000, 0),
              ((28, 4, 128), 1, 12000, 4000), ((28, 4, 128), 3, 2000, 0),
-             ((14, 2, 112), 2, 900, 64), ((32, 2, 128), 1, 5000, 0)]  # fmt: skip
+             ((14, 2, 112), 2, 900, 64), ((32, 2, 128), 1, 5000, 0),
+             ((32, 2, 64), 1, 3000, 0),
+             ((32, 8, 128), 2, 1500, 0), ((16, 4, 128), 5, 600, 100), ((9, 3, 64), 8, 2000, 0),
+             ((14, 2, 64), 9, 900, 50), ((12, 4, 40), 5, 700, 0)]  # fmt: skip
     out = []
     for i, ((n, nkv, h), batch, past, extra) in enumerate(specs):
         for layout in (0, 1):
@@ -751,7 +763,7 @@ def _wide_cases() -> list[GqaCase]:
                                pad=min(past - 1, 37) if batch > 1 else 0, num_heads=n,
                                kv_num_heads=nkv, head_size=h,
                                dtype=("fp16", "bf16")[(i + layout) % 2], kv_layout=layout,
-                               shared=extra > 0 or i in (0, 4),
+                               shared=extra > 0 or i in (0, 4, 9),
                                extra_capacity=extra, do_rotary=i % 3 != 1,
                                seed=case_seed(50_200 + 2 * i + layout)))  # fmt: skip
     return out
@@ -759,15 +771,74 @@ def _wide_cases() -> list[GqaCase]:
 
 @pytest.mark.parametrize("case", _wide_cases(), ids=_label)
 def test_decode_wide_instance_vs_oracle(case):
-    """The calls the plan gives the wide decode instance (eight warps: few rows of one token at
-    head tile 128 whose merge would take two rounds at four warps): right by the oracle, and two
-    runs bit-identical (the warps merge in a fixed order)."""
+    """The calls the plan gives the wide decode instance (eight warps, one token, head tile 128
+    or 64: few rows whose merge would take two rounds at four warps, or 16 rows up to one per
+    SM): right by the oracle, and two runs bit-identical (the warps merge in a fixed order)."""
     a = ours(case)
     check_oracle(case, a)
     b = ours(case)
     assert np.array_equal(np.asarray(a[0]).view(np.uint8), np.asarray(b[0]).view(np.uint8)), (
         f"output differs between two identical runs {case!r}"
     )
+
+
+# (heads, batch, past, features): one-token calls and the warps MakePlan gives their decode
+# kernel: 8 (the wide instance) where it serves the call and either the rows are few (< 16) and
+# their merge takes two rounds at four warps, or they are 16 up to one per SM; else 4.
+_PLAN_WARPS_CASES = [
+    ((28, 4, 128), 1, 4000, {}),  # 4 rows, G = 7 at head size 128: two rounds
+    ((32, 2, 64), 1, 4000, {}),  # 2 rows, G = 16 at head size 64: two rounds
+    ((32, 8, 128), 1, 4000, {}),  # 8 rows, one round
+    ((9, 3, 64), 4, 4000, {}),  # 12 rows, one round
+    ((28, 4, 128), 1, 4000, {"head_sink": True}),  # not the plain form: no wide instance
+    ((32, 8, 128), 2, 1000, {}),  # 16 rows
+    ((9, 3, 64), 32, 1000, {}),  # 96 rows
+    ((12, 4, 40), 5, 700, {}),  # 20 rows, head size 40 in the 64 tile
+    ((28, 4, 128), 64, 300, {}),  # 256 rows: more than the SMs of the GPUs we know
+    ((4, 1, 256), 24, 1000, {}),  # head tile 256: no wide instance
+    ((32, 8, 32), 4, 1000, {}),  # head tile 32: none either
+]
+
+
+def _plan_warps(heads, batch, sms: int, features: dict) -> int:
+    n, nkv, h = heads
+    rows, g = batch * nkv, n // nkv
+    tile = (h + 31) // 32 * 32
+    served = tile in (64, 128) and not features
+    two_rounds = g * h // 4 > 128  # DecodeMergeTwoRounds at four warps
+    return 8 if served and ((rows < 16 and two_rounds) or 16 <= rows <= sms) else 4
+
+
+@pytest.mark.skipif(EMULATE, reason="kernel names need the CUDA EP")
+@pytest.mark.skipif(QUICK, reason="checks the plan, not memory: outside the sanitizer subset")
+def test_plan_gives_the_decode_warps():
+    """The decode kernel that runs, by its name in a CUPTI trace (torch's profiler, in a child
+    process): eight warps (W = 8 in DecodeTcKernel<T, HD, form, W>) exactly where MakePlan's rule
+    says, four elsewhere, and one decode launch per call."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("needs torch (its profiler reads the kernel names)")
+    specs = []
+    for i, (heads, batch, past, features) in enumerate(_PLAN_WARPS_CASES):
+        n, nkv, h = heads
+        specs.append(dict(kind="decode", batch=batch, past_len=past, num_heads=n,
+                          kv_num_heads=nkv, head_size=h, dtype="fp16", kv_layout=i % 2,
+                          shared=True, do_rotary=True, seed=case_seed(50_300 + i), **features))  # fmt: skip
+    rc, recs, log = run_decode_kernels_child(specs)
+    assert rc == 0 and len(recs) == len(specs), f"the child failed {seed_note()}:\n{log[-3000:]}"
+    for (heads, batch, _, features), rec in zip(_PLAN_WARPS_CASES, recs, strict=True):
+        want = _plan_warps(heads, batch, rec["sms"], features)
+        ours_ = [k for k in rec["kernels"] if "DecodeTcKernel<" in k]
+        assert len(ours_) == 1, f"{heads} B={batch}: not one decode launch: {rec['kernels']}"
+        m = re.search(r"DecodeTcKernel<[^,<>]+, (\d+), [^,<>]+, (\d+)>", ours_[0])
+        assert m, f"{heads} B={batch}: no template arguments in {ours_[0]!r}"
+        tile, warps = int(m.group(1)), int(m.group(2))
+        assert tile == (heads[2] + 31) // 32 * 32, f"{heads}: head tile {tile} in {ours_[0]!r}"
+        assert warps == want, (
+            f"{heads} B={batch} {features} on {rec['sms']} SMs: {warps} warps, the plan's rule "
+            f"says {want} ({ours_[0]!r})"
+        )
 
 
 @pytest.mark.parametrize("layout", [0, 1])

@@ -138,8 +138,9 @@ struct DecTrace {
 // Warps of a decode CTA: four, or eight in the wide instance (kernels.h; the kernel's W).
 constexpr int kDecWarpsOf4 = kDecodeCtaThreads / kWarp;
 constexpr int kDecWideWarps = kDecodeWideCtaThreads / kWarp;
-// The one head tile the wide instance is compiled for (DecodeTcWideServes).
-constexpr int kDecWideHd = 128;
+// The head tiles the wide instance is compiled for (DecodeTcWideServes; MakePlan says which calls
+// take it): 128 and 64, where it measured faster.
+constexpr bool DecWideHd(int64_t hd) { return hd == 128 || hd == 64; }
 static_assert(kDecodeRows % kDecWarpsOf4 == 0 && kDecodeRows % kDecWideWarps == 0,
               "each warp prepares kDecodeRows / warps rows");
 static_assert(kDecodeRows == kRowsPerCta, "the plan sizes decode slots in kRowsPerCta rows");
@@ -215,7 +216,8 @@ static_assert(DecSlotHoldsPrologue(32, kDecWarpsOf4) && DecSlotHoldsPrologue(64,
                   DecSlotHoldsPrologue(192, kDecWarpsOf4) &&
                   DecSlotHoldsPrologue(224, kDecWarpsOf4) &&
                   DecSlotHoldsPrologue(256, kDecWarpsOf4) &&
-                  DecSlotHoldsPrologue(kDecWideHd, kDecWideWarps),
+                  DecSlotHoldsPrologue(128, kDecWideWarps) &&
+                  DecSlotHoldsPrologue(64, kDecWideWarps),
               "the query tile, raw rows and scratch fit one free stage slot");
 
 // After the key loop: the warps' partials (red_o, rows of DecRedPitch floats), then the
@@ -410,7 +412,7 @@ __device__ __forceinline__ GqaShape PlainShape(GqaShape s, bool one_token) {
   s.causal = true;
   return s;
 }
-// W warps: four, or eight in the wide instance (kDecWideHd, one token: DecodeKernelFor).
+// W warps: four, or eight in the wide instance (DecWideHd, one token: DecodeKernelFor).
 template <typename T, int HD, DecodeForm kForm, int W>
 __global__ void __launch_bounds__(W * kWarp)
     DecodeTcKernel(GqaShape s_arg, GqaCudaBuffers buf, KvStrides present_st, int64_t splits,
@@ -1273,21 +1275,24 @@ DecodeFn DecodeKernelOfForm(DecodeForm form) {
 
 // The instance for a shape at `threads` per CTA and its shared memory, or null where none is
 // compiled: four warps for every form and head tile; eight (the wide instance) only for the
-// one-token plain form at head tile kDecWideHd, the class MakePlan gives them (each instance
-// adds to decode.cu's build, the slowest of the library's).
+// one-token plain form at head tiles 128 and 64 (DecWideHd), the class MakePlan gives them (each
+// instance adds to decode.cu's build, the slowest of the library's).
 template <typename T>
 DecodeFn DecodeKernelFor(const GqaShape& s, int threads, size_t* smem) {
   *smem = 0;
   const DecodeForm form = DecodeFormOf(s);
+  const int64_t tile = DecHeadDim(s.head_size);
   if (threads == kDecodeWideCtaThreads) {
-    if (form != DecodeForm::kPlainOneToken || DecHeadDim(s.head_size) != kDecWideHd) {
-      return nullptr;
+    if (form != DecodeForm::kPlainOneToken || !DecWideHd(tile)) return nullptr;
+    if (tile == 128) {
+      *smem = DecSmemBytes(128, sizeof(T), kDecWideWarps);
+      return DecodeTcKernel<T, 128, DecodeForm::kPlainOneToken, kDecWideWarps>;
     }
-    *smem = DecSmemBytes(kDecWideHd, sizeof(T), kDecWideWarps);
-    return DecodeTcKernel<T, kDecWideHd, DecodeForm::kPlainOneToken, kDecWideWarps>;
+    *smem = DecSmemBytes(64, sizeof(T), kDecWideWarps);
+    return DecodeTcKernel<T, 64, DecodeForm::kPlainOneToken, kDecWideWarps>;
   }
   if (threads != kDecodeCtaThreads) return nullptr;
-  switch (DecHeadDim(s.head_size)) {
+  switch (tile) {
 #define KVL_DECODE_HD(hd)                                \
   case hd:                                               \
     *smem = DecSmemBytes(hd, sizeof(T), kDecWarpsOf4);   \

@@ -220,16 +220,17 @@ constexpr int64_t kFewDecodeRows = 16;
 // 8 splits add two rounds of loads to the merge, not one, and the plan targets fewer splits
 // (MakePlan).
 constexpr int kDecodeCtaThreads = 128;
-// The wide instance's threads: eight warps, for few rows of one token at head size 128 whose
-// merge takes two rounds at four warps (MakePlan says why; DecodeTcWideServes where it exists).
+// The wide instance's threads: eight warps, for calls of one token at head tile 128 or 64 with
+// few rows whose merge takes two rounds at four warps or with up to one row per SM (MakePlan
+// says why; DecodeTcWideServes where it exists).
 constexpr int kDecodeWideCtaThreads = 256;
 __host__ __device__ constexpr bool DecodeMergeTwoRounds(int64_t rows, int64_t head_size) {
   return rows * head_size / 4 > kDecodeCtaThreads;
 }
 bool DecodeTcFits(const GqaShape& s, size_t elem, const CudaDeviceInfo& dev);
 // Whether the wide (eight-warp) instance serves this shape on this device: it is compiled for
-// the shape's form and head size (the one-token plain form, a head tile of 128) and its shared
-// memory fits.
+// the shape's form and head size (the one-token plain form, a head tile of 128 or 64) and its
+// shared memory fits.
 bool DecodeTcWideServes(const GqaShape& s, const CudaDeviceInfo& dev);
 // CTAs of `threads` threads (kDecodeCtaThreads or kDecodeWideCtaThreads) per SM; cached per
 // device and kernel.

@@ -80,7 +80,8 @@ GroupClusters DecodeGroupClusters() {
 }
 
 // ORT_KVLAYOUT_DECODE_WIDE=0 (read once) keeps the decode kernel at four warps where the plan
-// would take the wide instance (MakePlan): a benchmarking and testing knob (docs/BENCHMARKS.md).
+// would take the wide instance (MakePlan: few rows whose merge takes two rounds, or up to one row
+// per SM): a benchmarking and testing knob (docs/BENCHMARKS.md).
 bool DecodeWideAllowed() {
   static const bool allowed = EnvNotZero("ORT_KVLAYOUT_DECODE_WIDE");
   return allowed;
@@ -147,7 +148,34 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
     // keys per split (two steps per warp at four warps).
     const int64_t base = s.batch * s.kv_num_heads;
     const bool few = base < kFewDecodeRows;
-    const int fit = few ? 1 : DecodeTcCtasPerSm(s, dev);  // CTAs per SM
+    const bool two_rounds = DecodeMergeTwoRounds(s.seq_len * s.group_size(), s.head_size);
+    // Few rows of one token whose merge takes two rounds at four warps: eight warps (the wide
+    // instance, head tiles 128 and 64), the same split target, no group clusters. With one CTA per SM
+    // each scheduler then has two warps to issue from, and the merge takes half the rounds (one
+    // at G <= 8). Measured on the H200 (kernel us, docs/BENCHMARKS.md, twenty-fifth session) at
+    // 28/4/128 B=1 only (4 rows, G = 7), 24 splits without group clusters at four warps ->
+    // eight (an all-eight-warp build): L=4k 11.4 -> 10.3, 16k 17.5 -> 14.0, 32k 27.6 -> 25.4;
+    // this instance against the plan before (four warps, group clusters) L=4k 10.35 -> 10.1,
+    // 16k 16.4 -> 14.2, but 32k 26.1 -> 24.8 to 27.4 (the same process's two sessions can
+    // differ by 2.6 us there). 5 to 15 rows, G = 9 to 16 and head sizes 97 to 120 take it
+    // unmeasured (tested for correctness). Not at one-round shapes: eight warps measured 3%
+    // slower at 32/8/128 B=1 L=16k and 6% at 9/3/64 B=1 L=4k. (Eight warps with every slot's
+    // splits, 33: steadier at 32k, 24.0 to 24.7, but 0.96x to 1.02x of ORT at L=4k by session.)
+    // With 16 rows up to one per SM (one token, head tile 64 or 128), eight warps too, the CTA
+    // slots counted at eight warps (one CTA per SM, so fewer, longer splits). Measured on the
+    // H200 against four warps (kernel us, medians of both layouts in two or three processes,
+    // docs/BENCHMARKS.md, twenty-sixth session) at 24, 32, 64, 96 and 128 rows, 0.89x to 1.003x
+    // of the time: 32/8/128 B=8 (64 rows) L=1k 12.9 -> 12.3, 4k 40.5 -> 38.1, 32k 248.2 ->
+    // 245.5; 28/4/128 B=32 (128 rows) L=4k 69.2 -> 67.6, 16k 246.7 -> 243.4; 9/3/64 B=32 (96
+    // rows) L=1k 11.1 -> 10.0, 4k 32.2 -> 30.1. Not with more rows than SMs (waves of one CTA per
+    // SM): 32/8/128 B=64 L=1k 72.0 -> 83.3, 9/3/64 B=64 L=1k 16.9 -> 23.2. Head tile 64 at few
+    // rows (G >= 9, two rounds) takes it unmeasured.
+    if (DecodeWideAllowed() && ((few && two_rounds) || (!few && base <= sms)) &&
+        DecodeTcWideServes(s, dev)) {
+      p.decode_threads = kDecodeWideCtaThreads;
+    }
+    const bool wide = p.decode_threads == kDecodeWideCtaThreads;
+    const int fit = few ? 1 : DecodeTcCtasPerSm(s, dev, p.decode_threads);  // CTAs per SM
     const int64_t slots = sms * fit;
     // Where a row's merge takes two rounds of loads per 8 splits (DecodeMergeTwoRounds: 28/4/128,
     // 4/1/256), fewer splits: with few rows three quarters of the SMs, with many two CTAs per SM
@@ -160,28 +188,11 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
     // the partials (28/4/128 B=8, 4 splits rather than 8: L=1k 11.7 -> 11.3 us, 4k 26.8 -> 25.2,
     // 16k 72.2 -> 70.9, 32k 132.3 -> 130.6; but B=32, 1 split rather than 2 in 132 slots: 1%
     // slower at L >= 16k; twenty-fourth session).
-    const bool two_rounds = DecodeMergeTwoRounds(s.seq_len * s.group_size(), s.head_size);
     const int64_t split_slots = !two_rounds ? slots
                                 : few       ? sms * 3 / 4
                                 : 2 * base <= sms ? sms
                                                   : sms * std::min(fit, 2);
     p.split_target = std::min(std::max<int64_t>(1, split_slots / base), kMaxDecodeSplits);
-    // Few rows of one token whose merge takes two rounds at four warps: eight warps (the wide
-    // instance, head tile 128), the same split target, no group clusters. With one CTA per SM
-    // each scheduler then has two warps to issue from, and the merge takes half the rounds (one
-    // at G <= 8). Measured on the H200 (kernel us, docs/BENCHMARKS.md, twenty-fifth session) at
-    // 28/4/128 B=1 only (4 rows, G = 7), 24 splits without group clusters at four warps ->
-    // eight (an all-eight-warp build): L=4k 11.4 -> 10.3, 16k 17.5 -> 14.0, 32k 27.6 -> 25.4;
-    // this instance against the plan before (four warps, group clusters) L=4k 10.35 -> 10.1,
-    // 16k 16.4 -> 14.2, but 32k 26.1 -> 24.8 to 27.4 (the same process's two sessions can
-    // differ by 2.6 us there). 5 to 15 rows, G = 9 to 16 and head sizes 97 to 120 take it
-    // unmeasured (tested for correctness). Not at one-round shapes: eight warps measured 3%
-    // slower at 32/8/128 B=1 L=16k and 6% at 9/3/64 B=1 L=4k. (Eight warps with every slot's
-    // splits, 33: steadier at 32k, 24.0 to 24.7, but 0.96x to 1.02x of ORT at L=4k by session.)
-    if (few && two_rounds && DecodeWideAllowed() && DecodeTcWideServes(s, dev)) {
-      p.decode_threads = kDecodeWideCtaThreads;
-    }
-    const bool wide = p.decode_threads == kDecodeWideCtaThreads;
     if (!few && base > slots) {
       const int ctas = DecodeWaveCtasPerSm(base, sms, fit);
       if (ctas < fit) p.decode_ctas_per_sm = ctas;
