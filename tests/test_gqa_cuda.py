@@ -679,11 +679,11 @@ def test_deterministic(layout, dtype):
      # The wide instance (eight warps) with 8 live splits: one cluster merged through its shared
      # memory (capacity 1001, sm_90) against a flat global merge of the same 8 in a grid of 24
      ((28, 4, 128), 1, 1000, 9000, {}),
-     # The wide instance at 16 to one row per SM (one CTA of eight warps per SM, no clusters):
-     # 18 rows at head tile 64, a grid of 4 splits (capacity 501) against 7 of which 4 are
-     # live; 16 rows at head tile 128, 3 against 8
+     # The wide instance at more than 16 rows up to one per SM (one CTA of eight warps per SM,
+     # no clusters): 18 rows at head tile 64, a grid of 4 splits (capacity 501) against 7 of
+     # which 4 are live; 24 rows at head tile 128, 3 against 5
      ((9, 3, 64), 6, 500, 5000, {}),
-     ((32, 8, 128), 2, 300, 3000, {})],
+     ((32, 8, 128), 3, 300, 3000, {})],
     ids=["flat", "clusters_sink", "clusters", "two_levels", "flat_capped", "group_clusters",
          "wide_cluster_vs_global", "wide_rows_hd64", "wide_rows_hd128"],
 )  # fmt: skip
@@ -747,14 +747,14 @@ def _wide_cases() -> list[GqaCase]:
     # tile 128: G = 7 at one live split, 6 live in a grid of 8 (on sm_90 one cluster of
     # eight-warp CTAs), 24 live of 24 (a flat global merge) twice; three entries (12 rows),
     # ragged; head size 112 in the 128 tile (padding columns); G = 16 (16 rows, the whole tile:
-    # still two rounds at eight warps). Head tile 64 at few rows: G = 16 (two rounds). From 16
-    # rows to one per SM (one CTA per SM): 16 rows at head tile 128, 20 ragged at G = 4, 24 at
+    # still two rounds at eight warps). Head tile 64 at few rows: G = 16 (two rounds). From 17
+    # rows to one per SM (one CTA per SM): 24 rows at head tile 128, 20 ragged at G = 4, 24 at
     # head tile 64 (9/3/64 B=8), 18 at G = 7, head size 40 in the 64 tile.
     specs = [((28, 4, 128), 1, 5, 0), ((28, 4, 128), 1, 700, 300), ((28, 4, 128), 1, 3000, 0),
              ((28, 4, 128), 1, 12000, 4000), ((28, 4, 128), 3, 2000, 0),
              ((14, 2, 112), 2, 900, 64), ((32, 2, 128), 1, 5000, 0),
              ((32, 2, 64), 1, 3000, 0),
-             ((32, 8, 128), 2, 1500, 0), ((16, 4, 128), 5, 600, 100), ((9, 3, 64), 8, 2000, 0),
+             ((32, 8, 128), 3, 1500, 0), ((16, 4, 128), 5, 600, 100), ((9, 3, 64), 8, 2000, 0),
              ((14, 2, 64), 9, 900, 50), ((12, 4, 40), 5, 700, 0)]  # fmt: skip
     out = []
     for i, ((n, nkv, h), batch, past, extra) in enumerate(specs):
@@ -772,8 +772,9 @@ def _wide_cases() -> list[GqaCase]:
 @pytest.mark.parametrize("case", _wide_cases(), ids=_label)
 def test_decode_wide_instance_vs_oracle(case):
     """The calls the plan gives the wide decode instance (eight warps, one token, head tile 128
-    or 64: few rows whose merge would take two rounds at four warps, or 16 rows up to one per
-    SM): right by the oracle, and two runs bit-identical (the warps merge in a fixed order)."""
+    or 64: few rows whose merge would take two rounds at four warps, or more than 16 rows up to
+    one per SM): right by the oracle, and two runs bit-identical (the warps merge in a fixed
+    order)."""
     a = ours(case)
     check_oracle(case, a)
     b = ours(case)
@@ -783,15 +784,17 @@ def test_decode_wide_instance_vs_oracle(case):
 
 
 # (heads, batch, past, features): one-token calls and the warps MakePlan gives their decode
-# kernel: 8 (the wide instance) where it serves the call and either the rows are few (< 16) and
-# their merge takes two rounds at four warps, or they are 16 up to one per SM; else 4.
+# kernel: 8 (the wide instance) where it serves the call and the rows are at most one per SM
+# and either more than 16 or their merge takes two rounds at four warps; else 4.
 _PLAN_WARPS_CASES = [
     ((28, 4, 128), 1, 4000, {}),  # 4 rows, G = 7 at head size 128: two rounds
     ((32, 2, 64), 1, 4000, {}),  # 2 rows, G = 16 at head size 64: two rounds
     ((32, 8, 128), 1, 4000, {}),  # 8 rows, one round
     ((9, 3, 64), 4, 4000, {}),  # 12 rows, one round
     ((28, 4, 128), 1, 4000, {"head_sink": True}),  # not the plain form: no wide instance
-    ((32, 8, 128), 2, 1000, {}),  # 16 rows
+    ((32, 8, 128), 2, 1000, {}),  # 16 rows, one round
+    ((28, 4, 128), 4, 1000, {}),  # 16 rows, two rounds
+    ((32, 8, 128), 3, 1000, {}),  # 24 rows
     ((9, 3, 64), 32, 1000, {}),  # 96 rows
     ((12, 4, 40), 5, 700, {}),  # 20 rows, head size 40 in the 64 tile
     ((28, 4, 128), 64, 300, {}),  # 256 rows: more than the SMs of the GPUs we know
@@ -806,7 +809,7 @@ def _plan_warps(heads, batch, sms: int, features: dict) -> int:
     tile = (h + 31) // 32 * 32
     served = tile in (64, 128) and not features
     two_rounds = g * h // 4 > 128  # DecodeMergeTwoRounds at four warps
-    return 8 if served and ((rows < 16 and two_rounds) or 16 <= rows <= sms) else 4
+    return 8 if served and rows <= sms and (two_rounds or rows > 16) else 4
 
 
 @pytest.mark.skipif(EMULATE, reason="kernel names need the CUDA EP")

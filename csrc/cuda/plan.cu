@@ -80,8 +80,8 @@ GroupClusters DecodeGroupClusters() {
 }
 
 // ORT_KVLAYOUT_DECODE_WIDE=0 (read once) keeps the decode kernel at four warps where the plan
-// would take the wide instance (MakePlan: few rows whose merge takes two rounds, or up to one row
-// per SM): a benchmarking and testing knob (docs/BENCHMARKS.md).
+// would take the wide instance (MakePlan: one token, at most one row per SM, a merge of two
+// rounds or more than 16 rows): a benchmarking and testing knob (docs/BENCHMARKS.md).
 bool DecodeWideAllowed() {
   static const bool allowed = EnvNotZero("ORT_KVLAYOUT_DECODE_WIDE");
   return allowed;
@@ -161,16 +161,19 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
     // unmeasured (tested for correctness). Not at one-round shapes: eight warps measured 3%
     // slower at 32/8/128 B=1 L=16k and 6% at 9/3/64 B=1 L=4k. (Eight warps with every slot's
     // splits, 33: steadier at 32k, 24.0 to 24.7, but 0.96x to 1.02x of ORT at L=4k by session.)
-    // With 16 rows up to one per SM (one token, head tile 64 or 128), eight warps too, the CTA
-    // slots counted at eight warps (one CTA per SM, so fewer, longer splits). Measured on the
-    // H200 against four warps (kernel us, medians of both layouts in two or three processes,
-    // docs/BENCHMARKS.md, twenty-sixth session) at 24, 32, 64, 96 and 128 rows, 0.89x to 1.003x
-    // of the time: 32/8/128 B=8 (64 rows) L=1k 12.9 -> 12.3, 4k 40.5 -> 38.1, 32k 248.2 ->
-    // 245.5; 28/4/128 B=32 (128 rows) L=4k 69.2 -> 67.6, 16k 246.7 -> 243.4; 9/3/64 B=32 (96
-    // rows) L=1k 11.1 -> 10.0, 4k 32.2 -> 30.1. Not with more rows than SMs (waves of one CTA per
-    // SM): 32/8/128 B=64 L=1k 72.0 -> 83.3, 9/3/64 B=64 L=1k 16.9 -> 23.2. Head tile 64 at few
-    // rows (G >= 9, two rounds) takes it unmeasured.
-    if (DecodeWideAllowed() && ((few && two_rounds) || (!few && base <= sms)) &&
+    // With more than 16 rows up to one per SM (one token, head tile 64 or 128; two-round merges
+    // from 16 rows on), eight warps too, the CTA slots counted at eight warps (one CTA per SM,
+    // so fewer, longer splits). Measured on the H200 against four warps (kernel us, medians of
+    // both layouts in two or three processes, docs/BENCHMARKS.md, twenty-sixth session) at 18
+    // to 128 rows, 0.86x to 1.003x of the time: 32/8/128 B=8 (64 rows) L=1k 12.9 -> 12.3, 4k
+    // 40.5 -> 38.1, 32k 248.2 -> 245.5; 28/4/128 B=32 (128 rows) L=4k 69.2 -> 67.6, 16k 246.7 ->
+    // 243.4; 9/3/64 B=32 (96 rows) L=1k 11.1 -> 10.0, 4k 32.2 -> 30.1. At 16 rows only where the
+    // merge takes two rounds: 28/4/128 B=4 L=4k 15.2 -> 13.3, but 32/8/128 B=2 and 16/8/64 B=2
+    // (one round) 0.98x to 1.05x, mostly slower. Not with more rows than SMs (waves of one CTA
+    // per SM): 32/8/128 B=64 L=1k 72.0 -> 83.3, 9/3/64 B=64 L=1k 16.9 -> 23.2. Head tile 64 at
+    // few rows (G >= 9): 32/2/64 B=1 L=4k 9.9 -> 10.4 but 16k 13.0 -> 12.4, B=4 L=4k 11.7 -> 10.2.
+    if (DecodeWideAllowed() &&
+        ((few && two_rounds) || (base <= sms && (two_rounds || base > kFewDecodeRows))) &&
         DecodeTcWideServes(s, dev)) {
       p.decode_threads = kDecodeWideCtaThreads;
     }
