@@ -150,17 +150,17 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
     const bool few = base < kFewDecodeRows;
     const bool two_rounds = DecodeMergeTwoRounds(s.seq_len * s.group_size(), s.head_size);
     // Few rows of one token whose merge takes two rounds at four warps: eight warps (the wide
-    // instance, head tiles 128 and 64), the same split target, no group clusters. With one CTA per SM
-    // each scheduler then has two warps to issue from, and the merge takes half the rounds (one
+    // instance, head tiles 128 and 64), the same split target, no group clusters. With one CTA per
+    // SM each scheduler then has two warps to issue from, and the merge takes half the rounds (one
     // at G <= 8). Measured on the H200 (kernel us, docs/BENCHMARKS.md, twenty-fifth session) at
-    // 28/4/128 B=1 only (4 rows, G = 7), 24 splits without group clusters at four warps ->
-    // eight (an all-eight-warp build): L=4k 11.4 -> 10.3, 16k 17.5 -> 14.0, 32k 27.6 -> 25.4;
-    // this instance against the plan before (four warps, group clusters) L=4k 10.35 -> 10.1,
-    // 16k 16.4 -> 14.2, but 32k 26.1 -> 24.8 to 27.4 (the same process's two sessions can
-    // differ by 2.6 us there). 5 to 15 rows, G = 9 to 16 and head sizes 97 to 120 take it
-    // unmeasured (tested for correctness). Not at one-round shapes: eight warps measured 3%
-    // slower at 32/8/128 B=1 L=16k and 6% at 9/3/64 B=1 L=4k. (Eight warps with every slot's
-    // splits, 33: steadier at 32k, 24.0 to 24.7, but 0.96x to 1.02x of ORT at L=4k by session.)
+    // 28/4/128 B=1 only (4 rows, G = 7), 24 splits without group clusters at four warps -> eight
+    // (an all-eight-warp build): L=4k 11.4 -> 10.3, 16k 17.5 -> 14.0, 32k 27.6 -> 25.4; this
+    // instance against the plan before (four warps, group clusters) L=4k 10.35 -> 10.1, 16k 16.4 ->
+    // 14.2, but 32k 26.1 -> 24.8 to 27.4 (the same process's two sessions can differ by 2.6 us
+    // there). 5 to 15 rows, G = 9 to 16 and head sizes 97 to 120 take it unmeasured (tested for
+    // correctness). Not at one-round shapes: eight warps measured 3% slower at 32/8/128 B=1 L=16k
+    // and 6% at 9/3/64 B=1 L=4k. (Eight warps with every slot's splits, 33: steadier at 32k, 24.0
+    // to 24.7, but 0.96x to 1.02x of ORT at L=4k by session.)
     // With more than 16 rows up to one per SM (one token, head tile 64 or 128; two-round merges
     // from 16 rows on), eight warps too, the CTA slots counted at eight warps (one CTA per SM,
     // so fewer, longer splits). Measured on the H200 against four warps (kernel us, medians of
@@ -169,7 +169,7 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
     // 40.5 -> 38.1, 32k 248.2 -> 245.5; 28/4/128 B=32 (128 rows) L=4k 69.2 -> 67.6, 16k 246.7 ->
     // 243.4; 9/3/64 B=32 (96 rows) L=1k 11.1 -> 10.0, 4k 32.2 -> 30.1. At 16 rows only where the
     // merge takes two rounds: 28/4/128 B=4 L=4k 15.2 -> 13.3, but 32/8/128 B=2 and 16/8/64 B=2
-    // (one round) 0.98x to 1.05x, mostly slower. Not with more rows than SMs (waves of one CTA
+    // (one round) 0.97x to 1.04x, mostly slower. Not with more rows than SMs (waves of one CTA
     // per SM): 32/8/128 B=64 L=1k 72.0 -> 83.3, 9/3/64 B=64 L=1k 16.9 -> 23.2. Head tile 64 at
     // few rows (G >= 9): 32/2/64 B=1 L=4k 9.9 -> 10.4 but 16k 13.0 -> 12.4, B=4 L=4k 11.7 -> 10.2.
     if (DecodeWideAllowed() &&
