@@ -497,14 +497,24 @@ def _robust_one(layout: int, sc: dict) -> dict:
 
 def decode_kernels_child(specs: list[dict]) -> None:
     """For each GqaCase (its fields as a dict), one run on the CUDA EP, then one under torch's
-    profiler; prints "RESULT " and a JSON object: the device's SM count ("sms") and the names of
-    the device kernels of that run that name a decode kernel ("kernels"; ours is
-    DecodeTcKernel<T, HD, form, W>). In a child: torch's CUDA libraries stay out of the suite's
-    process."""
+    profiler; prints "RESULT " and a JSON object: the device's SM count ("sms"), its shared
+    memory per block ("smem_optin", bytes) and the names of the device kernels of that run that
+    name a decode kernel ("kernels", one per launch; ours is DecodeTcKernel<T, HD, form, W>).
+    Prints "SKIP " and why, and nothing else, where torch has no CUDA. In a child: torch's CUDA
+    libraries stay out of the suite's process."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if not torch.cuda.is_available():
+        print("SKIP torch without CUDA (a CPU-only build)", flush=True)
+        return
+    props = torch.cuda.get_device_properties(0)
+    sms = props.multi_processor_count
+    # Not in every torch: then the opt-in limit of the compute capability (sm_80 163 KB, sm_90
+    # 227 KB, others 99 KB).
+    smem = getattr(props, "shared_memory_per_block_optin", None)
+    if smem is None:
+        smem = {(8, 0): 163, (9, 0): 227}.get((props.major, props.minor), 99) * 1024
     for spec in specs:
         case = GqaCase(**spec)
         feeds, attrs = case.feeds(), case.attrs()
@@ -515,14 +525,17 @@ def decode_kernels_child(specs: list[dict]) -> None:
             bind_and_run(sess, feeds, attrs, case.shared)
             torch.cuda.synchronize()
         names = sorted(
-            {e.name for e in prof.events() if e.device_type.name == "CUDA" and "Decode" in e.name}
+            e.name for e in prof.events() if e.device_type.name == "CUDA" and "Decode" in e.name
         )
-        print("RESULT " + json.dumps({"sms": sms, "kernels": names}), flush=True)
+        print(
+            "RESULT " + json.dumps({"sms": sms, "smem_optin": smem, "kernels": names}), flush=True
+        )
 
 
 def run_decode_kernels_child(specs: list[dict], timeout: float = 600.0):
-    """Runs ``decode_kernels_child(specs)`` in a fresh interpreter; returns (returncode, one
-    record per spec, stdout + stderr)."""
+    """Runs ``decode_kernels_child(specs)`` in a fresh interpreter, without the plan's knobs
+    (ORT_KVLAYOUT_DECODE_*) in its environment; returns (returncode, one record per spec, stdout +
+    stderr), the returncode None where the child ran past `timeout`."""
     import subprocess
 
     code = (
@@ -530,11 +543,16 @@ def run_decode_kernels_child(specs: list[dict], timeout: float = 600.0):
         "import gpu_util\n"
         f"gpu_util.decode_kernels_child(json.loads({json.dumps(specs)!r}))\n"
     )
-    env = dict(os.environ, GQA_GPU_SEED=str(BASE_SEED))
-    p = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
-        check=False, env=env,
-    )  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ORT_KVLAYOUT_DECODE_")}
+    env["GQA_GPU_SEED"] = str(BASE_SEED)
+    try:
+        p = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+            check=False, env=env,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as e:
+        out = b"".join(x or b"" for x in (e.stdout, e.stderr))  # bytes, whatever text= says
+        return None, [], f"ran past {timeout} s\n{out.decode(errors='replace')}"
     recs = [json.loads(line[7:]) for line in p.stdout.splitlines() if line.startswith("RESULT ")]
     return p.returncode, recs, p.stdout + p.stderr
 

@@ -138,8 +138,8 @@ struct DecTrace {
 // Warps of a decode CTA: four, or eight in the wide instance (kernels.h; the kernel's W).
 constexpr int kDecWarpsOf4 = kDecodeCtaThreads / kWarp;
 constexpr int kDecWideWarps = kDecodeWideCtaThreads / kWarp;
-// The head tiles the wide instance is compiled for (DecodeTcWideServes; MakePlan says which calls
-// take it): 128 and 64, where it measured faster.
+// The head tiles the wide instance is compiled for (DecodeTcWideServes): 128 and 64, the tiles of
+// the shapes it was measured at (MakePlan says which calls take it, and the measurements).
 constexpr bool DecWideHd(int64_t hd) { return hd == 128 || hd == 64; }
 static_assert(kDecodeRows % kDecWarpsOf4 == 0 && kDecodeRows % kDecWideWarps == 0,
               "each warp prepares kDecodeRows / warps rows");

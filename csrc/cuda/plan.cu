@@ -145,7 +145,9 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
     // 6 to 10% faster than one split in 264 slots of 2), never a second wave of splits (in waves of
     // short splits each CTA's prologue is on the path: 9/3/64 B=32 L=1k took 70% longer). More
     // rows than slots: one split each, in waves they fill (DecodeWaveCtasPerSm). At least 128
-    // keys per split (two steps per warp at four warps).
+    // keys per split (two steps per warp at four warps). (These measurements, and those of the
+    // split slots below, were of four-warp CTAs; since the twenty-sixth session the one-token
+    // calls of at most one row per SM at head tiles 64 and 128 run eight warps: the wide rule.)
     const int64_t base = s.batch * s.kv_num_heads;
     const bool few = base < kFewDecodeRows;
     const bool two_rounds = DecodeMergeTwoRounds(s.seq_len * s.group_size(), s.head_size);
