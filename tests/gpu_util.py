@@ -532,49 +532,42 @@ def decode_kernels_child(specs: list[dict]) -> None:
         )
 
 
+def _run_child(function: str, arg, timeout: float, env: dict):
+    """Runs ``gpu_util.<function>(arg)`` (arg through JSON) in a fresh interpreter with `env` and
+    this process's data seed; returns the CompletedProcess (text) and the records it printed as
+    "RESULT <json>" lines. subprocess.TimeoutExpired passes through."""
+    import subprocess
+
+    code = (
+        f"import sys, json; sys.path.insert(0, {HERE!r})\n"
+        "import gpu_util\n"
+        f"gpu_util.{function}(json.loads({json.dumps(arg)!r}))\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+        check=False, env=dict(env, GQA_GPU_SEED=str(BASE_SEED)),
+    )  # fmt: skip
+    recs = [json.loads(line[7:]) for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    return p, recs
+
+
 def run_decode_kernels_child(specs: list[dict], timeout: float = 600.0):
     """Runs ``decode_kernels_child(specs)`` in a fresh interpreter, without the plan's knobs
     (ORT_KVLAYOUT_DECODE_*) in its environment; returns (returncode, one record per spec, stdout +
     stderr), the returncode None where the child ran past `timeout`."""
     import subprocess
 
-    code = (
-        f"import sys, json; sys.path.insert(0, {HERE!r})\n"
-        "import gpu_util\n"
-        f"gpu_util.decode_kernels_child(json.loads({json.dumps(specs)!r}))\n"
-    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("ORT_KVLAYOUT_DECODE_")}
-    env["GQA_GPU_SEED"] = str(BASE_SEED)
     try:
-        p = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
-            check=False, env=env,
-        )  # fmt: skip
+        p, recs = _run_child("decode_kernels_child", specs, timeout, env)
     except subprocess.TimeoutExpired as e:
         out = b"".join(x or b"" for x in (e.stdout, e.stderr))  # bytes, whatever text= says
         return None, [], f"ran past {timeout} s\n{out.decode(errors='replace')}"
-    recs = [json.loads(line[7:]) for line in p.stdout.splitlines() if line.startswith("RESULT ")]
     return p.returncode, recs, p.stdout + p.stderr
 
 
 def run_robustness_child(spec: dict, timeout: float = 900.0):
     """Runs ``robustness_child(spec)`` in a fresh interpreter; returns (returncode, records,
     stdout, stderr)."""
-    import subprocess
-
-    code = (
-        f"import sys, json; sys.path.insert(0, {HERE!r})\n"
-        "import gpu_util\n"
-        f"gpu_util.robustness_child(json.loads({json.dumps(spec)!r}))\n"
-    )
-    env = dict(os.environ, GQA_GPU_SEED=str(BASE_SEED))
-    p = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        env=env,
-    )
-    recs = [json.loads(line[7:]) for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    p, recs = _run_child("robustness_child", spec, timeout, dict(os.environ))
     return p.returncode, recs, p.stdout, p.stderr

@@ -810,10 +810,14 @@ _PLAN_WARPS_CASES = [
 _WIDE_SMEM = {64: 144 * 1024, 128: 136 * 1024}
 
 
+def _head_tile(head_size: int) -> int:  # DecHeadDim: a multiple of 32
+    return (head_size + 31) // 32 * 32
+
+
 def _plan_warps(heads, batch, sms: int, features: dict) -> int:
     n, nkv, h = heads
     rows, g = batch * nkv, n // nkv
-    tile = (h + 31) // 32 * 32
+    tile = _head_tile(h)
     # Every feature in these cases (a head sink) takes the kernel's full form, not the plain one.
     served = tile in _WIDE_SMEM and not features
     two_rounds = g * h // 4 > 128  # DecodeMergeTwoRounds at four warps
@@ -850,7 +854,7 @@ def test_plan_gives_the_decode_warps():
         m = re.search(r"DecodeTcKernel<[^,<>]+, (\d+), [^,<>]+, (\d+)>", ours_[0])
         assert m, f"{heads} B={batch}: no template arguments in {ours_[0]!r}"
         tile, warps = int(m.group(1)), int(m.group(2))
-        assert tile == (heads[2] + 31) // 32 * 32, f"{heads}: head tile {tile} in {ours_[0]!r}"
+        assert tile == _head_tile(heads[2]), f"{heads}: head tile {tile} in {ours_[0]!r}"
         assert warps == want, (
             f"{heads} B={batch} {features} on {rec['sms']} SMs: {warps} warps, the plan's rule "
             f"says {want} ({ours_[0]!r})"
