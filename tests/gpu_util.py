@@ -551,13 +551,16 @@ def _run_child(function: str, arg, timeout: float, env: dict):
     return p, recs
 
 
-def run_decode_kernels_child(specs: list[dict], timeout: float = 600.0):
+def run_decode_kernels_child(
+    specs: list[dict], timeout: float = 600.0, knobs: dict[str, str] | None = None
+):
     """Runs ``decode_kernels_child(specs)`` in a fresh interpreter, without the plan's knobs
-    (ORT_KVLAYOUT_DECODE_*) in its environment; returns (returncode, one record per spec, stdout +
-    stderr), the returncode None where the child ran past `timeout`."""
+    (ORT_KVLAYOUT_DECODE_*) in its environment but `knobs`; returns (returncode, one record per
+    spec, stdout + stderr), the returncode None where the child ran past `timeout`."""
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("ORT_KVLAYOUT_DECODE_")}
+    env.update(knobs or {})
     try:
         p, recs = _run_child("decode_kernels_child", specs, timeout, env)
     except subprocess.TimeoutExpired as e:

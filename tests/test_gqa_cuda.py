@@ -684,9 +684,13 @@ def test_deterministic(layout, dtype):
      # no clusters): 18 rows at head tile 64, a grid of 4 splits (capacity 501) against 7 of
      # which 4 are live; 24 rows at head tile 128, 3 against 5
      ((9, 3, 64), 6, 500, 5000, {}),
-     ((32, 8, 128), 3, 300, 3000, {})],
+     ((32, 8, 128), 3, 300, 3000, {}),
+     # 9/3/64 at one entry over 3000 keys: at kv_layout=1 with packed heads forced (the child
+     # of test_decode_packed_heads_forced) one CTA row of 9 query rows, its splits in group
+     # clusters on sm_90, against a larger grid
+     ((9, 3, 64), 1, 3000, 9000, {})],
     ids=["flat", "clusters_sink", "clusters", "two_levels", "flat_capped", "group_clusters",
-         "wide_cluster_vs_global", "wide_rows_hd64", "wide_rows_hd128"],
+         "wide_cluster_vs_global", "wide_rows_hd64", "wide_rows_hd128", "packed_one_entry"],
 )  # fmt: skip
 def test_decode_bits_do_not_depend_on_the_capacity(
     layout, dtype, heads, batch, past_len, big_cap, extra
@@ -785,6 +789,71 @@ def test_decode_wide_instance_vs_oracle(case):
     )
 
 
+def _packed_cases() -> list[GqaCase]:
+    # (heads, batch, past, extra capacity): one-token calls at kv_layout=1 that packed heads serve
+    # (DecodePackedServes: head size 64, 2 or 3 kv heads, Nkv x G <= 16 rows). Packed heads are an
+    # opt-in (ORT_KVLAYOUT_DECODE_PACKED): test_decode_packed_heads_forced runs these cases
+    # packed, the sanitizer subset (with the opt-in's rule) the 70-entry one. 9/3/64 (tile 192,
+    # 9 rows): one entry (few rows: a cluster of splits), one entry over 3000 keys (group clusters
+    # on sm_90), three ragged entries, 70 entries (one split each); 14/2/64 (tile 128, 14 rows):
+    # two entries, nine ragged; 4/2/64 (G = 2); 16/2/64 (G = 8: the whole 16-row tile); 12/3/64
+    # (12 rows) over 20000 keys (a merge tree); 6/3/64 over 129 keys (one split).
+    specs = [((9, 3, 64), 1, 5, 0), ((9, 3, 64), 1, 3000, 500), ((9, 3, 64), 3, 900, 0),
+             ((9, 3, 64), 70, 300, 40), ((14, 2, 64), 2, 1500, 0), ((14, 2, 64), 9, 600, 64),
+             ((4, 2, 64), 1, 700, 0), ((16, 2, 64), 2, 2000, 100), ((12, 3, 64), 1, 20000, 0),
+             ((6, 3, 64), 5, 128, 0)]  # fmt: skip
+    out = []
+    for i, ((n, nkv, h), batch, past, extra) in enumerate(specs):
+        out.append(GqaCase(kind="decode", batch=batch, past_len=past,
+                           pad=min(past - 1, 37) if batch > 1 else 0, num_heads=n,
+                           kv_num_heads=nkv, head_size=h, dtype=("fp16", "bf16")[i % 2],
+                           kv_layout=1, shared=extra > 0 or i in (0, 4, 9),
+                           extra_capacity=extra, do_rotary=i % 3 != 1,
+                           seed=case_seed(50_400 + i)))  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("case", _packed_cases(), ids=_label)
+def test_decode_packed_heads_vs_oracle(case):
+    """One-token calls at kv_layout=1 of 2 or 3 kv heads of size 64, which packed heads can serve
+    (one CTA per batch entry for all its kv heads, whole token rows): right by the oracle, the
+    appended rows of every kv head included, and two runs bit-identical."""
+    a = ours(case)
+    check_oracle(case, a)
+    b = ours(case)
+    for name, x, y in zip(("output", "present_key", "present_value"), a, b, strict=True):
+        assert np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8)), (
+            f"{name} differs between two identical runs {case!r}"
+        )
+
+
+@pytest.mark.skipif(QUICK, reason="a child pytest: outside the sanitizer subset")
+def test_decode_packed_heads_forced():
+    """With ORT_KVLAYOUT_DECODE_PACKED=2 packed heads serve every call they can (in a child
+    pytest: the library reads the setting once per process): the packed cases, the capacity
+    cases whose shapes they serve (bits independent of the capacity) and the non-finite decode
+    cases (a NaN or Inf in one kv head's rows reaches only that head's query rows, which share
+    the packed CTA with the other heads' rows) all pass."""
+    from test_gqa_nonfinite import _DECODE_EDITS
+
+    # The non-finite decode cases on the GPU (2 dtypes x 2 lengths x 2 layouts each), the packed
+    # cases, and two capacity cases in 2 dtypes x 2 layouts.
+    want = len(_DECODE_EDITS) * 8 + len(_packed_cases()) + 2 * 4
+    here = os.path.dirname(__file__)
+    p = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+         f"{__file__}::test_decode_packed_heads_vs_oracle",
+         f"{__file__}::test_decode_bits_do_not_depend_on_the_capacity",
+         os.path.join(here, "test_gqa_nonfinite.py") + "::test_decode_nonfinite_as_ort",
+         "-k", "packed or wide_rows_hd64 or nonfinite"],
+        capture_output=True, text=True, timeout=900, check=False,
+        env=dict(os.environ, ORT_KVLAYOUT_DECODE_PACKED="2"),
+    )  # fmt: skip
+    tail = (p.stdout + p.stderr)[-3000:]
+    assert p.returncode == 0, f"packed heads forced: the child pytest failed {seed_note()}:\n{tail}"
+    assert re.search(rf"\b{want} passed\b", p.stdout), f"not {want} cases passed:\n{tail}"
+
+
 # (heads, batch, past, features): one-token calls and the warps MakePlan gives their decode
 # kernel: 8 (the wide instance) where it serves the call and the rows are at most one per SM
 # and either more than 16 or their merge takes two rounds at four warps; else 4.
@@ -802,6 +871,13 @@ _PLAN_WARPS_CASES = [
     ((28, 4, 128), 64, 300, {}),  # 256 rows: more than the SMs of the GPUs we know
     ((4, 1, 256), 24, 1000, {}),  # head tile 256: no wide instance
     ((32, 8, 32), 4, 1000, {}),  # head tile 32: none either
+    # kv_layout=1, 192 rows: with ORT_KVLAYOUT_DECODE_PACKED=1 packed heads (tile 192, four
+    # warps), else per-head CTAs of four warps
+    ((9, 3, 64), 64, 300, {}),
+    ((9, 3, 64), 64, 300, {}),  # kv_layout=0: per-head CTAs, four warps
+    ((9, 3, 64), 44, 300, {}),  # kv_layout=1, 132 rows: per-head, eight warps (on 132 SMs)
+    ((14, 2, 64), 70, 300, {}),  # kv_layout=0, 140 rows: per-head
+    ((14, 2, 64), 70, 300, {}),  # kv_layout=1, 2 kv heads: per-head (the rule takes 3)
 ]
 
 
@@ -814,22 +890,32 @@ def _head_tile(head_size: int) -> int:  # DecHeadDim: a multiple of 32
     return (head_size + 31) // 32 * 32
 
 
-def _plan_warps(heads, batch, sms: int, features: dict) -> int:
+def _plan_warps(
+    heads, batch, layout: int, sms: int, features: dict, packed_rule: bool
+) -> tuple[int, int]:
+    """(head tile, warps) of the decode kernel MakePlan gives a one-token call; `packed_rule`:
+    with ORT_KVLAYOUT_DECODE_PACKED=1."""
     n, nkv, h = heads
     rows, g = batch * nkv, n // nkv
     tile = _head_tile(h)
     # Every feature in these cases (a head sink) takes the kernel's full form, not the plain one.
+    packs = layout == 1 and nkv == 3 and h == 64 and nkv * g <= 16 and not features
+    if packed_rule and packs and rows > sms:
+        return nkv * h, 4  # packed heads (DecodePackedRule): whole token rows of 3 kv heads
     served = tile in _WIDE_SMEM and not features
     two_rounds = g * h // 4 > 128  # DecodeMergeTwoRounds at four warps
-    return 8 if served and rows <= sms and (two_rounds or rows > 16) else 4
+    return tile, 8 if served and rows <= sms and (two_rounds or rows > 16) else 4
 
 
 @pytest.mark.skipif(EMULATE, reason="kernel names need the CUDA EP")
 @pytest.mark.skipif(QUICK, reason="checks the plan, not memory: outside the sanitizer subset")
-def test_plan_gives_the_decode_warps():
+@pytest.mark.parametrize("packed", [None, "1"], ids=["default", "packed_rule"])
+def test_plan_gives_the_decode_warps(packed):
     """The decode kernel that runs, by its name in a CUPTI trace (torch's profiler, in a child
     process): eight warps (W = 8 in DecodeTcKernel<T, HD, form, W>) exactly where MakePlan's rule
-    says, four elsewhere, and one decode launch per call."""
+    says, four elsewhere, and one decode launch per call; with ORT_KVLAYOUT_DECODE_PACKED=1, the
+    packed heads' tile of 3 x 64 columns (HD = 192) exactly where their rule says (kv_layout=1, 3
+    kv heads, more rows than SMs), and by default never."""
     import importlib.util
 
     if importlib.util.find_spec("torch") is None:
@@ -840,21 +926,24 @@ def test_plan_gives_the_decode_warps():
         specs.append(dict(kind="decode", batch=batch, past_len=past, num_heads=n,
                           kv_num_heads=nkv, head_size=h, dtype="fp16", kv_layout=i % 2,
                           shared=True, do_rotary=True, seed=case_seed(50_300 + i), **features))  # fmt: skip
-    rc, recs, log = run_decode_kernels_child(specs)
+    knobs = {"ORT_KVLAYOUT_DECODE_PACKED": packed} if packed else None
+    rc, recs, log = run_decode_kernels_child(specs, knobs=knobs)
     if rc == 0 and log.startswith("SKIP "):
         pytest.skip(log.splitlines()[0][5:])
     assert rc == 0 and len(recs) == len(specs), f"the child failed {seed_note()}:\n{log[-3000:]}"
     if recs[0]["smem_optin"] < max(_WIDE_SMEM.values()):
         pytest.skip(f"the rule's bounds are those of an SM with 144 KB of shared memory per block "
                     f"or more (this one: {recs[0]['smem_optin']} bytes)")  # fmt: skip
-    for (heads, batch, _, features), rec in zip(_PLAN_WARPS_CASES, recs, strict=True):
-        want = _plan_warps(heads, batch, rec["sms"], features)
+    for i, ((heads, batch, _, features), rec) in enumerate(
+        zip(_PLAN_WARPS_CASES, recs, strict=True)
+    ):
+        want_tile, want = _plan_warps(heads, batch, i % 2, rec["sms"], features, bool(packed))
         ours_ = [k for k in rec["kernels"] if "DecodeTcKernel<" in k]
         assert len(ours_) == 1, f"{heads} B={batch}: not one decode launch: {rec['kernels']}"
         m = re.search(r"DecodeTcKernel<[^,<>]+, (\d+), [^,<>]+, (\d+)>", ours_[0])
         assert m, f"{heads} B={batch}: no template arguments in {ours_[0]!r}"
         tile, warps = int(m.group(1)), int(m.group(2))
-        assert tile == _head_tile(heads[2]), f"{heads}: head tile {tile} in {ours_[0]!r}"
+        assert tile == want_tile, f"{heads} B={batch}: head tile {tile} in {ours_[0]!r}"
         assert warps == want, (
             f"{heads} B={batch} {features} on {rec['sms']} SMs: {warps} warps, the plan's rule "
             f"says {want} ({ours_[0]!r})"

@@ -392,8 +392,10 @@ __host__ __device__ inline bool DecodePlain(const GqaShape& s) {
          s.local_window < 0 && !s.sliding_window_cache && !s.has_head_sink && !s.smooth_softmax &&
          !s.has_q_norm && !s.has_k_norm && !s.has_query_seqlens && s.causal;
 }
-// Which instance serves a call: the full one, the plain one, or the plain one for one token.
-enum class DecodeForm : int { kFull, kPlain, kPlainOneToken };
+// Which instance serves a call: the full one, the plain one, or the plain one for one token;
+// or, where the plan packs heads (GqaCudaPlan::decode_packed, DecodePackedServes), the plain one
+// for one token with all kv heads of a batch entry in one CTA.
+enum class DecodeForm : int { kFull, kPlain, kPlainOneToken, kPackedHeads };
 __host__ __device__ inline DecodeForm DecodeFormOf(const GqaShape& s) {
   if (!DecodePlain(s)) return DecodeForm::kFull;
   return s.seq_len == 1 ? DecodeForm::kPlainOneToken : DecodeForm::kPlain;
@@ -418,20 +420,33 @@ __global__ void __launch_bounds__(W * kWarp)
     DecodeTcKernel(GqaShape s_arg, GqaCudaBuffers buf, KvStrides present_st, int64_t splits,
                    int64_t split_target, int cluster, float* part_o, float* part_m, float* part_l,
                    unsigned* counters) {
+  // Packed heads (kPack): a CTA serves every kv head of batch entry blockIdx.y. Seq-major rows of
+  // one token's kv heads lie side by side, so its stage tiles hold whole token rows of HD = Nkv x
+  // SH columns (SH = 64, the head size), read contiguously, where the per-head CTAs read 128-byte
+  // rows Nkv x 128 bytes apart at different times (a DRAM cost: docs/BENCHMARKS.md, twenty-eighth
+  // session). Its CTA rows are the Nkv x G query heads, row r of kv head r / G; Q K^T and P V run
+  // once per kv head over that head's SH columns, each row keeping its own head's scores and its
+  // own head's P V products (the others are computed and dropped, never added), so the
+  // accumulators are SH wide and every row gets the per-head kernel's arithmetic, in its order.
+  constexpr bool kPack = kForm == DecodeForm::kPackedHeads;
+  constexpr int SH = kPack ? 64 : HD;  // columns of one head in the stage tiles
+  static_assert(!kPack || (HD % SH == 0 && HD / SH <= kDecodeRows), "whole heads per tile");
   const GqaShape s = kForm == DecodeForm::kFull
                          ? s_arg
-                         : PlainShape(s_arg, kForm == DecodeForm::kPlainOneToken);
+                         : PlainShape(s_arg, kForm == DecodeForm::kPlainOneToken || kPack);
   constexpr int kDecWarps = W, kDecThreads = W * kWarp;
   // The checker row (ptxas lays its code right after this branch whatever the source order or
   // a __builtin_expect says: the working CTAs jump over it once).
-  if (blockIdx.y >= s.batch * s.kv_num_heads) {
+  if (blockIdx.y >= s.batch * (kPack ? 1 : s.kv_num_heads)) {
     CheckLengthsRow<kDecThreads>(s, buf);
     return;
   }
   constexpr int KS = DecKeys(HD), ST = DecStages(HD), P = DecPitch(HD);
   constexpr int NT = KS / 8;  // score n-tiles (8 keys each)
-  constexpr int DT = HD / 8;  // output n-tiles (8 dimensions each)
-  constexpr int KT = HD / 16;  // k-steps of Q K^T
+  constexpr int KT = HD / 16;   // k-steps of Q K^T over a stage tile
+  constexpr int DTO = SH / 8;   // output n-tiles (8 dimensions each) of a row
+  constexpr int KTQ = SH / 16;  // k-steps of a row's query
+  constexpr int NH = HD / SH;   // heads per stage tile (1 but packed)
   extern __shared__ __align__(128) unsigned char dec_smem[];
   // The XOR address forms need the tiles on 128-byte boundaries (an invariant of the build:
   // dec_smem's alignment, so never taken).
@@ -448,18 +463,25 @@ __global__ void __launch_bounds__(W * kWarp)
   // instructions, and these were on every CTA's path to its first load, profiled at B=1).
   const int Gi = static_cast<int>(s.num_heads) / static_cast<int>(s.kv_num_heads);
   const int64_t H = s.head_size, G = Gi, N = s.num_heads;
-  const int64_t rows = s.seq_len * G;  // <= kDecodeRows (the dispatch guarantees it)
   const int nkv = static_cast<int>(s.kv_num_heads);
-  const int64_t bg = blockIdx.y, b = int(blockIdx.y) / nkv, g = int(blockIdx.y) % nkv;
+  // <= kDecodeRows (the dispatch guarantees it)
+  const int64_t rows = kPack ? nkv * G : s.seq_len * G;
+  // bg: the grid row (batch entry x kv head, or the batch entry where packed), which owns the
+  // merge's partial slots and counters. g: the kv head (0 where packed: the token rows' start).
+  const int64_t bg = blockIdx.y, b = kPack ? bg : int(blockIdx.y) / nkv,
+                g = kPack ? 0 : int(blockIdx.y) % nkv;
   // CTA row r (< kDecodeRows): token r / G, query head g * G + r % G.
   // r / G by a float reciprocal, not an integer division per row (about 17 instructions each,
   // on the path to the query loads): exact for r < kDecodeRows, since (r + 0.5) / G lies at
   // least 1 / (2 G) from an integer and the product is off by less than 2e-6.
   const float inv_g = __frcp_rn(static_cast<float>(Gi));
+  // (Packed: one token, and row r is query head r.)
   auto row_tok = [&](int64_t r) -> int64_t {
+    if constexpr (kPack) return 0;
     return static_cast<int>((static_cast<float>(r) + 0.5f) * inv_g);
   };
   auto row_head = [&](int64_t r) -> int64_t {
+    if constexpr (kPack) return r;
     return g * G + static_cast<int>(r) - static_cast<int>(row_tok(r)) * Gi;
   };
   const int64_t split = blockIdx.x;
@@ -557,7 +579,8 @@ __global__ void __launch_bounds__(W * kWarp)
   const T* pk = static_cast<const T*>(buf.present_key) + present_st.Offset(b, g, 0);
   const T* pv = static_cast<const T*>(buf.present_value) + present_st.Offset(b, g, 0);
   const int64_t seq_stride = present_st.seq;
-  const int chunks = static_cast<int>(H / 8);  // 16-byte chunks of a row (H % 8 == 0)
+  const int64_t row_width = kPack ? nkv * H : H;  // elements of a stage row (packed: HD)
+  const int chunks = static_cast<int>(row_width / 8);  // 16-byte chunks of a row (H % 8 == 0)
   constexpr int CPR = HD / 8;                  // chunk slots per row; those >= chunks are padding
   // A lane copies the same (row j, chunk c) slots of every step: j and c depend on the lane only.
   constexpr int kCopies = (KS * CPR + kWarp - 1) / kWarp;
@@ -660,9 +683,12 @@ __global__ void __launch_bounds__(W * kWarp)
     for (int e = 0; e < QE; ++e) q_raw[j * HD + lane + e * kWarp] = ToF(qv[j][e]);
   }
   if (appended) {
-    for (int64_t i = warp; i < written; i += kDecWarps) {
+    // Packed: the rows of every kv head, one (token, head) per warp in turn.
+    const int nh = kPack ? nkv : 1;
+    for (int64_t ih = warp; ih < written * nh; ih += kDecWarps) {
+      const int64_t i = kPack ? ih / nh : ih, hk = kPack ? ih % nh : g;
       if (!appends(i)) continue;
-      AppendKvRow<T>(s, buf, present_st, geo, b, i, g, ClampedRotaryPosition(s, buf, geo, b, i),
+      AppendKvRow<T>(s, buf, present_st, geo, b, i, hk, ClampedRotaryPosition(s, buf, geo, b, i),
                      x, lane);
     }
     __syncthreads();  // every warp's rows before any warp's copies read them
@@ -685,15 +711,15 @@ __global__ void __launch_bounds__(W * kWarp)
       float* qr = q_raw + j * HD;  // the warp's own row: normed and rotated in place
       __syncwarp();                // every lane's raw values before rotary pairs cross lanes
       NormRotate<T>(s, buf, true, ClampedRotaryPosition(s, buf, geo, b, tok), qr, lane);
-      for (int64_t d = lane; d < HD; d += kWarp) qt[d] = FromF<T>(d < H ? qr[d] * s.scale : 0.0f);
+      for (int64_t d = lane; d < SH; d += kWarp) qt[d] = FromF<T>(d < H ? qr[d] * s.scale : 0.0f);
     } else {
-      for (int64_t d = lane; d < HD; d += kWarp) qt[d] = FromF<T>(0.0f);
+      for (int64_t d = lane; d < SH; d += kWarp) qt[d] = FromF<T>(0.0f);
     }
   }
   __syncthreads();
-  uint32_t qa[KT][4];
+  uint32_t qa[KTQ][4];
 #pragma unroll
-  for (int kk = 0; kk < KT; ++kk) {
+  for (int kk = 0; kk < KTQ; ++kk) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int d = kk * 16 + (e / 2) * 8 + 2 * tq;
@@ -702,12 +728,13 @@ __global__ void __launch_bounds__(W * kWarp)
   }
   __syncthreads();  // every warp holds its fragments: warp 0's free slot may take a step
   prologue_trace.Mark();  // the query tile in every warp's fragments
-  KVL_DECODE_STOP_AFTER(2, qa[0][0] == 0x5a5a5a5au && qa[KT - 1][3] == 0xa5a5a5a5u)
-  // Padding columns [H, HD) of every stage are zeroed once, now that no slot holds the tile or a
-  // scratch row; the copies write columns [0, H) only.
-  for (int64_t idx = lane; HD > H && idx < ST * 2 * KS * (HD - H); idx += kWarp) {
-    const int row = static_cast<int>(idx / (HD - H));  // of the ST x {K, V} tiles of KS rows
-    wsm[(row / KS) * KS * P + DecKvAt<HD>(row % KS, static_cast<int>(H + idx % (HD - H)))] =
+  KVL_DECODE_STOP_AFTER(2, qa[0][0] == 0x5a5a5a5au && qa[KTQ - 1][3] == 0xa5a5a5a5u)
+  // Padding columns [row_width, HD) of every stage are zeroed once, now that no slot holds the
+  // tile or a scratch row; the copies write columns [0, row_width) only.
+  for (int64_t idx = lane; HD > row_width && idx < ST * 2 * KS * (HD - row_width); idx += kWarp) {
+    const int row = static_cast<int>(idx / (HD - row_width));  // of the ST x {K, V} tiles
+    wsm[(row / KS) * KS * P +
+        DecKvAt<HD>(row % KS, static_cast<int>(row_width + idx % (HD - row_width)))] =
         FromF<T>(0.0f);
   }
 
@@ -735,10 +762,14 @@ __global__ void __launch_bounds__(W * kWarp)
     }
   }
 
+  // Packed: the kv heads of this thread's rows gq and gq + 8 (NH or more for idle rows: no
+  // head's pass is theirs).
+  const int head_lo = kPack ? gq / Gi : 0, head_hi = kPack ? (gq + 8) / Gi : 0;
+
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-  float o[DT][4];
+  float o[DTO][4];
 #pragma unroll
-  for (int n = 0; n < DT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  for (int n = 0; n < DTO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
 
   for (int64_t i = 0; i < my_steps; ++i) {
     // The slot of step i - 1 was read by every lane before the barrier closing that step, so
@@ -773,11 +804,20 @@ __global__ void __launch_bounds__(W * kWarp)
                        unsigned((((mi_l % 2) * 8 + l8) * HD + (((mi_l / 2) ^ l8) << 3)) * 2)
                  : 0u;
 
-    float sc[NT][4];
+    // Q K^T per head: head hh's k-steps (kk of hh's SH columns) into hs_sc[hh]; each row keeps
+    // its own head's (one head: sc itself).
+    float hs_sc[NH][NT][4];
 #pragma unroll
-    for (int n = 0; n < NT; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+    for (int hh = 0; hh < NH; ++hh) {
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) hs_sc[hh][n][e] = 0.0f;
+      }
+    }
 #pragma unroll
     for (int kk = 0; kk < KT; ++kk) {
+      const int hh = kk / KTQ;
 #pragma unroll
       for (int n = 0; n < NT; n += 2) {  // two key n-tiles per ldmatrix.x4
         uint32_t kb[4];
@@ -789,8 +829,24 @@ __global__ void __launch_bounds__(W * kWarp)
           ptx::LdMatrixX4(kb, ks + DecKvAt<HD>(n * 8 + (mi / 2) * 8 + lane % 8,
                                                kk * 16 + (mi % 2) * 8));
         }
-        ptx::Mma16816<T>(sc[n], qa[kk], kb[0], kb[1]);
-        ptx::Mma16816<T>(sc[n + 1], qa[kk], kb[2], kb[3]);
+        ptx::Mma16816<T>(hs_sc[hh][n], qa[kk % KTQ], kb[0], kb[1]);
+        ptx::Mma16816<T>(hs_sc[hh][n + 1], qa[kk % KTQ], kb[2], kb[3]);
+      }
+    }
+    float sc[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[n][e] = hs_sc[0][n][e];
+    }
+#pragma unroll
+    for (int hh = 1; hh < NH; ++hh) {
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if ((e < 2 ? head_lo : head_hi) == hh) sc[n][e] = hs_sc[hh][n][e];
+        }
       }
     }
 
@@ -827,40 +883,68 @@ __global__ void __launch_bounds__(W * kWarp)
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) l[hr] = l[hr] * alpha[hr] + psum[hr];  // summed over tq at the end
 #pragma unroll
-    for (int n = 0; n < DT; ++n) {
+    for (int n = 0; n < DTO; ++n) {
       o[n][0] *= alpha[0];
       o[n][1] *= alpha[0];
     }
     if (upper) {
 #pragma unroll
-      for (int n = 0; n < DT; ++n) {
+      for (int n = 0; n < DTO; ++n) {
         o[n][2] *= alpha[1];
         o[n][3] *= alpha[1];
       }
     }
 
     // O += P V: P from the score registers (the C layout of two n-tiles is the A layout of one
-    // k-step), V through ldmatrix.trans.
+    // k-step), V through ldmatrix.trans: the products of V's n-tiles [n0, n0 + DTO) into acc.
+    auto pv = [&](float (&acc)[DTO][4], int n0) {
 #pragma unroll
-    for (int kk = 0; kk < KS / 16; ++kk) {
-      uint32_t a[4];
-      a[0] = ptx::PackPair<T>(sc[2 * kk][0], sc[2 * kk][1]);
-      a[1] = ptx::PackPair<T>(sc[2 * kk][2], sc[2 * kk][3]);
-      a[2] = ptx::PackPair<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-      a[3] = ptx::PackPair<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+      for (int kk = 0; kk < KS / 16; ++kk) {
+        uint32_t a[4];
+        a[0] = ptx::PackPair<T>(sc[2 * kk][0], sc[2 * kk][1]);
+        a[1] = ptx::PackPair<T>(sc[2 * kk][2], sc[2 * kk][3]);
+        a[2] = ptx::PackPair<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+        a[3] = ptx::PackPair<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
 #pragma unroll
-      for (int n = 0; n < DT; n += 2) {  // two dimension n-tiles per ldmatrix.x4.trans
-        uint32_t vb[4];
-        const int mi = lane / 8;  // matrices: (keys lo, d n) (keys hi, d n) (lo, n+8) (hi, n+8)
-        if constexpr (kXorAddr) {
-          ptx::LdMatrixX4TransAt(vb, (v_lane ^ unsigned((n & 7) << 4)) +
-                                         unsigned((kk * 16 * HD + (n & ~7) * 8) * 2));
-        } else {
-          ptx::LdMatrixX4Trans(vb, vs + DecKvAt<HD>(kk * 16 + (mi % 2) * 8 + lane % 8,
-                                                    n * 8 + (mi / 2) * 8));
+        for (int j = 0; j < DTO; j += 2) {  // two dimension n-tiles per ldmatrix.x4.trans
+          const int n = n0 + j;
+          uint32_t vb[4];
+          // matrices: (keys lo, d n) (keys hi, d n) (lo, n+8) (hi, n+8)
+          const int mi = lane / 8;
+          if constexpr (kXorAddr) {
+            ptx::LdMatrixX4TransAt(vb, (v_lane ^ unsigned((n & 7) << 4)) +
+                                           unsigned((kk * 16 * HD + (n & ~7) * 8) * 2));
+          } else {
+            ptx::LdMatrixX4Trans(vb, vs + DecKvAt<HD>(kk * 16 + (mi % 2) * 8 + lane % 8,
+                                                      n * 8 + (mi / 2) * 8));
+          }
+          ptx::Mma16816<T>(acc[j], a, vb[0], vb[1]);
+          ptx::Mma16816<T>(acc[j + 1], a, vb[2], vb[3]);
         }
-        ptx::Mma16816<T>(o[n], a, vb[0], vb[1]);
-        ptx::Mma16816<T>(o[n + 1], a, vb[2], vb[3]);
+      }
+    };
+    if constexpr (!kPack) {
+      pv(o, 0);
+    } else {
+      // Head hh's columns for every row into a copy of o, which only hh's rows keep: a row never
+      // adds another head's products (0 x a non-finite value would reach it), and its own are
+      // added to its o as the per-head kernel adds them.
+#pragma unroll
+      for (int hh = 0; hh < NH; ++hh) {
+        float t[DTO][4];
+#pragma unroll
+        for (int n = 0; n < DTO; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) t[n][e] = o[n][e];
+        }
+        pv(t, hh * DTO);
+#pragma unroll
+        for (int n = 0; n < DTO; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            if ((e < 2 ? head_lo : head_hi) == hh) o[n][e] = t[n][e];
+          }
+        }
       }
     }
   }
@@ -869,7 +953,7 @@ __global__ void __launch_bounds__(W * kWarp)
   // P V products: its phase 3 read short, docs/BENCHMARKS.md, tenth session.)
   KVL_DECODE_STOP_AFTER(3, [&] {
     float t = m[0] + l[0] + m[1] + l[1];
-    for (int n = 0; n < DT; ++n) t += o[n][0] + o[n][1] + o[n][2] + o[n][3];
+    for (int n = 0; n < DTO; ++n) t += o[n][0] + o[n][1] + o[n][2] + o[n][3];
     return t;
   }() == 1234.5f)
   // Merge the warps (fixed order: deterministic) in the stage memory: every copy has landed
@@ -889,7 +973,7 @@ __global__ void __launch_bounds__(W * kWarp)
       red_l[warp][r] = lt;
     }
 #pragma unroll
-    for (int n = 0; n < DT; ++n) {
+    for (int n = 0; n < DTO; ++n) {
       const int d = n * 8 + 2 * tq;
       *reinterpret_cast<float2*>(red_o + (warp * kDecodeRows + r) * RP + d) =
           make_float2(o[n][2 * hr], o[n][2 * hr + 1]);
@@ -994,7 +1078,7 @@ __global__ void __launch_bounds__(W * kWarp)
   };
   const int hs = static_cast<int>(H), nrows = static_cast<int>(rows);
   // Four values per thread: row r, columns d .. d + 3 (H % 8 == 0).
-  constexpr int HD4 = HD / 4;
+  constexpr int HD4 = SH / 4;
   for (int idx = threadIdx.x; idx < nrows * HD4; idx += kDecThreads) {
     const int r = idx / HD4, d = (idx % HD4) * 4;  // compile-time divisor
     if (d >= hs) continue;
@@ -1273,14 +1357,32 @@ DecodeFn DecodeKernelOfForm(DecodeForm form) {
   }
 }
 
+// The packed-heads instances' tiles: Nkv x 64 columns for 2 or 3 kv heads of head size 64
+// (9/3/64, SmolLM2; 14/2/64, Qwen2.5-0.5B; the tiles of the shapes measured).
+constexpr bool DecPackedTile(int64_t tile) { return tile == 128 || tile == 192; }
+
 // The instance for a shape at `threads` per CTA and its shared memory, or null where none is
 // compiled: four warps for every form and head tile; eight (the wide instance) only for the
-// one-token plain form at head tiles 128 and 64 (DecWideHd), the class MakePlan gives them (each
-// instance adds to decode.cu's build, the slowest of the library's).
+// one-token plain form at head tiles 128 and 64 (DecWideHd), the class MakePlan gives them; the
+// packed-heads form (`packed`) at four warps and tiles DecPackedTile (each instance adds to
+// decode.cu's build, the slowest of the library's).
 template <typename T>
-DecodeFn DecodeKernelFor(const GqaShape& s, int threads, size_t* smem) {
+DecodeFn DecodeKernelFor(const GqaShape& s, int threads, bool packed, size_t* smem) {
   *smem = 0;
   const DecodeForm form = DecodeFormOf(s);
+  if (packed) {
+    const int64_t tile = s.kv_num_heads * s.head_size;
+    if (threads != kDecodeCtaThreads || form != DecodeForm::kPlainOneToken ||
+        s.head_size != 64 || !DecPackedTile(tile)) {
+      return nullptr;
+    }
+    if (tile == 192) {
+      *smem = DecSmemBytes(192, sizeof(T), kDecWarpsOf4);
+      return DecodeTcKernel<T, 192, DecodeForm::kPackedHeads, kDecWarpsOf4>;
+    }
+    *smem = DecSmemBytes(128, sizeof(T), kDecWarpsOf4);
+    return DecodeTcKernel<T, 128, DecodeForm::kPackedHeads, kDecWarpsOf4>;
+  }
   const int64_t tile = DecHeadDim(s.head_size);
   if (threads == kDecodeWideCtaThreads) {
     if (form != DecodeForm::kPlainOneToken || !DecWideHd(tile)) return nullptr;
@@ -1311,9 +1413,9 @@ DecodeFn DecodeKernelFor(const GqaShape& s, int threads, size_t* smem) {
   }
 }
 
-DecodeFn DecodeKernelForShape(const GqaShape& s, int threads, size_t* smem) {
-  return s.dtype == DType::kFloat16 ? DecodeKernelFor<__half>(s, threads, smem)
-                                    : DecodeKernelFor<__nv_bfloat16>(s, threads, smem);
+DecodeFn DecodeKernelForShape(const GqaShape& s, int threads, bool packed, size_t* smem) {
+  return s.dtype == DType::kFloat16 ? DecodeKernelFor<__half>(s, threads, packed, smem)
+                                    : DecodeKernelFor<__nv_bfloat16>(s, threads, packed, smem);
 }
 
 }  // namespace
@@ -1325,14 +1427,22 @@ bool DecodeTcFits(const GqaShape& s, size_t elem, const CudaDeviceInfo& dev) {
 
 bool DecodeTcWideServes(const GqaShape& s, const CudaDeviceInfo& dev) {
   size_t smem = 0;
-  return DecodeKernelForShape(s, kDecodeWideCtaThreads, &smem) != nullptr &&
+  return DecodeKernelForShape(s, kDecodeWideCtaThreads, false, &smem) != nullptr &&
+         smem <= size_t(dev.max_smem_optin);
+}
+
+bool DecodePackedServes(const GqaShape& s, const CudaDeviceInfo& dev) {
+  size_t smem = 0;
+  return s.layout == KvLayout::kSeqMajorBsnh && !s.sliding_window_cache &&
+         s.kv_num_heads * s.group_size() <= kDecodeRows &&
+         DecodeKernelForShape(s, kDecodeCtaThreads, true, &smem) != nullptr &&
          smem <= size_t(dev.max_smem_optin);
 }
 
 int DecodeTcActiveClusters(const GqaShape& s, const CudaDeviceInfo& dev, int64_t cluster,
-                           int ctas_per_sm, int threads) {
+                           int ctas_per_sm, int threads, bool packed) {
   size_t smem = 0;
-  const DecodeFn fn = DecodeKernelForShape(s, threads, &smem);
+  const DecodeFn fn = DecodeKernelForShape(s, threads, packed, &smem);
   if (fn == nullptr || dev.cc_major < 9 || cluster < 2 || cluster > kMaxDecodeCluster) {
     return 0;
   }
@@ -1349,13 +1459,13 @@ int DecodeTcActiveClusters(const GqaShape& s, const CudaDeviceInfo& dev, int64_t
   return CachedMaxActiveClusters(f, threads, launch_smem, static_cast<int>(cluster));
 }
 bool DecodeTcClustersFit(const GqaShape& s, const CudaDeviceInfo& dev, int64_t cluster,
-                         int threads) {
-  return DecodeTcActiveClusters(s, dev, cluster, 0, threads) > 0;
+                         int threads, bool packed) {
+  return DecodeTcActiveClusters(s, dev, cluster, 0, threads, packed) > 0;
 }
 
-int DecodeTcCtasPerSm(const GqaShape& s, const CudaDeviceInfo& dev, int threads) {
+int DecodeTcCtasPerSm(const GqaShape& s, const CudaDeviceInfo& dev, int threads, bool packed) {
   size_t smem = 0;
-  const DecodeFn fn = DecodeKernelForShape(s, threads, &smem);
+  const DecodeFn fn = DecodeKernelForShape(s, threads, packed, &smem);
   if (fn == nullptr) return 1;
   const void* f = reinterpret_cast<const void*>(fn);
   if (!EnsureSmemLimit(f, smem).ok()) return 1;
@@ -1367,11 +1477,12 @@ Status LaunchDecodeTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pr
                       const AttnPlan& plan, const Workspace& ws, cudaStream_t stream) {
   size_t smem = 0;
   const int threads = plan.decode_threads;
-  const DecodeFn fn = DecodeKernelFor<T>(s, threads, &smem);
+  const DecodeFn fn = DecodeKernelFor<T>(s, threads, plan.decode_packed, &smem);
   if (fn == nullptr) {
     return Status::Error(
         "ai.kvlayout::GroupQueryAttention (CUDA): no decode instance for head_size " +
-        std::to_string(s.head_size) + " at " + std::to_string(threads) + " threads per CTA");
+        std::to_string(s.head_size) + " at " + std::to_string(threads) + " threads per CTA" +
+        (plan.decode_packed ? " with packed heads" : ""));
   }
   // Padded where the plan allows fewer CTAs per SM than fit (plan.decode_ctas_per_sm: with many
   // rows, or group clusters of one CTA per SM, ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS=3).
@@ -1387,7 +1498,7 @@ Status LaunchDecodeTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pr
   // most 65535 rows (CheckCudaSupport bounds B x Nkv by 65534).
   const int64_t check_rows = buf.length_record != nullptr ? 1 : 0;
   const dim3 grid(static_cast<unsigned>(plan.splits),
-                  static_cast<unsigned>(s.batch * s.kv_num_heads + check_rows));
+                  static_cast<unsigned>(DecodeGridRows(s, plan.decode_packed) + check_rows));
   const int cluster = static_cast<int>(plan.cluster);
   if (cluster > 1) {  // one cluster per row (plan.splits == cluster) or per group of its splits
     const ClusterLaunch launch(grid, dim3(threads), smem, stream, cluster);

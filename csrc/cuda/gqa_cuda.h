@@ -63,6 +63,9 @@ struct GqaCudaPlan {
   int decode_ctas_per_sm = 0;
   // Decode: threads per CTA, 128 (four warps) or 256 (the wide instance: kernels.h, MakePlan).
   int decode_threads = 128;
+  // Decode: one CTA row per batch entry serving all its kv heads (packed heads, kv_layout=1:
+  // kernels.h, MakePlan), not one per (batch entry, kv head).
+  bool decode_packed = false;
   size_t q_bytes = 0, part_o_bytes = 0, part_ml_bytes = 0, counter_bytes = 0;
   // A window-sized cache: K (and again V) staging rows the attention reads (csrc/cuda/sliding.cu).
   size_t stage_bytes = 0;

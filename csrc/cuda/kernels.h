@@ -228,6 +228,19 @@ __host__ __device__ constexpr bool DecodeMergeTwoRounds(int64_t rows, int64_t he
   return rows * head_size / 4 > kDecodeCtaThreads;
 }
 bool DecodeTcFits(const GqaShape& s, size_t elem, const CudaDeviceInfo& dev);
+// Packed heads (GqaCudaPlan::decode_packed): one decode CTA per (split, batch entry) serving
+// all its kv heads, whose rows it reads as whole seq-major token rows. Whether it serves the
+// shape on this device: kv_layout=1, the one-token plain form, head size 64, 2 or 3 kv heads
+// (the tiles compiled), Nkv x G <= kDecodeRows query rows, and its shared memory fits.
+bool DecodePackedServes(const GqaShape& s, const CudaDeviceInfo& dev);
+// The decode grid's rows (batch entry x kv head; packed: batch entry), which own the split
+// merge's partial slots and counters, and the query rows of each (S x G; packed: Nkv x G).
+inline int64_t DecodeGridRows(const GqaShape& s, bool packed) {
+  return packed ? s.batch : s.batch * s.kv_num_heads;
+}
+inline int64_t DecodeCtaRows(const GqaShape& s, bool packed) {
+  return packed ? s.kv_num_heads * s.group_size() : s.seq_len * s.group_size();
+}
 // Whether the wide (eight-warp) instance serves this shape on this device: it is compiled for
 // the shape's form and head size (the one-token plain form, a head tile of 128 or 64) and its
 // shared memory fits.
@@ -235,16 +248,17 @@ bool DecodeTcWideServes(const GqaShape& s, const CudaDeviceInfo& dev);
 // CTAs of `threads` threads (kDecodeCtaThreads or kDecodeWideCtaThreads) per SM; cached per
 // device and kernel.
 int DecodeTcCtasPerSm(const GqaShape& s, const CudaDeviceInfo& dev,
-                      int threads = kDecodeCtaThreads);
+                      int threads = kDecodeCtaThreads, bool packed = false);
 // Whether a row's key splits can be one thread-block cluster of `cluster` CTAs (an sm_90+ device
 // running code compiled for sm_90+, at most kMaxDecodeCluster, resident together on it).
 bool DecodeTcClustersFit(const GqaShape& s, const CudaDeviceInfo& dev, int64_t cluster,
-                         int threads = kDecodeCtaThreads);
+                         int threads = kDecodeCtaThreads, bool packed = false);
 // How many clusters of `cluster` decode CTAs for this shape the device holds at once (0 where
 // they do not fit or the code has no cluster support; cached per device and kernel), with
 // `ctas_per_sm` > 0 for a launch padded to at most that many CTAs per SM (SmemForCtasPerSm).
 int DecodeTcActiveClusters(const GqaShape& s, const CudaDeviceInfo& dev, int64_t cluster,
-                           int ctas_per_sm = 0, int threads = kDecodeCtaThreads);
+                           int ctas_per_sm = 0, int threads = kDecodeCtaThreads,
+                           bool packed = false);
 template <typename T>
 Status LaunchDecodeTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
                       const AttnPlan& plan, const Workspace& ws, cudaStream_t stream);

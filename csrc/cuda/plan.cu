@@ -87,6 +87,34 @@ bool DecodeWideAllowed() {
   return allowed;
 }
 
+// ORT_KVLAYOUT_DECODE_PACKED (read once): packed heads (DecodePackedServes) where
+// DecodePackedRule says with 1, wherever they serve with 2 (a testing value), never when unset or
+// 0, the default: they lose at short caches what they gain at long ones (DecodePackedRule), so
+// they are an opt-in for long-context batches until their cost per call is cut.
+int DecodePackedMode() {
+  static const int mode = [] {
+    const int64_t n = EnvPositiveInt("ORT_KVLAYOUT_DECODE_PACKED");
+    return n == 1 || n == 2 ? static_cast<int>(n) : 0;
+  }();
+  return mode;
+}
+
+// Where packed heads serve with ORT_KVLAYOUT_DECODE_PACKED=1: 3 kv heads (the 192-column tile)
+// and more (batch, kv head) rows than SMs. Measured on the H200 at 9/3/64 kv_layout=1, kernel us, per-head ->
+// packed, on three machines (docs/BENCHMARKS.md, twenty-eighth session): B=64 L=32k 368.7 ->
+// 358.0, 383.1 -> 366.4, 368.0 -> 357.2 (kv_layout=0 357.9, 363.8, 358.3); L=16k 188.8 ->
+// 184.9, 196.8 -> 188.7, 190.1 -> 184.2; but L=4k 54.2 -> 54.7, 55.0 -> 56.8, 54.1 -> 55.8 and
+// L=1k 17.4 -> 20.2, 17.6 -> 20.1, 17.5 -> 20.0: a cost per call (one CTA of four warps per SM
+// at 0.49 waves, Nsight Compute) that the long caches repay (the four lengths sum 652.5 ->
+// 632.0). At B=32 (96 rows) only L=32k gained (196.9 -> 188.4; L=4k 30.3 -> 34.0), at B <= 8 it
+// lost everywhere (B=8 L=32k 56.1 -> 81.7: 8 rows of CTAs fill the SMs worse), and so it did at
+// 14/2/64 (2 kv heads, whose per-head CTAs read alike in both layouts; B=64 L=32k 252.8 ->
+// 256.4): there ORT_KVLAYOUT_DECODE_PACKED=2 reaches it. The plan picks by shape class, never by
+// length (the bits must not depend on the capacity).
+bool DecodePackedRule(const GqaShape& s, const CudaDeviceInfo& dev) {
+  return s.kv_num_heads == 3 && s.batch * s.kv_num_heads > std::max(1, dev.sm_count);
+}
+
 // With more (batch, kv head) rows than one wave of decode CTAs holds (one split each), the CTAs
 // per SM whose waves the rows fill best: `fit` or one fewer, never below two (ties: more). A
 // CTA's reads are bounded by its loads in flight, so a wave the CTAs fill in part reads slower:
@@ -111,8 +139,8 @@ int DecodeWaveCtasPerSm(int64_t rows, int64_t sms, int fit) {
 // Counters of the decode kernel's split merge tree for a plan (DecodeMergeTree sizes them for
 // any live split count; the kernel builds its row's tree).
 int64_t DecodeCountersPerRow(const GqaShape& s, const AttnPlan& p) {
-  return DecodeMergeTree::CountersPerRow(p.splits, s.seq_len * s.group_size(), s.head_size,
-                                         p.cluster);
+  return DecodeMergeTree::CountersPerRow(p.splits, DecodeCtaRows(s, p.decode_packed),
+                                         s.head_size, p.cluster);
 }
 
 AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo& dev) {
@@ -148,9 +176,13 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
     // keys per split (two steps per warp at four warps). (These measurements, and those of the
     // split slots below, were of four-warp CTAs; since the twenty-sixth session the one-token
     // calls of at most one row per SM at head tiles 64 and 128 run eight warps: the wide rule.)
-    const int64_t base = s.batch * s.kv_num_heads;
+    const int mode = DecodePackedMode();
+    p.decode_packed =
+        mode != 0 && DecodePackedServes(s, dev) && (mode == 2 || DecodePackedRule(s, dev));
+    const bool packed = p.decode_packed;
+    const int64_t base = DecodeGridRows(s, packed);
     const bool few = base < kFewDecodeRows;
-    const bool two_rounds = DecodeMergeTwoRounds(s.seq_len * s.group_size(), s.head_size);
+    const bool two_rounds = DecodeMergeTwoRounds(DecodeCtaRows(s, packed), s.head_size);
     // Few rows of one token whose merge takes two rounds at four warps: eight warps (the wide
     // instance, head tiles 128 and 64), the same split target, no group clusters. With one CTA per
     // SM each scheduler then has two warps to issue from, and the merge takes half the rounds (one
@@ -174,13 +206,13 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
     // (one round) 0.97x to 1.04x, mostly slower. Not with more rows than SMs (waves of one CTA
     // per SM): 32/8/128 B=64 L=1k 72.0 -> 83.3, 9/3/64 B=64 L=1k 16.9 -> 23.2. Head tile 64 at
     // few rows (G >= 9): 32/2/64 B=1 L=4k 9.9 -> 10.4 but 16k 13.0 -> 12.4, B=4 L=4k 11.7 -> 10.2.
-    if (DecodeWideAllowed() &&
+    if (!packed && DecodeWideAllowed() &&
         ((few && two_rounds) || (base <= sms && (two_rounds || base > kFewDecodeRows))) &&
         DecodeTcWideServes(s, dev)) {
       p.decode_threads = kDecodeWideCtaThreads;
     }
     const bool wide = p.decode_threads == kDecodeWideCtaThreads;
-    const int fit = few ? 1 : DecodeTcCtasPerSm(s, dev, p.decode_threads);  // CTAs per SM
+    const int fit = few ? 1 : DecodeTcCtasPerSm(s, dev, p.decode_threads, packed);  // per SM
     const int64_t slots = sms * fit;
     // Where a row's merge takes two rounds of loads per 8 splits (DecodeMergeTwoRounds: 28/4/128,
     // 4/1/256), fewer splits: with few rows three quarters of the SMs, with many two CTAs per SM
@@ -223,8 +255,9 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
         (gc == GroupClusters::kAll || gc == GroupClusters::kAllPadded ||
          (gc == GroupClusters::kTwoRounds && two_rounds))) {
       const int pad = gc == GroupClusters::kAllPadded ? 1 : 0;
-      const int64_t per_row =
-          DecodeTcActiveClusters(s, dev, kMaxDecodeCluster, pad, p.decode_threads) / base;
+      const int64_t per_row = DecodeTcActiveClusters(s, dev, kMaxDecodeCluster, pad,
+                                                     p.decode_threads, packed) /
+                              base;
       if (per_row >= 2) {
         p.split_target = std::min(p.split_target, per_row * kMaxDecodeCluster);
         p.decode_ctas_per_sm = pad;
@@ -238,7 +271,8 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
       p.splits = (p.splits + kMaxDecodeCluster - 1) / kMaxDecodeCluster * kMaxDecodeCluster;
       p.cluster = kMaxDecodeCluster;
     } else if (base < kFewDecodeRows && p.splits > 1 && p.splits <= kMaxDecodeCluster &&
-               DecodeClustersAllowed() && DecodeTcClustersFit(s, dev, p.splits, p.decode_threads)) {
+               DecodeClustersAllowed() &&
+               DecodeTcClustersFit(s, dev, p.splits, p.decode_threads, packed)) {
       // With few rows (one CTA per SM, the latency-bound decode) and at most 8 splits, each
       // row's splits are one thread-block cluster where the device has them: they merge through
       // its shared memory (decode.cu). Not with more rows: CTAs scheduled a cluster at a time
@@ -264,16 +298,18 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
   }
   if (p.splits > 1) {
     const bool decode = p.kernel == AttnKernel::kDecodeTc;
-    const int64_t slots =  // per (b, kv head, row block)
-        decode ? DecodeMergeTree::SlotsPerRow(p.splits, s.seq_len * s.group_size(), s.head_size,
-                                              p.cluster)
+    const int64_t slots =  // per (b, kv head, row block), or per decode grid row
+        decode ? DecodeMergeTree::SlotsPerRow(p.splits, DecodeCtaRows(s, p.decode_packed),
+                                              s.head_size, p.cluster)
                : p.splits;
-    const size_t rows = size_t(s.batch * s.kv_num_heads * p.row_blocks) * slots * kRowsPerCta;
+    const int64_t grid_rows =
+        decode ? DecodeGridRows(s, p.decode_packed) : s.batch * s.kv_num_heads * p.row_blocks;
+    const size_t rows = size_t(grid_rows) * slots * kRowsPerCta;
     p.part_o_bytes = align(sizeof(float) * rows * s.head_size);
     p.part_ml_bytes = align(sizeof(float) * rows);
     if (decode) {
-      p.counter_bytes =
-          align(sizeof(unsigned) * s.batch * s.kv_num_heads * DecodeCountersPerRow(s, p));
+      p.counter_bytes = align(sizeof(unsigned) * DecodeGridRows(s, p.decode_packed) *
+                              DecodeCountersPerRow(s, p));
     }
   }
   return p;
@@ -291,8 +327,9 @@ Workspace CarveWorkspace(const GqaShape& s, const AttnPlan& p, void* workspace) 
   ws.part_l = reinterpret_cast<float*>(base);
   base += p.part_ml_bytes;
   ws.counters = reinterpret_cast<unsigned*>(base);
-  ws.counter_count =
-      p.counter_bytes > 0 ? s.batch * s.kv_num_heads * DecodeCountersPerRow(s, p) : 0;
+  ws.counter_count = p.counter_bytes > 0
+                         ? DecodeGridRows(s, p.decode_packed) * DecodeCountersPerRow(s, p)
+                         : 0;
   base += p.counter_bytes;
   if (p.stage_bytes > 0) {
     ws.stage_k = base;
