@@ -31,8 +31,9 @@ struct Workspace {
   float* part_o = nullptr;          // split partials: (slot, H)
   float* part_m = nullptr;          // (slot)
   float* part_l = nullptr;          // (slot)
-  // Decode split merge tree: B * Nkv x DecodeMergeTree::CountersPerRow, zeroed by a memset
-  // before the decode kernel (LaunchDecodeTc), or CudaDecodeCounters' (counters_zero).
+  // Decode split merge tree: grid rows (DecodeGridRows: B x Nkv, or B with packed heads) x
+  // DecodeMergeTree::CountersPerRow, zeroed by a memset before the decode kernel
+  // (LaunchDecodeTc), or CudaDecodeCounters' (counters_zero).
   unsigned* counters = nullptr;
   int64_t counter_count = 0;
   bool counters_zero = false;  // kept across calls (CudaDecodeCounters): zero, no memset needed

@@ -99,18 +99,18 @@ int DecodePackedMode() {
   return mode;
 }
 
-// Where packed heads serve with ORT_KVLAYOUT_DECODE_PACKED=1: 3 kv heads (the 192-column tile)
-// and more (batch, kv head) rows than SMs. Measured on the H200 at 9/3/64 kv_layout=1, kernel us, per-head ->
-// packed, on three machines (docs/BENCHMARKS.md, twenty-eighth session): B=64 L=32k 368.7 ->
-// 358.0, 383.1 -> 366.4, 368.0 -> 357.2 (kv_layout=0 357.9, 363.8, 358.3); L=16k 188.8 ->
-// 184.9, 196.8 -> 188.7, 190.1 -> 184.2; but L=4k 54.2 -> 54.7, 55.0 -> 56.8, 54.1 -> 55.8 and
-// L=1k 17.4 -> 20.2, 17.6 -> 20.1, 17.5 -> 20.0: a cost per call (one CTA of four warps per SM
-// at 0.49 waves, Nsight Compute) that the long caches repay (the four lengths sum 652.5 ->
-// 632.0). At B=32 (96 rows) only L=32k gained (196.9 -> 188.4; L=4k 30.3 -> 34.0), at B <= 8 it
-// lost everywhere (B=8 L=32k 56.1 -> 81.7: 8 rows of CTAs fill the SMs worse), and so it did at
-// 14/2/64 (2 kv heads, whose per-head CTAs read alike in both layouts; B=64 L=32k 252.8 ->
-// 256.4): there ORT_KVLAYOUT_DECODE_PACKED=2 reaches it. The plan picks by shape class, never by
-// length (the bits must not depend on the capacity).
+// Where packed heads serve with ORT_KVLAYOUT_DECODE_PACKED=1: 3 kv heads (the 192-column tile) and
+// more (batch, kv head) rows than SMs. Measured on the H200 at 9/3/64 kv_layout=1, kernel us,
+// per-head -> packed, on three machines (docs/BENCHMARKS.md, twenty-eighth session): B=64 L=32k
+// 368.7 -> 358.0, 383.1 -> 366.4, 368.0 -> 357.2 (kv_layout=0 357.9, 363.8, 358.3); L=16k 188.8 ->
+// 184.9, 196.8 -> 188.7, 190.1 -> 184.2; but L=4k 54.2 -> 54.7, 55.0 -> 56.8, 54.1 -> 55.8 and L=1k
+// 17.4 -> 20.2, 17.6 -> 20.1, 17.5 -> 20.0: a cost per call (one CTA of four warps per SM at 0.49
+// waves, Nsight Compute) that the long caches repay (the four lengths sum 652.5 -> 632.0). At B=32
+// (96 rows) only L=32k gained (196.9 -> 188.4; L=4k 30.3 -> 34.0), at B <= 8 it lost everywhere
+// (B=8 L=32k 56.1 -> 81.7: 8 rows of CTAs fill the SMs worse), and so it did at 14/2/64 (2 kv
+// heads, whose per-head CTAs read alike in both layouts; B=64 L=32k 252.8 -> 256.4): there
+// ORT_KVLAYOUT_DECODE_PACKED=2 reaches it. The plan picks by shape class, never by length (the bits
+// must not depend on the capacity).
 bool DecodePackedRule(const GqaShape& s, const CudaDeviceInfo& dev) {
   return s.kv_num_heads == 3 && s.batch * s.kv_num_heads > std::max(1, dev.sm_count);
 }
