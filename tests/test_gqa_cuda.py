@@ -878,6 +878,10 @@ _PLAN_WARPS_CASES = [
     ((9, 3, 64), 44, 300, {}),  # kv_layout=1, 132 rows: per-head, eight warps (on 132 SMs)
     ((14, 2, 64), 70, 300, {}),  # kv_layout=0, 140 rows: per-head
     ((14, 2, 64), 70, 300, {}),  # kv_layout=1, 2 kv heads: per-head (the rule takes 3)
+    ((9, 3, 64), 48, 300, {}),  # kv_layout=0: per-head
+    ((9, 3, 64), 48, 300, {}),  # kv_layout=1, 144 rows, 96 packed CTAs: per-head (fill)
+    ((9, 3, 64), 128, 300, {}),  # kv_layout=0: per-head
+    ((9, 3, 64), 128, 300, {}),  # kv_layout=1, 256 packed CTAs: packed with the rule
 ]
 
 
@@ -901,7 +905,11 @@ def _plan_warps(
     # Every feature in these cases (a head sink) takes the kernel's full form, not the plain one.
     packs = layout == 1 and nkv == 3 and h == 64 and nkv * g <= 16 and not features
     if packed_rule and packs and rows > sms:
-        return nkv * h, 4  # packed heads (DecodePackedRule): whole token rows of 3 kv heads
+        # Packed CTAs (MakePlan at 9 rows, a two-round merge, two CTAs per SM): B x the split
+        # target, which must fill their last round of one CTA per SM to 90%.
+        ctas = batch * ((sms if 2 * batch <= sms else 2 * sms) // batch)
+        if ctas % sms == 0 or ctas % sms * 10 >= sms * 9:
+            return nkv * h, 4  # packed heads (DecodePackedRule): whole token rows of 3 kv heads
     served = tile in _WIDE_SMEM and not features
     two_rounds = g * h // 4 > 128  # DecodeMergeTwoRounds at four warps
     return tile, 8 if served and rows <= sms and (two_rounds or rows > 16) else 4

@@ -100,17 +100,17 @@ int DecodePackedMode() {
 }
 
 // Where packed heads serve with ORT_KVLAYOUT_DECODE_PACKED=1: 3 kv heads (the 192-column tile) and
-// more (batch, kv head) rows than SMs. Measured on the H200 at 9/3/64 kv_layout=1, kernel us,
-// per-head -> packed, on three machines (docs/BENCHMARKS.md, twenty-eighth session): B=64 L=32k
-// 368.7 -> 358.0, 383.1 -> 366.4, 368.0 -> 357.2 (kv_layout=0 357.9, 363.8, 358.3); L=16k 188.8 ->
-// 184.9, 196.8 -> 188.7, 190.1 -> 184.2; but L=4k 54.2 -> 54.7, 55.0 -> 56.8, 54.1 -> 55.8 and L=1k
-// 17.4 -> 20.2, 17.6 -> 20.1, 17.5 -> 20.0: a cost per call (one CTA of four warps per SM at 0.49
-// waves, Nsight Compute) that the long caches repay (the four lengths sum 652.5 -> 632.0). At B=32
-// (96 rows) only L=32k gained (196.9 -> 188.4; L=4k 30.3 -> 34.0), at B <= 8 it lost everywhere
-// (B=8 L=32k 56.1 -> 81.7: 8 rows of CTAs fill the SMs worse), and so it did at 14/2/64 (2 kv
-// heads, whose per-head CTAs read alike in both layouts; B=64 L=32k 252.8 -> 256.4): there
-// ORT_KVLAYOUT_DECODE_PACKED=2 reaches it. The plan picks by shape class, never by length (the bits
-// must not depend on the capacity).
+// more (batch, kv head) rows than SMs, and (MakePlan) CTAs that fill their last round of SMs.
+// Measured on the H200 at 9/3/64 kv_layout=1, kernel us, per-head -> packed, on three machines
+// (docs/BENCHMARKS.md, twenty-eighth session): B=64 L=32k 368.7 -> 358.0, 383.1 -> 366.4, 368.0 ->
+// 357.2 (kv_layout=0 357.9, 363.8, 358.3); L=16k 188.8 -> 184.9, 196.8 -> 188.7, 190.1 -> 184.2;
+// but L=4k 54.2 -> 54.7, 55.0 -> 56.8, 54.1 -> 55.8 and L=1k 17.4 -> 20.2, 17.6 -> 20.1, 17.5 ->
+// 20.0: a cost per call (one CTA of four warps per SM at 0.49 waves, Nsight Compute) that the long
+// caches repay (the four lengths sum 652.5 -> 632.0). At B=32 (96 rows) only L=32k gained (196.9 ->
+// 188.4; L=4k 30.3 -> 34.0), at B <= 8 it lost everywhere (B=8 L=32k 56.1 -> 81.7: 8 rows of CTAs
+// fill the SMs worse), and so it did at 14/2/64 (2 kv heads, whose per-head CTAs read alike in both
+// layouts; B=64 L=32k 252.8 -> 256.4): there ORT_KVLAYOUT_DECODE_PACKED=2 reaches it. The plan
+// picks by shape class, never by length (the bits must not depend on the capacity).
 bool DecodePackedRule(const GqaShape& s, const CudaDeviceInfo& dev) {
   return s.kv_num_heads == 3 && s.batch * s.kv_num_heads > std::max(1, dev.sm_count);
 }
@@ -143,7 +143,9 @@ int64_t DecodeCountersPerRow(const GqaShape& s, const AttnPlan& p) {
                                          s.head_size, p.cluster);
 }
 
-AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo& dev) {
+// `allow_packed` false: the per-head plan (the packed rule's fallback, below).
+AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo& dev,
+                  bool allow_packed = true) {
   AttnPlan p;
   p.kernel = ChooseKernel(s, buf, dev);
   auto align = [](size_t x) { return (x + 255) / 256 * 256; };
@@ -177,8 +179,8 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
     // split slots below, were of four-warp CTAs; since the twenty-sixth session the one-token
     // calls of at most one row per SM at head tiles 64 and 128 run eight warps: the wide rule.)
     const int mode = DecodePackedMode();
-    p.decode_packed =
-        mode != 0 && DecodePackedServes(s, dev) && (mode == 2 || DecodePackedRule(s, dev));
+    p.decode_packed = allow_packed && mode != 0 && DecodePackedServes(s, dev) &&
+                      (mode == 2 || DecodePackedRule(s, dev));
     const bool packed = p.decode_packed;
     const int64_t base = DecodeGridRows(s, packed);
     const bool few = base < kFewDecodeRows;
@@ -280,6 +282,15 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
       // half their CTAs without keys, docs/BENCHMARKS.md, ninth session). The kernel's merge
       // gives the same bits either way, so this choice may follow the capacity.
       p.cluster = p.splits;
+    }
+    // The packed rule's second half: its CTAs (B x the split target, never the capacity's
+    // splits) fill their last round of one CTA per SM to 90% or more. Measured at 9/3/64 (the
+    // twenty-eighth session, docs/BENCHMARKS.md): B=64 (128 CTAs on 132 SMs) and B=128 (256)
+    // gained at L >= 16k; B=48 (96) and B=96 (192: 60 in the second round) lost everywhere (B=48
+    // L=32k 299.7 -> 334.0 us, B=96 586.6 -> 600.6).
+    if (packed && mode == 1) {
+      const int64_t last = (s.batch * p.split_target) % sms;
+      if (last != 0 && last * 10 < sms * 9) return MakePlan(s, buf, dev, false);
     }
   } else if (p.kernel == AttnKernel::kPortable) {
     p.row_blocks = (s.seq_len * s.group_size() + kRowsPerCta - 1) / kRowsPerCta;
