@@ -100,8 +100,9 @@ fi
 # out-of-range lengths in child processes, a 12-step graph replay); ORT's own kernels are left
 # out (-k) so reports are about ours.  Child processes are followed (--target-processes all).
 # ORT_KVLAYOUT_DECODE_PACKED=1: the decode kernel's packed heads (an opt-in) serve the shapes of
-# their rule, so the subset checks them too (test_decode_packed_heads_vs_oracle's 70 entries of
-# 9/3/64); no other case of the subset has that many rows of 3 kv heads.
+# their rule, so the subset checks them too (test_decode_packed_heads_vs_oracle's 64 entries of
+# 9/3/64, packed on GPUs of 128 to 142 SMs, the H200's 132 among them); no other case of the
+# subset has that many rows of 3 kv heads.
 SAN_K="not vs_ort_cuda and not ort_builtin and not deterministic"
 # SAN_EXTRA_K narrows the subset further, to split a slow sanitizer pass over several calls of
 # the GPU machine (each call is limited to 10 min), e.g.

@@ -793,13 +793,14 @@ def _packed_cases() -> list[GqaCase]:
     # (heads, batch, past, extra capacity): one-token calls at kv_layout=1 that packed heads serve
     # (DecodePackedServes: head size 64, 2 or 3 kv heads, Nkv x G <= 16 rows). Packed heads are an
     # opt-in (ORT_KVLAYOUT_DECODE_PACKED): test_decode_packed_heads_forced runs these cases
-    # packed, the sanitizer subset (with the opt-in's rule) the 70-entry one. 9/3/64 (tile 192,
+    # packed, the sanitizer subset (with the opt-in's rule) the 64-entry one. 9/3/64 (tile 192,
     # 9 rows): one entry (few rows: a cluster of splits), one entry over 3000 keys (group clusters
-    # on sm_90), three ragged entries, 70 entries (one split each); 14/2/64 (tile 128, 14 rows):
-    # two entries, nine ragged; 4/2/64 (G = 2); 16/2/64 (G = 8: the whole 16-row tile); 12/3/64
-    # (12 rows) over 20000 keys (a merge tree); 6/3/64 over 129 keys (one split).
+    # on sm_90), three ragged entries, 64 entries (the rule's 128 CTAs on 132 SMs: two splits
+    # each); 14/2/64 (tile 128, 14 rows): two entries, nine ragged; 4/2/64 (G = 2); 16/2/64
+    # (G = 8: the whole 16-row tile); 12/3/64 (12 rows) over 20000 keys (a merge tree); 6/3/64
+    # over 129 keys (one split).
     specs = [((9, 3, 64), 1, 5, 0), ((9, 3, 64), 1, 3000, 500), ((9, 3, 64), 3, 900, 0),
-             ((9, 3, 64), 70, 300, 40), ((14, 2, 64), 2, 1500, 0), ((14, 2, 64), 9, 600, 64),
+             ((9, 3, 64), 64, 300, 40), ((14, 2, 64), 2, 1500, 0), ((14, 2, 64), 9, 600, 64),
              ((4, 2, 64), 1, 700, 0), ((16, 2, 64), 2, 2000, 100), ((12, 3, 64), 1, 20000, 0),
              ((6, 3, 64), 5, 128, 0)]  # fmt: skip
     out = []
