@@ -99,10 +99,10 @@ fi
 # The sanitizer subset: GQA_GPU_QUICK=1 thins every grid (core cases, features, errors,
 # out-of-range lengths in child processes, a 12-step graph replay); ORT's own kernels are left
 # out (-k) so reports are about ours.  Child processes are followed (--target-processes all).
-# ORT_KVLAYOUT_DECODE_PACKED=1: the decode kernel's packed heads (an opt-in) serve the shapes of
-# their rule, so the subset checks them too (test_decode_packed_heads_vs_oracle's 64 entries of
-# 9/3/64, packed on GPUs of 128 to 142 SMs, the H200's 132 among them); no other case of the
-# subset has that many rows of 3 kv heads.
+# The decode kernel's packed heads (eight warps) serve the shapes of their rule by default, and
+# the subset checks them in test_decode_packed_heads_vs_oracle's 64 entries of 9/3/64 (packed on
+# GPUs of 128 to 142 SMs with 200 KB of shared memory per block, the H200 among them); no other
+# case of the subset has that many rows of 3 kv heads.
 SAN_K="not vs_ort_cuda and not ort_builtin and not deterministic"
 # SAN_EXTRA_K narrows the subset further, to split a slow sanitizer pass over several calls of
 # the GPU machine (each call is limited to 10 min), e.g.
@@ -116,7 +116,7 @@ sanitize() {  # tool
   local tool="$1"
   local exclude=()
   if [ -n "${SAN_KERNEL_EXCLUDE:-}" ]; then exclude=(--kernel-name-exclude "kns=$SAN_KERNEL_EXCLUDE"); fi
-  local san=(env GQA_GPU_QUICK=1 ORT_KVLAYOUT_DECODE_PACKED=1
+  local san=(env GQA_GPU_QUICK=1
              compute-sanitizer --tool "$tool" --error-exitcode 3
              --target-processes all --report-api-errors no --print-limit 20 "${exclude[@]}")
   local shards="${SAN_SHARDS:-1}"

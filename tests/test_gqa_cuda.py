@@ -791,12 +791,12 @@ def test_decode_wide_instance_vs_oracle(case):
 
 def _packed_cases() -> list[GqaCase]:
     # (heads, batch, past, extra capacity): one-token calls at kv_layout=1 that packed heads serve
-    # (DecodePackedServes: head size 64, 2 or 3 kv heads, Nkv x G <= 16 rows). Packed heads are an
-    # opt-in (ORT_KVLAYOUT_DECODE_PACKED): test_decode_packed_heads_forced runs these cases
-    # packed, the sanitizer subset (with the opt-in's rule) the 64-entry one. 9/3/64 (tile 192,
-    # 9 rows): one entry (few rows: a cluster of splits), one entry over 3000 keys (group clusters
-    # on sm_90), three ragged entries, 64 entries (the rule's 128 CTAs on 132 SMs: two splits
-    # each); 14/2/64 (tile 128, 14 rows): two entries, nine ragged; 4/2/64 (G = 2); 16/2/64
+    # (DecodePackedServes: head size 64, 2 or 3 kv heads, Nkv x G <= 16 rows). By default packed
+    # heads serve where DecodePackedRule says (here the 64-entry case on 132 SMs, at eight warps);
+    # test_decode_packed_heads_forced runs every case packed (ORT_KVLAYOUT_DECODE_PACKED=2), at
+    # eight warps and at four. 9/3/64 (tile 192, 9 rows): one entry (few rows: a cluster of
+    # splits), one entry over 3000 keys (group clusters on sm_90), three ragged entries, 64
+    # entries (the rule's 128 CTAs on 132 SMs: two splits each); 14/2/64 (tile 128, 14 rows): two entries, nine ragged; 4/2/64 (G = 2); 16/2/64
     # (G = 8: the whole 16-row tile); 12/3/64 (12 rows) over 20000 keys (a merge tree); 6/3/64
     # over 129 keys (one split).
     specs = [((9, 3, 64), 1, 5, 0), ((9, 3, 64), 1, 3000, 500), ((9, 3, 64), 3, 900, 0),
@@ -829,12 +829,14 @@ def test_decode_packed_heads_vs_oracle(case):
 
 
 @pytest.mark.skipif(QUICK, reason="a child pytest: outside the sanitizer subset")
-def test_decode_packed_heads_forced():
+@pytest.mark.parametrize("wide", [None, "0"], ids=["eight_warps", "four_warps"])
+def test_decode_packed_heads_forced(wide):
     """With ORT_KVLAYOUT_DECODE_PACKED=2 packed heads serve every call they can (in a child
-    pytest: the library reads the setting once per process): the packed cases, the capacity
-    cases whose shapes they serve (bits independent of the capacity) and the non-finite decode
-    cases (a NaN or Inf in one kv head's rows reaches only that head's query rows, which share
-    the packed CTA with the other heads' rows) all pass."""
+    pytest: the library reads the setting once per process), at the 192-column tile in eight
+    warps where that instance fits the device, else and with ORT_KVLAYOUT_DECODE_WIDE=0 in four:
+    the packed cases, the capacity cases whose shapes they serve (bits independent of the
+    capacity) and the non-finite decode cases (a NaN or Inf in one kv head's rows reaches only
+    that head's query rows, which share the packed CTA with the other heads' rows) all pass."""
     from test_gqa_nonfinite import _DECODE_EDITS
 
     # The non-finite decode cases on the GPU (2 dtypes x 2 lengths x 2 layouts each), the packed
@@ -848,7 +850,8 @@ def test_decode_packed_heads_forced():
          os.path.join(here, "test_gqa_nonfinite.py") + "::test_decode_nonfinite_as_ort",
          "-k", "packed or wide_rows_hd64 or nonfinite"],
         capture_output=True, text=True, timeout=900, check=False,
-        env=dict(os.environ, ORT_KVLAYOUT_DECODE_PACKED="2"),
+        env=dict(os.environ, ORT_KVLAYOUT_DECODE_PACKED="2",
+                 **({"ORT_KVLAYOUT_DECODE_WIDE": wide} if wide else {})),
     )  # fmt: skip
     tail = (p.stdout + p.stderr)[-3000:]
     assert p.returncode == 0, f"packed heads forced: the child pytest failed {seed_note()}:\n{tail}"
@@ -872,8 +875,8 @@ _PLAN_WARPS_CASES = [
     ((28, 4, 128), 64, 300, {}),  # 256 rows: more than the SMs of the GPUs we know
     ((4, 1, 256), 24, 1000, {}),  # head tile 256: no wide instance
     ((32, 8, 32), 4, 1000, {}),  # head tile 32: none either
-    # kv_layout=1, 192 rows: with ORT_KVLAYOUT_DECODE_PACKED=1 packed heads (tile 192, four
-    # warps), else per-head CTAs of four warps
+    # kv_layout=1, 192 rows: packed heads (tile 192, eight warps; DecodePackedRule), with
+    # ORT_KVLAYOUT_DECODE_PACKED=0 per-head CTAs of four warps
     ((9, 3, 64), 64, 300, {}),
     ((9, 3, 64), 64, 300, {}),  # kv_layout=0: per-head CTAs, four warps
     ((9, 3, 64), 44, 300, {}),  # kv_layout=1, 132 rows: per-head, eight warps (on 132 SMs)
@@ -882,13 +885,15 @@ _PLAN_WARPS_CASES = [
     ((9, 3, 64), 48, 300, {}),  # kv_layout=0: per-head
     ((9, 3, 64), 48, 300, {}),  # kv_layout=1, 144 rows, 96 packed CTAs: per-head (fill)
     ((9, 3, 64), 128, 300, {}),  # kv_layout=0: per-head
-    ((9, 3, 64), 128, 300, {}),  # kv_layout=1, 256 packed CTAs: packed with the rule
+    ((9, 3, 64), 128, 300, {}),  # kv_layout=1, 128 packed CTAs (one split each): packed
 ]
 
 
 # The wide instance's shared memory (DecSmemBytes at eight warps, fp16): 144 KB at head tile 64,
-# 136 KB at 128. Where less fits a block (sm_86, sm_89), DecodeTcWideServes says no.
+# 136 KB at 128, and 200 KB for packed heads at 192. Where less fits a block (sm_86, sm_89; sm_80
+# for packed heads), DecodeTcWideServes says no.
 _WIDE_SMEM = {64: 144 * 1024, 128: 136 * 1024}
+_PACKED_WIDE_SMEM = 200 * 1024
 
 
 def _head_tile(head_size: int) -> int:  # DecHeadDim: a multiple of 32
@@ -896,21 +901,21 @@ def _head_tile(head_size: int) -> int:  # DecHeadDim: a multiple of 32
 
 
 def _plan_warps(
-    heads, batch, layout: int, sms: int, features: dict, packed_rule: bool
+    heads, batch, layout: int, sms: int, smem_optin: int, features: dict, packed_rule: bool
 ) -> tuple[int, int]:
     """(head tile, warps) of the decode kernel MakePlan gives a one-token call; `packed_rule`:
-    with ORT_KVLAYOUT_DECODE_PACKED=1."""
+    unless ORT_KVLAYOUT_DECODE_PACKED=0."""
     n, nkv, h = heads
     rows, g = batch * nkv, n // nkv
     tile = _head_tile(h)
     # Every feature in these cases (a head sink) takes the kernel's full form, not the plain one.
     packs = layout == 1 and nkv == 3 and h == 64 and nkv * g <= 16 and not features
-    if packed_rule and packs and rows > sms:
-        # Packed CTAs (MakePlan at 9 rows, a two-round merge, two CTAs per SM): B x the split
-        # target, which must fill their last round of one CTA per SM to 90%.
-        ctas = batch * ((sms if 2 * batch <= sms else 2 * sms) // batch)
+    if packed_rule and packs and rows > sms and smem_optin >= _PACKED_WIDE_SMEM:
+        # Packed CTAs (MakePlan at 9 rows, a two-round merge, one CTA of eight warps per SM): B x
+        # the split target, which must fill their last round of one CTA per SM to 90%.
+        ctas = batch * max(1, sms // batch)
         if ctas % sms == 0 or ctas % sms * 10 >= sms * 9:
-            return nkv * h, 4  # packed heads (DecodePackedRule): whole token rows of 3 kv heads
+            return nkv * h, 8  # packed heads (DecodePackedRule): whole token rows of 3 kv heads
     served = tile in _WIDE_SMEM and not features
     two_rounds = g * h // 4 > 128  # DecodeMergeTwoRounds at four warps
     return tile, 8 if served and rows <= sms and (two_rounds or rows > 16) else 4
@@ -918,13 +923,14 @@ def _plan_warps(
 
 @pytest.mark.skipif(EMULATE, reason="kernel names need the CUDA EP")
 @pytest.mark.skipif(QUICK, reason="checks the plan, not memory: outside the sanitizer subset")
-@pytest.mark.parametrize("packed", [None, "1"], ids=["default", "packed_rule"])
+@pytest.mark.parametrize("packed", [None, "0"], ids=["default", "packed_off"])
 def test_plan_gives_the_decode_warps(packed):
     """The decode kernel that runs, by its name in a CUPTI trace (torch's profiler, in a child
     process): eight warps (W = 8 in DecodeTcKernel<T, HD, form, W>) exactly where MakePlan's rule
-    says, four elsewhere, and one decode launch per call; with ORT_KVLAYOUT_DECODE_PACKED=1, the
-    packed heads' tile of 3 x 64 columns (HD = 192) exactly where their rule says (kv_layout=1, 3
-    kv heads, more rows than SMs), and by default never."""
+    says, four elsewhere, and one decode launch per call; by default the packed heads' tile of 3
+    x 64 columns (HD = 192) at eight warps exactly where their rule says (kv_layout=1, 3 kv heads,
+    more rows than SMs, CTAs that fill their last round), with ORT_KVLAYOUT_DECODE_PACKED=0
+    never."""
     import importlib.util
 
     if importlib.util.find_spec("torch") is None:
@@ -946,7 +952,9 @@ def test_plan_gives_the_decode_warps(packed):
     for i, ((heads, batch, _, features), rec) in enumerate(
         zip(_PLAN_WARPS_CASES, recs, strict=True)
     ):
-        want_tile, want = _plan_warps(heads, batch, i % 2, rec["sms"], features, bool(packed))
+        want_tile, want = _plan_warps(
+            heads, batch, i % 2, rec["sms"], rec["smem_optin"], features, packed != "0"
+        )
         ours_ = [k for k in rec["kernels"] if "DecodeTcKernel<" in k]
         assert len(ours_) == 1, f"{heads} B={batch}: not one decode launch: {rec['kernels']}"
         m = re.search(r"DecodeTcKernel<[^,<>]+, (\d+), [^,<>]+, (\d+)>", ours_[0])

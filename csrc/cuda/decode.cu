@@ -209,7 +209,7 @@ constexpr bool DecSlotHoldsPrologue(int hd, int warps) {  // fp16/bf16 elements 
   return kDecodeRows * DecPitch(hd) * 2 + (kDecodeRows / warps + 1) * hd * sizeof(float) <=
          DecSlotElems(hd) * 2;
 }
-static_assert(DecSlotHoldsPrologue(32, kDecWarpsOf4) && DecSlotHoldsPrologue(64, kDecWarpsOf4) &&
+static_assert(DecSlotHoldsPrologue(192, kDecWideWarps) && DecSlotHoldsPrologue(32, kDecWarpsOf4) && DecSlotHoldsPrologue(64, kDecWarpsOf4) &&
                   DecSlotHoldsPrologue(96, kDecWarpsOf4) &&
                   DecSlotHoldsPrologue(128, kDecWarpsOf4) &&
                   DecSlotHoldsPrologue(160, kDecWarpsOf4) &&
@@ -1364,17 +1364,22 @@ constexpr bool DecPackedTile(int64_t tile) { return tile == 128 || tile == 192; 
 // The instance for a shape at `threads` per CTA and its shared memory, or null where none is
 // compiled: four warps for every form and head tile; eight (the wide instance) only for the
 // one-token plain form at head tiles 128 and 64 (DecWideHd), the class MakePlan gives them; the
-// packed-heads form (`packed`) at four warps and tiles DecPackedTile (each instance adds to
-// decode.cu's build, the slowest of the library's).
+// packed-heads form (`packed`) at four warps and tiles DecPackedTile, and at eight at tile 192
+// (DecodePackedRule's instance; each instance adds to decode.cu's build, the slowest of the
+// library's).
 template <typename T>
 DecodeFn DecodeKernelFor(const GqaShape& s, int threads, bool packed, size_t* smem) {
   *smem = 0;
   const DecodeForm form = DecodeFormOf(s);
   if (packed) {
     const int64_t tile = s.kv_num_heads * s.head_size;
-    if (threads != kDecodeCtaThreads || form != DecodeForm::kPlainOneToken ||
-        s.head_size != 64 || !DecPackedTile(tile)) {
+    if (form != DecodeForm::kPlainOneToken || s.head_size != 64 || !DecPackedTile(tile) ||
+        (threads != kDecodeCtaThreads && !(threads == kDecodeWideCtaThreads && tile == 192))) {
       return nullptr;
+    }
+    if (tile == 192 && threads == kDecodeWideCtaThreads) {
+      *smem = DecSmemBytes(192, sizeof(T), kDecWideWarps);
+      return DecodeTcKernel<T, 192, DecodeForm::kPackedHeads, kDecWideWarps>;
     }
     if (tile == 192) {
       *smem = DecSmemBytes(192, sizeof(T), kDecWarpsOf4);
@@ -1425,9 +1430,9 @@ bool DecodeTcFits(const GqaShape& s, size_t elem, const CudaDeviceInfo& dev) {
          size_t(dev.max_smem_optin);
 }
 
-bool DecodeTcWideServes(const GqaShape& s, const CudaDeviceInfo& dev) {
+bool DecodeTcWideServes(const GqaShape& s, const CudaDeviceInfo& dev, bool packed) {
   size_t smem = 0;
-  return DecodeKernelForShape(s, kDecodeWideCtaThreads, false, &smem) != nullptr &&
+  return DecodeKernelForShape(s, kDecodeWideCtaThreads, packed, &smem) != nullptr &&
          smem <= size_t(dev.max_smem_optin);
 }
 

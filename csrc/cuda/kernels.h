@@ -243,9 +243,9 @@ inline int64_t DecodeCtaRows(const GqaShape& s, bool packed) {
   return packed ? s.kv_num_heads * s.group_size() : s.seq_len * s.group_size();
 }
 // Whether the wide (eight-warp) instance serves this shape on this device: it is compiled for
-// the shape's form and head size (the one-token plain form, a head tile of 128 or 64) and its
-// shared memory fits.
-bool DecodeTcWideServes(const GqaShape& s, const CudaDeviceInfo& dev);
+// the shape's form and head size (the one-token plain form, a head tile of 128 or 64; `packed`:
+// packed heads at the 192-column tile) and its shared memory fits.
+bool DecodeTcWideServes(const GqaShape& s, const CudaDeviceInfo& dev, bool packed = false);
 // CTAs of `threads` threads (kDecodeCtaThreads or kDecodeWideCtaThreads) per SM; cached per
 // device and kernel.
 int DecodeTcCtasPerSm(const GqaShape& s, const CudaDeviceInfo& dev,

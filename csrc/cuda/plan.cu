@@ -88,31 +88,33 @@ bool DecodeWideAllowed() {
 }
 
 // ORT_KVLAYOUT_DECODE_PACKED (read once): packed heads (DecodePackedServes) where
-// DecodePackedRule says with 1, wherever they serve with 2 (a testing value), never when unset or
-// 0, the default: they lose at short caches what they gain at long ones (DecodePackedRule), so
-// they are an opt-in for long-context batches until their cost per call is cut.
+// DecodePackedRule says, the default (unset or 1); never with 0; wherever they serve with 2 (a
+// testing value: four warps where the eight-warp instance does not serve or
+// ORT_KVLAYOUT_DECODE_WIDE=0).
 int DecodePackedMode() {
   static const int mode = [] {
-    const int64_t n = EnvPositiveInt("ORT_KVLAYOUT_DECODE_PACKED");
-    return n == 1 || n == 2 ? static_cast<int>(n) : 0;
+    if (!EnvNotZero("ORT_KVLAYOUT_DECODE_PACKED")) return 0;
+    return EnvPositiveInt("ORT_KVLAYOUT_DECODE_PACKED") == 2 ? 2 : 1;
   }();
   return mode;
 }
 
-// Where packed heads serve with ORT_KVLAYOUT_DECODE_PACKED=1: 3 kv heads (the 192-column tile) and
-// more (batch, kv head) rows than SMs, and (MakePlan) CTAs that fill their last round of SMs.
-// Measured on the H200 at 9/3/64 kv_layout=1, kernel us, per-head -> packed, on three machines
-// (docs/BENCHMARKS.md, twenty-eighth session): B=64 L=32k 368.7 -> 358.0, 383.1 -> 366.4, 368.0 ->
-// 357.2 (kv_layout=0 357.9, 363.8, 358.3); L=16k 188.8 -> 184.9, 196.8 -> 188.7, 190.1 -> 184.2;
-// but L=4k 54.2 -> 54.7, 55.0 -> 56.8, 54.1 -> 55.8 and L=1k 17.4 -> 20.2, 17.6 -> 20.1, 17.5 ->
-// 20.0: a cost per call (one CTA of four warps per SM at 0.49 waves, Nsight Compute) that the long
-// caches repay (the four lengths sum 652.5 -> 632.0). At B=32 (96 rows) only L=32k gained (196.9 ->
-// 188.4; L=4k 30.3 -> 34.0), at B <= 8 it lost everywhere (B=8 L=32k 56.1 -> 81.7: 8 rows of CTAs
-// fill the SMs worse), and so it did at 14/2/64 (2 kv heads, whose per-head CTAs read alike in both
-// layouts; B=64 L=32k 252.8 -> 256.4): there ORT_KVLAYOUT_DECODE_PACKED=2 reaches it. The plan
-// picks by shape class, never by length (the bits must not depend on the capacity).
+// Where packed heads serve by default: kv_layout=1 (DecodePackedServes), 3 kv heads of size 64
+// (the 192-column tile) and more (batch, kv head) rows than SMs, at eight warps (the instance
+// must serve: one CTA of 200 KB per SM), and (MakePlan) CTAs that fill their last round of SMs.
+// Measured on the H200 at 9/3/64 kv_layout=1 (docs/BENCHMARKS.md, twenty-ninth session), kernel
+// us, per-head -> packed at four warps -> packed at eight: B=64 L=1k 16.9 -> 20.4 -> 18.2, L=4k
+// 53.7 -> 55.5 -> 53.9, L=16k 189.5 -> 184.6 -> 184.2, L=32k 367.5 -> 357.8 -> 358.2
+// (kv_layout=0 17.0, 52.7, 183.6, 355.1); B=128 L=1k 30.6 -> 32.3 -> 30.3, L=32k 723.8 -> 707.3 ->
+// 701.8. Four warps left one warp per scheduler (Nsight Compute: 3.94 active warps per SM at B=64
+// L=1k, twenty-eighth session). Fewer rows lose: B=32 (96 rows) L=1k 10.0 -> 12.2, L=16k 97.3 ->
+// 100.6; so do the batches whose packed CTAs fill their last round badly: B=48 (96 CTAs) L=4k
+// 44.1 -> 46.1, B=96 (96) L=32k 590.2 -> 626.0. At 2 kv heads (14/2/64) per-head CTAs read alike
+// in both layouts and packed ones lost everywhere at four warps (twenty-eighth session). The
+// plan picks by shape class, never by length (the bits must not depend on the capacity).
 bool DecodePackedRule(const GqaShape& s, const CudaDeviceInfo& dev) {
-  return s.kv_num_heads == 3 && s.batch * s.kv_num_heads > std::max(1, dev.sm_count);
+  return s.kv_num_heads == 3 && s.batch * s.kv_num_heads > std::max(1, dev.sm_count) &&
+         DecodeWideAllowed() && DecodeTcWideServes(s, dev, true);
 }
 
 // With more (batch, kv head) rows than one wave of decode CTAs holds (one split each), the CTAs
@@ -208,9 +210,10 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
     // (one round) 0.97x to 1.04x, mostly slower. Not with more rows than SMs (waves of one CTA
     // per SM): 32/8/128 B=64 L=1k 72.0 -> 83.3, 9/3/64 B=64 L=1k 16.9 -> 23.2. Head tile 64 at
     // few rows (G >= 9): 32/2/64 B=1 L=4k 9.9 -> 10.4 but 16k 13.0 -> 12.4, B=4 L=4k 11.7 -> 10.2.
-    if (!packed && DecodeWideAllowed() &&
-        ((few && two_rounds) || (base <= sms && (two_rounds || base > kFewDecodeRows))) &&
-        DecodeTcWideServes(s, dev)) {
+    // Packed heads: eight warps wherever that instance serves (one CTA per SM; DecodePackedRule).
+    if (DecodeWideAllowed() &&
+        (packed || (few && two_rounds) || (base <= sms && (two_rounds || base > kFewDecodeRows))) &&
+        DecodeTcWideServes(s, dev, packed)) {
       p.decode_threads = kDecodeWideCtaThreads;
     }
     const bool wide = p.decode_threads == kDecodeWideCtaThreads;
@@ -284,10 +287,11 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
       p.cluster = p.splits;
     }
     // The packed rule's second half: its CTAs (B x the split target, never the capacity's
-    // splits) fill their last round of one CTA per SM to 90% or more. Measured at 9/3/64 (the
-    // twenty-eighth session, docs/BENCHMARKS.md): B=64 (128 CTAs on 132 SMs) and B=128 (256)
-    // gained at L >= 16k; B=48 (96) and B=96 (192: 60 in the second round) lost everywhere (B=48
-    // L=32k 299.7 -> 334.0 us, B=96 586.6 -> 600.6).
+    // splits) fill their last round of one CTA per SM to 90% or more. Measured at 9/3/64 on the
+    // H200 (docs/BENCHMARKS.md): at four warps (twenty-eighth session) B=64 (128 CTAs on 132 SMs)
+    // and B=128 (256) gained at L >= 16k, B=48 (96) and B=96 (192: 60 in the second round) lost
+    // everywhere (B=48 L=32k 299.7 -> 334.0 us); at eight warps (twenty-ninth) B=64 (two splits,
+    // 128 CTAs) and B=128 (one split, 128) gained, B=48 and B=96 (96 each) lost.
     if (packed && mode == 1) {
       const int64_t last = (s.batch * p.split_target) % sms;
       if (last != 0 && last * 10 < sms * 9) return MakePlan(s, buf, dev, false);
