@@ -793,12 +793,13 @@ def _packed_cases() -> list[GqaCase]:
     # (heads, batch, past, extra capacity): one-token calls at kv_layout=1 that packed heads serve
     # (DecodePackedServes: head size 64, 2 or 3 kv heads, Nkv x G <= 16 rows). By default packed
     # heads serve where DecodePackedRule says (here the 64-entry case on 132 SMs, at eight warps);
-    # test_decode_packed_heads_forced runs every case packed (ORT_KVLAYOUT_DECODE_PACKED=2), at
-    # eight warps and at four. 9/3/64 (tile 192, 9 rows): one entry (few rows: a cluster of
-    # splits), one entry over 3000 keys (group clusters on sm_90), three ragged entries, 64
-    # entries (the rule's 128 CTAs on 132 SMs: two splits each); 14/2/64 (tile 128, 14 rows): two entries, nine ragged; 4/2/64 (G = 2); 16/2/64
-    # (G = 8: the whole 16-row tile); 12/3/64 (12 rows) over 20000 keys (a merge tree); 6/3/64
-    # over 129 keys (one split).
+    # test_decode_packed_heads_forced runs every case packed (ORT_KVLAYOUT_DECODE_PACKED=2), those
+    # of 3 kv heads (tile 192) at eight warps and at four, those of 2 (tile 128) at four. 9/3/64
+    # (tile 192, 9 rows): one entry (few rows: a cluster of splits), one entry over 3000 keys
+    # (group clusters on sm_90 at four warps), three ragged entries, 64 entries (the rule's 128
+    # CTAs on 132 SMs: two splits each); 14/2/64 (tile 128, 14 rows): two entries, nine ragged;
+    # 4/2/64 (G = 2); 16/2/64 (G = 8: the whole 16-row tile); 12/3/64 (12 rows) over 20000 keys (a
+    # merge tree); 6/3/64 over 129 keys (one split).
     specs = [((9, 3, 64), 1, 5, 0), ((9, 3, 64), 1, 3000, 500), ((9, 3, 64), 3, 900, 0),
              ((9, 3, 64), 64, 300, 40), ((14, 2, 64), 2, 1500, 0), ((14, 2, 64), 9, 600, 64),
              ((4, 2, 64), 1, 700, 0), ((16, 2, 64), 2, 2000, 100), ((12, 3, 64), 1, 20000, 0),
@@ -850,8 +851,9 @@ def test_decode_packed_heads_forced(wide):
          os.path.join(here, "test_gqa_nonfinite.py") + "::test_decode_nonfinite_as_ort",
          "-k", "packed or wide_rows_hd64 or nonfinite"],
         capture_output=True, text=True, timeout=900, check=False,
-        env=dict(os.environ, ORT_KVLAYOUT_DECODE_PACKED="2",
-                 **({"ORT_KVLAYOUT_DECODE_WIDE": wide} if wide else {})),
+        env={**{k: v for k, v in os.environ.items() if k != "ORT_KVLAYOUT_DECODE_WIDE"},
+             "ORT_KVLAYOUT_DECODE_PACKED": "2",
+             **({"ORT_KVLAYOUT_DECODE_WIDE": wide} if wide else {})},
     )  # fmt: skip
     tail = (p.stdout + p.stderr)[-3000:]
     assert p.returncode == 0, f"packed heads forced: the child pytest failed {seed_note()}:\n{tail}"
@@ -901,16 +903,20 @@ def _head_tile(head_size: int) -> int:  # DecHeadDim: a multiple of 32
 
 
 def _plan_warps(
-    heads, batch, layout: int, sms: int, smem_optin: int, features: dict, packed_rule: bool
+    heads, batch, layout: int, sms: int, smem_optin: int, features: dict, packed: str | None
 ) -> tuple[int, int]:
-    """(head tile, warps) of the decode kernel MakePlan gives a one-token call; `packed_rule`:
-    unless ORT_KVLAYOUT_DECODE_PACKED=0."""
+    """(head tile, warps) of the decode kernel MakePlan gives a one-token call, with
+    ORT_KVLAYOUT_DECODE_PACKED unset or `packed`."""
     n, nkv, h = heads
     rows, g = batch * nkv, n // nkv
     tile = _head_tile(h)
-    # Every feature in these cases (a head sink) takes the kernel's full form, not the plain one.
-    packs = layout == 1 and nkv == 3 and h == 64 and nkv * g <= 16 and not features
-    if packed_rule and packs and rows > sms and smem_optin >= _PACKED_WIDE_SMEM:
+    # Where packed heads serve (DecodePackedServes; every feature in these cases, a head sink,
+    # takes the kernel's full form, not the plain one), and their eight-warp instance.
+    serves = layout == 1 and nkv in (2, 3) and h == 64 and nkv * g <= 16 and not features
+    eight = nkv == 3 and smem_optin >= _PACKED_WIDE_SMEM
+    if packed == "2" and serves:
+        return nkv * h, 8 if eight else 4
+    if packed != "0" and serves and nkv == 3 and rows > sms and eight:
         # Packed CTAs (MakePlan at 9 rows, a two-round merge, one CTA of eight warps per SM): B x
         # the split target, which must fill their last round of one CTA per SM to 90%.
         ctas = batch * max(1, sms // batch)
@@ -923,14 +929,14 @@ def _plan_warps(
 
 @pytest.mark.skipif(EMULATE, reason="kernel names need the CUDA EP")
 @pytest.mark.skipif(QUICK, reason="checks the plan, not memory: outside the sanitizer subset")
-@pytest.mark.parametrize("packed", [None, "0"], ids=["default", "packed_off"])
+@pytest.mark.parametrize("packed", [None, "0", "2"], ids=["default", "packed_off", "packed_forced"])
 def test_plan_gives_the_decode_warps(packed):
     """The decode kernel that runs, by its name in a CUPTI trace (torch's profiler, in a child
     process): eight warps (W = 8 in DecodeTcKernel<T, HD, form, W>) exactly where MakePlan's rule
     says, four elsewhere, and one decode launch per call; by default the packed heads' tile of 3
     x 64 columns (HD = 192) at eight warps exactly where their rule says (kv_layout=1, 3 kv heads,
     more rows than SMs, CTAs that fill their last round), with ORT_KVLAYOUT_DECODE_PACKED=0
-    never."""
+    never, with 2 wherever they serve (the 128-column tile of 2 kv heads at four warps)."""
     import importlib.util
 
     if importlib.util.find_spec("torch") is None:
@@ -953,7 +959,7 @@ def test_plan_gives_the_decode_warps(packed):
         zip(_PLAN_WARPS_CASES, recs, strict=True)
     ):
         want_tile, want = _plan_warps(
-            heads, batch, i % 2, rec["sms"], rec["smem_optin"], features, packed != "0"
+            heads, batch, i % 2, rec["sms"], rec["smem_optin"], features, packed
         )
         ours_ = [k for k in rec["kernels"] if "DecodeTcKernel<" in k]
         assert len(ours_) == 1, f"{heads} B={batch}: not one decode launch: {rec['kernels']}"

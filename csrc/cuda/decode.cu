@@ -139,7 +139,8 @@ struct DecTrace {
 constexpr int kDecWarpsOf4 = kDecodeCtaThreads / kWarp;
 constexpr int kDecWideWarps = kDecodeWideCtaThreads / kWarp;
 // The head tiles the wide instance is compiled for (DecodeTcWideServes): 128 and 64, the tiles of
-// the shapes it was measured at (MakePlan says which calls take it, and the measurements).
+// the shapes it was measured at (MakePlan says which calls take it, and the measurements); packed
+// heads have their own eight-warp instance at tile 192 (DecodeKernelFor).
 constexpr bool DecWideHd(int64_t hd) { return hd == 128 || hd == 64; }
 static_assert(kDecodeRows % kDecWarpsOf4 == 0 && kDecodeRows % kDecWideWarps == 0,
               "each warp prepares kDecodeRows / warps rows");
@@ -414,7 +415,8 @@ __device__ __forceinline__ GqaShape PlainShape(GqaShape s, bool one_token) {
   s.causal = true;
   return s;
 }
-// W warps: four, or eight in the wide instance (DecWideHd, one token: DecodeKernelFor).
+// W warps: four, or eight in the wide instance (DecWideHd, one token; packed heads at tile 192:
+// DecodeKernelFor).
 template <typename T, int HD, DecodeForm kForm, int W>
 __global__ void __launch_bounds__(W * kWarp)
     DecodeTcKernel(GqaShape s_arg, GqaCudaBuffers buf, KvStrides present_st, int64_t splits,

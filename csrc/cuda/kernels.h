@@ -223,7 +223,8 @@ constexpr int64_t kFewDecodeRows = 16;
 constexpr int kDecodeCtaThreads = 128;
 // The wide instance's threads: eight warps, for calls of one token at head tile 128 or 64 with
 // at most one row per SM, where the merge takes two rounds at four warps or the rows are more
-// than 16 (MakePlan says why; DecodeTcWideServes where it exists).
+// than 16, and for packed heads at the 192-column tile (MakePlan says why; DecodeTcWideServes
+// where it exists).
 constexpr int kDecodeWideCtaThreads = 256;
 __host__ __device__ constexpr bool DecodeMergeTwoRounds(int64_t rows, int64_t head_size) {
   return rows * head_size / 4 > kDecodeCtaThreads;

@@ -81,7 +81,9 @@ GroupClusters DecodeGroupClusters() {
 
 // ORT_KVLAYOUT_DECODE_WIDE=0 (read once) keeps the decode kernel at four warps where the plan
 // would take the wide instance (MakePlan: one token, at most one row per SM, a merge of two
-// rounds or more than 16 rows): a benchmarking and testing knob (docs/BENCHMARKS.md).
+// rounds or more than 16 rows), and so turns off the default packed heads (DecodePackedRule:
+// per-head CTAs) and runs forced ones (ORT_KVLAYOUT_DECODE_PACKED=2) at four warps: a
+// benchmarking and testing knob (docs/BENCHMARKS.md).
 bool DecodeWideAllowed() {
   static const bool allowed = EnvNotZero("ORT_KVLAYOUT_DECODE_WIDE");
   return allowed;
