@@ -210,7 +210,7 @@ constexpr bool DecSlotHoldsPrologue(int hd, int warps) {  // fp16/bf16 elements 
   return kDecodeRows * DecPitch(hd) * 2 + (kDecodeRows / warps + 1) * hd * sizeof(float) <=
          DecSlotElems(hd) * 2;
 }
-static_assert(DecSlotHoldsPrologue(192, kDecWideWarps) && DecSlotHoldsPrologue(32, kDecWarpsOf4) && DecSlotHoldsPrologue(64, kDecWarpsOf4) &&
+static_assert(DecSlotHoldsPrologue(32, kDecWarpsOf4) && DecSlotHoldsPrologue(64, kDecWarpsOf4) &&
                   DecSlotHoldsPrologue(96, kDecWarpsOf4) &&
                   DecSlotHoldsPrologue(128, kDecWarpsOf4) &&
                   DecSlotHoldsPrologue(160, kDecWarpsOf4) &&
@@ -218,7 +218,8 @@ static_assert(DecSlotHoldsPrologue(192, kDecWideWarps) && DecSlotHoldsPrologue(3
                   DecSlotHoldsPrologue(224, kDecWarpsOf4) &&
                   DecSlotHoldsPrologue(256, kDecWarpsOf4) &&
                   DecSlotHoldsPrologue(128, kDecWideWarps) &&
-                  DecSlotHoldsPrologue(64, kDecWideWarps),
+                  DecSlotHoldsPrologue(64, kDecWideWarps) &&
+                  DecSlotHoldsPrologue(192, kDecWideWarps),
               "the query tile, raw rows and scratch fit one free stage slot");
 
 // After the key loop: the warps' partials (red_o, rows of DecRedPitch floats), then the
