@@ -904,10 +904,7 @@ __global__ void __launch_bounds__(W * kWarp)
 #pragma unroll
       for (int kk = 0; kk < KS / 16; ++kk) {
         uint32_t a[4];
-        a[0] = ptx::PackPair<T>(sc[2 * kk][0], sc[2 * kk][1]);
-        a[1] = ptx::PackPair<T>(sc[2 * kk][2], sc[2 * kk][3]);
-        a[2] = ptx::PackPair<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-        a[3] = ptx::PackPair<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+        ptx::ScoresToA<T>(a, sc[2 * kk], sc[2 * kk + 1]);
 #pragma unroll
         for (int j = 0; j < DTO; j += 2) {  // two dimension n-tiles per ldmatrix.x4.trans
           const int n = n0 + j;

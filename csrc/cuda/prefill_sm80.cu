@@ -200,10 +200,7 @@ __global__ void __launch_bounds__(kWarp* kWarps)
 #pragma unroll
     for (int kk = 0; kk < BC / 16; ++kk) {
       uint32_t a[4];
-      a[0] = ptx::PackPair<T>(sc[2 * kk][0], sc[2 * kk][1]);
-      a[1] = ptx::PackPair<T>(sc[2 * kk][2], sc[2 * kk][3]);
-      a[2] = ptx::PackPair<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-      a[3] = ptx::PackPair<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+      ptx::ScoresToA<T>(a, sc[2 * kk], sc[2 * kk + 1]);
 #pragma unroll
       for (int n = 0; n < DT; n += 2) {  // two dimension n-tiles per ldmatrix.x4.trans
         uint32_t vb[4];

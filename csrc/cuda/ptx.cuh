@@ -122,5 +122,17 @@ __device__ __forceinline__ uint32_t PackPair<__nv_bfloat16>(float lo, float hi) 
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
+// The C fragments of two adjacent 8-column n-tiles of m16n8k16 (`lo`: columns 0-7, `hi`: 8-15),
+// rounded to T, as the A fragment of one 16-deep k-step: the C layout of a score tile is the A
+// layout of P in P V, so softmax weights go to the next MMA without shared memory.
+template <typename T>
+__device__ __forceinline__ void ScoresToA(uint32_t (&a)[4], const float (&lo)[4],
+                                          const float (&hi)[4]) {
+  a[0] = PackPair<T>(lo[0], lo[1]);
+  a[1] = PackPair<T>(lo[2], lo[3]);
+  a[2] = PackPair<T>(hi[0], hi[1]);
+  a[3] = PackPair<T>(hi[2], hi[3]);
+}
+
 }  // namespace ptx
 }  // namespace kvl
