@@ -671,6 +671,17 @@ __global__ void __launch_bounds__(W * kWarp)
   };
   bool appended = false;  // uniform over the CTA
   for (int64_t i = 0; i < written && !appended; ++i) appended = appends(i);
+  // The appending CTA loads each warp's first new (token, kv head) rows now, raw, every slice at
+  // once: they land while the first steps go out and the queries are stored. (Loaded in the
+  // append, slice by slice, they made that CTA, the last of its cluster or merge at B = 1, 1,900
+  // to 4,100 cycles late: docs/BENCHMARKS.md, thirtieth session.)
+  constexpr int KE = (SH + kWarp - 1) / kWarp;  // values per lane of a head's row
+  const int nh = kPack ? nkv : 1;               // kv heads a CTA appends
+  const int64_t first_i = kPack ? warp / nh : warp;
+  NewKvRow<T, KE> first_row;
+  if (appended && first_i < written) {
+    first_row.Load(s, buf, b, first_i, kPack ? warp % nh : g, lane);
+  }
   auto reads_new_rows = [&](int i) { return appended && min(step_key(i) + KS, k_end) > geo.past; };
   int issued = 0;  // the first ST - 1 steps, each its own group (empty ones too: the wait
                    // below counts groups)
@@ -686,13 +697,15 @@ __global__ void __launch_bounds__(W * kWarp)
     for (int e = 0; e < QE; ++e) q_raw[j * HD + lane + e * kWarp] = ToF(qv[j][e]);
   }
   if (appended) {
-    // Packed: the rows of every kv head, one (token, head) per warp in turn.
-    const int nh = kPack ? nkv : 1;
+    // Packed: the rows of every kv head, one (token, head) per warp in turn; the warp's first
+    // was loaded above.
     for (int64_t ih = warp; ih < written * nh; ih += kDecWarps) {
       const int64_t i = kPack ? ih / nh : ih, hk = kPack ? ih % nh : g;
       if (!appends(i)) continue;
+      NewKvRow<T, KE> row = first_row;
+      if (ih != warp) row.Load(s, buf, b, i, hk, lane);
       AppendKvRow<T>(s, buf, present_st, geo, b, i, hk, ClampedRotaryPosition(s, buf, geo, b, i),
-                     x, lane);
+                     row, x, lane);
     }
     __syncthreads();  // every warp's rows before any warp's copies read them
   }

@@ -58,7 +58,11 @@ __global__ void __launch_bounds__(kPrepareWarps* kWarp)
   const int64_t pos = ClampedRotaryPosition(s, buf, g, b, i);
   float* x = xs[warp];
   if (h >= N) {
-    if (i < WrittenRows(s, g)) AppendKvRow<T>(s, buf, present_st, g, b, i, h - N, pos, x, lane);
+    if (i < WrittenRows(s, g)) {
+      NewKvRow<T, kMaxHeadSize / kWarp> kv;
+      kv.Load(s, buf, b, i, h - N, lane);
+      AppendKvRow<T>(s, buf, present_st, g, b, i, h - N, pos, kv, x, lane);
+    }
     return;
   }
   const TokenInputs<T> in(s, buf, b, i);

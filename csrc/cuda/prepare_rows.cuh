@@ -122,23 +122,57 @@ __device__ void NormRotateRow(const GqaShape& s, const GqaCudaBuffers& buf, cons
   NormRotate<T>(s, buf, is_q, pos, x, lane);
 }
 
-// One warp appends token i's key (normed, rotated) and value rows of kv head hk to the cache
-// `present_st` describes: the row of position past + i (cache_base is row 0, non-zero only when
-// a sliding window cache stages the rows). `pos`: ClampedRotaryPosition of the token.
-template <typename T>
+// Token i's raw key and value rows of kv head hk, E values of each per lane (element lane + 32 e
+// for e < E, where below H; E x 32 >= H): every slice's load goes out at once. Loaded one slice
+// per loop step in the store loop, each load waited behind the previous step's stores (the
+// compiler cannot move a load above a store through pointers that may alias): 4 to 16 dependent
+// trips per row at head sizes 64 to 256, measured at 1,900 to 4,100 cycles on the decode
+// kernel's appending CTA (docs/BENCHMARKS.md, thirtieth session). The decode kernel loads a
+// warp's first row before it issues its first steps, so the loads land while they go out.
+template <typename T, int E>
+struct NewKvRow {
+  T k[E], v[E];
+  __device__ __forceinline__ void Load(const GqaShape& s, const GqaCudaBuffers& buf, int64_t b,
+                                       int64_t i, int64_t hk, int lane) {
+    const int64_t H = s.head_size;
+    const TokenInputs<T> in(s, buf, b, i);
+    const T* ks = in.k + hk * H;
+    const T* vs = in.v + hk * H;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const int64_t d = lane + e * kWarp;
+      k[e] = d < H ? ks[d] : FromF<T>(0.0f);
+      v[e] = d < H ? vs[d] : FromF<T>(0.0f);
+    }
+  }
+};
+
+// One warp appends token i's key (normed, rotated) and value rows of kv head hk, `row` (loaded
+// by NewKvRow::Load for the same token and head), to the cache `present_st` describes: the row
+// of position past + i (cache_base is row 0, non-zero only when a sliding window cache stages
+// the rows). `pos`: ClampedRotaryPosition of the token.
+template <typename T, int E>
 __device__ void AppendKvRow(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
                             const BatchGeometry& g, int64_t b, int64_t i, int64_t hk, int64_t pos,
-                            float* x, int lane) {
+                            const NewKvRow<T, E>& row, float* x, int lane) {
   const int64_t H = s.head_size;
-  const TokenInputs<T> in(s, buf, b, i);
-  NormRotateRow<T>(s, buf, in.k + hk * H, false, pos, x, lane);
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const int64_t d = lane + e * kWarp;
+    if (d < H) x[d] = ToF(row.k[e]);
+  }
+  __syncwarp();
+  NormRotate<T>(s, buf, false, pos, x, lane);
   const int64_t off = present_st.Offset(b, hk, g.past - g.cache_base + i);
   T* kd = static_cast<T*>(buf.present_key) + off;
   T* vd = static_cast<T*>(buf.present_value) + off;
-  const T* vs = in.v + hk * H;
-  for (int64_t d = lane; d < H; d += kWarp) {
-    kd[d] = FromF<T>(x[d]);
-    vd[d] = vs[d];
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const int64_t d = lane + e * kWarp;
+    if (d < H) {
+      kd[d] = FromF<T>(x[d]);
+      vd[d] = row.v[e];
+    }
   }
   __syncwarp();  // x is reused by the warp's next row
 }
