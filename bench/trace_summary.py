@@ -44,6 +44,9 @@ LAUNCH_GAP_NS = 50_000
 MARKS = {
     "prologue": ["lengths", "partition", "issued", "q frags", "first landed"],
     "cluster": ["partial", "barrier", "values", "values warm", "last barrier"],
+    # One cluster's merge by pushes (branch decode-cluster-push), printed by split 0: its
+    # partial, the members' pushes all landed (its mbarrier), its values.
+    "cluster-push": ["partial", "mbarrier", "values"],
     "flat": ["partial", "arrival", "weights", "values", "weights warm", "values warm"],
     "tree": ["partial", "arrival", "weights", "values", "top arrival", "top weights", "top values"],
     # Group clusters, printed by the row's last arrival: its own cluster's merge, then its merge
