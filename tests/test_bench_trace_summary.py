@@ -64,6 +64,18 @@ def test_groups_by_case_and_role_and_takes_medians():
     assert "18 live" in flat and "arrival 11000" in flat and "values warm 19000" in flat
 
 
+def test_pushed_cluster_merge_lines_name_their_marks():
+    # decode-cluster-push's split 0: its partial, the members' pushes landed, its values.
+    text = "\n".join(
+        _line("cluster-push", 1024, "splits", 8, 8, "groups", 1, [c, c + 300, c + 900])
+        for c in (5000, 5200, 5100)
+    )
+    rows = trace_summary.summarize(text).splitlines()[2:]
+    assert len(rows) == 1
+    assert "cluster-push (8 splits, 8 live, 1 groups)" in rows[0] and "| 3 |" in rows[0]
+    assert "partial 5100, mbarrier 5400, values 6000" in rows[0]
+
+
 def test_interleaved_output_of_the_old_format_is_refused():
     # Before the twelfth session the marks were printed one printf each, and two CTAs' lines
     # interleaved: such output has no line the parser accepts.
