@@ -16,36 +16,15 @@
 # (under another name) to see the drift.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out="${1:?usage: ab_builds.sh OUT NAME:FLAGS[:SRC] ... [-- bench_cuda.py arguments]}"
-shift
-variants=()
-while [ $# -gt 0 ] && [ "$1" != "--" ]; do
-  variants+=("$1")
-  shift
-done
-if [ "${1:-}" = "--" ]; then shift; fi
-bench_args=("$@")
-if [ ${#variants[@]} -eq 0 ]; then
-  echo "ab_builds.sh: no variant given (NAME:FLAGS[:SRC])" >&2
-  exit 2
-fi
-mkdir -p "$out"
-out="$(cd "$out" && pwd)"
+source bench/ab_common.sh
+ab_parse ab_builds.sh "NAME:FLAGS[:SRC]" "$@"
 names=()
 for v in "${variants[@]}"; do
   IFS=: read -r name _ _ <<<"$v"
-  if [[ ! "$name" =~ ^[A-Za-z0-9_.-]+$ ]]; then
-    echo "ab_builds.sh: variant '$v' needs a name of letters, digits, '_', '.' or '-'" >&2
-    exit 2
-  fi
-  for seen in "${names[@]}"; do
-    if [ "$seen" = "$name" ]; then
-      echo "ab_builds.sh: variant name '$name' given twice" >&2
-      exit 2
-    fi
-  done
-  names+=("$name")
+  ab_add_name ab_builds.sh "$v" "$name"
 done
+mkdir -p "$out"
+out="$(cd "$out" && pwd)"
 
 # Every variant's build at once, the cores shared among them.
 cores=$(nproc)
@@ -81,7 +60,5 @@ for name in "${names[@]}"; do
   jsons+=("$out/$name.json")
   echo "measured $name" >&2
 done
-python3 bench/compare_cuda.py "${jsons[@]}" --names "$(
-  IFS=,
-  echo "${names[*]}"
-)" | tee "$out/compare.md"
+cols=("${names[@]}")
+ab_table "$out" "${jsons[@]}"

@@ -13,27 +13,17 @@
 # Writes OUT/NAME_ROUND.json (and .err), OUT/compare.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out="${1:?usage: ab_libs.sh OUT NAME=DIR[:VAR=VALUE] ... [-- bench_cuda.py arguments]}"
-shift
-variants=()
-while [ $# -gt 0 ] && [ "$1" != "--" ]; do
-  variants+=("$1")
-  shift
-done
-if [ "${1:-}" = "--" ]; then shift; fi
-bench_args=("$@")
-if [ ${#variants[@]} -eq 0 ]; then
-  echo "ab_libs.sh: no variant given (NAME=DIR[:VAR=VALUE])" >&2
-  exit 2
-fi
+source bench/ab_common.sh
+ab_parse ab_libs.sh "NAME=DIR[:VAR=VALUE]" "$@"
 names=() dirs=() envs=()
 for v in "${variants[@]}"; do
-  name="${v%%=*}"
-  rest="${v#*=}"
-  if [ "$name" = "$v" ] || [[ ! "$name" =~ ^[A-Za-z0-9_.-]+$ ]]; then
-    echo "ab_libs.sh: variant '$v' needs NAME=DIR, the name of letters, digits, '_', '.' or '-'" >&2
+  if [[ "$v" != *=* ]]; then
+    echo "ab_libs.sh: variant '$v' needs NAME=DIR" >&2
     exit 2
   fi
+  name="${v%%=*}"
+  rest="${v#*=}"
+  ab_add_name ab_libs.sh "$v" "$name"
   dir="${rest%%:*}"
   env=""
   if [ "$dir" != "$rest" ]; then
@@ -43,17 +33,10 @@ for v in "${variants[@]}"; do
       exit 2
     fi
   fi
-  for seen in "${names[@]}"; do
-    if [ "$seen" = "$name" ]; then
-      echo "ab_libs.sh: variant name '$name' given twice" >&2
-      exit 2
-    fi
-  done
   if [ ! -f "$dir/libort_kvlayout.so" ]; then
     echo "ab_libs.sh: variant '$name': no $dir/libort_kvlayout.so" >&2
     exit 2
   fi
-  names+=("$name")
   dirs+=("$dir")
   envs+=("$env")
 done
@@ -77,7 +60,4 @@ for r in $(seq 1 "$rounds"); do
   done
   echo "round $r of $rounds measured" >&2
 done
-python3 bench/compare_cuda.py "${jsons[@]}" --names "$(
-  IFS=,
-  echo "${cols[*]}"
-)" | tee "$out/compare.md"
+ab_table "$out" "${jsons[@]}"

@@ -80,7 +80,8 @@ def test_variants_interleaved_with_their_own_settings(tmp_path):
     [
         ((), "no variant given"),
         (("base",), "variant 'base' needs NAME=DIR"),
-        (("a b=DIR",), "variant 'a b="),
+        (("=DIR",), "needs a name of letters, digits"),
+        (("a b=DIR",), "needs a name of letters, digits"),
         (("x=DIR", "x=DIR"), "variant name 'x' given twice"),
         (("x=DIR:notasetting",), "after ':' a VAR=VALUE setting"),
         (("x=/nonexistent",), "no /nonexistent/libort_kvlayout.so"),
