@@ -65,15 +65,21 @@ def spills(ptxas_log: Path) -> dict[str, str]:
 
 
 def prologue(instrs: list[tuple[int, str]]) -> dict[str, int]:
+    """The facts of one instance's SASS; ValueError where it lacks the decode kernel's shape (a
+    first branch with a target, then a load and a copy)."""
     addrs = [a for a, _ in instrs]
     ops = [op for _, op in instrs]
-    branch = next(i for i, op in enumerate(ops) if re.search(r"\bBRA\b", op))
+
+    def first(pattern: str, start: int, what: str) -> int:
+        found = next((i for i in range(start, len(ops)) if re.search(pattern, ops[i])), None)
+        if found is None:
+            raise ValueError(f"no {what} in the instance's SASS: not a decode kernel?")
+        return found
+
+    branch = first(r"\bBRA\b.*0x[0-9a-f]+", 0, "branch")
     target = addrs.index(int(re.search(r"0x([0-9a-f]+)", ops[branch]).group(1), 16))
-
-    def first(pattern: str) -> int:
-        return next(i for i in range(target, len(ops)) if re.search(pattern, ops[i]))
-
-    lengths, copies = first(r"\bLDG\b"), first(r"\bLDGSTS\b")
+    lengths = first(r"\bLDG\b", target, "LDG after the first branch's target")
+    copies = first(r"\bLDGSTS\b", target, "LDGSTS after the first branch's target")
     facts = {"instructions": len(ops), "to lengths": lengths - target, "to LDGSTS": copies - target}
     for key, pattern in COUNTED.items():
         facts[key] = sum(1 for op in ops[target:copies] if re.search(pattern, op))
@@ -96,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
         if name is None:
             print(f"sass_prologue.py: no instance matches {pattern}", file=sys.stderr)
             return 1
-        facts = prologue(funcs[name])
+        try:
+            facts = prologue(funcs[name])
+        except ValueError as e:
+            print(f"sass_prologue.py: {name}: {e}", file=sys.stderr)
+            return 1
         row = [pattern] + [str(facts[c]) for c in cols]
         if spilled:
             row.append(spilled.get(name, "0 / 0"))

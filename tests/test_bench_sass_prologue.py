@@ -4,6 +4,7 @@ spills), read from cuobjdump's and ptxas's text."""
 
 from __future__ import annotations
 
+import pytest
 from bench_util import load_bench
 
 sass_prologue = load_bench("sass_prologue")
@@ -39,6 +40,13 @@ def test_prologue_counts_from_the_first_branch_target():
     assert facts["I2F"] == 1 and facts["F2I"] == 1
     assert facts["DADD/DMUL/DFMA"] == 1
     assert facts["CALL"] == 0
+
+
+def test_an_instance_without_the_decode_shape_is_named():
+    # A kernel with no copy after its first branch's target (not a decode instance).
+    ops = ["@P0 BRA 0x20", "EXIT", "LDG.E R2, desc[UR4][R2.64]", "EXIT"]
+    with pytest.raises(ValueError, match="no LDGSTS after the first branch's target"):
+        sass_prologue.prologue(_sass(ops))
 
 
 def test_spills_per_instance(tmp_path):
