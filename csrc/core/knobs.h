@@ -44,6 +44,15 @@ inline constexpr KnobSpec kKnobSpecs[] = {
     {"ORT_KVLAYOUT_DECODE_CLUSTERS", "1", KnobClass::kDiagnostic, "0 | 1",
      "0 launches decode without thread-block clusters (splits merge in global memory, as on "
      "sm_80)"},
+    {"ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS", "1", KnobClass::kDiagnostic, "0 | 1",
+     "0 merges rows of more splits than one cluster holds in global memory only (no group "
+     "clusters)"},
+    {"ORT_KVLAYOUT_DECODE_WIDE", "1", KnobClass::kDiagnostic, "0 | 1",
+     "0 keeps the decode kernel at four warps where the plan would take eight (and so turns off "
+     "default packed heads)"},
+    {"ORT_KVLAYOUT_DECODE_PACKED", "1", KnobClass::kDiagnostic, "0 | 1 | 2",
+     "packed heads (one CTA reads whole token rows of all kv heads): 0 never, 1 where the plan's "
+     "rule says, 2 wherever they can serve"},
 };
 
 // The parsed values, one field per knob above.
@@ -56,6 +65,9 @@ struct KnobValues {
   int64_t cudnn_min_rows = 64;  // ORT_KVLAYOUT_CUDNN_MIN_ROWS
   int64_t decode_splits = 0;    // ORT_KVLAYOUT_DECODE_SPLITS
   bool decode_clusters = true;  // ORT_KVLAYOUT_DECODE_CLUSTERS
+  bool decode_group_clusters = true;  // ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS
+  bool decode_wide = true;            // ORT_KVLAYOUT_DECODE_WIDE
+  int64_t decode_packed = 1;          // ORT_KVLAYOUT_DECODE_PACKED
   // A knob set to a value outside its `values`: "NAME='v': expected ...", else "". Kernels that
   // read such a knob fail with this message instead of running on a guess.
   std::string error;
