@@ -44,7 +44,7 @@ import numpy as np
 import onnxruntime as ort
 import ort_kvlayout
 from onnx import TensorProto, helper
-from ort_kvlayout.layout import from_layout, to_layout
+from ort_kvlayout.op.layout import from_layout, to_layout
 
 MS_DOMAIN = "com.microsoft"
 KV_DOMAIN = ort_kvlayout.DOMAIN

@@ -39,7 +39,7 @@ import numpy as np
 import onnxruntime as ort
 import ort_kvlayout
 from onnx import TensorProto, helper
-from ort_kvlayout.layout import kv_strides
+from ort_kvlayout.op.layout import kv_strides
 
 INPUTS = ("query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length")
 OUTPUTS = ("output", "present_key", "present_value")
@@ -81,7 +81,7 @@ BREAKDOWN = False  # --breakdown: per-kernel device times on stderr
 # include the host's launches), and kernels that overlap are not counted twice.
 SPAN = False
 # --capacity C: decode caches of C rows (at least L) for L live keys, as a runtime that reserves
-# the whole context binds them (onnxruntime-genai, ort_kvlayout.generation); 0: C = L.
+# the whole context binds them (onnxruntime-genai, ort_kvlayout.runtime.generation); 0: C = L.
 CAPACITY = 0
 # --rotary: the op rotates q and the new k (do_rotary=1, cos/sin caches), as exported LLMs run it.
 ROTARY = False

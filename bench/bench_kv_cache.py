@@ -17,7 +17,7 @@ memory (no model: the caches are driven directly with the shapes of a model's KV
   same arithmetic, measured by the kernel). Goals checked and printed: seq-growable <= 1/kv_heads
   of head-growable, and within one granule per buffer of the live bytes.
 decode (a model directory; the patched one for our runtime, the same directory for genai):
-  time to first token and decode tokens/s of ort_kvlayout.generation (growable, preallocated,
+  time to first token and decode tokens/s of ort_kvlayout.runtime.generation (growable, preallocated,
   bucket; CUDA graphs on CUDA) and of onnxruntime-genai on the same model and prompt. Each runtime
   is loaded once and warmed by one untimed generation of the same length; both are timed over the
   same scope: time to first token from the call to the first token chosen, decode from the first
@@ -75,7 +75,7 @@ def token_points(context: int) -> list[int]:
 
 
 def shape_spec(name: str, device: str):
-    from ort_kvlayout.model_spec import KvSpec
+    from ort_kvlayout.runtime.model_spec import KvSpec
 
     layers, kv_heads, head_dim, context = SHAPES[name]
     dtype = np.float32 if name == "smollm2" and device == "cpu" else np.float16
@@ -84,7 +84,7 @@ def shape_spec(name: str, device: str):
 
 def memory_curve(make_spec, device: str, granule: int | None) -> dict:
     """Committed bytes at each token point, per mode (one cache per mode, grown in order)."""
-    from ort_kvlayout.kv_cache import KvCache
+    from ort_kvlayout.runtime.kv_cache import KvCache
 
     spec = make_spec(1)
     points = token_points(spec.context_length)
@@ -108,7 +108,7 @@ def memory_curve(make_spec, device: str, granule: int | None) -> dict:
 
 def growth_run(make_spec, device: str, granule: int | None) -> dict:
     """Grow one token at a time from 1 to the context: events, bytes moved, time per growth."""
-    from ort_kvlayout.kv_cache import KvCache
+    from ort_kvlayout.runtime.kv_cache import KvCache
 
     out = {}
     for label, (layout, mode) in MODES.items():
@@ -274,9 +274,9 @@ def genai_runs(model_dir: Path, ids: list[int], tokens: int, provider: str, repe
 
 
 def runtime_runs(model_dir: Path, ids, tokens, provider, mode, repeat) -> list[dict]:
-    """ort_kvlayout.generation: one Runtime, one untimed warm-up generation of the same length,
+    """ort_kvlayout.runtime.generation: one Runtime, one untimed warm-up generation of the same length,
     then `repeat` timed ones; cache counters per generation (differences, not totals)."""
-    from ort_kvlayout.generation import Runtime
+    from ort_kvlayout.runtime.generation import Runtime
 
     counters = ("growth_events", "bytes_moved", "graph_captures", "replays", "recaptures")
     runs = []
@@ -296,8 +296,8 @@ def runtime_runs(model_dir: Path, ids, tokens, provider, mode, repeat) -> list[d
 
 
 def run_decode(args) -> dict:
-    from ort_kvlayout.model_spec import ModelSpec
-    from ort_kvlayout.tokenizer import load_tokenizer
+    from ort_kvlayout.model.tokenizer import load_tokenizer
+    from ort_kvlayout.runtime.model_spec import ModelSpec
 
     ids = load_tokenizer(args.model).encode(args.prompt)
     results = {"part": "decode", "device": args.provider, "model": str(args.model),

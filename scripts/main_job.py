@@ -10,7 +10,7 @@
 3. generates greedily from the prompt with the original (ORT's com.microsoft GQA) and the patched
    model (ai.kvlayout, kv_layout=1), each through a plain ORT loop with the KV shared in place;
 4. prints both texts, whether the tokens agree, and tokens/s for each. Exit 1 when they differ;
-5. generates the same tokens again through ort_kvlayout.generation: the original with a
+5. generates the same tokens again through ort_kvlayout.runtime.generation: the original with a
    preallocated KV cache (the whole context up front, as onnxruntime-genai does) and the patched
    model with a growable one, and prints each cache's committed bytes side by side.
 """
@@ -52,8 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    from ort_kvlayout.generate import Generator, decode, encode, load_tokenizer
-    from ort_kvlayout.patch import patch_model_dir
+    from ort_kvlayout.model.tokenizer import load_tokenizer
+    from ort_kvlayout.tools.patch import patch_model_dir
+    from ort_kvlayout.tools.reference_loop import Generator
 
     provider = pick_provider(args.provider)
     precision, ep = ("fp16", "cuda") if provider == "cuda" else ("fp32", "cpu")
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     tokenizer = load_tokenizer(model_dir)
-    ids = encode(tokenizer, args.prompt)
+    ids = tokenizer.encode(args.prompt)
     runs = {}
     for name, path, library in (
         ("original (com.microsoft GQA, head-major)", model_dir, None),
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{name}: {run.tokens_per_second:6.1f} tokens/s "
             f"(decode {run.decode_tokens_per_second:.1f} tokens/s, "
-            f"prompt {run.prompt_seconds * 1e3:.0f} ms) {decode(tokenizer, run.tokens)!r}"
+            f"prompt {run.prompt_seconds * 1e3:.0f} ms) {tokenizer.decode(run.tokens)!r}"
         )
     first, second = runs.values()
     agree = first.tokens == second.tokens
@@ -97,10 +98,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def compare_kv_memory(model_dir, patched_dir, provider, ids, tokens, reference) -> bool:
     """The original on a preallocated cache vs the patched model on a growable one."""
-    from ort_kvlayout.generation import Runtime
+    from ort_kvlayout.runtime.generation import Runtime
 
     mib = 1 << 20
-    print("\nKV cache (ort_kvlayout.generation, whole context reserved):")
+    print("\nKV cache (ort_kvlayout.runtime.generation, whole context reserved):")
     same = True
     for name, path, mode, library in (
         ("original, preallocated", model_dir, "preallocated", None),

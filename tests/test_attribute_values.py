@@ -17,8 +17,8 @@ import pytest
 import reference as ref
 from gqa_case import KV_DOMAIN, GqaCase, build_model, make_session, op_available, run_session
 from onnx import helper
-from ort_kvlayout.graph import gqa_attribute_types
-from ort_kvlayout.patch import UnsupportedNodeError, rewrite_model
+from ort_kvlayout.model.graph import gqa_attribute_types
+from ort_kvlayout.tools.patch import UnsupportedNodeError, rewrite_model
 
 pytestmark = pytest.mark.skipif(not op_available()[0], reason=f"op: {op_available()[1]}")
 
@@ -119,8 +119,8 @@ def test_base_case_runs_in_both():
     ids=str,
 )
 def test_ort_off_values_patch_and_run_the_same(tmp_path, extra):
-    from ort_kvlayout.cli import patch_main
-    from ort_kvlayout.generate import Generator
+    from ort_kvlayout.tools.cli import patch_main
+    from ort_kvlayout.tools.reference_loop import Generator
     from synthetic_models import Variant, make_model_dir
 
     src = make_model_dir(tmp_path / "model", Variant(extra_attrs=extra))
@@ -144,7 +144,7 @@ def test_ort_off_values_patch_and_run_the_same(tmp_path, extra):
     ids=str,
 )
 def test_unsupported_values_refused_by_cli(tmp_path, extra, reason, capsys):
-    from ort_kvlayout.cli import patch_main
+    from ort_kvlayout.tools.cli import patch_main
     from synthetic_models import Variant, make_model_dir
 
     src = make_model_dir(tmp_path / "model", Variant(extra_attrs=extra))

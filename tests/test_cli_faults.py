@@ -27,8 +27,8 @@ def _env() -> dict[str, str]:
 
 
 def cli(tool: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    """python -m ort_kvlayout.cli patch|metadata ARGS, with a time limit (a hang fails)."""
-    cmd = [sys.executable, "-m", "ort_kvlayout.cli", tool, *args]
+    """python -m ort_kvlayout.tools.cli patch|metadata ARGS, with a time limit (a hang fails)."""
+    cmd = [sys.executable, "-m", "ort_kvlayout.tools.cli", tool, *args]
     return subprocess.run(
         cmd, check=False, capture_output=True, text=True, timeout=timeout, env=_env()
     )
@@ -207,7 +207,7 @@ def test_session_options_of_wrong_type(tmp_path, fake_library):
 @pytest.mark.parametrize("tool", ["patch", "metadata"])
 def test_empty_model_dir_argument_is_an_error(tmp_path, tool):
     run = subprocess.run(
-        [sys.executable, "-m", "ort_kvlayout.cli", tool, ""],
+        [sys.executable, "-m", "ort_kvlayout.tools.cli", tool, ""],
         check=False, capture_output=True, text=True, timeout=60, env=_env(),
         cwd=make_model_dir(tmp_path / "m"),
     )  # fmt: skip
@@ -289,7 +289,7 @@ def slow(src, dst, count, *args):  # 1 MiB at a time, slowly: the copy is caught
     time.sleep(0.05)
     return real(src, dst, min(count, 1 << 20), *args)
 os.copy_file_range = slow
-from ort_kvlayout.cli import patch_main
+from ort_kvlayout.tools.cli import patch_main
 sys.exit(patch_main(sys.argv[1:]))
 """
 
@@ -331,8 +331,8 @@ def test_signal_mid_copy_leaves_nothing(tmp_path, fake_library, sig):
 def test_failure_removes_the_directories_it_made(tmp_path, fake_library, monkeypatch, capsys):
     """A failure while writing (here: the copy) removes the partial output and every parent
     directory the run created; a parent that existed before stays."""
-    from ort_kvlayout import patch as patch_mod
-    from ort_kvlayout.cli import patch_main
+    from ort_kvlayout.tools import patch as patch_mod
+    from ort_kvlayout.tools.cli import patch_main
 
     src = make_model_dir(tmp_path / "model")
 

@@ -53,7 +53,7 @@ def _cuda_or_skip() -> None:
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, dict[str, Path]]:
     """{"fp32"|"fp16": {"original", "seq-major", "head-major": dir}}."""
-    from ort_kvlayout.patch import patch_model_dir
+    from ort_kvlayout.tools.patch import patch_model_dir
 
     _library_or_skip()
     root = tmp_path_factory.mktemp("genai_swc")

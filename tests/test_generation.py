@@ -1,8 +1,8 @@
-"""The generation runtime (ort_kvlayout.generation) on synthetic models, CPU.
+"""The generation runtime (ort_kvlayout.runtime.generation) on synthetic models, CPU.
 
-Reference: the plain loop of ort_kvlayout.generate.Generator on the original model (ORT's own
-com.microsoft GQA, batch 1, a growing mask, numpy-owned buffers), an implementation independent
-of the runtime and its cache.
+Reference: the plain loop of ort_kvlayout.tools.reference_loop.Generator on the original model
+(ORT's own com.microsoft GQA, batch 1, a growing mask, numpy-owned buffers), an implementation
+independent of the runtime and its cache.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import json
 
 import numpy as np
 import pytest
-from ort_kvlayout.kv_cache import CACHE_MODES, KvCapacityError
-from ort_kvlayout.kv_memory import KvMemoryError, allocator_stats, simulate_commit_failure
-from ort_kvlayout.sampling import Sampler, SamplingParams
+from ort_kvlayout.runtime.kv_cache import CACHE_MODES, KvCapacityError
+from ort_kvlayout.runtime.kv_memory import KvMemoryError, allocator_stats, simulate_commit_failure
+from ort_kvlayout.runtime.sampling import Sampler, SamplingParams
 from synthetic_models import VOCAB, Variant, make_model_dir
 
 PROMPT = [1, 5, 7, 9, 11, 13, 17, 19, 23]
@@ -32,7 +32,7 @@ def library_or_skip() -> None:
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory) -> dict:
-    from ort_kvlayout.patch import patch_model_dir
+    from ort_kvlayout.tools.patch import patch_model_dir
 
     library_or_skip()
     root = tmp_path_factory.mktemp("gen")
@@ -45,7 +45,7 @@ def dirs(tmp_path_factory) -> dict:
 
 
 def reference(model_dir, prompt, n) -> list[int]:
-    from ort_kvlayout.generate import Generator
+    from ort_kvlayout.tools.reference_loop import Generator
 
     return Generator(model_dir, custom_ops_library=None).generate(prompt, n).tokens
 
@@ -67,7 +67,7 @@ def no_leaks():
 
 
 def runtime(model_dir, cache="growable", **kwargs):
-    from ort_kvlayout.generation import Runtime
+    from ort_kvlayout.runtime.generation import Runtime
 
     return Runtime(model_dir, cache=cache, **kwargs)
 
@@ -104,7 +104,7 @@ def test_float16_model_chooses_on_float16_logits(tmp_path, mode):
     greedy choice on the logits' bits gives the reference loop's tokens (ORT's own GQA on the
     original), in both mask modes, and the kept logits are float32 copies, one per step, whose
     argmax is the token chosen there."""
-    from ort_kvlayout.patch import patch_model_dir
+    from ort_kvlayout.tools.patch import patch_model_dir
 
     src = make_model_dir(tmp_path / "original", Variant(layers=2, float16=True))
     seq = patch_model_dir(src, tmp_path / "seq", layout="seq-major").out_dir
@@ -234,8 +234,8 @@ def test_bad_prompts_are_named(dirs):
 
 
 def test_window_sized_caches_are_refused(tmp_path):
-    from ort_kvlayout.generation import Runtime
-    from ort_kvlayout.metadata import MetadataError
+    from ort_kvlayout.model.config import MetadataError
+    from ort_kvlayout.runtime.generation import Runtime
 
     src = make_model_dir(tmp_path / "m", Variant(local_window_size=8, sliding_window_cache=1))
     with pytest.raises(MetadataError, match="sliding_window_cache=1"):
@@ -258,7 +258,7 @@ def tokenized_dir(dirs):
 
 
 def test_cli_streams_the_greedy_text(tokenized_dir, ref, capsys):
-    from ort_kvlayout.generate_cli import main
+    from ort_kvlayout.runtime.cli import main
 
     prompt = " ".join(f"w{i}" for i in PROMPT)
     argv = [str(tokenized_dir), "--prompt", prompt, "--max-new-tokens", "12", "--cache", "bucket"]
@@ -274,7 +274,7 @@ def test_cli_streams_the_greedy_text(tokenized_dir, ref, capsys):
 
 
 def test_cli_refuses_bad_sampling_flags(tokenized_dir, capsys):
-    from ort_kvlayout.generate_cli import main
+    from ort_kvlayout.runtime.cli import main
 
     assert main([str(tokenized_dir), "--prompt", "w1", "--top-k", "5"]) == 2
     assert "need --temperature" in capsys.readouterr().err
@@ -283,8 +283,8 @@ def test_cli_refuses_bad_sampling_flags(tokenized_dir, capsys):
 def test_growable_cuda_cache_is_refused_for_an_unpatched_model(dirs):
     """ORT's com.microsoft GQA may read unmapped rows of a growable range: refused before any
     CUDA call (so this runs without a GPU), naming the nodes and the way out."""
-    from ort_kvlayout.generation import Runtime
-    from ort_kvlayout.model_spec import ModelSpec
+    from ort_kvlayout.runtime.generation import Runtime
+    from ort_kvlayout.runtime.model_spec import ModelSpec
 
     with pytest.raises(ValueError, match=r"com.microsoft op \(.+\).*--cache preallocated"):
         Runtime(dirs["original"], provider="cuda", cache="growable", custom_ops_library=None)
@@ -296,7 +296,7 @@ def test_growable_cuda_cache_is_refused_for_an_unpatched_model(dirs):
 def test_cli_reports_a_corrupt_model_in_one_line(tokenized_dir, tmp_path, capsys):
     import shutil
 
-    from ort_kvlayout.generate_cli import main
+    from ort_kvlayout.runtime.cli import main
 
     broken = shutil.copytree(tokenized_dir, tmp_path / "broken")
     (broken / "model.onnx").write_bytes(b"\x08\x07 this is not a protobuf \xff\xfe" * 10)
@@ -319,8 +319,8 @@ def test_cli_reports_any_failure_in_one_line(tokenized_dir, monkeypatch, capsys)
     """An exception the CLI does not expect (here ORT's own Fail, a plain Exception subclass)
     is still one line with exit 2, its type named."""
     from onnxruntime.capi.onnxruntime_pybind11_state import Fail
-    from ort_kvlayout import generation
-    from ort_kvlayout.generate_cli import main
+    from ort_kvlayout.runtime import generation
+    from ort_kvlayout.runtime.cli import main
 
     def fail(*_args, **_kwargs):
         raise Fail("[ONNXRuntimeError] : 1 : FAIL : simulated\nsecond line")
@@ -350,7 +350,7 @@ class _Stream:
     ],
 )
 def test_cli_progress_never_erases_streamed_text(stream, quiet, out_tty, err_tty, expected):
-    from ort_kvlayout.generate_cli import redraws_progress
+    from ort_kvlayout.runtime.cli import redraws_progress
 
     got = redraws_progress(stream, quiet, _Stream(out_tty), _Stream(err_tty))
     assert got is expected
@@ -398,7 +398,7 @@ def test_capacity_below_one_is_refused(dirs, capacity):
 
 
 def test_tokenizer_failure_is_one_line(tmp_path):
-    from ort_kvlayout.tokenizer import load_tokenizer
+    from ort_kvlayout.model.tokenizer import load_tokenizer
 
     (tmp_path / "tokenizer.json").write_text("{ not json\n at all")
     with pytest.raises(RuntimeError, match="no tokenizer backend could load") as info:
@@ -411,7 +411,7 @@ def test_recapture_counted_only_when_ort_captures_again(dirs, ref):
     then a capture); the GPU test reading ORT's capture log is their oracle. Here, on the CPU
     with the graph ids run uncaptured, the edge: a bucket growth one step before the end starts
     a graph id that ORT never captures, so it is no re-capture."""
-    from ort_kvlayout.generation import CUDA_GRAPH_WARMUP_RUNS
+    from ort_kvlayout.runtime.generation import CUDA_GRAPH_WARMUP_RUNS
 
     assert CUDA_GRAPH_WARMUP_RUNS == 2
     with runtime(dirs["seq"], "bucket", fixed_mask=True, bucket_tokens=16) as rt:
@@ -430,7 +430,7 @@ def test_streaming_decodes_a_short_tail_and_keeps_spaces(capsys):
     """The CLI's streaming decodes only the last few ids per step (not the whole text again) and
     prints exactly the full decode, leading spaces included (SentencePiece drops the space of a
     decode's first piece: the context ids keep it)."""
-    from ort_kvlayout.generate_cli import Progress
+    from ort_kvlayout.runtime.cli import Progress
 
     pieces = ["\u2581The", "\u2581cap", "ital", "\u2581of", "\u2581Fr", "ance", "\u2581is", "."]
 
@@ -461,7 +461,7 @@ def test_runtime_reads_the_length_record_of_the_library_it_registered(dirs, ref)
     nothing."""
     from pathlib import Path
 
-    from ort_kvlayout.loaded_library import string_function
+    from ort_kvlayout.op.library import string_function
 
     with runtime(dirs["seq"]) as rt:
         assert rt.library is not None and Path(rt.library).parent == Path(dirs["seq"])

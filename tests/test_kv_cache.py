@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from ort_kvlayout.kv_cache import KvCache, KvCapacityError
-from ort_kvlayout.kv_memory import (
+from ort_kvlayout.op.layout import live_ranges, to_layout
+from ort_kvlayout.runtime.kv_cache import KvCache, KvCapacityError
+from ort_kvlayout.runtime.kv_memory import (
     HostReservation,
     KvMemoryError,
     allocator_stats,
     granule_runs,
     simulate_commit_failure,
 )
-from ort_kvlayout.layout import live_ranges, to_layout
-from ort_kvlayout.model_spec import KvSpec
+from ort_kvlayout.runtime.model_spec import KvSpec
 
 PAGE = 4096
 
@@ -240,7 +240,7 @@ def test_host_reservation_refuses_ranges_outside_its_committed_granules():
 
 @pytest.mark.parametrize("layout", [0, 1])
 def test_prefix_tokens_inverts_prefix_spans(layout):
-    from ort_kvlayout.layout import prefix_spans, prefix_tokens
+    from ort_kvlayout.op.layout import prefix_spans, prefix_tokens
 
     for t in range(1, 65):
         for b, start, end in prefix_spans(layout, 4, 64, 8, [t, t]):

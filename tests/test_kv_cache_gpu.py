@@ -30,7 +30,7 @@ PROMPT_LEN, NEW_TOKENS = 500, 40
 
 @pytest.fixture(autouse=True)
 def no_leaks():
-    from ort_kvlayout.kv_memory import allocator_stats, simulate_commit_failure
+    from ort_kvlayout.runtime.kv_memory import allocator_stats, simulate_commit_failure
 
     def device_totals():  # CUDA virtual memory (_C) and onnxruntime allocations
         return {k: v for k, v in allocator_stats().items() if k.startswith("cuda")}
@@ -42,7 +42,7 @@ def no_leaks():
 
 
 def test_reservation_maps_granules_on_demand():
-    from ort_kvlayout.kv_memory import DeviceReservation, allocator_stats
+    from ort_kvlayout.runtime.kv_memory import DeviceReservation, allocator_stats
 
     res = DeviceReservation(5 << 20)
     g = res.granule
@@ -60,7 +60,11 @@ def test_reservation_maps_granules_on_demand():
 
 
 def test_failed_physical_allocation_names_the_cuda_error():
-    from ort_kvlayout.kv_memory import DeviceReservation, KvMemoryError, simulate_commit_failure
+    from ort_kvlayout.runtime.kv_memory import (
+        DeviceReservation,
+        KvMemoryError,
+        simulate_commit_failure,
+    )
 
     res = DeviceReservation(8 << 20)
     g = res.granule
@@ -75,7 +79,7 @@ def test_failed_physical_allocation_names_the_cuda_error():
 
 def test_misuse_is_refused_by_name():
     from ort_kvlayout import _C
-    from ort_kvlayout.kv_memory import DeviceReservation
+    from ort_kvlayout.runtime.kv_memory import DeviceReservation
 
     res = DeviceReservation(4 << 20)
     with pytest.raises(_C.CudaError, match="not granule-aligned"):
@@ -88,8 +92,8 @@ def test_misuse_is_refused_by_name():
 
 
 def test_cache_growth_on_the_device_keeps_pointer_and_content():
-    from ort_kvlayout.kv_cache import KvCache
-    from ort_kvlayout.model_spec import KvSpec
+    from ort_kvlayout.runtime.kv_cache import KvCache
+    from ort_kvlayout.runtime.model_spec import KvSpec
 
     spec = KvSpec.synthetic(2, 8, 128, np.float16, "seq-major", 8192)  # 2 KiB a token
     with KvCache.create(spec, "growable", device="cuda", batch=2) as cache:
@@ -111,7 +115,7 @@ def test_cache_growth_on_the_device_keeps_pointer_and_content():
 
 def _wide_model(tmp_path_factory, context: int):
     import synthetic_models
-    from ort_kvlayout.patch import patch_model_dir
+    from ort_kvlayout.tools.patch import patch_model_dir
 
     saved = synthetic_models.MAX_POS
     synthetic_models.MAX_POS = context  # the context (rotary tables and genai_config)
@@ -140,7 +144,7 @@ def prompt_ids(n: int) -> list[int]:
 
 
 def run(model_dir, mode, cuda_graph, on_step=None, session_options=None):
-    from ort_kvlayout.generation import Runtime
+    from ort_kvlayout.runtime.generation import Runtime
 
     with Runtime(model_dir, "cuda", cache=mode, cuda_graph=cuda_graph, fixed_mask=True,
                  session_options=session_options) as rt:  # fmt: skip
@@ -152,7 +156,7 @@ def run(model_dir, mode, cuda_graph, on_step=None, session_options=None):
 
 
 def test_growable_graph_replays_across_growth(wide_model):
-    from ort_kvlayout.generation import CUDA_GRAPH_WARMUP_RUNS
+    from ort_kvlayout.runtime.generation import CUDA_GRAPH_WARMUP_RUNS
 
     baseline = run(wide_model, "preallocated", cuda_graph=False)
     snapshots = []
@@ -214,7 +218,7 @@ def test_batch_of_two_grows_across_several_granules_at_an_unaligned_capacity(wid
     and granule 3 when entry 1 reaches row 436 (step ~416), long after the graph was captured.
     Tokens and logits equal a preallocated cache without graphs; one capture, no re-capture,
     0 bytes moved, pointers and the real rows unchanged."""
-    from ort_kvlayout.generation import Runtime
+    from ort_kvlayout.runtime.generation import Runtime
 
     lengths = (300, 20)
     prompts = [prompt_ids(n) for n in lengths]
@@ -279,8 +283,8 @@ def test_fp16_prefill_near_a_granule_end_does_not_fault(tmp_path):
         from pathlib import Path
         sys.path.insert(0, {str(here)!r})
         import synthetic_models
-        from ort_kvlayout.generation import Runtime
-        from ort_kvlayout.patch import patch_model_dir
+        from ort_kvlayout.runtime.generation import Runtime
+        from ort_kvlayout.tools.patch import patch_model_dir
         synthetic_models.MAX_POS = 1100
         root = Path({str(tmp_path)!r})
         v = synthetic_models.Variant(layers=1, num_heads=8, kv_heads=8, head_size=128,

@@ -1,4 +1,4 @@
-"""inference_metadata.yaml generation (ort_kvlayout.metadata, gen_inference_metadata)."""
+"""inference_metadata.yaml generation (ort_kvlayout.tools.metadata, gen_inference_metadata)."""
 
 from __future__ import annotations
 
@@ -6,14 +6,9 @@ import json
 
 import pytest
 import yaml
-from ort_kvlayout.cli import metadata_main
-from ort_kvlayout.metadata import (
-    MetadataError,
-    build_metadata,
-    dump_metadata,
-    load_metadata,
-    write_metadata,
-)
+from ort_kvlayout.model.config import MetadataError, load_metadata
+from ort_kvlayout.tools.cli import metadata_main
+from ort_kvlayout.tools.metadata import build_metadata, dump_metadata, write_metadata
 from synthetic_models import Variant, make_model_dir
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from ort_kvlayout import patch as patch_mod
-from ort_kvlayout.cli import patch_main
-from ort_kvlayout.metadata import load_metadata
-from ort_kvlayout.patch import (
+from ort_kvlayout.model.config import load_metadata
+from ort_kvlayout.tools import patch as patch_mod
+from ort_kvlayout.tools.cli import patch_main
+from ort_kvlayout.tools.patch import (
     PatchError,
     UnsupportedNodeError,
     iter_gqa_nodes,
@@ -257,7 +257,7 @@ def test_failure_mid_patch_leaves_nothing(tmp_path, fake_library, monkeypatch, s
 
         monkeypatch.setattr(patch_mod, "_copy_file", copy_then_fail)
     elif stage == "metadata":
-        monkeypatch.setattr("ort_kvlayout.metadata.write_metadata", boom)
+        monkeypatch.setattr("ort_kvlayout.tools.metadata.write_metadata", boom)
     else:
         monkeypatch.setattr(patch_mod, "_commit", boom)
 
@@ -293,7 +293,7 @@ RUNNABLE = ["packed", "separate_qkv", "local_window", "sliding_window_cache"]
 @pytest.mark.parametrize("name", RUNNABLE)
 @pytest.mark.parametrize("layout", ["seq-major", "head-major"])
 def test_patched_model_generates_the_same_tokens(tmp_path, name, layout):
-    from ort_kvlayout.generate import Generator
+    from ort_kvlayout.tools.reference_loop import Generator
 
     real_library()
     src = make_model_dir(tmp_path / "model", VARIANTS[name])
@@ -309,7 +309,7 @@ def test_patched_model_generates_the_same_tokens(tmp_path, name, layout):
 
 def test_qk_norm_patched_model_runs(tmp_path):
     """ORT's CPU GQA has no q/k norm, so only the two layouts can be compared here."""
-    from ort_kvlayout.generate import Generator
+    from ort_kvlayout.tools.reference_loop import Generator
 
     real_library()
     src = make_model_dir(tmp_path / "model", VARIANTS["qk_norm"])
@@ -332,7 +332,7 @@ def test_cli_verify(tmp_path, capsys):
 
 def test_cli_verify_reports_disagreement(tmp_path, capsys, monkeypatch):
     real_library()
-    from ort_kvlayout import generate
+    from ort_kvlayout.tools import reference_loop as generate
 
     src = make_model_dir(tmp_path / "model")
     real_generate = generate.Generator.generate

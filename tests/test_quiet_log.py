@@ -28,7 +28,7 @@ import numpy as np
 import onnxruntime as ort
 import ort_kvlayout
 from onnx import TensorProto, helper
-from ort_kvlayout.patch import rewrite_model
+from ort_kvlayout.tools.patch import rewrite_model
 from synthetic_models import Variant, build_model
 
 provider = sys.argv[2]

@@ -84,7 +84,7 @@ def model_dir(target) -> Path:
 @pytest.fixture(scope="session")
 def patched(model_dir, tmp_path_factory) -> dict:
     """{"before": hashes of MODEL_DIR, "seq": dir, "head": dir, "after": hashes of MODEL_DIR}."""
-    from ort_kvlayout.patch import patch_model_dir
+    from ort_kvlayout.tools.patch import patch_model_dir
 
     library_or_skip()
     out = tmp_path_factory.mktemp("patched")
@@ -96,15 +96,15 @@ def patched(model_dir, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="session")
 def prompt_ids(model_dir) -> list[int]:
-    from ort_kvlayout.generate import encode, load_tokenizer
+    from ort_kvlayout.model.tokenizer import load_tokenizer
 
-    return encode(load_tokenizer(model_dir), PROMPT)
+    return load_tokenizer(model_dir).encode(PROMPT)
 
 
 @pytest.fixture(scope="session")
 def runs(model_dir, patched, prompt_ids, target) -> dict:
     """Greedy 32 tokens through the plain ORT loop (KV shared in place), once per model."""
-    from ort_kvlayout.generate import Generator
+    from ort_kvlayout.tools.reference_loop import Generator
 
     original = Generator(model_dir, target, custom_ops_library=None)
     return {
@@ -119,7 +119,7 @@ def test_model_dir_untouched(patched):
 
 
 def test_all_nodes_rewritten(model_dir, patched):
-    from ort_kvlayout.patch import iter_gqa_nodes
+    from ort_kvlayout.tools.patch import iter_gqa_nodes
 
     original = list(
         iter_gqa_nodes(onnx.load(str(model_dir / "model.onnx"), load_external_data=False))
@@ -145,7 +145,8 @@ def test_all_nodes_rewritten(model_dir, patched):
 
 
 def test_metadata(patched):
-    from ort_kvlayout.metadata import build_metadata, load_metadata
+    from ort_kvlayout.model.config import load_metadata
+    from ort_kvlayout.tools.metadata import build_metadata
 
     data = load_metadata(patched["seq"] / "inference_metadata.yaml")
     assert data == build_metadata(patched["seq"])  # loads back to the same data
@@ -203,12 +204,12 @@ def assert_same_greedy(reference, other, label: str, target: str) -> None:
 
 
 def test_greedy_tokens_identical(runs, model_dir, target):
-    from ort_kvlayout.generate import decode, load_tokenizer
+    from ort_kvlayout.model.tokenizer import load_tokenizer
 
     assert_same_greedy(runs["original"], runs["seq"], "seq-major", target)
     assert_same_greedy(runs["original"], runs["head"], "head-major", target)
     assert runs["seq"].tokens == runs["head"].tokens  # the two layouts: exactly
-    text = decode(load_tokenizer(model_dir), runs["original"].tokens)
+    text = load_tokenizer(model_dir).decode(runs["original"].tokens)
     assert text.startswith(" Paris.")
     if target == "cpu":  # fp32: the text ORT, onnxruntime-genai and transformers agree on
         assert text.startswith(" Paris.\n\nThe answer is: 2018-01-22")
@@ -230,7 +231,7 @@ def test_onnxruntime_genai_runs_patched_dir(runs, patched, prompt_ids, layout):
 
 
 # ---------------------------------------------------------------------------------------------
-# The generation runtime (ort_kvlayout.generation) over the cache modes, on the real model
+# The generation runtime (ort_kvlayout.runtime.generation) over the cache modes, on the real model
 
 RUNTIME_CAPACITY = 512  # tokens reserved per entry (preallocated commits all of it up front)
 
@@ -244,7 +245,7 @@ class _Steps:
 
 
 def _runtime(path, target, mode, **kwargs):
-    from ort_kvlayout.generation import Runtime
+    from ort_kvlayout.runtime.generation import Runtime
 
     return Runtime(path, target, cache=mode, capacity=RUNTIME_CAPACITY, **kwargs)
 
@@ -258,7 +259,7 @@ def test_runtime_cache_modes_match_the_reference_loop(runs, patched, prompt_ids,
     assert_same_greedy(runs[layout], _Steps(out), f"{layout}/{mode}", target)
     s = out.stats
     if target == "cuda" and mode != "bucket":  # one graph, captured once, replayed after
-        from ort_kvlayout.generation import CUDA_GRAPH_WARMUP_RUNS
+        from ort_kvlayout.runtime.generation import CUDA_GRAPH_WARMUP_RUNS
 
         assert s.graph_captures == 1 and s.recaptures == 0
         assert s.replays == TOKENS - 1 - CUDA_GRAPH_WARMUP_RUNS - 1
@@ -276,12 +277,12 @@ def test_runtime_cache_modes_match_the_reference_loop(runs, patched, prompt_ids,
 
 
 def test_runtime_batch_of_two_matches_each_alone(patched, model_dir, target):
-    from ort_kvlayout.generate import encode, load_tokenizer
+    from ort_kvlayout.model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     prompts = [
-        encode(tokenizer, PROMPT),
-        encode(tokenizer, "Write one sentence about the sea and the wind:"),
+        tokenizer.encode(PROMPT),
+        tokenizer.encode("Write one sentence about the sea and the wind:"),
     ]
     assert len(prompts[0]) != len(prompts[1])
     with _runtime(patched["seq"], target, "growable") as rt:
@@ -296,7 +297,7 @@ def test_tokenizer_loads_and_backends_agree(model_dir, prompt_ids):
     covers the directory it agrees with `tokenizers`, and where it refuses (extensions 0.15 does
     not know transformers 5's tokenizer_class TokenizersBackend) the loader names the refusal
     and falls back."""
-    from ort_kvlayout.tokenizer import load_tokenizer
+    from ort_kvlayout.model.tokenizer import load_tokenizer
 
     hf = load_tokenizer(model_dir, "tokenizers")
     assert hf.encode(PROMPT) == prompt_ids

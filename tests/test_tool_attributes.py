@@ -5,9 +5,10 @@ a wrong type, or kv_layout other than INT 0 or 1 is refused by node name, exit 2
 from __future__ import annotations
 
 import pytest
-from ort_kvlayout.cli import metadata_main, patch_main
-from ort_kvlayout.graph import gqa_attribute_types
-from ort_kvlayout.metadata import MetadataError, build_metadata
+from ort_kvlayout.model.config import MetadataError
+from ort_kvlayout.model.graph import gqa_attribute_types
+from ort_kvlayout.tools.cli import metadata_main, patch_main
+from ort_kvlayout.tools.metadata import build_metadata
 from synthetic_models import Variant, make_model_dir, snapshot
 
 NODE = "/model/layers.0/attn/GroupQueryAttention"
@@ -90,7 +91,7 @@ def test_metadata_refuses_by_node_name(tmp_path, name, capsys):
 def test_int_kv_layout_read():
     """INT 0 / 1 are read as the layouts (the strict reader does not refuse the valid ones)."""
     import onnx
-    from ort_kvlayout.graph import GraphError, node_kv_layout
+    from ort_kvlayout.model.graph import GraphError, node_kv_layout
 
     for value, want in ((0, 0), (1, 1)):
         node = onnx.helper.make_node(
@@ -106,7 +107,7 @@ def test_without_compiled_module_the_tools_fail_clearly(tmp_path, monkeypatch, c
     """The table lives in ort_kvlayout._C: without it the tools stop with one line, exit 2."""
     import sys
 
-    from ort_kvlayout import graph
+    from ort_kvlayout.model import graph
 
     src = make_model_dir(tmp_path / "model")
     graph.gqa_attribute_types.cache_clear()

@@ -5,10 +5,10 @@ import sys
 from pathlib import Path
 
 try:
-    from ort_kvlayout.cli import metadata_main
+    from ort_kvlayout.tools.cli import metadata_main
 except ImportError:  # not installed: use the checkout's sources (no custom-op library then)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-    from ort_kvlayout.cli import metadata_main
+    from ort_kvlayout.tools.cli import metadata_main
 
 if __name__ == "__main__":
     sys.exit(metadata_main())

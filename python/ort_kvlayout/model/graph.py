@@ -1,4 +1,4 @@
-"""Reading GroupQueryAttention nodes out of ONNX graphs (shared by the patcher and the metadata).
+"""Reading GroupQueryAttention nodes out of ONNX graphs (shared by the tools and the runtime).
 
 Graphs are loaded without their external data (a 14B model's weights are never read): only the
 protobuf with the nodes, the opset imports and the graph's input/output names.
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import onnx
 
-from . import DOMAIN, OP_TYPE
-from .layout import layout_id
+from ..op.layout import layout_id
+from ..op.library import DOMAIN, OP_TYPE
 
 MS_DOMAIN = "com.microsoft"
 GQA_DOMAINS = (MS_DOMAIN, DOMAIN)
@@ -64,7 +64,7 @@ def gqa_attribute_types() -> dict[str, str]:
     """The op's attribute table, {name: "INT" | "FLOAT" | "STRING"}, read from the compiled
     module (csrc/core/gqa_attributes.h owns it): the tools check nodes with the op's strictness."""
     try:
-        from . import _C
+        from .. import _C
     except ImportError as exc:
         raise MissingModuleError(
             f"ort_kvlayout._C (the compiled module holding the op's attribute table) cannot be "

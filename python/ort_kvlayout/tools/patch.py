@@ -1,6 +1,6 @@
 """Rewrites a model directory's GroupQueryAttention nodes to ai.kvlayout with a chosen KV layout.
 
-    from ort_kvlayout.patch import patch_model_dir
+    from ort_kvlayout.tools.patch import patch_model_dir
     result = patch_model_dir("smollm2", "smollm2-seq-major", layout="seq-major")
 
 What it does (DESIGN section 5):
@@ -14,7 +14,7 @@ What it does (DESIGN section 5):
   `("ai.kvlayout", 1)` opset import;
 - copies the custom-op library into the directory and names it (relative) in genai_config.json
   `model.decoder.session_options.custom_ops_library`, so onnxruntime-genai runs the result as is;
-- writes inference_metadata.yaml (ort_kvlayout.metadata).
+- writes inference_metadata.yaml (ort_kvlayout.tools.metadata).
 
 Nodes the op does not support (quantized KV cache, output_qk, attributes outside the contract)
 are refused by name with the reason, and then nothing is written.
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import onnx
 
-from . import DOMAIN, LIBRARY_NAME
-from .graph import (  # noqa: F401 -- iter_gqa_nodes, is_gqa: part of this module's API
+from ..model.config import GENAI_CONFIG, METADATA_FILE, json_type
+from ..model.graph import (  # noqa: F401 -- iter_gqa_nodes, is_gqa: part of this module's API
     KV_LAYOUT_ATTR,
     GraphError,
     attribute_problems,
@@ -48,11 +48,10 @@ from .graph import (  # noqa: F401 -- iter_gqa_nodes, is_gqa: part of this modul
     node_kv_layout,
     node_label,
 )
-from .layout import LAYOUT_NAMES, SEQ_MAJOR, layout_id
+from ..op.layout import LAYOUT_NAMES, SEQ_MAJOR, layout_id
+from ..op.library import DOMAIN, LIBRARY_NAME, library_path
 
 OPSET_VERSION = 1
-GENAI_CONFIG = "genai_config.json"
-METADATA_FILE = "inference_metadata.yaml"
 
 # Input/output names of the contract (ORT 1.32's com.microsoft::GroupQueryAttention), by index.
 GQA_INPUTS = (
@@ -301,8 +300,6 @@ def update_genai_config(config: dict, patched: set[str], library: str) -> dict:
     Always in model.decoder.session_options (onnxruntime-genai's default session options); also in
     every other section that names a patched file and has session_options of its own.
     """
-    from .metadata import json_type
-
     model = config.get("model")
     if not isinstance(model, dict):
         raise PatchError(f"{GENAI_CONFIG}: 'model' must be an object, got {json_type(model)}")
@@ -337,8 +334,6 @@ def _resolve_library(library: str | os.PathLike | None | bool) -> Path | None:
     if library is None or library is False:
         return None
     if library is True or library == "auto":
-        from . import library_path
-
         try:
             return Path(library_path())
         except (FileNotFoundError, OSError) as exc:
@@ -438,7 +433,8 @@ def patch_model_dir(
         raise PatchError(f"no GroupQueryAttention node in {src} ({len(onnx_files)} .onnx file(s))")
 
     # genai_config.json and the metadata, from the rewritten graphs, still before any write.
-    from .metadata import MetadataError, build_metadata, load_genai_config, write_metadata
+    from ..model.config import MetadataError, load_genai_config
+    from .metadata import build_metadata, write_metadata
 
     new_config_text = None
     if lib is not None and (src / GENAI_CONFIG).is_file():
@@ -527,59 +523,3 @@ def _commit(tmp: Path, dst: Path, force: bool) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # --verify
-
-
-@dataclass
-class VerifyResult:
-    original_tokens: list[int]
-    patched_tokens: list[int]
-    max_logit_diff: float  # over the steps both runs reached with the same prefix
-    compared_steps: int
-
-    @property
-    def tokens_agree(self) -> bool:
-        return self.original_tokens == self.patched_tokens
-
-
-def verify_prompt_ids(model_dir: Path, prompt: str) -> list[int]:
-    """The prompt through the directory's tokenizer.json, or fixed ids without `tokenizers`."""
-    from .generate import encode, load_tokenizer
-
-    if (model_dir / "tokenizer.json").is_file():
-        try:
-            return encode(load_tokenizer(model_dir), prompt)
-        except RuntimeError:  # no tokenizer backend installed (the runtime extra)
-            pass
-    config = json.loads((model_dir / GENAI_CONFIG).read_text())
-    vocab = int(config["model"]["vocab_size"])
-    return [(1000 + 37 * i) % vocab for i in range(8)]
-
-
-def verify_patch(
-    original_dir: str | os.PathLike,
-    patched_dir: str | os.PathLike,
-    prompt: str = "The capital of France is",
-    max_new_tokens: int = 16,
-    provider: str = "cpu",
-) -> VerifyResult:
-    """Greedy generation with both directories (plain ORT, KV shared in place) and a comparison.
-
-    The original runs with no custom-op library (ORT's own GQA for com.microsoft nodes); the
-    patched one with the library its genai_config.json names.
-    """
-    import numpy as np
-
-    from .generate import Generator
-
-    original_dir, patched_dir = Path(original_dir), Path(patched_dir)
-    ids = verify_prompt_ids(original_dir, prompt)
-    a = Generator(original_dir, provider, custom_ops_library="auto").generate(ids, max_new_tokens)
-    b = Generator(patched_dir, provider, custom_ops_library="auto").generate(ids, max_new_tokens)
-    steps = 0
-    diff = 0.0
-    for ta, tb, la, lb in zip(a.tokens, b.tokens, a.logits, b.logits):
-        diff = max(diff, float(np.max(np.abs(la - lb))))
-        steps += 1
-        if ta != tb:
-            break
-    return VerifyResult(a.tokens, b.tokens, diff, steps)

@@ -1,4 +1,7 @@
-"""Console scripts: patch_kv_layout and gen_inference_metadata (see docs/TOOLS.md)."""
+"""Console scripts: patch_kv_layout and gen_inference_metadata (see docs/TOOLS.md).
+
+Also `python -m ort_kvlayout.tools.cli patch|metadata ARGS`.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +13,8 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .graph import MissingModuleError
-from .layout import LAYOUT_NAMES, layout_id
+from ..model.graph import MissingModuleError
+from ..op.layout import LAYOUT_NAMES, layout_id
 
 # Exit codes (docs/TOOLS.md): distinct for each kind of outcome.
 EXIT_OK = 0
@@ -139,7 +142,8 @@ def patch_main(argv: list[str] | None = None) -> int:
 
 
 def _patch(args: argparse.Namespace) -> int:
-    from .patch import PatchError, patch_model_dir, verify_patch
+    from .patch import PatchError, patch_model_dir
+    from .verify import verify_patch
 
     log = (lambda _m: None) if args.quiet else print
     try:
@@ -205,14 +209,8 @@ def metadata_main(argv: list[str] | None = None) -> int:
 
 
 def _metadata(args: argparse.Namespace) -> int:
-    from .metadata import (
-        METADATA_FILE,
-        MetadataError,
-        build_metadata,
-        dump_metadata,
-        input_files,
-        write_metadata,
-    )
+    from ..model.config import METADATA_FILE, MetadataError
+    from .metadata import build_metadata, dump_metadata, input_files, write_metadata
 
     try:
         if not args.model_dir.is_dir():
@@ -242,8 +240,8 @@ def _metadata(args: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m ort_kvlayout.cli patch|metadata ...
+if __name__ == "__main__":  # python -m ort_kvlayout.tools.cli patch|metadata ...
     commands = {"patch": patch_main, "metadata": metadata_main}
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
-        sys.exit(f"usage: python -m ort_kvlayout.cli {{{'|'.join(commands)}}} ...")
+        sys.exit(f"usage: python -m ort_kvlayout.tools.cli {{{'|'.join(commands)}}} ...")
     sys.exit(commands[sys.argv[1]](sys.argv[2:]))

@@ -1,4 +1,4 @@
-"""`python -m ort_kvlayout.generate MODEL_DIR --prompt TEXT ...`: streams generated text.
+"""`python -m ort_kvlayout.runtime MODEL_DIR --prompt TEXT ...`: streams generated text.
 
 The text goes to stdout as it is produced (batch 1; a batch prints each entry at the end); a
 progress line on stderr shows tokens/s and the KV cache's committed bytes, and a summary closes
@@ -29,7 +29,7 @@ def mib(n: int) -> str:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m ort_kvlayout.generate",
+        prog="python -m ort_kvlayout.runtime",
         description="Generate text with a (patched or original) onnxruntime-genai model "
         "directory through a plain ORT session and ort_kvlayout's KV cache.",
     )
@@ -150,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, streamed: list[bool]) -> int:
+    from ..model.tokenizer import load_tokenizer
     from .generation import Runtime
-    from .tokenizer import load_tokenizer
 
     sampling = sampling_from(args)
     tokenizer = load_tokenizer(args.model_dir, args.tokenizer)
@@ -193,7 +193,3 @@ def run(args: argparse.Namespace, streamed: list[bool]) -> int:
                 f"{s.bytes_moved}{graphs}\n"
             )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

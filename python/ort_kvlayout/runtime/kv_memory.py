@@ -301,7 +301,7 @@ class HostReservation:
 
 def _cuda_module(required: bool):
     try:
-        from . import _C
+        from .. import _C
     except ImportError as exc:
         if required:
             raise KvMemoryError(f"the native module ort_kvlayout._C is not built: {exc}") from exc

@@ -1,4 +1,6 @@
-"""A plain ONNX Runtime greedy generation loop over an onnxruntime-genai model directory.
+"""The reference loop: a plain ONNX Runtime greedy generation loop over an onnxruntime-genai model
+directory, the independent oracle of patch_kv_layout --verify (verify.py), the main job and the
+tests.
 
     gen = Generator("smollm2-seq-major")            # registers the directory's custom-op library
     result = gen.generate(prompt_ids, max_new_tokens=32)
@@ -8,10 +10,9 @@ The KV cache is shared in place, as onnxruntime-genai does it: one (B, Nkv, C, H
 past/present pair, bound through IO binding as both the past input and the present output, so the
 GQA op appends the new rows into it (a pointer-equal past and present). The attention mask grows
 by one column a step; seqlens_k and total_sequence_length are derived from it inside the graph.
-Batch size 1, no sampling: this is the reference loop used by --verify, the main job and tests,
-kept deliberately simple and independent of the runtime it checks (ort_kvlayout.generation:
-KV cache modes, batches, sampling, CUDA graphs). `python -m ort_kvlayout.generate` is that
-runtime's command line (ort_kvlayout.generate_cli).
+Batch size 1, no sampling, numpy buffers: kept deliberately simple and independent of the runtime
+it checks (ort_kvlayout.runtime: KV cache modes, batches, sampling, CUDA graphs), so it imports
+nothing of this package.
 """
 
 from __future__ import annotations
@@ -175,27 +176,3 @@ class Generator:
                 break
             step_ids = np.asarray([[token]], dtype=np.int64)
         return GenerationResult(tokens, logits_seen, times[0], sum(times[1:]))
-
-
-def load_tokenizer(model_dir: str | os.PathLike) -> Any:
-    """The directory's tokenizer (ort_kvlayout.tokenizer: onnxruntime-extensions, else
-    `tokenizers`)."""
-    from .tokenizer import load_tokenizer as _load
-
-    return _load(model_dir)
-
-
-def encode(tokenizer: Any, text: str) -> list[int]:
-    return tokenizer.encode(text)
-
-
-def decode(tokenizer: Any, ids: list[int]) -> str:
-    return tokenizer.decode(ids)
-
-
-if __name__ == "__main__":  # python -m ort_kvlayout.generate MODEL_DIR --prompt TEXT ...
-    import sys
-
-    from .generate_cli import main
-
-    sys.exit(main())

@@ -6,7 +6,7 @@ checks them in its prepare/decode kernel, which records the first violation into
 message; a CUDA graph replay runs no host code of the op, so the record is also readable here.
 
 How the call reaches the record: ``libort_kvlayout.so`` exports ``OrtKvlayoutTakeLengthError``,
-called on the copy ONNX Runtime loaded (loaded_library.py). When the library is not loaded, no op
+called on the copy ONNX Runtime loaded (library.py). When the library is not loaded, no op
 instance exists, so there is nothing to report.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from .loaded_library import call_string_function, string_function
+from .library import call_string_function, string_function
 
 __all__ = ["LengthError", "check_length_error", "take_length_error"]
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..op.layout import from_layout, live_ranges, prefix_spans, prefix_tokens
 from .kv_memory import (
     DeviceReservation,
     HostReservation,
@@ -41,7 +42,6 @@ from .kv_memory import (
     Reservation,
     granule_runs,
 )
-from .layout import from_layout, live_ranges, prefix_spans, prefix_tokens
 from .model_spec import KvSpec
 
 __all__ = [

@@ -17,10 +17,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from . import DOMAIN
-from .graph import iter_gqa_nodes, node_attrs, node_label
-from .layout import layout_id
-from .metadata import (
+from ..model.config import (
     METADATA_FILE,
     MetadataError,
     decoder_files,
@@ -29,6 +26,9 @@ from .metadata import (
     load_metadata,
     model_kv_layout,
 )
+from ..model.graph import iter_gqa_nodes, node_attrs, node_label
+from ..op.layout import layout_id
+from ..op.library import DOMAIN
 
 _ELEM_TYPES = {
     onnx.TensorProto.FLOAT: np.float32,

@@ -49,8 +49,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from ..op.length_errors import check_length_error
 from .kv_cache import BUCKET_TOKENS, CACHE_MODES, KvCache, KvCacheStats, KvCapacityError
-from .length_errors import check_length_error
 from .model_spec import ModelSpec
 from .sampling import GREEDY, Sampler, SamplingParams
 

@@ -1,0 +1,70 @@
+"""patch_kv_layout --verify: the original and the patched model directory through the same plain
+greedy loop (reference_loop), compared token by token and logit by logit.
+
+    from ort_kvlayout.tools.verify import verify_patch
+    check = verify_patch("smollm2", "smollm2-seq-major")
+    check.tokens_agree, check.max_logit_diff
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..model.config import GENAI_CONFIG
+from ..model.tokenizer import load_tokenizer
+from .reference_loop import Generator
+
+
+@dataclass
+class VerifyResult:
+    original_tokens: list[int]
+    patched_tokens: list[int]
+    max_logit_diff: float  # over the steps both runs reached with the same prefix
+    compared_steps: int
+
+    @property
+    def tokens_agree(self) -> bool:
+        return self.original_tokens == self.patched_tokens
+
+
+def verify_prompt_ids(model_dir: Path, prompt: str) -> list[int]:
+    """The prompt through the directory's tokenizer.json, or fixed ids without `tokenizers`."""
+    if (model_dir / "tokenizer.json").is_file():
+        try:
+            return load_tokenizer(model_dir).encode(prompt)
+        except RuntimeError:  # no tokenizer backend installed (the runtime extra)
+            pass
+    config = json.loads((model_dir / GENAI_CONFIG).read_text())
+    vocab = int(config["model"]["vocab_size"])
+    return [(1000 + 37 * i) % vocab for i in range(8)]
+
+
+def verify_patch(
+    original_dir: str | os.PathLike,
+    patched_dir: str | os.PathLike,
+    prompt: str = "The capital of France is",
+    max_new_tokens: int = 16,
+    provider: str = "cpu",
+) -> VerifyResult:
+    """Greedy generation with both directories (plain ORT, KV shared in place) and a comparison.
+
+    The original runs with no custom-op library (ORT's own GQA for com.microsoft nodes); the
+    patched one with the library its genai_config.json names.
+    """
+    original_dir, patched_dir = Path(original_dir), Path(patched_dir)
+    ids = verify_prompt_ids(original_dir, prompt)
+    a = Generator(original_dir, provider, custom_ops_library="auto").generate(ids, max_new_tokens)
+    b = Generator(patched_dir, provider, custom_ops_library="auto").generate(ids, max_new_tokens)
+    steps = 0
+    diff = 0.0
+    for ta, tb, la, lb in zip(a.tokens, b.tokens, a.logits, b.logits):
+        diff = max(diff, float(np.max(np.abs(la - lb))))
+        steps += 1
+        if ta != tb:
+            break
+    return VerifyResult(a.tokens, b.tokens, diff, steps)
