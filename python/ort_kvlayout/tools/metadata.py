@@ -41,7 +41,6 @@ import yaml
 from ..model.config import (
     GENAI_CONFIG,
     MAX_INT32,
-    METADATA_FILE,  # noqa: F401 -- the file these functions write: part of this module's API
     MetadataError,
     config_int,
     config_str,
