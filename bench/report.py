@@ -1,0 +1,305 @@
+"""Writes the tables of docs/PERFORMANCE.md (and its plots) from the JSON in bench/results/.
+
+    python bench/report.py            # rewrite the tables between the markers, and the plots
+    python bench/report.py --check    # exit 1 where the document differs from what this writes
+
+Each table lies between `<!-- report:NAME -->` and `<!-- /report:NAME -->` in the document; the
+text outside the markers is left alone. A table names its date, device, commit and command, all
+read from its JSON, and every ratio is ORT's built-in com.microsoft::GroupQueryAttention time
+over ours, both measured in the same run (higher is faster for us).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+DOC = ROOT / "docs" / "PERFORMANCE.md"
+IMG = ROOT / "docs" / "img"
+
+CUDA = "cuda-h200.json"
+KV_MEMORY = "kv-cache-memory-cpu-2m.json"
+KV_POINTS = (1, 256, 1024, 2048, 4096, 8192)
+MIB = 1 << 20
+# (block, title of the machine, JSON files measured on it in one sitting, in table order)
+CPU_GROUPS = (
+    ("cpu-epyc", "2-core AMD EPYC (Zen 3, KVM guest), AVX2 level, idle",
+     ("cpu-avx2-prefill-idle.json", "cpu-avx2-decode-idle.json", "cpu-avx2-shared-idle.json")),
+    ("cpu-xeon", "16-core Intel Xeon (Sapphire Rapids class), AVX-512 and AVX2 levels",
+     ("cpu-xeon-avx512.json", "cpu-xeon-avx512-shared.json")),
+)  # fmt: skip
+HEAD_ORDER = ("32/8/128", "28/4/128", "9/3/64", "4/1/256")
+
+
+def _heads_key(heads: str) -> tuple:
+    return (HEAD_ORDER.index(heads) if heads in HEAD_ORDER else len(HEAD_ORDER), heads)
+
+
+def _low(row: dict) -> float:
+    return min(row["ratio0"], row["ratio1"])
+
+
+def _point(row: dict) -> str:
+    letter = "L" if row["kind"] == "decode" else "S"
+    return f"{row['heads']} B={row['batch']} {letter}={row['length']}"
+
+
+def _length(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:.2f}".rstrip("0").rstrip(".")
+
+
+def _grid(rows: list[dict], kind: str, cell) -> list[str]:
+    """One line per (heads, batch), one column per length."""
+    rows = [r for r in rows if r["kind"] == kind]
+    lengths = sorted({r["length"] for r in rows})
+    letter = "L" if kind == "decode" else "S"
+    out = [
+        f"| N/Nkv/H | B | {' | '.join(f'{letter}={_length(n)}' for n in lengths)} |",
+        "|---|---:|" + "---:|" * len(lengths),
+    ]
+    keys = sorted({(r["heads"], r["batch"]) for r in rows}, key=lambda k: (_heads_key(k[0]), k[1]))
+    for heads, batch in keys:
+        by_len = {r["length"]: r for r in rows if r["heads"] == heads and r["batch"] == batch}
+        cells = [cell(by_len[n]) if n in by_len else "" for n in lengths]
+        out.append(f"| {heads} | {batch} | {' | '.join(cells)} |")
+    return out
+
+
+def cuda_meta(data: dict, name: str) -> list[str]:
+    flush = "each Run after an L2 flush" if data.get("flush_l2") else "warm (no L2 flush)"
+    order = ", ".join(data.get("order", []))
+    return [
+        (
+            f"Measured {data['date']} on {data['device']}, onnxruntime {data['onnxruntime']}, "
+            f"commit `{data.get('git', 'unknown')}`; median of {data['runs']} timed Runs per variant "
+            f"in {data.get('rounds', 1)} round(s), {flush}, variants made in the order {order}. "
+            f"Command: `{data['command']}` (JSON: `bench/results/{name}`)."
+        ),
+    ]
+
+
+def cuda_summary(data: dict) -> list[str]:
+    dec = [r for r in data["rows"] if r["kind"] == "decode"]
+    pre = [r for r in data["rows"] if r["kind"] == "prefill"]
+    lines = []
+    if dec:
+        worst = min(dec, key=_low)
+        layout = "kv_layout=0" if worst["ratio0"] <= worst["ratio1"] else "kv_layout=1"
+        best = max(max(r["kv0"]["TB/s"], r["kv1"]["TB/s"]) for r in dec)
+        lines.append(
+            f"- Decode: ours at or above ORT in both layouts at {sum(_low(r) >= 1.0 for r in dec)} "
+            f"of {len(dec)} points; {min(_low(r) for r in dec):.3f}x to "
+            f"{max(max(r['ratio0'], r['ratio1']) for r in dec):.2f}x, the lowest at "
+            f"{_point(worst)} {layout}; up to {best:.2f} TB/s of KV read."
+        )
+    if pre:
+        best = max(max(r["kv0"]["TFLOP/s"], r["kv1"]["TFLOP/s"]) for r in pre)
+        lines.append(
+            f"- Prefill: ours at or above ORT in both layouts at "
+            f"{sum(_low(r) >= 1.0 for r in pre)} of {len(pre)} points; "
+            f"{min(_low(r) for r in pre):.2f}x to {max(max(r['ratio0'], r['ratio1']) for r in pre):.2f}x; "
+            f"up to {best:.0f} TFLOP/s."
+        )
+    return lines
+
+
+def cuda_decode(data: dict) -> list[str]:
+    def cell(r: dict) -> str:
+        return f"{r['ratio0']:.2f} / {r['ratio1']:.2f} ({r['ort']['kernel_ms'] * 1e3:.1f})"
+
+    return [
+        (
+            "Decode (one new token, shared in-place cache of capacity L). Cell: ORT's time / ours in "
+            "kv_layout=0 / kv_layout=1, then ORT's kernel time in us."
+        ),
+        "",
+        *_grid(data["rows"], "decode", cell),
+    ]
+
+
+def cuda_prefill(data: dict) -> list[str]:
+    def cell(r: dict) -> str:
+        return f"{r['ratio0']:.2f} / {r['ratio1']:.2f} ({r['ort']['TFLOP/s']:.0f})"
+
+    return [
+        (
+            "Prefill (a first prompt of S tokens, causal). Cell: ORT's time / ours in kv_layout=0 / "
+            "kv_layout=1, then ORT's TFLOP/s."
+        ),
+        "",
+        *_grid(data["rows"], "prefill", cell),
+    ]
+
+
+def cpu_command(meta: dict, levels: list[str], name: str) -> str:
+    """The parent command of a bench_cpu.py JSON: each level ran as a child with `--isa current`
+    and a temporary --json, which the parent's --isa and --json replace."""
+    args = shlex.split(meta["command"])
+    for flag, value in (("--isa", ",".join(levels)), ("--json", f"bench/results/{name}")):
+        if flag in args:
+            args[args.index(flag) + 1] = value
+    return shlex.join(args)
+
+
+def cpu_block(title: str, files: list[tuple[str, dict]]) -> list[str]:
+    first = next(iter(files[0][1]["levels"].values()))["meta"]
+    machine, lib = first["machine"], first["ort_kvlayout"]
+    dates = sorted(lv["meta"]["date"][:16] for _, d in files for lv in d["levels"].values())
+    lines = [
+        (
+            f"{title}: {machine['model_name']}, {machine['logical_cpus']} logical CPUs, "
+            f"onnxruntime {first['onnxruntime']}, commit `{lib.get('git', 'unknown')}`, "
+            f"runs started {dates[0].replace('T', ' ')} to {dates[-1][11:]} UTC. Commands:"
+        ),
+        "",
+    ]
+    for name, data in files:
+        meta = next(iter(data["levels"].values()))["meta"]
+        lines.append(f"- `{cpu_command(meta, list(data['levels']), name)}`")
+    lines += [
+        "",
+        "| case | N/Nkv/H | level | unit | ORT | ours kv_layout=0 | ours kv_layout=1 | kv0/ORT | kv1/ORT |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for _, data in files:
+        levels = data["levels"]
+        kv_mode = next(iter(levels.values()))["meta"]["kv_mode"]
+        n_cases = len(next(iter(levels.values()))["results"])
+        for i in range(n_cases):  # each case at every level, in the JSON's case order
+            for level, d in levels.items():
+                r = d["results"][i]
+                case, st = r["case"], r["stats"]
+                name = case["name"]
+                if kv_mode == "shared" and case["kind"] == "decode":
+                    name += " shared"
+                lines.append(
+                    f"| {name} | {case['heads']} | {level} | {st['ort']['unit']} "
+                    f"| {st['ort']['throughput']:.1f} | {st['kv0']['throughput']:.1f} "
+                    f"| {st['kv1']['throughput']:.1f} | {r['ratio']['kv0']:.2f}x "
+                    f"| {r['ratio']['kv1']:.2f}x |"
+                )
+    return lines
+
+
+def kv_memory(data: dict, name: str) -> list[str]:
+    """Committed KV bytes against live tokens per cache mode, then the growth to the context."""
+    shapes = data["shapes"]
+    granule = next(iter(shapes.values()))["memory"]["granule"]
+    lines = [
+        (
+            f"Measured {data['date'][:16].replace('T', ' ')} UTC, device `{data['device']}` "
+            f"(host `{data['host']}`), commit `{data['commit']}`, granule {granule // 1024} KiB, "
+            f"batch 1. Command: `python bench/bench_kv_cache.py {shlex.join(data['argv'])}` "
+            f"(JSON: `bench/results/{name}`)."
+        ),
+        "",
+    ]
+    modes = list(next(iter(shapes.values()))["memory"]["curves"])
+    head = " | ".join(f"{s} {m}" for s in shapes for m in modes)
+    lines += [
+        f"| live tokens | live MiB ({' / '.join(shapes)}) | {head} |",
+        "|---:|---:|" + "---:|" * (len(shapes) * len(modes)),
+    ]
+    for t in KV_POINTS:
+        live, cells = [], []
+        for s in shapes.values():
+            curves = s["memory"]["curves"]
+            at = {m: next((r for r in c if r["tokens"] == t), None) for m, c in curves.items()}
+            if any(r is None for r in at.values()):
+                break
+            live.append(f"{next(iter(at.values()))['live_bytes'] / MIB:.2f}")
+            cells += [_mib(at[m]["committed_bytes"]) for m in modes]
+        else:
+            lines.append(f"| {t} | {' / '.join(live)} | {' | '.join(cells)} |")
+    lines += [
+        "",
+        "| shape | mode | growth events to the context | bytes moved |",
+        "|---|---|---:|---:|",
+    ]
+    for sname, s in shapes.items():
+        for mode, g in s["growth"].items():
+            moved = f"{g['bytes_moved'] / MIB:.1f} MiB" if g["bytes_moved"] else "0"
+            lines.append(f"| {sname} | {mode} | {g['growth_events']} | {moved} |")
+    return lines
+
+
+def blocks(results: Path = RESULTS) -> dict[str, str]:
+    """Every block of the document, by name, from the JSON in `results`."""
+    out: dict[str, str] = {}
+    cuda = json.loads((results / CUDA).read_text())
+    out["cuda-meta"] = cuda_meta(cuda, CUDA)
+    out["cuda-summary"] = cuda_summary(cuda)
+    out["cuda-decode"] = cuda_decode(cuda)
+    out["cuda-prefill"] = cuda_prefill(cuda)
+    kv = json.loads((results / KV_MEMORY).read_text())
+    out["kv-memory"] = kv_memory(kv, KV_MEMORY)
+    for block, title, names in CPU_GROUPS:
+        files = [(n, json.loads((results / n).read_text())) for n in names]
+        out[block] = cpu_block(title, files)
+    return {k: "\n".join(v) for k, v in out.items()}
+
+
+MARK = re.compile(
+    r"(<!-- report:(?P<name>[\w-]+) -->\n)(.*?)(<!-- /report:(?P=name) -->)", re.DOTALL
+)
+
+
+def splice(text: str, new: dict[str, str]) -> str:
+    """`text` with each marked block's body replaced by new[name]; a block the document lacks,
+    or a marker without a block, is an error."""
+    seen = set()
+
+    def sub(m: re.Match) -> str:
+        name = m.group("name")
+        if name not in new:
+            raise KeyError(f"docs marker report:{name} has no block in bench/report.py")
+        seen.add(name)
+        return f"{m.group(1)}{new[name]}\n{m.group(4)}"
+
+    out = MARK.sub(sub, text)
+    missing = sorted(set(new) - seen)
+    if missing:
+        raise KeyError(f"blocks without a marker in the document: {', '.join(missing)}")
+    return out
+
+
+def plots(results: Path, img: Path) -> None:
+    import plot_cuda  # a sibling
+
+    plot_cuda.main([str(results / CUDA), "--out", str(img)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--results", type=Path, default=RESULTS)
+    p.add_argument("--doc", type=Path, default=DOC)
+    p.add_argument("--img", type=Path, default=IMG)
+    p.add_argument("--check", action="store_true", help="compare only; exit 1 on a difference")
+    p.add_argument("--no-plots", action="store_true")
+    args = p.parse_args(argv)
+    text = args.doc.read_text()
+    new = splice(text, blocks(args.results))
+    if args.check:
+        if new != text:
+            print(f"{args.doc} differs from bench/report.py's tables: run python bench/report.py",
+                  file=sys.stderr)  # fmt: skip
+            return 1
+        return 0
+    args.doc.write_text(new)
+    if not args.no_plots:
+        plots(args.results, args.img)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""bench/report.py: docs/PERFORMANCE.md's tables are what the script writes from the committed
+JSON in bench/results/, and each names its date, device, commit and command."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from bench_util import load_bench
+
+report = load_bench("report")
+
+
+def test_the_document_equals_what_the_script_writes():
+    text = report.DOC.read_text()
+    assert report.splice(text, report.blocks()) == text, "run: python bench/report.py"
+
+
+def test_check_mode_passes_on_the_committed_document():
+    assert report.main(["--check"]) == 0
+
+
+def test_every_committed_result_has_a_table():
+    # The files git tracks (.gitignore decides which results are committed), not local runs.
+    ls = subprocess.run(["git", "-C", str(report.ROOT), "ls-files", "bench/results"],
+                        check=False, capture_output=True, text=True)  # fmt: skip
+    if ls.returncode != 0:
+        pytest.skip("not a git checkout")
+    committed = {Path(f).name for f in ls.stdout.split() if f.endswith(".json")}
+    used = {report.CUDA, report.KV_MEMORY} | {n for _, _, names in report.CPU_GROUPS for n in names}
+    assert committed == used
+
+
+@pytest.mark.parametrize("name", ["cuda-meta", "cpu-epyc", "cpu-xeon", "kv-memory"])
+def test_each_table_names_its_date_commit_and_command(name):
+    block = report.blocks()[name]
+    assert "commit `" in block and "unknown" not in block
+    assert "python bench/" in block and "UTC" in block
+
+
+def test_ratios_are_ort_time_over_ours():
+    rows = [
+        {"kind": "decode", "heads": "9/3/64", "batch": 1, "length": 1024, "ratio0": 1.25,
+         "ratio1": 0.98, "ort": {"kernel_ms": 0.01, "TB/s": 1.0}, "kv0": {"TB/s": 1.25},
+         "kv1": {"TB/s": 0.98}},
+    ]  # fmt: skip
+    assert report.cuda_decode({"rows": rows})[-1] == "| 9/3/64 | 1 | 1.25 / 0.98 (10.0) |"
+    summary = report.cuda_summary({"rows": rows})[0]
+    assert "at 0 of 1 points" in summary and "9/3/64 B=1 L=1024 kv_layout=1" in summary
+
+
+def test_a_marker_without_a_block_and_a_block_without_a_marker_are_refused():
+    doc = "a\n<!-- report:x -->\nold\n<!-- /report:x -->\nb\n"
+    assert report.splice(doc, {"x": "new"}) == "a\n<!-- report:x -->\nnew\n<!-- /report:x -->\nb\n"
+    with pytest.raises(KeyError, match="report:x"):
+        report.splice(doc, {})
+    with pytest.raises(KeyError, match="y"):
+        report.splice(doc, {"x": "new", "y": "more"})
