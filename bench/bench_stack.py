@@ -22,9 +22,9 @@ replays each, the order reversed every other round: a drift of the clocks or the
 case then weighs on all three alike, and each turn starts with one untimed step. Three stacks'
 caches are then allocated at once (51 GB at 32/8/128 B=8 L=16k, 32 layers). R = 1 (the default):
 each variant's session is made, timed and freed in turn (ORT, kv_layout=0, kv_layout=1), so only
-one stack's caches are allocated at a time. In the twenty-third session's runs, R = 1, kv_layout=1
-came out 0.7 to 3.4 us per layer faster than kv_layout=0 in all eight comparisons though both read
-the same bytes (docs/BENCHMARKS.md).
+one stack's caches are allocated at a time. With R = 1, kv_layout=1 once came
+out 0.7 to 3.4 us per layer faster than kv_layout=0 in all eight comparisons of a run, though both
+read the same bytes: an order effect that R > 1 tells apart.
 """
 
 from __future__ import annotations
