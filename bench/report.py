@@ -1,9 +1,9 @@
-"""Writes the tables of docs/PERFORMANCE.md (and its plots) from the JSON in bench/results/.
+"""Writes the tables of docs/PERFORMANCE.md and README.md (and the plots) from bench/results/.
 
     python bench/report.py            # rewrite the tables between the markers, and the plots
-    python bench/report.py --check    # exit 1 where the document differs from what this writes
+    python bench/report.py --check    # exit 1 where a document differs from what this writes
 
-Each table lies between `<!-- report:NAME -->` and `<!-- /report:NAME -->` in the document; the
+Each table lies between `<!-- report:NAME -->` and `<!-- /report:NAME -->` in its document; the
 text outside the markers is left alone. A table names its date, device, commit and command, all
 read from its JSON, and every ratio is ORT's built-in com.microsoft::GroupQueryAttention time
 over ours, both measured in the same run (higher is faster for us).
@@ -21,17 +21,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 DOC = ROOT / "docs" / "PERFORMANCE.md"
+README = ROOT / "README.md"
 IMG = ROOT / "docs" / "img"
 
 CUDA = "cuda-h200.json"
 KV_MEMORY = "kv-cache-memory-cpu-2m.json"
 KV_POINTS = (1, 256, 1024, 2048, 4096, 8192)
 MIB = 1 << 20
-# (block, title of the machine, JSON files measured on it in one sitting, in table order)
+# (block, title of the machine, its short name, JSON files measured on it in one sitting, in
+# table order)
 CPU_GROUPS = (
-    ("cpu-epyc", "2-core AMD EPYC (Zen 3, KVM guest), AVX2 level, idle",
+    ("cpu-epyc", "2-core AMD EPYC (Zen 3, KVM guest), AVX2 level, idle", "2-core Zen 3",
      ("cpu-avx2-prefill-idle.json", "cpu-avx2-decode-idle.json", "cpu-avx2-shared-idle.json")),
-    ("cpu-xeon", "16-core Intel Xeon (Sapphire Rapids class), AVX-512 and AVX2 levels",
+    ("cpu-xeon", "16-core Intel Xeon (Sapphire Rapids class), AVX-512 and AVX2 levels", "16-core Xeon",
      ("cpu-xeon-avx512.json", "cpu-xeon-avx512-shared.json")),
 )  # fmt: skip
 HEAD_ORDER = ("32/8/128", "28/4/128", "9/3/64", "4/1/256")
@@ -233,8 +235,55 @@ def kv_memory(data: dict, name: str) -> list[str]:
     return lines
 
 
-def blocks(results: Path = RESULTS) -> dict[str, str]:
-    """Every block of the document, by name, from the JSON in `results`."""
+def _ratio(v: float) -> str:
+    """Two decimals, three where two would round a loss up to 1.00x."""
+    return f"{v:.3f}x" if v < 1.0 <= round(v, 2) else f"{v:.2f}x"
+
+
+def _span(values: list[float]) -> str:
+    lo, hi = _ratio(min(values)), _ratio(max(values))
+    return lo if lo == hi else f"{lo} to {hi}"
+
+
+def summary(cuda: dict, cpu: list[tuple[str, list[tuple[str, dict]]]]) -> list[str]:
+    """README's table: the range of ORT time / ours per kind of call, each layout."""
+    lines = ["| measured (commit) | kv_layout=0 | kv_layout=1 |", "|---|---:|---:|"]
+    for kind, what in (
+        ("decode", "decode, B 1 to 64, L 1k to 32k"),
+        ("prefill", "prefill, B 1/4, S 512 to 8k"),
+    ):
+        rows = [r for r in cuda["rows"] if r["kind"] == kind]
+        if rows:
+            heads = len({r["heads"] for r in rows})
+            lines.append(
+                f"| {cuda['device'].replace('NVIDIA ', '')} fp16 {what}, {heads} head shapes, "
+                f"{len(rows)} points (`{cuda.get('git', 'unknown')}`) "
+                f"| {_span([r['ratio0'] for r in rows])} | {_span([r['ratio1'] for r in rows])} |"
+            )
+    for short, files in cpu:
+        level, commit, cells = None, None, {}
+        for _, data in files:
+            level = level or next(iter(data["levels"]))  # the best level measured
+            d = data["levels"][level]
+            commit = d["meta"]["ort_kvlayout"].get("git", "unknown")
+            for r in d["results"]:
+                kind = r["case"]["kind"]
+                if kind == "decode":
+                    kind = (
+                        "decode, shared cache" if r["case"]["shared"] else "decode, separate past"
+                    )
+                cells.setdefault(kind, ([], []))
+                cells[kind][0].append(r["ratio"]["kv0"])
+                cells[kind][1].append(r["ratio"]["kv1"])
+        for kind, (kv0, kv1) in cells.items():
+            lines.append(
+                f"| {short} CPU fp32, {level} level, {kind} (`{commit}`) | {_span(kv0)} | {_span(kv1)} |"
+            )
+    return lines
+
+
+def blocks(results: Path = RESULTS) -> tuple[dict[str, str], dict[str, str]]:
+    """Every block of docs/PERFORMANCE.md and of README.md, by name, from the JSON in `results`."""
     out: dict[str, str] = {}
     cuda = json.loads((results / CUDA).read_text())
     out["cuda-meta"] = cuda_meta(cuda, CUDA)
@@ -243,10 +292,14 @@ def blocks(results: Path = RESULTS) -> dict[str, str]:
     out["cuda-prefill"] = cuda_prefill(cuda)
     kv = json.loads((results / KV_MEMORY).read_text())
     out["kv-memory"] = kv_memory(kv, KV_MEMORY)
-    for block, title, names in CPU_GROUPS:
+    cpu = []
+    for block, title, short, names in CPU_GROUPS:
         files = [(n, json.loads((results / n).read_text())) for n in names]
         out[block] = cpu_block(title, files)
-    return {k: "\n".join(v) for k, v in out.items()}
+        cpu.append((short, files))
+    return {k: "\n".join(v) for k, v in out.items()}, {
+        "readme-results": "\n".join(summary(cuda, cpu))
+    }
 
 
 MARK = re.compile(
@@ -283,19 +336,25 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--results", type=Path, default=RESULTS)
     p.add_argument("--doc", type=Path, default=DOC)
+    p.add_argument("--readme", type=Path, default=README)
     p.add_argument("--img", type=Path, default=IMG)
     p.add_argument("--check", action="store_true", help="compare only; exit 1 on a difference")
     p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
-    text = args.doc.read_text()
-    new = splice(text, blocks(args.results))
+    doc_blocks, readme_blocks = blocks(args.results)
+    stale = []
+    for path, new in ((args.doc, doc_blocks), (args.readme, readme_blocks)):
+        text = path.read_text()
+        out = splice(text, new)
+        if out != text:
+            stale.append(path)
+            if not args.check:
+                path.write_text(out)
     if args.check:
-        if new != text:
-            print(f"{args.doc} differs from bench/report.py's tables: run python bench/report.py",
+        for path in stale:
+            print(f"{path} differs from bench/report.py's tables: run python bench/report.py",
                   file=sys.stderr)  # fmt: skip
-            return 1
-        return 0
-    args.doc.write_text(new)
+        return 1 if stale else 0
     if not args.no_plots:
         plots(args.results, args.img)
     return 0

@@ -12,9 +12,11 @@ from bench_util import load_bench
 report = load_bench("report")
 
 
-def test_the_document_equals_what_the_script_writes():
-    text = report.DOC.read_text()
-    assert report.splice(text, report.blocks()) == text, "run: python bench/report.py"
+def test_the_documents_equal_what_the_script_writes():
+    doc_blocks, readme_blocks = report.blocks()
+    for path, new in ((report.DOC, doc_blocks), (report.README, readme_blocks)):
+        text = path.read_text()
+        assert report.splice(text, new) == text, f"{path}: run python bench/report.py"
 
 
 def test_check_mode_passes_on_the_committed_document():
@@ -28,13 +30,13 @@ def test_every_committed_result_has_a_table():
     if ls.returncode != 0:
         pytest.skip("not a git checkout")
     committed = {Path(f).name for f in ls.stdout.split() if f.endswith(".json")}
-    used = {report.CUDA, report.KV_MEMORY} | {n for _, _, names in report.CPU_GROUPS for n in names}
+    used = {report.CUDA, report.KV_MEMORY} | {n for *_, names in report.CPU_GROUPS for n in names}
     assert committed == used
 
 
 @pytest.mark.parametrize("name", ["cuda-meta", "cpu-epyc", "cpu-xeon", "kv-memory"])
 def test_each_table_names_its_date_commit_and_command(name):
-    block = report.blocks()[name]
+    block = report.blocks()[0][name]
     assert "commit `" in block and "unknown" not in block
     assert "python bench/" in block and "UTC" in block
 
@@ -48,6 +50,11 @@ def test_ratios_are_ort_time_over_ours():
     assert report.cuda_decode({"rows": rows})[-1] == "| 9/3/64 | 1 | 1.25 / 0.98 (10.0) |"
     summary = report.cuda_summary({"rows": rows})[0]
     assert "at 0 of 1 points" in summary and "9/3/64 B=1 L=1024 kv_layout=1" in summary
+
+
+def test_readme_table_keeps_a_loss_visible():
+    assert report._span([0.9991, 1.2]) == "0.999x to 1.20x"
+    assert report._span([1.004, 1.004]) == "1.00x"
 
 
 def test_a_marker_without_a_block_and_a_block_without_a_marker_are_refused():
