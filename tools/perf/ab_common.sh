@@ -1,5 +1,5 @@
-# The command line and the table that tools/perf/ab_builds.sh and tools/perf/ab_libs.sh share (sourced by
-# both, never run): OUT VARIANT ... [-- bench_cuda.py arguments], each variant named by letters,
+# The command line and the table that ab_builds.sh and ab_libs.sh share (sourced by both, never
+# run): OUT VARIANT ... [-- bench_cuda.py arguments], each variant named by letters,
 # digits, '_', '.' or '-', no name twice; then one compare_cuda.py table of their JSON.
 
 # ab_parse PROG FORM "$@": sets out, variants (as given) and bench_args; exits

@@ -6,8 +6,8 @@
 # rounds (default 2) with the variants interleaved in each, ORT's op in every run; then one
 # table (compare_cuda.py: each round's variants in order, the first as the base).
 #
-#   bash tools/perf/ab_libs.sh /tmp/ab base=.device/v4 push=.device/cp \
-#       pull=.device/cp:ORT_KVLAYOUT_DECODE_CLUSTER_PUSH=0 -- --runs 10 --prefill= \
+#   bash tools/perf/ab_libs.sh /tmp/ab base=.device/base new=.device/new \
+#       base_flat=.device/base:ORT_KVLAYOUT_DECODE_CLUSTERS=0 -- --runs 10 --prefill= \
 #       --heads 9/3/64 --decode 1x1024
 #
 # Writes OUT/NAME_ROUND.json (and .err), OUT/compare.md.
