@@ -30,8 +30,11 @@ read the same bytes: an order effect that R > 1 tells apart.
 from __future__ import annotations
 
 import argparse
+import datetime as _dt
+import json
 import statistics
 import sys
+from pathlib import Path
 
 import bench_cuda  # a sibling: the --rounds turns
 import numpy as np
@@ -186,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="hidden size F of two weight MatMuls between the layers (0: none)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=1,
                    help="interleave the three variants' steps in this many rounds")  # fmt: skip
+    p.add_argument("--json", type=Path, default=None, help="also write the record here")
     args = p.parse_args(argv)
     import torch
 
@@ -203,13 +207,23 @@ def main(argv: list[str] | None = None) -> int:
         "| ORT - kv0 per layer us | ORT - kv1 per layer us |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
+    rows = []
     for spec in filter(None, args.cases.split(",")):
         b, length = (int(x) for x in spec.split("x"))
         t = time_case(b, length, args.layers, args.steps, gen, args.mlp, heads, args.rounds)
+        rows.append({"batch": b, "length": length, **{f"{v}_ms": t[v] for v in VARIANTS}})
         print(f"| {b} | {length} | {t['ort']:.3f} | {t['kv0']:.3f} | {t['kv1']:.3f} "
               f"| {t['ort'] / t['kv0']:.2f} | {t['ort'] / t['kv1']:.2f} "
               f"| {(t['ort'] - t['kv0']) * 1e3 / args.layers:.1f} "
               f"| {(t['ort'] - t['kv1']) * 1e3 / args.layers:.1f} |", flush=True)  # fmt: skip
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                "onnxruntime": ort.__version__, "device": torch.cuda.get_device_name(),
+                "command": "python " + " ".join(sys.argv), "git": bench_cuda.git_revision(),
+                "layers": args.layers, "heads": args.heads, "mlp": args.mlp,
+                "steps": args.steps, "rounds": max(1, args.rounds)}  # fmt: skip
+        args.json.write_text(json.dumps({**meta, "rows": rows}, indent=1))
     return 0
 
 

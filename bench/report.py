@@ -25,6 +25,13 @@ README = ROOT / "README.md"
 IMG = ROOT / "docs" / "img"
 
 CUDA = "cuda-h200.json"
+CUDA_COLD = "cuda-h200-cold.json"
+COLD_COMMAND = (
+    "python bench/bench_cuda.py --flush-l2 --prefill= --heads 32/8/128,28/4/128,9/3/64,4/1/256 "
+    "--decode 1x1024,1x4096,1x16384,1x32768,8x4096,8x16384 --json bench/results/cuda-h200-cold.json"
+)
+STACKS = "stack-*.json"
+STACK_COMMAND = "python bench/bench_stack.py --json bench/results/stack-32-8-128.json"
 KV_MEMORY = "kv-cache-memory-cpu-2m.json"
 KV_POINTS = (1, 256, 1024, 2048, 4096, 8192)
 MIB = 1 << 20
@@ -193,6 +200,45 @@ def cpu_block(title: str, files: list[tuple[str, dict]]) -> list[str]:
     return lines
 
 
+def cuda_cold(data: dict | None, name: str) -> list[str]:
+    """The decode grid with every timed Run after an L2 flush, or the command that makes it."""
+    if data is None:
+        return [f"No cold grid is committed yet. Command: `{COLD_COMMAND}`."]
+    return [*cuda_meta(data, name), "", *cuda_decode(data)]
+
+
+def stacks(files: list[tuple[str, dict]]) -> list[str]:
+    """One table per bench_stack.py JSON: ms per decode step under CUDA graph replay."""
+    if not files:
+        return [f"No stack result is committed yet. Command: `{STACK_COMMAND}`."]
+    lines: list[str] = []
+    for name, d in files:
+        mlp = f", MatMuls {d['mlp']} wide between the layers" if d["mlp"] else ""
+        lines += [
+            (
+                f"{d['layers']} layers of {d['heads']}{mlp}. Measured {d['date']} on {d['device']}, "
+                f"onnxruntime {d['onnxruntime']}, commit `{d.get('git', 'unknown')}`; median of "
+                f"{d['steps']} replayed steps in {d['rounds']} round(s). Command: `{d['command']}` "
+                f"(JSON: `bench/results/{name}`)."
+            ),
+            "",
+            (
+                "| B | L | ORT ms | ours kv_layout=0 ms | ours kv_layout=1 ms | ORT/kv0 | ORT/kv1 "
+                "| saved per layer, kv0 / kv1 (us) |"
+            ),
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in d["rows"]:
+            o, k0, k1 = r["ort_ms"], r["kv0_ms"], r["kv1_ms"]
+            per = [f"{(o - k) * 1e3 / d['layers']:.1f}" for k in (k0, k1)]
+            lines.append(
+                f"| {r['batch']} | {r['length']} | {o:.3f} | {k0:.3f} | {k1:.3f} "
+                f"| {_ratio(o / k0)} | {_ratio(o / k1)} | {' / '.join(per)} |"
+            )
+        lines.append("")
+    return lines[:-1]
+
+
 def kv_memory(data: dict, name: str) -> list[str]:
     """Committed KV bytes against live tokens per cache mode, then the growth to the context."""
     shapes = data["shapes"]
@@ -290,6 +336,11 @@ def blocks(results: Path = RESULTS) -> tuple[dict[str, str], dict[str, str]]:
     out["cuda-summary"] = cuda_summary(cuda)
     out["cuda-decode"] = cuda_decode(cuda)
     out["cuda-prefill"] = cuda_prefill(cuda)
+    cold = results / CUDA_COLD
+    out["cuda-cold"] = cuda_cold(json.loads(cold.read_text()) if cold.exists() else None, CUDA_COLD)
+    out["stacks"] = stacks(
+        [(f.name, json.loads(f.read_text())) for f in sorted(results.glob(STACKS))]
+    )
     kv = json.loads((results / KV_MEMORY).read_text())
     out["kv-memory"] = kv_memory(kv, KV_MEMORY)
     cpu = []
