@@ -54,6 +54,16 @@ def _low(row: dict) -> float:
     return min(row["ratio0"], row["ratio1"])
 
 
+def _ratio(v: float) -> str:
+    """Two decimals, three where two would round a loss up to 1.00x."""
+    return f"{v:.3f}x" if v < 1.0 <= round(v, 2) else f"{v:.2f}x"
+
+
+def _span(values: list[float]) -> str:
+    lo, hi = _ratio(min(values)), _ratio(max(values))
+    return lo if lo == hi else f"{lo} to {hi}"
+
+
 def _point(row: dict) -> str:
     letter = "L" if row["kind"] == "decode" else "S"
     return f"{row['heads']} B={row['batch']} {letter}={row['length']}"
@@ -98,56 +108,45 @@ def cuda_meta(data: dict, name: str) -> list[str]:
 
 
 def cuda_summary(data: dict) -> list[str]:
-    dec = [r for r in data["rows"] if r["kind"] == "decode"]
-    pre = [r for r in data["rows"] if r["kind"] == "prefill"]
+    """One line per kind of call: points at or above ORT, the ratios' range, the best rate."""
     lines = []
-    if dec:
-        worst = min(dec, key=_low)
+    for kind, unit, digits, what in (
+        ("decode", "TB/s", 2, "of KV read"),
+        ("prefill", "TFLOP/s", 0, ""),
+    ):
+        rows = [r for r in data["rows"] if r["kind"] == kind]
+        if not rows:
+            continue
+        worst = min(rows, key=_low)
         layout = "kv_layout=0" if worst["ratio0"] <= worst["ratio1"] else "kv_layout=1"
-        best = max(max(r["kv0"]["TB/s"], r["kv1"]["TB/s"]) for r in dec)
+        best = max(max(r["kv0"][unit], r["kv1"][unit]) for r in rows)
+        ratios = _span([r["ratio0"] for r in rows] + [r["ratio1"] for r in rows])
         lines.append(
-            f"- Decode: ours at or above ORT in both layouts at {sum(_low(r) >= 1.0 for r in dec)} "
-            f"of {len(dec)} points; {min(_low(r) for r in dec):.3f}x to "
-            f"{max(max(r['ratio0'], r['ratio1']) for r in dec):.2f}x, the lowest at "
-            f"{_point(worst)} {layout}; up to {best:.2f} TB/s of KV read."
-        )
-    if pre:
-        best = max(max(r["kv0"]["TFLOP/s"], r["kv1"]["TFLOP/s"]) for r in pre)
-        lines.append(
-            f"- Prefill: ours at or above ORT in both layouts at "
-            f"{sum(_low(r) >= 1.0 for r in pre)} of {len(pre)} points; "
-            f"{min(_low(r) for r in pre):.2f}x to {max(max(r['ratio0'], r['ratio1']) for r in pre):.2f}x; "
-            f"up to {best:.0f} TFLOP/s."
+            f"- {kind.capitalize()}: ours at or above ORT in both layouts at "
+            f"{sum(_low(r) >= 1.0 for r in rows)} of {len(rows)} points; {ratios}, the lowest at "
+            f"{_point(worst)} {layout}; up to {best:.{digits}f} {unit}{' ' + what if what else ''}."
         )
     return lines
 
 
-def cuda_decode(data: dict) -> list[str]:
+# kind: (caption, ORT's figure in a cell: its name and its value)
+CUDA_TABLES = {
+    "decode": ("Decode (one new token, shared in-place cache of capacity L)", "kernel time in us",
+               lambda r: f"{r['ort']['kernel_ms'] * 1e3:.1f}"),
+    "prefill": ("Prefill (a first prompt of S tokens, causal)", "TFLOP/s",
+                lambda r: f"{r['ort']['TFLOP/s']:.0f}"),
+}  # fmt: skip
+
+
+def cuda_table(data: dict, kind: str) -> list[str]:
+    """One line per (heads, batch), one column per length: both ratios and ORT's figure."""
+    caption, figure, ort = CUDA_TABLES[kind]
+
     def cell(r: dict) -> str:
-        return f"{r['ratio0']:.2f} / {r['ratio1']:.2f} ({r['ort']['kernel_ms'] * 1e3:.1f})"
+        return f"{r['ratio0']:.2f} / {r['ratio1']:.2f} ({ort(r)})"
 
-    return [
-        (
-            "Decode (one new token, shared in-place cache of capacity L). Cell: ORT's time / ours in "
-            "kv_layout=0 / kv_layout=1, then ORT's kernel time in us."
-        ),
-        "",
-        *_grid(data["rows"], "decode", cell),
-    ]
-
-
-def cuda_prefill(data: dict) -> list[str]:
-    def cell(r: dict) -> str:
-        return f"{r['ratio0']:.2f} / {r['ratio1']:.2f} ({r['ort']['TFLOP/s']:.0f})"
-
-    return [
-        (
-            "Prefill (a first prompt of S tokens, causal). Cell: ORT's time / ours in kv_layout=0 / "
-            "kv_layout=1, then ORT's TFLOP/s."
-        ),
-        "",
-        *_grid(data["rows"], "prefill", cell),
-    ]
+    head = f"{caption}. Cell: ORT's time / ours in kv_layout=0 / kv_layout=1, then ORT's {figure}."
+    return [head, "", *_grid(data["rows"], kind, cell)]
 
 
 def cpu_command(meta: dict, levels: list[str], name: str) -> str:
@@ -204,7 +203,7 @@ def cuda_cold(data: dict | None, name: str) -> list[str]:
     """The decode grid with every timed Run after an L2 flush, or the command that makes it."""
     if data is None:
         return [f"No cold grid is committed yet. Command: `{COLD_COMMAND}`."]
-    return [*cuda_meta(data, name), "", *cuda_decode(data)]
+    return [*cuda_meta(data, name), "", *cuda_table(data, "decode")]
 
 
 def stacks(files: list[tuple[str, dict]]) -> list[str]:
@@ -281,16 +280,6 @@ def kv_memory(data: dict, name: str) -> list[str]:
     return lines
 
 
-def _ratio(v: float) -> str:
-    """Two decimals, three where two would round a loss up to 1.00x."""
-    return f"{v:.3f}x" if v < 1.0 <= round(v, 2) else f"{v:.2f}x"
-
-
-def _span(values: list[float]) -> str:
-    lo, hi = _ratio(min(values)), _ratio(max(values))
-    return lo if lo == hi else f"{lo} to {hi}"
-
-
 def summary(cuda: dict, cpu: list[tuple[str, list[tuple[str, dict]]]]) -> list[str]:
     """README's table: the range of ORT time / ours per kind of call, each layout."""
     lines = ["| measured (commit) | kv_layout=0 | kv_layout=1 |", "|---|---:|---:|"]
@@ -334,8 +323,8 @@ def blocks(results: Path = RESULTS) -> tuple[dict[str, str], dict[str, str]]:
     cuda = json.loads((results / CUDA).read_text())
     out["cuda-meta"] = cuda_meta(cuda, CUDA)
     out["cuda-summary"] = cuda_summary(cuda)
-    out["cuda-decode"] = cuda_decode(cuda)
-    out["cuda-prefill"] = cuda_prefill(cuda)
+    out["cuda-decode"] = cuda_table(cuda, "decode")
+    out["cuda-prefill"] = cuda_table(cuda, "prefill")
     cold = results / CUDA_COLD
     out["cuda-cold"] = cuda_cold(json.loads(cold.read_text()) if cold.exists() else None, CUDA_COLD)
     out["stacks"] = stacks(

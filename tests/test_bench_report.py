@@ -50,7 +50,7 @@ def test_ratios_are_ort_time_over_ours():
          "ratio1": 0.98, "ort": {"kernel_ms": 0.01, "TB/s": 1.0}, "kv0": {"TB/s": 1.25},
          "kv1": {"TB/s": 0.98}},
     ]  # fmt: skip
-    assert report.cuda_decode({"rows": rows})[-1] == "| 9/3/64 | 1 | 1.25 / 0.98 (10.0) |"
+    assert report.cuda_table({"rows": rows}, "decode")[-1] == "| 9/3/64 | 1 | 1.25 / 0.98 (10.0) |"
     summary = report.cuda_summary({"rows": rows})[0]
     assert "at 0 of 1 points" in summary and "9/3/64 B=1 L=1024 kv_layout=1" in summary
 
