@@ -31,6 +31,7 @@ import argparse
 import datetime as _dt
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,6 +45,19 @@ from ort_kvlayout.op.layout import kv_strides
 INPUTS = ("query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length")
 OUTPUTS = ("output", "present_key", "present_value")
 ROTARY_INPUTS = ("cos_cache", "sin_cache")
+
+
+def git_revision() -> str:
+    """The checkout's short commit (+dirty), recorded with a grid so its table names its code."""
+    git = ["git", "-C", str(Path(__file__).resolve().parents[1])]
+    try:
+        head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
 
 
 def build_model(domain: str, n: int, nkv: int, layout: int | None, rotary: bool = False) -> bytes:
@@ -460,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = {"date": date, "onnxruntime": ort.__version__, "device": torch.cuda.get_device_name(),
-                "command": "python " + " ".join(sys.argv), "runs": args.runs,
+                "command": "python " + " ".join(sys.argv), "git": git_revision(), "runs": args.runs,
                 "rounds": ROUNDS, "flush_l2": FLUSH_L2, "order": list(ORDER)}  # fmt: skip
         args.json.write_text(json.dumps({**meta, "rows": rows}, indent=1))
     return 0

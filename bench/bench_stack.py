@@ -22,16 +22,19 @@ replays each, the order reversed every other round: a drift of the clocks or the
 case then weighs on all three alike, and each turn starts with one untimed step. Three stacks'
 caches are then allocated at once (51 GB at 32/8/128 B=8 L=16k, 32 layers). R = 1 (the default):
 each variant's session is made, timed and freed in turn (ORT, kv_layout=0, kv_layout=1), so only
-one stack's caches are allocated at a time. In the twenty-third session's runs, R = 1, kv_layout=1
-came out 0.7 to 3.4 us per layer faster than kv_layout=0 in all eight comparisons though both read
-the same bytes (docs/BENCHMARKS.md).
+one stack's caches are allocated at a time. With R = 1, kv_layout=1 once came
+out 0.7 to 3.4 us per layer faster than kv_layout=0 in all eight comparisons of a run, though both
+read the same bytes: an order effect that R > 1 tells apart.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as _dt
+import json
 import statistics
 import sys
+from pathlib import Path
 
 import bench_cuda  # a sibling: the --rounds turns
 import numpy as np
@@ -186,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="hidden size F of two weight MatMuls between the layers (0: none)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=1,
                    help="interleave the three variants' steps in this many rounds")  # fmt: skip
+    p.add_argument("--json", type=Path, default=None, help="also write the record here")
     args = p.parse_args(argv)
     import torch
 
@@ -203,13 +207,23 @@ def main(argv: list[str] | None = None) -> int:
         "| ORT - kv0 per layer us | ORT - kv1 per layer us |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
+    rows = []
     for spec in filter(None, args.cases.split(",")):
         b, length = (int(x) for x in spec.split("x"))
         t = time_case(b, length, args.layers, args.steps, gen, args.mlp, heads, args.rounds)
+        rows.append({"batch": b, "length": length, **{f"{v}_ms": t[v] for v in VARIANTS}})
         print(f"| {b} | {length} | {t['ort']:.3f} | {t['kv0']:.3f} | {t['kv1']:.3f} "
               f"| {t['ort'] / t['kv0']:.2f} | {t['ort'] / t['kv1']:.2f} "
               f"| {(t['ort'] - t['kv0']) * 1e3 / args.layers:.1f} "
               f"| {(t['ort'] - t['kv1']) * 1e3 / args.layers:.1f} |", flush=True)  # fmt: skip
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                "onnxruntime": ort.__version__, "device": torch.cuda.get_device_name(),
+                "command": "python " + " ".join(sys.argv), "git": bench_cuda.git_revision(),
+                "layers": args.layers, "heads": args.heads, "mlp": args.mlp,
+                "steps": args.steps, "rounds": max(1, args.rounds)}  # fmt: skip
+        args.json.write_text(json.dumps({**meta, "rows": rows}, indent=1))
     return 0
 
 

@@ -6,7 +6,7 @@ Each JSON is bench_cuda.py's `--json` output; the runs must cover the same cases
 --decode, --prefill, --capacity), as when two builds (`--library`) or two settings (an
 environment variable) run the same command in one call. Columns: ORT's time in the first run,
 then `kv_layout=0 / kv_layout=1` time in each run, then the last run's time over the first's
-(kv_layout=0). The tables of docs/BENCHMARKS.md that compare builds come from this script.
+(kv_layout=0). tools/perf/ab_libs.sh and ab_builds.sh print their tables with it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Loads a bench/ script as a module for its tests (bench/ is scripts, not a package)."""
+"""Loads a bench/ or tools/perf/ script as a module for its tests (scripts, not packages)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,16 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+PERF = ROOT / "tools" / "perf"
 
 
-def load_bench(name: str, *, register: bool = False) -> ModuleType:
-    """bench/<name>.py, loaded with bench/ on sys.path while it runs (several scripts import
-    bench_cuda as a sibling). `register` puts it in sys.modules under `name` first (a dataclass
-    of the module looks its module up there)."""
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+def load_bench(name: str, *, register: bool = False, folder: Path = BENCH) -> ModuleType:
+    """<folder>/<name>.py (bench/ by default), loaded with bench/ on sys.path while it runs
+    (several scripts import bench_cuda as a sibling). `register` puts it in sys.modules under
+    `name` first (a dataclass of the module looks its module up there)."""
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     if register:
         sys.modules[name] = module
@@ -24,3 +26,8 @@ def load_bench(name: str, *, register: bool = False) -> ModuleType:
     finally:
         sys.path.remove(str(BENCH))
     return module
+
+
+def load_perf(name: str, *, register: bool = False) -> ModuleType:
+    """tools/perf/<name>.py, as load_bench loads bench/ scripts."""
+    return load_bench(name, register=register, folder=PERF)

@@ -1,0 +1,404 @@
+"""Writes the tables of docs/PERFORMANCE.md and README.md (and the plots) from bench/results/.
+
+    python bench/report.py            # rewrite the tables between the markers, and the plots
+    python bench/report.py --check    # exit 1 where a document differs from what this writes
+
+Each table lies between `<!-- report:NAME -->` and `<!-- /report:NAME -->` in its document; the
+text outside the markers is left alone. A table names its date, device, commit and command, all
+read from its JSON, and every ratio is ORT's built-in com.microsoft::GroupQueryAttention time
+over ours, both measured in the same run (higher is faster for us).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+DOC = ROOT / "docs" / "PERFORMANCE.md"
+README = ROOT / "README.md"
+IMG = ROOT / "docs" / "img"
+
+CUDA = "cuda-h200.json"
+CUDA_COLD = "cuda-h200-cold.json"
+COLD_COMMAND = (
+    "python bench/bench_cuda.py --flush-l2 --prefill= --heads 32/8/128,28/4/128,9/3/64,4/1/256 "
+    "--decode 1x1024,1x4096,1x16384,1x32768,8x4096,8x16384 --json bench/results/cuda-h200-cold.json"
+)
+STACKS = "stack-*.json"
+STACK_COMMAND = "python bench/bench_stack.py --json bench/results/stack-32-8-128.json"
+KV_MEMORY = "kv-cache-memory-cpu-2m.json"
+KV_POINTS = (1, 256, 1024, 2048, 4096, 8192)
+MIB = 1 << 20
+# (block, title of the machine, its short name, JSON files measured on it in one sitting, in
+# table order)
+CPU_GROUPS = (
+    ("cpu-epyc", "2-core AMD EPYC (Zen 3, KVM guest), AVX2 level, idle", "2-core Zen 3",
+     ("cpu-avx2-prefill-idle.json", "cpu-avx2-decode-idle.json", "cpu-avx2-shared-idle.json")),
+    ("cpu-xeon", "16-core Intel Xeon (Sapphire Rapids class), AVX-512 and AVX2 levels", "16-core Xeon",
+     ("cpu-xeon-avx512.json", "cpu-xeon-avx512-shared.json")),
+)  # fmt: skip
+HEAD_ORDER = ("32/8/128", "28/4/128", "9/3/64", "4/1/256")
+
+
+def _heads_key(heads: str) -> tuple:
+    return (HEAD_ORDER.index(heads) if heads in HEAD_ORDER else len(HEAD_ORDER), heads)
+
+
+def _low(row: dict) -> float:
+    return min(row["ratio0"], row["ratio1"])
+
+
+def _ratio(v: float) -> str:
+    """Two decimals, three where two would round a loss up to 1.00x."""
+    return f"{v:.3f}x" if v < 1.0 <= round(v, 2) else f"{v:.2f}x"
+
+
+def _span(values: list[float]) -> str:
+    lo, hi = _ratio(min(values)), _ratio(max(values))
+    return lo if lo == hi else f"{lo} to {hi}"
+
+
+def _point(row: dict) -> str:
+    letter = "L" if row["kind"] == "decode" else "S"
+    return f"{row['heads']} B={row['batch']} {letter}={row['length']}"
+
+
+def _length(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:.2f}".rstrip("0").rstrip(".")
+
+
+def _grid(rows: list[dict], kind: str, cell) -> list[str]:
+    """One line per (heads, batch), one column per length."""
+    rows = [r for r in rows if r["kind"] == kind]
+    lengths = sorted({r["length"] for r in rows})
+    letter = "L" if kind == "decode" else "S"
+    out = [
+        f"| N/Nkv/H | B | {' | '.join(f'{letter}={_length(n)}' for n in lengths)} |",
+        "|---|---:|" + "---:|" * len(lengths),
+    ]
+    keys = sorted({(r["heads"], r["batch"]) for r in rows}, key=lambda k: (_heads_key(k[0]), k[1]))
+    for heads, batch in keys:
+        by_len = {r["length"]: r for r in rows if r["heads"] == heads and r["batch"] == batch}
+        cells = [cell(by_len[n]) if n in by_len else "" for n in lengths]
+        out.append(f"| {heads} | {batch} | {' | '.join(cells)} |")
+    return out
+
+
+def cuda_meta(data: dict, name: str) -> list[str]:
+    flush = "each Run after an L2 flush" if data.get("flush_l2") else "warm (no L2 flush)"
+    order = ", ".join(data.get("order", []))
+    return [
+        (
+            f"Measured {data['date']} on {data['device']}, onnxruntime {data['onnxruntime']}, "
+            f"commit `{data.get('git', 'unknown')}`; median of {data['runs']} timed Runs per variant "
+            f"in {data.get('rounds', 1)} round(s), {flush}, variants made in the order {order}. "
+            f"Command: `{data['command']}` (JSON: `bench/results/{name}`)."
+        ),
+    ]
+
+
+def cuda_summary(data: dict) -> list[str]:
+    """One line per kind of call: points at or above ORT, the ratios' range, the best rate."""
+    lines = []
+    for kind, unit, digits, what in (
+        ("decode", "TB/s", 2, "of KV read"),
+        ("prefill", "TFLOP/s", 0, ""),
+    ):
+        rows = [r for r in data["rows"] if r["kind"] == kind]
+        if not rows:
+            continue
+        worst = min(rows, key=_low)
+        layout = "kv_layout=0" if worst["ratio0"] <= worst["ratio1"] else "kv_layout=1"
+        best = max(max(r["kv0"][unit], r["kv1"][unit]) for r in rows)
+        ratios = _span([r["ratio0"] for r in rows] + [r["ratio1"] for r in rows])
+        lines.append(
+            f"- {kind.capitalize()}: ours at or above ORT in both layouts at "
+            f"{sum(_low(r) >= 1.0 for r in rows)} of {len(rows)} points; {ratios}, the lowest at "
+            f"{_point(worst)} {layout}; up to {best:.{digits}f} {unit}{' ' + what if what else ''}."
+        )
+    return lines
+
+
+# kind: (caption, ORT's figure in a cell: its name and its value)
+CUDA_TABLES = {
+    "decode": ("Decode (one new token, shared in-place cache of capacity L)", "kernel time in us",
+               lambda r: f"{r['ort']['kernel_ms'] * 1e3:.1f}"),
+    "prefill": ("Prefill (a first prompt of S tokens, causal)", "TFLOP/s",
+                lambda r: f"{r['ort']['TFLOP/s']:.0f}"),
+}  # fmt: skip
+
+
+def cuda_table(data: dict, kind: str) -> list[str]:
+    """One line per (heads, batch), one column per length: both ratios and ORT's figure."""
+    caption, figure, ort = CUDA_TABLES[kind]
+
+    def cell(r: dict) -> str:
+        return f"{r['ratio0']:.2f} / {r['ratio1']:.2f} ({ort(r)})"
+
+    head = f"{caption}. Cell: ORT's time / ours in kv_layout=0 / kv_layout=1, then ORT's {figure}."
+    return [head, "", *_grid(data["rows"], kind, cell)]
+
+
+def cpu_command(meta: dict, levels: list[str], name: str) -> str:
+    """The parent command of a bench_cpu.py JSON: each level ran as a child with `--isa current`
+    and a temporary --json, which the parent's --isa and --json replace."""
+    args = shlex.split(meta["command"])
+    for flag, value in (("--isa", ",".join(levels)), ("--json", f"bench/results/{name}")):
+        if flag in args:
+            args[args.index(flag) + 1] = value
+    return shlex.join(args)
+
+
+def cpu_block(title: str, files: list[tuple[str, dict]]) -> list[str]:
+    first = next(iter(files[0][1]["levels"].values()))["meta"]
+    machine, lib = first["machine"], first["ort_kvlayout"]
+    dates = sorted(lv["meta"]["date"][:16] for _, d in files for lv in d["levels"].values())
+    lines = [
+        (
+            f"{title}: {machine['model_name']}, {machine['logical_cpus']} logical CPUs, "
+            f"onnxruntime {first['onnxruntime']}, commit `{lib.get('git', 'unknown')}`, "
+            f"runs started {dates[0].replace('T', ' ')} to {dates[-1][11:]} UTC. Commands:"
+        ),
+        "",
+    ]
+    for name, data in files:
+        meta = next(iter(data["levels"].values()))["meta"]
+        lines.append(f"- `{cpu_command(meta, list(data['levels']), name)}`")
+    lines += [
+        "",
+        "| case | N/Nkv/H | level | unit | ORT | ours kv_layout=0 | ours kv_layout=1 | kv0/ORT | kv1/ORT |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for _, data in files:
+        levels = data["levels"]
+        kv_mode = next(iter(levels.values()))["meta"]["kv_mode"]
+        n_cases = len(next(iter(levels.values()))["results"])
+        for i in range(n_cases):  # each case at every level, in the JSON's case order
+            for level, d in levels.items():
+                r = d["results"][i]
+                case, st = r["case"], r["stats"]
+                name = case["name"]
+                if kv_mode == "shared" and case["kind"] == "decode":
+                    name += " shared"
+                lines.append(
+                    f"| {name} | {case['heads']} | {level} | {st['ort']['unit']} "
+                    f"| {st['ort']['throughput']:.1f} | {st['kv0']['throughput']:.1f} "
+                    f"| {st['kv1']['throughput']:.1f} | {r['ratio']['kv0']:.2f}x "
+                    f"| {r['ratio']['kv1']:.2f}x |"
+                )
+    return lines
+
+
+def cuda_cold(data: dict | None, name: str) -> list[str]:
+    """The decode grid with every timed Run after an L2 flush, or the command that makes it."""
+    if data is None:
+        return [f"No cold grid is committed yet. Command: `{COLD_COMMAND}`."]
+    return [*cuda_meta(data, name), "", *cuda_table(data, "decode")]
+
+
+def stacks(files: list[tuple[str, dict]]) -> list[str]:
+    """One table per bench_stack.py JSON: ms per decode step under CUDA graph replay."""
+    if not files:
+        return [f"No stack result is committed yet. Command: `{STACK_COMMAND}`."]
+    lines: list[str] = []
+    for name, d in files:
+        mlp = f", MatMuls {d['mlp']} wide between the layers" if d["mlp"] else ""
+        lines += [
+            (
+                f"{d['layers']} layers of {d['heads']}{mlp}. Measured {d['date']} on {d['device']}, "
+                f"onnxruntime {d['onnxruntime']}, commit `{d.get('git', 'unknown')}`; median of "
+                f"{d['steps']} replayed steps in {d['rounds']} round(s). Command: `{d['command']}` "
+                f"(JSON: `bench/results/{name}`)."
+            ),
+            "",
+            (
+                "| B | L | ORT ms | ours kv_layout=0 ms | ours kv_layout=1 ms | ORT/kv0 | ORT/kv1 "
+                "| saved per layer, kv0 / kv1 (us) |"
+            ),
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in d["rows"]:
+            o, k0, k1 = r["ort_ms"], r["kv0_ms"], r["kv1_ms"]
+            per = [f"{(o - k) * 1e3 / d['layers']:.1f}" for k in (k0, k1)]
+            lines.append(
+                f"| {r['batch']} | {r['length']} | {o:.3f} | {k0:.3f} | {k1:.3f} "
+                f"| {_ratio(o / k0)} | {_ratio(o / k1)} | {' / '.join(per)} |"
+            )
+        lines.append("")
+    return lines[:-1]
+
+
+def kv_memory(data: dict, name: str) -> list[str]:
+    """Committed KV bytes against live tokens per cache mode, then the growth to the context."""
+    shapes = data["shapes"]
+    granule = next(iter(shapes.values()))["memory"]["granule"]
+    lines = [
+        (
+            f"Measured {data['date'][:16].replace('T', ' ')} UTC, device `{data['device']}` "
+            f"(host `{data['host']}`), commit `{data['commit']}`, granule {granule // 1024} KiB, "
+            f"batch 1. Command: `python bench/bench_kv_cache.py {shlex.join(data['argv'])}` "
+            f"(JSON: `bench/results/{name}`)."
+        ),
+        "",
+    ]
+    modes = list(next(iter(shapes.values()))["memory"]["curves"])
+    head = " | ".join(f"{s} {m}" for s in shapes for m in modes)
+    lines += [
+        f"| live tokens | live MiB ({' / '.join(shapes)}) | {head} |",
+        "|---:|---:|" + "---:|" * (len(shapes) * len(modes)),
+    ]
+    for t in KV_POINTS:
+        live, cells = [], []
+        for s in shapes.values():
+            curves = s["memory"]["curves"]
+            at = {m: next((r for r in c if r["tokens"] == t), None) for m, c in curves.items()}
+            if any(r is None for r in at.values()):
+                break
+            live.append(f"{next(iter(at.values()))['live_bytes'] / MIB:.2f}")
+            cells += [_mib(at[m]["committed_bytes"]) for m in modes]
+        else:
+            lines.append(f"| {t} | {' / '.join(live)} | {' | '.join(cells)} |")
+    lines += [
+        "",
+        "| shape | mode | growth events to the context | bytes moved |",
+        "|---|---|---:|---:|",
+    ]
+    for sname, s in shapes.items():
+        for mode, g in s["growth"].items():
+            moved = f"{g['bytes_moved'] / MIB:.1f} MiB" if g["bytes_moved"] else "0"
+            lines.append(f"| {sname} | {mode} | {g['growth_events']} | {moved} |")
+    return lines
+
+
+def summary(cuda: dict, cpu: list[tuple[str, list[tuple[str, dict]]]]) -> list[str]:
+    """README's table: the range of ORT time / ours per kind of call, each layout."""
+    lines = ["| measured (commit) | kv_layout=0 | kv_layout=1 |", "|---|---:|---:|"]
+    for kind, what in (
+        ("decode", "decode, B 1 to 64, L 1k to 32k"),
+        ("prefill", "prefill, B 1/4, S 512 to 8k"),
+    ):
+        rows = [r for r in cuda["rows"] if r["kind"] == kind]
+        if rows:
+            heads = len({r["heads"] for r in rows})
+            lines.append(
+                f"| {cuda['device'].replace('NVIDIA ', '')} fp16 {what}, {heads} head shapes, "
+                f"{len(rows)} points (`{cuda.get('git', 'unknown')}`) "
+                f"| {_span([r['ratio0'] for r in rows])} | {_span([r['ratio1'] for r in rows])} |"
+            )
+    for short, files in cpu:
+        level, commit, cells = None, None, {}
+        for _, data in files:
+            level = level or next(iter(data["levels"]))  # the best level measured
+            d = data["levels"][level]
+            commit = d["meta"]["ort_kvlayout"].get("git", "unknown")
+            for r in d["results"]:
+                kind = r["case"]["kind"]
+                if kind == "decode":
+                    kind = (
+                        "decode, shared cache" if r["case"]["shared"] else "decode, separate past"
+                    )
+                cells.setdefault(kind, ([], []))
+                cells[kind][0].append(r["ratio"]["kv0"])
+                cells[kind][1].append(r["ratio"]["kv1"])
+        for kind, (kv0, kv1) in cells.items():
+            lines.append(
+                f"| {short} CPU fp32, {level} level, {kind} (`{commit}`) | {_span(kv0)} | {_span(kv1)} |"
+            )
+    return lines
+
+
+def blocks(results: Path = RESULTS) -> tuple[dict[str, str], dict[str, str]]:
+    """Every block of docs/PERFORMANCE.md and of README.md, by name, from the JSON in `results`."""
+    out: dict[str, str] = {}
+    cuda = json.loads((results / CUDA).read_text())
+    out["cuda-meta"] = cuda_meta(cuda, CUDA)
+    out["cuda-summary"] = cuda_summary(cuda)
+    out["cuda-decode"] = cuda_table(cuda, "decode")
+    out["cuda-prefill"] = cuda_table(cuda, "prefill")
+    cold = results / CUDA_COLD
+    out["cuda-cold"] = cuda_cold(json.loads(cold.read_text()) if cold.exists() else None, CUDA_COLD)
+    out["stacks"] = stacks(
+        [(f.name, json.loads(f.read_text())) for f in sorted(results.glob(STACKS))]
+    )
+    kv = json.loads((results / KV_MEMORY).read_text())
+    out["kv-memory"] = kv_memory(kv, KV_MEMORY)
+    cpu = []
+    for block, title, short, names in CPU_GROUPS:
+        files = [(n, json.loads((results / n).read_text())) for n in names]
+        out[block] = cpu_block(title, files)
+        cpu.append((short, files))
+    return {k: "\n".join(v) for k, v in out.items()}, {
+        "readme-results": "\n".join(summary(cuda, cpu))
+    }
+
+
+MARK = re.compile(
+    r"(<!-- report:(?P<name>[\w-]+) -->\n)(.*?)(<!-- /report:(?P=name) -->)", re.DOTALL
+)
+
+
+def splice(text: str, new: dict[str, str]) -> str:
+    """`text` with each marked block's body replaced by new[name]; a block the document lacks,
+    or a marker without a block, is an error."""
+    seen = set()
+
+    def sub(m: re.Match) -> str:
+        name = m.group("name")
+        if name not in new:
+            raise KeyError(f"docs marker report:{name} has no block in bench/report.py")
+        seen.add(name)
+        return f"{m.group(1)}{new[name]}\n{m.group(4)}"
+
+    out = MARK.sub(sub, text)
+    missing = sorted(set(new) - seen)
+    if missing:
+        raise KeyError(f"blocks without a marker in the document: {', '.join(missing)}")
+    return out
+
+
+def plots(results: Path, img: Path) -> None:
+    import plot_cuda  # a sibling
+
+    plot_cuda.main([str(results / CUDA), "--out", str(img)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--results", type=Path, default=RESULTS)
+    p.add_argument("--doc", type=Path, default=DOC)
+    p.add_argument("--readme", type=Path, default=README)
+    p.add_argument("--img", type=Path, default=IMG)
+    p.add_argument("--check", action="store_true", help="compare only; exit 1 on a difference")
+    p.add_argument("--no-plots", action="store_true")
+    args = p.parse_args(argv)
+    doc_blocks, readme_blocks = blocks(args.results)
+    stale = []
+    for path, new in ((args.doc, doc_blocks), (args.readme, readme_blocks)):
+        text = path.read_text()
+        out = splice(text, new)
+        if out != text:
+            stale.append(path)
+            if not args.check:
+                path.write_text(out)
+    if args.check:
+        for path in stale:
+            print(f"{path} differs from bench/report.py's tables: run python bench/report.py",
+                  file=sys.stderr)  # fmt: skip
+        return 1 if stale else 0
+    if not args.no_plots:
+        plots(args.results, args.img)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

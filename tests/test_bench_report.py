@@ -1,0 +1,84 @@
+"""bench/report.py: docs/PERFORMANCE.md's tables are what the script writes from the committed
+JSON in bench/results/, and each names its date, device, commit and command."""
+
+from __future__ import annotations
+
+import fnmatch
+import subprocess
+from pathlib import Path
+
+import pytest
+from bench_util import load_bench
+
+report = load_bench("report")
+
+
+def test_the_documents_equal_what_the_script_writes():
+    doc_blocks, readme_blocks = report.blocks()
+    for path, new in ((report.DOC, doc_blocks), (report.README, readme_blocks)):
+        text = path.read_text()
+        assert report.splice(text, new) == text, f"{path}: run python bench/report.py"
+
+
+def test_check_mode_passes_on_the_committed_document():
+    assert report.main(["--check"]) == 0
+
+
+def test_every_committed_result_has_a_table():
+    # The files git tracks (.gitignore decides which results are committed), not local runs.
+    ls = subprocess.run(["git", "-C", str(report.ROOT), "ls-files", "bench/results"],
+                        check=False, capture_output=True, text=True)  # fmt: skip
+    if ls.returncode != 0:
+        pytest.skip("not a git checkout")
+    committed = {Path(f).name for f in ls.stdout.split() if f.endswith(".json")}
+    fixed = {report.CUDA, report.KV_MEMORY} | {n for *_, names in report.CPU_GROUPS for n in names}
+    assert fixed <= committed
+    rest = committed - fixed - {report.CUDA_COLD}
+    assert all(fnmatch.fnmatch(n, report.STACKS) for n in rest), rest
+
+
+@pytest.mark.parametrize("name", ["cuda-meta", "cpu-epyc", "cpu-xeon", "kv-memory"])
+def test_each_table_names_its_date_commit_and_command(name):
+    block = report.blocks()[0][name]
+    assert "commit `" in block and "unknown" not in block
+    assert "python bench/" in block and "UTC" in block
+
+
+def test_ratios_are_ort_time_over_ours():
+    rows = [
+        {"kind": "decode", "heads": "9/3/64", "batch": 1, "length": 1024, "ratio0": 1.25,
+         "ratio1": 0.98, "ort": {"kernel_ms": 0.01, "TB/s": 1.0}, "kv0": {"TB/s": 1.25},
+         "kv1": {"TB/s": 0.98}},
+    ]  # fmt: skip
+    assert report.cuda_table({"rows": rows}, "decode")[-1] == "| 9/3/64 | 1 | 1.25 / 0.98 (10.0) |"
+    summary = report.cuda_summary({"rows": rows})[0]
+    assert "at 0 of 1 points" in summary and "9/3/64 B=1 L=1024 kv_layout=1" in summary
+
+
+def test_results_not_committed_yet_name_their_command():
+    assert "--flush-l2" in report.cuda_cold(None, report.CUDA_COLD)[0]
+    assert "bench_stack.py --json" in report.stacks([])[0]
+
+
+def test_a_stack_table_gives_ratios_and_the_time_saved_per_layer():
+    stack = {"layers": 30, "heads": "9/3/64", "mlp": 1536, "date": "2026-12-06 01:00 UTC",
+             "device": "NVIDIA H200", "onnxruntime": "1.31.1", "git": "abc1234", "steps": 50,
+             "rounds": 1, "command": "python bench/bench_stack.py --json x.json",
+             "rows": [{"batch": 1, "length": 4096, "ort_ms": 0.33, "kv0_ms": 0.30, "kv1_ms": 0.333}]}  # fmt: skip
+    lines = report.stacks([("stack-9-3-64.json", stack)])
+    assert "30 layers of 9/3/64, MatMuls 1536 wide" in lines[0] and "`abc1234`" in lines[0]
+    assert lines[-1] == "| 1 | 4096 | 0.330 | 0.300 | 0.333 | 1.10x | 0.99x | 1.0 / -0.1 |"
+
+
+def test_readme_table_keeps_a_loss_visible():
+    assert report._span([0.9991, 1.2]) == "0.999x to 1.20x"
+    assert report._span([1.004, 1.004]) == "1.00x"
+
+
+def test_a_marker_without_a_block_and_a_block_without_a_marker_are_refused():
+    doc = "a\n<!-- report:x -->\nold\n<!-- /report:x -->\nb\n"
+    assert report.splice(doc, {"x": "new"}) == "a\n<!-- report:x -->\nnew\n<!-- /report:x -->\nb\n"
+    with pytest.raises(KeyError, match="report:x"):
+        report.splice(doc, {})
+    with pytest.raises(KeyError, match="y"):
+        report.splice(doc, {"x": "new", "y": "more"})

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One bench_cuda.py case under Nsight Compute: our decode kernel and ORT's (ORT 1.31 runs cuDNN's
+# generated SDPA kernel, matched by "flash"), one launch each, the sections that say where a
+# decode call's time goes (throughput, L2 hit rate, occupancy, issue rate). Full reports go to
+# $OUT_DIR/ncu_<heads>_<case>_<kernel>.txt; a summary of each goes to stdout.
+#
+#   bash tools/perf/ncu_decode.sh 9/3/64 64x16384            # heads N/Nkv/H, decode BxL
+#   KERNELS=DecodeTc bash tools/perf/ncu_decode.sh 28/4/128 1x4096
+#   LIBRARY=/tmp/bv/libort_kvlayout.so bash tools/perf/ncu_decode.sh 28/4/128 64x16384   # a build
+#   L2=1 bash tools/perf/ncu_decode.sh 28/4/128 64x16384   # what the L2 serves (clock left free)
+#   SKIP=13 KERNELS=DecodeTc bash tools/perf/ncu_decode.sh 9/3/64 64x16384  # kv_layout=1's launch
+#
+# L2=1 measures instead the traffic between the SMs, the L2 and DRAM (bytes, requests, sectors,
+# hits), with the SM clock left free
+# (--clock-control none), so its durations are the benchmark's.
+# ncu flushes the caches before each profiled launch; CACHE=none keeps them (--cache-control
+# none), so the L2 holds what the previous launches left, as in bench_cuda.py's back-to-back runs:
+#   L2=1 CACHE=none bash tools/perf/ncu_decode.sh 28/4/128 1x16384   # what a warm L2 serves
+# ncu locks the SM clock near its base (1.33 GHz on the H200): compare kernels within one run,
+# not with bench_cuda.py's times. Needs ncu, a GPU and the packages bench_cuda.py needs.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+heads="${1:?heads N/Nkv/H}" case="${2:?decode BxL}"
+OUT_DIR="${OUT_DIR:-/tmp/ort_kvlayout_ncu}"
+mkdir -p "$OUT_DIR"
+SECTIONS=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy
+          --section WarpStateStats --section LaunchStats --section SchedulerStats)
+if [ "${L2:-0}" = 1 ]; then
+  SECTIONS=(--clock-control none --metrics "gpu__time_duration.sum,dram__bytes_read.sum,\
+dram__bytes_read.sum.per_second,l1tex__m_xbar2l1tex_read_bytes.sum,\
+lts__t_requests_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_read.sum,\
+lts__t_sectors_srcunit_tex_op_read_lookup_hit.sum,lts__t_sectors_srcunit_tex_op_read_lookup_miss.sum,\
+sm__warps_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum")
+fi
+for kernel in ${KERNELS:-DecodeTc flash}; do
+  report="$OUT_DIR/ncu_${heads//\//-}_${case}_${kernel}.txt"
+  # The fifth launch (SKIP=4): after bench_cuda.py's warm-ups, so caches and plans are those of a
+  # timed run. Under ncu each layout launches our kernel 9 times (3 warm-ups, 2 untimed runs, 2
+  # runs in the profiler, which sees no CUPTI records, then 2 wall-time runs), kv0 first: SKIP=13
+  # is kv1's fifth.
+  ncu "${SECTIONS[@]}" --cache-control "${CACHE:-all}" -k "regex:$kernel" \
+    --launch-skip "${SKIP:-4}" --launch-count 1 \
+    python3 bench/bench_cuda.py --runs 2 --heads "$heads" --decode "$case" --prefill= \
+    ${LIBRARY:+--library "$LIBRARY"} >"$report" 2>&1 || true
+  echo "== $heads $case kernel ~ $kernel ($report)"
+  grep -E "^  [a-z_].*\(|^    [a-z0-9_]+__[a-z0-9_.]+ |Duration|DRAM Throughput|L2 Hit Rate|Registers Per|Grid Size|Block Size|Dynamic Shared|Issued Warp|Achieved Active Warps|Theoretical Occupancy" \
+    "$report" | awk '!seen[$0]++' | cut -c1-120 || echo "   no profile (see $report)"
+done
