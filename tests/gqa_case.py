@@ -4,6 +4,7 @@ single-node ONNX model for either domain, and the onnxruntime run (plain or shar
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 
 import ml_dtypes
@@ -237,6 +238,14 @@ def run_model(feeds, attrs, domain=MS_DOMAIN, kv_layout=None, shared=False, thre
     return run_session(make_session(model, domain, threads), feeds, shared, attrs)
 
 
+def rotary_caches(dim: int, positions: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(cos_cache, sin_cache): ``positions`` rows of ``dim // 2`` angles (base 10000), in
+    ``dtype``."""
+    inv = 1.0 / (10000.0 ** (np.arange(0, dim, 2) / dim))
+    ang = np.arange(positions)[:, None] * inv[None, :]
+    return np.cos(ang).astype(dtype), np.sin(ang).astype(dtype)
+
+
 # --------------------------------------------------------------------------------------------
 # GqaCase
 # --------------------------------------------------------------------------------------------
@@ -368,12 +377,7 @@ class GqaCase:
         f["seqlens_k"] = (T - 1).astype(np.int32)
         f["total_sequence_length"] = np.array(total, np.int32)
         if self.do_rotary:
-            rd = self.rotary_dim or H
-            max_pos = total + 16
-            inv = 1.0 / (10000.0 ** (np.arange(0, rd, 2) / rd))
-            ang = np.arange(max_pos)[:, None] * inv[None, :]
-            f["cos_cache"] = np.cos(ang).astype(dt)
-            f["sin_cache"] = np.sin(ang).astype(dt)
+            f["cos_cache"], f["sin_cache"] = rotary_caches(self.rotary_dim or H, total + 16, dt)
         if self.position_ids:
             if self.kind == "prompt":
                 start = int(rng.integers(0, 8))
@@ -451,6 +455,30 @@ class GqaCase:
         }
         d["seed"] = self.seed
         return "GqaCase(" + ", ".join(f"{k}={v!r}" for k, v in d.items()) + ")"
+
+
+_AXIS_FIELDS = {
+    "layout": ("kv_layout",),
+    "heads": ("num_heads", "kv_num_heads"),
+    "step": ("kind", "seq", "past_len"),
+}
+
+
+def grid_cases(axes: dict, fields) -> list[GqaCase]:
+    """A parametrized grid: one GqaCase per point of the product of ``axes`` (name -> values,
+    iterated in the order given, the last axis fastest).  An axis "layout" gives kv_layout,
+    "heads" (num_heads, kv_num_heads), "step" (kind, seq, past_len); any other name is a GqaCase
+    field.  Packed and shared inputs alternate with the point's index i (i % 2, i // 2 % 2);
+    ``fields(i, **point_fields)`` returns the other fields (and may override those two)."""
+    out = []
+    for i, point in enumerate(itertools.product(*axes.values())):
+        kw = {"packed": bool(i % 2), "shared": bool(i // 2 % 2)}
+        for axis, value in zip(axes, point, strict=True):
+            names = _AXIS_FIELDS.get(axis, (axis,))
+            kw.update(zip(names, value if len(names) > 1 else (value,), strict=True))
+        kw.update(fields(i, **kw))
+        out.append(GqaCase(**kw))
+    return out
 
 
 # --------------------------------------------------------------------------------------------
