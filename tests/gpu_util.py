@@ -1,7 +1,7 @@
 """Helpers of the GPU tests (tests/test_gqa_cuda.py, tests/test_cuda_graph.py).
 
 * ``SKIP_REASON``: None when onnxruntime offers CUDAExecutionProvider and ort_kvlayout was built
-  with CUDA (``cuda_available()``); else why the GPU tests skip.
+  with CUDA (``cuda_available()``); else why the GPU tests skip (``GPU_MARKS``, a module's marks).
 * ``cuda_session``: a session on the CUDA EP with CPU fallback disabled, so a node that would
   silently run on the CPU makes session creation fail instead of passing a GPU test on the CPU.
 * ``run_cuda``: one run through IO binding with every input on the device (OrtValues on
@@ -32,6 +32,7 @@ from collections import OrderedDict
 import ml_dtypes
 import numpy as np
 import onnxruntime as ort
+import pytest
 import reference as ref
 from gqa_case import KV_DOMAIN, MS_DOMAIN, GqaCase, as_f64, build_model
 from onnx import TensorProto, helper
@@ -89,6 +90,11 @@ def _skip_reason() -> str | None:
 
 
 SKIP_REASON = _skip_reason()
+# The marks of a GPU test module (pytestmark): "gpu", and a skip without the CUDA EP and op.
+GPU_MARKS = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(SKIP_REASON is not None, reason=f"GPU tests: {SKIP_REASON}"),
+]
 
 
 # --------------------------------------------------------------------------------------------

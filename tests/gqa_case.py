@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import ml_dtypes
 import numpy as np
+import onnx
 import onnxruntime as ort
 import reference as ref
 from hypothesis import strategies as st
@@ -153,6 +154,19 @@ def build_model(
     opsets = [helper.make_opsetid("", 21), helper.make_opsetid(domain, 1)]
     model = helper.make_model(graph, opset_imports=opsets, ir_version=10)
     return model.SerializeToString()
+
+
+def with_attribute(model: bytes, name: str, value) -> bytes:
+    """``model`` (one node) with the node's attribute ``name`` set to ``value`` (any type,
+    unchecked), or removed where ``value`` is None."""
+    m = onnx.load_from_string(model)
+    node = m.graph.node[0]
+    kept = [a for a in node.attribute if a.name != name]
+    del node.attribute[:]
+    node.attribute.extend(kept)
+    if value is not None:
+        node.attribute.append(helper.make_attribute(name, value))
+    return m.SerializeToString()
 
 
 def make_session(model: bytes, domain: str = MS_DOMAIN, threads: int = 1) -> ort.InferenceSession:
@@ -467,13 +481,17 @@ _AXIS_FIELDS = {
 def grid_cases(axes: dict, fields) -> list[GqaCase]:
     """A parametrized grid: one GqaCase per point of the product of ``axes`` (name -> values,
     iterated in the order given, the last axis fastest).  An axis "layout" gives kv_layout,
-    "heads" (num_heads, kv_num_heads), "step" (kind, seq, past_len); any other name is a GqaCase
+    "heads" (num_heads, kv_num_heads), "step" (kind, seq, past_len); an axis given as a dict
+    (option name -> GqaCase fields) gives the fields of its option; any other name is a GqaCase
     field.  Packed and shared inputs alternate with the point's index i (i % 2, i // 2 % 2);
-    ``fields(i, **point_fields)`` returns the other fields (and may override those two)."""
+    ``fields(i, **point_fields)`` returns the other fields (and may override any)."""
     out = []
     for i, point in enumerate(itertools.product(*axes.values())):
         kw = {"packed": bool(i % 2), "shared": bool(i // 2 % 2)}
-        for axis, value in zip(axes, point, strict=True):
+        for (axis, values), value in zip(axes.items(), point, strict=True):
+            if isinstance(values, dict):
+                kw.update(values[value])
+                continue
             names = _AXIS_FIELDS.get(axis, (axis,))
             kw.update(zip(names, value if len(names) > 1 else (value,), strict=True))
         kw.update(fields(i, **kw))

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import reference as ref
 from gpu_util import (
+    GPU_MARKS,
     QUICK,
-    SKIP_REASON,
     assert_close,
     case_seed,
     device_empty,
@@ -31,10 +31,7 @@ from gpu_util import (
 )
 from gqa_case import DTYPES, KV_DOMAIN, MS_DOMAIN, as_f64, build_model
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(SKIP_REASON is not None, reason=f"GPU tests: {SKIP_REASON}"),
-]
+pytestmark = GPU_MARKS
 
 B, N, NKV, C = 3, 8, 2, 64
 P0 = np.array([13, 5, 20])  # cached tokens before step 0 (ragged batch)

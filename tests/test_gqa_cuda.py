@@ -25,9 +25,9 @@ from gpu_util import (
     BASE_SEED,
     DEVICE,
     EMULATE,
+    GPU_MARKS,
     GPU_TOLS,
     QUICK,
-    SKIP_REASON,
     NotOnCuda,
     assert_close,
     bind_inputs,
@@ -56,10 +56,7 @@ from gqa_case import (
     rotary_caches,
 )
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(SKIP_REASON is not None, reason=f"GPU tests: {SKIP_REASON}"),
-]
+pytestmark = GPU_MARKS
 
 
 def _label(c: GqaCase) -> str:
@@ -274,32 +271,18 @@ KINDS = {
 }
 
 
-def _feature_cases():
-    out = []
-    for j, (feat, kind, dt, layout) in enumerate(
-        itertools.product(FEATURES, KINDS, ["fp16", "bf16"], [0, 1])
-    ):
-        kw = dict(KINDS[kind])
-        if feat == "swc" and kind.startswith("prompt"):
-            kw["pad"] = 0  # a right-padded first prompt is refused with sliding_window_cache
-        out.append(
-            GqaCase(
-                num_heads=8,
-                kv_num_heads=2,
-                head_size=64,
-                dtype=dt,
-                kv_layout=layout,
-                shared=bool(j % 2),
-                packed=bool((j // 3) % 2),
-                seed=case_seed(10_000 + j),
-                **kw,
-                **FEATURES[feat],
-            )
-        )
-    return out
+def _feature_fields(j, kind, sliding_window_cache=False, **_):
+    kw = {"num_heads": 8, "kv_num_heads": 2, "head_size": 64, "shared": bool(j % 2),
+          "packed": bool((j // 3) % 2), "seed": case_seed(10_000 + j)}  # fmt: skip
+    if sliding_window_cache and kind == "prompt":
+        kw["pad"] = 0  # a right-padded first prompt is refused with sliding_window_cache
+    return kw
 
 
-FEATURE_CASES = _feature_cases()
+FEATURE_CASES = grid_cases(
+    {"feature": FEATURES, "call": KINDS, "dtype": ["fp16", "bf16"], "layout": [0, 1]},
+    _feature_fields,
+)
 if QUICK:
     FEATURE_CASES = FEATURE_CASES[::23]
 
@@ -1037,34 +1020,26 @@ SWC_SCENARIOS = {
 SWC_HEADS = ((8, 2, 64), (6, 3, 40), (4, 1, 128), (8, 2, 96))
 
 
-def _swc_cases():
-    out = []
-    combos = itertools.product(SWC_SCENARIOS, ["fp32", "fp16", "bf16"], [0, 1], [False, True])
-    for i, (name, dt, layout, shared) in enumerate(combos):
-        n, nkv, h = SWC_HEADS[i % len(SWC_HEADS)]
-        kw = dict(SWC_SCENARIOS[name])
-        rot = i % 3 != 0
-        out.append(
-            GqaCase(
-                num_heads=n,
-                kv_num_heads=nkv,
-                head_size=h,
-                dtype=dt,
-                kv_layout=layout,
-                shared=shared,
-                packed=bool(i % 2),
-                do_rotary=rot,
-                position_ids=rot and i % 4 == 1,
-                softcap=30.0 if i % 5 == 2 else 0.0,
-                sliding_window_cache=True,
-                seed=case_seed(80_000 + i),
-                **kw,
-            )
-        )
-    return out
+def _swc_fields(i, **_):
+    n, nkv, h = SWC_HEADS[i % len(SWC_HEADS)]
+    rot = i % 3 != 0
+    return {
+        "num_heads": n,
+        "kv_num_heads": nkv,
+        "head_size": h,
+        "do_rotary": rot,
+        "position_ids": rot and i % 4 == 1,
+        "softcap": 30.0 if i % 5 == 2 else 0.0,
+        "sliding_window_cache": True,
+        "seed": case_seed(80_000 + i),
+    }
 
 
-SWC_CASES = _swc_cases()
+SWC_CASES = grid_cases(
+    {"scenario": SWC_SCENARIOS, "dtype": ["fp32", "fp16", "bf16"], "layout": [0, 1],
+     "shared": [False, True]},
+    _swc_fields,
+)  # fmt: skip
 if QUICK:
     SWC_CASES = SWC_CASES[::7]
 
