@@ -425,6 +425,14 @@ def _robust_one(layout: int, sc: dict) -> dict:
     except Exception as e:  # noqa: BLE001
         return {"scenario": sc, "setup_error": f"{type(e).__name__}: {str(e)[-300:]}"}
 
+    def guards_intact(kh, vh) -> bool:
+        """The guard regions before and after the cache in both buffers are as written."""
+        return all(
+            np.array_equal(now[:off], host[:off])
+            and np.array_equal(now[off + n :], host[off + n :])
+            for now, host in ((kh, khost), (vh, vhost))
+        )
+
     def run(feeds):
         io = sess.io_binding()
         others = {k: v for k, v in feeds.items() if k not in ("past_key", "past_value")}
@@ -453,12 +461,7 @@ def _robust_one(layout: int, sc: dict) -> dict:
     import ort_kvlayout
 
     rec["recorded"] = ort_kvlayout.take_length_error()
-    rec["guard_ok"] = bool(
-        np.array_equal(kh[:off], khost[:off])
-        and np.array_equal(kh[off + n :], khost[off + n :])
-        and np.array_equal(vh[:off], vhost[:off])
-        and np.array_equal(vh[off + n :], vhost[off + n :])
-    )
+    rec["guard_ok"] = guards_intact(kh, vh)
     # Batch entries whose lengths were valid keep their cached rows (only decode / chunk: a
     # first prompt rewrites rows [0, T_b)).
     P = case.lengths()[0]
@@ -492,12 +495,7 @@ def _robust_one(layout: int, sc: dict) -> dict:
             rec["valid_after"] = "ok, max errs " + ", ".join(f"{e:.2g}" for e in errs)
         except AssertionError as e:
             rec["valid_after"] = f"WRONG: {str(e)[:600]}"
-    rec["guard_ok_after_valid"] = bool(
-        np.array_equal(kh[:off], khost[:off])
-        and np.array_equal(kh[off + n :], khost[off + n :])
-        and np.array_equal(vh[:off], vhost[:off])
-        and np.array_equal(vh[off + n :], vhost[off + n :])
-    )
+    rec["guard_ok_after_valid"] = guards_intact(kh, vh)
     return rec
 
 

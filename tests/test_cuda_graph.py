@@ -29,7 +29,7 @@ from gpu_util import (
     to_device,
     update,
 )
-from gqa_case import DTYPES, KV_DOMAIN, MS_DOMAIN, as_f64, build_model
+from gqa_case import DTYPES, KV_DOMAIN, MS_DOMAIN, as_f64, build_model, rotary_caches
 
 pytestmark = GPU_MARKS
 
@@ -74,9 +74,7 @@ def _static_feeds(v, rng):
     H = v["H"]
     f = {"total_sequence_length": np.array(C, np.int32)}
     if v["rotary"]:
-        inv = 1.0 / (10000.0 ** (np.arange(0, H, 2) / H))
-        ang = np.arange(C + 16)[:, None] * inv[None, :]
-        f["cos_cache"], f["sin_cache"] = np.cos(ang).astype(dt), np.sin(ang).astype(dt)
+        f["cos_cache"], f["sin_cache"] = rotary_caches(H, C + 16, dt)
     if v.get("sink"):
         f["head_sink"] = rng.standard_normal(N).astype(dt)
     return f
