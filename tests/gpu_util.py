@@ -1,7 +1,7 @@
 """Helpers of the GPU tests (tests/test_gqa_cuda.py, tests/test_cuda_graph.py).
 
 * ``SKIP_REASON``: None when onnxruntime offers CUDAExecutionProvider and ort_kvlayout was built
-  with CUDA (``cuda_available()``); else why the GPU tests skip.
+  with CUDA (``cuda_available()``); else why the GPU tests skip (``GPU_MARKS``, a module's marks).
 * ``cuda_session``: a session on the CUDA EP with CPU fallback disabled, so a node that would
   silently run on the CPU makes session creation fail instead of passing a GPU test on the CPU.
 * ``run_cuda``: one run through IO binding with every input on the device (OrtValues on
@@ -32,6 +32,7 @@ from collections import OrderedDict
 import ml_dtypes
 import numpy as np
 import onnxruntime as ort
+import pytest
 import reference as ref
 from gqa_case import KV_DOMAIN, MS_DOMAIN, GqaCase, as_f64, build_model
 from onnx import TensorProto, helper
@@ -89,6 +90,11 @@ def _skip_reason() -> str | None:
 
 
 SKIP_REASON = _skip_reason()
+# The marks of a GPU test module (pytestmark): "gpu", and a skip without the CUDA EP and op.
+GPU_MARKS = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(SKIP_REASON is not None, reason=f"GPU tests: {SKIP_REASON}"),
+]
 
 
 # --------------------------------------------------------------------------------------------
@@ -419,6 +425,14 @@ def _robust_one(layout: int, sc: dict) -> dict:
     except Exception as e:  # noqa: BLE001
         return {"scenario": sc, "setup_error": f"{type(e).__name__}: {str(e)[-300:]}"}
 
+    def guards_intact(kh, vh) -> bool:
+        """The guard regions before and after the cache in both buffers are as written."""
+        return all(
+            np.array_equal(now[:off], host[:off])
+            and np.array_equal(now[off + n :], host[off + n :])
+            for now, host in ((kh, khost), (vh, vhost))
+        )
+
     def run(feeds):
         io = sess.io_binding()
         others = {k: v for k, v in feeds.items() if k not in ("past_key", "past_value")}
@@ -447,12 +461,7 @@ def _robust_one(layout: int, sc: dict) -> dict:
     import ort_kvlayout
 
     rec["recorded"] = ort_kvlayout.take_length_error()
-    rec["guard_ok"] = bool(
-        np.array_equal(kh[:off], khost[:off])
-        and np.array_equal(kh[off + n :], khost[off + n :])
-        and np.array_equal(vh[:off], vhost[:off])
-        and np.array_equal(vh[off + n :], vhost[off + n :])
-    )
+    rec["guard_ok"] = guards_intact(kh, vh)
     # Batch entries whose lengths were valid keep their cached rows (only decode / chunk: a
     # first prompt rewrites rows [0, T_b)).
     P = case.lengths()[0]
@@ -486,12 +495,7 @@ def _robust_one(layout: int, sc: dict) -> dict:
             rec["valid_after"] = "ok, max errs " + ", ".join(f"{e:.2g}" for e in errs)
         except AssertionError as e:
             rec["valid_after"] = f"WRONG: {str(e)[:600]}"
-    rec["guard_ok_after_valid"] = bool(
-        np.array_equal(kh[:off], khost[:off])
-        and np.array_equal(kh[off + n :], khost[off + n :])
-        and np.array_equal(vh[:off], vhost[:off])
-        and np.array_equal(vh[off + n :], vhost[off + n :])
-    )
+    rec["guard_ok_after_valid"] = guards_intact(kh, vh)
     return rec
 
 

@@ -4,10 +4,12 @@ single-node ONNX model for either domain, and the onnxruntime run (plain or shar
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 
 import ml_dtypes
 import numpy as np
+import onnx
 import onnxruntime as ort
 import reference as ref
 from hypothesis import strategies as st
@@ -154,6 +156,19 @@ def build_model(
     return model.SerializeToString()
 
 
+def with_attribute(model: bytes, name: str, value) -> bytes:
+    """``model`` (one node) with the node's attribute ``name`` set to ``value`` (any type,
+    unchecked), or removed where ``value`` is None."""
+    m = onnx.load_from_string(model)
+    node = m.graph.node[0]
+    kept = [a for a in node.attribute if a.name != name]
+    del node.attribute[:]
+    node.attribute.extend(kept)
+    if value is not None:
+        node.attribute.append(helper.make_attribute(name, value))
+    return m.SerializeToString()
+
+
 def make_session(model: bytes, domain: str = MS_DOMAIN, threads: int = 1) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
@@ -235,6 +250,14 @@ def run_session(sess: ort.InferenceSession, feeds: dict, shared: bool = False, a
 def run_model(feeds, attrs, domain=MS_DOMAIN, kv_layout=None, shared=False, threads=1):
     model = build_model(feeds, attrs, domain, kv_layout)
     return run_session(make_session(model, domain, threads), feeds, shared, attrs)
+
+
+def rotary_caches(dim: int, positions: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(cos_cache, sin_cache): ``positions`` rows of ``dim // 2`` angles (base 10000), in
+    ``dtype``."""
+    inv = 1.0 / (10000.0 ** (np.arange(0, dim, 2) / dim))
+    ang = np.arange(positions)[:, None] * inv[None, :]
+    return np.cos(ang).astype(dtype), np.sin(ang).astype(dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -368,12 +391,7 @@ class GqaCase:
         f["seqlens_k"] = (T - 1).astype(np.int32)
         f["total_sequence_length"] = np.array(total, np.int32)
         if self.do_rotary:
-            rd = self.rotary_dim or H
-            max_pos = total + 16
-            inv = 1.0 / (10000.0 ** (np.arange(0, rd, 2) / rd))
-            ang = np.arange(max_pos)[:, None] * inv[None, :]
-            f["cos_cache"] = np.cos(ang).astype(dt)
-            f["sin_cache"] = np.sin(ang).astype(dt)
+            f["cos_cache"], f["sin_cache"] = rotary_caches(self.rotary_dim or H, total + 16, dt)
         if self.position_ids:
             if self.kind == "prompt":
                 start = int(rng.integers(0, 8))
@@ -451,6 +469,34 @@ class GqaCase:
         }
         d["seed"] = self.seed
         return "GqaCase(" + ", ".join(f"{k}={v!r}" for k, v in d.items()) + ")"
+
+
+_AXIS_FIELDS = {
+    "layout": ("kv_layout",),
+    "heads": ("num_heads", "kv_num_heads"),
+    "step": ("kind", "seq", "past_len"),
+}
+
+
+def grid_cases(axes: dict, fields) -> list[GqaCase]:
+    """A parametrized grid: one GqaCase per point of the product of ``axes`` (name -> values,
+    iterated in the order given, the last axis fastest).  An axis "layout" gives kv_layout,
+    "heads" (num_heads, kv_num_heads), "step" (kind, seq, past_len); an axis given as a dict
+    (option name -> GqaCase fields) gives the fields of its option; any other name is a GqaCase
+    field.  Packed and shared inputs alternate with the point's index i (i % 2, i // 2 % 2);
+    ``fields(i, **point_fields)`` returns the other fields (and may override any)."""
+    out = []
+    for i, point in enumerate(itertools.product(*axes.values())):
+        kw = {"packed": bool(i % 2), "shared": bool(i // 2 % 2)}
+        for (axis, values), value in zip(axes.items(), point, strict=True):
+            if isinstance(values, dict):
+                kw.update(values[value])
+                continue
+            names = _AXIS_FIELDS.get(axis, (axis,))
+            kw.update(zip(names, value if len(names) > 1 else (value,), strict=True))
+        kw.update(fields(i, **kw))
+        out.append(GqaCase(**kw))
+    return out
 
 
 # --------------------------------------------------------------------------------------------

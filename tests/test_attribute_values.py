@@ -15,8 +15,15 @@ import numpy as np
 import onnx
 import pytest
 import reference as ref
-from gqa_case import KV_DOMAIN, GqaCase, build_model, make_session, op_available, run_session
-from onnx import helper
+from gqa_case import (
+    KV_DOMAIN,
+    GqaCase,
+    build_model,
+    make_session,
+    op_available,
+    run_session,
+    with_attribute,
+)
 from ort_kvlayout.model.graph import gqa_attribute_types
 from ort_kvlayout.tools.patch import UnsupportedNodeError, rewrite_model
 
@@ -53,13 +60,9 @@ def _table() -> list[tuple[str, str, object]]:
 
 
 def _ms_model(name: str, value) -> onnx.ModelProto:
-    m = onnx.load_from_string(build_model(_CASE.feeds(), _BASE_ATTRS))
-    node = m.graph.node[0]
-    kept = [a for a in node.attribute if a.name != name]
-    del node.attribute[:]
-    node.attribute.extend(kept)
-    node.attribute.append(helper.make_attribute(name, value))
-    return m
+    return onnx.load_from_string(
+        with_attribute(build_model(_CASE.feeds(), _BASE_ATTRS), name, value)
+    )
 
 
 def _run(model: onnx.ModelProto, domain: str, layout: int = 0):

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import reference as ref
 from gpu_util import (
+    GPU_MARKS,
     QUICK,
-    SKIP_REASON,
     assert_close,
     case_seed,
     device_empty,
@@ -29,12 +29,9 @@ from gpu_util import (
     to_device,
     update,
 )
-from gqa_case import DTYPES, KV_DOMAIN, MS_DOMAIN, as_f64, build_model
+from gqa_case import DTYPES, KV_DOMAIN, MS_DOMAIN, as_f64, build_model, rotary_caches
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(SKIP_REASON is not None, reason=f"GPU tests: {SKIP_REASON}"),
-]
+pytestmark = GPU_MARKS
 
 B, N, NKV, C = 3, 8, 2, 64
 P0 = np.array([13, 5, 20])  # cached tokens before step 0 (ragged batch)
@@ -77,9 +74,7 @@ def _static_feeds(v, rng):
     H = v["H"]
     f = {"total_sequence_length": np.array(C, np.int32)}
     if v["rotary"]:
-        inv = 1.0 / (10000.0 ** (np.arange(0, H, 2) / H))
-        ang = np.arange(C + 16)[:, None] * inv[None, :]
-        f["cos_cache"], f["sin_cache"] = np.cos(ang).astype(dt), np.sin(ang).astype(dt)
+        f["cos_cache"], f["sin_cache"] = rotary_caches(H, C + 16, dt)
     if v.get("sink"):
         f["head_sink"] = rng.standard_normal(N).astype(dt)
     return f

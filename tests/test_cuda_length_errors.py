@@ -190,24 +190,35 @@ def _run(sess, case: GqaCase, feeds: dict):
     return [from_device(o) for o in outs]
 
 
+def _each_value_case(test):
+    """Marks a GPU test to run for every value case, in both layouts."""
+    test = pytest.mark.parametrize("name", list(VALUE_CASES))(test)
+    test = pytest.mark.parametrize("layout", [0, 1])(test)
+    return pytest.mark.gpu(gpu(test))
+
+
+def _value_case(name: str, layout: int, strict: bool, monkeypatch):
+    """(case, edits, the CPU op's messages, a CUDA session in the mode) for the value case
+    ``name`` in ``layout``, with nothing left recorded from other tests."""
+    case, edits, _ = VALUE_CASES[name]
+    case = case.replace(kv_layout=layout)
+    want = _cpu_messages(case, edits)
+    sess = _cuda_session(case, strict, monkeypatch)
+    ort_kvlayout.take_length_error()  # nothing left over from other tests
+    return case, edits, want, sess
+
+
 def _assert_reported(got: str, want: list[str]):
     assert any(w in got for w in want), f"CUDA reported:\n  {got}\nthe CPU op says:\n  " + (
         "\n  ".join(want)
     )
 
 
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("layout", [0, 1])
-@pytest.mark.parametrize("name", list(VALUE_CASES))
+@_each_value_case
 def test_default_mode_next_run_fails(name, layout, monkeypatch):
     """The bad Run completes (lengths clamped on the device); the node's next Run, with valid
     values, fails with the CPU op's message; the record is then clear: the Run after works."""
-    case, edits, _ = VALUE_CASES[name]
-    case = case.replace(kv_layout=layout)
-    want = _cpu_messages(case, edits)
-    sess = _cuda_session(case, False, monkeypatch)
-    ort_kvlayout.take_length_error()  # nothing left over from other tests
+    case, edits, want, sess = _value_case(name, layout, False, monkeypatch)
     try:
         _run(sess, case, _bad_feeds(case, edits))
     except Exception as e:
@@ -220,18 +231,11 @@ def test_default_mode_next_run_fails(name, layout, monkeypatch):
     _run(sess, case, case.feeds())
 
 
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("layout", [0, 1])
-@pytest.mark.parametrize("name", list(VALUE_CASES))
+@_each_value_case
 def test_default_mode_python_call_returns_record(name, layout, monkeypatch):
     """After the bad Run, take_length_error() returns the CPU op's message (and the node's
     name) and clears the record: the node's next Run works."""
-    case, edits, _ = VALUE_CASES[name]
-    case = case.replace(kv_layout=layout)
-    want = _cpu_messages(case, edits)
-    sess = _cuda_session(case, False, monkeypatch)
-    ort_kvlayout.take_length_error()
+    case, edits, want, sess = _value_case(name, layout, False, monkeypatch)
     _run(sess, case, _bad_feeds(case, edits))
     got = ort_kvlayout.take_length_error()
     assert got is not None, "no violation recorded"
@@ -245,16 +249,9 @@ def test_default_mode_python_call_returns_record(name, layout, monkeypatch):
         ort_kvlayout.check_length_error("step 7")
 
 
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("layout", [0, 1])
-@pytest.mark.parametrize("name", list(VALUE_CASES))
+@_each_value_case
 def test_strict_mode_same_run_fails(name, layout, monkeypatch):
-    case, edits, _ = VALUE_CASES[name]
-    case = case.replace(kv_layout=layout)
-    want = _cpu_messages(case, edits)
-    sess = _cuda_session(case, True, monkeypatch)
-    ort_kvlayout.take_length_error()
+    case, edits, want, sess = _value_case(name, layout, True, monkeypatch)
     with pytest.raises(Exception) as ei:
         _run(sess, case, _bad_feeds(case, edits))
     got = _op_message(ei.value)

@@ -3,8 +3,6 @@ com.microsoft kernel, and layout 0 vs layout 1 on the same logical case."""
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 import reference as ref
@@ -17,9 +15,11 @@ from gqa_case import (
     as_f64,
     check_vs_reference,
     compare,
+    grid_cases,
     head_major_twin,
     make_session,
     refusal,
+    rotary_caches,
     run_session,
 )
 
@@ -45,40 +45,25 @@ STEPS = [
 ]
 
 
-def _grid():
-    cases = []
-    combos = itertools.product([0, 1], ["fp32", "fp16", "bf16"], HEADS, STEPS)
-    for i, (layout, dt, heads, (kind, s, past)) in enumerate(combos):
-        n, nkv = HEADS[heads]
-        h = (64, 128, 16, 32)[i % 4]
-        rot = h % 16 == 0 and i % 3 != 0
-        cases.append(
-            GqaCase(
-                batch=1 if kind == "chunk" else 1 + i % 3,
-                seq=s,
-                kind=kind,
-                past_len=past,
-                num_heads=n,
-                kv_num_heads=nkv,
-                head_size=h,
-                dtype=dt,
-                kv_layout=layout,
-                packed=bool(i % 2),
-                shared=bool(i // 2 % 2),
-                pad=(1 + i % 4)
-                if kind != "chunk" and s > 4
-                else (i % 2 if kind == "decode" else 0),
-                extra_capacity=(i % 5) if i % 7 == 0 else 0,
-                do_rotary=rot,
-                rotary_interleaved=bool(i % 5 < 2),
-                rotary_dim=h // 2 if rot and i % 11 == 0 and h >= 32 else 0,
-                seed=1000 + i,
-            )
-        )
-    return cases
+def _grid_fields(i, kind, seq, **_):
+    h = (64, 128, 16, 32)[i % 4]
+    rot = h % 16 == 0 and i % 3 != 0
+    return {
+        "batch": 1 if kind == "chunk" else 1 + i % 3,
+        "head_size": h,
+        "pad": (1 + i % 4) if kind != "chunk" and seq > 4 else (i % 2 if kind == "decode" else 0),
+        "extra_capacity": (i % 5) if i % 7 == 0 else 0,
+        "do_rotary": rot,
+        "rotary_interleaved": bool(i % 5 < 2),
+        "rotary_dim": h // 2 if rot and i % 11 == 0 and h >= 32 else 0,
+        "seed": 1000 + i,
+    }
 
 
-GRID = _grid()
+GRID = grid_cases(
+    {"layout": [0, 1], "dtype": ["fp32", "fp16", "bf16"], "heads": HEADS.values(), "step": STEPS},
+    _grid_fields,
+)
 
 
 @pytest.mark.parametrize("case", GRID, ids=repr)
@@ -256,9 +241,7 @@ def test_generation_loop_shared(layout, dtype):
                    kv_layout=layout, do_rotary=True, shared=True)  # fmt: skip
     attrs = base.attrs()
     maxp = C + 8
-    inv = 1.0 / (10000.0 ** (np.arange(0, H, 2) / H))
-    ang = np.arange(maxp)[:, None] * inv[None, :]
-    cos, sin = np.cos(ang).astype(dt), np.sin(ang).astype(dt)
+    cos, sin = rotary_caches(H, maxp, dt)
     cache_k = ref.to_layout(rng.standard_normal((B, Nkv, C, H)).astype(dt), layout)
     cache_v = ref.to_layout(rng.standard_normal((B, Nkv, C, H)).astype(dt), layout)
     sess_cache = {}

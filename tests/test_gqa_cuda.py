@@ -25,9 +25,9 @@ from gpu_util import (
     BASE_SEED,
     DEVICE,
     EMULATE,
+    GPU_MARKS,
     GPU_TOLS,
     QUICK,
-    SKIP_REASON,
     NotOnCuda,
     assert_close,
     bind_inputs,
@@ -44,12 +44,19 @@ from gpu_util import (
     seed_note,
     to_device,
 )
-from gqa_case import KV_DOMAIN, MS_DOMAIN, GqaCase, as_f64, build_model, head_major_twin, refusal
+from gqa_case import (
+    KV_DOMAIN,
+    MS_DOMAIN,
+    GqaCase,
+    as_f64,
+    build_model,
+    grid_cases,
+    head_major_twin,
+    refusal,
+    rotary_caches,
+)
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(SKIP_REASON is not None, reason=f"GPU tests: {SKIP_REASON}"),
-]
+pytestmark = GPU_MARKS
 
 
 def _label(c: GqaCase) -> str:
@@ -124,50 +131,37 @@ STEPS = [
 HEAD_SIZES = (64, 128, 64, 128, 32, 96, 256)
 
 
-def _core_grid():
-    cases = []
-    combos = itertools.product(["fp16", "bf16", "fp32"], [0, 1], HEADS, STEPS)
-    for i, (dt, layout, heads, (kind, s, past)) in enumerate(combos):
-        n, nkv = HEADS[heads]
-        h = HEAD_SIZES[(i * 5) % len(HEAD_SIZES)]
-        if h == 256 and (s > 17 or past > 37):
-            h = 128  # keeps the oracle fast
-        rot = i % 3 != 0
-        # Chunked prefill with B > 1 needs query_seqlens (ORT's rule): every 4th chunk case.
-        qsl = kind == "chunk" and i % 4 == 1
-        batch = (1 + i % 3) if kind != "chunk" else (3 if qsl else 1)
-        pad = 0
-        if batch > 1 and kind == "prompt" and s > 1:
-            pad = 1 + i % (s - 1) if s > 2 else 1
-        elif batch > 1 and kind != "prompt" and past > 1:
-            pad = 1 + i % min(past - 1, 9)
-        cases.append(
-            GqaCase(
-                batch=batch,
-                seq=s,
-                kind=kind,
-                past_len=past,
-                num_heads=n,
-                kv_num_heads=nkv,
-                head_size=h,
-                dtype=dt,
-                kv_layout=layout,
-                packed=bool(i % 2),
-                shared=bool((i // 2) % 2),
-                pad=pad,
-                extra_capacity=(3 + i % 5) if i % 5 == 0 else 0,
-                do_rotary=rot,
-                rotary_interleaved=bool(i % 5 < 2),
-                rotary_dim=h // 2 if rot and i % 7 == 0 and h >= 32 else 0,
-                position_ids=rot and i % 6 == 1,
-                query_seqlens=qsl,
-                seed=case_seed(i),
-            )
-        )
-    return cases
+def _core_fields(i, kind, seq, past_len, **_):
+    h = HEAD_SIZES[(i * 5) % len(HEAD_SIZES)]
+    if h == 256 and (seq > 17 or past_len > 37):
+        h = 128  # keeps the oracle fast
+    rot = i % 3 != 0
+    # Chunked prefill with B > 1 needs query_seqlens (ORT's rule): every 4th chunk case.
+    qsl = kind == "chunk" and i % 4 == 1
+    batch = (1 + i % 3) if kind != "chunk" else (3 if qsl else 1)
+    pad = 0
+    if batch > 1 and kind == "prompt" and seq > 1:
+        pad = 1 + i % (seq - 1) if seq > 2 else 1
+    elif batch > 1 and kind != "prompt" and past_len > 1:
+        pad = 1 + i % min(past_len - 1, 9)
+    return {
+        "batch": batch,
+        "head_size": h,
+        "pad": pad,
+        "extra_capacity": (3 + i % 5) if i % 5 == 0 else 0,
+        "do_rotary": rot,
+        "rotary_interleaved": bool(i % 5 < 2),
+        "rotary_dim": h // 2 if rot and i % 7 == 0 and h >= 32 else 0,
+        "position_ids": rot and i % 6 == 1,
+        "query_seqlens": qsl,
+        "seed": case_seed(i),
+    }
 
 
-CORE = _core_grid()
+CORE = grid_cases(
+    {"dtype": ["fp16", "bf16", "fp32"], "layout": [0, 1], "heads": HEADS.values(), "step": STEPS},
+    _core_fields,
+)
 if QUICK:
     CORE = CORE[::19]
 
@@ -277,32 +271,18 @@ KINDS = {
 }
 
 
-def _feature_cases():
-    out = []
-    for j, (feat, kind, dt, layout) in enumerate(
-        itertools.product(FEATURES, KINDS, ["fp16", "bf16"], [0, 1])
-    ):
-        kw = dict(KINDS[kind])
-        if feat == "swc" and kind.startswith("prompt"):
-            kw["pad"] = 0  # a right-padded first prompt is refused with sliding_window_cache
-        out.append(
-            GqaCase(
-                num_heads=8,
-                kv_num_heads=2,
-                head_size=64,
-                dtype=dt,
-                kv_layout=layout,
-                shared=bool(j % 2),
-                packed=bool((j // 3) % 2),
-                seed=case_seed(10_000 + j),
-                **kw,
-                **FEATURES[feat],
-            )
-        )
-    return out
+def _feature_fields(j, kind, sliding_window_cache=False, **_):
+    kw = {"num_heads": 8, "kv_num_heads": 2, "head_size": 64, "shared": bool(j % 2),
+          "packed": bool((j // 3) % 2), "seed": case_seed(10_000 + j)}  # fmt: skip
+    if sliding_window_cache and kind == "prompt":
+        kw["pad"] = 0  # a right-padded first prompt is refused with sliding_window_cache
+    return kw
 
 
-FEATURE_CASES = _feature_cases()
+FEATURE_CASES = grid_cases(
+    {"feature": FEATURES, "call": KINDS, "dtype": ["fp16", "bf16"], "layout": [0, 1]},
+    _feature_fields,
+)
 if QUICK:
     FEATURE_CASES = FEATURE_CASES[::23]
 
@@ -1040,34 +1020,26 @@ SWC_SCENARIOS = {
 SWC_HEADS = ((8, 2, 64), (6, 3, 40), (4, 1, 128), (8, 2, 96))
 
 
-def _swc_cases():
-    out = []
-    combos = itertools.product(SWC_SCENARIOS, ["fp32", "fp16", "bf16"], [0, 1], [False, True])
-    for i, (name, dt, layout, shared) in enumerate(combos):
-        n, nkv, h = SWC_HEADS[i % len(SWC_HEADS)]
-        kw = dict(SWC_SCENARIOS[name])
-        rot = i % 3 != 0
-        out.append(
-            GqaCase(
-                num_heads=n,
-                kv_num_heads=nkv,
-                head_size=h,
-                dtype=dt,
-                kv_layout=layout,
-                shared=shared,
-                packed=bool(i % 2),
-                do_rotary=rot,
-                position_ids=rot and i % 4 == 1,
-                softcap=30.0 if i % 5 == 2 else 0.0,
-                sliding_window_cache=True,
-                seed=case_seed(80_000 + i),
-                **kw,
-            )
-        )
-    return out
+def _swc_fields(i, **_):
+    n, nkv, h = SWC_HEADS[i % len(SWC_HEADS)]
+    rot = i % 3 != 0
+    return {
+        "num_heads": n,
+        "kv_num_heads": nkv,
+        "head_size": h,
+        "do_rotary": rot,
+        "position_ids": rot and i % 4 == 1,
+        "softcap": 30.0 if i % 5 == 2 else 0.0,
+        "sliding_window_cache": True,
+        "seed": case_seed(80_000 + i),
+    }
 
 
-SWC_CASES = _swc_cases()
+SWC_CASES = grid_cases(
+    {"scenario": SWC_SCENARIOS, "dtype": ["fp32", "fp16", "bf16"], "layout": [0, 1],
+     "shared": [False, True]},
+    _swc_fields,
+)  # fmt: skip
 if QUICK:
     SWC_CASES = SWC_CASES[::7]
 
@@ -1108,63 +1080,14 @@ def test_sliding_window_generation_loop_on_device(layout, dtype):
     """A prompt longer than the window, decode steps through several shifts, a chunk and more
     decode steps, on one shared window-sized cache that never leaves the device (the
     onnxruntime-genai flow for a sliding-window layer), step by step against the oracle."""
-    B, N, Nkv, H, W, C = 2, 8, 2, 64, 6, 9
-    rng = np.random.default_rng(case_seed(81_000 + layout))
-    base = GqaCase(batch=B, num_heads=N, kv_num_heads=Nkv, head_size=H, dtype=dtype,
+    base = GqaCase(batch=2, num_heads=8, kv_num_heads=2, head_size=64, dtype=dtype,
                    kv_layout=layout, do_rotary=True, shared=True, packed=True,
-                   local_window_size=W, sliding_window_cache=True)  # fmt: skip
-    dt = base.np_dtype
-    attrs = base.attrs()
-    inv = 1.0 / (10000.0 ** (np.arange(0, H, 2) / H))
-    ang = np.arange(128)[:, None] * inv[None, :]
-    cos, sin = np.cos(ang).astype(dt), np.sin(ang).astype(dt)
-    kbuf = to_device(ref.to_layout(rng.standard_normal((B, Nkv, C, H)).astype(dt), layout))
-    vbuf = to_device(ref.to_layout(rng.standard_normal((B, Nkv, C, H)).astype(dt), layout))
+                   local_window_size=6, sliding_window_cache=True)  # fmt: skip
     # Both entries start with a 13-token prompt (no right padding with a window-sized cache);
     # the chunk is ragged through query_seqlens (lengths 3 and 5).
-    T = np.array([13, 13])
     plan = [("prompt", 13)] + [("decode", 1)] * 7 + [("chunk", 5)] + [("decode", 1)] * 4
-    sessions = {}
-    for step, (kind, S) in enumerate(plan):
-        qsl = None
-        if kind == "prompt":
-            newT = T
-        elif kind == "decode":
-            newT = T + 1
-        else:
-            qsl = np.array([3, 5], np.int32)
-            newT = T + qsl
-        feeds = {
-            "query": rng.standard_normal((B, S, (N + 2 * Nkv) * H)).astype(dt),
-            "past_key": None,
-            "past_value": None,
-            "seqlens_k": (newT - 1).astype(np.int32),
-            "total_sequence_length": np.array(int(newT.max()) if kind != "prompt" else S, np.int32),
-            "cos_cache": cos,
-            "sin_cache": sin,
-        }
-        if qsl is not None:
-            feeds["query_seqlens"] = qsl
-        past_k, past_v = from_device(kbuf), from_device(vbuf)
-        ref_feeds = dict(feeds, past_key=past_k, past_value=past_v)
-        key = (kind, qsl is not None)
-        if key not in sessions:
-            sessions[key] = cuda_session(build_model(ref_feeds, attrs, KV_DOMAIN, layout),
-                                         KV_DOMAIN)  # fmt: skip
-        sess = sessions[key]
-        io = sess.io_binding()
-        _, _on_device = bind_inputs(sess, io, feeds)
-        io.bind_output("output", DEVICE)
-        io.bind_ortvalue_input("past_key", kbuf)
-        io.bind_ortvalue_input("past_value", vbuf)
-        io.bind_ortvalue_output("present_key", kbuf)
-        io.bind_ortvalue_output("present_value", vbuf)
-        sess.run_with_iobinding(io)
-        got = (from_device(io.get_outputs()[0]), from_device(kbuf), from_device(vbuf))
-        want = ref.gqa_reference(ref_feeds, attrs, layout)
-        masks = ref.defined_masks(ref_feeds, attrs, layout)
-        assert_close(got, want, masks, dtype, f"step {step} ({kind}, T={newT.tolist()}): ")
-        T = newT
+    rng = np.random.default_rng(case_seed(81_000 + layout))
+    _loop_on_device(base, 9, 128, np.array([13, 13]), plan, rng, chunk_may_be_refused=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1174,22 +1097,26 @@ def test_sliding_window_generation_loop_on_device(layout, dtype):
 @pytest.mark.parametrize("layout", [0, 1])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 def test_generation_loop_on_device(layout, dtype):
-    B, N, Nkv, H, C = 2, 8, 2, 64, 96
-    rng = np.random.default_rng(case_seed(60_000 + layout))
-    base = GqaCase(batch=B, num_heads=N, kv_num_heads=Nkv, head_size=H, dtype=dtype,
+    base = GqaCase(batch=2, num_heads=8, kv_num_heads=2, head_size=64, dtype=dtype,
                    kv_layout=layout, do_rotary=True, shared=True, packed=True)  # fmt: skip
-    dt = base.np_dtype
-    attrs = base.attrs()
-    inv = 1.0 / (10000.0 ** (np.arange(0, H, 2) / H))
-    ang = np.arange(C + 8)[:, None] * inv[None, :]
-    cos, sin = np.cos(ang).astype(dt), np.sin(ang).astype(dt)
-    cache_init = [rng.standard_normal((B, Nkv, C, H)).astype(dt) for _ in range(2)]
-    kbuf = to_device(ref.to_layout(cache_init[0], layout))
-    vbuf = to_device(ref.to_layout(cache_init[1], layout))
     # Steps: a right-padded prompt (lengths 13 and 6), 6 decode steps, one query_seqlens chunk
     # of 5 (lengths 3 and 5; skipped if refused), 3 decode steps.
-    T = np.array([13, 6])
     plan = [("prompt", 13)] + [("decode", 1)] * 6 + [("chunk", 5)] + [("decode", 1)] * 3
+    rng = np.random.default_rng(case_seed(60_000 + layout))
+    _loop_on_device(base, 96, 96 + 8, np.array([13, 6]), plan, rng, chunk_may_be_refused=True)
+
+
+def _loop_on_device(base: GqaCase, capacity, positions, T, plan, rng, chunk_may_be_refused):
+    """Runs ``plan`` ((kind, S) steps; a chunk is ragged through query_seqlens 3 and 5) with
+    ``base``'s sizes and attributes on one shared cache of ``capacity`` rows (random at first)
+    that never leaves the device, the entries at lengths ``T`` after the prompt; each step
+    against the oracle fed a host copy of the cache before the step. A chunk the op refuses by
+    its query_seqlens is left out where ``chunk_may_be_refused``."""
+    B, N, Nkv, H = base.batch, base.num_heads, base.kv_num_heads, base.head_size
+    layout, dtype, dt, attrs = base.kv_layout, base.dtype, base.np_dtype, base.attrs()
+    cos, sin = rotary_caches(H, positions, dt)
+    kbuf = to_device(ref.to_layout(rng.standard_normal((B, Nkv, capacity, H)).astype(dt), layout))
+    vbuf = to_device(ref.to_layout(rng.standard_normal((B, Nkv, capacity, H)).astype(dt), layout))
     sessions = {}
     for step, (kind, S) in enumerate(plan):
         qsl = None
@@ -1229,7 +1156,8 @@ def test_generation_loop_on_device(layout, dtype):
         try:
             sess.run_with_iobinding(io)
         except Exception as e:
-            if qsl is not None and refusal(["query_seqlens"], e) is not None:
+            refused = qsl is not None and refusal(["query_seqlens"], e) is not None
+            if chunk_may_be_refused and refused:
                 continue  # chunk with query_seqlens refused (allowed): go on decoding
             raise
         got = (from_device(io.get_outputs()[0]), from_device(kbuf), from_device(vbuf))

@@ -9,9 +9,16 @@ import sys
 import textwrap
 
 import numpy as np
-import onnx
 import pytest
-from gqa_case import KV_DOMAIN, GqaCase, build_model, compare, make_session, run_session
+from gqa_case import (
+    KV_DOMAIN,
+    GqaCase,
+    build_model,
+    compare,
+    make_session,
+    run_session,
+    with_attribute,
+)
 from onnx import TensorProto, helper
 
 _BASE = GqaCase(batch=2, kind="decode", past_len=5, num_heads=4, kv_num_heads=2, head_size=16)
@@ -290,17 +297,6 @@ _TYPED_VALUES = {
 _ATTR_TYPES = dict(_ort_gqa_attr_types(), kv_layout="INT")
 
 
-def _with_attr(model: bytes, name: str, value) -> bytes:
-    m = onnx.load_from_string(model)
-    node = m.graph.node[0]
-    kept = [a for a in node.attribute if a.name != name]
-    del node.attribute[:]
-    node.attribute.extend(kept)
-    if value is not None:
-        node.attribute.append(helper.make_attribute(name, value))
-    return m.SerializeToString()
-
-
 @pytest.mark.parametrize(
     "name,actual",
     [(n, t) for n, want in sorted(_ATTR_TYPES.items()) for t in _TYPED_VALUES if t != want],
@@ -311,13 +307,13 @@ def test_attribute_of_wrong_type_refused_at_session_creation(name, actual):
     (before: kv_layout=1.0 ran head-major, scale as INT was ignored)."""
     want = _ATTR_TYPES[name]
     value = _TYPED_VALUES[actual]
-    ours = _with_attr(build_model(_f(), A, KV_DOMAIN, 1), name, value)
+    ours = with_attribute(build_model(_f(), A, KV_DOMAIN, 1), name, value)
     with pytest.raises(Exception) as ei:
         make_session(ours, KV_DOMAIN)
     msg = str(ei.value)
     assert f"attribute '{name}' must be of type {want}, got {actual}" in msg, msg
     if name != "kv_layout":  # the oracle: ORT refuses the same node in its own domain
-        theirs = _with_attr(build_model(_f(), A), name, value)
+        theirs = with_attribute(build_model(_f(), A), name, value)
         with pytest.raises(Exception, match=rf"Mismatched attribute type.*{name}"):
             make_session(theirs)
 
@@ -331,13 +327,13 @@ def test_attribute_types_match_ort_schema():
         if name in ("num_heads", "kv_num_heads"):
             continue
         value = neutral.get(name, defaults[want])
-        model = _with_attr(build_model(_f(), A, KV_DOMAIN, 1), name, value)
+        model = with_attribute(build_model(_f(), A, KV_DOMAIN, 1), name, value)
         run_session(make_session(model, KV_DOMAIN), _f())
 
 
 @pytest.mark.parametrize("name", ["num_heads", "kv_num_heads"])
 def test_required_attribute_missing(name):
-    model = _with_attr(build_model(_f(), A, KV_DOMAIN, 1), name, None)
+    model = with_attribute(build_model(_f(), A, KV_DOMAIN, 1), name, None)
     with pytest.raises(Exception, match=rf"attribute '{name}' is required"):
         make_session(model, KV_DOMAIN)
 

@@ -16,6 +16,7 @@ from gqa_case import (
     build_model,
     compare,
     gqa_cases,
+    grid_cases,
     make_session,
     run_session,
 )
@@ -69,35 +70,24 @@ def test_sliding_window_resident_bounds(C, W):
 # --------------------------------------------------------------------------------------------
 # Oracle vs ORT over a grid of cases
 # --------------------------------------------------------------------------------------------
+def _grid_fields(i, kind, **_):
+    h = (16, 32, 64, 128)[i % 4]
+    return {
+        "batch": 1 if kind == "chunk" else 1 + i % 3,
+        "head_size": h,
+        "pad": (i % 3) if kind != "chunk" else 0,
+        "do_rotary": bool(i % 5 < 3),
+        "rotary_interleaved": bool(i % 7 < 3),
+        "rotary_dim": h // 2 if i % 11 == 0 and h >= 32 else 0,
+        "seed": i,
+    }
+
+
 def _grid():
-    heads = [(4, 4), (8, 2), (4, 1)]
-    kinds = [("prompt", 1, 0), ("prompt", 17, 0), ("decode", 1, 1), ("decode", 1, 37),
+    steps = [("prompt", 1, 0), ("prompt", 17, 0), ("decode", 1, 1), ("decode", 1, 37),
              ("chunk", 5, 37), ("chunk", 3, 1)]  # fmt: skip
-    cases = []
-    for i, ((n, nkv), (kind, s, past), dt) in enumerate(
-        itertools.product(heads, kinds, ["fp32", "fp16"])
-    ):
-        h = (16, 32, 64, 128)[i % 4]
-        cases.append(
-            GqaCase(
-                batch=1 if kind == "chunk" else 1 + i % 3,
-                seq=s,
-                kind=kind,
-                past_len=past,
-                num_heads=n,
-                kv_num_heads=nkv,
-                head_size=h,
-                dtype=dt,
-                packed=bool(i % 2),
-                shared=bool(i // 2 % 2),
-                pad=(i % 3) if kind != "chunk" else 0,
-                do_rotary=bool(i % 5 < 3),
-                rotary_interleaved=bool(i % 7 < 3),
-                rotary_dim=h // 2 if i % 11 == 0 and h >= 32 else 0,
-                seed=i,
-            )
-        )
-    return cases
+    axes = {"heads": [(4, 4), (8, 2), (4, 1)], "step": steps, "dtype": ["fp32", "fp16"]}
+    return grid_cases(axes, _grid_fields)
 
 
 @pytest.mark.parametrize("case", _grid(), ids=repr)
