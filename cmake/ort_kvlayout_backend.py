@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 import scikit_build_core
-from scikit_build_core.build import *  # noqa: F403 - the PEP 517 hooks
+from scikit_build_core.build import *
 from scikit_build_core.build import __all__ as _hooks
 from scikit_build_core.build import build_editable as _build_editable
 from scikit_build_core.build import build_wheel as _build_wheel
