@@ -76,7 +76,8 @@ KnobValues ReadKnobs() {
   ReadInt(&k, "ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS", 0, 3, &k.decode_group_clusters);
   ReadBool(&k, "ORT_KVLAYOUT_DECODE_WIDE", &k.decode_wide);
   ReadInt(&k, "ORT_KVLAYOUT_DECODE_PACKED", 0, 2, &k.decode_packed);
-  for (const std::string& e : k.errors) {
+  for (KnobRead once : {KnobRead::kCpuOnce, KnobRead::kCudaOnce}) {
+    const std::string e = k.ErrorFor(once);
     if (!e.empty()) k.error += (k.error.empty() ? "" : "; ") + e;
   }
   return k;

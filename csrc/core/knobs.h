@@ -86,10 +86,11 @@ struct KnobValues {
   bool decode_wide = true;            // ORT_KVLAYOUT_DECODE_WIDE
   int64_t decode_packed = 1;          // ORT_KVLAYOUT_DECODE_PACKED
 
-  // Every bad knob, "environment variable NAME must be RULE, got 'v'", joined by "; "; "" when
-  // all are good.
+  // The bad knobs among those read once per process, each "environment variable NAME must be
+  // RULE, got 'v'", joined by "; "; "" when all are good. (A knob read at op creation is checked
+  // there, on the environment of that moment: ReadKnobs().ErrorFor(...).)
   std::string error;
-  std::array<std::string, kKnobCount> errors;  // the same, per entry of kKnobSpecs
+  std::array<std::string, kKnobCount> errors;  // every bad knob's message, per entry of kKnobSpecs
 
   // The bad knobs among those read as `read` says, joined by "; ".
   std::string ErrorFor(KnobRead read) const;

@@ -74,7 +74,11 @@ void BindKnobs(py::module_& m) {
         const KnobValues k = now ? ReadKnobs() : Knobs();
         py::dict d;
         for (const KnobSpec& s : kKnobSpecs) d[s.name] = ValueOf(k, s.name);
-        d["error"] = k.error;
+        std::string all;  // every bad knob, those read at op creation too
+        for (const std::string& e : k.errors) {
+          if (!e.empty()) all += (all.empty() ? "" : "; ") + e;
+        }
+        d["error"] = all;
         return d;
       },
       py::arg("now") = false,
