@@ -73,7 +73,7 @@ KnobValues ReadKnobs() {
   ReadInt(&k, "ORT_KVLAYOUT_CUDNN_MIN_ROWS", 1, int64_t(1) << 30, &k.cudnn_min_rows);
   ReadInt(&k, "ORT_KVLAYOUT_DECODE_SPLITS", 0, 256, &k.decode_splits);
   ReadBool(&k, "ORT_KVLAYOUT_DECODE_CLUSTERS", &k.decode_clusters);
-  ReadInt(&k, "ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS", 0, 3, &k.decode_group_clusters);
+  ReadBool(&k, "ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS", &k.decode_group_clusters);
   ReadBool(&k, "ORT_KVLAYOUT_DECODE_WIDE", &k.decode_wide);
   ReadInt(&k, "ORT_KVLAYOUT_DECODE_PACKED", 0, 2, &k.decode_packed);
   for (KnobRead once : {KnobRead::kCpuOnce, KnobRead::kCudaOnce}) {

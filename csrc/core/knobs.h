@@ -58,9 +58,9 @@ inline constexpr KnobSpec kKnobSpecs[] = {
      "0 launches decode without thread-block clusters (splits merge in global memory, as on "
      "sm_80)"},
     {"ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS", "1", KnobClass::kDiagnostic, KnobRead::kCudaOnce,
-     "0 | 1 | 2 | 3",
-     "where group clusters merge more splits than one cluster holds: 0 nowhere (global memory), "
-     "1 the plan's rule, 2 every few-row shape, 3 the same at one CTA per SM"},
+     "0 | 1",
+     "0 merges rows of more splits than one cluster holds in global memory only (no group "
+     "clusters)"},
     {"ORT_KVLAYOUT_DECODE_WIDE", "1", KnobClass::kDiagnostic, KnobRead::kCudaOnce, "0 | 1",
      "0 keeps the decode kernel at four warps where the plan would take eight (and so turns off "
      "default packed heads)"},
@@ -82,7 +82,7 @@ struct KnobValues {
   int64_t cudnn_min_rows = 64;        // ORT_KVLAYOUT_CUDNN_MIN_ROWS
   int64_t decode_splits = 0;          // ORT_KVLAYOUT_DECODE_SPLITS
   bool decode_clusters = true;        // ORT_KVLAYOUT_DECODE_CLUSTERS
-  int64_t decode_group_clusters = 1;  // ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS
+  bool decode_group_clusters = true;  // ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS
   bool decode_wide = true;            // ORT_KVLAYOUT_DECODE_WIDE
   int64_t decode_packed = 1;          // ORT_KVLAYOUT_DECODE_PACKED
 

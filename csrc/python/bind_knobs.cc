@@ -41,7 +41,7 @@ py::object ValueOf(const KnobValues& k, const char* name) {
   if (n == "ORT_KVLAYOUT_CUDNN_MIN_ROWS") return py::int_(k.cudnn_min_rows);
   if (n == "ORT_KVLAYOUT_DECODE_SPLITS") return py::int_(k.decode_splits);
   if (n == "ORT_KVLAYOUT_DECODE_CLUSTERS") return py::bool_(k.decode_clusters);
-  if (n == "ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS") return py::int_(k.decode_group_clusters);
+  if (n == "ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS") return py::bool_(k.decode_group_clusters);
   if (n == "ORT_KVLAYOUT_DECODE_WIDE") return py::bool_(k.decode_wide);
   if (n == "ORT_KVLAYOUT_DECODE_PACKED") return py::int_(k.decode_packed);
   throw std::logic_error(n + " has no value in bind_knobs.cc");  // tests/test_knobs.py
