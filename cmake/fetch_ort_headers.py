@@ -228,7 +228,10 @@ def fetch(cache: Path) -> Path:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    default_cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ort_kvlayout"
+    default_cache = Path(
+        os.environ.get("ORT_KVLAYOUT_CACHE")
+        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ort_kvlayout"
+    )
     parser.add_argument("--cache", type=Path, default=default_cache)
     args = parser.parse_args()
     try:

@@ -100,3 +100,35 @@ def test_layout_arithmetic_matches_the_oracle(layout):
     for idx in [(0, 0, 0, 0), (1, 2, 6, 7), (1, 0, 3, 5), (0, 2, 1, 2)]:
         offset = sum(i * st for i, st in zip(idx, strides))
         assert flat[offset] == logical[idx]
+
+
+def test_build_backend_keeps_the_build_dir_across_isolated_environments(tmp_path):
+    """cmake/ort_kvlayout_backend.py: a build directory whose record differs only in the path
+    of scikit-build-core (pip's new isolated environment) is pointed at this one, so
+    scikit-build-core keeps its CMake cache and objects; another source or scikit-build-core
+    version is left for scikit-build-core to clear."""
+    import importlib.util
+    import json
+
+    skbuild = pytest.importorskip("scikit_build_core")
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location(
+        "ort_kvlayout_backend", root / "cmake" / "ort_kvlayout_backend.py"
+    )
+    backend = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(backend)
+    here = str(Path(skbuild.__file__).parent)
+    records = {
+        "moved": {"source_dir": str(tmp_path.resolve()), "skbuild_version": skbuild.__version__},
+        "other_version": {"source_dir": str(tmp_path.resolve()), "skbuild_version": "0.0.1"},
+        "other_source": {"source_dir": "/elsewhere", "skbuild_version": skbuild.__version__},
+    }
+    for name, info in records.items():
+        (tmp_path / "build" / name).mkdir(parents=True)
+        info["skbuild_path"] = "/tmp/pip-build-env-gone/scikit_build_core"
+        (tmp_path / "build" / name / ".skbuild-info.json").write_text(json.dumps(info))
+    assert backend.keep_build_dirs(tmp_path) == [tmp_path.resolve() / "build" / "moved"]
+    for name in records:
+        info = json.loads((tmp_path / "build" / name / ".skbuild-info.json").read_text())
+        assert (info["skbuild_path"] == here) == (name == "moved"), name
+    assert set(backend.__all__) >= {"build_wheel", "build_editable", "build_sdist"}

@@ -2,7 +2,8 @@
 #include "cpu/cpu_isa.h"
 
 #include <cstdint>
-#include <cstdlib>
+
+#include "core/knobs.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <cpuid.h>
@@ -61,9 +62,8 @@ CpuIsaChoice Choose() {
   CpuIsaChoice choice;
   const CpuIsa best = BestSupportedCpuIsa();
   choice.isa = best;
-  const char* env = std::getenv("ORT_KVLAYOUT_CPU_ISA");
-  const std::string want = env ? env : "";
-  if (want.empty() || want == "auto") return choice;
+  const std::string& want = Knobs().cpu_isa;  // "" for auto
+  if (want.empty()) return choice;
   for (CpuIsa isa : {CpuIsa::kPortable, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
     if (want != CpuIsaName(isa)) continue;
     if (!Built(isa)) {

@@ -437,7 +437,7 @@ inline void ScoreBlock(const float* const* q, const float* kt, int64_t H, float*
 // Each step also prefetches into L1 the key row 4 ahead and the value row the PV pass will read
 // (v rows as in AccumulateBlock): the tile's rows sit in L2/L3, and in seq-major order they are
 // Nkv*H apart, so the hardware L1 prefetchers do not bring them (shared-cache decode, AVX2:
-// +10 to 50%, both layouts; docs/BENCHMARKS.md).
+// +10 to 50%, both layouts).
 template <int RB>
 inline void ScoreDot(const float* const* q, const float* const* k, const float* const* v, int tile,
                      int64_t head_pad, float* scores) {
@@ -702,7 +702,7 @@ void AttentionTask(void* state, size_t task_index) {
   // float32 rows of head_pad length are read in place, except a prefill's seq-major V rows: the
   // PV micro-kernel walks a V tile once per row block (~40 times), and rows Nkv*H floats apart
   // (a page each at 32/8/128) cost TLB and prefetch misses every walk; a packed copy costs one
-  // pass (seq-major S=2048 32/8/128: 0.84x -> see docs/BENCHMARKS.md).
+  // pass (part of what took seq-major S=2048 32/8/128 AVX2 prefill from ~30 to 40 GFLOP/s).
   const bool direct_v = std::is_same<T, float>::value && H == hp &&
                         (dot_scores || c.present_strides.seq == H);
   // A task over all heads walks each tile once per head: keep a tile of every head's K near

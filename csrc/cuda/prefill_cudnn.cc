@@ -18,7 +18,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <list>
 #include <map>
@@ -30,7 +29,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/env.h"
+#include "core/knobs.h"
 #include "cuda/kernels.h"
 
 #if KVL_HAVE_CUDNN
@@ -57,7 +56,6 @@ namespace fe = cudnn_frontend;
 struct CudnnPrefill {
   std::shared_ptr<fe::graph::Graph> graph;
   size_t workspace_bytes = 0;
-  int64_t plan = -1;  // the heuristics' choice, or ORT_KVLAYOUT_CUDNN_PLAN's index
 };
 
 namespace {
@@ -65,22 +63,19 @@ namespace {
 // Tensor uids of the variant pack.
 enum : int64_t { kUidQ = 1, kUidK, kUidV, kUidO, kUidSeqQ, kUidSeqKv };
 
-// Environment switch: ORT_KVLAYOUT_CUDNN=0 keeps every call on our own kernels.
-bool CudnnEnabledByEnv() { return EnvNotZero("ORT_KVLAYOUT_CUDNN"); }
-
 // Opens libcudnn once per process: the copy ORT's CUDA EP already loaded (same soname), else
 // the one the loader finds, else ORT_KVLAYOUT_CUDNN_LIBRARY. Returns why it failed, or "".
 const std::string& LoadCudnn() {
   static std::once_flag once;
   static std::string error;
   std::call_once(once, [] {
-    if (!CudnnEnabledByEnv()) {
+    if (!Knobs().cudnn) {
       error = "disabled by ORT_KVLAYOUT_CUDNN=0";
       return;
     }
     void* h = dlopen("libcudnn.so.9", RTLD_NOW | RTLD_LOCAL);
-    const char* path = std::getenv("ORT_KVLAYOUT_CUDNN_LIBRARY");
-    if (h == nullptr && path != nullptr) h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    const std::string& path = Knobs().cudnn_library;
+    if (h == nullptr && !path.empty()) h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (h == nullptr) {
       const char* why = dlerror();
       error = std::string("libcudnn.so.9 not loadable: ") + (why ? why : "unknown");
@@ -169,24 +164,14 @@ std::shared_ptr<const CudnnPrefill> Build(const GqaShape& s, KvStrides st, cudnn
   auto seq_kv = tensor("seq_kv", kUidSeqKv, {B, 1, 1, 1}, {1, 1, 1, 1});
   seq_q->set_data_type(fe::DataType_t::INT32);
   seq_kv->set_data_type(fe::DataType_t::INT32);
-  // Tuning knobs (bench/README.md), read when a shape's graph is built: ORT_KVLAYOUT_CUDNN_PLAN=i
-  // builds every plan of heuristics A, B and the fallback list and runs the i-th;
-  // ORT_KVLAYOUT_CUDNN_TOP_LEFT=1 asks for the top-left causal mask, the same mask here (a
-  // first prompt: every entry's new rows are its total).
-  const char* plan_env = std::getenv("ORT_KVLAYOUT_CUDNN_PLAN");
-  const bool top_left = std::getenv("ORT_KVLAYOUT_CUDNN_TOP_LEFT") != nullptr;
   auto options = fe::graph::SDPA_attributes()
                      .set_name("gqa_prefill")
                      .set_generate_stats(false)
                      .set_attn_scale(s.scale)
                      .set_padding_mask(true)
                      .set_seq_len_q(seq_q)
-                     .set_seq_len_kv(seq_kv);
-  if (top_left) {
-    options.set_causal_mask(true);
-  } else {
-    options.set_causal_mask_bottom_right(true);
-  }
+                     .set_seq_len_kv(seq_kv)
+                     .set_causal_mask_bottom_right(true);
   auto [o, stats] = g->sdpa(q, k, v, options);
   (void)stats;
   o->set_output(true).set_uid(kUidO).set_dim(q_dim).set_stride(q_stride);
@@ -197,42 +182,15 @@ std::shared_ptr<const CudnnPrefill> Build(const GqaShape& s, KvStrides st, cudnn
   };
   if (auto e = g->validate(); e.is_bad()) return failed("validate", e);
   if (auto e = g->build_operation_graph(handle); e.is_bad()) return failed("operation graph", e);
-  const std::vector<fe::HeurMode_t> modes =
-      plan_env != nullptr
-          ? std::vector<fe::HeurMode_t>{fe::HeurMode_t::A, fe::HeurMode_t::B,
-                                        fe::HeurMode_t::FALLBACK}
-          : std::vector<fe::HeurMode_t>{fe::HeurMode_t::A};
-  if (auto e = g->create_execution_plans(modes); e.is_bad()) return failed("execution plans", e);
-  if (auto e = g->check_support(handle); e.is_bad()) return failed("support", e);
-  auto built = std::make_shared<CudnnPrefill>();
-  int64_t ws = 0;
-  if (plan_env != nullptr) {
-    if (auto e = g->build_plans(handle, fe::BuildPlanPolicy_t::ALL); e.is_bad()) {
-      return failed("build", e);
-    }
-    const int64_t count = g->get_execution_plan_count();
-    built->plan = std::strtoll(plan_env, nullptr, 10);
-    if (std::getenv("ORT_KVLAYOUT_CUDNN_VERBOSE") != nullptr) {
-      for (int64_t i = 0; i < count; ++i) {
-        std::string name;
-        (void)g->get_plan_name_at_index(i, name);
-        std::fprintf(stderr, "ort_kvlayout: cuDNN plan %lld of %lld: %s%s\n",
-                     static_cast<long long>(i), static_cast<long long>(count), name.c_str(),
-                     i == built->plan ? " (chosen)" : "");
-      }
-    }
-    if (built->plan < 0 || built->plan >= count) {
-      *why = "ORT_KVLAYOUT_CUDNN_PLAN=" + std::string(plan_env) + " names no plan (" +
-             std::to_string(count) + " built)";
-      return nullptr;
-    }
-    if (auto e = g->get_workspace_size_plan_at_index(built->plan, ws); e.is_bad()) {
-      return failed("workspace size", e);
-    }
-  } else {
-    if (auto e = g->build_plans(handle); e.is_bad()) return failed("build", e);
-    if (auto e = g->get_workspace_size(ws); e.is_bad()) return failed("workspace size", e);
+  // cuDNN's default heuristic (mode A) and its first plan.
+  if (auto e = g->create_execution_plans({fe::HeurMode_t::A}); e.is_bad()) {
+    return failed("execution plans", e);
   }
+  if (auto e = g->check_support(handle); e.is_bad()) return failed("support", e);
+  if (auto e = g->build_plans(handle); e.is_bad()) return failed("build", e);
+  int64_t ws = 0;
+  if (auto e = g->get_workspace_size(ws); e.is_bad()) return failed("workspace size", e);
+  auto built = std::make_shared<CudnnPrefill>();
   built->graph = std::move(g);
   built->workspace_bytes = static_cast<size_t>(ws);
   return built;
@@ -284,12 +242,12 @@ std::shared_ptr<const CudnnPrefill> FindCudnnPrefill(const GqaShape& s, const Cu
       built = nullptr;
       why = e.what();
     }
-    if (built == nullptr && std::getenv("ORT_KVLAYOUT_CUDNN_VERBOSE") != nullptr) {
+    if (built == nullptr && Knobs().cudnn_verbose) {
       std::fprintf(stderr, "ort_kvlayout: cuDNN refused prefill B=%lld S=%lld C=%lld: %s\n",
                    static_cast<long long>(s.batch), static_cast<long long>(s.seq_len),
                    static_cast<long long>(s.present_capacity), why.c_str());
     }
-  } else if (std::getenv("ORT_KVLAYOUT_CUDNN_VERBOSE") != nullptr) {
+  } else if (Knobs().cudnn_verbose) {
     std::fprintf(stderr, "ort_kvlayout: %s\n", status.message().c_str());
   }
   (built != nullptr ? g_graphs_built : g_graphs_refused).fetch_add(1);
@@ -315,10 +273,7 @@ Status LaunchCudnnPrefill(const CudnnPrefill& prefill, const CudaDeviceInfo& dev
       return Status::Error(std::string("ai.kvlayout::GroupQueryAttention (CUDA): cudnnSetStream: ") +
                            fe::detail::get_error_string(st));
     }
-    fe::error_t e =
-        prefill.plan < 0
-            ? prefill.graph->execute(h->handle, pack, ws.cudnn)
-            : prefill.graph->execute_plan_at_index(h->handle, pack, ws.cudnn, prefill.plan);
+    fe::error_t e = prefill.graph->execute(h->handle, pack, ws.cudnn);
     if (e.is_bad()) {
       return Status::Error("ai.kvlayout::GroupQueryAttention (CUDA): cuDNN attention: " +
                            e.get_message());

@@ -1,7 +1,9 @@
 #include "ort/gqa_cpu_op.h"
 
+#include <string>
 #include <vector>
 
+#include "core/knobs.h"
 #include "cpu/gqa_cpu.h"
 
 namespace kvl {
@@ -62,6 +64,12 @@ OrtStatusPtr GqaCpuOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* in
                                       void** kernel) const {
   GqaAttributes attrs;
   if (OrtStatusPtr st = ToOrtStatus(ReadGqaAttributes(api, info, &attrs))) return st;
+  // A knob of the CPU op set to a bad value (core/knobs.h) fails the session's creation. A CPU
+  // level the build or the CPU lacks fails each call instead (cpu_isa.h).
+  const std::string knob_error = Knobs().ErrorFor(KnobRead::kCpuOnce);
+  if (!knob_error.empty()) {
+    return ToOrtStatus(Status::Error("ai.kvlayout::GroupQueryAttention (CPU): " + knob_error));
+  }
   *kernel = new GqaCpuKernel(attrs);
   return nullptr;
 }

@@ -1,8 +1,8 @@
 #include "ort/gqa_cuda_op.h"
 
-#include <cstdlib>
-#include <cstring>
 #include <string>
+
+#include "core/knobs.h"
 
 namespace kvl {
 namespace {
@@ -30,18 +30,16 @@ class DeviceBuffer {
   void* data_ = nullptr;
 };
 
-// ORT_KVLAYOUT_STRICT_LENGTHS: unset, "" or "0" off, "1" on; read when a kernel is created.
-Status ReadStrictLengths(bool* strict) {
-  const char* value = std::getenv("ORT_KVLAYOUT_STRICT_LENGTHS");
-  if (value == nullptr || std::strcmp(value, "") == 0 || std::strcmp(value, "0") == 0) {
-    *strict = false;
-  } else if (std::strcmp(value, "1") == 0) {
-    *strict = true;
-  } else {
-    return Status::Error(std::string("ai.kvlayout::GroupQueryAttention (CUDA): environment "
-                                     "variable ORT_KVLAYOUT_STRICT_LENGTHS must be 0 or 1, got '") +
-                         value + "'");
-  }
+// The knobs the CUDA op reads (core/knobs.h), checked when a kernel is created: a bad value
+// fails the session's creation, naming the knob and its rule. Returns ORT_KVLAYOUT_STRICT_LENGTHS,
+// which is read anew for each kernel (a session's choice).
+Status ReadCudaKnobs(bool* strict) {
+  const KnobValues now = ReadKnobs();
+  std::string error = Knobs().ErrorFor(KnobRead::kCudaOnce);
+  const std::string per_op = now.ErrorFor(KnobRead::kCudaOpCreation);
+  if (!per_op.empty()) error += (error.empty() ? "" : "; ") + per_op;
+  if (!error.empty()) return Status::Error("ai.kvlayout::GroupQueryAttention (CUDA): " + error);
+  *strict = now.strict_lengths;
   return Status::Ok();
 }
 
@@ -112,7 +110,7 @@ OrtStatusPtr GqaCudaOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* i
   CudaDeviceInfo device;
   if (OrtStatusPtr st = ToOrtStatus(QueryCudaDevice(&device))) return st;
   bool strict = false;
-  if (OrtStatusPtr st = ToOrtStatus(ReadStrictLengths(&strict))) return st;
+  if (OrtStatusPtr st = ToOrtStatus(ReadCudaKnobs(&strict))) return st;
   std::unique_ptr<CudaLengthRecord> record;
   if (OrtStatusPtr st = ToOrtStatus(CudaLengthRecord::Create(&record))) return st;
   *kernel = new GqaCudaKernel(attrs, device, std::move(record), NodeName(api, info), strict);

@@ -14,8 +14,9 @@
 #include "cpu/cpu_isa.h"
 #include "cpu/gqa_cpu.h"
 #include "cpu/thread_pool.h"
+#include "python/bind_knobs.h"
 #if defined(KVL_WITH_CUDA)
-#include "python/cuda_vmm.h"
+#include "kv/cuda_vmm.h"
 #endif
 
 namespace py = pybind11;
@@ -259,6 +260,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("threads") = 0,
         "Runs the CPU GroupQueryAttention on numpy arrays (names as in the ONNX schema); "
         "returns (output, present_key, present_value).");
+  kvl::BindKnobs(m);
 #if defined(KVL_WITH_CUDA)
   BindCudaVmm(m);
 #endif

@@ -1,6 +1,6 @@
 // CUDA virtual memory for growable KV caches (see cuda_vmm.h). Driver entry points are resolved
 // from libcuda.so.1 with dlopen/dlsym; cuda.h only provides the types and the versioned names.
-#include "python/cuda_vmm.h"
+#include "kv/cuda_vmm.h"
 
 #include <cuda.h>
 #include <dlfcn.h>
