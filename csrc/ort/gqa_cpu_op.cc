@@ -33,9 +33,14 @@ int EstimateThreads() {
   return threads;
 }
 
+// The CPU kernels implement the quantized KV caches of ORT's contract.
+constexpr GqaKernelCaps kCpuCaps{/*quantized_kv=*/true};
+
 Status Compute(Ort::KernelContext& ctx, const GqaAttributes& attrs) {
   GqaShape shape;
-  KVL_RETURN_IF_ERROR(ReadAndCheckInputs(ctx, attrs, &shape));
+  KVL_RETURN_IF_ERROR(ReadAndCheckInputs(ctx, attrs, &shape, kCpuCaps));
+  KVL_RETURN_IF_ERROR(CheckKvScales(shape, InputData<float>(ctx, GqaInput::kKScale),
+                                    InputData<float>(ctx, GqaInput::kVScale)));
   GqaOutputs outputs;
   KVL_RETURN_IF_ERROR(AllocateOutputs(ctx, shape, &outputs));
   GqaBuffers buf = CollectBuffers(ctx, shape, outputs);
@@ -61,7 +66,7 @@ OrtStatusPtr GqaCpuKernel::ComputeV2(OrtKernelContext* context) {
 OrtStatusPtr GqaCpuOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info,
                                       void** kernel) const {
   GqaAttributes attrs;
-  if (OrtStatusPtr st = ToOrtStatus(ReadGqaAttributes(api, info, &attrs))) return st;
+  if (OrtStatusPtr st = ToOrtStatus(ReadGqaAttributes(api, info, &attrs, kCpuCaps))) return st;
   *kernel = new GqaCpuKernel(attrs);
   return nullptr;
 }
