@@ -213,7 +213,8 @@ struct Call {
   // Row i of (b, kv head h) among a sliding window cache's new rows.
   uint8_t* new_row(bool value, int64_t b, int64_t h, int64_t i) const {
     std::vector<uint8_t>& dst = value ? *new_v : *new_k;
-    return dst.data() + ((b * s.kv_num_heads + h) * s.seq_len + i) * static_cast<int64_t>(row_bytes);
+    const int64_t index = (b * s.kv_num_heads + h) * s.seq_len + i;
+    return dst.data() + index * static_cast<int64_t>(row_bytes);
   }
   // Key/value row of absolute position `pos` (valid for this call's attention).
   const uint8_t* key_row(int64_t b, int64_t h, int64_t pos, const BatchGeometry& g,
@@ -254,7 +255,9 @@ inline void LoadRow(const Call<T>& c, const uint8_t* row, int which, int64_t h, 
     x[2 * i] = static_cast<float>(lo) * sc[per_channel ? 2 * i : 0];
     x[2 * i + 1] = static_cast<float>(hi) * sc[per_channel ? 2 * i + 1 : 0];
   }
-  if (H % 2 != 0) x[H - 1] = static_cast<float>((row[H / 2] & 0x0f) - 8) * sc[per_channel ? H - 1 : 0];
+  if (H % 2 != 0) {
+    x[H - 1] = static_cast<float>((row[H / 2] & 0x0f) - 8) * sc[per_channel ? H - 1 : 0];
+  }
 }
 
 // float32 x[0, H) -> one cache row: T values, or codes of a quantized cache (dtype.h's rule, on
@@ -277,7 +280,8 @@ inline void StoreRow(const Call<T>& c, const float* x, int which, int64_t h, uin
   }
   for (int64_t i = 0; i < (H + 1) / 2; ++i) {
     const uint8_t lo = Int4Nibble(stored(x[2 * i]), inv[2 * i * step]);
-    const uint8_t hi = 2 * i + 1 < H ? Int4Nibble(stored(x[2 * i + 1]), inv[(2 * i + 1) * step]) : 8;
+    const int64_t d = 2 * i + 1;
+    const uint8_t hi = d < H ? Int4Nibble(stored(x[d]), inv[d * step]) : 8;  // odd H: code 0
     row[i] = static_cast<uint8_t>(lo | (hi << 4));
   }
 }
@@ -353,10 +357,10 @@ void PrepareToken(void* state, size_t task) {
 }
 
 // Copies past rows [r0, r1) of (b, kv head h) into present, in the longest contiguous runs the
-// strides allow: a head's rows (seq stride H: head-major), or, when all heads of a row are
-// adjacent (head stride H, seq stride Nkv*H: seq-major), a 1/Nkv share of every head's rows,
-// so the Nkv tasks of batch b together copy each row range once.
-// Rows are bytes here: any cache storage (T, int8, packed int4) copies the same way.
+// strides allow: a head's rows (seq stride R, one row: head-major), or, when all heads of a row
+// are adjacent (head stride R, seq stride Nkv*R: seq-major), a 1/Nkv share of every head's rows,
+// so the Nkv tasks of batch b together copy each row range once. Rows are bytes: any storage
+// (T, int8, packed int4) copies the same way.
 template <typename T>
 void CopyRows(const Call<T>& c, int64_t b, int64_t h, void* dst, const void* src, int64_t r0,
               int64_t r1) {
@@ -924,7 +928,9 @@ Status Run(const GqaShape& s, const GqaCpuBuffers& buf, const Parallel& parallel
   const KvQuant quant[2] = {s.k_quant, s.v_quant};
   for (int which = 0; which < 2 && s.quantized(); ++which) {
     const int64_t n = quant[which] == KvQuant::kPerChannel ? s.kv_num_heads * s.head_size : 1;
-    for (int64_t i = 0; i < n; ++i) inv_scales[which].push_back(QuantInverseScale(c.scale[which][i]));
+    for (int64_t i = 0; i < n; ++i) {
+      inv_scales[which].push_back(QuantInverseScale(c.scale[which][i]));
+    }
     c.inv_scale[which] = inv_scales[which].data();
     c.scale_pitch[which] = quant[which] == KvQuant::kPerChannel ? s.head_size : 0;
   }

@@ -203,9 +203,10 @@ OrtStatusPtr SetOutput(const OrtApi& api, OrtShapeInferContext* ctx, size_t inde
 // Output types follow query, present types past (without past: query, or the quantized cache's
 // type that kv_cache_bit_width names). output: (B, S, N*H); present: (B, Nkv, C', H) with
 // C' = max(total_sequence_length, past capacity), or the past capacity with a sliding window
-// cache; H is (H + 1) / 2 bytes for an int4 cache. Every dimension is a value or a name (see Dim); unknown ones get names in our own
-// namespace ("ai.kvlayout:..."), so they neither fix a size nor alias a model's own symbols. A
-// dimension the model declares (a graph output's shape) keeps the model's name.
+// cache; H is (H + 1) / 2 bytes for an int4 cache. Every dimension is a value or a name (see
+// Dim); unknown ones get names in our own namespace ("ai.kvlayout:..."), so they neither fix a
+// size nor alias a model's own symbols. A dimension the model declares (a graph output's shape)
+// keeps the model's name.
 OrtStatusPtr InferOutputShape(const OrtCustomOp*, OrtShapeInferContext* ctx) {
   const OrtApi& api = Ort::GetApi();
   const InputDims query = ReadInputDims(api, ctx, static_cast<size_t>(GqaInput::kQuery));
