@@ -221,8 +221,8 @@ Status CheckGqaAttributes(const GqaAttributes& a, const GqaKernelCaps& caps) {
     }
     if (!caps.quantized_kv) {
       return Fail("quantized KV cache (k_quant_type=", a.k_quant_type, ", kv_cache_bit_width=",
-                  a.kv_cache_bit_width, ") runs on the CPU kernels only so far: not supported ",
-                  "by this op's kernels");
+                  a.kv_cache_bit_width, ") runs on the CPU op (CPUExecutionProvider) only so ",
+                  "far: these kernels do not support it");
     }
   }
   if (a.qk_output != 0) {
