@@ -223,6 +223,9 @@ def check(qc: QuantCase) -> None:
                 f"{np.argwhere(bad)[:3].tolist()}"
             )
         e_ort = _max_err(theirs[0], out_ref, osel)
+        # The oracle, written from the contract, agrees with ORT (its codes: through ours).
+        alone = ALONE[c.dtype] * max(1.0, w_max)
+        assert e_ort <= alone, f"ORT vs oracle: err {e_ort:.3g} > {alone:.3g} for {qc!r}"
         bound = 2.0 * e_ort + FLOOR[c.dtype] + EPS[c.dtype] * w_max
         assert e_ours <= bound, f"output: err {e_ours:.3g} > {bound:.3g} (ORT {e_ort:.3g}) {qc!r}"
     else:
