@@ -233,6 +233,10 @@ def check(qc: QuantCase) -> None:
         assert e_ours <= bound, f"output: err {e_ours:.3g} > {bound:.3g} for {qc!r}"
 
 
+# The sizes of most cases: 4 query heads on 2 KV heads of 16, fp16.
+SMALL = {"num_heads": 4, "kv_num_heads": 2, "head_size": 16, "dtype": "fp16"}
+
+
 # --------------------------------------------------------------------------------------------
 # The matrix: layout x bits x granularity x case x shared/separate (fp16)
 # --------------------------------------------------------------------------------------------
@@ -250,16 +254,7 @@ KINDS = {
 @pytest.mark.parametrize("layout", [0, 1])
 def test_matrix(layout, bits, quant, kind, shared):
     seed = 100 * bits + 10 * len(quant) + list(KINDS).index(kind)
-    base = GqaCase(
-        num_heads=4,
-        kv_num_heads=2,
-        head_size=16,
-        dtype="fp16",
-        kv_layout=layout,
-        shared=shared,
-        seed=seed,
-        **KINDS[kind],
-    )
+    base = GqaCase(**SMALL, kv_layout=layout, shared=shared, seed=seed, **KINDS[kind])
     check(QuantCase(base, bits, quant))
 
 
@@ -352,14 +347,7 @@ FEATURES = {
 @pytest.mark.parametrize("bits,quant", [(8, "PER_TENSOR"), (4, "PER_CHANNEL")])
 @pytest.mark.parametrize("layout", [0, 1])
 def test_features(layout, bits, quant, kind, feature):
-    kw = {
-        "num_heads": 4,
-        "kv_num_heads": 2,
-        "head_size": 16,
-        "dtype": "fp16",
-        "kv_layout": layout,
-        "seed": 3,
-    }
+    kw = dict(SMALL, kv_layout=layout, seed=3)
     kw.update(
         {
             "prompt": {"kind": "prompt", "seq": 9, "batch": 2, "pad": 2},
@@ -388,13 +376,10 @@ def test_other_dtypes(dtype, bits):
     """fp32 (ORT runs it), bf16 (ORT CPU has no bf16 kernel: the oracle alone)."""
     for layout in (0, 1):
         base = GqaCase(
-            num_heads=4,
-            kv_num_heads=2,
-            head_size=16,
+            **dict(SMALL, dtype=dtype),
             kind="chunk",
             seq=3,
             past_len=6,
-            dtype=dtype,
             kv_layout=layout,
             do_rotary=True,
         )
@@ -422,15 +407,7 @@ def test_qk_norm():
 @pytest.mark.parametrize("layout", [0, 1])
 def test_prompt_without_past(layout, bits):
     """A first prompt without past inputs: present is typed from kv_cache_bit_width."""
-    base = GqaCase(
-        num_heads=4,
-        kv_num_heads=2,
-        head_size=16,
-        kind="prompt",
-        seq=6,
-        dtype="fp16",
-        kv_layout=layout,
-    )
+    base = GqaCase(**SMALL, kind="prompt", seq=6, kv_layout=layout)
     qc = QuantCase(base, bits, "PER_CHANNEL", no_past=True)
     check(qc)
     # The same bytes as with a zero-capacity past (which ORT needs to type present).
@@ -444,16 +421,7 @@ def test_decode_sequence_shared():
     ORT's along the way, in both layouts."""
     for bits, layout in ((8, 1), (4, 0), (4, 1)):
         base = GqaCase(
-            num_heads=4,
-            kv_num_heads=2,
-            head_size=16,
-            kind="prompt",
-            seq=5,
-            dtype="fp16",
-            kv_layout=layout,
-            shared=True,
-            extra_capacity=4,
-            seed=11,
+            **SMALL, kind="prompt", seq=5, kv_layout=layout, shared=True, extra_capacity=4, seed=11
         )
         qc = QuantCase(base, bits, "PER_CHANNEL")
         f = qc.feeds()
@@ -534,13 +502,7 @@ def test_property(case, bits, quant):
 # --------------------------------------------------------------------------------------------
 # Bad inputs: the error names the input or attribute and the rule
 # --------------------------------------------------------------------------------------------
-_BASE = QuantCase(
-    GqaCase(
-        batch=2, kind="decode", past_len=5, num_heads=4, kv_num_heads=2, head_size=16, dtype="fp16"
-    ),
-    8,
-    "PER_CHANNEL",
-)
+_BASE = QuantCase(GqaCase(**SMALL, batch=2, kind="decode", past_len=5), 8, "PER_CHANNEL")
 _BASE4 = _BASE.replace(bits=4, quant="PER_TENSOR")
 
 
@@ -552,6 +514,14 @@ def _raise(qc: QuantCase, feeds=None, attrs=None, match="", input_types=None):
         sess = make_session(model, KV_DOMAIN)
         present = {i.name for i in sess.get_inputs()}
         sess.run(None, {k: v for k, v in feeds.items() if v is not None and k in present})
+
+
+def _caches(row: int, dtype) -> dict:
+    """past_key / past_value of _BASE's sizes with rows of ``row`` elements of ``dtype``."""
+    return {
+        "past_key": np.zeros((2, 2, 5, row), dtype),
+        "past_value": np.zeros((2, 2, 5, row), dtype),
+    }
 
 
 def _with(qc, **kw):
@@ -593,37 +563,25 @@ def _with(qc, **kw):
         (
             "int4_row",
             _BASE4,
-            {
-                "past_key": np.zeros((2, 2, 5, 16), np.uint8),
-                "past_value": np.zeros((2, 2, 5, 16), np.uint8),
-            },
+            _caches(16, np.uint8),
             r"'past_key' must have shape .*\(head_size \+ 1\) / 2\) = \(2, 2, C, 8\)",
         ),
         (
             "int8_for_bits4",
             _BASE4,
-            {
-                "past_key": np.zeros((2, 2, 5, 8), np.int8),
-                "past_value": np.zeros((2, 2, 5, 8), np.int8),
-            },
+            _caches(8, np.int8),
             r"'past_key' must be uint8 for kv_cache_bit_width=4",
         ),
         (
             "uint8_for_bits8",
             _BASE,
-            {
-                "past_key": np.zeros((2, 2, 5, 16), np.uint8),
-                "past_value": np.zeros((2, 2, 5, 16), np.uint8),
-            },
+            _caches(16, np.uint8),
             r"'past_key' must be int8 for kv_cache_bit_width=8",
         ),
         (
             "float_cache",
             _BASE,
-            {
-                "past_key": np.zeros((2, 2, 5, 16), np.float16),
-                "past_value": np.zeros((2, 2, 5, 16), np.float16),
-            },
+            _caches(16, np.float16),
             r"'past_key' must be int8 for kv_cache_bit_width=8 .*got float16",
         ),
     ],
@@ -664,43 +622,31 @@ def test_lowercase_quant_type_runs():
     assert np.array_equal(got[1], want[1]) and np.array_equal(got[0], want[0])
 
 
+# _BASE without quantization.
+_PLAIN = _BASE.base
+
+
 def test_scale_without_quant_type():
-    plain = GqaCase(
-        batch=2, kind="decode", past_len=5, num_heads=4, kv_num_heads=2, head_size=16, dtype="fp16"
-    )
-    f = dict(plain.feeds(), k_scale=np.ones(1, np.float32), v_scale=np.ones(1, np.float32))
-    _raise(_BASE, f, plain.attrs(), r"'k_scale' is given but attribute 'k_quant_type' is NONE")
+    f = dict(_PLAIN.feeds(), k_scale=np.ones(1, np.float32), v_scale=np.ones(1, np.float32))
+    _raise(_BASE, f, _PLAIN.attrs(), r"'k_scale' is given but attribute 'k_quant_type' is NONE")
 
 
 def test_quantized_cache_without_quant_attributes():
-    plain = GqaCase(
-        batch=2, kind="decode", past_len=5, num_heads=4, kv_num_heads=2, head_size=16, dtype="fp16"
+    f = dict(_PLAIN.feeds(), **_caches(16, np.int8))
+    _raise(
+        _BASE, f, _PLAIN.attrs(), r"'past_key' is int8, a quantized cache: it needs k_quant_type"
     )
-    f = dict(
-        plain.feeds(),
-        past_key=np.zeros((2, 2, 5, 16), np.int8),
-        past_value=np.zeros((2, 2, 5, 16), np.int8),
-    )
-    _raise(_BASE, f, plain.attrs(), r"'past_key' is int8, a quantized cache: it needs k_quant_type")
 
 
 def test_fp8_cache_refused():
     """ORT 1.32's CPU kernel has no float8e4m3fn cache: refused by name."""
-    f = _with(
-        _BASE,
-        past_key=np.zeros((2, 2, 5, 16), np.uint8),
-        past_value=np.zeros((2, 2, 5, 16), np.uint8),
-    )
-    fp8 = {"past_key": TensorProto.FLOAT8E4M3FN, "past_value": TensorProto.FLOAT8E4M3FN}
+    f = _with(_BASE, **_caches(16, np.uint8))  # the bytes of an e4m3 cache
+    fp8 = TensorProto.FLOAT8E4M3FN
     with pytest.raises(Exception, match=r"'past_key' is float8e4m3fn: an fp8 KV cache is not"):
-        model = build_model(f, _BASE.attrs(), KV_DOMAIN, 1, input_types=fp8)
+        types = {"past_key": fp8, "past_value": fp8}
+        model = build_model(f, _BASE.attrs(), KV_DOMAIN, 1, input_types=types)
         sess = make_session(model, KV_DOMAIN)
-        pk = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
-            f["past_key"], TensorProto.FLOAT8E4M3FN
-        )
-        pv = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
-            f["past_value"], TensorProto.FLOAT8E4M3FN
-        )
         feeds = {k: v for k, v in f.items() if v is not None}
-        feeds.update(past_key=pk, past_value=pv)
+        for name in ("past_key", "past_value"):
+            feeds[name] = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(f[name], fp8)
         sess.run(None, feeds)
