@@ -416,6 +416,19 @@ def test_prompt_without_past(layout, bits):
     assert np.array_equal(got[1], with_past[1]) and np.array_equal(got[2], with_past[2])
 
 
+def test_without_present_outputs():
+    """A node that names no present outputs (ORT's quantized path requires them; ours keeps the
+    cache in a scratch of the cache's bytes): the same output."""
+    qc = QuantCase(
+        GqaCase(**SMALL, kind="decode", past_len=7, batch=2, pad=2, kv_layout=1), 4, "PER_CHANNEL"
+    )
+    f = qc.feeds()
+    sess = make_session(build_model(f, qc.attrs(), KV_DOMAIN, 1, n_outputs=1), KV_DOMAIN)
+    names = {i.name for i in sess.get_inputs()}
+    out = sess.run(None, {k: v for k, v in f.items() if v is not None and k in names})[0]
+    assert np.array_equal(out, run(qc)[0])
+
+
 def test_decode_sequence_shared():
     """Token after token into one shared buffer (as onnxruntime-genai binds it): the bytes stay
     ORT's along the way, in both layouts."""
