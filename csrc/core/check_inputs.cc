@@ -58,17 +58,115 @@ Status CheckPair(const GqaInputInfos& inputs, GqaInput a, GqaInput b) {
   return Status::Ok();
 }
 
-// ORT reads k_quant_type / v_quant_type case-insensitively ("none" runs as "NONE").
-bool IsNoQuant(const std::string& type) {
-  std::string upper = type;
-  std::transform(upper.begin(), upper.end(), upper.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::toupper(c)); });
-  return upper == "NONE";
+size_t DTypeBytes(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return 4;
+    case DType::kFloat16:
+    case DType::kBFloat16: return 2;
+    default: return 1;  // int8, uint8 (packed int4), float8e4m3fn
+  }
+}
+
+// The quantized-cache attributes of a node, parsed (CheckGqaAttributes has accepted them).
+struct KvQuantAttrs {
+  KvQuant k = KvQuant::kNone;
+  KvQuant v = KvQuant::kNone;
+  bool quantized() const { return k != KvQuant::kNone; }
+};
+
+KvQuantAttrs ReadKvQuant(const GqaAttributes& a) {
+  KvQuantAttrs q;
+  ParseKvQuant(a.k_quant_type, "k_quant_type", &q.k);
+  ParseKvQuant(a.v_quant_type, "v_quant_type", &q.v);
+  return q;
+}
+
+// The cache element type a quantized node declares: int8 codes (8 bits), int4 pairs in uint8.
+DType QuantCacheDType(int64_t bits) { return bits == 4 ? DType::kUInt8 : DType::kInt8; }
+
+// past_key / past_value element type against the node's attributes.
+Status CheckCacheDType(GqaInput which, DType got, const GqaShape& s, const GqaAttributes& a) {
+  if (got == s.cache_dtype) return Status::Ok();
+  if (got == DType::kFloat8E4M3) {
+    return Fail("input '", GqaInputName(which), "' is float8e4m3fn: an fp8 KV cache is not ",
+                "supported (ORT 1.32's CPU kernel has none); quantized caches are int8 ",
+                "(kv_cache_bit_width=8) or packed int4 in uint8 (kv_cache_bit_width=4)");
+  }
+  if (!s.quantized() && (got == DType::kInt8 || got == DType::kUInt8)) {
+    return Fail("input '", GqaInputName(which), "' is ", DTypeName(got), ", a quantized cache: ",
+                "it needs k_quant_type = v_quant_type = PER_TENSOR or PER_CHANNEL, ",
+                "kv_cache_bit_width (8: int8, 4: uint8) and inputs k_scale/v_scale; an ",
+                "unquantized cache has the type of query (", DTypeName(s.dtype), ")");
+  }
+  if (s.quantized()) {
+    return Fail("input '", GqaInputName(which), "' must be ", DTypeName(s.cache_dtype),
+                " for kv_cache_bit_width=", s.kv_bits, " (k_quant_type=", a.k_quant_type,
+                "), got ", DTypeName(got));
+  }
+  return Fail("input '", GqaInputName(which), "' must have the type of query (",
+              DTypeName(s.dtype), "), got ", DTypeName(got));
+}
+
+// k_scale / v_scale: present exactly when the cache is quantized; float32; 1 value per tensor,
+// Nkv*H per channel (ORT checks the element count only, so any shape of that count runs).
+Status CheckScale(const GqaInputInfos& inputs, GqaInput which, KvQuant quant, const char* attr,
+                  const GqaShape& s) {
+  const TensorInfo& t = In(inputs, which);
+  if (quant == KvQuant::kNone) {
+    if (!t.exists) return Status::Ok();
+    return Fail("input '", GqaInputName(which), "' is given but attribute '", attr,
+                "' is NONE: a scale belongs to a quantized cache (", attr,
+                " PER_TENSOR or PER_CHANNEL, with kv_cache_bit_width 8 or 4)");
+  }
+  if (!t.exists) {
+    return Fail("input '", GqaInputName(which), "' is required with ", attr, "=",
+                KvQuantName(quant), ": the float32 dequantization scale of the ",
+                which == GqaInput::kKScale ? "key" : "value", " cache");
+  }
+  if (t.dtype != DType::kFloat32) {
+    return Fail("input '", GqaInputName(which), "' must be float32, got ", DTypeName(t.dtype));
+  }
+  const int64_t want = quant == KvQuant::kPerTensor ? 1 : s.kv_num_heads * s.head_size;
+  if (t.NumElements() != want) {
+    if (quant == KvQuant::kPerTensor) {
+      return Fail("input '", GqaInputName(which), "' must hold 1 value (shape (1,)) for ", attr,
+                  "=PER_TENSOR, got shape ", ShapeString(t.shape));
+    }
+    return Fail("input '", GqaInputName(which), "' must hold kv_num_heads*head_size = ", want,
+                " values (shape (1, kv_num_heads, 1, head_size) = (1, ", s.kv_num_heads, ", 1, ",
+                s.head_size, ")) for ", attr, "=PER_CHANNEL, got shape ", ShapeString(t.shape));
+  }
+  return Status::Ok();
 }
 
 }  // namespace
 
-Status CheckGqaAttributes(const GqaAttributes& a) {
+Status ParseKvQuant(const std::string& text, const char* attribute, KvQuant* quant) {
+  std::string upper = text;
+  std::transform(upper.begin(), upper.end(), upper.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::toupper(c)); });
+  if (upper == "NONE") {
+    *quant = KvQuant::kNone;
+  } else if (upper == "PER_TENSOR") {
+    *quant = KvQuant::kPerTensor;
+  } else if (upper == "PER_CHANNEL") {
+    *quant = KvQuant::kPerChannel;
+  } else {
+    return Fail("attribute '", attribute, "' must be NONE, PER_TENSOR or PER_CHANNEL (any ",
+                "case), got '", text, "'");
+  }
+  return Status::Ok();
+}
+
+const char* KvQuantName(KvQuant quant) {
+  switch (quant) {
+    case KvQuant::kPerTensor: return "PER_TENSOR";
+    case KvQuant::kPerChannel: return "PER_CHANNEL";
+    default: return "NONE";
+  }
+}
+
+Status CheckGqaAttributes(const GqaAttributes& a, const GqaKernelCaps& caps) {
   if (a.kv_layout != 0 && a.kv_layout != 1) {
     return Fail("attribute 'kv_layout' must be 0 (head-major BNSH) or 1 (seq-major BSNH), got ",
                 a.kv_layout);
@@ -101,10 +199,31 @@ Status CheckGqaAttributes(const GqaAttributes& a) {
     return Fail("attribute 'sliding_window_cache'=1 needs 'local_window_size' > 0, got ",
                 a.local_window_size);
   }
-  if (!IsNoQuant(a.k_quant_type) || !IsNoQuant(a.v_quant_type) || a.kv_cache_bit_width != 0) {
-    return Fail("quantized KV cache (k_quant_type=", a.k_quant_type, ", v_quant_type=",
-                a.v_quant_type, ", kv_cache_bit_width=", a.kv_cache_bit_width,
-                ") is not supported by ort-kvlayout v1");
+  // Quantized KV cache (ORT 1.32's CPU contract): k_quant_type == v_quant_type, and
+  // kv_cache_bit_width 8 or 4 exactly when quantized.
+  KvQuant kq = KvQuant::kNone, vq = KvQuant::kNone;
+  KVL_RETURN_IF_ERROR(ParseKvQuant(a.k_quant_type, "k_quant_type", &kq));
+  KVL_RETURN_IF_ERROR(ParseKvQuant(a.v_quant_type, "v_quant_type", &vq));
+  if (kq != vq) {
+    return Fail("attributes 'k_quant_type' (", a.k_quant_type, ") and 'v_quant_type' (",
+                a.v_quant_type, ") must be equal: the key and value caches are quantized alike ",
+                "(as ORT's CPU kernel requires)");
+  }
+  if (kq == KvQuant::kNone && a.kv_cache_bit_width != 0) {
+    return Fail("attribute 'kv_cache_bit_width' must be 0 (or absent) without quantization ",
+                "(k_quant_type = v_quant_type = NONE), got ", a.kv_cache_bit_width);
+  }
+  if (kq != KvQuant::kNone) {
+    if (a.kv_cache_bit_width != 8 && a.kv_cache_bit_width != 4) {
+      return Fail("attribute 'kv_cache_bit_width' must be 8 (int8 cache) or 4 (int4 cache, two ",
+                  "values per uint8) with k_quant_type=", a.k_quant_type, ", got ",
+                  a.kv_cache_bit_width);
+    }
+    if (!caps.quantized_kv) {
+      return Fail("quantized KV cache (k_quant_type=", a.k_quant_type, ", kv_cache_bit_width=",
+                  a.kv_cache_bit_width, ") runs on the CPU op (CPUExecutionProvider) only so ",
+                  "far: these kernels do not support it");
+    }
   }
   if (a.qk_output != 0) {
     return Fail("attribute 'qk_output' = ", a.qk_output,
@@ -119,19 +238,12 @@ Status CheckGqaAttributes(const GqaAttributes& a) {
 }
 
 Status CheckGqaInputs(const GqaAttributes& attrs, const GqaInputInfos& inputs,
-                      int32_t total_sequence_length, GqaShape* out) {
-  KVL_RETURN_IF_ERROR(CheckGqaAttributes(attrs));
+                      int32_t total_sequence_length, GqaShape* out, const GqaKernelCaps& caps) {
+  KVL_RETURN_IF_ERROR(CheckGqaAttributes(attrs, caps));
   GqaShape s;
   s.num_heads = attrs.num_heads;
   s.kv_num_heads = attrs.kv_num_heads;
   s.layout = static_cast<KvLayout>(attrs.kv_layout);
-
-  for (GqaInput unsupported : {GqaInput::kKScale, GqaInput::kVScale}) {
-    if (In(inputs, unsupported).exists) {
-      return Fail("input '", GqaInputName(unsupported),
-                  "': quantized KV cache is not supported by ort-kvlayout v1");
-    }
-  }
 
   // query: (B, S, N*H) or packed (B, S, (N + 2*Nkv)*H).
   const TensorInfo& q = In(inputs, GqaInput::kQuery);
@@ -174,6 +286,16 @@ Status CheckGqaInputs(const GqaAttributes& attrs, const GqaInputInfos& inputs,
       }
     }
   }
+
+  // KV cache storage and the scales of a quantized cache.
+  const KvQuantAttrs quant = ReadKvQuant(attrs);
+  s.k_quant = quant.k;
+  s.v_quant = quant.v;
+  s.kv_bits = quant.quantized() ? attrs.kv_cache_bit_width : 0;
+  s.cache_dtype = quant.quantized() ? QuantCacheDType(s.kv_bits) : s.dtype;
+  s.cache_row = KvRowElements(s.head_size, s.kv_bits);
+  KVL_RETURN_IF_ERROR(CheckScale(inputs, GqaInput::kKScale, s.k_quant, "k_quant_type", s));
+  KVL_RETURN_IF_ERROR(CheckScale(inputs, GqaInput::kVScale, s.v_quant, "v_quant_type", s));
 
   // seqlens_k: (B) int32; total_sequence_length: int32 scalar, already read from host memory.
   const TensorInfo& seqlens = In(inputs, GqaInput::kSeqlensK);
@@ -221,15 +343,13 @@ Status CheckGqaInputs(const GqaAttributes& attrs, const GqaInputInfos& inputs,
       const TensorInfo& t = In(inputs, which);
       KVL_RETURN_IF_ERROR(
           CheckRank(inputs, which, 4, "(batch, kv_num_heads, capacity, head_size)"));
-      if (t.dtype != s.dtype) {
-        return Fail("input '", GqaInputName(which), "' must have the type of query (",
-                    DTypeName(s.dtype), "), got ", DTypeName(t.dtype),
-                    " (a quantized KV cache is not supported by ort-kvlayout v1)");
-      }
-      if (t.shape[0] != s.batch || t.shape[1] != s.kv_num_heads || t.shape[3] != s.head_size) {
-        return Fail("input '", GqaInputName(which),
-                    "' must have shape (batch, kv_num_heads, capacity, head_size) = (", s.batch,
-                    ", ", s.kv_num_heads, ", C, ", s.head_size, "), got ", ShapeString(t.shape));
+      KVL_RETURN_IF_ERROR(CheckCacheDType(which, t.dtype, s, attrs));
+      if (t.shape[0] != s.batch || t.shape[1] != s.kv_num_heads || t.shape[3] != s.cache_row) {
+        return Fail("input '", GqaInputName(which), "' must have shape (batch, kv_num_heads, ",
+                    "capacity, ", s.kv_bits == 4 ? "(head_size + 1) / 2" : "head_size", ") = (",
+                    s.batch, ", ", s.kv_num_heads, ", C, ", s.cache_row, ")",
+                    s.kv_bits == 4 ? " (int4 cache: two values per byte)" : "", ", got ",
+                    ShapeString(t.shape));
       }
     }
     if (In(inputs, GqaInput::kPastKey).shape != In(inputs, GqaInput::kPastValue).shape) {
@@ -452,8 +572,28 @@ Status CheckSharing(const GqaBuffers& buf) {
 }
 
 size_t PresentBytes(const GqaShape& s) {
-  const size_t elem = s.dtype == DType::kFloat32 ? 4 : 2;
-  return static_cast<size_t>(s.batch * s.kv_num_heads * s.present_capacity * s.head_size) * elem;
+  return static_cast<size_t>(s.batch * s.kv_num_heads * s.present_capacity * s.cache_row) *
+         DTypeBytes(s.cache_dtype);
+}
+
+Status CheckKvScales(const GqaShape& s, const float* k_scale, const float* v_scale) {
+  const struct {
+    GqaInput input;
+    KvQuant quant;
+    const float* data;
+  } scales[] = {{GqaInput::kKScale, s.k_quant, k_scale}, {GqaInput::kVScale, s.v_quant, v_scale}};
+  for (const auto& sc : scales) {
+    if (sc.quant == KvQuant::kNone) continue;
+    const int64_t n = sc.quant == KvQuant::kPerTensor ? 1 : s.kv_num_heads * s.head_size;
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = sc.data[i];
+      if (!(std::isfinite(v) && v > 0.0f)) {
+        return Fail("input '", GqaInputName(sc.input), "'[", i, "] = ", v, ": every scale must ",
+                    "be finite and > 0 (the cache stores round(x / scale), reads code * scale)");
+      }
+    }
+  }
+  return Status::Ok();
 }
 
 int64_t TensorInfo::NumElements() const {
@@ -484,6 +624,9 @@ const char* DTypeName(DType dtype) {
     case DType::kBFloat16: return "bfloat16";
     case DType::kInt32: return "int32";
     case DType::kInt64: return "int64";
+    case DType::kInt8: return "int8";
+    case DType::kUInt8: return "uint8";
+    case DType::kFloat8E4M3: return "float8e4m3fn";
     case DType::kUndefined: return "undefined";
     default: return "an unsupported type";
   }

@@ -12,18 +12,27 @@
 
 namespace kvl {
 
-// Attribute rules that do not depend on the inputs; run when the kernel is created.
-Status CheckGqaAttributes(const GqaAttributes& attrs);
+// Attribute rules that do not depend on the inputs; run when the kernel is created. `caps`: what
+// the caller's kernels implement beyond the base contract (the rest is refused by name).
+Status CheckGqaAttributes(const GqaAttributes& attrs, const GqaKernelCaps& caps = {});
 
 // Shapes, types and presence of the inputs, plus total_sequence_length (always host memory).
 // Fills `shape` on success.
 Status CheckGqaInputs(const GqaAttributes& attrs, const GqaInputInfos& inputs,
-                      int32_t total_sequence_length, GqaShape* shape);
+                      int32_t total_sequence_length, GqaShape* shape,
+                      const GqaKernelCaps& caps = {});
+
+// k_quant_type / v_quant_type as ORT reads them: NONE, PER_TENSOR or PER_CHANNEL, any case.
+Status ParseKvQuant(const std::string& text, const char* attribute, KvQuant* quant);
+
+// Values of k_scale / v_scale (host memory, sizes checked by CheckGqaInputs) of a quantized
+// cache: every scale finite and > 0. No-op for an unquantized cache.
+Status CheckKvScales(const GqaShape& shape, const float* k_scale, const float* v_scale);
 
 // Past/present must share memory for both K and V or for neither.
 Status CheckSharing(const GqaBuffers& buf);
 
-// Bytes of one present cache (B, Nkv, C', H) of the op's type.
+// Bytes of one present cache (B, Nkv, C', cache_row) of the cache's element type.
 size_t PresentBytes(const GqaShape& shape);
 
 // total_sequence_length (a host input on both EPs) must fit a shared past/present buffer.

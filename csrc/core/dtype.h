@@ -1,7 +1,10 @@
 // Storage types of the op (float32, float16, bfloat16) and their exact conversions to and from
-// float32. Kernels store in T and compute in float32.
+// float32. Kernels store in T and compute in float32. Also the codes of a quantized KV cache
+// (ORT 1.32's rule, bit for bit: docs/CONTRACT.md section 13).
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -82,6 +85,27 @@ inline Half FromFloat<Half>(float v) {
 template <>
 inline BFloat16 FromFloat<BFloat16>(float v) {
   return BFloat16{FloatToBFloat16(v)};
+}
+
+// ---- quantized KV cache codes (ORT's MLAS rule) --------------------------------------------
+// A value x (float32, after rounding to T) is stored as q = clamp(rint(x * (1 / scale))), with
+// round-half-even and q in [-128, 127] (int8) or [-8, 7] (int4); NaN saturates to the top
+// (127 / 7), +-Inf to the ends. Read back as q * scale. A scale of 0 quantizes as 1 (ORT's guard;
+// the op's validation refuses scales <= 0). int4 codes are stored biased, q + 8, two per byte:
+// even channel in the low nibble, odd channel in the high one; an odd head_size pairs its last
+// channel with q = 0 (nibble 8).
+inline float QuantInverseScale(float scale) { return scale != 0.0f ? 1.0f / scale : 1.0f; }
+
+// The clamp order is ORT's: std::min(hi, NaN) is hi.
+inline int QuantizeCode(float x, float inv_scale, float lo, float hi) {
+  const float q = std::rint(x * inv_scale);
+  return static_cast<int>(std::max(lo, std::min(hi, q)));
+}
+inline int8_t QuantizeInt8(float x, float inv_scale) {
+  return static_cast<int8_t>(QuantizeCode(x, inv_scale, -128.0f, 127.0f));
+}
+inline uint8_t Int4Nibble(float x, float inv_scale) {
+  return static_cast<uint8_t>((QuantizeCode(x, inv_scale, -8.0f, 7.0f) + 8) & 0x0f);
 }
 
 }  // namespace kvl

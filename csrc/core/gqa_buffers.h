@@ -1,6 +1,6 @@
 // Pointers of one call, for both execution providers (host memory on CPU, device memory on
-// CUDA, except where noted). Element type is GqaShape::dtype (T) unless noted; absent inputs are
-// null.
+// CUDA, except where noted). Element type is GqaShape::dtype (T) unless noted (caches:
+// GqaShape::cache_dtype); absent inputs are null.
 #pragma once
 
 #include <cstdint>
@@ -13,7 +13,7 @@ struct GqaBuffers {
   const void* query = nullptr;             // (B, S, N*H) or packed (B, S, (N+2*Nkv)*H)
   const void* key = nullptr;               // (B, S, Nkv*H), null when packed
   const void* value = nullptr;             // (B, S, Nkv*H), null when packed
-  const void* past_key = nullptr;          // (B, Nkv, C, H) declared; byte order of the layout
+  const void* past_key = nullptr;          // (B, Nkv, C, cache_row) declared; layout byte order
   const void* past_value = nullptr;        // same as past_key
   const int32_t* seqlens_k = nullptr;      // (B) int32
   const int32_t* query_seqlens = nullptr;  // (B) int32
@@ -24,8 +24,10 @@ struct GqaBuffers {
   const void* head_sink = nullptr;         // (N)
   const void* q_norm_weight = nullptr;     // (H)
   const void* k_norm_weight = nullptr;     // (H)
+  const float* k_scale = nullptr;          // quantized cache: 1 or Nkv*H floats (host on CPU)
+  const float* v_scale = nullptr;          // the same for the value cache
   void* output = nullptr;                  // (B, S, N*H)
-  void* present_key = nullptr;             // (B, Nkv, C', H) declared; may alias past_key
+  void* present_key = nullptr;             // (B, Nkv, C', cache_row) declared; may alias past_key
   void* present_value = nullptr;           // same as present_key
   // CUDA only: where the prepare/decode kernel records the first violated length rule (host-mapped
   // record, its device address) and the device word that elects the one writer. Null: no

@@ -41,8 +41,26 @@ constexpr int kGqaOutputCount = static_cast<int>(GqaOutput::kCount);
 const char* GqaInputName(GqaInput input);
 const char* GqaOutputName(GqaOutput output);
 
-enum class DType { kUndefined, kFloat32, kFloat16, kBFloat16, kInt32, kInt64, kOther };
+// kInt8 / kUInt8 / kFloat8E4M3: KV cache element types of ORT's quantized-cache contract (int8,
+// packed int4 in uint8, float8e4m3fn).
+enum class DType {
+  kUndefined,
+  kFloat32,
+  kFloat16,
+  kBFloat16,
+  kInt32,
+  kInt64,
+  kInt8,
+  kUInt8,
+  kFloat8E4M3,
+  kOther
+};
 const char* DTypeName(DType dtype);
+
+// Quantization of one KV cache (attributes k_quant_type / v_quant_type): none (the cache holds T),
+// one scale for the cache, or one scale per (kv head, channel).
+enum class KvQuant { kNone, kPerTensor, kPerChannel };
+const char* KvQuantName(KvQuant quant);
 
 // Shape and type of one input as the op sees it; `exists` is false for an absent optional input.
 struct TensorInfo {
@@ -75,6 +93,12 @@ struct GqaAttributes {
   int64_t kv_layout = 0;
   // Node facts: true when the node names a 4th output (output_qk).
   bool output_qk_requested = false;
+};
+
+// What an execution provider's kernels implement beyond the base contract; the validation
+// (check_inputs.h) refuses the rest by name. The default is the base contract.
+struct GqaKernelCaps {
+  bool quantized_kv = false;  // k/v_quant_type, kv_cache_bit_width, k_scale/v_scale, int caches
 };
 
 enum class GqaCase { kFirstPrompt, kTokenGeneration, kSubsequentPrompt };
@@ -113,6 +137,15 @@ struct GqaShape {
   bool causal = true;
   bool sliding_window_cache = false;  // window-sized cache, rows shifted as it fills
 
+  // KV cache storage. Unquantized: the cache holds T, cache_row == head_size. Quantized (ORT's
+  // contract): int8 codes (kv_bits 8) or two int4 codes per byte (kv_bits 4, cache_row =
+  // (head_size + 1) / 2), x ~ code * scale with the scales of k_scale / v_scale.
+  KvQuant k_quant = KvQuant::kNone;
+  KvQuant v_quant = KvQuant::kNone;
+  int64_t kv_bits = 0;     // 0 (unquantized), 8 or 4
+  DType cache_dtype = DType::kUndefined;  // element type of past/present
+  int64_t cache_row = 0;   // stored elements per cache row (KvRowElements)
+
   float scale = 0.0f;
   float softcap = 0.0f;
   float q_norm_epsilon = 1e-6f;
@@ -120,6 +153,7 @@ struct GqaShape {
   int64_t local_window = -1;  // < 0: off; else the number of keys a query sees, itself included
 
   KVL_HOST_DEVICE bool is_first_prompt() const { return gqa_case == GqaCase::kFirstPrompt; }
+  KVL_HOST_DEVICE bool quantized() const { return kv_bits != 0; }
   KVL_HOST_DEVICE int64_t group_size() const { return num_heads / kv_num_heads; }
 };
 

@@ -22,6 +22,8 @@ namespace kvl {
 enum class KvLayout : int { kHeadMajorBnsh = 0, kSeqMajorBsnh = 1 };
 
 // Element strides of batch, kv head and sequence position; the head dimension is contiguous.
+// An element is one stored value of the cache: a T, an int8 code, or a byte of two int4 codes
+// (then the strides are byte strides and a row is KvRowElements(H, 4) bytes).
 struct KvStrides {
   int64_t batch;
   int64_t head;
@@ -32,6 +34,13 @@ struct KvStrides {
   }
 };
 
+// Stored elements of one cache row of `head_dim` values: head_dim, or (head_dim + 1) / 2 bytes
+// for a packed int4 cache (kv_bits 4: two codes per byte, even channel in the low nibble).
+KVL_HOST_DEVICE int64_t KvRowElements(int64_t head_dim, int64_t kv_bits) {
+  return kv_bits == 4 ? (head_dim + 1) / 2 : head_dim;
+}
+
+// `head_dim`: stored elements per row (KvRowElements).
 KVL_HOST_DEVICE KvStrides MakeKvStrides(KvLayout layout, int64_t kv_heads, int64_t capacity,
                                         int64_t head_dim) {
   if (layout == KvLayout::kSeqMajorBsnh) {

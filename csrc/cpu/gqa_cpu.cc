@@ -163,8 +163,15 @@ template <typename T>
 struct Call {
   const GqaShape& s;
   const GqaCpuBuffers& buf;
-  KvStrides past_strides;
+  KvStrides past_strides;     // in stored cache elements (KvStrides)
   KvStrides present_strides;
+  size_t cache_elem;  // bytes of one stored cache element: sizeof(T), or 1 when quantized
+  size_t row_bytes;   // bytes of one cache row: cache_row * cache_elem
+  // Quantized cache, per cache (0: key, 1: value): the scales, their inverses (what quantizing
+  // multiplies by), and the scale pitch of a kv head (head_size per channel, 0 per tensor).
+  const float* scale[2];
+  const float* inv_scale[2];
+  int64_t scale_pitch[2];
   int64_t head_pad;  // H rounded up to kDimStep: row pitch of the float32 scratch
   std::vector<float>& q_scaled;  // (B, N, S, head_pad): normed, rotated, scaled queries
 
@@ -181,10 +188,10 @@ struct Call {
   std::vector<float>* part_m;
   std::vector<float>* part_l;
 
-  // A sliding window cache keeps this call's new K/V rows apart, (B, Nkv, S, H), until the
-  // attention has read the past rows that the shift of present overwrites.
-  std::vector<T>* new_k;
-  std::vector<T>* new_v;
+  // A sliding window cache keeps this call's new K/V rows apart, (B, Nkv, S) rows of the cache's
+  // storage, until the attention has read the past rows that the shift of present overwrites.
+  std::vector<uint8_t>* new_k;
+  std::vector<uint8_t>* new_v;
 
   // Rows of one KV head in a task, padded to the micro-kernel block; heads' rows follow.
   int64_t head_rows_pad() const { return RoundUp(q_block * s.group_size(), row_block); }
@@ -196,20 +203,88 @@ struct Call {
   int64_t written_rows(const BatchGeometry& g) const {
     return s.is_first_prompt() ? s.seq_len : g.new_rows;
   }
+  // Cache row (b, h, s) of a buffer with strides `st`, as bytes.
+  uint8_t* row(void* base, const KvStrides& st, int64_t b, int64_t h, int64_t r) const {
+    return static_cast<uint8_t*>(base) + st.Offset(b, h, r) * static_cast<int64_t>(cache_elem);
+  }
+  const uint8_t* row(const void* base, const KvStrides& st, int64_t b, int64_t h, int64_t r) const {
+    return row(const_cast<void*>(base), st, b, h, r);
+  }
+  // Row i of (b, kv head h) among a sliding window cache's new rows.
+  uint8_t* new_row(bool value, int64_t b, int64_t h, int64_t i) const {
+    std::vector<uint8_t>& dst = value ? *new_v : *new_k;
+    const int64_t index = (b * s.kv_num_heads + h) * s.seq_len + i;
+    return dst.data() + index * static_cast<int64_t>(row_bytes);
+  }
   // Key/value row of absolute position `pos` (valid for this call's attention).
-  const T* key_row(int64_t b, int64_t h, int64_t pos, const BatchGeometry& g, bool value) const {
+  const uint8_t* key_row(int64_t b, int64_t h, int64_t pos, const BatchGeometry& g,
+                         bool value) const {
     if (s.sliding_window_cache) {
-      if (pos >= g.past) {
-        const std::vector<T>& src = value ? *new_v : *new_k;
-        return src.data() + ((b * s.kv_num_heads + h) * s.seq_len + (pos - g.past)) * s.head_size;
-      }
-      const T* past = static_cast<const T*>(value ? buf.past_value : buf.past_key);
-      return past + past_strides.Offset(b, h, pos - g.cache_base);
+      if (pos >= g.past) return new_row(value, b, h, pos - g.past);
+      return row(value ? buf.past_value : buf.past_key, past_strides, b, h, pos - g.cache_base);
     }
-    const T* present = static_cast<const T*>(value ? buf.present_value : buf.present_key);
-    return present + present_strides.Offset(b, h, pos);
+    return row(value ? buf.present_value : buf.present_key, present_strides, b, h, pos);
   }
 };
+
+// One cache row -> float32 x[0, H): the T values, or the codes of a quantized cache times their
+// scales (`which`: 0 key, 1 value; h: the kv head). The only place a cache row is read.
+template <typename T>
+inline void LoadRow(const Call<T>& c, const uint8_t* row, int which, int64_t h, float* x) {
+  const int64_t H = c.s.head_size;
+  if (!c.s.quantized()) {
+    const T* r = reinterpret_cast<const T*>(row);
+    for (int64_t d = 0; d < H; ++d) x[d] = ToFloat(r[d]);
+    return;
+  }
+  const float* sc = c.scale[which] + h * c.scale_pitch[which];
+  const bool per_channel = c.scale_pitch[which] != 0;
+  if (c.s.kv_bits == 8) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(row);
+    if (per_channel) {
+      for (int64_t d = 0; d < H; ++d) x[d] = static_cast<float>(q[d]) * sc[d];
+    } else {
+      const float s0 = sc[0];
+      for (int64_t d = 0; d < H; ++d) x[d] = static_cast<float>(q[d]) * s0;
+    }
+    return;
+  }
+  // int4: code + 8 per nibble, even channel low.
+  for (int64_t i = 0; i < H / 2; ++i) {
+    const int lo = (row[i] & 0x0f) - 8, hi = (row[i] >> 4) - 8;
+    x[2 * i] = static_cast<float>(lo) * sc[per_channel ? 2 * i : 0];
+    x[2 * i + 1] = static_cast<float>(hi) * sc[per_channel ? 2 * i + 1 : 0];
+  }
+  if (H % 2 != 0) {
+    x[H - 1] = static_cast<float>((row[H / 2] & 0x0f) - 8) * sc[per_channel ? H - 1 : 0];
+  }
+}
+
+// float32 x[0, H) -> one cache row: T values, or codes of a quantized cache (dtype.h's rule, on
+// x rounded to T first: ORT quantizes the rotated K and V it holds in T).
+template <typename T>
+inline void StoreRow(const Call<T>& c, const float* x, int which, int64_t h, uint8_t* row) {
+  const int64_t H = c.s.head_size;
+  if (!c.s.quantized()) {
+    T* r = reinterpret_cast<T*>(row);
+    for (int64_t d = 0; d < H; ++d) r[d] = FromFloat<T>(x[d]);
+    return;
+  }
+  const float* inv = c.inv_scale[which] + h * c.scale_pitch[which];
+  const int64_t step = c.scale_pitch[which] != 0 ? 1 : 0;
+  auto stored = [](float v) { return ToFloat(FromFloat<T>(v)); };
+  if (c.s.kv_bits == 8) {
+    int8_t* q = reinterpret_cast<int8_t*>(row);
+    for (int64_t d = 0; d < H; ++d) q[d] = QuantizeInt8(stored(x[d]), inv[d * step]);
+    return;
+  }
+  for (int64_t i = 0; i < (H + 1) / 2; ++i) {
+    const uint8_t lo = Int4Nibble(stored(x[2 * i]), inv[2 * i * step]);
+    const int64_t d = 2 * i + 1;
+    const uint8_t hi = d < H ? Int4Nibble(stored(x[d]), inv[d * step]) : 8;  // odd H: code 0
+    row[i] = static_cast<uint8_t>(lo | (hi << 4));
+  }
+}
 
 // RMS norm (optional), rotary (optional) on one head vector x[0, H) in float32.
 template <typename T>
@@ -261,52 +336,55 @@ void PrepareToken(void* state, size_t task) {
   const void* v_src = s.packed_qkv ? c.buf.query : c.buf.value;
   const int64_t kv_row = s.packed_qkv ? q_row + N * H : (b * s.seq_len + i) * Nkv * H;
   const int64_t v_offset = s.packed_qkv ? Nkv * H : 0;
-  T* pk = static_cast<T*>(c.buf.present_key);
-  T* pv = static_cast<T*>(c.buf.present_value);
   for (int64_t h = 0; h < Nkv; ++h) {
     for (int64_t d = 0; d < H; ++d) x[d] = Get<T>(k_src, kv_row + h * H + d);
     NormAndRotate(c, x.data(), c.buf.k_norm_weight, s.k_norm_epsilon, pos);
-    T* kdst = pk + c.present_strides.Offset(b, h, row);
-    T* vdst = pv + c.present_strides.Offset(b, h, row);
+    uint8_t* kdst = c.row(c.buf.present_key, c.present_strides, b, h, row);
+    uint8_t* vdst = c.row(c.buf.present_value, c.present_strides, b, h, row);
     if (s.sliding_window_cache) {
-      kdst = c.new_k->data() + ((b * Nkv + h) * s.seq_len + i) * H;
-      vdst = c.new_v->data() + ((b * Nkv + h) * s.seq_len + i) * H;
+      kdst = c.new_row(false, b, h, i);
+      vdst = c.new_row(true, b, h, i);
     }
-    for (int64_t d = 0; d < H; ++d) kdst[d] = FromFloat<T>(x[d]);
+    StoreRow(c, x.data(), 0, h, kdst);
     const T* vs = static_cast<const T*>(v_src) + kv_row + v_offset + h * H;
-    std::memcpy(vdst, vs, static_cast<size_t>(H) * sizeof(T));
+    if (s.quantized()) {
+      for (int64_t d = 0; d < H; ++d) x[d] = ToFloat(vs[d]);
+      StoreRow(c, x.data(), 1, h, vdst);
+    } else {
+      std::memcpy(vdst, vs, static_cast<size_t>(H) * sizeof(T));
+    }
   }
 }
 
 // Copies past rows [r0, r1) of (b, kv head h) into present, in the longest contiguous runs the
-// strides allow: a head's rows (seq stride H: head-major), or, when all heads of a row are
-// adjacent (head stride H, seq stride Nkv*H: seq-major), a 1/Nkv share of every head's rows,
-// so the Nkv tasks of batch b together copy each row range once.
+// strides allow: a head's rows (seq stride R, one row: head-major), or, when all heads of a row
+// are adjacent (head stride R, seq stride Nkv*R: seq-major), a 1/Nkv share of every head's rows,
+// so the Nkv tasks of batch b together copy each row range once. Rows are bytes: any storage
+// (T, int8, packed int4) copies the same way.
 template <typename T>
-void CopyRows(const Call<T>& c, int64_t b, int64_t h, T* dst, const T* src, int64_t r0,
+void CopyRows(const Call<T>& c, int64_t b, int64_t h, void* dst, const void* src, int64_t r0,
               int64_t r1) {
-  const int64_t H = c.s.head_size, Nkv = c.s.kv_num_heads;
-  const size_t row_bytes = static_cast<size_t>(H) * sizeof(T);
+  const int64_t R = c.s.cache_row, Nkv = c.s.kv_num_heads;
+  const size_t row_bytes = c.row_bytes;
   const KvStrides& ps = c.past_strides;
   const KvStrides& qs = c.present_strides;
-  if (ps.seq == H && qs.seq == H) {
-    std::memcpy(dst + qs.Offset(b, h, r0), src + ps.Offset(b, h, r0), (r1 - r0) * row_bytes);
-  } else if (ps.head == H && qs.head == H && ps.seq == Nkv * H && qs.seq == Nkv * H) {
+  if (ps.seq == R && qs.seq == R) {
+    std::memcpy(c.row(dst, qs, b, h, r0), c.row(src, ps, b, h, r0), (r1 - r0) * row_bytes);
+  } else if (ps.head == R && qs.head == R && ps.seq == Nkv * R && qs.seq == Nkv * R) {
     const int64_t n = r1 - r0, lo = r0 + n * h / Nkv, hi = r0 + n * (h + 1) / Nkv;
-    std::memcpy(dst + qs.Offset(b, 0, lo), src + ps.Offset(b, 0, lo), (hi - lo) * Nkv * row_bytes);
+    std::memcpy(c.row(dst, qs, b, 0, lo), c.row(src, ps, b, 0, lo), (hi - lo) * Nkv * row_bytes);
   } else {
     for (int64_t r = r0; r < r1; ++r) {
-      std::memcpy(dst + qs.Offset(b, h, r), src + ps.Offset(b, h, r), row_bytes);
+      std::memcpy(c.row(dst, qs, b, h, r), c.row(src, ps, b, h, r), row_bytes);
     }
   }
 }
 
 // Zeroes present rows [r0, capacity) of (b, kv head h) in `dst` (present_key or present_value).
 template <typename T>
-void ZeroPresentRows(const Call<T>& c, int64_t b, int64_t h, T* dst, int64_t r0) {
-  const size_t row_bytes = static_cast<size_t>(c.s.head_size) * sizeof(T);
+void ZeroPresentRows(const Call<T>& c, int64_t b, int64_t h, void* dst, int64_t r0) {
   for (int64_t r = r0; r < c.s.present_capacity; ++r) {
-    std::memset(dst + c.present_strides.Offset(b, h, r), 0, row_bytes);
+    std::memset(c.row(dst, c.present_strides, b, h, r), 0, c.row_bytes);
   }
 }
 
@@ -320,8 +398,8 @@ void CopyPast(void* state, size_t task) {
   const int64_t h = static_cast<int64_t>(task) % s.kv_num_heads;
   const BatchGeometry geo = c.geo(b);
   for (int which = 0; which < 2; ++which) {
-    const T* src = static_cast<const T*>(which ? c.buf.past_value : c.buf.past_key);
-    T* dst = static_cast<T*>(which ? c.buf.present_value : c.buf.present_key);
+    const void* src = which ? c.buf.past_value : c.buf.past_key;
+    void* dst = which ? c.buf.present_value : c.buf.present_key;
     CopyRows(c, b, h, dst, src, 0, geo.past);
     ZeroPresentRows(c, b, h, dst, geo.past + c.written_rows(geo));
   }
@@ -355,13 +433,12 @@ void WriteSlidingPresent(void* state, size_t task) {
   const int64_t h = static_cast<int64_t>(task) % s.kv_num_heads;
   const BatchGeometry geo = c.geo(b);
   const int64_t rows = geo.total - geo.present_base;
-  const size_t row_bytes = static_cast<size_t>(s.head_size) * sizeof(T);
   for (int which = 0; which < 2; ++which) {
-    T* dst = static_cast<T*>(which ? c.buf.present_value : c.buf.present_key);
+    void* dst = which ? c.buf.present_value : c.buf.present_key;
     for (int64_t r = 0; r < rows; ++r) {
-      const T* src = c.key_row(b, h, geo.present_base + r, geo, which == 1);
-      T* out = dst + c.present_strides.Offset(b, h, r);
-      if (out != src) std::memmove(out, src, row_bytes);
+      const uint8_t* src = c.key_row(b, h, geo.present_base + r, geo, which == 1);
+      uint8_t* out = c.row(dst, c.present_strides, b, h, r);
+      if (out != src) std::memmove(out, src, c.row_bytes);
     }
     // A shared buffer's rows past L keep their content, as in ORT.
     if (!c.buf.shared()) ZeroPresentRows(c, b, h, dst, rows);
@@ -488,7 +565,7 @@ inline void AccumulateBlock(const float* p, const float* const* v, int tile, int
 // Per-thread scratch, reused across calls (ORT's pool threads persist).
 struct Scratch {
   int v_nonfinite = -1;  // the current tile's V rows: -1 not checked yet, 0 finite, 1 not
-  std::vector<float> kt, k, v, scores, o, m, l, zero_q;
+  std::vector<float> kt, k, v, row, scores, o, m, l, zero_q;
   std::vector<const float*> q_rows, k_rows, v_rows;
   std::vector<float*> o_rows;
   std::vector<int64_t> lo, hi, head, token;
@@ -662,6 +739,7 @@ void AttentionTask(void* state, size_t task_index) {
     t.kt.assign(static_cast<size_t>(H * kTileKeys), 0.0f);
   }
   t.v.resize(static_cast<size_t>(kTileKeys * hp));
+  t.row.resize(static_cast<size_t>(hp));
   t.k_rows.resize(kTileKeys);
   t.scores.resize(static_cast<size_t>(kRowBlock * kTileKeys));
   t.o.assign(static_cast<size_t>(rows_pad * hp), 0.0f);
@@ -703,14 +781,14 @@ void AttentionTask(void* state, size_t task_index) {
   // PV micro-kernel walks a V tile once per row block (~40 times), and rows Nkv*H floats apart
   // (a page each at 32/8/128) cost TLB and prefetch misses every walk; a packed copy costs one
   // pass (part of what took seq-major S=2048 32/8/128 AVX2 prefill from ~30 to 40 GFLOP/s).
-  const bool direct_v = std::is_same<T, float>::value && H == hp &&
+  const bool direct_v = std::is_same<T, float>::value && !s.quantized() && H == hp &&
                         (dot_scores || c.present_strides.seq == H);
   // A task over all heads walks each tile once per head: keep a tile of every head's K near
   // 64 KB so the tile stays in L2 across those passes (measured: 32/8/128 fp32 seq-major decode
   // 12 -> 16 GB/s with 16-key tiles; 9/3/64 keeps 64).
   int64_t tile_keys = kTileKeys;
   if (c.group_heads > 1) {
-    const int64_t fit = (64 << 10) / (c.group_heads * H * static_cast<int64_t>(sizeof(T)));
+    const int64_t fit = (64 << 10) / (c.group_heads * static_cast<int64_t>(c.row_bytes));
     tile_keys = std::min<int64_t>(kTileKeys, std::max<int64_t>(16, fit / 16 * 16));
   }
   for (int64_t k0 = key_lo; k0 < key_hi; k0 += tile_keys) {
@@ -726,7 +804,7 @@ void AttentionTask(void* state, size_t task_index) {
       for (int64_t pos = k0 + tile_keys; pos < next_hi; ++pos) {
         const char* kp = reinterpret_cast<const char*>(c.key_row(b, g, pos, geo, false));
         const char* vp = reinterpret_cast<const char*>(c.key_row(b, g, pos, geo, true));
-        for (size_t off = 0; off < static_cast<size_t>(H) * sizeof(T); off += 64) {
+        for (size_t off = 0; off < c.row_bytes; off += 64) {
           __builtin_prefetch(kp + off, 0, 2);
           __builtin_prefetch(vp + off, 0, 2);
         }
@@ -736,24 +814,28 @@ void AttentionTask(void* state, size_t task_index) {
       if (!any) continue;
       // K tile: rows or transposed into kt[d][j]; V rows (float32 rows are used in place).
       int transposed = 0;  // keys [0, transposed) of kt filled 8 at a time
-      while (!dot_scores && transposed + 8 <= tile) {
+      // (A quantized cache's rows are dequantized here, a tile at a time: LoadRow.)
+      while (!dot_scores && !s.quantized() && transposed + 8 <= tile) {
         const T* rows[8];
-        for (int i = 0; i < 8; ++i) rows[i] = c.key_row(b, g, k0 + transposed + i, geo, false);
+        for (int i = 0; i < 8; ++i) {
+          rows[i] = reinterpret_cast<const T*>(c.key_row(b, g, k0 + transposed + i, geo, false));
+        }
         if (!TransposeKRows8<T>(rows, H, t.kt.data() + transposed)) break;
         transposed += 8;
       }
       for (int j = 0; j < tile; ++j) {
-        const T* krow = c.key_row(b, g, k0 + j, geo, false);
-        const T* vrow = c.key_row(b, g, k0 + j, geo, true);
+        const uint8_t* krow = c.key_row(b, g, k0 + j, geo, false);
+        const uint8_t* vrow = c.key_row(b, g, k0 + j, geo, true);
         if (!dot_scores) {
-          for (int64_t d = 0; d < H && j >= transposed; ++d) {
-            t.kt[d * kTileKeys + j] = ToFloat(krow[d]);
+          if (j >= transposed) {
+            LoadRow(c, krow, 0, g, t.row.data());
+            for (int64_t d = 0; d < H; ++d) t.kt[d * kTileKeys + j] = t.row[d];
           }
         } else if (direct_v) {
           t.k_rows[j] = reinterpret_cast<const float*>(krow);
         } else {
           float* dst = t.k.data() + j * hp;
-          for (int64_t d = 0; d < H; ++d) dst[d] = ToFloat(krow[d]);
+          LoadRow(c, krow, 0, g, dst);
           for (int64_t d = H; d < hp; ++d) dst[d] = 0.0f;
           t.k_rows[j] = dst;
         }
@@ -761,7 +843,7 @@ void AttentionTask(void* state, size_t task_index) {
           t.v_rows[j] = reinterpret_cast<const float*>(vrow);
         } else {
           float* dst = t.v.data() + j * hp;
-          for (int64_t d = 0; d < H; ++d) dst[d] = ToFloat(vrow[d]);
+          LoadRow(c, vrow, 1, g, dst);
           for (int64_t d = H; d < hp; ++d) dst[d] = 0.0f;
           t.v_rows[j] = dst;
         }
@@ -832,17 +914,31 @@ void MergeSplits(void* state, size_t task_index) {
 template <typename T>
 Status Run(const GqaShape& s, const GqaCpuBuffers& buf, const Parallel& parallel) {
   std::vector<float> q_scaled, part_o, part_m, part_l;
-  std::vector<T> new_k, new_v;
+  std::vector<uint8_t> new_k, new_v;
   KVL_RETURN_IF_ERROR(CheckSharing(buf));
-  Call<T> c{s, buf, {}, {}, RoundUp(s.head_size, kDimStep), q_scaled, 1, 1, 1, 1, 1, 1, 1,
+  const size_t cache_elem = s.quantized() ? 1 : sizeof(T);
+  Call<T> c{s, buf, {}, {}, cache_elem, static_cast<size_t>(s.cache_row) * cache_elem,
+            {buf.k_scale, buf.v_scale}, {}, {},
+            RoundUp(s.head_size, kDimStep), q_scaled, 1, 1, 1, 1, 1, 1, 1,
             &part_o, &part_m, &part_l, &new_k, &new_v};
-  c.past_strides = MakeKvStrides(s.layout, s.kv_num_heads, s.past_capacity, s.head_size);
-  c.present_strides = MakeKvStrides(s.layout, s.kv_num_heads, s.present_capacity, s.head_size);
+  c.past_strides = MakeKvStrides(s.layout, s.kv_num_heads, s.past_capacity, s.cache_row);
+  c.present_strides = MakeKvStrides(s.layout, s.kv_num_heads, s.present_capacity, s.cache_row);
+  // Inverse scales, computed once as ORT does (quantizing multiplies by them).
+  std::vector<float> inv_scales[2];
+  const KvQuant quant[2] = {s.k_quant, s.v_quant};
+  for (int which = 0; which < 2 && s.quantized(); ++which) {
+    const int64_t n = quant[which] == KvQuant::kPerChannel ? s.kv_num_heads * s.head_size : 1;
+    for (int64_t i = 0; i < n; ++i) {
+      inv_scales[which].push_back(QuantInverseScale(c.scale[which][i]));
+    }
+    c.inv_scale[which] = inv_scales[which].data();
+    c.scale_pitch[which] = quant[which] == KvQuant::kPerChannel ? s.head_size : 0;
+  }
   q_scaled.assign(static_cast<size_t>(s.batch * s.num_heads * s.seq_len * c.head_pad), 0.0f);
 
   const size_t kv_tasks = static_cast<size_t>(s.batch * s.kv_num_heads);
   if (s.sliding_window_cache) {
-    const size_t rows = static_cast<size_t>(s.batch * s.kv_num_heads * s.seq_len * s.head_size);
+    const size_t rows = static_cast<size_t>(s.batch * s.kv_num_heads * s.seq_len) * c.row_bytes;
     new_k.resize(rows);
     new_v.resize(rows);
   } else if (!buf.shared()) {
@@ -871,7 +967,7 @@ Status Run(const GqaShape& s, const GqaCpuBuffers& buf, const Parallel& parallel
   // the cache streams in address order; key splits then provide the parallelism.
   const bool decode_like = c.q_block * G <= kRowBlock;
   c.row_block = c.q_block * G <= 4 ? 4 : kRowBlock;
-  const bool heads_adjacent = c.present_strides.head == s.head_size && !s.sliding_window_cache;
+  const bool heads_adjacent = c.present_strides.head == s.cache_row && !s.sliding_window_cache;
   c.group_heads = decode_like && heads_adjacent ? s.kv_num_heads : 1;
   c.num_groups = s.kv_num_heads / c.group_heads;
   const int64_t base_tasks = s.batch * c.num_groups * c.num_q_blocks;

@@ -35,9 +35,14 @@ int EstimateThreads() {
   return threads;
 }
 
+// The CPU kernels implement the quantized KV caches of ORT's contract.
+constexpr GqaKernelCaps kCpuCaps{/*quantized_kv=*/true};
+
 Status Compute(Ort::KernelContext& ctx, const GqaAttributes& attrs) {
   GqaShape shape;
-  KVL_RETURN_IF_ERROR(ReadAndCheckInputs(ctx, attrs, &shape));
+  KVL_RETURN_IF_ERROR(ReadAndCheckInputs(ctx, attrs, &shape, kCpuCaps));
+  KVL_RETURN_IF_ERROR(CheckKvScales(shape, InputData<float>(ctx, GqaInput::kKScale),
+                                    InputData<float>(ctx, GqaInput::kVScale)));
   GqaOutputs outputs;
   KVL_RETURN_IF_ERROR(AllocateOutputs(ctx, shape, &outputs));
   GqaBuffers buf = CollectBuffers(ctx, shape, outputs);
@@ -63,7 +68,7 @@ OrtStatusPtr GqaCpuKernel::ComputeV2(OrtKernelContext* context) {
 OrtStatusPtr GqaCpuOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info,
                                       void** kernel) const {
   GqaAttributes attrs;
-  if (OrtStatusPtr st = ToOrtStatus(ReadGqaAttributes(api, info, &attrs))) return st;
+  if (OrtStatusPtr st = ToOrtStatus(ReadGqaAttributes(api, info, &attrs, kCpuCaps))) return st;
   // A knob of the CPU op set to a bad value (core/knobs.h) fails the session's creation. A CPU
   // level the build or the CPU lacks fails each call instead (cpu_isa.h).
   const std::string knob_error = Knobs().ErrorFor(KnobRead::kCpuOnce);

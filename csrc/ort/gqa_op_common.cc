@@ -15,6 +15,9 @@ DType FromOrtType(ONNXTensorElementDataType type) {
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return DType::kBFloat16;
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32: return DType::kInt32;
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64: return DType::kInt64;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8: return DType::kInt8;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8: return DType::kUInt8;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT8E4M3FN: return DType::kFloat8E4M3;
     default: return DType::kOther;
   }
 }
@@ -171,6 +174,14 @@ int64_t ReadIntAttr(const OrtApi& api, OrtShapeInferContext* ctx, const char* na
   return value;
 }
 
+// A quantized cache's element type from kv_cache_bit_width (int8 codes, or int4 pairs in uint8);
+// UNDEFINED for an unquantized node (0) or a width kernel creation refuses.
+ONNXTensorElementDataType QuantCacheType(int64_t bits) {
+  if (bits == 8) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+  if (bits == 4) return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+  return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+}
+
 OrtStatusPtr SetOutput(const OrtApi& api, OrtShapeInferContext* ctx, size_t index,
                        ONNXTensorElementDataType type, const std::vector<Dim>& dims) {
   std::vector<int64_t> values;
@@ -189,11 +200,13 @@ OrtStatusPtr SetOutput(const OrtApi& api, OrtShapeInferContext* ctx, size_t inde
   return st;
 }
 
-// Output types follow query. output: (B, S, N*H); present: (B, Nkv, C', H) with
+// Output types follow query, present types past (without past: query, or the quantized cache's
+// type that kv_cache_bit_width names). output: (B, S, N*H); present: (B, Nkv, C', H) with
 // C' = max(total_sequence_length, past capacity), or the past capacity with a sliding window
-// cache. Every dimension is a value or a name (see Dim); unknown ones get names in our own
-// namespace ("ai.kvlayout:..."), so they neither fix a size nor alias a model's own symbols. A
-// dimension the model declares (a graph output's shape) keeps the model's name.
+// cache; H is (H + 1) / 2 bytes for an int4 cache. Every dimension is a value or a name (see
+// Dim); unknown ones get names in our own namespace ("ai.kvlayout:..."), so they neither fix a
+// size nor alias a model's own symbols. A dimension the model declares (a graph output's shape)
+// keeps the model's name.
 OrtStatusPtr InferOutputShape(const OrtCustomOp*, OrtShapeInferContext* ctx) {
   const OrtApi& api = Ort::GetApi();
   const InputDims query = ReadInputDims(api, ctx, static_cast<size_t>(GqaInput::kQuery));
@@ -203,6 +216,7 @@ OrtStatusPtr InferOutputShape(const OrtCustomOp*, OrtShapeInferContext* ctx) {
   const int64_t n = ReadIntAttr(api, ctx, "num_heads", 0);
   const int64_t nkv = ReadIntAttr(api, ctx, "kv_num_heads", 0);
   const bool sliding = ReadIntAttr(api, ctx, "sliding_window_cache", 0) == 1;
+  const int64_t bits = ReadIntAttr(api, ctx, "kv_cache_bit_width", 0);
   const std::string ns = std::string(kDomain) + ":";
 
   // A query of another rank fails at run time; every valid run has rank 3.
@@ -230,9 +244,20 @@ OrtStatusPtr InferOutputShape(const OrtCustomOp*, OrtShapeInferContext* ctx) {
     capacity = Dim{-1, ns + "total_sequence_length"};
   }
   const Dim kv_heads = nkv > 0 ? Dim{nkv, ""} : Dim{-1, ns + "kv_num_heads"};
+  ONNXTensorElementDataType cache_type = query.type;
+  if (past.exists) {
+    cache_type = past.type;
+  } else if (QuantCacheType(bits) != ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED) {
+    cache_type = QuantCacheType(bits);
+  }
+  Dim row = head_size;  // stored elements per cache row
+  if (bits == 4 && cache_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8) {
+    row = head_size.value > 0 ? Dim{KvRowElements(head_size.value, 4), ""}
+                              : Dim{-1, ns + "(head_size+1)/2"};
+  }
   for (GqaOutput which : {GqaOutput::kPresentKey, GqaOutput::kPresentValue}) {
-    const std::vector<Dim> dims{batch, kv_heads, capacity, head_size};
-    if (OrtStatus* st = SetOutput(api, ctx, static_cast<size_t>(which), query.type, dims)) {
+    const std::vector<Dim> dims{batch, kv_heads, capacity, row};
+    if (OrtStatus* st = SetOutput(api, ctx, static_cast<size_t>(which), cache_type, dims)) {
       api.ReleaseStatus(st);  // the node does not produce this output
     }
   }
@@ -257,7 +282,8 @@ void ReleaseMayInplace(int* input_index, int* output_index) {
 
 }  // namespace
 
-Status ReadGqaAttributes(const OrtApi& api, const OrtKernelInfo* info, GqaAttributes* attrs) {
+Status ReadGqaAttributes(const OrtApi& api, const OrtKernelInfo* info, GqaAttributes* attrs,
+                         const GqaKernelCaps& caps) {
   GqaAttributes a;
   KVL_RETURN_IF_ERROR(ParseGqaAttributes(KernelInfoAttrs{api, info}, &a));
   size_t outputs = 0;
@@ -272,7 +298,7 @@ Status ReadGqaAttributes(const OrtApi& api, const OrtKernelInfo* info, GqaAttrib
       a.output_qk_requested = size > 1;  // size counts the terminating NUL
     }
   }
-  KVL_RETURN_IF_ERROR(CheckGqaAttributes(a));
+  KVL_RETURN_IF_ERROR(CheckGqaAttributes(a, caps));
   *attrs = a;
   return Status::Ok();
 }
@@ -291,12 +317,13 @@ GqaInputInfos DescribeInputs(Ort::KernelContext& ctx) {
   return infos;
 }
 
-Status ReadAndCheckInputs(Ort::KernelContext& ctx, const GqaAttributes& attrs, GqaShape* shape) {
+Status ReadAndCheckInputs(Ort::KernelContext& ctx, const GqaAttributes& attrs, GqaShape* shape,
+                          const GqaKernelCaps& caps) {
   const GqaInputInfos inputs = DescribeInputs(ctx);
   const int32_t* total = InputData<int32_t>(ctx, GqaInput::kTotalSequenceLength);
   const bool one = inputs[static_cast<int>(GqaInput::kTotalSequenceLength)].NumElements() == 1;
   // A malformed total_sequence_length reaches CheckGqaInputs, which names it.
-  return CheckGqaInputs(attrs, inputs, one && total != nullptr ? *total : 0, shape);
+  return CheckGqaInputs(attrs, inputs, one && total != nullptr ? *total : 0, shape, caps);
 }
 
 GqaBuffers CollectBuffers(Ort::KernelContext& ctx, const GqaShape& shape,
@@ -318,6 +345,10 @@ GqaBuffers CollectBuffers(Ort::KernelContext& ctx, const GqaShape& shape,
   buf.head_sink = InputData<void>(ctx, GqaInput::kHeadSink);
   buf.q_norm_weight = InputData<void>(ctx, GqaInput::kQNormWeight);
   buf.k_norm_weight = InputData<void>(ctx, GqaInput::kKNormWeight);
+  if (shape.quantized()) {
+    buf.k_scale = InputData<float>(ctx, GqaInput::kKScale);
+    buf.v_scale = InputData<float>(ctx, GqaInput::kVScale);
+  }
   buf.output = outputs.output;
   buf.present_key = outputs.present_key;
   buf.present_value = outputs.present_value;
@@ -335,7 +366,7 @@ Status AllocateOutputs(Ort::KernelContext& ctx, const GqaShape& s, GqaOutputs* o
   out->output = ctx.GetOutput(static_cast<size_t>(GqaOutput::kOutput), out_shape)
                     .GetTensorMutableRawData();
   const std::vector<int64_t> present_shape{s.batch, s.kv_num_heads, s.present_capacity,
-                                           s.head_size};
+                                           s.cache_row};
   for (GqaOutput which : {GqaOutput::kPresentKey, GqaOutput::kPresentValue}) {
     const size_t index = static_cast<size_t>(which);
     void** slot = which == GqaOutput::kPresentKey ? &out->present_key : &out->present_value;
@@ -347,9 +378,10 @@ Status AllocateOutputs(Ort::KernelContext& ctx, const GqaShape& s, GqaOutputs* o
       return Status::Error(
           std::string("ai.kvlayout::GroupQueryAttention: cannot provide output '") +
           GqaOutputName(which) + "' of shape (batch, kv_num_heads, max(total_sequence_length, " +
-          "past capacity), head_size) = (" + std::to_string(s.batch) + ", " +
-          std::to_string(s.kv_num_heads) + ", " + std::to_string(s.present_capacity) + ", " +
-          std::to_string(s.head_size) + "). When past and present share one buffer, " +
+          "past capacity), " + (s.kv_bits == 4 ? "(head_size + 1) / 2" : "head_size") +
+          ") = (" + std::to_string(s.batch) + ", " + std::to_string(s.kv_num_heads) + ", " +
+          std::to_string(s.present_capacity) + ", " + std::to_string(s.cache_row) +
+          ") of type " + DTypeName(s.cache_dtype) + ". When past and present share one buffer, " +
           "total_sequence_length (" + std::to_string(s.total_seq_len) +
           ") must not exceed its capacity. ONNX Runtime said: " + e.what());
     }

@@ -21,15 +21,18 @@ constexpr const char* kOpName = "GroupQueryAttention";
 
 // Reads every attribute (absent ones keep the contract's defaults) and checks them: a wrong type,
 // a missing required attribute or a value outside the contract is an error (kernel creation,
-// i.e. session creation, fails with it).
-Status ReadGqaAttributes(const OrtApi& api, const OrtKernelInfo* info, GqaAttributes* attrs);
+// i.e. session creation, fails with it). `caps`: what the op's kernels implement beyond the base
+// contract (the CPU op: quantized KV caches).
+Status ReadGqaAttributes(const OrtApi& api, const OrtKernelInfo* info, GqaAttributes* attrs,
+                         const GqaKernelCaps& caps = {});
 
 // Shapes, types and presence of the node's inputs as the kernel sees them this call.
 GqaInputInfos DescribeInputs(Ort::KernelContext& ctx);
 
 // Describes the inputs, reads total_sequence_length (host memory for both ops) and runs
 // CheckGqaInputs: the first step of both ops' Compute.
-Status ReadAndCheckInputs(Ort::KernelContext& ctx, const GqaAttributes& attrs, GqaShape* shape);
+Status ReadAndCheckInputs(Ort::KernelContext& ctx, const GqaAttributes& attrs, GqaShape* shape,
+                          const GqaKernelCaps& caps = {});
 
 // Converts a kvl::Status into an OrtStatus (nullptr when ok).
 OrtStatusPtr ToOrtStatus(const Status& status);
