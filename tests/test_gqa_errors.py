@@ -192,7 +192,7 @@ def test_dtype_mismatch_query_vs_key():
     _raise(f, A, match=r"key|type")
 
 
-def test_quantized_kv_refused():
+def test_quantized_attrs_with_float_cache_refused():
     f = _f(k_scale=np.ones(1, F32), v_scale=np.ones(1, F32))
     a = dict(A, k_quant_type="PER_TENSOR", v_quant_type="PER_TENSOR", kv_cache_bit_width=8)
     _raise(f, a, match=r"k_scale|quant")
