@@ -100,22 +100,31 @@ size_t SlidingStageBytes(const GqaShape& s) {
   return (bytes + 255) / 256 * 256;
 }
 
+// Launches `launch(word, per, words)` for rows of `rows` x H elements: in 16-byte words (uint4,
+// `per` elements each) when every pointer is 16-byte aligned, else element by element.
+template <typename T, typename Launch>
+void LaunchRowCopy(const GqaShape& s, int64_t rows, std::initializer_list<const void*> ptrs,
+                   Launch launch) {
+  if (Aligned16(ptrs)) {
+    const int per = 16 / sizeof(T);
+    launch(uint4{}, per, rows * (s.head_size / per));
+  } else {
+    launch(ElementBits<T>{}, 1, rows * s.head_size);
+  }
+}
+
 template <typename T>
 Status LaunchSlidingStage(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides past_st,
                           const Workspace& ws, const CudaDeviceInfo& dev, cudaStream_t stream) {
   const KvStrides stage_st = SlidingStageStrides(s);
-  if (Aligned16({buf.past_key, buf.past_value, ws.stage_k, ws.stage_v})) {
-    const int per = 16 / sizeof(T);
-    const int64_t n = s.batch * s.kv_num_heads * s.past_capacity * (s.head_size / per);
-    SlidingStageKernel<uint4><<<CopyBlocks(n, dev), 256, 0, stream>>>(
-        s, buf, past_st, stage_st, per, static_cast<uint4*>(ws.stage_k),
-        static_cast<uint4*>(ws.stage_v));
-  } else {
-    using U = ElementBits<T>;
-    const int64_t n = s.batch * s.kv_num_heads * s.past_capacity * s.head_size;
-    SlidingStageKernel<U><<<CopyBlocks(n, dev), 256, 0, stream>>>(
-        s, buf, past_st, stage_st, 1, static_cast<U*>(ws.stage_k), static_cast<U*>(ws.stage_v));
-  }
+  LaunchRowCopy<T>(s, s.batch * s.kv_num_heads * s.past_capacity,
+                   {buf.past_key, buf.past_value, ws.stage_k, ws.stage_v},
+                   [&](auto word, int per, int64_t n) {
+                     using U = decltype(word);
+                     SlidingStageKernel<U><<<CopyBlocks(n, dev), 256, 0, stream>>>(
+                         s, buf, past_st, stage_st, per, static_cast<U*>(ws.stage_k),
+                         static_cast<U*>(ws.stage_v));
+                   });
   return CudaCheck(cudaGetLastError(), "sliding window stage launch");
 }
 
@@ -123,19 +132,14 @@ template <typename T>
 Status LaunchSlidingPresent(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
                             const Workspace& ws, const CudaDeviceInfo& dev, cudaStream_t stream) {
   const KvStrides stage_st = SlidingStageStrides(s);
-  if (Aligned16({buf.present_key, buf.present_value, ws.stage_k, ws.stage_v})) {
-    const int per = 16 / sizeof(T);
-    const int64_t n = s.batch * s.kv_num_heads * s.present_capacity * (s.head_size / per);
-    SlidingPresentKernel<uint4><<<CopyBlocks(n, dev), 256, 0, stream>>>(
-        s, buf, stage_st, present_st, per, buf.shared(), static_cast<const uint4*>(ws.stage_k),
-        static_cast<const uint4*>(ws.stage_v));
-  } else {
-    using U = ElementBits<T>;
-    const int64_t n = s.batch * s.kv_num_heads * s.present_capacity * s.head_size;
-    SlidingPresentKernel<U><<<CopyBlocks(n, dev), 256, 0, stream>>>(
-        s, buf, stage_st, present_st, 1, buf.shared(), static_cast<const U*>(ws.stage_k),
-        static_cast<const U*>(ws.stage_v));
-  }
+  LaunchRowCopy<T>(s, s.batch * s.kv_num_heads * s.present_capacity,
+                   {buf.present_key, buf.present_value, ws.stage_k, ws.stage_v},
+                   [&](auto word, int per, int64_t n) {
+                     using U = decltype(word);
+                     SlidingPresentKernel<U><<<CopyBlocks(n, dev), 256, 0, stream>>>(
+                         s, buf, stage_st, present_st, per, buf.shared(),
+                         static_cast<const U*>(ws.stage_k), static_cast<const U*>(ws.stage_v));
+                   });
   return CudaCheck(cudaGetLastError(), "sliding window present launch");
 }
 
