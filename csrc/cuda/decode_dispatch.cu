@@ -83,10 +83,12 @@ Status LaunchDecodeTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pr
   return CudaCheck(cudaGetLastError(), "decode launch");
 }
 
-template Status LaunchDecodeTc<__half>(const GqaShape&, const GqaCudaBuffers&, KvStrides,
-                                       const AttnPlan&, const Workspace&, cudaStream_t);
-template Status LaunchDecodeTc<__nv_bfloat16>(const GqaShape&, const GqaCudaBuffers&, KvStrides,
-                                              const AttnPlan&, const Workspace&, cudaStream_t);
+#define KVL_DECODE_LAUNCH(T)                                                              \
+  template Status LaunchDecodeTc<T>(const GqaShape&, const GqaCudaBuffers&, KvStrides,     \
+                                    const AttnPlan&, const Workspace&, cudaStream_t);
+KVL_DECODE_LAUNCH(__half)
+KVL_DECODE_LAUNCH(__nv_bfloat16)
+#undef KVL_DECODE_LAUNCH
 
 }  // namespace cu
 }  // namespace kvl

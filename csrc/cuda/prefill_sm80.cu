@@ -212,10 +212,12 @@ Status LaunchPrefillTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides p
   }
 }
 
-template Status LaunchPrefillTc<__half>(const GqaShape&, const GqaCudaBuffers&, KvStrides,
-                                        const Workspace&, cudaStream_t);
-template Status LaunchPrefillTc<__nv_bfloat16>(const GqaShape&, const GqaCudaBuffers&, KvStrides,
-                                               const Workspace&, cudaStream_t);
+#define KVL_PREFILL_TC_LAUNCH(T)                                                    \
+  template Status LaunchPrefillTc<T>(const GqaShape&, const GqaCudaBuffers&, KvStrides, \
+                                     const Workspace&, cudaStream_t);
+KVL_PREFILL_TC_LAUNCH(__half)
+KVL_PREFILL_TC_LAUNCH(__nv_bfloat16)
+#undef KVL_PREFILL_TC_LAUNCH
 
 }  // namespace cu
 }  // namespace kvl
