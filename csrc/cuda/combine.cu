@@ -3,6 +3,7 @@
 // each thread sums its dimensions over the splits with independent loads.
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
+#include "cuda/online_softmax.cuh"
 
 namespace kvl {
 namespace cu {

@@ -72,17 +72,6 @@ __device__ __forceinline__ float WarpSum(float v) {
   return v;
 }
 
-// The weight of a partial softmax (its max m, its sum l) in a merge whose max is mx. A partial
-// without live keys (m = -inf, l = 0) weighs 0 and is skipped, whatever its O holds. A NaN score
-// makes l NaN (fmaxf drops it from m, which may stay -inf or lie far below mx, where the weight
-// would underflow to 0 and be skipped): such a partial weighs NaN, so the NaN reaches the output
-// as in ORT's op, whichever warp or split held it.
-__device__ __forceinline__ float PartialWeight(float m, float l, float mx) {
-  if (l != l) return l;
-  if (m == -INFINITY) return 0.0f;  // l == 0: no live keys
-  return __expf(m - mx);
-}
-
 // Batch entry b's length values as the inputs hold them (query_len 0 without query_seqlens).
 struct EntryLengths {
   int32_t seqlens_k;
@@ -92,8 +81,7 @@ struct EntryLengths {
 // L1), for the load a kernel's whole path waits on: NVVM does not sink it to its first use, as it
 // did the decode kernel's lengths (after its sixteen query loads and their address arithmetic).
 // ptxas still schedules it among independent loads (sm_90a: after ten of the sixteen; what moved
-// it up was taking the branch out of the query address code, decode.cu). The kernel measured on
-// the H200 in the twelfth session loads the lengths this way.
+// it up was taking the branch out of the query address code, decode_prologue.cuh).
 __device__ __forceinline__ int32_t LoadNow(const int32_t* p) {
   int32_t v;
   asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p));
@@ -117,55 +105,6 @@ __device__ __forceinline__ BatchGeometry Geo(const GqaShape& s, const GqaCudaBuf
 
 __device__ __forceinline__ int64_t WrittenRows(const GqaShape& s, const BatchGeometry& g) {
   return s.is_first_prompt() ? s.seq_len : g.new_rows;  // a first prompt writes padding rows
-}
-
-// Keys per split when `keys` keys are spread over `splits` splits, in whole multiples of `unit`.
-// A score of the masked path of the tensor-core kernels (decode and prefill): key `key` of a row
-// whose live keys are `kr`, softcapped, plus its bias, -inf outside the live keys.
-template <typename T>
-__device__ __forceinline__ float MaskedScore(float x, int64_t key, const KeyRange& kr,
-                                             const GqaShape& s, float inv_softcap, const T* bias,
-                                             int64_t bias_row) {
-  const bool live = key >= kr.lo && key < kr.hi;
-  if (s.softcap > 0.0f) x = Softcap(x, s.softcap, inv_softcap);
-  if (bias != nullptr && live) x += ToF(bias[bias_row + key]);
-  return live ? x : -INFINITY;
-}
-
-// One key step of the tensor-core kernels' online softmax (decode.cu, prefill_sm80.cu): the
-// scores `sc` of an m16 x (8 NT) tile in C fragments (n-tile n, element e: the thread's row
-// hr = e / 2, key k0 + 8 n + 2 tq + e % 2), masked through MaskedScore unless `whole` (no
-// softcap or bias and every key live for every working row: one branch for the step, not a
-// test per score), and each of the thread's two rows' maxima over them. The second row
-// (e = 2, 3) is skipped unless `upper`.
-template <typename T, int NT>
-__device__ __forceinline__ void MaskStepScores(float (&sc)[NT][4], float (&tmax)[2], bool whole,
-                                               bool upper, int64_t k0, int tq,
-                                               const KeyRange (&kr)[2], const GqaShape& s,
-                                               float inv_softcap, const T* bias,
-                                               const int64_t (&bias_row)[2]) {
-  tmax[0] = tmax[1] = -INFINITY;
-  if (whole) {
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (e < 2 || upper) tmax[e / 2] = fmaxf(tmax[e / 2], sc[n][e]);
-      }
-    }
-    return;
-  }
-#pragma unroll
-  for (int n = 0; n < NT; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int hr = e / 2;
-      if (hr == 1 && !upper) continue;
-      const int64_t key = k0 + n * 8 + 2 * tq + (e % 2);
-      sc[n][e] = MaskedScore(sc[n][e], key, kr[hr], s, inv_softcap, bias, bias_row[hr]);
-      tmax[hr] = fmaxf(tmax[hr], sc[n][e]);
-    }
-  }
 }
 
 // Keys per split: the live keys spread over `target` splits, in whole units, at least

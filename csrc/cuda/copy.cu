@@ -15,8 +15,7 @@ constexpr int kCopyWarps = 8;
 // past (r < past), zeroed (r at or past the rows this call writes) or left to the writers. In
 // 16-byte pieces when every row starts 16-byte aligned (`vec`), else element by element. An
 // element per thread with its own index arithmetic and length reads was 18 us for a first
-// prompt of 8192 rows at head size 256 that copies nothing (H200, docs/BENCHMARKS.md, sixteenth
-// session).
+// prompt of 8192 rows at head size 256 that copies nothing (H200; docs/DECISIONS.md).
 template <typename T>
 __global__ void __launch_bounds__(kCopyWarps* kWarp)
     CopyPastKernel(GqaShape s, GqaCudaBuffers buf, KvStrides past_st, KvStrides present_st,

@@ -59,12 +59,12 @@ struct GqaCudaPlan {
   int64_t cluster = 0;
   // Decode: the CTAs per SM its launch allows, below what fits (its shared memory padded, so
   // waves of one split per row fill the slots, or, as a knob, group clusters of one CTA per SM:
-  // MakePlan); 0: as many as fit.
+  // cuda/plan_rules.h); 0: as many as fit.
   int decode_ctas_per_sm = 0;
-  // Decode: threads per CTA, 128 (four warps) or 256 (the wide instance: kernels.h, MakePlan).
+  // Decode: threads per CTA, 128 (four warps) or 256 (the wide instance: cuda/plan_rules.h).
   int decode_threads = 128;
   // Decode: one CTA row per batch entry serving all its kv heads (packed heads, kv_layout=1:
-  // kernels.h, MakePlan), not one per (batch entry, kv head).
+  // cuda/plan_rules.h), not one per (batch entry, kv head).
   bool decode_packed = false;
   size_t q_bytes = 0, part_o_bytes = 0, part_ml_bytes = 0, counter_bytes = 0;
   // A window-sized cache: K (and again V) staging rows the attention reads (csrc/cuda/sliding.cu).

@@ -1,335 +1,87 @@
-// Plan and dispatch: which kernel serves a call, its splits and workspace, and the launch
-// sequence (copy past, prepare, attention; the decode kernel prepares its own rows). Host code
-// only; the kernels live one family per file.
+// Plan and dispatch: which kernel serves a call, its splits and workspace (the rules:
+// plan_rules.h, fed the device's answers here), and the launch sequence (copy past, prepare,
+// attention; the decode kernel prepares its own rows). Host code only; the kernels live one
+// family per file.
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <map>
 #include <mutex>
 #include <string>
 #include <tuple>
 
-#include "core/env.h"
+#include "core/knobs.h"
 #include "cuda/common.cuh"
+#include "cuda/decode_dispatch.h"
 #include "cuda/kernels.h"
+#include "cuda/plan_rules.h"
 
 namespace kvl {
 namespace cu {
 namespace {
 
-// 16-byte row loads (cp.async) need 16-byte aligned caches (rows are, since H % 8 == 0); a cache
-// bound at an odd offset takes the portable kernel, which has an element-load path.
-bool CachesAligned16(const GqaCudaBuffers& buf) {
-  return Aligned16({buf.present_key, buf.present_value});
-}
-
-AttnKernel ChooseKernel(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo& dev) {
-  const bool half = s.dtype == DType::kFloat16 || s.dtype == DType::kBFloat16;
-  if (!half || !CachesAligned16(buf)) return AttnKernel::kPortable;
-  // Tensor-core prefill stores output pairs: a 4-byte aligned output (IO binding can bind odd
-  // offsets).
-  const bool out_aligned4 = reinterpret_cast<uintptr_t>(buf.output) % 4 == 0;
-  if (s.seq_len >= 16 && out_aligned4 && PrefillTcFits(s, 2, dev)) return AttnKernel::kPrefillTc;
-  if (s.seq_len * s.group_size() <= kDecodeRows && DecodeTcFits(s, 2, dev)) {
-    return AttnKernel::kDecodeTc;
+// The occupancy of the decode instances on the current device, for the plan rules: the
+// occupancy calculator on the kernel of the call's element type, cached per device and kernel.
+class DeviceDecodeOccupancy : public DecodeOccupancy {
+ public:
+  explicit DeviceDecodeOccupancy(DType dtype) : dtype_(dtype) {}
+  int CtasPerSm(const DecodeInstance& inst) const override {
+    const void* f = Fn(inst);
+    if (f == nullptr || !EnsureSmemLimit(f, inst.SmemBytes()).ok()) return 1;
+    return CachedCtasPerSm(f, inst.warps * kWarp, inst.SmemBytes());
   }
-  return AttnKernel::kPortable;
-}
-
-// Prefill of at least this many new rows goes to cuDNN (ORT_KVLAYOUT_CUDNN_MIN_ROWS overrides
-// it, read once): below it our kernel takes microseconds. Each new shape costs cuDNN a graph
-// build on its first call (docs/BENCHMARKS.md: ~70 ms, ~1 s for the process's first); a
-// process that sees many one-off prompt lengths can raise the bar.
-int64_t CudnnMinRows() {
-  static const int64_t rows = [] {
-    const int64_t n = EnvPositiveInt("ORT_KVLAYOUT_CUDNN_MIN_ROWS");
-    return n > 0 ? n : int64_t(64);
-  }();
-  return rows;
-}
-
-// The decode kernel's split target, when ORT_KVLAYOUT_DECODE_SPLITS=N (read once) sets one: a
-// tuning and benchmarking knob (docs/BENCHMARKS.md); 0 = the one-wave rule of MakePlan.
-int64_t DecodeSplitsOverride() {
-  static const int64_t splits =
-      std::min<int64_t>(EnvPositiveInt("ORT_KVLAYOUT_DECODE_SPLITS"), kMaxDecodeSplits);
-  return splits;
-}
-
-// ORT_KVLAYOUT_DECODE_CLUSTERS=0 (read once) launches the decode kernel without clusters, so its
-// splits merge through global partials everywhere (the path of sm_80): a benchmarking and
-// testing knob (docs/BENCHMARKS.md).
-bool DecodeClustersAllowed() {
-  static const bool allowed = EnvNotZero("ORT_KVLAYOUT_DECODE_CLUSTERS");
-  return allowed;
-}
-// Where group clusters serve (MakePlan), read once from ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS, a
-// benchmarking knob: 0 nowhere (rows of more than kMaxDecodeCluster splits merge in global memory
-// only), unset or 1 the shapes whose merge takes two rounds of loads (the default, measured),
-// 2 every few-row shape, 3 every few-row shape with one CTA per SM (shared memory padded); never
-// the calls the wide instance serves (MakePlan; ORT_KVLAYOUT_DECODE_WIDE=0 gives them back).
-enum class GroupClusters { kOff = 0, kTwoRounds = 1, kAll = 2, kAllPadded = 3 };
-GroupClusters DecodeGroupClusters() {
-  static const GroupClusters mode = [] {
-    const char* v = std::getenv("ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS");
-    if (v != nullptr && std::strcmp(v, "0") == 0) return GroupClusters::kOff;
-    const int64_t n = EnvPositiveInt("ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS");
-    return n >= 1 && n <= 3 ? static_cast<GroupClusters>(n) : GroupClusters::kTwoRounds;
-  }();
-  return mode;
-}
-
-// ORT_KVLAYOUT_DECODE_WIDE=0 (read once) keeps the decode kernel at four warps where the plan
-// would take the wide instance (MakePlan: one token, at most one row per SM, a merge of two
-// rounds or more than 16 rows), and so turns off the default packed heads (DecodePackedRule:
-// per-head CTAs) and runs forced ones (ORT_KVLAYOUT_DECODE_PACKED=2) at four warps: a
-// benchmarking and testing knob (docs/BENCHMARKS.md).
-bool DecodeWideAllowed() {
-  static const bool allowed = EnvNotZero("ORT_KVLAYOUT_DECODE_WIDE");
-  return allowed;
-}
-
-// ORT_KVLAYOUT_DECODE_PACKED (read once): packed heads (DecodePackedServes) where
-// DecodePackedRule says, the default (unset or 1); never with 0; wherever they serve with 2 (a
-// testing value: four warps where the eight-warp instance does not serve or
-// ORT_KVLAYOUT_DECODE_WIDE=0).
-int DecodePackedMode() {
-  static const int mode = [] {
-    if (!EnvNotZero("ORT_KVLAYOUT_DECODE_PACKED")) return 0;
-    return EnvPositiveInt("ORT_KVLAYOUT_DECODE_PACKED") == 2 ? 2 : 1;
-  }();
-  return mode;
-}
-
-// Where packed heads serve by default: kv_layout=1 (DecodePackedServes), 3 kv heads of size 64
-// (the 192-column tile) and more (batch, kv head) rows than SMs, at eight warps (the instance
-// must serve: one CTA of 200 KB per SM), and (MakePlan) CTAs that fill their last round of SMs.
-// Measured on the H200 at 9/3/64 kv_layout=1 (docs/BENCHMARKS.md, twenty-ninth session), kernel
-// us, per-head -> packed at four warps -> packed at eight: B=64 L=1k 16.9 -> 20.4 -> 18.2, L=4k
-// 53.7 -> 55.5 -> 53.9, L=16k 189.5 -> 184.6 -> 184.2, L=32k 367.5 -> 357.8 -> 358.2
-// (kv_layout=0 17.0, 52.7, 183.6, 355.1); B=128 L=1k 30.6 -> 32.3 -> 30.3, L=32k 723.8 -> 707.3 ->
-// 701.8. Four warps left one warp per scheduler (Nsight Compute: 3.94 active warps per SM at B=64
-// L=1k, twenty-eighth session). Fewer rows lose: B=32 (96 rows) L=1k 10.0 -> 12.2, L=16k 97.3 ->
-// 100.6; so do the batches whose packed CTAs fill their last round badly: B=48 (96 CTAs) L=4k
-// 44.1 -> 46.1, B=96 (96) L=32k 590.2 -> 626.0. At 2 kv heads (14/2/64) per-head CTAs read alike
-// in both layouts and packed ones lost everywhere at four warps (twenty-eighth session). The
-// plan picks by shape class, never by length (the bits must not depend on the capacity).
-bool DecodePackedRule(const GqaShape& s, const CudaDeviceInfo& dev) {
-  return s.kv_num_heads == 3 && s.batch * s.kv_num_heads > std::max(1, dev.sm_count) &&
-         DecodeWideAllowed() && DecodeTcWideServes(s, dev, true);
-}
-
-// With more (batch, kv head) rows than one wave of decode CTAs holds (one split each), the CTAs
-// per SM whose waves the rows fill best: `fit` or one fewer, never below two (ties: more). A
-// CTA's reads are bounded by its loads in flight, so a wave the CTAs fill in part reads slower:
-// 32/8/128 B=64 (512 rows) in waves of 396 CTAs (three per SM) took 13% longer than in waves of
-// 264 (two per SM) on the H200 (docs/BENCHMARKS.md, fourteenth session). Fewer than that would
-// fill some waves better on paper (600 rows: five waves of 132), but one CTA per SM holds a third
-// of the loads in flight (at B=8, 9/3/64 lost 15% with one CTA per SM): not measured, not taken.
-int DecodeWaveCtasPerSm(int64_t rows, int64_t sms, int fit) {
-  int best = fit;
-  int64_t best_fill = 0;  // in 1/1000 of the waves' slots
-  for (int c = fit; c >= std::max(2, fit - 1); --c) {
-    const int64_t slots = sms * c, waves = (rows + slots - 1) / slots;
-    const int64_t fill = rows * 1000 / (waves * slots);
-    if (fill > best_fill) {
-      best = c;
-      best_fill = fill;
+  int ActiveClusters(const DecodeInstance& inst, int cluster, int ctas_per_sm) const override {
+    const void* f = Fn(inst);
+    const size_t smem = inst.SmemBytes();
+    const int threads = inst.warps * kWarp;
+    // The code that runs on this device was compiled for sm_90 or newer (its PTX target: an
+    // sm_80 build JIT-compiled for this GPU reports binary version 90 but has no cluster code),
+    // and clusters of these CTAs fit the device.
+    if (f == nullptr || CachedPtxVersion(f) < 90 || !EnsureSmemLimit(f, smem).ok()) return 0;
+    size_t launch_smem = smem;
+    if (!SmemForCtasPerSm(f, threads, smem, ctas_per_sm, &launch_smem).ok() ||
+        !EnsureSmemLimit(f, launch_smem).ok()) {
+      return 0;
     }
+    return CachedMaxActiveClusters(f, threads, launch_smem, cluster);
   }
-  return best;
-}
 
-// Counters of the decode kernel's split merge tree for a plan (DecodeMergeTree sizes them for
-// any live split count; the kernel builds its row's tree).
-int64_t DecodeCountersPerRow(const GqaShape& s, const AttnPlan& p) {
-  return DecodeMergeTree::CountersPerRow(p.splits, DecodeCtaRows(s, p.decode_packed),
-                                         s.head_size, p.cluster);
-}
+ private:
+  const void* Fn(const DecodeInstance& inst) const {
+    return reinterpret_cast<const void*>(DecodeKernelOf(dtype_, inst));
+  }
+  DType dtype_;
+};
 
-// `allow_packed` false: the per-head plan (the packed rule's fallback, below).
-AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo& dev,
-                  bool allow_packed = true) {
-  AttnPlan p;
-  p.kernel = ChooseKernel(s, buf, dev);
-  auto align = [](size_t x) { return (x + 255) / 256 * 256; };
-  const bool aligned16 = (reinterpret_cast<uintptr_t>(buf.output) % 16 == 0) && CachesAligned16(buf);
-  if (p.kernel == AttnKernel::kPrefillTc && s.seq_len >= CudnnMinRows() && aligned16) {
+// The plan: cuDNN's prefill where it serves (TriesCudnn; its graph is found or built here),
+// else the rules of plan_rules.h on this device, with the knobs read once (core/knobs.h).
+AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo& dev) {
+  PlanBuffers pb;
+  pb.caches_aligned16 = Aligned16({buf.present_key, buf.present_value});
+  pb.output_aligned4 = reinterpret_cast<uintptr_t>(buf.output) % 4 == 0;
+  pb.output_aligned16 = reinterpret_cast<uintptr_t>(buf.output) % 16 == 0;
+  const KnobValues& kv = Knobs();
+  PlanKnobs knobs;
+  knobs.decode_splits = kv.decode_splits;
+  knobs.decode_clusters = kv.decode_clusters;
+  knobs.decode_group_clusters = kv.decode_group_clusters;
+  knobs.decode_wide = kv.decode_wide;
+  knobs.decode_packed = kv.decode_packed;
+  knobs.cudnn_min_rows = kv.cudnn_min_rows;
+  if (TriesCudnn(s, ChooseKernel(s, pb, dev), pb, knobs)) {
     const KvStrides present_st =
         MakeKvStrides(s.layout, s.kv_num_heads, s.present_capacity, s.head_size);
+    AttnPlan p;
     p.cudnn = FindCudnnPrefill(s, dev, present_st);
     if (p.cudnn != nullptr) {
+      auto align = [](size_t x) { return (x + 255) / 256 * 256; };
       p.kernel = AttnKernel::kPrefillCudnn;
-      p.q_storage_bytes = align(sizeof(uint16_t) * s.batch * s.seq_len * s.num_heads * s.head_size);  // fp16 / bf16
+      p.q_storage_bytes =  // fp16 / bf16
+          align(sizeof(uint16_t) * s.batch * s.seq_len * s.num_heads * s.head_size);
       p.seq_len_bytes = align(sizeof(int32_t) * s.batch);
       p.cudnn_bytes = align(CudnnPrefillWorkspaceBytes(*p.cudnn));
       return p;
     }
   }
-  const int64_t sms = std::max(1, dev.sm_count);
-  // Rows of the buffer the attention reads: with a sliding window cache, the staging rows
-  // (sliding.cu), whose live keys can outnumber the cache's C.
-  const int64_t attn_rows = s.sliding_window_cache ? SlidingStageRows(s) : s.present_capacity;
-  if (p.kernel == AttnKernel::kDecodeTc) {
-    // With few (batch, kv head) rows, the last merge of a row ends the kernel and each split
-    // adds a fixed prologue and merge work to it: one CTA per SM (measured on the H200 at B=1:
-    // every CTA slot filled took 20 to 40% longer, docs/BENCHMARKS.md). With many rows their
-    // merges overlap the other rows' reads: one wave of every CTA slot (at B=8, 9/3/64 lost 15%
-    // with one CTA per SM; at B=64, 192 rows in 396 slots of 3 CTAs per SM with 2 splits read
-    // 6 to 10% faster than one split in 264 slots of 2), never a second wave of splits (in waves of
-    // short splits each CTA's prologue is on the path: 9/3/64 B=32 L=1k took 70% longer). More
-    // rows than slots: one split each, in waves they fill (DecodeWaveCtasPerSm). At least 128
-    // keys per split (two steps per warp at four warps). (These measurements, and those of the
-    // split slots below, were of four-warp CTAs; since the twenty-sixth session the one-token
-    // calls of at most one row per SM at head tiles 64 and 128 run eight warps: the wide rule.)
-    const int mode = DecodePackedMode();
-    p.decode_packed = allow_packed && mode != 0 && DecodePackedServes(s, dev) &&
-                      (mode == 2 || DecodePackedRule(s, dev));
-    const bool packed = p.decode_packed;
-    const int64_t base = DecodeGridRows(s, packed);
-    const bool few = base < kFewDecodeRows;
-    const bool two_rounds = DecodeMergeTwoRounds(DecodeCtaRows(s, packed), s.head_size);
-    // Few rows of one token whose merge takes two rounds at four warps: eight warps (the wide
-    // instance, head tiles 128 and 64), the same split target, no group clusters. With one CTA per
-    // SM each scheduler then has two warps to issue from, and the merge takes half the rounds (one
-    // at G <= 8). Measured on the H200 (kernel us, docs/BENCHMARKS.md, twenty-fifth session) at
-    // 28/4/128 B=1 only (4 rows, G = 7), 24 splits without group clusters at four warps -> eight
-    // (an all-eight-warp build): L=4k 11.4 -> 10.3, 16k 17.5 -> 14.0, 32k 27.6 -> 25.4; this
-    // instance against the plan before (four warps, group clusters) L=4k 10.35 -> 10.1, 16k 16.4 ->
-    // 14.2, but 32k 26.1 -> 24.8 to 27.4 (the same process's two sessions can differ by 2.6 us
-    // there). 5 to 15 rows, G = 9 to 16 and head sizes 97 to 120 take it unmeasured (tested for
-    // correctness). Not at one-round shapes: eight warps measured 3% slower at 32/8/128 B=1 L=16k
-    // and 6% at 9/3/64 B=1 L=4k. (Eight warps with every slot's splits, 33: steadier at 32k, 24.0
-    // to 24.7, but 0.96x to 1.02x of ORT at L=4k by session.)
-    // With more than 16 rows up to one per SM (one token, head tile 64 or 128; two-round merges
-    // from 16 rows on), eight warps too, the CTA slots counted at eight warps (one CTA per SM,
-    // so fewer, longer splits). Measured on the H200 against four warps (kernel us, medians of
-    // both layouts in two or three processes, docs/BENCHMARKS.md, twenty-sixth session) at 18
-    // to 128 rows, 0.86x to 1.003x of the time: 32/8/128 B=8 (64 rows) L=1k 12.9 -> 12.3, 4k
-    // 40.5 -> 38.1, 32k 248.2 -> 245.5; 28/4/128 B=32 (128 rows) L=4k 69.2 -> 67.6, 16k 246.7 ->
-    // 243.4; 9/3/64 B=32 (96 rows) L=1k 11.1 -> 10.0, 4k 32.2 -> 30.1. At 16 rows only where the
-    // merge takes two rounds: 28/4/128 B=4 L=4k 15.2 -> 13.3, but 32/8/128 B=2 and 16/8/64 B=2
-    // (one round) 0.97x to 1.04x, mostly slower. Not with more rows than SMs (waves of one CTA
-    // per SM): 32/8/128 B=64 L=1k 72.0 -> 83.3, 9/3/64 B=64 L=1k 16.9 -> 23.2. Head tile 64 at
-    // few rows (G >= 9): 32/2/64 B=1 L=4k 9.9 -> 10.4 but 16k 13.0 -> 12.4, B=4 L=4k 11.7 -> 10.2.
-    // Packed heads: eight warps wherever that instance serves (one CTA per SM; DecodePackedRule).
-    if (DecodeWideAllowed() &&
-        (packed || (few && two_rounds) || (base <= sms && (two_rounds || base > kFewDecodeRows))) &&
-        DecodeTcWideServes(s, dev, packed)) {
-      p.decode_threads = kDecodeWideCtaThreads;
-    }
-    const bool wide = p.decode_threads == kDecodeWideCtaThreads;
-    const int fit = few ? 1 : DecodeTcCtasPerSm(s, dev, p.decode_threads, packed);  // per SM
-    const int64_t slots = sms * fit;
-    // Where a row's merge takes two rounds of loads per 8 splits (DecodeMergeTwoRounds: 28/4/128,
-    // 4/1/256), fewer splits: with few rows three quarters of the SMs, with many two CTAs per SM
-    // rather than every slot. Measured on the H200 by ORT_KVLAYOUT_DECODE_SPLITS sweeps (kernel
-    // us, docs/BENCHMARKS.md, eighteenth session): 28/4/128 B=1 L=4k 12.5 (32 splits) -> 11.7
-    // (24), B=8 L=4k 28.0 (12) -> 27.2 (8), B=32 L=4k 72.5 (3) -> 70.3 (2); 4/1/256 B=8 L=16k
-    // 46.5 (16) -> 44.8 (12). (At 32/8/128, one round, two CTAs per SM gained 1 to 2% at B=8,
-    // within the spread: not taken; at 9/3/64, one CTA per SM lost 15%, fourteenth session.)
-    // With many rows but at most one per two SMs, one CTA per SM: each row's merge takes half
-    // the partials (28/4/128 B=8, 4 splits rather than 8: L=1k 11.7 -> 11.3 us, 4k 26.8 -> 25.2,
-    // 16k 72.2 -> 70.9, 32k 132.3 -> 130.6; but B=32, 1 split rather than 2 in 132 slots: 1%
-    // slower at L >= 16k; twenty-fourth session).
-    const int64_t split_slots = !two_rounds ? slots
-                                : few       ? sms * 3 / 4
-                                : 2 * base <= sms ? sms
-                                                  : sms * std::min(fit, 2);
-    p.split_target = std::min(std::max<int64_t>(1, split_slots / base), kMaxDecodeSplits);
-    if (!few && base > slots) {
-      const int ctas = DecodeWaveCtasPerSm(base, sms, fit);
-      if (ctas < fit) p.decode_ctas_per_sm = ctas;
-    }
-    const int64_t max_splits =
-        std::max<int64_t>(1, (attn_rows + kMinDecodeSplitKeys - 1) / kMinDecodeSplitKeys);
-    if (DecodeSplitsOverride() > 0) {  // a tuning run: its splits, every CTA slot
-      p.split_target = DecodeSplitsOverride();
-      p.decode_ctas_per_sm = 0;
-    }
-    // With few rows and more splits targeted than one cluster holds, the splits go in clusters
-    // of kMaxDecodeCluster, each merging its group through its shared memory before a global
-    // merge of the groups (decode.cu), where every row's clusters run at once: the target is
-    // cut to the clusters the device holds together. A choice of the shape class and device,
-    // never of the capacity: the merge tree (and so the bits) follows it for every capacity.
-    // Only where the row's merge takes two rounds of loads: measured on the H200 (kernel us,
-    // docs/BENCHMARKS.md, twenty-first session) 28/4/128 B=1 L=4k 11.3 -> 10.7, 4/1/256 B=1
-    // L=16k 17.1 -> 14.9, but 32/8/128 B=1 L=32k 40.1 -> 42.7 and 9/3/64 B=1 L=32k 13.2 -> 14.9.
-    // ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS picks other shapes (DecodeGroupClusters).
-    const GroupClusters gc = DecodeGroupClusters();
-    bool group_clusters = false;
-    if (few && !wide && p.split_target > kMaxDecodeCluster && DecodeClustersAllowed() &&
-        (gc == GroupClusters::kAll || gc == GroupClusters::kAllPadded ||
-         (gc == GroupClusters::kTwoRounds && two_rounds))) {
-      const int pad = gc == GroupClusters::kAllPadded ? 1 : 0;
-      const int64_t per_row = DecodeTcActiveClusters(s, dev, kMaxDecodeCluster, pad,
-                                                     p.decode_threads, packed) /
-                              base;
-      if (per_row >= 2) {
-        p.split_target = std::min(p.split_target, per_row * kMaxDecodeCluster);
-        p.decode_ctas_per_sm = pad;
-        group_clusters = true;
-      }
-    }
-    p.splits = std::min(p.split_target, max_splits);
-    if (group_clusters && p.splits > kMaxDecodeCluster) {
-      // Whole clusters: the splits past the live ones leave at once. (A grid of at most 8 splits
-      // holds at most 8 live ones, one group: the one-cluster branch below gives its bits.)
-      p.splits = (p.splits + kMaxDecodeCluster - 1) / kMaxDecodeCluster * kMaxDecodeCluster;
-      p.cluster = kMaxDecodeCluster;
-    } else if (base < kFewDecodeRows && p.splits > 1 && p.splits <= kMaxDecodeCluster &&
-               DecodeClustersAllowed() &&
-               DecodeTcClustersFit(s, dev, p.splits, p.decode_threads, packed)) {
-      // With few rows (one CTA per SM, the latency-bound decode) and at most 8 splits, each
-      // row's splits are one thread-block cluster where the device has them: they merge through
-      // its shared memory (decode.cu). Not with more rows: CTAs scheduled a cluster at a time
-      // filled the SMs worse (32/8/128 B=8 L=4k: 46 -> 83 us on the H200 with clusters of 8 and
-      // half their CTAs without keys, docs/BENCHMARKS.md, ninth session). The kernel's merge
-      // gives the same bits either way, so this choice may follow the capacity.
-      p.cluster = p.splits;
-    }
-    // The packed rule's second half: its CTAs (B x the split target, never the capacity's
-    // splits) fill their last round of one CTA per SM to 90% or more. Measured at 9/3/64 on the
-    // H200 (docs/BENCHMARKS.md): at four warps (twenty-eighth session) B=64 (128 CTAs on 132 SMs)
-    // and B=128 (256) gained at L >= 16k, B=48 (96) and B=96 (192: 60 in the second round) lost
-    // everywhere (B=48 L=32k 299.7 -> 334.0 us); at eight warps (twenty-ninth) B=64 (two splits,
-    // 128 CTAs) and B=128 (one split, 128) gained, B=48 and B=96 (96 each) lost.
-    if (packed && mode == 1) {
-      const int64_t last = (s.batch * p.split_target) % sms;
-      if (last != 0 && last * 10 < sms * 9) return MakePlan(s, buf, dev, false);
-    }
-  } else if (p.kernel == AttnKernel::kPortable) {
-    p.row_blocks = (s.seq_len * s.group_size() + kRowsPerCta - 1) / kRowsPerCta;
-    const int64_t base = s.batch * s.kv_num_heads * p.row_blocks;
-    // The portable kernel waits on each of its tiles: eight CTAs per SM keep loads in flight.
-    // A split below ~64 keys is not worth its combine.
-    const int64_t target = 8 * sms;
-    p.split_target = base >= target ? 1 : std::min((target + base - 1) / base, kMaxSplits);
-    const int64_t max_splits =
-        std::max<int64_t>(1, (attn_rows + kMinSplitKeys - 1) / kMinSplitKeys);
-    p.splits = std::min(p.split_target, max_splits);
-  }
-  // The float queries of prepare (the decode kernel keeps its own in shared memory).
-  if (p.kernel != AttnKernel::kDecodeTc) {
-    p.q_bytes = align(sizeof(float) * s.batch * s.num_heads * s.seq_len * s.head_size);
-  }
-  if (p.splits > 1) {
-    const bool decode = p.kernel == AttnKernel::kDecodeTc;
-    const int64_t slots =  // per (b, kv head, row block), or per decode grid row
-        decode ? DecodeMergeTree::SlotsPerRow(p.splits, DecodeCtaRows(s, p.decode_packed),
-                                              s.head_size, p.cluster)
-               : p.splits;
-    const int64_t grid_rows =
-        decode ? DecodeGridRows(s, p.decode_packed) : s.batch * s.kv_num_heads * p.row_blocks;
-    const size_t rows = size_t(grid_rows) * slots * kRowsPerCta;
-    p.part_o_bytes = align(sizeof(float) * rows * s.head_size);
-    p.part_ml_bytes = align(sizeof(float) * rows);
-    if (decode) {
-      p.counter_bytes = align(sizeof(unsigned) * DecodeGridRows(s, p.decode_packed) *
-                              DecodeCountersPerRow(s, p));
-    }
-  }
-  return p;
+  return PlanRules(s, pb, dev, DeviceDecodeOccupancy(s.dtype), knobs);
 }
 
 Workspace CarveWorkspace(const GqaShape& s, const AttnPlan& p, void* workspace) {
@@ -345,7 +97,10 @@ Workspace CarveWorkspace(const GqaShape& s, const AttnPlan& p, void* workspace) 
   base += p.part_ml_bytes;
   ws.counters = reinterpret_cast<unsigned*>(base);
   ws.counter_count = p.counter_bytes > 0
-                         ? DecodeGridRows(s, p.decode_packed) * DecodeCountersPerRow(s, p)
+                         ? DecodeGridRows(s, p.decode_packed) *
+                               DecodeMergeTree::CountersPerRow(
+                                   p.splits, DecodeCtaRows(s, p.decode_packed), s.head_size,
+                                   p.cluster)
                          : 0;
   base += p.counter_bytes;
   if (p.stage_bytes > 0) {
@@ -410,7 +165,7 @@ Status Launch(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo
   }
   // A first prompt has no past rows and writes its S rows, so with a present of S rows there is
   // nothing to copy or zero: the launch is skipped (it cost 1.4 to 40 us at the benchmark's
-  // prefill points, H200, docs/BENCHMARKS.md, sixteenth session).
+  // prefill points).
   const bool nothing_to_copy = s.is_first_prompt() && s.present_capacity <= s.seq_len;
   if (!buf.shared() && !nothing_to_copy) {
     KVL_RETURN_IF_ERROR(LaunchCopyPast<T>(s, buf, past_st, present_st, dev, stream));
@@ -582,6 +337,8 @@ Status QueryCudaDevice(CudaDeviceInfo* info) {
 
 Status CheckCudaSupport(const GqaShape& s) {
   const char* op = "ai.kvlayout::GroupQueryAttention (CUDA): ";
+  // A knob set to a value outside its range fails the call rather than run on a guess.
+  if (!Knobs().error.empty()) return Status::Error(std::string(op) + Knobs().error);
   // The kernels put batch x kv head (and batch, num_heads) on a grid axis limited to 65535;
   // the decode kernel adds one row to it (the length checks): batch x kv head at most 65534.
   constexpr int64_t kMaxGridYZ = 65535, kMaxBatchKvHeads = kMaxGridYZ - 1;

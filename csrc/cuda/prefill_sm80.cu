@@ -7,30 +7,15 @@
 // up to a multiple of 32: columns past the head size are zero in Q, K and V and never written out.
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
+#include "cuda/online_softmax.cuh"
+#include "cuda/prefill_geometry.h"
 #include "cuda/ptx.cuh"
 
 namespace kvl {
 namespace cu {
 namespace {
 
-constexpr int kWarps = 4;
-constexpr int kTcRows = 64;  // (token, head) rows per CTA: 4 warps x 16 rows
-
-// Query tokens per CTA: every head of the KV group for each (G <= kTcRows, checked by the
-// dispatch).
-__host__ __device__ constexpr int64_t TcTokens(int64_t group) { return kTcRows / group; }
-
-// The tensor-core tile width of a head size: rounded up to a multiple of 32.
-constexpr int64_t TcHeadDim(int64_t head_size) { return (head_size + 31) / 32 * 32; }
-// Keys per tile: 64, or 32 for heads above 128 (their O accumulators take the registers).
-__host__ __device__ constexpr int TcKeys(int64_t hd) { return hd > 128 ? 32 : 64; }
-// Row pitch of the shared tiles, in elements: 16 bytes of padding put the 8 rows an ldmatrix
-// reads on distinct banks.
-__host__ __device__ constexpr int64_t TcPitch(int64_t hd) { return hd + 8; }
-
-size_t TcSmemBytes(int64_t hd, size_t elem) {
-  return elem * TcPitch(hd) * (kTcRows + 2 * 2 * TcKeys(hd));  // Q, and K + V in two stages
-}
+constexpr int kWarps = kTcWarps;
 
 template <typename T, int HD>
 __global__ void __launch_bounds__(kWarp* kWarps)
@@ -164,52 +149,13 @@ __global__ void __launch_bounds__(kWarp* kWarps)
                                              (idle1 || (kr[1].lo <= k0 && k0 + BC <= kr[1].hi)));
     float tmax[2];
     MaskStepScores<T, NT>(sc, tmax, whole, true, k0, tq, kr, s, inv_softcap, bias, bias_row);
-    float alpha[2];
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      tmax[hr] = fmaxf(tmax[hr], __shfl_xor_sync(0xffffffffu, tmax[hr], 1));
-      tmax[hr] = fmaxf(tmax[hr], __shfl_xor_sync(0xffffffffu, tmax[hr], 2));
-      const float m_new = fmaxf(m[hr], tmax[hr]);
-      alpha[hr] = m_new == -INFINITY ? 1.0f : __expf(m[hr] - m_new);  // 0 when m was -inf
-      m[hr] = m_new;
-    }
-    float psum[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int hr = e / 2;
-        // A whole tile has no masked score, and m is finite (NaN scores propagate).
-        const float p = !whole && sc[n][e] == -INFINITY ? 0.0f : __expf(sc[n][e] - m[hr]);
-        sc[n][e] = p;
-        psum[hr] += p;
-      }
-    }
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) l[hr] = l[hr] * alpha[hr] + psum[hr];  // per thread; summed at the end
-#pragma unroll
-    for (int n = 0; n < DT; ++n) {
-      o[n][0] *= alpha[0];
-      o[n][1] *= alpha[0];
-      o[n][2] *= alpha[1];
-      o[n][3] *= alpha[1];
-    }
+    OnlineSoftmaxStep<NT, DT>(sc, tmax, whole, true, m, l, o);
 
-    // O += P V: P from the score registers (the C layout of two n-tiles is the A layout of one
-    // k-step), V through ldmatrix.trans.
-#pragma unroll
-    for (int kk = 0; kk < BC / 16; ++kk) {
-      uint32_t a[4];
-      ptx::ScoresToA<T>(a, sc[2 * kk], sc[2 * kk + 1]);
-#pragma unroll
-      for (int n = 0; n < DT; n += 2) {  // two dimension n-tiles per ldmatrix.x4.trans
-        uint32_t vb[4];
-        const int mi = lane / 8;  // matrices: (keys lo, d n) (keys hi, d n) (lo, n+8) (hi, n+8)
-        ptx::LdMatrixX4Trans(vb, vs + (kk * 16 + (mi % 2) * 8 + lane % 8) * P + n * 8 + (mi / 2) * 8);
-        ptx::Mma16816<T>(o[n], a, vb[0], vb[1]);
-        ptx::Mma16816<T>(o[n + 1], a, vb[2], vb[3]);
-      }
-    }
+    // O += P V, V through ldmatrix.trans.
+    AccumulatePV<T, BC, DT>(o, sc, [&](int kk, int n, uint32_t (&vb)[4]) {
+      const int mi = lane / 8;  // matrices: (keys lo, d n) (keys hi, d n) (lo, n+8) (hi, n+8)
+      ptx::LdMatrixX4Trans(vb, vs + (kk * 16 + (mi % 2) * 8 + lane % 8) * P + n * 8 + (mi / 2) * 8);
+    });
     __syncthreads();  // this stage is read: the next iteration's copies may overwrite it
   }
   ptx::CpAsyncWait<0>();
@@ -217,9 +163,7 @@ __global__ void __launch_bounds__(kWarp* kWarps)
   const bool extra = s.has_head_sink || s.smooth_softmax;
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
-    float lt = l[hr];
-    lt += __shfl_xor_sync(0xffffffffu, lt, 1);
-    lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+    const float lt = QuadSum(l[hr]);
     const int64_t r = row0 + hr * 8, tok = row_tok(r), h = row_head(r);
     if (tok >= s.seq_len) continue;
     const float sink = s.has_head_sink ? ToF(static_cast<const T*>(buf.head_sink)[h]) : 0.0f;
@@ -250,11 +194,6 @@ Status LaunchHd(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_
 
 }  // namespace
 
-bool PrefillTcFits(const GqaShape& s, size_t elem, const CudaDeviceInfo& dev) {
-  return s.group_size() <= kTcRows &&
-         TcSmemBytes(TcHeadDim(s.head_size), elem) <= size_t(dev.max_smem_optin);
-}
-
 template <typename T>
 Status LaunchPrefillTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
                        const Workspace& ws, cudaStream_t stream) {
@@ -273,10 +212,12 @@ Status LaunchPrefillTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides p
   }
 }
 
-template Status LaunchPrefillTc<__half>(const GqaShape&, const GqaCudaBuffers&, KvStrides,
-                                        const Workspace&, cudaStream_t);
-template Status LaunchPrefillTc<__nv_bfloat16>(const GqaShape&, const GqaCudaBuffers&, KvStrides,
-                                               const Workspace&, cudaStream_t);
+#define KVL_PREFILL_TC_LAUNCH(T)                                                    \
+  template Status LaunchPrefillTc<T>(const GqaShape&, const GqaCudaBuffers&, KvStrides, \
+                                     const Workspace&, cudaStream_t);
+KVL_PREFILL_TC_LAUNCH(__half)
+KVL_PREFILL_TC_LAUNCH(__nv_bfloat16)
+#undef KVL_PREFILL_TC_LAUNCH
 
 }  // namespace cu
 }  // namespace kvl

@@ -41,8 +41,7 @@ __device__ __forceinline__ BatchGeometry EntryLengthsOnce(const GqaShape& s,
 // One warp per (token, head) row: query heads 0..N-1, then kv heads (K normed and rotated, V
 // copied). A CTA per token whose warps looped over the heads left warps idle (3 of 8 at 4/1/256)
 // or ran five rows one after another in each (32/8/128), each row a chain of dependent loads:
-// 50 us for 8192 tokens at 4/1/256 against ORT's 31 (H200, docs/BENCHMARKS.md, sixteenth
-// session).
+// 50 us for 8192 tokens at 4/1/256 against ORT's 31 (H200; docs/DECISIONS.md).
 template <typename T>
 __global__ void __launch_bounds__(kPrepareWarps* kWarp)
     PrepareKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_st, Workspace ws) {
@@ -82,7 +81,7 @@ __global__ void __launch_bounds__(kPrepareWarps* kWarp)
 // V's, and the norm weights') go out before the lengths are read, so a row costs two dependent
 // trips (the lengths with the row, then the rotary tables) instead of three, and no shared
 // memory. At 4/1/256 B=1 S=8192 it takes 18.1 us where PrepareKernel took 40.1 (ORT's
-// UnpackRoPEAppend: 30.9; H200, docs/BENCHMARKS.md, seventeenth session). PrepareKernel serves
+// UnpackRoPEAppend: 30.9; H200; docs/DECISIONS.md). PrepareKernel serves
 // the rest (4-byte types, other head sizes, rows not aligned to the vector).
 
 // E two-byte values from src to dst, both 2E-byte aligned, as one load and one store (the

@@ -1,8 +1,8 @@
 // The per-token work before attention, as device functions: the length checks (recorded for the
 // host), the queries' and new keys' norm and rotary, and the append of new K/V rows to the cache.
 // Two kernels call them: the prepare kernel (prepare.cu), which serves prefill and the portable
-// kernel, and the tensor-core decode kernel (decode.cu), which does this work itself so that a
-// decode step is one launch. One definition of the arithmetic for both.
+// kernel, and the tensor-core decode kernel (decode_prologue.cuh), which does this work itself so
+// that a decode step is one launch. One definition of the arithmetic for both.
 #pragma once
 
 #include "core/length_rules.h"
@@ -127,7 +127,7 @@ __device__ void NormRotateRow(const GqaShape& s, const GqaCudaBuffers& buf, cons
 // per loop step in the store loop, each load waited behind the previous step's stores (the
 // compiler cannot move a load above a store through pointers that may alias): 4 to 16 dependent
 // trips per row at head sizes 64 to 256, measured at 1,900 to 4,100 cycles on the decode
-// kernel's appending CTA (docs/BENCHMARKS.md, thirtieth session). The decode kernel loads a
+// kernel's appending CTA, the last of its merge at B=1. The decode kernel loads a
 // warp's first row before it issues its first steps, so the loads land while they go out.
 template <typename T, int E>
 struct NewKvRow {

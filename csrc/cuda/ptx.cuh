@@ -11,6 +11,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace kvl {
 namespace ptx {
@@ -20,8 +21,8 @@ __device__ __forceinline__ unsigned SharedAddress(const void* p) {
 }
 
 // The L2 prefetch size of cp.async (0: none; 128 or 256 bytes): on a miss of one 16-byte copy,
-// L2 fetches the whole span from DRAM instead of the 32-byte sectors asked for. A build-time
-// knob for the benchmark (docs/BENCHMARKS.md, eighth session); the default is the measured one.
+// L2 fetches the whole span from DRAM instead of the 32-byte sectors asked for. A tuning build
+// knob; the default is the measured one (docs/DECISIONS.md, "cp.async L2 prefetch").
 #ifndef KVL_CP_ASYNC_L2_PREFETCH
 #define KVL_CP_ASYNC_L2_PREFETCH 128
 #endif
@@ -85,28 +86,23 @@ __device__ __forceinline__ void LdMatrixX4TransAt(uint32_t (&r)[4], unsigned row
                : "r"(row_addr));
 }
 
-// c += a * b, m16n8k16, float accumulators.
+// c += a * b, m16n8k16, float accumulators; T is __half or __nv_bfloat16.
+#define KVL_MMA16816(AB)                                                                       \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." AB "." AB ".f32 {%0, %1, %2, %3}, "    \
+               "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"                             \
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                              \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
 template <typename T>
 __device__ __forceinline__ void Mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1);
-template <>
-__device__ __forceinline__ void Mma16816<__half>(float (&c)[4], const uint32_t (&a)[4],
-                                                 uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+                                         uint32_t b1) {
+  if constexpr (std::is_same<T, __half>::value) {
+    KVL_MMA16816("f16");
+  } else {
+    static_assert(std::is_same<T, __nv_bfloat16>::value, "mma.sync: fp16 or bf16");
+    KVL_MMA16816("bf16");
+  }
 }
-template <>
-__device__ __forceinline__ void Mma16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4],
-                                                        uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+#undef KVL_MMA16816
 
 // Two floats as one 32-bit pair of T, `lo` in the low half (the smaller column index).
 template <typename T>

@@ -100,43 +100,57 @@ size_t SlidingStageBytes(const GqaShape& s) {
   return (bytes + 255) / 256 * 256;
 }
 
+// Launches `launch(word, per, words)` for rows of `rows` x H elements: in 16-byte words (uint4,
+// `per` elements each) when every pointer is 16-byte aligned, else element by element.
+template <typename T, typename Launch>
+void LaunchRowCopy(const GqaShape& s, int64_t rows, std::initializer_list<const void*> ptrs,
+                   Launch launch) {
+  if (Aligned16(ptrs)) {
+    const int per = 16 / sizeof(T);
+    launch(uint4{}, per, rows * (s.head_size / per));
+  } else {
+    launch(ElementBits<T>{}, 1, rows * s.head_size);
+  }
+}
+
+// Resident past rows -> staging rows (`to_present` false: cache_st is the past's strides), or
+// staging rows -> present rows [0, L(total)) (true: the present's).
+template <typename T>
+Status LaunchSlidingCopy(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides cache_st,
+                         const Workspace& ws, const CudaDeviceInfo& dev, cudaStream_t stream,
+                         bool to_present) {
+  const KvStrides stage_st = SlidingStageStrides(s);
+  const int64_t rows =
+      s.batch * s.kv_num_heads * (to_present ? s.present_capacity : s.past_capacity);
+  const void* cache_k = to_present ? buf.present_key : buf.past_key;
+  const void* cache_v = to_present ? buf.present_value : buf.past_value;
+  LaunchRowCopy<T>(s, rows, {cache_k, cache_v, ws.stage_k, ws.stage_v},
+                   [&](auto word, int per, int64_t n) {
+                     using U = decltype(word);
+                     U* stage_k = static_cast<U*>(ws.stage_k);
+                     U* stage_v = static_cast<U*>(ws.stage_v);
+                     if (to_present) {
+                       SlidingPresentKernel<U><<<CopyBlocks(n, dev), 256, 0, stream>>>(
+                           s, buf, stage_st, cache_st, per, buf.shared(), stage_k, stage_v);
+                     } else {
+                       SlidingStageKernel<U><<<CopyBlocks(n, dev), 256, 0, stream>>>(
+                           s, buf, cache_st, stage_st, per, stage_k, stage_v);
+                     }
+                   });
+  return CudaCheck(cudaGetLastError(), to_present ? "sliding window present launch"
+                                                  : "sliding window stage launch");
+}
+
 template <typename T>
 Status LaunchSlidingStage(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides past_st,
                           const Workspace& ws, const CudaDeviceInfo& dev, cudaStream_t stream) {
-  const KvStrides stage_st = SlidingStageStrides(s);
-  if (Aligned16({buf.past_key, buf.past_value, ws.stage_k, ws.stage_v})) {
-    const int per = 16 / sizeof(T);
-    const int64_t n = s.batch * s.kv_num_heads * s.past_capacity * (s.head_size / per);
-    SlidingStageKernel<uint4><<<CopyBlocks(n, dev), 256, 0, stream>>>(
-        s, buf, past_st, stage_st, per, static_cast<uint4*>(ws.stage_k),
-        static_cast<uint4*>(ws.stage_v));
-  } else {
-    using U = ElementBits<T>;
-    const int64_t n = s.batch * s.kv_num_heads * s.past_capacity * s.head_size;
-    SlidingStageKernel<U><<<CopyBlocks(n, dev), 256, 0, stream>>>(
-        s, buf, past_st, stage_st, 1, static_cast<U*>(ws.stage_k), static_cast<U*>(ws.stage_v));
-  }
-  return CudaCheck(cudaGetLastError(), "sliding window stage launch");
+  return LaunchSlidingCopy<T>(s, buf, past_st, ws, dev, stream, false);
 }
 
 template <typename T>
 Status LaunchSlidingPresent(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
                             const Workspace& ws, const CudaDeviceInfo& dev, cudaStream_t stream) {
-  const KvStrides stage_st = SlidingStageStrides(s);
-  if (Aligned16({buf.present_key, buf.present_value, ws.stage_k, ws.stage_v})) {
-    const int per = 16 / sizeof(T);
-    const int64_t n = s.batch * s.kv_num_heads * s.present_capacity * (s.head_size / per);
-    SlidingPresentKernel<uint4><<<CopyBlocks(n, dev), 256, 0, stream>>>(
-        s, buf, stage_st, present_st, per, buf.shared(), static_cast<const uint4*>(ws.stage_k),
-        static_cast<const uint4*>(ws.stage_v));
-  } else {
-    using U = ElementBits<T>;
-    const int64_t n = s.batch * s.kv_num_heads * s.present_capacity * s.head_size;
-    SlidingPresentKernel<U><<<CopyBlocks(n, dev), 256, 0, stream>>>(
-        s, buf, stage_st, present_st, 1, buf.shared(), static_cast<const U*>(ws.stage_k),
-        static_cast<const U*>(ws.stage_v));
-  }
-  return CudaCheck(cudaGetLastError(), "sliding window present launch");
+  return LaunchSlidingCopy<T>(s, buf, present_st, ws, dev, stream, true);
 }
 
 #define KVL_SLIDING_INSTANTIATE(T)                                                              \

@@ -8,6 +8,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "core/check_inputs.h"
 #include "core/gqa_attributes.h"
@@ -15,6 +16,7 @@
 #include "cpu/gqa_cpu.h"
 #include "cpu/thread_pool.h"
 #include "python/bind_knobs.h"
+#include "python/bind_plan.h"
 #if defined(KVL_WITH_CUDA)
 #include "kv/cuda_vmm.h"
 #endif
@@ -261,6 +263,7 @@ PYBIND11_MODULE(_C, m) {
         "Runs the CPU GroupQueryAttention on numpy arrays (names as in the ONNX schema); "
         "returns (output, present_key, present_value).");
   kvl::BindKnobs(m);
+  kvl::BindPlan(m);
 #if defined(KVL_WITH_CUDA)
   BindCudaVmm(m);
 #endif

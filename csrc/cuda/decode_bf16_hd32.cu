@@ -1,0 +1,4 @@
+// The decode kernel's instances of __nv_bfloat16 at head tile 32 (decode_kernel.cuh says which).
+#include "cuda/decode_kernel.cuh"
+
+KVL_DECODE_INSTANCES(__nv_bfloat16, 32)

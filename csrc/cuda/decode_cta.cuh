@@ -1,0 +1,207 @@
+// One decode CTA: its sizes, its state across the kernel's phases and the small index helpers
+// they share. The phases are members defined one concern per header: decode_prologue.cuh (the
+// lengths, the partition, appends and the first loads), decode_keyloop.cuh (the key loop) and
+// decode_merge.cuh (the warps' and the splits' merges); decode_kernel.cuh wires them. Every
+// member is inlined into the one kernel: the split is for the reader, the code is one function.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/common.cuh"
+#include "cuda/decode_geometry.h"
+#include "cuda/decode_instrument.cuh"
+#include "cuda/online_softmax.cuh"
+#include "cuda/prepare_rows.cuh"
+#include "cuda/ptx.cuh"
+
+namespace kvl {
+namespace cu {
+
+// The kernel's dynamic shared memory: the warps' stage rings, then (after the key loop) the
+// merges' partials and weights (decode_geometry.h lays it out).
+extern __shared__ __align__(128) unsigned char dec_smem[];
+
+// T: fp16 or bf16; HD: the head tile (decode_geometry.h); kForm: the instance's form; W: warps,
+// four or eight (the wide instance, and packed heads at tile 192).
+//
+// Packed heads (kPack): a CTA serves every kv head of batch entry blockIdx.y. Seq-major rows of
+// one token's kv heads lie side by side, so its stage tiles hold whole token rows of HD = Nkv x
+// SH columns (SH = 64, the head size), read contiguously, where the per-head CTAs read 128-byte
+// rows Nkv x 128 bytes apart at different times. Its CTA rows are the Nkv x G query heads, row r
+// of kv head r / G; Q K^T and P V run once per kv head over that head's SH columns, each row
+// keeping its own head's scores and its own head's P V products (the others are computed and
+// dropped, never added), so the accumulators are SH wide and every row gets the per-head
+// kernel's arithmetic, in its order.
+template <typename T, int HD, DecodeForm kForm, int W>
+struct DecodeCta {
+  static constexpr bool kPack = kForm == DecodeForm::kPackedHeads;
+  static constexpr int SH = kPack ? 64 : HD;  // columns of one head in the stage tiles
+  static_assert(!kPack || (HD % SH == 0 && HD / SH <= kDecodeRows), "whole heads per tile");
+  static constexpr int kDecWarps = W, kDecThreads = W * kWarp;
+  static constexpr int KS = DecKeys(HD), ST = DecStages(HD), P = DecPitch(HD);
+  static constexpr int NT = KS / 8;    // score n-tiles (8 keys each)
+  static constexpr int KT = HD / 16;   // k-steps of Q K^T over a stage tile
+  static constexpr int DTO = SH / 8;   // output n-tiles (8 dimensions each) of a row
+  static constexpr int KTQ = SH / 16;  // k-steps of a row's query
+  static constexpr int NH = HD / SH;   // heads per stage tile (1 but packed)
+  static constexpr int QR = kDecodeRows / kDecWarps;  // query rows per warp
+  static constexpr int QE = HD / kWarp;               // query values per lane
+  static constexpr int CPR = HD / 8;  // chunk slots per row; those >= chunks are padding
+  // A lane copies the same (row j, chunk c) slots of every step: j and c depend on the lane only.
+  static constexpr int kCopies = (KS * CPR + kWarp - 1) / kWarp;
+  static constexpr int KE = (SH + kWarp - 1) / kWarp;  // values per lane of a head's row
+  static constexpr int RP = DecRedPitch(HD);
+  static constexpr int HD4 = SH / 4;
+
+  // The CTA's static shared memory: the warps' maxima, sums and weights, the rows' merged
+  // maxima, sums and scales, and whether this CTA merges the splits.
+  struct Shared {
+    float red_m[kDecWarps][kDecodeRows], red_l[kDecWarps][kDecodeRows];
+    float row_scale[kDecodeRows];
+    float red_w[kDecWarps][kDecodeRows], row_m[kDecodeRows], row_l[kDecodeRows];
+    bool merges_splits;
+  };
+  __device__ __forceinline__ static Shared& Sh() {
+    __shared__ Shared sh;
+    return sh;
+  }
+
+  // The call. The shape, buffers and strides by reference: the kernel's parameters are read
+  // where they are used (a copy here kept every field live in registers from the start).
+  const GqaShape& s;
+  const GqaCudaBuffers& buf;
+  const KvStrides& present_st;
+  int64_t splits, split_target;
+  int cluster;
+  float *part_o, *part_m, *part_l;
+  unsigned* counters;
+  DecTrace trace, prologue_trace;  // the merge's marks; the prologue's (split 0, the appender)
+
+  // Indices (Begin). Head and row indices in 32 bits (a 64-bit division is a called routine of
+  // tens of instructions, and these are on every CTA's path to its first load).
+  int Gi, nkv;
+  int64_t H, G, N;
+  int64_t rows;  // <= kDecodeRows (the dispatch guarantees it)
+  // bg: the grid row (batch entry x kv head, or the batch entry where packed), which owns the
+  // merge's partial slots and counters. g: the kv head (0 where packed: the token rows' start).
+  int64_t bg, b, g;
+  float inv_g;
+  int64_t split;
+  int lane, warp, gq, tq;  // gq, tq: fragment row group, thread in group
+  // This warp's stages: [stage][K, V] tiles of KS x P elements, a tile's rows placed by DecKvAt
+  // (a swizzled tile fills the first KS x HD). Its free slot (DecSlotElems) holds, until the key
+  // loop, the query tile (warp 0's), the raw query rows of the warp and its float scratch.
+  T* wsm;
+  float* x;      // the warp's float scratch row
+  float* q_raw;  // [QR][HD]
+  T* q_tile;
+
+  // The partition (Partition).
+  T qv[QR][QE];  // the warp's raw query values, until they are stored
+  BatchGeometry geo;
+  int64_t key_lo, key_hi, k_begin, k_end, chunk, live;
+  bool extra;  // a head sink or smooth softmax adds a term to each row's sum
+
+  // The loads (Prologue).
+  int64_t steps, my_steps;
+  const T* pk;
+  const T* pv;
+  int64_t seq_stride, row_width;
+  int chunks;
+  int32_t stride32;
+  bool appended;       // uniform over the CTA
+  uint32_t qa[KTQ][4];  // the query tile as A fragments: rows gq and gq + 8
+
+  // The key loop's state (KeyLoop): the thread's two rows.
+  bool idle[2], upper;
+  KeyRange kr[2];
+  const T* bias;
+  bool raw_scores;
+  float inv_softcap;
+  int64_t bias_row[2];
+  int head_lo, head_hi;
+  float m[2], l[2];
+  float o[DTO][4];
+
+  // The merges (MergeWarps).
+  DecodeMergeTree tree;
+  bool cluster_merge;
+  int64_t slot_base, slot0;
+  int hs, nrows;
+  float *cpart, *cpart_m, *cpart_l;
+
+  __device__ __forceinline__ DecodeCta(const GqaShape& shape, const GqaCudaBuffers& buffers,
+                                       KvStrides st, int64_t n_splits, int64_t target,
+                                       int cluster_size, float* po, float* pm, float* pl,
+                                       unsigned* cnt)
+      : s(shape), buf(buffers), present_st(st), splits(n_splits), split_target(target),
+        cluster(cluster_size), part_o(po), part_m(pm), part_l(pl), counters(cnt) {}
+
+  // CTA row r (< kDecodeRows): token r / G, query head g * G + r % G (packed: one token, and row
+  // r is query head r). r / G by a float reciprocal, not an integer division per row (about 17
+  // instructions each, on the path to the query loads): exact for r < kDecodeRows, since
+  // (r + 0.5) / G lies at least 1 / (2 G) from an integer and the product is off by less than
+  // 2e-6.
+  // (CTA rows in 32 bits: their float conversion is then a 32-bit one.)
+  __device__ __forceinline__ int64_t RowTok(int r) const {
+    if constexpr (kPack) return 0;
+    return static_cast<int>((static_cast<float>(r) + 0.5f) * inv_g);
+  }
+  __device__ __forceinline__ int64_t RowHead(int r) const {
+    if constexpr (kPack) return r;
+    return g * G + r - static_cast<int>(RowTok(r)) * Gi;
+  }
+  __device__ __forceinline__ KeyRange RowKeys(int r) const {
+    return r < rows ? QueryKeyRange(s, geo, RowTok(r)) : KeyRange{0, 0};
+  }
+  __device__ __forceinline__ T* OutRow(int r) const {  // output row of CTA row r
+    return static_cast<T*>(buf.output) + ((b * s.seq_len + RowTok(r)) * N + RowHead(r)) * H;
+  }
+  __device__ __forceinline__ float RowSink(int r) const {
+    return s.has_head_sink ? ToF(static_cast<const T*>(buf.head_sink)[RowHead(r)]) : 0.0f;
+  }
+  // This warp's i-th step: its stage slot (in 32 bits: a warp's steps number below 2^27, and a
+  // 64-bit modulo by the stage count was eight instructions on every step's path) and its first
+  // key.
+  __device__ __forceinline__ T* StepSlot(int64_t i) const {
+    return wsm + (static_cast<int>(i) % ST) * DecSlotElems(HD);
+  }
+  __device__ __forceinline__ int64_t StepKey(int64_t i) const {
+    return k_begin + (warp + i * kDecWarps) * KS;
+  }
+
+  __device__ __forceinline__ void Begin();
+  __device__ __forceinline__ bool Partition();
+  __device__ __forceinline__ bool Prologue();
+  __device__ __forceinline__ void Issue(int64_t i);
+  __device__ __forceinline__ bool Appends(int64_t i) const;
+  __device__ __forceinline__ bool KeyLoop();
+  __device__ __forceinline__ void Step(int64_t i);
+  __device__ __forceinline__ void PV(float (&acc)[DTO][4], int n0, const float (&sc)[NT][4],
+                                     const T* vs, unsigned v_lane);
+  __device__ __forceinline__ bool MergeWarps();
+  __device__ __forceinline__ bool MergeSplits();
+  __device__ __forceinline__ void StoreGroupPartial(int64_t dst, int r, int d, const float4& acc,
+                                                    float mx, float lsum);
+  __device__ __forceinline__ void ClusterValues(int members, int64_t dst);
+  __device__ __forceinline__ bool MergeInCluster(int members, int64_t dst);
+  __device__ __forceinline__ void Merge(int64_t first, int64_t n, int64_t dst);
+  template <int FN, int K>
+  __device__ __forceinline__ void MergeFewItems(int nn, int64_t row0, int64_t dst);
+  __device__ __forceinline__ bool LastToFinish(unsigned* counter, int64_t count);
+};
+
+// Element offset of (row j, column d) in a K or V stage tile of head dim HD (DecSwizzled says
+// why the swizzle). The swizzled tiles' copies and ldmatrix take a cheaper form: one XOR plus
+// an immediate per address (decode_keyloop.cuh).
+template <int HD>
+__device__ __forceinline__ int DecKvAt(int j, int d) {
+  if constexpr (DecSwizzled(HD)) {
+    return j * HD + ((((d >> 3) ^ (j & 7))) << 3) + (d & 7);
+  } else {
+    return j * DecPitch(HD) + d;
+  }
+}
+
+}  // namespace cu
+}  // namespace kvl

@@ -1,0 +1,213 @@
+// The decode CTA's key loop: each warp streams its own steps (every W-th KS-key step of the
+// split) through ST cp.async stages, with no CTA barrier inside the loop, and keeps the online
+// softmax (online_softmax.cuh) of the CTA's rows over its keys: scores and P V on mma.sync
+// m16n8k16, one m16 tile of rows, so every K/V byte is read once per KV group.
+#pragma once
+
+#include "cuda/decode_cta.cuh"
+
+namespace kvl {
+namespace cu {
+
+template <typename T, int HD, DecodeForm kForm, int W>
+__device__ __forceinline__ bool DecodeCta<T, HD, kForm, W>::KeyLoop() {
+  // Padding columns [row_width, HD) of every stage are zeroed once, now that no slot holds the
+  // tile or a scratch row; the copies write columns [0, row_width) only.
+  for (int64_t idx = lane; HD > row_width && idx < ST * 2 * KS * (HD - row_width); idx += kWarp) {
+    const int row = static_cast<int>(idx / (HD - row_width));  // of the ST x {K, V} tiles
+    wsm[(row / KS) * KS * P +
+        DecKvAt<HD>(row % KS, static_cast<int>(row_width + idx % (HD - row_width)))] =
+        FromF<T>(0.0f);
+  }
+
+  // This thread's two rows: their key ranges inside the split. Rows past S x G are idle: their
+  // query is zero and they are never written, so they need no masks. With at most 8 rows, the
+  // second row of every thread is idle and its softmax is skipped (a uniform branch).
+  idle[0] = gq >= rows;
+  idle[1] = gq + 8 >= rows;
+  upper = rows > 8;
+  kr[0] = RowKeys(gq);
+  kr[1] = RowKeys(gq + 8);
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    kr[hr].lo = max(kr[hr].lo, k_begin);
+    kr[hr].hi = min(kr[hr].hi, k_end);
+  }
+  bias = s.has_attention_bias ? static_cast<const T*>(buf.attention_bias) : nullptr;
+  raw_scores = !(s.softcap > 0.0f) && bias == nullptr;  // no softcap, no bias
+  inv_softcap = s.softcap > 0.0f ? SoftcapInverse(s.softcap) : 0.0f;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    bias_row[hr] = 0;
+    const int r = gq + hr * 8;
+    if (bias != nullptr && r < rows) {
+      const int64_t bb = s.bias_batch == 1 ? 0 : b, bh = s.bias_heads == 1 ? 0 : RowHead(r);
+      bias_row[hr] = ((bb * s.bias_heads + bh) * s.seq_len + RowTok(r)) * s.bias_total;
+    }
+  }
+
+  // Packed: the kv heads of this thread's rows gq and gq + 8 (NH or more for idle rows: no
+  // head's pass is theirs).
+  head_lo = kPack ? gq / Gi : 0;
+  head_hi = kPack ? (gq + 8) / Gi : 0;
+
+  m[0] = m[1] = -INFINITY;
+  l[0] = l[1] = 0.0f;
+#pragma unroll
+  for (int n = 0; n < DTO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+
+  for (int64_t i = 0; i < my_steps; ++i) Step(i);
+
+  // (Every accumulator feeds the kept store: keeping o[0] alone let the compiler drop the other
+  // P V products.)
+  KVL_DECODE_STOP_AFTER(3, [&] {
+    float t = m[0] + l[0] + m[1] + l[1];
+    for (int n = 0; n < DTO; ++n) t += o[n][0] + o[n][1] + o[n][2] + o[n][3];
+    return t;
+  }() == 1234.5f)
+  return true;
+}
+
+// O += P V (AccumulatePV), V through ldmatrix.trans: the products of V's n-tiles [n0, n0 + DTO)
+// into acc.
+template <typename T, int HD, DecodeForm kForm, int W>
+__device__ __forceinline__ void DecodeCta<T, HD, kForm, W>::PV(float (&acc)[DTO][4], int n0,
+                                                               const float (&sc)[NT][4],
+                                                               const T* vs, unsigned v_lane) {
+  constexpr bool kXorAddr = DecSwizzled(HD);
+  AccumulatePV<T, KS, DTO>(acc, sc, [&](int kk, int j, uint32_t (&vb)[4]) {
+    const int n = n0 + j;
+    // matrices: (keys lo, d n) (keys hi, d n) (lo, n+8) (hi, n+8)
+    const int mi = lane / 8;
+    if constexpr (kXorAddr) {
+      ptx::LdMatrixX4TransAt(vb, (v_lane ^ unsigned((n & 7) << 4)) +
+                                     unsigned((kk * 16 * HD + (n & ~7) * 8) * 2));
+    } else {
+      ptx::LdMatrixX4Trans(vb, vs + DecKvAt<HD>(kk * 16 + (mi % 2) * 8 + lane % 8,
+                                                n * 8 + (mi / 2) * 8));
+    }
+  });
+}
+
+// Step i of this warp: issue step i + ST - 1, wait for step i, then its scores, softmax and
+// P V.
+template <typename T, int HD, DecodeForm kForm, int W>
+__device__ __forceinline__ void DecodeCta<T, HD, kForm, W>::Step(int64_t i) {
+  // The slot of step i - 1 was read by every lane before the barrier closing that step, so step
+  // i + ST - 1 goes into it before waiting: ST steps in flight during the wait.
+  __syncwarp();
+  if (i + ST - 1 < my_steps) Issue(i + ST - 1);
+  ptx::CpAsyncCommit();
+  ptx::CpAsyncWait<ST - 1>();  // this lane's copies of step i have landed
+  __syncwarp();                // ... and every lane's
+  if constexpr (kDecodeTrace) {
+    if (i == 0) {
+      prologue_trace.Mark();  // warp 0's first step landed
+      if (KVL_DECODE_TRACE == 1 && (split == 0 || appended || split == live - 1)) {
+        prologue_trace.PrintPrologue(split, live, appended);
+      }
+    }
+  }
+  const T* ks = StepSlot(i);
+  const T* vs = ks + KS * P;
+  const int64_t k0 = StepKey(i);
+  // Swizzled tiles: the lane's ldmatrix rows (K: keys (mi / 2) 8 + l, chunk mi % 2; V: keys
+  // (mi % 2) 8 + l, chunk mi / 2; l = lane % 8) at chunk position (chunk ^ l), bits 4-6 of
+  // these addresses (unused, and 0, with padded tiles). A lane's address for chunk position
+  // c ^ k is its address for c with those bits XORed by k: one XOR and an immediate per
+  // ldmatrix (DecKvAt's form cost about 45 more instructions per warp step at head size 128).
+  constexpr bool kXorAddr = DecSwizzled(HD);
+  const int mi_l = lane / 8, l8 = lane % 8;
+  const unsigned k_lane =
+      kXorAddr ? ptx::SharedAddress(ks) +
+                     unsigned((((mi_l / 2) * 8 + l8) * HD + (((mi_l % 2) ^ l8) << 3)) * 2)
+               : 0u;
+  const unsigned v_lane =
+      kXorAddr ? ptx::SharedAddress(vs) +
+                     unsigned((((mi_l % 2) * 8 + l8) * HD + (((mi_l / 2) ^ l8) << 3)) * 2)
+               : 0u;
+
+  // Q K^T per head: head hh's k-steps (kk of hh's SH columns) into hs_sc[hh]; each row keeps
+  // its own head's (one head: sc itself).
+  float hs_sc[NH][NT][4];
+#pragma unroll
+  for (int hh = 0; hh < NH; ++hh) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) hs_sc[hh][n][e] = 0.0f;
+    }
+  }
+#pragma unroll
+  for (int kk = 0; kk < KT; ++kk) {
+    const int hh = kk / KTQ;
+#pragma unroll
+    for (int n = 0; n < NT; n += 2) {  // two key n-tiles per ldmatrix.x4
+      uint32_t kb[4];
+      const int mi = lane / 8;  // matrices: (keys n, d lo) (keys n, d hi) (n+8, lo) (n+8, hi)
+      if constexpr (kXorAddr) {
+        ptx::LdMatrixX4At(kb, (k_lane ^ unsigned(((2 * kk) & 7) << 4)) +
+                                  unsigned((n * 8 * HD + ((2 * kk) & ~7) * 8) * 2));
+      } else {
+        ptx::LdMatrixX4(kb, ks + DecKvAt<HD>(n * 8 + (mi / 2) * 8 + lane % 8,
+                                             kk * 16 + (mi % 2) * 8));
+      }
+      ptx::Mma16816<T>(hs_sc[hh][n], qa[kk % KTQ], kb[0], kb[1]);
+      ptx::Mma16816<T>(hs_sc[hh][n + 1], qa[kk % KTQ], kb[2], kb[3]);
+    }
+  }
+  float sc[NT][4];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sc[n][e] = hs_sc[0][n][e];
+  }
+#pragma unroll
+  for (int hh = 1; hh < NH; ++hh) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if ((e < 2 ? head_lo : head_hi) == hh) sc[n][e] = hs_sc[hh][n][e];
+      }
+    }
+  }
+
+  // Masks, softcap, bias; the online softmax of rows gq (e = 0, 1) and gq + 8 (e = 2, 3). A
+  // step inside the key range of every working row of the warp needs no masks.
+  const bool whole =
+      raw_scores &&
+      __all_sync(0xffffffffu, (idle[0] || (kr[0].lo <= k0 && k0 + KS <= kr[0].hi)) &&
+                                  (idle[1] || (kr[1].lo <= k0 && k0 + KS <= kr[1].hi)));
+  float tmax[2];
+  MaskStepScores<T, NT>(sc, tmax, whole, upper, k0, tq, kr, s, inv_softcap, bias, bias_row);
+  OnlineSoftmaxStep<NT, DTO>(sc, tmax, whole, upper, m, l, o);
+
+  if constexpr (!kPack) {
+    PV(o, 0, sc, vs, v_lane);
+  } else {
+    // Head hh's columns for every row into a copy of o, which only hh's rows keep: a row never
+    // adds another head's products (0 x a non-finite value would reach it), and its own are
+    // added to its o as the per-head kernel adds them.
+#pragma unroll
+    for (int hh = 0; hh < NH; ++hh) {
+      float t[DTO][4];
+#pragma unroll
+      for (int n = 0; n < DTO; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) t[n][e] = o[n][e];
+      }
+      PV(t, hh * DTO, sc, vs, v_lane);
+#pragma unroll
+      for (int n = 0; n < DTO; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if ((e < 2 ? head_lo : head_hi) == hh) o[n][e] = t[n][e];
+        }
+      }
+    }
+  }
+}
+
+}  // namespace cu
+}  // namespace kvl
