@@ -96,7 +96,9 @@ def _library_for(spec: ModelSpec, custom_ops_library: str | os.PathLike | None) 
     path = Path(name) if Path(name).is_absolute() else spec.model_dir / name
     if not path.is_file():
         raise FileNotFoundError(f"genai_config.json names custom_ops_library {name}, not found")
-    return str(path)
+    # Absolute: a bare file name (model_dir "" or ".") would make dlopen search the system's
+    # library path instead of the model folder.
+    return str(path.resolve())
 
 
 class Runtime:

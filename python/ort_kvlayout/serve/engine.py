@@ -358,6 +358,11 @@ class Engine:
         """Submits and waits (a convenience for scripts and tests)."""
         return self.submit(prompt, params, on_event=None).result()
 
+    @property
+    def closing(self) -> bool:
+        """True once close() was called (the server's /health answers 503)."""
+        return self._closing
+
     def stats(self) -> dict:
         """Counters, as of the last step (thread-safe): running, waiting, preemptions,
         committed/reserved/peak KV bytes, bytes moved, graph captures, steps, tokens, ..."""
