@@ -162,6 +162,11 @@ def serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    # uvicorn handles SIGINT/SIGTERM while it serves (stop accepting, drain, shut down) and
+    # raises the signal again on its way out, to the handlers installed before it: after a
+    # clean shutdown that is no error, so those do nothing and the exit status is 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     try:
         server.run()
     finally:

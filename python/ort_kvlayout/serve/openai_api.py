@@ -3,7 +3,7 @@
 Pure functions, no web framework: server.py wires them to HTTP. Unknown request fields are
 ignored (clients and benchmark tools send extensions); fields whose non-default values the
 engine cannot honour (n > 1, echo, logprobs, penalties) are a 400 naming the field. Extensions
-honoured: ignore_eos, top_k, stop_token_ids.
+honoured: ignore_eos, top_k, stop_token_ids, return_token_ids.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class ParsedRequest:
     include_usage: bool
     chat: bool
     model: str
+    return_token_ids: bool = False  # an extension (vLLM's name): choices carry token_ids
 
 
 def load_body(raw: bytes) -> dict:
@@ -152,9 +153,7 @@ def _params(body: dict, prompt_len: int, context: int, default_max: int | None) 
         )
     except ValueError as exc:
         raise ApiError(400, str(exc)) from exc
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise ApiError(400, "'ignore_eos' must be a boolean", param="ignore_eos")
+    ignore_eos = _flag(body, "ignore_eos")
     return RequestParams(
         max_tokens=max_tokens,
         sampling=sampling,
@@ -162,6 +161,15 @@ def _params(body: dict, prompt_len: int, context: int, default_max: int | None) 
         stop=_stop(body),
         ignore_eos=ignore_eos,
     )
+
+
+def _flag(body: dict, key: str) -> bool:
+    value = body.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ApiError(400, f"'{key}' must be a boolean", param=key)
+    return value
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:
@@ -211,7 +219,7 @@ def parse_completion(body: dict, tokenizer, served: str, context: int) -> Parsed
         raise ApiError(400, "the prompt is empty", param="prompt")
     stream, usage = _stream_flags(body)
     params = _params(body, len(ids), context, 16)
-    return ParsedRequest(ids, params, stream, usage, False, model)
+    return ParsedRequest(ids, params, stream, usage, False, model, _flag(body, "return_token_ids"))
 
 
 def parse_chat(body: dict, tokenizer, template, served: str, context: int) -> ParsedRequest:
@@ -247,7 +255,7 @@ def parse_chat(body: dict, tokenizer, template, served: str, context: int) -> Pa
         raise ApiError(400, "the messages encode to no tokens", param="messages")
     stream, usage = _stream_flags(body)
     params = _params(body, len(ids), context, None)
-    return ParsedRequest(ids, params, stream, usage, True, model)
+    return ParsedRequest(ids, params, stream, usage, True, model, _flag(body, "return_token_ids"))
 
 
 # ---------------------------------------------------------------------------------------------

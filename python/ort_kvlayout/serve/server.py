@@ -160,7 +160,7 @@ def build_app(
         text = "".join(texts) if tokenizer is not None else ""
         u = usage(last.prompt_tokens, last.completion_tokens) if last else usage(0, 0)
         body = response(req, rid, text, last.finish_reason if last else None, u)
-        if tokenizer is None:  # token ids are the only output a model without a tokenizer has
+        if tokenizer is None or req.return_token_ids:  # without a tokenizer: the only output
             body["choices"][0]["token_ids"] = list(handle.tokens)
         return JSONResponse(body)
 
@@ -177,9 +177,9 @@ def build_app(
                     yield sse(error.body())
                     break
                 text = event.text if event.text is not None else ""
-                if text or not event.finished:
+                if text or event.token_id is not None:
                     body = chunk(req, rid, now, text, None)
-                    if tokenizer is None and event.token_id is not None:
+                    if (tokenizer is None or req.return_token_ids) and event.token_id is not None:
                         body["choices"][0]["token_ids"] = [event.token_id]
                     yield sse(body)
                 if event.finished:
