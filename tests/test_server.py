@@ -299,16 +299,36 @@ def test_cli_faults(model, tmp_path):
     r = run_cli(str(broken))
     assert r.returncode == 2 and "num_hidden_layers = 1000000000 is out of range" in r.stderr
     assert time.monotonic() - start < 30 and "Traceback" not in r.stderr
-    config["model"]["decoder"]["num_hidden_layers"] = 2
-    config["model"]["context_length"] = 10**12
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("model.context_length", 10**12, "context_length = 1000000000000 is out of range"),
+        ("model.eos_token_id", [2, 100000], "eos_token_id = 100000 is out of range"),
+        ("model.pad_token_id", -1, "pad_token_id = -1 is out of range"),
+        ("model.decoder.num_key_value_heads", 0, "num_key_value_heads = 0 is out of range"),
+        ("model.decoder.num_hidden_layers", "two", "malformed"),
+    ],
+)
+def test_genai_config_checked_before_allocation(model, tmp_path, key, value, message):
+    from ort_kvlayout.model.config import MetadataError
+    from ort_kvlayout.runtime.kv_memory import allocator_stats
+    from ort_kvlayout.serve.engine import Engine
+
+    broken = tmp_path / "broken"
+    shutil.copytree(model, broken)
+    config = json.loads((broken / "genai_config.json").read_text())
+    *parents, last = key.split(".")
+    node = config
+    for p in parents:
+        node = node[p]
+    node[last] = value
     (broken / "genai_config.json").write_text(json.dumps(config))
-    r = run_cli(str(broken))
-    assert r.returncode == 2 and "context_length" in r.stderr
-    config["model"]["context_length"] = 256
-    config["model"]["eos_token_id"] = [2, 100000]
-    (broken / "genai_config.json").write_text(json.dumps(config))
-    r = run_cli(str(broken))
-    assert r.returncode == 2 and "eos_token_id = 100000" in r.stderr
+    before = allocator_stats()["cpu"]
+    with pytest.raises(MetadataError, match=message):
+        Engine(broken)
+    assert allocator_stats()["cpu"] == before
 
 
 def test_relative_model_dir_loads_the_library_from_the_model(model):

@@ -97,12 +97,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    try:
-        import uvicorn
-
-        from .server import build_app, load_chat_template
-    except ImportError as exc:
-        return _fail(f"the server needs the serve extra (pip install 'ort-kvlayout[serve]'): {exc}")
     from ..model.config import MetadataError
     from ..model.tokenizer import load_tokenizer
     from .engine import Engine, EngineConfig
@@ -128,6 +122,12 @@ def serve(args: argparse.Namespace) -> int:
             f"--kv-budget {args.kv_budget} bytes is more than this machine's memory ({memory} "
             "bytes)"
         )
+    try:
+        import uvicorn
+
+        from .server import build_app, load_chat_template
+    except ImportError as exc:
+        return _fail(f"the server needs the serve extra (pip install 'ort-kvlayout[serve]'): {exc}")
     try:
         config = EngineConfig(
             max_batch=args.max_batch, capacity=args.capacity, kv_budget_bytes=args.kv_budget,
