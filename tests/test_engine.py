@@ -277,3 +277,18 @@ def test_runtime_generate_from_two_threads_is_serialized(model, alone):
         assert [got[i] for i in range(4)] == alone[:4]
         with pytest.raises(RuntimeError, match="on_step"):
             rt.generate(PROMPTS[0], 3, on_step=lambda _: rt.generate(PROMPTS[1], 2))
+
+
+def test_a_failed_commit_preempts_instead_of_crashing(model, alone):
+    from ort_kvlayout.runtime.kv_memory import simulate_commit_failure
+
+    with engine(model, max_batch=3, prefill_chunk=8) as eng:
+        handles = [eng.submit(p, params(n)) for p, n in zip(PROMPTS[:3], LENGTHS[:3])]
+        simulate_commit_failure("cpu", after=6)  # a later granule fails once, as ENOMEM would
+        try:
+            got = [h.result() for h in handles]
+        finally:
+            simulate_commit_failure("cpu", -1)
+        stats = eng.stats()
+    assert got == alone[:3]
+    assert stats["preemptions"] >= 1 and stats["step_errors"] == 0

@@ -50,7 +50,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..runtime.generation import Runtime
-from ..runtime.kv_cache import KvCache
+from ..runtime.kv_cache import KvCache, KvMemoryError
 from ..runtime.sampling import GREEDY, Sampler, SamplingParams
 
 __all__ = [
@@ -300,7 +300,9 @@ class Engine:
                 f"{len(prompt)} prompt tokens + {params.max_tokens} max_tokens need {rows} "
                 f"rows of context; the limit is {self.capacity}"
             )
-        need = self.cache.entry_commit_bytes(rows)
+        need = self.cache.entry_commit_bytes(
+            min(rows + self.runtime._prefill_read_slack(), self.capacity)
+        )
         if need > self.budget:
             raise RequestTooLarge(
                 f"{len(prompt)} prompt tokens + {params.max_tokens} max_tokens need {need} KV "
@@ -474,13 +476,16 @@ class Engine:
         rows: dict[int, int] = {}
         decoding = [s for s, r in enumerate(self._slots) if r is not None and r.decoding]
         budget = self.config.prefill_chunk
+        # Rows a CUDA fp16 prefill may read past its chunk (Runtime._prefill_read_slack: cuDNN's
+        # key tiles); 0 on the CPU.
+        slack = self.runtime._prefill_read_slack()
         for s, r in sorted(
             ((s, r) for s, r in enumerate(self._slots) if r is not None and not r.decoding),
             key=lambda sr: sr[1].arrival,
         ):
             take = min(len(r.seq) - r.cached, budget)
             budget -= take
-            rows[s] = r.cached + max(take, 1)
+            rows[s] = min(r.cached + max(take, 1) + (slack if take else 0), self.capacity)
         if decoding:
             for s in range(min(decoding), max(decoding) + 1):
                 r = self._slots[s]
@@ -509,12 +514,14 @@ class Engine:
             running = self._running()
             if self._need_bytes(rows) <= self.budget or len(running) <= 1:
                 return rows
-            victim = max(running, key=lambda r: r.arrival)
-            self._release_slot(victim)
-            self._counters["preemptions"] += 1
-            # Back to the queue in arrival order: it is recomputed (prefilled with its tokens).
-            position = sum(1 for w in self._waiting if w.arrival < victim.arrival)
-            self._waiting.insert(position, victim)
+            self._preempt(max(running, key=lambda r: r.arrival))
+
+    def _preempt(self, victim: _Request) -> None:
+        self._release_slot(victim)
+        self._counters["preemptions"] += 1
+        # Back to the queue in arrival order: it is recomputed (prefilled with its tokens).
+        position = sum(1 for w in self._waiting if w.arrival < victim.arrival)
+        self._waiting.insert(position, victim)
 
     # --- a step ------------------------------------------------------------------------------
     def _step(self) -> None:
@@ -524,7 +531,18 @@ class Engine:
         for s, r in enumerate(self._slots):
             if r is None and s not in rows and self.cache.tokens[s]:
                 self.cache.release(s)
-        self.cache.ensure([rows.get(s, self.cache.tokens[s]) for s in range(len(self._slots))])
+        try:
+            self.cache.ensure([rows.get(s, self.cache.tokens[s]) for s in range(len(self._slots))])
+        except KvMemoryError as exc:
+            # The device had less memory than the budget assumed: the newest request makes room
+            # (recomputed later), or, alone, ends with an error; the loop goes on.
+            running = self._running()
+            if len(running) <= 1:
+                for r in running:
+                    self._finish(r, "error", error=f"KV memory: {exc}")
+                return
+            self._preempt(max(running, key=lambda r: r.arrival))
+            return
         self._counters["steps"] += 1
         decoding = [s for s, r in enumerate(self._slots) if r is not None and r.decoding]
         prefilling = sorted((r for r in self._running() if not r.decoding), key=lambda r: r.arrival)
