@@ -292,3 +292,14 @@ def test_a_failed_commit_preempts_instead_of_crashing(model, alone):
         stats = eng.stats()
     assert got == alone[:3]
     assert stats["preemptions"] >= 1 and stats["step_errors"] == 0
+
+
+def test_a_relative_model_dir_registers_the_library_by_absolute_path(model, monkeypatch):
+    from pathlib import Path
+
+    from ort_kvlayout.runtime.generation import Runtime
+
+    monkeypatch.chdir(model)
+    with Runtime(".") as rt:  # dlopen("libort_kvlayout.so") would search the system path
+        assert Path(rt.library).is_absolute()
+        assert Path(rt.library).parent == model.resolve()
