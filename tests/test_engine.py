@@ -303,3 +303,50 @@ def test_a_relative_model_dir_registers_the_library_by_absolute_path(model, monk
     with Runtime(".") as rt:  # dlopen("libort_kvlayout.so") would search the system path
         assert Path(rt.library).is_absolute()
         assert Path(rt.library).parent == model.resolve()
+
+
+def test_growable_slots_hold_more_requests_than_preallocated_ones_at_equal_budget(model, alone):
+    from ort_kvlayout.serve.engine import Engine, EngineConfig
+
+    with engine(model, max_batch=1, cache="preallocated") as probe:
+        slot = probe.cache.stats.reserved_bytes  # one whole slot: 256 tokens
+    peaks = {}
+    for mode in ("preallocated", "growable"):
+        config = EngineConfig(max_batch=6, cache=mode, kv_budget_bytes=2 * slot)
+        with Engine(model, config) as eng:
+            handles = [eng.submit(p, params(n)) for p, n in zip(PROMPTS, LENGTHS)]
+            assert [h.result() for h in handles] == alone
+            stats = eng.stats()
+        assert stats["kv_peak_committed_bytes"] <= 2 * slot
+        peaks[mode] = stats["peak_running"]
+    assert peaks == {"preallocated": 2, "growable": 6}
+
+
+def test_a_long_prompt_never_stalls_a_running_request_more_than_one_chunk(model, alone):
+    """Every step with a decoding request runs its decode, and prefills at most prefill_chunk
+    prompt tokens: the running request's gap is one decode call plus one chunk."""
+    steps: list[dict] = []
+    with engine(model, max_batch=2, prefill_chunk=4) as eng:
+        real_decode, real_prefill, real_step = eng._decode_step, eng._prefill_chunk, eng._step
+
+        def step():
+            steps.append({"decode": 0, "prefill": 0})
+            real_step()
+
+        def decode(lo, hi):
+            steps[-1]["decode"] += 1
+            real_decode(lo, hi)
+
+        def prefill(r, take):
+            steps[-1]["prefill"] += take
+            real_prefill(r, take)
+
+        eng._step, eng._decode_step, eng._prefill_chunk = step, decode, prefill
+        # a (4 prompt tokens: the first step's whole chunk) decodes while b prefills.
+        a = eng.submit(PROMPTS[1], params(240))
+        b = eng.submit(PROMPTS[5], params(LENGTHS[5]))  # 30 prompt tokens: 8 chunks
+        assert b.result() == alone[5]
+        eng.cancel(a.id)
+    assert max(s["prefill"] for s in steps) <= 4
+    mixed = [s for s in steps if s["prefill"] and s["decode"]]
+    assert len(mixed) == 8  # b's chunks ran beside a's decode steps, one chunk per step

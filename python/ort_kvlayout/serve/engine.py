@@ -246,20 +246,12 @@ class Engine:
         )
         self.spec = self.runtime.spec
         self.tokenizer = tokenizer
-        self.capacity = self.runtime.capacity
-        self.cache = KvCache.create(
-            self.spec.kv,
-            config.cache,
-            device="cuda" if config.provider == "cuda" else "cpu",
-            batch=config.max_batch,
-            capacity=self.capacity,
-            device_id=config.device_id,
-            granule=config.granule,
-        )
-        reserved = self.cache.stats.reserved_bytes
-        self.budget = reserved if config.kv_budget_bytes is None else config.kv_budget_bytes
-        self.eos = frozenset(self.spec.eos_token_ids)
-        self._slots: list[_Request | None] = [None] * config.max_batch
+        try:
+            self._allocate(config)
+        except BaseException:
+            self.runtime.close()
+            raise
+        self._slots: list[_Request | None] = [None] * self.max_batch
         self._waiting: collections.deque[_Request] = collections.deque()
         self._inbox: list[tuple[str, object]] = []
         self._cond = threading.Condition()
@@ -274,6 +266,34 @@ class Engine:
         self._update_snapshot()
         if start:
             self.start()
+
+    def _allocate(self, config: EngineConfig) -> None:
+        """The cache of `max_batch` slots (fewer for a preallocating cache whose budget buys
+        fewer whole slots) and the KV budget."""
+        self.capacity = self.runtime.capacity
+        slots = config.max_batch
+        if config.cache == "preallocated" and config.kv_budget_bytes is not None:
+            # A preallocating cache commits whole slots up front: the budget buys that many.
+            slot_bytes = self.capacity * self.spec.kv.token_bytes * self.spec.kv.buffers
+            slots = min(slots, config.kv_budget_bytes // slot_bytes)
+            if slots < 1:
+                raise ValueError(
+                    f"kv_budget_bytes {config.kv_budget_bytes} is less than one preallocated "
+                    f"slot of {self.capacity} tokens ({slot_bytes} bytes)"
+                )
+        self.max_batch = slots
+        self.cache = KvCache.create(
+            self.spec.kv,
+            config.cache,
+            device="cuda" if config.provider == "cuda" else "cpu",
+            batch=slots,
+            capacity=self.capacity,
+            device_id=config.device_id,
+            granule=config.granule,
+        )
+        reserved = self.cache.stats.reserved_bytes
+        self.budget = reserved if config.kv_budget_bytes is None else config.kv_budget_bytes
+        self.eos = frozenset(self.spec.eos_token_ids)
 
     # ---------------------------------------------------------------------------------------
     # Any thread
@@ -679,7 +699,7 @@ class Engine:
         snap = {
             "running": running,
             "waiting": len(self._waiting),
-            "max_batch": self.config.max_batch,
+            "max_batch": self.max_batch,
             "peak_running": self._peak_running,
             "preemptions": self._counters["preemptions"],
             "kv_budget_bytes": self.budget,
