@@ -146,7 +146,7 @@ def run_engine(args, items: list[Item]) -> dict:
     from ort_kvlayout.serve.engine import Engine, EngineConfig, RequestParams
 
     config = EngineConfig(
-        max_batch=args.max_batch, prefill_chunk=args.chunk,
+        max_batch=args.max_batch, prefill_chunk=args.variant[0], cache=args.variant[1],
         kv_budget_bytes=args.kv_budget, max_waiting=len(items) + 1,
     )  # fmt: skip
     with Engine(args.model, config) as engine:
@@ -296,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-batch", type=int, default=4, help="engine slots (og.Engine CPU: 4)")
     p.add_argument("--prefill-chunk", default="256", help="engine chunk(s), e.g. 64,4096")
+    p.add_argument("--cache", default="growable", help="engine cache(s): growable,preallocated")
     p.add_argument("--repeat", type=int, default=1, help="runs per system, in turn (median)")
     p.add_argument("--kv-budget", type=int, default=None, help="engine KV budget in bytes")
     p.add_argument("--json", type=Path)
@@ -311,17 +312,20 @@ def main(argv: list[str] | None = None) -> int:
     systems = []
     for name in args.systems.split(","):
         if name == "engine":
-            for chunk in args.prefill_chunk.split(","):
-                label = "engine" if "," not in args.prefill_chunk else f"engine (chunk {chunk})"
-                systems.append((label, run_engine, int(chunk)))
+            for cache in args.cache.split(","):
+                for chunk in args.prefill_chunk.split(","):
+                    notes = [f"chunk {chunk}"] if "," in args.prefill_chunk else []
+                    notes += [cache] if "," in args.cache else []
+                    label = f"engine ({', '.join(notes)})" if notes else "engine"
+                    systems.append((label, run_engine, (int(chunk), cache)))
         else:
-            systems.append((name, {"genai": run_genai}[name], 0))
+            systems.append((name, {"genai": run_genai}[name], None))
     runs: dict[str, list[dict]] = {label: [] for label, _, _ in systems}
     for rep in range(args.repeat):
-        for label, fn, chunk in systems:
+        for label, fn, variant in systems:
             print(f"running {label} ({len(items)} requests, run {rep + 1})...", file=sys.stderr,
                   flush=True)  # fmt: skip
-            args.chunk = chunk
+            args.variant = variant
             runs[label].append(fn(args, items))
     results = {}
     for label, rs in runs.items():
@@ -340,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": str(args.model.name),
         "genai_model": str(args.genai_model.name),
         "workload": {
-            k: v for k, v in vars(args).items() if k not in ("model", "genai_model", "json", "chunk")
+            k: v for k, v in vars(args).items() if k not in ("model", "genai_model", "json", "variant")
         },
         "results": results,
     }  # fmt: skip

@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", type=int, help="tokens per slot (default: the model's context)")
     p.add_argument("--kv-budget", type=parse_bytes,
                    help="KV bytes the engine may commit, e.g. 2GiB (default: all slots whole)")  # fmt: skip
+    p.add_argument("--cache", choices=["growable", "preallocated"], default="growable",
+                   help="preallocated: every slot committed whole (the budget buys whole slots)")  # fmt: skip
     p.add_argument("--prefill-chunk", type=int, default=256,
                    help="prompt tokens prefilled per step (bounds the decode stall)")  # fmt: skip
     p.add_argument("--max-waiting", type=int, default=256,
@@ -132,7 +134,7 @@ def serve(args: argparse.Namespace) -> int:
         config = EngineConfig(
             max_batch=args.max_batch, capacity=args.capacity, kv_budget_bytes=args.kv_budget,
             prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting,
-            provider=args.provider,
+            provider=args.provider, cache=args.cache,
         )  # fmt: skip
         tokenizer = None
         if (model_dir / "tokenizer.json").is_file():
