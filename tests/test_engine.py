@@ -350,3 +350,24 @@ def test_a_long_prompt_never_stalls_a_running_request_more_than_one_chunk(model,
     assert max(s["prefill"] for s in steps) <= 4
     mixed = [s for s in steps if s["prefill"] and s["decode"]]
     assert len(mixed) == 8  # b's chunks ran beside a's decode steps, one chunk per step
+
+
+def test_a_raising_callback_cancels_only_its_own_request(model, alone):
+    def broken(event):
+        raise RuntimeError("client bug")
+
+    with engine(model, max_batch=2) as eng:
+        bad = eng.submit(PROMPTS[0], params(40), on_event=broken)
+        good = eng.submit(PROMPTS[1], params(LENGTHS[1]))
+        assert good.result() == alone[1]
+        stats = eng.stats()
+    assert bad.tokens == alone[0][:1]  # its first event raised: cancelled there
+    assert stats["finished_cancelled"] == 1 and stats["step_errors"] == 0
+
+
+def test_generate_blocks_inside_an_event_loop(model, alone):
+    async def main(eng):
+        return eng.generate(PROMPTS[3], params(LENGTHS[3]))
+
+    with engine(model) as eng:
+        assert asyncio.run(main(eng)) == alone[3]

@@ -349,7 +349,8 @@ class Engine:
         rid = next(self._ids)
         handle = RequestHandle(self, rid, loop)
         if on_event is not None:
-            handle._push = on_event  # type: ignore[method-assign]
+            # tokens and finish_reason kept on the handle for callback users too
+            handle._push = lambda event: on_event(handle._take(event))  # type: ignore[method-assign]
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else self.eos
         )
@@ -377,8 +378,13 @@ class Engine:
             self._cond.notify()
 
     def generate(self, prompt: list[int], params: RequestParams | None = None) -> list[int]:
-        """Submits and waits (a convenience for scripts and tests)."""
-        return self.submit(prompt, params, on_event=None).result()
+        """Submits and waits (a convenience for scripts and tests; blocks even when called
+        from an event loop's thread)."""
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        handle = self.submit(prompt, params, on_event=done.put)
+        while not done.get().finished:
+            pass
+        return handle.tokens
 
     @property
     def closing(self) -> bool:
@@ -488,7 +494,20 @@ class Engine:
         self._counters[f"finished_{reason}"] += 1
         if flush and self.tokenizer is not None:
             text = self._flush_text(r)
-        r.handle._push(Event(r.id, token, text, reason, r.prompt_len, r.generated, error))
+        self._deliver(r, Event(r.id, token, text, reason, r.prompt_len, r.generated, error))
+
+    def _deliver(self, r: _Request, event: Event) -> bool:
+        """Hands an event to r's reader; a callback that raises is that request's problem
+        only: it is cancelled (its slot freed), the other requests go on."""
+        try:
+            r.handle._push(event)
+            return True
+        except Exception:  # noqa: BLE001 -- the caller's code, not the engine's
+            self._counters["callback_errors"] += 1
+            if not event.finished:
+                self._release_slot(r)
+                self._counters["finished_cancelled"] += 1
+            return False
 
     # --- memory ------------------------------------------------------------------------------
     def _step_rows(self) -> dict[int, int]:
@@ -654,7 +673,7 @@ class Engine:
         if reason is not None:
             self._finish(r, reason, token=token, text=text, flush=False)
         else:
-            r.handle._push(Event(r.id, token, text, None, r.prompt_len, r.generated))
+            self._deliver(r, Event(r.id, token, text, None, r.prompt_len, r.generated))
 
     # --- text ----------------------------------------------------------------------------------
     def _generated_text(self, r: _Request) -> str:
@@ -714,7 +733,7 @@ class Engine:
         }
         for key in (
             "steps", "decode_calls", "decode_rows", "prefill_calls", "prefill_tokens", "tokens",
-            "admitted", "rejected", "step_errors", "finished_stop", "finished_length",
+            "admitted", "rejected", "step_errors", "callback_errors", "finished_stop", "finished_length",
             "finished_cancelled", "finished_error",
         ):  # fmt: skip
             snap[key] = self._counters[key]
