@@ -733,8 +733,8 @@ class Engine:
         }
         for key in (
             "steps", "decode_calls", "decode_rows", "prefill_calls", "prefill_tokens", "tokens",
-            "admitted", "rejected", "step_errors", "callback_errors", "finished_stop", "finished_length",
-            "finished_cancelled", "finished_error",
+            "admitted", "rejected", "step_errors", "callback_errors", "finished_stop",
+            "finished_length", "finished_cancelled", "finished_error",
         ):  # fmt: skip
             snap[key] = self._counters[key]
         with self._cond:
