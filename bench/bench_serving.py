@@ -147,6 +147,7 @@ def run_engine(args, items: list[Item]) -> dict:
 
     config = EngineConfig(
         max_batch=args.max_batch, prefill_chunk=args.variant[0], cache=args.variant[1],
+        provider=args.provider,
         kv_budget_bytes=args.kv_budget, max_waiting=len(items) + 1,
     )  # fmt: skip
     with Engine(args.model, config) as engine:
@@ -253,6 +254,20 @@ def run_genai(args, items: list[Item]) -> dict:
     return result
 
 
+def device_name(provider: str) -> str:
+    host = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    if provider == "cuda":
+        try:
+            gpu = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                capture_output=True, text=True, check=True,
+            ).stdout.splitlines()[0]  # fmt: skip
+        except (OSError, subprocess.CalledProcessError, IndexError):
+            gpu = "unknown GPU"
+        return f"cuda ({gpu}; host {host})"
+    return f"cpu ({host})"
+
+
 def table(results: dict) -> str:
     header = (
         "| system | req/s | out tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms "
@@ -296,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-batch", type=int, default=4, help="engine slots (og.Engine CPU: 4)")
     p.add_argument("--prefill-chunk", default="256", help="engine chunk(s), e.g. 64,4096")
+    p.add_argument("--provider", choices=["cpu", "cuda"], default="cpu", help="the engine's")
     p.add_argument("--cache", default="growable", help="engine cache(s): growable,preallocated")
     p.add_argument("--repeat", type=int, default=1, help="runs per system, in turn (median)")
     p.add_argument("--kv-budget", type=int, default=None, help="engine KV budget in bytes")
@@ -338,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     record = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "device": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+        "device": device_name(args.provider),
         "commit": commit_id(),
         "command": "python bench/bench_serving.py " + " ".join(argv or sys.argv[1:]),
         "model": str(args.model.name),
@@ -349,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
     }  # fmt: skip
     record["workload"]["request_rate"] = str(args.request_rate)
-    path = args.json or ROOT / "bench" / "results" / "serving-cpu.json"
+    path = args.json or ROOT / "bench" / "results" / f"serving-{args.provider}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {path}", file=sys.stderr)
