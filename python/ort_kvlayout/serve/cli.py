@@ -119,7 +119,7 @@ def serve(args: argparse.Namespace) -> int:
     if not (model_dir / "genai_config.json").is_file():
         return _fail(f"{model_dir}: no genai_config.json (not an onnxruntime-genai model folder)")
     memory = physical_memory()
-    if args.kv_budget is not None and memory is not None and args.kv_budget > memory:
+    if args.provider == "cpu" and args.kv_budget and memory and args.kv_budget > memory:
         return _fail(
             f"--kv-budget {args.kv_budget} bytes is more than this machine's memory ({memory} "
             "bytes)"
