@@ -243,6 +243,30 @@ def test_disconnect_cancels_and_frees_pages(server):
     assert m["requests_running"] == 0 and m["kv_committed_bytes"] == 0
 
 
+def test_disconnect_of_a_plain_request_cancels_it(server):
+    import socket
+
+    body = json.dumps({"model": "tiny", "prompt": "abc", "max_tokens": 250, "ignore_eos": True,
+                       "temperature": 0})  # fmt: skip
+    before = metrics(server)["requests_cancelled_total"]
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+        )
+        deadline = time.monotonic() + 20
+        while metrics(server)["requests_running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        m = metrics(server)
+        if m["requests_cancelled_total"] > before and m["requests_running"] == 0:
+            break
+        time.sleep(0.05)
+    assert m["requests_cancelled_total"] == before + 1
+    assert m["kv_committed_bytes"] == 0
+
+
 def test_overload_answers_503(model):
     proc = ServerProcess(model, "--max-batch", "1", "--max-waiting", "0").wait_ready()
     try:
