@@ -1,5 +1,5 @@
-"""Support for the server tests: a tiny patched model with a character tokenizer and a chat
-template, and a real `ort-kvlayout serve` process on it."""
+"""Support for the engine and server tests: a tiny patched model with a character tokenizer and
+a chat template, a real `ort-kvlayout serve` process on it, and the library check."""
 
 from __future__ import annotations
 
@@ -19,6 +19,16 @@ SPECIALS = ["<pad>", "<s>", "</s>", "<eos>"]  # ids 0-3: pad, bos and the two EO
 CHARS = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ .,!?:\n'")
 TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 assert len(SPECIALS) + len(CHARS) == VOCAB
+
+
+def library_or_skip() -> None:
+    import ort_kvlayout
+    import pytest
+
+    try:
+        ort_kvlayout.library_path()
+    except (FileNotFoundError, OSError) as exc:
+        pytest.skip(f"custom-op library not built: {exc}")
 
 
 def write_char_tokenizer(model_dir: Path) -> None:

@@ -16,6 +16,7 @@ from ort_kvlayout.runtime.kv_cache import KvCache
 from ort_kvlayout.runtime.kv_memory import allocator_stats
 from ort_kvlayout.runtime.model_spec import KvSpec
 from ort_kvlayout.runtime.sampling import SamplingParams
+from serve_util import library_or_skip
 from synthetic_models import VOCAB, Variant, make_model_dir
 
 PROMPTS = [
@@ -27,15 +28,6 @@ PROMPTS = [
     [9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9],
 ]
 LENGTHS = [40, 25, 33, 12, 50, 20]
-
-
-def library_or_skip() -> None:
-    import ort_kvlayout
-
-    try:
-        ort_kvlayout.library_path()
-    except (FileNotFoundError, OSError) as exc:
-        pytest.skip(f"custom-op library not built: {exc}")
 
 
 @pytest.fixture(scope="module")

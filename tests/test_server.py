@@ -20,7 +20,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-from serve_util import TEMPLATE, ServerProcess, make_served_model
+from serve_util import TEMPLATE, ServerProcess, library_or_skip, make_served_model
 
 PROMPTS = [
     "Hello world.",
@@ -29,15 +29,6 @@ PROMPTS = [
     "Serving many requests at once, with pages that follow the live tokens.",
 ]
 LENGTHS = [30, 45, 12, 25]
-
-
-def library_or_skip() -> None:
-    import ort_kvlayout
-
-    try:
-        ort_kvlayout.library_path()
-    except (FileNotFoundError, OSError) as exc:
-        pytest.skip(f"custom-op library not built: {exc}")
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +95,17 @@ def metrics(server) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             out[name.split("{")[0].removeprefix("ort_kvlayout_")] = float(value)
     return out
+
+
+def wait_cancelled(server, before: float) -> dict[str, float]:
+    """The metrics once a cancellation was counted and nothing runs (or after 20 s)."""
+    deadline = time.monotonic() + 20
+    while True:
+        m = metrics(server)
+        done = m["requests_cancelled_total"] > before and m["requests_running"] == 0
+        if done or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
 
 
 def test_models_health_metrics(server, client):
@@ -233,12 +235,7 @@ def test_disconnect_cancels_and_frees_pages(server):
     r = urllib.request.urlopen(request, timeout=30)
     r.readline()  # the first frame arrived: the request runs
     r.close()
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        m = metrics(server)
-        if m["requests_cancelled_total"] > before and m["requests_running"] == 0:
-            break
-        time.sleep(0.05)
+    m = wait_cancelled(server, before)
     assert m["requests_cancelled_total"] == before + 1
     assert m["requests_running"] == 0 and m["kv_committed_bytes"] == 0
 
@@ -257,12 +254,7 @@ def test_disconnect_of_a_plain_request_cancels_it(server):
         deadline = time.monotonic() + 20
         while metrics(server)["requests_running"] == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        m = metrics(server)
-        if m["requests_cancelled_total"] > before and m["requests_running"] == 0:
-            break
-        time.sleep(0.05)
+    m = wait_cancelled(server, before)
     assert m["requests_cancelled_total"] == before + 1
     assert m["kv_committed_bytes"] == 0
 
