@@ -254,6 +254,37 @@ def run_genai(args, items: list[Item]) -> dict:
     return result
 
 
+def mixed_cost(args) -> dict:
+    """What one right-padded mixed call would cost against separate calls: a decode row for
+    each of --max-batch slots beside one prefill chunk of --mixed-chunk tokens, run as one
+    (batch, chunk) call (what GQA's query_seqlens allows) and as a (batch, 1) decode call plus a
+    (1, chunk) prefill call (what the engine does). Medians of --mixed-repeat runs, ms."""
+    from ort_kvlayout.serve.engine import Engine, EngineConfig
+
+    b, chunk = args.max_batch, args.mixed_chunk
+    engine = Engine(args.model, EngineConfig(max_batch=b, provider=args.provider), start=False)
+    try:
+        engine.cache.ensure([chunk] * b)
+        rng = np.random.default_rng(args.seed)
+
+        def call(batch: int, width: int) -> None:
+            ids = rng.integers(16, engine.spec.vocab_size, (batch, width))
+            engine._run(0, ids, np.ones((batch, width), engine.spec.mask_dtype))
+
+        shapes = {"mixed_padded": [(b, chunk)], "separate": [(b, 1), (1, chunk)]}
+        times: dict[str, list[float]] = {name: [] for name in shapes}
+        for rep in range(args.mixed_repeat + 1):  # the first round warms up
+            for name, calls in shapes.items():
+                start = time.perf_counter()
+                for batch, width in calls:
+                    call(batch, width)
+                if rep:
+                    times[name].append((time.perf_counter() - start) * 1000)
+    finally:
+        engine.close()
+    return {name: float(np.median(t)) for name, t in times.items()} | {"runs_ms": times}
+
+
 def device_name(provider: str) -> str:
     host = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     if provider == "cuda":
@@ -316,8 +347,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="runs per system, in turn (median)")
     p.add_argument("--kv-budget", type=int, default=None, help="engine KV budget in bytes")
     p.add_argument("--json", type=Path)
+    p.add_argument(
+        "--mixed-cost",
+        action="store_true",
+        help="only time one padded mixed call against separate decode + prefill calls",
+    )
+    p.add_argument("--mixed-chunk", type=int, default=64)
+    p.add_argument("--mixed-repeat", type=int, default=5)
     args = p.parse_args(argv)
     args.genai_model = args.genai_model or args.model
+    if args.mixed_cost:
+        result = mixed_cost(args)
+        print(
+            f"batch {args.max_batch} decode rows + one {args.mixed_chunk}-token chunk: one padded "
+            f"call {result['mixed_padded']:.1f} ms, separate calls {result['separate']:.1f} ms"
+        )
+        if args.json:
+            record = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                      "device": device_name(args.provider), "commit": commit_id(),
+                      "command": "python bench/bench_serving.py " + " ".join(argv or sys.argv[1:]),
+                      "mixed_cost": result}  # fmt: skip
+            args.json.write_text(json.dumps(record, indent=1) + "\n")
+        return 0
 
     from ort_kvlayout.runtime.model_spec import ModelSpec
 
