@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import itertools
 import os
 import queue
@@ -291,6 +292,9 @@ class Engine:
             device_id=config.device_id,
             granule=config.granule,
         )
+        # Bytes per entry of n rows: the same for every slot, asked several times a step.
+        self._commit_bytes = functools.lru_cache(maxsize=1 << 16)(self.cache.entry_commit_bytes)
+        self._greedy = Sampler(GREEDY)
         reserved = self.cache.stats.reserved_bytes
         self.budget = reserved if config.kv_budget_bytes is None else config.kv_budget_bytes
         self.eos = frozenset(self.spec.eos_token_ids)
@@ -320,9 +324,7 @@ class Engine:
                 f"{len(prompt)} prompt tokens + {params.max_tokens} max_tokens need {rows} "
                 f"rows of context; the limit is {self.capacity}"
             )
-        need = self.cache.entry_commit_bytes(
-            min(rows + self.runtime._prefill_read_slack(), self.capacity)
-        )
+        need = self._commit_bytes(min(rows + self.runtime._prefill_read_slack(), self.capacity))
         if need > self.budget:
             raise RequestTooLarge(
                 f"{len(prompt)} prompt tokens + {params.max_tokens} max_tokens need {need} KV "
@@ -532,13 +534,13 @@ class Engine:
         return rows
 
     def _need_bytes(self, rows: dict[int, int]) -> int:
-        return sum(self.cache.entry_commit_bytes(n) for n in rows.values())
+        return sum(self._commit_bytes(n) for n in rows.values())
 
     def _admit(self) -> None:
         while self._waiting and None in self._slots:
             r = self._waiting[0]
             rows = self._step_rows()
-            need = self._need_bytes(rows) + self.cache.entry_commit_bytes(len(r.seq))
+            need = self._need_bytes(rows) + self._commit_bytes(len(r.seq))
             if any(x is not None for x in self._slots) and need > self.budget:
                 return
             self._waiting.popleft()
@@ -637,11 +639,14 @@ class Engine:
         logits = self._run(lo, ids, mask)
         self._counters["decode_calls"] += 1
         self._counters["decode_rows"] += n
-        for i, s in enumerate(range(lo, hi)):
-            r = self._slots[s]
-            if r is not None and r.decoding:
-                r.cached += 1
-                self._emit(r, logits[i, -1])
+        rows = [(i, r) for i, r in enumerate(self._slots[lo:hi]) if r is not None and r.decoding]
+        # Greedy rows are chosen together (one argmax over their logits): the same tokens as
+        # each request's own Sampler, without a call per request.
+        greedy = [i for i, r in rows if r.params.sampling.greedy]
+        chosen = dict(zip(greedy, self._greedy(logits[greedy, -1]))) if greedy else {}
+        for i, r in rows:
+            r.cached += 1
+            self._emit(r, logits[i, -1], chosen.get(i))
 
     def _prefill_chunk(self, r: _Request, take: int) -> None:
         start = r.cached
@@ -654,9 +659,10 @@ class Engine:
         if r.cached == len(r.seq):  # the whole sequence is in: its last row gives the next token
             self._emit(r, logits[0, -1])
 
-    def _emit(self, r: _Request, row: np.ndarray) -> None:
-        """Samples r's next token from its logits row, then streams it or finishes r."""
-        token = int(r.sampler(row[None])[0])
+    def _emit(self, r: _Request, row: np.ndarray, token: int | None = None) -> None:
+        """Samples r's next token from its logits row (unless chosen already), then streams it
+        or finishes r."""
+        token = int(r.sampler(row[None])[0]) if token is None else int(token)
         r.seq.append(token)  # len(seq) - cached == 1: r decodes it next
         r.generated += 1
         self._counters["tokens"] += 1
