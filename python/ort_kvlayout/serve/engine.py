@@ -215,6 +215,9 @@ class _Request:
     slot: int = -1
     stop_ids: frozenset = frozenset()
     emitted_chars: int = 0  # text already sent (stop strings hold some back)
+    text: str = ""  # generated text decoded so far (_generated_text)
+    prefix_offset: int = -1  # seq[prefix_offset:read_offset]: the context of the next decode
+    read_offset: int = -1
     submitted_at: float = field(default_factory=time.perf_counter)
 
     @property
@@ -682,13 +685,32 @@ class Engine:
             self._deliver(r, Event(r.id, token, text, None, r.prompt_len, r.generated))
 
     # --- text ----------------------------------------------------------------------------------
-    def _generated_text(self, r: _Request) -> str:
-        return self.tokenizer.decode(r.seq[r.prompt_len :])
+    def _generated_text(self, r: _Request, final: bool = False) -> str:
+        """r's generated text, decoded incrementally (vLLM's scheme): the tokens since the last
+        complete text are decoded with a few tokens of context before them, and the part past
+        the context's own text is appended, so a step decodes a handful of tokens, not the
+        whole output, and a word's leading space or a multi-byte character split over tokens
+        comes out as the full decode has it. Until `final`, text ending in an incomplete UTF-8
+        character waits for the next token."""
+        seq = r.seq
+        if r.read_offset < 0:
+            r.prefix_offset, r.read_offset = max(r.prompt_len - 4, 0), r.prompt_len
+        if r.read_offset >= len(seq):
+            return r.text
+        prefix = self.tokenizer.decode(seq[r.prefix_offset : r.read_offset])
+        full = self.tokenizer.decode(seq[r.prefix_offset :])
+        if not full.startswith(prefix):  # a tokenizer whose decode is not incremental
+            r.text = self.tokenizer.decode(seq[r.prompt_len :])
+            r.prefix_offset = r.read_offset = len(seq)
+        elif final or (len(full) > len(prefix) and not full.endswith("\ufffd")):
+            r.text += full[len(prefix) :]
+            r.prefix_offset, r.read_offset = r.read_offset, len(seq)
+        return r.text
 
     def _text_delta(self, r: _Request, final: bool) -> tuple[str, bool]:
         """The new text to send, and whether a stop string was found (the text ends before it).
         Held back: an incomplete UTF-8 character, and a suffix that may begin a stop string."""
-        text = self._generated_text(r)
+        text = self._generated_text(r, final)
         stops = r.params.stop
         if stops:
             lo = max(0, r.emitted_chars - max(len(s) for s in stops))
