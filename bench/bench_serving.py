@@ -12,7 +12,9 @@ Methods and metric names follow vLLM's `bench serve` and SGLang's bench_serving:
   so each produces exactly its output length. Arrivals all at once (`--request-rate inf`) or
   Poisson at that rate (requests/s).
 * Systems, on the same prompts: `engine` (ort_kvlayout.serve.engine on the patched model, in
-  process: iteration-level scheduling over a growable seq-major cache) and `genai`
+  process: iteration-level scheduling over a growable seq-major cache), `server` (the same
+  engine behind `ort-kvlayout serve`, started by the script, through streamed HTTP requests),
+  and `genai`
   (onnxruntime-genai's og.Engine: requests through begin_turn, events from run; on CPU it
   batches statically, up to its configured batch of 4, and a late request waits for the batch
   in flight; on CUDA with a model built with `use_paged_attention` it batches continuously).
@@ -35,6 +37,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -190,6 +193,94 @@ def run_engine(args, items: list[Item]) -> dict:
     return result
 
 
+def run_server(args, items: list[Item]) -> dict:
+    """The same workload through `ort-kvlayout serve` (started here on a free port) over HTTP:
+    streamed /v1/completions with the prompt as token ids, ignore_eos, greedy; a token's time is
+    when its SSE frame arrives (return_token_ids counts the tokens of each frame)."""
+    import http.client
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    chunk, cache = args.variant
+    cmd = [sys.executable, "-m", "ort_kvlayout.serve.cli", "serve", str(args.model),
+           "--port", str(port), "--max-batch", str(args.max_batch), "--prefill-chunk",
+           str(chunk), "--cache", cache, "--provider", args.provider,
+           "--max-waiting", str(len(items) + 1), "--model-id", "bench"]  # fmt: skip
+    if args.kv_budget:
+        cmd += ["--kv-budget", str(args.kv_budget)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def post(body: dict, on_line=None) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
+        conn.request("POST", "/v1/completions", json.dumps(body),
+                     {"Content-Type": "application/json"})  # fmt: skip
+        response = conn.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
+        for line in response:
+            if on_line is not None and line.startswith(b"data: {"):
+                on_line(json.loads(line[6:]))
+        conn.close()
+
+    def body(item: Item) -> dict:
+        return {"model": "bench", "prompt": item.prompt, "max_tokens": item.output_len,
+                "temperature": 0, "ignore_eos": True, "stream": True,
+                "return_token_ids": True}  # fmt: skip
+
+    try:
+        deadline = time.monotonic() + 300
+        while True:  # ready: a warm-up request answers
+            try:
+                post(body(Item(items[0].prompt[:8], 2, 0.0)))
+                break
+            except (OSError, RuntimeError):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the server did not start: {proc.stderr.read()}")
+                time.sleep(0.2)
+        records = [Record() for _ in items]
+        start = time.perf_counter()
+
+        def client(i: int) -> None:
+            def on_line(frame: dict) -> None:
+                now = time.perf_counter() - start
+                for choice in frame.get("choices", []):
+                    records[i].times += [now] * len(choice.get("token_ids") or [])
+                    if choice.get("finish_reason") == "length":
+                        records[i].done = True
+
+            records[i].arrival = time.perf_counter() - start
+            post(body(items[i]), on_line)
+
+        threads = []
+        for i, item in enumerate(items):
+            wait_until(start, item.arrival)
+            threads.append(threading.Thread(target=client, args=(i,)))
+            threads[-1].start()
+        for t in threads:
+            t.join()
+        duration = time.perf_counter() - start
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as r:
+            metrics = r.read().decode()
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    values = {
+        line.split("{")[0].removeprefix("ort_kvlayout_"): float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line and not line.startswith("#")
+    }
+    result = summarize(items, records, duration)
+    result.update(
+        peak_committed_kv_bytes=int(values["kv_committed_bytes_peak"]),
+        max_concurrency=int(values["requests_running_peak"]),
+        preemptions=int(values["preemptions_total"]),
+        kv_bytes_moved=int(values["kv_bytes_moved_total"]),
+    )
+    return result
+
+
 def run_genai(args, items: list[Item]) -> dict:
     import onnxruntime_genai as og
 
@@ -330,7 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, required=True, help="the patched (seq-major) model")
     p.add_argument("--genai-model", type=Path, help="the model og.Engine runs (default --model)")
-    p.add_argument("--systems", default="engine,genai", help="engine,genai (comma separated)")
+    p.add_argument("--systems", default="engine,genai",
+                   help="engine,genai,server (comma separated; server: over HTTP)")  # fmt: skip
     p.add_argument("--dataset", choices=["random", "long"], default="random")
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--input-len", type=int, default=128)
@@ -378,13 +470,14 @@ def main(argv: list[str] | None = None) -> int:
     # shared machine's load changes hit them alike; the run of median output throughput counts.
     systems = []
     for name in args.systems.split(","):
-        if name == "engine":
+        if name in ("engine", "server"):
+            fn = run_engine if name == "engine" else run_server
             for cache in args.cache.split(","):
                 for chunk in args.prefill_chunk.split(","):
                     notes = [f"chunk {chunk}"] if "," in args.prefill_chunk else []
                     notes += [cache] if "," in args.cache else []
-                    label = f"engine ({', '.join(notes)})" if notes else "engine"
-                    systems.append((label, run_engine, (int(chunk), cache)))
+                    label = f"{name} ({', '.join(notes)})" if notes else name
+                    systems.append((label, fn, (int(chunk), cache)))
         else:
             systems.append((name, {"genai": run_genai}[name], None))
     runs: dict[str, list[dict]] = {label: [] for label, _, _ in systems}
