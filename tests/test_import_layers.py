@@ -1,4 +1,5 @@
-"""The package's import layers: op at the bottom, model on it, tools and runtime side by side."""
+"""The package's import layers: op at the bottom, model on it, tools and runtime side by side,
+serve on the runtime."""
 
 import ast
 from pathlib import Path
@@ -7,7 +8,13 @@ import ort_kvlayout
 
 PACKAGE = Path(ort_kvlayout.__file__).resolve().parent
 # subpackage -> the subpackages it may import (the compiled _C sits beside them all)
-ALLOWED = {"op": set(), "model": {"op"}, "tools": {"op", "model"}, "runtime": {"op", "model"}}
+ALLOWED = {
+    "op": set(),
+    "model": {"op"},
+    "tools": {"op", "model"},
+    "runtime": {"op", "model"},
+    "serve": {"op", "model", "runtime"},
+}
 
 
 def _imported_subpackages(path: Path) -> set[str]:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -95,7 +96,9 @@ def _library_for(spec: ModelSpec, custom_ops_library: str | os.PathLike | None) 
     path = Path(name) if Path(name).is_absolute() else spec.model_dir / name
     if not path.is_file():
         raise FileNotFoundError(f"genai_config.json names custom_ops_library {name}, not found")
-    return str(path)
+    # Absolute: a bare file name (model_dir "" or ".") would make dlopen search the system's
+    # library path instead of the model folder.
+    return str(path.resolve())
 
 
 class Runtime:
@@ -180,6 +183,10 @@ class Runtime:
         self._stale_capture = False  # a captured decode graph was invalidated by growth
         self._decode: _DecodeBinding | None = None
         self._narrow: tuple[KvCache, int, ort.IOBinding] | None = None  # _run_narrow's binding
+        # generate() owns the cache, the bindings and the graph counters for its whole run: calls
+        # from several threads take turns (interleaved, they would write each other's rows).
+        self._lock = threading.Lock()
+        self._owner: int | None = None  # the thread inside generate()
 
     # -----------------------------------------------------------------------------------------
     def _check_length_record(self, where: str) -> None:
@@ -237,7 +244,34 @@ class Runtime:
         """Generates for a batch of prompts (or one prompt: a list of ids).
 
         eos_token_ids: None uses the model's; [] never stops early. on_step receives, after each
-        step, the new token of every entry (None for entries already finished)."""
+        step, the new token of every entry (None for entries already finished).
+
+        Thread-safe: concurrent calls run one after the other (the runtime has one cache); a
+        call from inside on_step raises RuntimeError. For requests that come and go, use the
+        serving engine (ort_kvlayout.serve.engine)."""
+        if self._owner == threading.get_ident():
+            raise RuntimeError(
+                "Runtime.generate called from inside its own on_step callback: the running "
+                "generation owns the KV cache until it returns"
+            )
+        with self._lock:
+            self._owner = threading.get_ident()
+            try:
+                return self._generate(
+                    prompts, max_new_tokens, sampling, eos_token_ids, on_step, keep_logits
+                )
+            finally:
+                self._owner = None
+
+    def _generate(
+        self,
+        prompts: list[list[int]] | list[int],
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        eos_token_ids: list[int] | None,
+        on_step: Callable[[list[int | None]], None] | None,
+        keep_logits: bool,
+    ) -> GenerationOutput:
         if prompts and isinstance(prompts[0], (int, np.integer)):
             prompts = [list(prompts)]  # type: ignore[list-item]
         prompts = [[int(t) for t in p] for p in prompts]  # type: ignore[union-attr]
@@ -402,10 +436,13 @@ class Runtime:
         return decode.logits()[:, -1]
 
     def close(self) -> None:
-        self._decode = None
-        self._narrow = None
-        if self.cache is not None:
-            self.cache.close()
+        if self._owner == threading.get_ident():
+            raise RuntimeError("Runtime.close called from inside generate's on_step callback")
+        with self._lock:
+            self._decode = None
+            self._narrow = None
+            if self.cache is not None:
+                self.cache.close()
 
     def __enter__(self) -> Runtime:  # noqa: PYI034
         return self

@@ -240,6 +240,59 @@ class KvCache:
             for (past, present), res in zip(self.spec.names, self._reservations)
         ]
 
+    def entry_buffers(self, first: int, count: int) -> list[KvBuffer]:
+        """The buffers of batch entries [first, first+count) alone: a batch entry's rows lie in
+        one block of capacity x token bytes in both layouts, so the view is the same
+        reservation at an offset with batch `count` (a serving engine runs the slots in use)."""
+        self._check_open()
+        if not (0 <= first and 1 <= count and first + count <= self.batch):
+            raise ValueError(f"entries [{first}, {first + count}) outside a batch of {self.batch}")
+        offset = first * self.capacity * self.spec.token_bytes
+        shape = (count, self.spec.kv_heads, self.capacity, self.spec.head_dim)
+        return [
+            KvBuffer(past, present, res.ptr + offset, shape, self.spec.dtype, self.device,
+                     self.device_id)
+            for (past, present), res in zip(self.spec.names, self._reservations)
+        ]  # fmt: skip
+
+    def entry_commit_bytes(self, tokens: int) -> int:
+        """Bytes (all buffers) that one entry of `tokens` live rows commits in this cache: its
+        granule-rounded ranges (growable), or its share of the whole buffers (other modes)."""
+        if self.mode != "growable":
+            return self.max_capacity * self.spec.token_bytes * self.spec.buffers
+        runs = granule_runs(self._byte_ranges([tokens], self.capacity), self.granule)
+        return sum(size for _, size in runs) * self.spec.buffers
+
+    def release(self, entry: int) -> int:
+        """Ends batch entry `entry`'s sequence: no live rows, and (growable) its granules go
+        back to the system, except those it shares with another entry's live rows. Returns the
+        bytes released (all buffers); pointers and shapes stay, nothing is moved."""
+        self._check_open()
+        if not 0 <= entry < self.batch:
+            raise ValueError(f"entry {entry} outside a batch of {self.batch}")
+        released = 0
+        if self.mode == "growable" and self._ensured[entry]:
+            alone = [0] * self.batch
+            alone[entry] = self._ensured[entry]
+            mine = granule_runs(self._byte_ranges(alone, self.capacity), self.granule)
+            others = list(self._ensured)
+            others[entry] = 0
+            kept = granule_runs(self._byte_ranges(others, self.capacity), self.granule)
+            free = _subtract(mine, kept)
+            try:
+                for res in self._reservations:
+                    for offset, size in free:
+                        released += res.decommit(offset, size)
+            finally:
+                self._committed_runs = _subtract(self._committed_runs, free)
+                self._covered[entry] = 0
+                self._update_bytes()
+        if self.mode == "growable":
+            self._covered[entry] = 0
+        self._ensured[entry] = 0
+        self._update_live_bytes()
+        return released
+
     @property
     def tokens(self) -> list[int]:
         """Live tokens per entry, as last ensured."""

@@ -54,6 +54,11 @@ class Reservation(Protocol):
         """Commits the granules covering [offset, offset+size); returns the bytes newly committed."""
         ...
 
+    def decommit(self, offset: int, size: int) -> int:
+        """Returns the granules inside [offset, offset+size) (granule aligned) to the system;
+        returns the bytes released. The range stays reserved: a later commit maps it again."""
+        ...
+
     @property
     def committed_bytes(self) -> int: ...
 
@@ -124,6 +129,7 @@ def simulate_commit_failure(device: str, after: int = 0) -> None:
 
 _PROT_READ, _PROT_WRITE = 0x1, 0x2
 _MAP_PRIVATE, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x02, 0x20, 0x4000
+_MADV_DONTNEED = 4
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 _PAGE = mmap.PAGESIZE
 _libc = None
@@ -234,6 +240,32 @@ class HostReservation:
         self._committed_bytes += size
         with _lock:
             _host["committed_bytes"] += size
+
+    def decommit(self, offset: int, size: int) -> int:
+        self._check_open()
+        if offset % self.granule or size % self.granule or offset < 0 or offset + size > self.size:
+            raise ValueError(f"decommit [{offset}, +{size}) is not granule aligned in the range")
+        committed = self._committed
+        released = 0
+        g, end = offset // self.granule, (offset + size) // self.granule
+        while g < end:  # consecutive committed granules are released by one call
+            if not committed[g]:
+                g += 1
+                continue
+            first = g
+            while g < end and committed[g]:
+                g += 1
+            addr, nbytes = self.ptr + first * self.granule, (g - first) * self.granule
+            # A private anonymous mapping: the pages go back to the kernel and read as zeros when
+            # touched again (MAP_NORESERVE keeps them out of the commit charge until then).
+            if _lib().madvise(addr, nbytes, _MADV_DONTNEED) != 0:
+                raise _os_error(f"madvise(MADV_DONTNEED, {nbytes} bytes)")
+            committed[first:g] = bytes(g - first)
+            released += nbytes
+        self._committed_bytes -= released
+        with _lock:
+            _host["committed_bytes"] -= released
+        return released
 
     def resident_bytes(self) -> int:
         """Bytes the kernel holds for this range (mincore), measured, not taken from accounting."""
@@ -350,6 +382,15 @@ class DeviceReservation:
                 raise KvMemoryError(str(exc)) from exc
         return added
 
+    def decommit(self, offset: int, size: int) -> int:
+        """Unmaps and releases the granules of [offset, offset+size) (waits for the device)."""
+        before = self._vmm.mapped_bytes
+        try:
+            self._vmm.unmap(offset, size)
+        except self._c.CudaError as exc:
+            raise KvMemoryError(str(exc)) from exc
+        return before - self._vmm.mapped_bytes
+
     def resident_bytes(self) -> int:
         """Mapped physical bytes (counted by the allocator per cuMemCreate'd granule)."""
         return self._vmm.mapped_bytes
@@ -411,6 +452,9 @@ class OrtDeviceBuffer:
         if self.closed:
             raise ValueError("the buffer is closed")
         return 0  # allocated whole
+
+    def decommit(self, offset: int, size: int) -> int:
+        return 0  # allocated whole: nothing goes back before close()
 
     def resident_bytes(self) -> int:
         return self.committed_bytes

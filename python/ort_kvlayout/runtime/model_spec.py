@@ -104,7 +104,7 @@ class ModelSpec:
         config = load_genai_config(model_dir)
         try:
             return cls._from_config(model_dir, config)
-        except (KeyError, TypeError) as exc:  # a key genai_config.json lacks, or a wrong type
+        except (KeyError, TypeError, ValueError) as exc:  # a missing key, or a wrong type
             raise MetadataError(
                 f"{model_dir / 'genai_config.json'}: incomplete or malformed "
                 f"({type(exc).__name__}: {exc}); expected onnxruntime-genai's model.decoder "
@@ -142,6 +142,7 @@ class ModelSpec:
 
         inputs, outputs = decoder["inputs"], decoder["outputs"]
         layers = int(decoder["num_hidden_layers"])
+        _check_sizes(model_dir, model, decoder, layers, len(input_types))
         pasts = expand_kv(inputs["past_key_names"], inputs["past_value_names"], layers)
         presents = expand_kv(outputs["present_key_names"], outputs["present_value_names"], layers)
         names = tuple((p, q) for p, q in zip(pasts, presents) if p in input_types)
@@ -195,3 +196,31 @@ class ModelSpec:
             custom_ops_library=decoder.get("session_options", {}).get("custom_ops_library"),
             gqa_nodes=tuple((node_label(n, i), n.domain) for i, n in enumerate(nodes)),
         )
+
+
+MAX_CONTEXT = 1 << 24  # tokens: far above any model's context; a larger value is a broken file
+
+
+def _check_sizes(model_dir: Path, model: dict, decoder: dict, layers: int, graph_inputs: int):
+    """The sizes and token ids of genai_config.json in range, before anything is allocated or
+    derived from them (a layer count of 10**9 would otherwise expand 2 * 10**9 KV names, and a
+    context of 10**12 reserve terabytes): MetadataError naming the key, the value and the bound."""
+    where = model_dir / "genai_config.json"
+
+    def check(key: str, value: int, low: int, high: int, why: str = "") -> None:
+        if not low <= value <= high:
+            raise MetadataError(f"{where}: {key} = {value} is out of range [{low}, {high}]{why}")
+
+    # Every layer has a past key and a past value input.
+    check("model.decoder.num_hidden_layers", layers, 1, graph_inputs // 2,
+          f" (the graph has {graph_inputs} inputs)")  # fmt: skip
+    check("model.context_length", int(model["context_length"]), 1, MAX_CONTEXT)
+    check("model.decoder.num_key_value_heads", int(decoder["num_key_value_heads"]), 1, 1 << 12)
+    check("model.decoder.head_size", int(decoder["head_size"]), 1, 1 << 12)
+    vocab = int(model["vocab_size"])
+    check("model.vocab_size", vocab, 1, 1 << 24)
+    eos = model.get("eos_token_id", [])
+    for token in eos if isinstance(eos, list) else [eos]:
+        check("model.eos_token_id", int(token), 0, vocab - 1, " (the vocabulary)")
+    check("model.pad_token_id", int(model.get("pad_token_id") or 0), 0, vocab - 1,
+          " (the vocabulary)")  # fmt: skip

@@ -1,0 +1,520 @@
+"""Serving benchmark: one seeded workload through our engine and through onnxruntime-genai.
+
+    python bench/bench_serving.py --model SEQ_MAJOR_DIR --genai-model ORIGINAL_DIR \\
+        --num-requests 16 --input-len 128 --output-len 64 --request-rate inf --max-batch 4
+
+Methods and metric names follow vLLM's `bench serve` and SGLang's bench_serving:
+
+* Workload (seeded): N requests; input lengths uniform in [L(1-r), L(1+r)] (`--input-len`,
+  `--range-ratio`), or the long-context mix (`--dataset long`: 8k-32k tokens, clipped to the
+  context); output lengths likewise from `--output-len`; prompt tokens drawn uniformly from the
+  vocabulary (throughput does not depend on the tokens' values); every request ignores EOS,
+  so each produces exactly its output length. Arrivals all at once (`--request-rate inf`) or
+  Poisson at that rate (requests/s).
+* Systems, on the same prompts: `engine` (ort_kvlayout.serve.engine on the patched model, in
+  process: iteration-level scheduling over a growable seq-major cache), `server` (the same
+  engine behind `ort-kvlayout serve`, started by the script, through streamed HTTP requests),
+  and `genai`
+  (onnxruntime-genai's og.Engine: requests through begin_turn, events from run; on CPU it
+  batches statically, up to its configured batch of 4, and a late request waits for the batch
+  in flight; on CUDA with a model built with `use_paged_attention` it batches continuously).
+* Metrics: request throughput (req/s), output-token throughput (tok/s), total-token throughput,
+  TTFT (arrival -> first token), TPOT ((last - first token) / (output - 1)), ITL (the gaps
+  between a request's tokens), each as mean / p50 / p99 in ms; peak committed KV bytes and
+  preemptions (engine); the most requests producing tokens at once (both, from the timelines).
+
+Prints a Markdown table and writes JSON (--json; default bench/results/serving-<device>.json)
+with the device, commit, command and workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def commit_id() -> str:
+    try:
+        return subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+@dataclass
+class Item:
+    prompt: list[int]
+    output_len: int
+    arrival: float  # seconds after the start
+
+
+@dataclass
+class Record:
+    arrival: float = 0.0
+    times: list[float] = field(default_factory=list)  # each token's time (seconds after start)
+    done: bool = False
+
+
+def workload(args, vocab: int, context: int) -> list[Item]:
+    rng = np.random.default_rng(args.seed)
+    n = args.num_requests
+    if args.dataset == "long":
+        inputs = rng.integers(8192, 32768 + 1, n)
+    else:
+        lo, hi = (
+            int(args.input_len * (1 - args.range_ratio)),
+            int(args.input_len * (1 + args.range_ratio)),
+        )
+        inputs = rng.integers(max(lo, 1), max(hi, 1) + 1, n)
+    lo, hi = (
+        int(args.output_len * (1 - args.range_ratio)),
+        int(args.output_len * (1 + args.range_ratio)),
+    )
+    outputs = rng.integers(max(lo, 1), max(hi, 1) + 1, n)
+    inputs = np.minimum(inputs, context - outputs)  # the long mix, clipped to the context
+    if np.isinf(args.request_rate):
+        arrivals = np.zeros(n)
+    else:
+        arrivals = np.cumsum(rng.exponential(1.0 / args.request_rate, n))
+        arrivals -= arrivals[0]
+    # Token ids above the first 16 (SmolLM2's special tokens sit there).
+    return [
+        Item(rng.integers(16, vocab, int(i)).tolist(), int(o), float(a))
+        for i, o, a in zip(inputs, outputs, arrivals)
+    ]
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "p50": None, "p99": None}
+    a = np.asarray(values) * 1000
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
+            "p99": float(np.percentile(a, 99))}  # fmt: skip
+
+
+def summarize(items: list[Item], records: list[Record], duration: float) -> dict:
+    ttft, tpot, itl = [], [], []
+    out_tokens = sum(len(r.times) for r in records)
+    in_tokens = sum(len(i.prompt) for i in items)
+    for r in records:
+        if not r.times:
+            continue
+        ttft.append(r.times[0] - r.arrival)
+        if len(r.times) > 1:
+            tpot.append((r.times[-1] - r.times[0]) / (len(r.times) - 1))
+            itl += list(np.diff(r.times))
+    events = sorted([(r.times[0], 1) for r in records if r.times]
+                    + [(r.times[-1], -1) for r in records if r.times])  # fmt: skip
+    live = peak = 0
+    for _, d in events:
+        live += d
+        peak = max(peak, live)
+    return {
+        "completed": sum(r.done for r in records),
+        "duration_s": duration,
+        "input_tokens": in_tokens,
+        "output_tokens": out_tokens,
+        "request_throughput": len(records) / duration,
+        "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "ttft_ms": percentiles(ttft),
+        "tpot_ms": percentiles(tpot),
+        "itl_ms": percentiles(itl),
+        "max_concurrent_decoding": peak,
+    }
+
+
+def wait_until(start: float, t: float) -> None:
+    delay = start + t - time.perf_counter()
+    if delay > 0:
+        time.sleep(delay)
+
+
+def run_engine(args, items: list[Item]) -> dict:
+    from ort_kvlayout.serve.engine import Engine, EngineConfig, RequestParams
+
+    config = EngineConfig(
+        max_batch=args.max_batch, prefill_chunk=args.variant[0], cache=args.variant[1],
+        provider=args.provider,
+        kv_budget_bytes=args.kv_budget, max_waiting=len(items) + 1,
+    )  # fmt: skip
+    with Engine(args.model, config) as engine:
+        engine.generate(items[0].prompt[:8], RequestParams(max_tokens=2, ignore_eos=True))  # warm
+        warm = engine.stats()
+        records = [Record() for _ in items]
+        left = threading.Semaphore(0)
+        start = time.perf_counter()
+
+        def on_event(i):
+            def cb(event):
+                now = time.perf_counter() - start
+                if event.token_id is not None:
+                    records[i].times.append(now)
+                if event.finished:
+                    records[i].done = event.finish_reason == "length"
+                    left.release()
+
+            return cb
+
+        for i, item in enumerate(items):
+            wait_until(start, item.arrival)
+            records[i].arrival = time.perf_counter() - start
+            params = RequestParams(max_tokens=item.output_len, ignore_eos=True)
+            engine.submit(item.prompt, params, on_event=on_event(i))
+        for _ in items:
+            left.acquire()
+        duration = time.perf_counter() - start
+        stats = engine.stats()
+    result = summarize(items, records, duration)
+    result.update(
+        peak_committed_kv_bytes=stats["kv_peak_committed_bytes"],
+        reserved_kv_bytes=stats["kv_reserved_bytes"],
+        max_concurrency=stats["peak_running"],
+        preemptions=stats["preemptions"] - warm["preemptions"],
+        kv_bytes_moved=stats["kv_bytes_moved"],
+        graph_captures=stats["graph_captures"],
+        engine_steps=stats["steps"] - warm["steps"],
+    )
+    return result
+
+
+def run_server(args, items: list[Item]) -> dict:
+    """The same workload through `ort-kvlayout serve` (started here on a free port) over HTTP:
+    streamed /v1/completions with the prompt as token ids, ignore_eos, greedy; a token's time is
+    when its SSE frame arrives (return_token_ids counts the tokens of each frame)."""
+    import http.client
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    chunk, cache = args.variant
+    cmd = [sys.executable, "-m", "ort_kvlayout.serve.cli", "serve", str(args.model),
+           "--port", str(port), "--max-batch", str(args.max_batch), "--prefill-chunk",
+           str(chunk), "--cache", cache, "--provider", args.provider,
+           "--max-waiting", str(len(items) + 1), "--model-id", "bench"]  # fmt: skip
+    if args.kv_budget:
+        cmd += ["--kv-budget", str(args.kv_budget)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def post(body: dict, on_line=None) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
+        conn.request("POST", "/v1/completions", json.dumps(body),
+                     {"Content-Type": "application/json"})  # fmt: skip
+        response = conn.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
+        for line in response:
+            if on_line is not None and line.startswith(b"data: {"):
+                on_line(json.loads(line[6:]))
+        conn.close()
+
+    def body(item: Item) -> dict:
+        return {"model": "bench", "prompt": item.prompt, "max_tokens": item.output_len,
+                "temperature": 0, "ignore_eos": True, "stream": True,
+                "return_token_ids": True}  # fmt: skip
+
+    try:
+        deadline = time.monotonic() + 300
+        while True:  # ready: a warm-up request answers
+            try:
+                post(body(Item(items[0].prompt[:8], 2, 0.0)))
+                break
+            except (OSError, RuntimeError):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the server did not start: {proc.stderr.read()}")
+                time.sleep(0.2)
+        records = [Record() for _ in items]
+        start = time.perf_counter()
+
+        def client(i: int) -> None:
+            def on_line(frame: dict) -> None:
+                now = time.perf_counter() - start
+                for choice in frame.get("choices", []):
+                    records[i].times += [now] * len(choice.get("token_ids") or [])
+                    if choice.get("finish_reason") == "length":
+                        records[i].done = True
+
+            records[i].arrival = time.perf_counter() - start
+            post(body(items[i]), on_line)
+
+        threads = []
+        for i, item in enumerate(items):
+            wait_until(start, item.arrival)
+            threads.append(threading.Thread(target=client, args=(i,)))
+            threads[-1].start()
+        for t in threads:
+            t.join()
+        duration = time.perf_counter() - start
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as r:
+            metrics = r.read().decode()
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    values = {
+        line.split("{")[0].removeprefix("ort_kvlayout_"): float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line and not line.startswith("#")
+    }
+    result = summarize(items, records, duration)
+    result.update(
+        peak_committed_kv_bytes=int(values["kv_committed_bytes_peak"]),
+        max_concurrency=int(values["requests_running_peak"]),
+        preemptions=int(values["preemptions_total"]),
+        kv_bytes_moved=int(values["kv_bytes_moved_total"]),
+    )
+    return result
+
+
+def run_genai(args, items: list[Item]) -> dict:
+    import onnxruntime_genai as og
+
+    model = og.Model(str(args.genai_model))
+    engine = og.Engine(model)
+    capacity = engine.get_capabilities().configured_max_batch_size
+    buffer = engine.create_event_buffer(1024)
+    token_flag = og.EngineEventFlags.TOKEN.value
+
+    def submit(prompt: list[int], n: int):
+        request = engine.create_request()
+        options = og.TurnOptions(request)
+        options.set_max_generated_tokens(n)
+        options.set_min_generated_tokens(n)  # EOS masked: exactly n tokens (ignore_eos)
+        options.set_temperature(0.0)
+        request.begin_turn(np.array(prompt, np.int32), options)
+        return request
+
+    def drain(on_event) -> None:
+        events = engine.run(buffer)
+        now = time.perf_counter()
+        for event in events or []:
+            on_event(event, now)
+
+    warm = submit(items[0].prompt[:8], 2)
+    while engine.has_pending_requests():
+        drain(lambda e, t: None)
+    warm.close()
+
+    records = [Record() for _ in items]
+    by_request: dict[int, int] = {}
+    requests = []
+    start = time.perf_counter()
+    concurrent = 0
+
+    def on_event(event, now):
+        i = by_request[id(event.request)]
+        if event.flags.value & token_flag:
+            records[i].times.append(now - start)
+        if event.finish_reason != og.FinishReason.NONE:
+            records[i].done = event.finish_reason == og.FinishReason.MAX_GENERATED_TOKENS
+
+    pending = list(range(len(items)))
+    while pending or engine.has_pending_requests():
+        now = time.perf_counter() - start
+        while pending and items[pending[0]].arrival <= now:
+            i = pending.pop(0)
+            records[i].arrival = time.perf_counter() - start
+            request = submit(items[i].prompt, items[i].output_len)
+            by_request[id(request)] = i
+            requests.append(request)
+        if engine.has_pending_requests():
+            drain(on_event)
+            concurrent = max(concurrent, sum(1 for r in records if r.times and not r.done))
+        elif pending:
+            wait_until(start, items[pending[0]].arrival)
+    duration = time.perf_counter() - start
+    for request in requests:
+        request.close()
+    result = summarize(items, records, duration)
+    result.update(peak_committed_kv_bytes=None, max_concurrency=capacity, preemptions=None)
+    return result
+
+
+def mixed_cost(args) -> dict:
+    """What one right-padded mixed call would cost against separate calls: a decode row for
+    each of --max-batch slots beside one prefill chunk of --mixed-chunk tokens, run as one
+    (batch, chunk) call (what GQA's query_seqlens allows) and as a (batch, 1) decode call plus a
+    (1, chunk) prefill call (what the engine does). Medians of --mixed-repeat runs, ms."""
+    from ort_kvlayout.serve.engine import Engine, EngineConfig
+
+    b, chunk = args.max_batch, args.mixed_chunk
+    engine = Engine(args.model, EngineConfig(max_batch=b, provider=args.provider), start=False)
+    try:
+        engine.cache.ensure([chunk] * b)
+        rng = np.random.default_rng(args.seed)
+
+        def call(batch: int, width: int) -> None:
+            ids = rng.integers(16, engine.spec.vocab_size, (batch, width))
+            engine._run(0, ids, np.ones((batch, width), engine.spec.mask_dtype))
+
+        shapes = {"mixed_padded": [(b, chunk)], "separate": [(b, 1), (1, chunk)]}
+        times: dict[str, list[float]] = {name: [] for name in shapes}
+        for rep in range(args.mixed_repeat + 1):  # the first round warms up
+            for name, calls in shapes.items():
+                start = time.perf_counter()
+                for batch, width in calls:
+                    call(batch, width)
+                if rep:
+                    times[name].append((time.perf_counter() - start) * 1000)
+    finally:
+        engine.close()
+    return {name: float(np.median(t)) for name, t in times.items()} | {"runs_ms": times}
+
+
+def device_name(provider: str) -> str:
+    host = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    if provider == "cuda":
+        try:
+            gpu = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                capture_output=True, text=True, check=True,
+            ).stdout.splitlines()[0]  # fmt: skip
+        except (OSError, subprocess.CalledProcessError, IndexError):
+            gpu = "unknown GPU"
+        return f"cuda ({gpu}; host {host})"
+    return f"cpu ({host})"
+
+
+def table(results: dict) -> str:
+    header = (
+        "| system | req/s | out tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms "
+        "| peak KV MiB | max decoding | preemptions |"
+    )
+    rows = [
+        header,
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def pair(d):
+        return f"{d['p50']:.0f} / {d['p99']:.0f}" if d["p50"] is not None else "-"
+
+    def opt(value, fmt="{}"):
+        return "-" if value is None else fmt.format(value)
+
+    for name, r in results.items():
+        kv = r.get("peak_committed_kv_bytes")
+        rows.append(
+            f"| {name} | {r['request_throughput']:.2f} | {r['output_throughput']:.1f} "
+            f"| {pair(r['ttft_ms'])} | {pair(r['tpot_ms'])} | {pair(r['itl_ms'])} "
+            f"| {opt(None if kv is None else kv / 2**20, '{:.1f}')} "
+            f"| {r['max_concurrent_decoding']} | {opt(r.get('preemptions'))} |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, required=True, help="the patched (seq-major) model")
+    p.add_argument("--genai-model", type=Path, help="the model og.Engine runs (default --model)")
+    p.add_argument("--systems", default="engine,genai",
+                   help="engine,genai,server (comma separated; server: over HTTP)")  # fmt: skip
+    p.add_argument("--dataset", choices=["random", "long"], default="random")
+    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--range-ratio", type=float, default=0.5)
+    p.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="req/s; inf: all at once"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-batch", type=int, default=4, help="engine slots (og.Engine CPU: 4)")
+    p.add_argument("--prefill-chunk", default="256", help="engine chunk(s), e.g. 64,4096")
+    p.add_argument("--provider", choices=["cpu", "cuda"], default="cpu", help="the engine's")
+    p.add_argument("--cache", default="growable", help="engine cache(s): growable,preallocated")
+    p.add_argument("--repeat", type=int, default=1, help="runs per system, in turn (median)")
+    p.add_argument("--kv-budget", type=int, default=None, help="engine KV budget in bytes")
+    p.add_argument("--json", type=Path)
+    p.add_argument(
+        "--mixed-cost",
+        action="store_true",
+        help="only time one padded mixed call against separate decode + prefill calls",
+    )
+    p.add_argument("--mixed-chunk", type=int, default=64)
+    p.add_argument("--mixed-repeat", type=int, default=5)
+    args = p.parse_args(argv)
+    args.genai_model = args.genai_model or args.model
+    if args.mixed_cost:
+        result = mixed_cost(args)
+        print(
+            f"batch {args.max_batch} decode rows + one {args.mixed_chunk}-token chunk: one padded "
+            f"call {result['mixed_padded']:.1f} ms, separate calls {result['separate']:.1f} ms"
+        )
+        if args.json:
+            record = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                      "device": device_name(args.provider), "commit": commit_id(),
+                      "command": "python bench/bench_serving.py " + " ".join(argv or sys.argv[1:]),
+                      "mixed_cost": result}  # fmt: skip
+            args.json.write_text(json.dumps(record, indent=1) + "\n")
+        return 0
+
+    from ort_kvlayout.runtime.model_spec import ModelSpec
+
+    spec = ModelSpec.from_dir(args.model)
+    items = workload(args, spec.vocab_size, spec.kv.context_length)
+    # Each system (and each engine prefill chunk) runs --repeat times, in turn, so that a
+    # shared machine's load changes hit them alike; the run of median output throughput counts.
+    systems = []
+    for name in args.systems.split(","):
+        if name in ("engine", "server"):
+            fn = run_engine if name == "engine" else run_server
+            for cache in args.cache.split(","):
+                for chunk in args.prefill_chunk.split(","):
+                    notes = [f"chunk {chunk}"] if "," in args.prefill_chunk else []
+                    notes += [cache] if "," in args.cache else []
+                    label = f"{name} ({', '.join(notes)})" if notes else name
+                    systems.append((label, fn, (int(chunk), cache)))
+        else:
+            systems.append((name, {"genai": run_genai}[name], None))
+    runs: dict[str, list[dict]] = {label: [] for label, _, _ in systems}
+    for rep in range(args.repeat):
+        for label, fn, variant in systems:
+            print(f"running {label} ({len(items)} requests, run {rep + 1})...", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            args.variant = variant
+            runs[label].append(fn(args, items))
+    results = {}
+    for label, rs in runs.items():
+        rs = sorted(rs, key=lambda r: r["output_throughput"])
+        results[label] = dict(rs[len(rs) // 2])
+        results[label]["runs_output_throughput"] = [r["output_throughput"] for r in rs]
+    if "engine" in results and "genai" in results:
+        ratio = results["engine"]["output_throughput"] / results["genai"]["output_throughput"]
+        results["engine"]["output_throughput_vs_genai"] = ratio
+    print(table(results))
+    record = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "device": device_name(args.provider),
+        "commit": commit_id(),
+        "command": "python bench/bench_serving.py " + " ".join(argv or sys.argv[1:]),
+        "model": str(args.model.name),
+        "genai_model": str(args.genai_model.name),
+        "workload": {
+            k: v for k, v in vars(args).items() if k not in ("model", "genai_model", "json", "variant")
+        },
+        "results": results,
+    }  # fmt: skip
+    record["workload"]["request_rate"] = str(args.request_rate)
+    path = args.json or ROOT / "bench" / "results" / f"serving-{args.provider}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

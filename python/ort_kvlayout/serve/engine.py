@@ -1,0 +1,769 @@
+"""A serving engine: iteration-level scheduling over one growable KV cache of `max_batch` slots.
+
+    with Engine(model_dir, EngineConfig(max_batch=8, kv_budget_bytes=1 << 30)) as engine:
+        handle = engine.submit(prompt_ids, RequestParams(max_tokens=64))
+        for event in handle:                      # or: async for event in handle (asyncio)
+            event.token_id, event.text, event.finish_reason
+        engine.stats()                            # running, waiting, preemptions, KV bytes, ...
+
+One thread (the engine loop) owns the ORT session and the cache; `submit` and `cancel` may be
+called from any thread and only post to its inbox. Each step:
+
+1. Admission. Waiting requests (oldest first) take the lowest free slot while the step's KV need
+   plus their whole sequence fits the budget (`kv_budget_bytes`).
+2. Budget. If the rows this step will write do not fit, the running request that arrived last
+   is preempted: its slot and pages are released and it goes back to the queue with its tokens
+   so far, to be recomputed (prefilled again) later (`preemptions` counts them).
+3. Decode. One call for the slots [lo, hi] that hold decoding requests: the KV buffers are bound
+   at slot lo's offset with batch hi-lo+1 (the same reservation, nothing moved). A slot inside
+   that range that is not decoding writes one scratch row: a prefilling request's next row
+   (its next chunk overwrites it) or row 0 of a free slot (one granule per buffer, released
+   when the slot leaves the range).
+4. Prefill. Prefilling requests, oldest first, get chunks of their remaining prompt until
+   `prefill_chunk` tokens were scheduled in this step; each chunk is one call of batch 1 bound at
+   the request's slot (a first prompt, then GQA's chunk case: rows written at [P, P+S)). A
+   running request therefore waits at most one decode call plus `prefill_chunk` prompt tokens
+   per step, however long the new prompts are (chunked prefill, Sarathi/vLLM-style).
+
+A request's slot and pages go back to the pool the moment it finishes or is cancelled; a
+waiting request reuses the slot in place (0 bytes moved).
+
+Why not one mixed call with `query_seqlens` (GQA input 16): a right-padded call computes every
+row of its (batch, longest chunk) shape in the dense layers, so padding the decode rows to a
+prefill chunk multiplies their cost by the chunk length; separate calls cost one more Run. The
+builder's models also lack that input (docs/SERVING.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import itertools
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnxruntime as ort
+
+from ..runtime.generation import Runtime
+from ..runtime.kv_cache import KvCache, KvMemoryError
+from ..runtime.sampling import GREEDY, Sampler, SamplingParams
+
+__all__ = [
+    "Engine",
+    "EngineClosed",
+    "EngineConfig",
+    "EngineOverloaded",
+    "Event",
+    "RequestHandle",
+    "RequestParams",
+    "RequestTooLarge",
+]
+
+
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full (a server answers 503)."""
+
+
+class RequestTooLarge(ValueError):
+    """The prompt plus max_tokens cannot fit the context, the cache or the KV budget (413)."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine is shutting down or closed."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """max_batch: slots (concurrent requests); capacity: tokens per slot (default: the model's
+    context); kv_budget_bytes: KV bytes the engine may commit (None: the whole reservation);
+    prefill_chunk: prompt tokens prefilled per step (bounds the decode stall); max_waiting:
+    queued requests before submit raises EngineOverloaded; cache: "growable" or
+    "preallocated" (the baseline: every slot committed whole)."""
+
+    max_batch: int = 8
+    capacity: int | None = None
+    kv_budget_bytes: int | None = None
+    prefill_chunk: int = 256
+    max_waiting: int = 256
+    cache: str = "growable"
+    provider: str = "cpu"
+    device_id: int = 0
+    granule: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.kv_budget_bytes is not None and self.kv_budget_bytes < 1:
+            raise ValueError(f"kv_budget_bytes must be >= 1, got {self.kv_budget_bytes}")
+        if self.cache not in ("growable", "preallocated"):
+            raise ValueError(f"cache {self.cache!r}: the engine runs 'growable' or 'preallocated'")
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    """max_tokens: tokens to generate at most; stop_token_ids: extra ids that end the request
+    (the model's EOS ids end it unless ignore_eos); stop: strings that end it (needs a
+    tokenizer; the text is cut before the stop string)."""
+
+    max_tokens: int = 16
+    sampling: SamplingParams = GREEDY
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+
+
+@dataclass(frozen=True)
+class Event:
+    """One step's output of a request: a token (None on a final event without one), the text it
+    adds (None without a tokenizer), and on the last event finish_reason: "stop" (EOS, a stop
+    id or string), "length" (max_tokens), "cancelled" or "error" (error says why)."""
+
+    request_id: int
+    token_id: int | None
+    text: str | None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+_DONE = object()
+
+
+class RequestHandle:
+    """What submit returns: iterate it (blocking) or `async for` it (the loop it was submitted
+    from) to receive its events; cancel() ends it and frees its slot at the next step."""
+
+    def __init__(self, engine: Engine, request_id: int, loop: asyncio.AbstractEventLoop | None):
+        self.id = request_id
+        self._engine = engine
+        self._loop = loop
+        self._sync: queue.SimpleQueue = queue.SimpleQueue()
+        self._async: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+
+    def _push(self, event: Event) -> None:  # the engine thread
+        if self._async is not None and self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._async.put_nowait, event)
+            except RuntimeError:  # the loop is closed: nobody listens any more
+                pass
+        else:
+            self._sync.put(event)
+
+    def cancel(self) -> None:
+        self._engine.cancel(self.id)
+
+    def _take(self, event: Event) -> Event:
+        if event.token_id is not None:
+            self.tokens.append(event.token_id)
+        if event.finished:
+            self.finish_reason = event.finish_reason
+        return event
+
+    def __iter__(self):
+        if self._async is not None:
+            raise TypeError("a request submitted from an event loop is read with `async for`")
+        while self.finish_reason is None:
+            yield self._take(self._sync.get())
+
+    async def __aiter__(self):
+        if self._async is None:
+            raise TypeError("submit from a running event loop to read with `async for`")
+        while self.finish_reason is None:
+            yield self._take(await self._async.get())
+
+    def result(self) -> list[int]:
+        """Blocks until the request ends; its generated tokens."""
+        for _ in self:
+            pass
+        return self.tokens
+
+
+@dataclass(eq=False)
+class _Request:
+    id: int
+    prompt_len: int
+    seq: list[int]  # prompt + generated so far (what a recompute prefills)
+    params: RequestParams
+    handle: RequestHandle
+    sampler: Sampler
+    arrival: int  # submission order: preemption takes the largest
+    generated: int = 0
+    cached: int = 0  # rows in the slot's KV (len(seq) - cached == 1: decoding)
+    slot: int = -1
+    stop_ids: frozenset = frozenset()
+    emitted_chars: int = 0  # text already sent (stop strings hold some back)
+    text: str = ""  # generated text decoded so far (_generated_text)
+    prefix_offset: int = -1  # seq[prefix_offset:read_offset]: the context of the next decode
+    read_offset: int = -1
+    submitted_at: float = field(default_factory=time.perf_counter)
+
+    @property
+    def decoding(self) -> bool:
+        return self.slot >= 0 and len(self.seq) - self.cached == 1
+
+
+class Engine:
+    """See the module docstring. `tokenizer` (encode/decode, optional) gives events text and
+    enables stop strings."""
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        config: EngineConfig | None = None,
+        tokenizer=None,
+        session_options: ort.SessionOptions | None = None,
+        start: bool = True,
+    ):
+        self.config = config = config or EngineConfig()
+        self.runtime = Runtime(
+            model_dir,
+            provider=config.provider,
+            cache=config.cache,
+            cuda_graph=False,
+            capacity=config.capacity,
+            device_id=config.device_id,
+            session_options=session_options,
+            granule=config.granule,
+        )
+        self.spec = self.runtime.spec
+        self.tokenizer = tokenizer
+        try:
+            self._allocate(config)
+        except BaseException:
+            self.runtime.close()
+            raise
+        self._slots: list[_Request | None] = [None] * self.max_batch
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._inbox: list[tuple[str, object]] = []
+        self._cond = threading.Condition()
+        self._ids = itertools.count(1)
+        self._bindings: dict[tuple[int, int], ort.IOBinding] = {}
+        self._counters = collections.Counter()
+        self._peak_running = 0
+        self._closing = False
+        self._drain = False
+        self._thread: threading.Thread | None = None
+        self._snapshot: dict = {}
+        self._update_snapshot()
+        if start:
+            self.start()
+
+    def _allocate(self, config: EngineConfig) -> None:
+        """The cache of `max_batch` slots (fewer for a preallocating cache whose budget buys
+        fewer whole slots) and the KV budget."""
+        self.capacity = self.runtime.capacity
+        slots = config.max_batch
+        if config.cache == "preallocated" and config.kv_budget_bytes is not None:
+            # A preallocating cache commits whole slots up front: the budget buys that many.
+            slot_bytes = self.capacity * self.spec.kv.token_bytes * self.spec.kv.buffers
+            slots = min(slots, config.kv_budget_bytes // slot_bytes)
+            if slots < 1:
+                raise ValueError(
+                    f"kv_budget_bytes {config.kv_budget_bytes} is less than one preallocated "
+                    f"slot of {self.capacity} tokens ({slot_bytes} bytes)"
+                )
+        self.max_batch = slots
+        self.cache = KvCache.create(
+            self.spec.kv,
+            config.cache,
+            device="cuda" if config.provider == "cuda" else "cpu",
+            batch=slots,
+            capacity=self.capacity,
+            device_id=config.device_id,
+            granule=config.granule,
+        )
+        # Bytes per entry of n rows: the same for every slot, asked several times a step.
+        self._commit_bytes = functools.lru_cache(maxsize=1 << 16)(self.cache.entry_commit_bytes)
+        self._greedy = Sampler(GREEDY)
+        reserved = self.cache.stats.reserved_bytes
+        self.budget = reserved if config.kv_budget_bytes is None else config.kv_budget_bytes
+        self.eos = frozenset(self.spec.eos_token_ids)
+
+    # ---------------------------------------------------------------------------------------
+    # Any thread
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="ort-kvlayout-engine")
+            self._thread.daemon = True
+            self._thread.start()
+
+    def check_request(self, prompt: list[int], params: RequestParams) -> None:
+        """Raises ValueError / RequestTooLarge for a request the engine could never run."""
+        if not prompt:
+            raise ValueError("the prompt needs at least one token")
+        vocab = self.spec.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (the model directory has none)")
+        rows = len(prompt) + params.max_tokens - 1  # the last token is never fed back
+        if rows > self.capacity:
+            raise RequestTooLarge(
+                f"{len(prompt)} prompt tokens + {params.max_tokens} max_tokens need {rows} "
+                f"rows of context; the limit is {self.capacity}"
+            )
+        need = self._commit_bytes(min(rows + self.runtime._prefill_read_slack(), self.capacity))
+        if need > self.budget:
+            raise RequestTooLarge(
+                f"{len(prompt)} prompt tokens + {params.max_tokens} max_tokens need {need} KV "
+                f"bytes; the KV budget is {self.budget}"
+            )
+
+    def submit(
+        self,
+        prompt: list[int],
+        params: RequestParams | None = None,
+        on_event: Callable[[Event], None] | None = None,
+    ) -> RequestHandle:
+        """Queues a request; thread-safe. From a running event loop the handle is read with
+        `async for`, otherwise by iterating it; on_event (optional) is called from the engine
+        thread instead. Raises ValueError / RequestTooLarge (bad request), EngineOverloaded
+        (queue full) or EngineClosed."""
+        params = params or RequestParams()
+        prompt = [int(t) for t in prompt]
+        self.check_request(prompt, params)
+        try:
+            loop = asyncio.get_running_loop() if on_event is None else None
+        except RuntimeError:
+            loop = None
+        rid = next(self._ids)
+        handle = RequestHandle(self, rid, loop)
+        if on_event is not None:
+            # tokens and finish_reason kept on the handle for callback users too
+            handle._push = lambda event: on_event(handle._take(event))  # type: ignore[method-assign]
+        stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else self.eos
+        )
+        request = _Request(
+            rid, len(prompt), list(prompt), params, handle, Sampler(params.sampling), rid,
+            stop_ids=stop_ids,
+        )  # fmt: skip
+        with self._cond:
+            if self._closing:
+                raise EngineClosed("the engine is shutting down")
+            queued = len(self._waiting) + sum(1 for k, _ in self._inbox if k == "submit")
+            if queued >= self.config.max_waiting + self._free_slots():
+                self._counters["rejected"] += 1
+                raise EngineOverloaded(
+                    f"{queued} requests are waiting (limit {self.config.max_waiting})"
+                )
+            self._inbox.append(("submit", request))
+            self._cond.notify()
+        return handle
+
+    def cancel(self, request_id: int) -> None:
+        """Ends a request at the next step (thread-safe; unknown or finished ids are ignored)."""
+        with self._cond:
+            self._inbox.append(("cancel", request_id))
+            self._cond.notify()
+
+    def generate(self, prompt: list[int], params: RequestParams | None = None) -> list[int]:
+        """Submits and waits (a convenience for scripts and tests; blocks even when called
+        from an event loop's thread)."""
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        handle = self.submit(prompt, params, on_event=done.put)
+        while not done.get().finished:
+            pass
+        return handle.tokens
+
+    @property
+    def closing(self) -> bool:
+        """True once close() was called (the server's /health answers 503)."""
+        return self._closing
+
+    def stats(self) -> dict:
+        """Counters, as of the last step (thread-safe): running, waiting, preemptions,
+        committed/reserved/peak KV bytes, bytes moved, graph captures, steps, tokens, ..."""
+        with self._cond:
+            return dict(self._snapshot)
+
+    def close(self, drain: bool = False, timeout: float | None = None) -> None:
+        """Stops the loop: with drain, running and queued requests finish first; otherwise they
+        end with finish_reason "cancelled". Releases the cache."""
+        with self._cond:
+            self._closing = True
+            self._drain = drain
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                return  # still draining: the caller chose a timeout
+            self._thread = None
+        self._bindings.clear()
+        self.cache.close()
+        self.runtime.close()
+
+    def __enter__(self) -> Engine:  # noqa: PYI034
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------------------------------
+    # The engine thread
+
+    def _free_slots(self) -> int:
+        return sum(1 for r in self._slots if r is None)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._inbox and not self._has_work() and not self._closing:
+                    self._cond.wait()
+                inbox, self._inbox = self._inbox, []
+                closing, drain = self._closing, self._drain
+            for kind, item in inbox:
+                if kind == "submit":
+                    self._waiting.append(item)  # type: ignore[arg-type]
+                else:
+                    self._cancel(item)  # type: ignore[arg-type]
+            if closing and not drain:
+                for r in [*self._running(), *self._waiting]:
+                    self._finish(r, "cancelled")
+                self._update_snapshot()
+                return
+            if not self._has_work():
+                self._update_snapshot()
+                if closing:
+                    return
+                continue
+            try:
+                self._step()
+            except Exception as exc:  # noqa: BLE001 -- a failed step ends its requests, not the loop
+                self._counters["step_errors"] += 1
+                message = f"{type(exc).__name__}: {exc}"
+                for r in self._running():
+                    self._finish(r, "error", error=message)
+            self._update_snapshot()
+
+    def _has_work(self) -> bool:
+        return bool(self._waiting) or any(r is not None for r in self._slots)
+
+    def _running(self) -> list[_Request]:
+        return [r for r in self._slots if r is not None]
+
+    def _cancel(self, request_id: int) -> None:
+        for r in self._running():
+            if r.id == request_id:
+                self._finish(r, "cancelled")
+                return
+        for r in list(self._waiting):
+            if r.id == request_id:
+                self._finish(r, "cancelled")
+                return
+
+    def _release_slot(self, r: _Request) -> None:
+        if r.slot >= 0:
+            self._slots[r.slot] = None
+            self.cache.release(r.slot)
+            r.slot = -1
+        r.cached = 0
+
+    def _finish(
+        self,
+        r: _Request,
+        reason: str,
+        token: int | None = None,
+        text: str | None = None,
+        error: str | None = None,
+        flush: bool = True,
+    ) -> None:
+        self._release_slot(r)
+        if r in self._waiting:
+            self._waiting.remove(r)
+        self._counters[f"finished_{reason}"] += 1
+        if flush and self.tokenizer is not None:
+            text = self._flush_text(r)
+        self._deliver(r, Event(r.id, token, text, reason, r.prompt_len, r.generated, error))
+
+    def _deliver(self, r: _Request, event: Event) -> bool:
+        """Hands an event to r's reader; a callback that raises is that request's problem
+        only: it is cancelled (its slot freed), the other requests go on."""
+        try:
+            r.handle._push(event)
+            return True
+        except Exception:  # noqa: BLE001 -- the caller's code, not the engine's
+            self._counters["callback_errors"] += 1
+            if not event.finished:
+                self._release_slot(r)
+                self._counters["finished_cancelled"] += 1
+            return False
+
+    # --- memory ------------------------------------------------------------------------------
+    def _step_rows(self) -> dict[int, int]:
+        """Rows per slot this step writes up to (see the module docstring: scratch rows too)."""
+        rows: dict[int, int] = {}
+        decoding = [s for s, r in enumerate(self._slots) if r is not None and r.decoding]
+        budget = self.config.prefill_chunk
+        # Rows a CUDA fp16 prefill may read past its chunk (Runtime._prefill_read_slack: cuDNN's
+        # key tiles); 0 on the CPU.
+        slack = self.runtime._prefill_read_slack()
+        for s, r in sorted(
+            ((s, r) for s, r in enumerate(self._slots) if r is not None and not r.decoding),
+            key=lambda sr: sr[1].arrival,
+        ):
+            take = min(len(r.seq) - r.cached, budget)
+            budget -= take
+            rows[s] = min(r.cached + max(take, 1) + (slack if take else 0), self.capacity)
+        if decoding:
+            for s in range(min(decoding), max(decoding) + 1):
+                r = self._slots[s]
+                rows[s] = max(rows.get(s, 0), (r.cached + 1) if r is not None else 1)
+        return rows
+
+    def _need_bytes(self, rows: dict[int, int]) -> int:
+        return sum(self._commit_bytes(n) for n in rows.values())
+
+    def _admit(self) -> None:
+        while self._waiting and None in self._slots:
+            r = self._waiting[0]
+            rows = self._step_rows()
+            need = self._need_bytes(rows) + self._commit_bytes(len(r.seq))
+            if any(x is not None for x in self._slots) and need > self.budget:
+                return
+            self._waiting.popleft()
+            r.slot = self._slots.index(None)
+            r.cached = 0
+            self._slots[r.slot] = r
+            self._counters["admitted"] += 1
+
+    def _preempt_to_fit(self) -> dict[int, int]:
+        while True:
+            rows = self._step_rows()
+            running = self._running()
+            if self._need_bytes(rows) <= self.budget or len(running) <= 1:
+                return rows
+            self._preempt(max(running, key=lambda r: r.arrival))
+
+    def _preempt(self, victim: _Request) -> None:
+        self._release_slot(victim)
+        self._counters["preemptions"] += 1
+        # Back to the queue in arrival order: it is recomputed (prefilled with its tokens).
+        position = sum(1 for w in self._waiting if w.arrival < victim.arrival)
+        self._waiting.insert(position, victim)
+
+    # --- a step ------------------------------------------------------------------------------
+    def _step(self) -> None:
+        self._admit()
+        rows = self._preempt_to_fit()
+        # Scratch rows of free slots outside this step's range go back (see the docstring).
+        for s, r in enumerate(self._slots):
+            if r is None and s not in rows and self.cache.tokens[s]:
+                self.cache.release(s)
+        try:
+            self.cache.ensure([rows.get(s, self.cache.tokens[s]) for s in range(len(self._slots))])
+        except KvMemoryError as exc:
+            # The device had less memory than the budget assumed: the newest request makes room
+            # (recomputed later), or, alone, ends with an error; the loop goes on.
+            running = self._running()
+            if len(running) <= 1:
+                for r in running:
+                    self._finish(r, "error", error=f"KV memory: {exc}")
+                return
+            self._preempt(max(running, key=lambda r: r.arrival))
+            return
+        self._counters["steps"] += 1
+        decoding = [s for s, r in enumerate(self._slots) if r is not None and r.decoding]
+        prefilling = sorted((r for r in self._running() if not r.decoding), key=lambda r: r.arrival)
+        if decoding:
+            self._decode_step(min(decoding), max(decoding) + 1)
+        budget = self.config.prefill_chunk
+        for r in prefilling:
+            if budget <= 0:
+                break
+            take = min(len(r.seq) - r.cached, budget)
+            budget -= take
+            self._prefill_chunk(r, take)
+
+    def _binding(self, first: int, count: int) -> ort.IOBinding:
+        key = (first, count)
+        binding = self._bindings.get(key)
+        if binding is None:
+            binding = self.runtime.session.io_binding()
+            for buf in self.cache.entry_buffers(first, count):
+                for bind, name in (
+                    (binding.bind_input, buf.past), (binding.bind_output, buf.present)
+                ):  # fmt: skip
+                    bind(name, buf.device, buf.device_id, buf.dtype, list(buf.shape), buf.ptr)
+            self._bindings[key] = binding
+        return binding
+
+    def _run(self, first: int, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        spec = self.spec
+        binding = self._binding(first, ids.shape[0])
+        binding.bind_cpu_input(spec.input_ids, ids)
+        binding.bind_cpu_input(spec.attention_mask, mask)
+        if spec.position_ids:
+            lengths = mask.sum(axis=1).astype(np.int64)
+            positions = lengths[:, None] - ids.shape[1] + np.arange(ids.shape[1])
+            binding.bind_cpu_input(spec.position_ids, np.maximum(positions, 0))
+        binding.bind_output(spec.logits, "cpu")
+        self.runtime.session.run_with_iobinding(binding)
+        self.runtime._check_length_record("engine step")
+        return binding.get_outputs()[-1].numpy()
+
+    def _decode_step(self, lo: int, hi: int) -> None:
+        n = hi - lo
+        totals = []
+        ids = np.full((n, 1), self.spec.pad_token_id, np.int64)
+        for i, s in enumerate(range(lo, hi)):
+            r = self._slots[s]
+            if r is not None and r.decoding:
+                ids[i, 0] = r.seq[r.cached]
+            totals.append(r.cached + 1 if r is not None else 1)
+        mask = np.zeros((n, max(totals)), self.spec.mask_dtype)
+        for i, t in enumerate(totals):
+            mask[i, :t] = 1
+        logits = self._run(lo, ids, mask)
+        self._counters["decode_calls"] += 1
+        self._counters["decode_rows"] += n
+        rows = [(i, r) for i, r in enumerate(self._slots[lo:hi]) if r is not None and r.decoding]
+        # Greedy rows are chosen together (one argmax over their logits): the same tokens as
+        # each request's own Sampler, without a call per request.
+        greedy = [i for i, r in rows if r.params.sampling.greedy]
+        chosen = dict(zip(greedy, self._greedy(logits[greedy, -1]))) if greedy else {}
+        for i, r in rows:
+            r.cached += 1
+            self._emit(r, logits[i, -1], chosen.get(i))
+
+    def _prefill_chunk(self, r: _Request, take: int) -> None:
+        start = r.cached
+        ids = np.array([r.seq[start : start + take]], np.int64)
+        mask = np.ones((1, start + take), self.spec.mask_dtype)
+        logits = self._run(r.slot, ids, mask)
+        self._counters["prefill_calls"] += 1
+        self._counters["prefill_tokens"] += take
+        r.cached = start + take
+        if r.cached == len(r.seq):  # the whole sequence is in: its last row gives the next token
+            self._emit(r, logits[0, -1])
+
+    def _emit(self, r: _Request, row: np.ndarray, token: int | None = None) -> None:
+        """Samples r's next token from its logits row (unless chosen already), then streams it
+        or finishes r."""
+        token = int(r.sampler(row[None])[0]) if token is None else int(token)
+        r.seq.append(token)  # len(seq) - cached == 1: r decodes it next
+        r.generated += 1
+        self._counters["tokens"] += 1
+        reason = None
+        if token in r.stop_ids:
+            reason = "stop"
+        elif r.generated >= r.params.max_tokens:
+            reason = "length"
+        text = None
+        if self.tokenizer is not None:
+            text, hit = self._text_delta(r, final=reason is not None)
+            if hit and reason is None:
+                reason = "stop"  # the text ends before the stop string
+        if reason is not None:
+            self._finish(r, reason, token=token, text=text, flush=False)
+        else:
+            self._deliver(r, Event(r.id, token, text, None, r.prompt_len, r.generated))
+
+    # --- text ----------------------------------------------------------------------------------
+    def _generated_text(self, r: _Request, final: bool = False) -> str:
+        """r's generated text, decoded incrementally (vLLM's scheme): the tokens since the last
+        complete text are decoded with a few tokens of context before them, and the part past
+        the context's own text is appended, so a step decodes a handful of tokens, not the
+        whole output, and a word's leading space or a multi-byte character split over tokens
+        comes out as the full decode has it. Until `final`, text ending in an incomplete UTF-8
+        character waits for the next token."""
+        seq = r.seq
+        if r.read_offset < 0:
+            r.prefix_offset, r.read_offset = max(r.prompt_len - 4, 0), r.prompt_len
+        if r.read_offset >= len(seq):
+            return r.text
+        prefix = self.tokenizer.decode(seq[r.prefix_offset : r.read_offset])
+        full = self.tokenizer.decode(seq[r.prefix_offset :])
+        if not full.startswith(prefix):  # a tokenizer whose decode is not incremental
+            r.text = self.tokenizer.decode(seq[r.prompt_len :])
+            r.prefix_offset = r.read_offset = len(seq)
+        elif final or (len(full) > len(prefix) and not full.endswith("\ufffd")):
+            r.text += full[len(prefix) :]
+            r.prefix_offset, r.read_offset = r.read_offset, len(seq)
+        return r.text
+
+    def _text_delta(self, r: _Request, final: bool) -> tuple[str, bool]:
+        """The new text to send, and whether a stop string was found (the text ends before it).
+        Held back: an incomplete UTF-8 character, and a suffix that may begin a stop string."""
+        text = self._generated_text(r, final)
+        stops = r.params.stop
+        if stops:
+            lo = max(0, r.emitted_chars - max(len(s) for s in stops))
+            hits = [i for i in (text.find(s, lo) for s in stops) if i >= 0]
+            if hits:
+                end = max(min(hits), r.emitted_chars)
+                delta = text[r.emitted_chars : end]
+                r.emitted_chars = end
+                return delta, True
+        end = len(text)
+        if not final:
+            if text.endswith("\ufffd"):
+                end = len(text.rstrip("\ufffd"))
+            for s in stops:
+                for k in range(min(len(s) - 1, end), 0, -1):
+                    if text[:end].endswith(s[:k]):
+                        end = min(end, len(text[:end]) - k)
+                        break
+        end = max(end, r.emitted_chars)
+        delta = text[r.emitted_chars : end]
+        r.emitted_chars = end
+        return delta, False
+
+    def _flush_text(self, r: _Request) -> str:
+        if r.generated == 0:
+            return ""
+        return self._text_delta(r, final=True)[0]
+
+    def _update_snapshot(self) -> None:
+        st = self.cache.stats if not self.cache.closed else None
+        running = sum(1 for r in self._slots if r is not None)
+        self._peak_running = max(self._peak_running, running)
+        snap = {
+            "running": running,
+            "waiting": len(self._waiting),
+            "max_batch": self.max_batch,
+            "peak_running": self._peak_running,
+            "preemptions": self._counters["preemptions"],
+            "kv_budget_bytes": self.budget,
+            "kv_committed_bytes": st.committed_bytes if st else 0,
+            "kv_peak_committed_bytes": st.peak_committed_bytes if st else 0,
+            "kv_reserved_bytes": st.reserved_bytes if st else 0,
+            "kv_live_bytes": st.live_bytes if st else 0,
+            "kv_bytes_moved": st.bytes_moved if st else 0,
+            "kv_growth_events": st.growth_events if st else 0,
+            "graph_captures": st.graph_captures if st else 0,
+            "graph_replays": st.replays if st else 0,
+        }
+        for key in (
+            "steps", "decode_calls", "decode_rows", "prefill_calls", "prefill_tokens", "tokens",
+            "admitted", "rejected", "step_errors", "callback_errors", "finished_stop",
+            "finished_length", "finished_cancelled", "finished_error",
+        ):  # fmt: skip
+            snap[key] = self._counters[key]
+        with self._cond:
+            self._snapshot = snap

@@ -1,0 +1,337 @@
+"""OpenAI request bodies -> engine requests, engine events -> OpenAI response bodies.
+
+Pure functions, no web framework: server.py wires them to HTTP. Unknown request fields are
+ignored (clients and benchmark tools send extensions); fields whose non-default values the
+engine cannot honour (n > 1, echo, logprobs, penalties) are a 400 naming the field. Extensions
+honoured: ignore_eos, top_k, stop_token_ids, return_token_ids.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from ..runtime.sampling import SamplingParams
+from .engine import RequestParams
+
+__all__ = ["ApiError", "ParsedRequest", "parse_chat", "parse_completion"]
+
+
+class ApiError(Exception):
+    """An OpenAI-style error: HTTP status, message, type, param and code."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",  # OpenAI's field name
+        param: str | None = None,
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status, message, type, param, code,
+        )  # fmt: skip
+
+    def body(self) -> dict:
+        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        return {"error": error}
+
+
+@dataclass
+class ParsedRequest:
+    prompt: list[int]
+    params: RequestParams
+    stream: bool
+    include_usage: bool
+    chat: bool
+    model: str
+    return_token_ids: bool = False  # an extension (vLLM's name): choices carry token_ids
+
+
+def load_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def _number(body: dict, key: str, default, kind=float, low=None, high=None):
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ApiError(400, f"'{key}' must be a number, got {json.dumps(value)[:40]}", param=key)
+    if kind is int and value != int(value):
+        raise ApiError(400, f"'{key}' must be an integer, got {value}", param=key)
+    value = kind(value)
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ApiError(400, f"'{key}' = {value} is out of range [{low}, {high}]", param=key)
+    return value
+
+
+def _unsupported(body: dict) -> None:
+    if _number(body, "n", 1, int) != 1:
+        raise ApiError(400, "only n = 1 is supported", param="n")
+    refused = {
+        "echo": bool(body.get("echo")),
+        "logprobs": body.get("logprobs") not in (None, False),
+        "top_logprobs": body.get("top_logprobs") not in (None, 0),
+        "best_of": body.get("best_of") not in (None, 1),
+        "logit_bias": bool(body.get("logit_bias")),
+        "tools": bool(body.get("tools")),
+    }
+    for key, bad in refused.items():
+        if bad:
+            raise ApiError(400, f"'{key}' is not supported by this server", param=key)
+    for key in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        default = 1.0 if key == "repetition_penalty" else 0.0
+        if _number(body, key, default) != default:
+            raise ApiError(400, f"'{key}' is not supported by this server", param=key)
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise ApiError(400, "'stop' must be a non-empty string or a list of them", param="stop")
+    if len(stop) > 16:
+        raise ApiError(400, "'stop' takes at most 16 strings", param="stop")
+    return tuple(stop)
+
+
+def _token_ids(value, key: str) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    ):
+        raise ApiError(400, f"'{key}' must be a list of integers", param=key)
+    return tuple(value)
+
+
+def _params(body: dict, prompt_len: int, context: int, default_max: int | None) -> RequestParams:
+    _unsupported(body)
+    if prompt_len >= context:
+        raise ApiError(
+            413,
+            f"the prompt has {prompt_len} tokens; this model's context is {context} tokens",
+            param="messages" if "messages" in body else "prompt",
+            code="context_length_exceeded",
+        )
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _number(body, key, default_max, int, 1)
+    if max_tokens is None:
+        max_tokens = context - prompt_len
+    if prompt_len + max_tokens - 1 > context:
+        raise ApiError(
+            413,
+            f"{prompt_len} prompt tokens + {key} {max_tokens} exceed this model's context of "
+            f"{context} tokens",
+            param=key,
+            code="context_length_exceeded",
+        )
+    temperature = _number(body, "temperature", 1.0, float, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, float, 0.0, 1.0)
+    top_k = _number(body, "top_k", 0, int, -1)
+    seed = _number(body, "seed", None, int)
+    try:
+        sampling = SamplingParams(
+            temperature=temperature,
+            top_k=max(top_k, 0),
+            top_p=top_p if top_p > 0 else 1e-9,
+            seed=None if seed is None else seed & (2**63 - 1),
+        )
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from exc
+    ignore_eos = _flag(body, "ignore_eos")
+    return RequestParams(
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stop_token_ids=_token_ids(body.get("stop_token_ids"), "stop_token_ids"),
+        stop=_stop(body),
+        ignore_eos=ignore_eos,
+    )
+
+
+def _flag(body: dict, key: str) -> bool:
+    value = body.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ApiError(400, f"'{key}' must be a boolean", param=key)
+    return value
+
+
+def _stream_flags(body: dict) -> tuple[bool, bool]:
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be a boolean", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ApiError(400, "'stream_options' must be an object", param="stream_options")
+    return stream, bool(options.get("include_usage", False))
+
+
+def _model(body: dict, served: str) -> str:
+    model = body.get("model")
+    if model is None:
+        return served
+    if model != served:
+        raise ApiError(
+            404,
+            f"The model `{model}` does not exist (this server serves `{served}`)",
+            param="model",
+            code="model_not_found",
+        )
+    return model
+
+
+def parse_completion(body: dict, tokenizer, served: str, context: int) -> ParsedRequest:
+    model = _model(body, served)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer: send 'prompt' as token ids")
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
+        ids = list(prompt)
+    elif isinstance(prompt, list):
+        raise ApiError(400, "one prompt per request is supported", param="prompt")
+    else:
+        raise ApiError(400, "'prompt' must be a string or a list of token ids", param="prompt")
+    if not ids:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    stream, usage = _stream_flags(body)
+    params = _params(body, len(ids), context, 16)
+    return ParsedRequest(ids, params, stream, usage, False, model, _flag(body, "return_token_ids"))
+
+
+def parse_chat(body: dict, tokenizer, template, served: str, context: int) -> ParsedRequest:
+    model = _model(body, served)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, f"messages[{i}] needs a 'role' string", param="messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise ApiError(400, "only text content parts are supported", param="messages")
+                texts.append(str(part.get("text", "")))
+            content = "".join(texts)
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string", param="messages")
+        clean.append({"role": m["role"], "content": content})
+    if tokenizer is None or template is None:
+        raise ApiError(400, "this model has no tokenizer or chat template: use /v1/completions")
+    try:
+        text = template(clean)
+    except Exception as exc:  # the template's own raise_exception, or a bug in it
+        raise ApiError(400, f"the chat template refused the messages: {exc}") from exc
+    ids = tokenizer.encode(text)
+    if not ids:
+        raise ApiError(400, "the messages encode to no tokens", param="messages")
+    stream, usage = _stream_flags(body)
+    params = _params(body, len(ids), context, None)
+    return ParsedRequest(ids, params, stream, usage, True, model, _flag(body, "return_token_ids"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses
+
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def finish_reason(reason: str | None) -> str | None:
+    return {"cancelled": "abort", "error": "abort"}.get(reason, reason) if reason else None
+
+
+def response(req: ParsedRequest, rid: str, text: str, reason: str | None, u: dict) -> dict:
+    created = int(time.time())
+    if req.chat:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason(reason),
+        }
+        obj = "chat.completion"
+    else:
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": finish_reason(reason),
+        }
+        obj = "text_completion"
+    return {
+        "id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice],
+        "usage": u,
+    }  # fmt: skip
+
+
+def chunk(req: ParsedRequest, rid: str, created: int, text: str | None, reason: str | None,
+          first: bool = False) -> dict:  # fmt: skip
+    if req.chat:
+        delta: dict[str, Any] = {}
+        if first:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice: dict[str, Any] = {
+            "index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason(reason),
+        }  # fmt: skip
+        obj = "chat.completion.chunk"
+    else:
+        choice = {
+            "index": 0, "text": text or "", "logprobs": None,
+            "finish_reason": finish_reason(reason),
+        }  # fmt: skip
+        obj = "text_completion"
+    body = {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice]}
+    if req.include_usage:
+        body["usage"] = None
+    return body
+
+
+def usage_chunk(req: ParsedRequest, rid: str, created: int, u: dict) -> dict:
+    obj = "chat.completion.chunk" if req.chat else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [],
+            "usage": u}  # fmt: skip
+
+
+def sse(body: dict | str) -> bytes:
+    data = body if isinstance(body, str) else json.dumps(body, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()

@@ -1,0 +1,294 @@
+"""The OpenAI-compatible HTTP server (Starlette): routes over one `Engine`.
+
+    app = build_app(engine, model_id="smollm2", tokenizer=tok, chat_template=template)
+    uvicorn.run(app)        # what `ort-kvlayout serve MODEL_DIR` does (cli.py)
+
+Routes: POST /v1/completions, POST /v1/chat/completions (stream: SSE frames `data: {...}`
+separated by a blank line, ending with `data: [DONE]`), GET /v1/models, /v1/models/{id},
+/health, /metrics (Prometheus text). Errors are OpenAI's JSON shape: 400 bad request or
+malformed JSON, 404 unknown model or route, 413 prompt (+ max_tokens) longer than the context
+or the KV budget, 503 when the engine's queue is full or it is shutting down. A client that
+disconnects cancels its request, which frees its slot and pages at the next engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .engine import Engine, EngineClosed, EngineOverloaded, RequestTooLarge
+from .openai_api import (
+    ApiError,
+    ParsedRequest,
+    chunk,
+    load_body,
+    new_id,
+    parse_chat,
+    parse_completion,
+    response,
+    sse,
+    usage,
+    usage_chunk,
+)
+
+__all__ = ["build_app", "load_chat_template"]
+
+MAX_BODY_BYTES = 32 << 20
+
+
+def load_chat_template(model_dir: Path, tokenizer_config: dict | None = None) -> Callable | None:
+    """The model's chat template (chat_template.jinja, or tokenizer_config.json's
+    chat_template) as a function messages -> prompt text, rendered the way transformers does
+    (a sandboxed Jinja environment, add_generation_prompt=True); None when there is none."""
+    path = Path(model_dir) / "chat_template.jinja"
+    config = tokenizer_config
+    if config is None:
+        config_path = Path(model_dir) / "tokenizer_config.json"
+        try:
+            config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        except (OSError, ValueError):
+            config = {}
+    source = path.read_text() if path.is_file() else config.get("chat_template")
+    if isinstance(source, list):  # named templates: the default one
+        source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+    if not isinstance(source, str):
+        return None
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    template = env.from_string(source)
+
+    def token(name: str) -> str:
+        value = config.get(name)
+        return value.get("content", "") if isinstance(value, dict) else (value or "")
+
+    specials = {name: token(name) for name in ("bos_token", "eos_token", "pad_token")}
+
+    def render(messages: list[dict]) -> str:
+        return template.render(messages=messages, add_generation_prompt=True, **specials)
+
+    return render
+
+
+def _error(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def build_app(
+    engine: Engine,
+    model_id: str,
+    tokenizer=None,
+    chat_template: Callable | None = None,
+    on_shutdown: Callable[[], None] | None = None,
+) -> Starlette:
+    context = engine.capacity
+    created = int(time.time())
+    started = time.time()
+
+    async def read(request: Request) -> dict:
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+        return load_body(raw)
+
+    def submit(req: ParsedRequest):
+        try:
+            return engine.submit(req.prompt, req.params)
+        except RequestTooLarge as exc:
+            raise ApiError(413, str(exc), code="context_length_exceeded") from exc
+        except EngineOverloaded as exc:
+            raise ApiError(503, f"the server is overloaded: {exc}", "server_error") from exc
+        except EngineClosed as exc:
+            raise ApiError(503, str(exc), "server_error") from exc
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from exc
+
+    async def generate(request: Request, chat: bool) -> Response:
+        try:
+            body = await read(request)
+            if chat:
+                req = parse_chat(body, tokenizer, chat_template, model_id, context)
+            else:
+                req = parse_completion(body, tokenizer, model_id, context)
+            handle = submit(req)
+        except ApiError as exc:
+            return _error(exc)
+        rid = new_id(chat)
+        if req.stream:
+            return StreamingResponse(
+                _stream(req, rid, handle), media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )  # fmt: skip
+        return await _complete(request, req, rid, handle)
+
+    async def _complete(request: Request, req: ParsedRequest, rid: str, handle) -> Response:
+        async def watch_disconnect():
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    handle.cancel()
+                    return
+
+        watcher = asyncio.create_task(watch_disconnect())
+        texts, last = [], None
+        try:
+            async for event in handle:
+                if event.text:
+                    texts.append(event.text)
+                last = event
+        finally:
+            watcher.cancel()
+            if handle.finish_reason is None:  # this task was cancelled: so is the request
+                handle.cancel()
+        if last is not None and last.finish_reason == "error":
+            return _error(ApiError(500, f"generation failed: {last.error}", "server_error"))
+        text = "".join(texts) if tokenizer is not None else ""
+        u = usage(last.prompt_tokens, last.completion_tokens) if last else usage(0, 0)
+        body = response(req, rid, text, last.finish_reason if last else None, u)
+        if tokenizer is None or req.return_token_ids:  # without a tokenizer: the only output
+            body["choices"][0]["token_ids"] = list(handle.tokens)
+        return JSONResponse(body)
+
+    async def _stream(req: ParsedRequest, rid: str, handle):
+        now = int(time.time())
+        last = None
+        try:
+            if req.chat:
+                yield sse(chunk(req, rid, now, "", None, first=True))
+            async for event in handle:
+                last = event
+                if event.finish_reason == "error":
+                    error = ApiError(500, f"generation failed: {event.error}", "server_error")
+                    yield sse(error.body())
+                    break
+                text = event.text if event.text is not None else ""
+                if text or event.token_id is not None:
+                    body = chunk(req, rid, now, text, None)
+                    if (tokenizer is None or req.return_token_ids) and event.token_id is not None:
+                        body["choices"][0]["token_ids"] = [event.token_id]
+                    yield sse(body)
+                if event.finished:
+                    yield sse(chunk(req, rid, now, None if req.chat else "", event.finish_reason))
+            if req.include_usage and last is not None:
+                u = usage(last.prompt_tokens, last.completion_tokens)
+                yield sse(usage_chunk(req, rid, now, u))
+            yield sse("[DONE]")
+        finally:
+            # The client went away (the response task was cancelled) or the stream ended: a
+            # request still running is cancelled, its slot and pages freed at the next step.
+            if handle.finish_reason is None:
+                handle.cancel()
+
+    async def completions(request: Request) -> Response:
+        return await generate(request, chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, chat=True)
+
+    def model_card() -> dict:
+        return {
+            "id": model_id, "object": "model", "created": created, "owned_by": "ort-kvlayout",
+            "max_model_len": context,
+        }  # fmt: skip
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def model(request: Request) -> Response:
+        if request.path_params["model"] != model_id:
+            name = request.path_params["model"]
+            return _error(
+                ApiError(404, f"The model `{name}` does not exist", code="model_not_found")
+            )
+        return JSONResponse(model_card())
+
+    async def health(request: Request) -> Response:
+        if engine.closing:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(request: Request) -> Response:
+        return PlainTextResponse(prometheus(engine.stats(), model_id, time.time() - started),
+                                 media_type="text/plain; version=0.0.4")  # fmt: skip
+
+    async def not_found(request: Request, exc: HTTPException) -> Response:
+        if exc.status_code == 405:
+            return _error(
+                ApiError(405, f"method {request.method} not allowed on {request.url.path}")
+            )
+        return _error(ApiError(exc.status_code, f"no route {request.url.path}", code="not_found"))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        if on_shutdown is not None:
+            on_shutdown()
+
+    return Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{model:path}", model, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+        ],
+        exception_handlers={HTTPException: not_found},
+        lifespan=lifespan,
+    )
+
+
+# Prometheus names: (stats key, metric, type, help).
+_METRICS = [
+    ("running", "requests_running", "gauge", "Requests holding a slot"),
+    ("waiting", "requests_waiting", "gauge", "Requests queued for a slot"),
+    ("peak_running", "requests_running_peak", "gauge", "Most requests running at once"),
+    ("preemptions", "preemptions_total", "counter", "Requests preempted (recomputed later)"),
+    ("rejected", "requests_rejected_total", "counter", "Requests refused: queue full"),
+    ("admitted", "requests_admitted_total", "counter", "Requests given a slot"),
+    ("finished_stop", "requests_finished_stop_total", "counter", "Requests ended by a stop"),
+    ("finished_length", "requests_finished_length_total", "counter", "Requests at max_tokens"),
+    ("finished_cancelled", "requests_cancelled_total", "counter", "Requests cancelled"),
+    ("finished_error", "requests_failed_total", "counter", "Requests ended by an error"),
+    ("tokens", "generation_tokens_total", "counter", "Tokens generated"),
+    ("prefill_tokens", "prefill_tokens_total", "counter", "Prompt tokens prefilled"),
+    ("steps", "engine_steps_total", "counter", "Engine steps"),
+    ("kv_committed_bytes", "kv_committed_bytes", "gauge", "KV bytes committed now"),
+    ("kv_peak_committed_bytes", "kv_committed_bytes_peak", "gauge", "Most KV bytes committed"),
+    ("kv_reserved_bytes", "kv_reserved_bytes", "gauge", "KV address space reserved"),
+    ("kv_budget_bytes", "kv_budget_bytes", "gauge", "KV bytes the engine may commit"),
+    ("kv_bytes_moved", "kv_bytes_moved_total", "counter", "KV bytes copied by growth"),
+    ("graph_captures", "graph_captures_total", "counter", "CUDA graphs captured"),
+]
+
+
+def prometheus(stats: dict, model_id: str, uptime: float) -> str:
+    label = '{model="' + model_id.replace("\\", "\\\\").replace('"', '\\"') + '"}'
+    lines = []
+    for key, name, kind, text in _METRICS:
+        lines += [
+            f"# HELP ort_kvlayout_{name} {text}",
+            f"# TYPE ort_kvlayout_{name} {kind}",
+            f"ort_kvlayout_{name}{label} {stats.get(key, 0)}",
+        ]
+    lines += [
+        "# HELP ort_kvlayout_uptime_seconds Seconds since the server started",
+        "# TYPE ort_kvlayout_uptime_seconds gauge",
+        f"ort_kvlayout_uptime_seconds{label} {uptime:.3f}",
+    ]
+    return "\n".join(lines) + "\n"

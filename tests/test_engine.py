@@ -1,0 +1,365 @@
+"""The serving engine (ort_kvlayout.serve.engine) on a tiny synthetic model, CPU.
+
+Reference: `Runtime.generate` on one prompt alone (greedy). The engine mixes requests that join
+and leave, chunked prefill, slot ranges bound at an offset, preemption and recompute: every
+request must still get the tokens it gets alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+from ort_kvlayout.runtime.kv_cache import KvCache
+from ort_kvlayout.runtime.kv_memory import allocator_stats
+from ort_kvlayout.runtime.model_spec import KvSpec
+from ort_kvlayout.runtime.sampling import SamplingParams
+from serve_util import library_or_skip
+from synthetic_models import VOCAB, Variant, make_model_dir
+
+PROMPTS = [
+    [1, 5, 7, 9, 11, 13, 17, 19, 23],
+    [4, 8, 15, 16],
+    [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51],
+    [6],
+    [12, 24, 36, 48, 60, 10, 20],
+    [9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9],
+]
+LENGTHS = [40, 25, 33, 12, 50, 20]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from ort_kvlayout.tools.patch import patch_model_dir
+
+    library_or_skip()
+    root = tmp_path_factory.mktemp("engine")
+    src = make_model_dir(root / "original", Variant(layers=2))
+    return patch_model_dir(src, root / "seq", layout="seq-major").out_dir
+
+
+@pytest.fixture(scope="module")
+def alone(model) -> list[list[int]]:
+    from ort_kvlayout.runtime.generation import Runtime
+
+    with Runtime(model) as rt:
+        return [rt.generate(p, n, eos_token_ids=[]).tokens[0] for p, n in zip(PROMPTS, LENGTHS)]
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    before = allocator_stats()["cpu"]
+    yield
+    assert allocator_stats()["cpu"] == before  # every engine closed: accounting back
+
+
+def engine(model, **kwargs):
+    from ort_kvlayout.serve.engine import Engine, EngineConfig
+
+    return Engine(model, EngineConfig(**kwargs))
+
+
+def params(n, **kwargs):
+    from ort_kvlayout.serve.engine import RequestParams
+
+    return RequestParams(max_tokens=n, ignore_eos=True, **kwargs)
+
+
+@pytest.mark.parametrize("chunk", [4, 256])
+def test_concurrent_requests_equal_generate_alone(model, alone, chunk):
+    with engine(model, max_batch=4, prefill_chunk=chunk) as eng:
+        handles = [eng.submit(p, params(n)) for p, n in zip(PROMPTS, LENGTHS)]
+        got = [h.result() for h in handles]
+        stats = eng.stats()
+    assert got == alone
+    assert all(h.finish_reason == "length" for h in handles)
+    assert stats["peak_running"] == 4  # 6 requests through 4 slots: slots were reused
+    assert stats["kv_bytes_moved"] == 0
+    assert stats["running"] == stats["waiting"] == 0
+    assert stats["kv_committed_bytes"] == 0  # every slot's pages went back
+    if chunk == 4:
+        assert stats["prefill_calls"] > len(PROMPTS)  # long prompts took several chunks
+
+
+def test_requests_from_many_threads_never_mix(model, alone):
+    got: dict[int, list[int]] = {}
+    with engine(model, max_batch=3, prefill_chunk=8) as eng:
+
+        def client(i):
+            got[i] = eng.generate(PROMPTS[i], params(LENGTHS[i]))
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert [got[i] for i in range(len(PROMPTS))] == alone
+
+
+def test_async_iteration_streams_tokens(model, alone):
+    async def main(eng):
+        async def one(i):
+            handle = eng.submit(PROMPTS[i], params(LENGTHS[i]))
+            events = [e async for e in handle]
+            assert events[-1].finished and all(not e.finished for e in events[:-1])
+            return [e.token_id for e in events]
+
+        return await asyncio.gather(*(one(i) for i in range(3)))
+
+    with engine(model, max_batch=2) as eng:
+        assert asyncio.run(main(eng)) == alone[:3]
+
+
+def test_preemption_under_a_tiny_budget_recomputes_the_same_tokens(model, alone):
+    from ort_kvlayout.serve.engine import Engine, EngineConfig
+
+    spec_bytes = None
+    with engine(model, max_batch=1) as probe:  # bytes of one request's longest sequence
+        spec_bytes = max(
+            probe.cache.entry_commit_bytes(len(p) + n) for p, n in zip(PROMPTS, LENGTHS)
+        )
+    config = EngineConfig(
+        max_batch=4, kv_budget_bytes=spec_bytes + spec_bytes // 2, prefill_chunk=8
+    )
+    with Engine(model, config) as eng:
+        handles = [eng.submit(p, params(n)) for p, n in zip(PROMPTS, LENGTHS)]
+        got = [h.result() for h in handles]
+        stats = eng.stats()
+    assert got == alone
+    assert stats["preemptions"] > 0
+    assert stats["kv_peak_committed_bytes"] <= config.kv_budget_bytes
+
+
+def test_cancel_frees_the_slot_at_once(model, alone):
+    with engine(model, max_batch=1) as eng:
+        seen = threading.Event()
+
+        def on_event(event):
+            if event.completion_tokens >= 3:
+                seen.set()
+
+        first = eng.submit(PROMPTS[0], params(200), on_event=on_event)
+        assert seen.wait(30)
+        first.cancel()
+        second = eng.submit(PROMPTS[1], params(LENGTHS[1]))
+        assert second.result() == alone[1]  # it got the only slot
+        stats = eng.stats()
+    assert stats["finished_cancelled"] == 1
+    assert stats["kv_committed_bytes"] == 0
+
+
+def test_cancel_a_waiting_request(model):
+    with engine(model, max_batch=1) as eng:
+        a = eng.submit(PROMPTS[0], params(30))
+        b = eng.submit(PROMPTS[1], params(30))
+        b.cancel()
+        assert b.result() == [] or b.finish_reason == "cancelled"
+        assert a.result()
+        assert b.finish_reason == "cancelled"
+
+
+def test_sampling_is_per_request_and_seeded(model):
+    sampling = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=3)
+    with engine(model, max_batch=4) as eng:
+        solo = eng.generate(PROMPTS[0], params(20, sampling=sampling))
+        handles = [eng.submit(PROMPTS[0], params(20, sampling=sampling)) for _ in range(3)]
+        handles.append(eng.submit(PROMPTS[1], params(20)))
+        mixed = [h.result() for h in handles]
+    assert mixed[:3] == [solo] * 3  # the same seed, whatever shares the batch
+
+
+def test_stop_token_ids_and_eos(model, alone):
+    stop = alone[0][5]
+    with engine(model) as eng:
+        out = eng.generate(PROMPTS[0], params(40, stop_token_ids=(stop,)))
+        assert out == alone[0][: alone[0].index(stop) + 1]
+        from ort_kvlayout.serve.engine import RequestParams
+
+        handle = eng.submit(PROMPTS[0], RequestParams(max_tokens=40))  # the model's EOS 2, 3
+        tokens = handle.result()
+    first_eos = next((i for i, t in enumerate(alone[0]) if t in (2, 3)), None)
+    if first_eos is None:
+        assert tokens == alone[0] and handle.finish_reason == "length"
+    else:
+        assert tokens == alone[0][: first_eos + 1] and handle.finish_reason == "stop"
+
+
+def test_bad_requests(model):
+    from ort_kvlayout.serve.engine import EngineOverloaded, RequestParams, RequestTooLarge
+
+    with engine(model, max_batch=1, max_waiting=1) as eng:
+        with pytest.raises(ValueError, match="at least one token"):
+            eng.submit([], params(4))
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            eng.submit([VOCAB], params(4))
+        with pytest.raises(RequestTooLarge, match="rows of context"):
+            eng.submit([1] * 200, params(100))
+        with pytest.raises(ValueError, match="need a tokenizer"):
+            eng.submit([1], params(4, stop=("x",)))
+        with pytest.raises(ValueError, match="max_tokens"):
+            RequestParams(max_tokens=0)
+        handles = []
+        with pytest.raises(EngineOverloaded):
+            for _ in range(10):
+                handles.append(eng.submit([1, 2], params(50)))
+        for h in handles:
+            h.cancel()
+            h.result()
+        assert eng.stats()["rejected"] == 1
+
+
+def test_budget_refuses_a_request_that_can_never_fit(model):
+    from ort_kvlayout.serve.engine import RequestTooLarge
+
+    with (
+        engine(model, max_batch=2, kv_budget_bytes=4096) as eng,
+        pytest.raises(RequestTooLarge, match="KV budget"),
+    ):
+        eng.submit(PROMPTS[0], params(40))
+
+
+def test_close_cancels_or_drains(model):
+    eng = engine(model, max_batch=1)
+    a = eng.submit(PROMPTS[0], params(200))
+    b = eng.submit(PROMPTS[1], params(5))
+    eng.close()
+    a.result(), b.result()
+    assert a.finish_reason == "cancelled" and b.finish_reason == "cancelled"
+    eng = engine(model, max_batch=1)
+    a = eng.submit(PROMPTS[1], params(5))
+    eng.close(drain=True)
+    a.result()
+    assert a.finish_reason == "length" and len(a.tokens) == 5
+
+
+def test_kv_cache_release_returns_an_entrys_granules():
+    spec = KvSpec.synthetic(layers=1, kv_heads=2, head_dim=32, dtype=np.float32, context_length=256)
+    with KvCache.create(spec, "growable", batch=3, capacity=256) as cache:
+        cache.ensure([40, 100, 3])
+        before = cache.stats.committed_bytes
+        one = cache.entry_commit_bytes(100)
+        assert cache.release(1) == one
+        assert cache.stats.committed_bytes == before - one
+        assert cache.measured_committed_bytes() == cache.stats.committed_bytes
+        assert cache.tokens == [40, 0, 3]
+        cache.ensure([40, 10, 3])  # the slot is used again in place
+        assert cache.stats.committed_bytes == before - one + cache.entry_commit_bytes(10)
+        assert cache.stats.bytes_moved == 0
+        views = cache.entry_buffers(1, 2)
+        assert views[0].ptr == cache.buffers[0].ptr + 256 * spec.token_bytes
+        assert views[0].shape[0] == 2
+
+
+def test_runtime_generate_from_two_threads_is_serialized(model, alone):
+    from ort_kvlayout.runtime.generation import Runtime
+
+    got: dict[int, list[int]] = {}
+    with Runtime(model) as rt:
+
+        def client(i):
+            got[i] = rt.generate(PROMPTS[i], LENGTHS[i], eos_token_ids=[]).tokens[0]
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [got[i] for i in range(4)] == alone[:4]
+        with pytest.raises(RuntimeError, match="on_step"):
+            rt.generate(PROMPTS[0], 3, on_step=lambda _: rt.generate(PROMPTS[1], 2))
+
+
+def test_a_failed_commit_preempts_instead_of_crashing(model, alone):
+    from ort_kvlayout.runtime.kv_memory import simulate_commit_failure
+
+    with engine(model, max_batch=3, prefill_chunk=8) as eng:
+        handles = [eng.submit(p, params(n)) for p, n in zip(PROMPTS[:3], LENGTHS[:3])]
+        simulate_commit_failure("cpu", after=6)  # a later granule fails once, as ENOMEM would
+        try:
+            got = [h.result() for h in handles]
+        finally:
+            simulate_commit_failure("cpu", -1)
+        stats = eng.stats()
+    assert got == alone[:3]
+    assert stats["preemptions"] >= 1 and stats["step_errors"] == 0
+
+
+def test_a_relative_model_dir_registers_the_library_by_absolute_path(model, monkeypatch):
+    from pathlib import Path
+
+    from ort_kvlayout.runtime.generation import Runtime
+
+    monkeypatch.chdir(model)
+    with Runtime(".") as rt:  # dlopen("libort_kvlayout.so") would search the system path
+        assert Path(rt.library).is_absolute()
+        assert Path(rt.library).parent == model.resolve()
+
+
+def test_growable_slots_hold_more_requests_than_preallocated_ones_at_equal_budget(model, alone):
+    from ort_kvlayout.serve.engine import Engine, EngineConfig
+
+    with engine(model, max_batch=1, cache="preallocated") as probe:
+        slot = probe.cache.stats.reserved_bytes  # one whole slot: 256 tokens
+    peaks = {}
+    for mode in ("preallocated", "growable"):
+        config = EngineConfig(max_batch=6, cache=mode, kv_budget_bytes=2 * slot)
+        with Engine(model, config) as eng:
+            handles = [eng.submit(p, params(n)) for p, n in zip(PROMPTS, LENGTHS)]
+            assert [h.result() for h in handles] == alone
+            stats = eng.stats()
+        assert stats["kv_peak_committed_bytes"] <= 2 * slot
+        peaks[mode] = stats["peak_running"]
+    assert peaks == {"preallocated": 2, "growable": 6}
+
+
+def test_a_long_prompt_never_stalls_a_running_request_more_than_one_chunk(model, alone):
+    """Every step with a decoding request runs its decode, and prefills at most prefill_chunk
+    prompt tokens: the running request's gap is one decode call plus one chunk."""
+    steps: list[dict] = []
+    with engine(model, max_batch=2, prefill_chunk=4) as eng:
+        real_decode, real_prefill, real_step = eng._decode_step, eng._prefill_chunk, eng._step
+
+        def step():
+            steps.append({"decode": 0, "prefill": 0})
+            real_step()
+
+        def decode(lo, hi):
+            steps[-1]["decode"] += 1
+            real_decode(lo, hi)
+
+        def prefill(r, take):
+            steps[-1]["prefill"] += take
+            real_prefill(r, take)
+
+        eng._step, eng._decode_step, eng._prefill_chunk = step, decode, prefill
+        # a (4 prompt tokens: the first step's whole chunk) decodes while b prefills.
+        a = eng.submit(PROMPTS[1], params(240))
+        b = eng.submit(PROMPTS[5], params(LENGTHS[5]))  # 30 prompt tokens: 8 chunks
+        assert b.result() == alone[5]
+        eng.cancel(a.id)
+    assert max(s["prefill"] for s in steps) <= 4
+    mixed = [s for s in steps if s["prefill"] and s["decode"]]
+    assert len(mixed) == 8  # b's chunks ran beside a's decode steps, one chunk per step
+
+
+def test_a_raising_callback_cancels_only_its_own_request(model, alone):
+    def broken(event):
+        raise RuntimeError("client bug")
+
+    with engine(model, max_batch=2) as eng:
+        bad = eng.submit(PROMPTS[0], params(40), on_event=broken)
+        good = eng.submit(PROMPTS[1], params(LENGTHS[1]))
+        assert good.result() == alone[1]
+        stats = eng.stats()
+    assert bad.tokens == alone[0][:1]  # its first event raised: cancelled there
+    assert stats["finished_cancelled"] == 1 and stats["step_errors"] == 0
+
+
+def test_generate_blocks_inside_an_event_loop(model, alone):
+    async def main(eng):
+        return eng.generate(PROMPTS[3], params(LENGTHS[3]))
+
+    with engine(model) as eng:
+        assert asyncio.run(main(eng)) == alone[3]

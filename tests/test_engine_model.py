@@ -1,0 +1,114 @@
+"""The engine and the server on the real SmolLM2-135M (fp32, CPU, patched seq-major).
+
+Uses the model scripts/build_test_model.py built into the cache (skips when it is not there).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.model
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village"]
+TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    import ort_kvlayout
+    from ort_kvlayout.tools.patch import patch_model_dir
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import build_test_model
+
+    built = build_test_model.model_dir_for("fp32", "cpu")
+    if not build_test_model.is_built(built):
+        pytest.skip(f"the test model is not built ({built}): python scripts/build_test_model.py")
+    try:
+        ort_kvlayout.library_path()
+    except (FileNotFoundError, OSError) as exc:
+        pytest.skip(f"custom-op library not built: {exc}")
+    return patch_model_dir(built, tmp_path_factory.mktemp("smollm2") / "seq").out_dir
+
+
+@pytest.fixture(scope="module")
+def tok(model):
+    from ort_kvlayout.model.tokenizer import load_tokenizer
+
+    return load_tokenizer(model)
+
+
+def test_engine_equals_runtime_alone_on_smollm2(model, tok):
+    from ort_kvlayout.runtime.generation import Runtime
+    from ort_kvlayout.serve.engine import Engine, EngineConfig, RequestParams
+
+    prompts = [tok.encode(p) for p in PROMPTS]
+    with Runtime(model) as rt:
+        alone = [rt.generate(p, TOKENS, eos_token_ids=[]).tokens[0] for p in prompts]
+    config = EngineConfig(max_batch=2, prefill_chunk=4)  # chunked prompts, a reused slot
+    with Engine(model, config, tokenizer=tok) as engine:
+        handles = [
+            engine.submit(p, RequestParams(max_tokens=TOKENS, ignore_eos=True)) for p in prompts
+        ]
+        texts = ["".join(e.text for e in h) for h in handles]
+        stats = engine.stats()
+    assert [h.tokens for h in handles] == alone
+    assert texts[0].startswith(" Paris.")
+    assert texts == [tok.decode(a) for a in alone]
+    assert stats["kv_bytes_moved"] == 0 and stats["kv_committed_bytes"] == 0
+
+
+def test_server_chat_stream_on_smollm2(model, tok):
+    openai = pytest.importorskip("openai")
+    from ort_kvlayout.runtime.generation import Runtime
+    from ort_kvlayout.serve.server import load_chat_template
+    from serve_util import ServerProcess
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tok.encode(load_chat_template(model)(messages))
+    with Runtime(model) as rt:
+        expected = rt.generate(prompt, 16).tokens[0]
+    proc = ServerProcess(model, "--max-batch", "2").wait_ready(timeout=120)
+    try:
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="x", max_retries=0)
+        stream = client.chat.completions.create(
+            model="seq", messages=messages, max_tokens=16, temperature=0, stream=True,
+            extra_body={"return_token_ids": True},
+        )  # fmt: skip
+        ids, text = [], ""
+        for c in stream:
+            ids += c.choices[0].model_extra.get("token_ids") or []
+            text += c.choices[0].delta.content or ""
+    finally:
+        code, _, err = proc.stop()
+    assert ids == expected
+    assert text == tok.decode(expected)
+    assert code == 0 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("stop", [(), ("テキ",), ("two  sp",)])
+def test_streamed_text_is_the_full_decode_up_to_the_stop_string(tok, stop):
+    """Token by token through the engine's incremental detokenizer: multi-byte characters
+    split over byte-level tokens, leading spaces, stop strings spanning tokens."""
+    from ort_kvlayout.serve.engine import Engine, RequestParams, _Request
+
+    engine = Engine.__new__(Engine)  # only the text methods: no session
+    engine.tokenizer = tok
+    prompt = tok.encode("<|im_start|>user\nSay hi<|im_end|>\n")
+    generated = tok.encode(" Héllo wörld 🎉🚀 — naïve café, 日本語のテキスト!\n  two  spaces")
+    r = _Request(1, len(prompt), list(prompt), RequestParams(stop=stop), None, None, 1)
+    streamed, hit = "", False
+    for i, t in enumerate(generated):
+        r.seq.append(t)
+        r.generated += 1
+        delta, hit = engine._text_delta(r, final=i == len(generated) - 1)
+        streamed += delta
+        if hit:
+            break
+    full = tok.decode(generated)
+    assert streamed == (full[: full.index(stop[0])] if stop else full)
+    assert hit == bool(stop)
