@@ -1,7 +1,7 @@
 """Static facts of the decode kernel's prologue, read off a cubin's SASS (no GPU needed).
 
     nvcc -DKVL_WITH_CUDA=1 -O3 -DNDEBUG -std=c++17 -arch=sm_90 -cubin --use_fast_math -Xptxas -v \\
-        -Icsrc -I$ORT_INCLUDE -o decode.cubin csrc/cuda/decode.cu > ptxas.log 2>&1
+        -Icsrc -I$ORT_INCLUDE -o decode.cubin csrc/cuda/decode_half_hd128.cu > ptxas.log 2>&1
     python tools/perf/sass_prologue.py decode.cubin --ptxas ptxas.log
 
 For each named instance (by default the fp16 one-token ones the grid's shapes run, and the packed

@@ -15,7 +15,7 @@ region's executed instructions, samples and instruction waits.
 `--lines FILE` adds the executed instructions and samples per source line, from `nvdisasm -c -gi`
 of the kernel's cubin (a `-lineinfo` build: `cuobjdump -xelf decode.sm_90.cubin LIB`, then
 `nvdisasm -c -gi decode.sm_90.cubin > decode.sass`): each instruction counts for the outermost
-line of its inlining chain in the file given by `--file` (decode.cu), the kernel body's line.
+line of its inlining chain in the file given by `--file` (decode_kernel.cuh or a phase header), the kernel body's line.
 The listing must be of the profiled build and name the kernel with `--kernel` (a substring of its
 mangled name), as it holds every kernel of the file.
 
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split", default="", help="region boundaries, offsets: 0xe990,0x14250")
     p.add_argument("--lines", type=Path, help="nvdisasm -c -gi listing of the profiled build")
     p.add_argument("--kernel", default="DecodeTcKernelI6__halfLi128ELb1E", help="with --lines")
-    p.add_argument("--file", default="decode.cu", help="with --lines: the kernel's source file")
+    p.add_argument("--file", default="decode_kernel.cuh", help="with --lines: the kernel's source file")
     p.add_argument("--top", type=int, default=30)
     args = p.parse_args(argv)
     try:

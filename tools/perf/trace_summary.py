@@ -39,7 +39,7 @@ LINE = re.compile(
 )
 # Lines of one launch start within microseconds of each other; launches are further apart.
 LAUNCH_GAP_NS = 50_000
-# What each mark of a line kind is (decode.cu, DecTrace and its Mark calls); `cta` lines
+# What each mark of a line kind is (decode_instrument.cuh, DecTrace and its Mark calls); `cta` lines
 # (KVL_DECODE_TRACE=2) go to the arrivals table instead.
 MARKS = {
     "prologue": ["lengths", "partition", "issued", "q frags", "first landed"],
