@@ -252,6 +252,43 @@ def test_kv_cache_release_returns_an_entrys_granules():
         assert views[0].shape[0] == 2
 
 
+@pytest.mark.parametrize("layout", ["seq-major", "head-major"])
+def test_kv_cache_commit_bytes_counts_shared_granules_once(layout):
+    """commit_bytes is what ensure() commits; with a 2 MiB granule (CUDA's) small entries share
+    one, which the per-entry sum counts once per entry."""
+    spec = KvSpec.synthetic(
+        layers=2, kv_heads=2, head_dim=64, dtype=np.float16, context_length=256, layout=layout
+    )
+    for granule in (None, 2 << 20):
+        with KvCache.create(spec, "growable", batch=3, capacity=256, granule=granule) as cache:
+            for tokens in ([0, 0, 0], [1, 0, 0], [9, 0, 70], [256, 1, 256], [100, 0, 3]):
+                for entry in range(3):
+                    cache.release(entry)
+                cache.ensure(tokens)
+                assert cache.commit_bytes(tokens) == cache.stats.committed_bytes
+    with KvCache.create(spec, "growable", batch=3, capacity=256, granule=2 << 20) as cache:
+        one = cache.entry_commit_bytes(1)
+        assert cache.commit_bytes([1, 1, 1]) == one < 3 * one  # one granule per buffer
+
+
+def test_slots_sharing_a_granule_run_together(model, alone):
+    """A 2 MiB granule (CUDA's VMM granularity, emulated on the host) holds every slot of this
+    model (64 KiB a slot per buffer): the budget (the reservation, one granule per buffer) must
+    count it once, not once per slot, or the requests run one at a time."""
+    from ort_kvlayout.serve.engine import Engine, EngineConfig
+
+    config = EngineConfig(max_batch=4, prefill_chunk=8, granule=2 << 20)
+    with Engine(model, config, start=False) as eng:
+        handles = [eng.submit(p, params(n)) for p, n in zip(PROMPTS, LENGTHS)]
+        eng.start()
+        got = [h.result() for h in handles]
+        stats = eng.stats()
+    assert got == alone
+    assert stats["peak_running"] == 4
+    assert stats["kv_peak_committed_bytes"] <= stats["kv_budget_bytes"]
+    assert stats["preemptions"] == 0
+
+
 def test_runtime_generate_from_two_threads_is_serialized(model, alone):
     from ort_kvlayout.runtime.generation import Runtime
 

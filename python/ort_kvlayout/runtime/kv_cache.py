@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..op.layout import from_layout, live_ranges, prefix_spans, prefix_tokens
+from ..op.layout import from_layout, kv_strides, live_ranges, prefix_spans, prefix_tokens
 from .kv_memory import (
     DeviceReservation,
     HostReservation,
@@ -262,6 +262,35 @@ class KvCache:
             return self.max_capacity * self.spec.token_bytes * self.spec.buffers
         runs = granule_runs(self._byte_ranges([tokens], self.capacity), self.granule)
         return sum(size for _, size in runs) * self.spec.buffers
+
+    def commit_bytes(self, tokens_per_entry: list[int]) -> int:
+        """Bytes (all buffers) that live rows 0..t_b-1 of every entry b commit in this cache:
+        the granules covering them, a granule shared by neighbouring entries counted once (a
+        2 MiB CUDA granule holds several small entries). Other modes: every entry with rows
+        holds its whole share. The sum of entry_commit_bytes over the entries is an upper
+        bound that double-counts shared granules."""
+        if self.mode != "growable":
+            share = self.max_capacity * self.spec.token_bytes * self.spec.buffers
+            return share * sum(1 for t in tokens_per_entry if t > 0)
+        if len(tokens_per_entry) != self.batch:
+            raise ValueError(f"{len(tokens_per_entry)} token counts for a batch of {self.batch}")
+        # prefix_spans + granule_runs, vectorized (a serving engine asks every step): the spans
+        # of (entry, head) in (b, h) order start in increasing order in both layouts, so the
+        # union of their granule intervals is each one's part past the furthest end before it.
+        s, es, g = self.spec, self._itemsize, self.granule
+        t = np.asarray(tokens_per_entry, np.int64)
+        if t.min(initial=0) < 0 or t.max(initial=0) > self.capacity:
+            raise ValueError(f"token counts {tokens_per_entry} outside [0, {self.capacity}]")
+        entries = np.flatnonzero(t)
+        if not entries.size:
+            return 0
+        st = kv_strides(s.layout, s.kv_heads, self.capacity, s.head_dim)
+        starts = (entries[:, None] * st.batch + np.arange(s.kv_heads) * st.head).ravel()
+        ends = starts + np.repeat((t[entries] - 1) * st.seq + s.head_dim, s.kv_heads)
+        lo, hi = starts * es // g, -(-(ends * es) // g)
+        before = np.maximum.accumulate(np.concatenate(([lo[0]], hi[:-1])))
+        granules = np.maximum(hi - np.maximum(lo, before), 0).sum()
+        return int(granules) * g * s.buffers
 
     def release(self, entry: int) -> int:
         """Ends batch entry `entry`'s sequence: no live rows, and (growable) its granules go

@@ -537,17 +537,27 @@ class Engine:
         return rows
 
     def _need_bytes(self, rows: dict[int, int]) -> int:
-        return sum(self._commit_bytes(n) for n in rows.values())
+        """KV bytes committed once `rows` are ensured: the granules holding every slot's rows
+        (at least what the slot holds already: ensure never shrinks), a granule that
+        neighbouring slots share counted once. Summing each slot's own granule-rounded bytes
+        would count a 2 MiB CUDA granule once per slot it holds (several small slots share one)
+        and refuse requests that fit."""
+        held = self.cache.tokens
+        tokens = [0] * len(held)
+        for s, n in rows.items():
+            tokens[s] = max(n, held[s])
+        return self.cache.commit_bytes(tokens)
 
     def _admit(self) -> None:
         while self._waiting and None in self._slots:
             r = self._waiting[0]
+            slot = self._slots.index(None)
             rows = self._step_rows()
-            need = self._need_bytes(rows) + self._commit_bytes(len(r.seq))
-            if any(x is not None for x in self._slots) and need > self.budget:
+            rows[slot] = max(rows.get(slot, 0), len(r.seq))
+            if any(x is not None for x in self._slots) and self._need_bytes(rows) > self.budget:
                 return
             self._waiting.popleft()
-            r.slot = self._slots.index(None)
+            r.slot = slot
             r.cached = 0
             self._slots[r.slot] = r
             self._counters["admitted"] += 1
