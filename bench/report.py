@@ -1,4 +1,5 @@
-"""Writes the tables of docs/PERFORMANCE.md and README.md (and the plots) from bench/results/.
+"""Writes the tables of docs/PERFORMANCE.md, docs/SERVING.md and README.md (and the plots) from
+bench/results/.
 
     python bench/report.py            # rewrite the tables between the markers, and the plots
     python bench/report.py --check    # exit 1 where a document differs from what this writes
@@ -6,7 +7,8 @@
 Each table lies between `<!-- report:NAME -->` and `<!-- /report:NAME -->` in its document; the
 text outside the markers is left alone. A table names its date, device, commit and command, all
 read from its JSON, and every ratio is ORT's built-in com.microsoft::GroupQueryAttention time
-over ours, both measured in the same run (higher is faster for us).
+over ours, both measured in the same run (higher is faster for us). A serving table
+(bench_serving.py's) names its peer, onnxruntime-genai's og.Engine, where the run had one.
 """
 
 from __future__ import annotations
@@ -18,10 +20,14 @@ import shlex
 import sys
 from pathlib import Path
 
+import bench_serving  # a sibling: its Markdown table is the one a serving run prints
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 DOC = ROOT / "docs" / "PERFORMANCE.md"
 README = ROOT / "README.md"
+SERVING_DOC = ROOT / "docs" / "SERVING.md"
+DOCUMENTS = {"doc": DOC, "readme": README, "serving": SERVING_DOC}  # the keys of blocks()
 IMG = ROOT / "docs" / "img"
 
 CUDA = "cuda-h200.json"
@@ -32,6 +38,7 @@ COLD_COMMAND = (
 )
 STACKS = "stack-*.json"
 STACK_COMMAND = "python bench/bench_stack.py --json bench/results/stack-32-8-128.json"
+SERVING = "serving-*.json"  # each in the block named by its stem, in docs/SERVING.md
 KV_MEMORY = "kv-cache-memory-cpu-2m.json"
 KV_POINTS = (1, 256, 1024, 2048, 4096, 8192)
 MIB = 1 << 20
@@ -280,6 +287,86 @@ def kv_memory(data: dict, name: str) -> list[str]:
     return lines
 
 
+def _runs(data: dict) -> str:
+    """How many runs each system had, and which one its row shows."""
+    repeat = data.get("workload", {}).get("repeat")
+    if repeat is None:
+        return "runs per system not recorded in the JSON"
+    if repeat == 1:
+        return "one run per system"
+    each = "; ".join(
+        f"{s} {', '.join(f'{t:.1f}' for t in r['runs_output_throughput'])}"
+        for s, r in data["results"].items()
+    )
+    return (
+        f"{repeat} runs per system in turn, a row shows the run of median output tok/s "
+        f"(output tok/s of each run: {each})"
+    )
+
+
+def serving_meta(data: dict, name: str, what: str) -> list[str]:
+    """Date, device, commit, what ran, then the command as run (bench_serving.py's JSON)."""
+    missing = [k for k in ("date", "device", "commit", "command") if not data.get(k)]
+    lines = [
+        (
+            f"Measured {data.get('date', 'at a date not recorded')} on "
+            f"{data.get('device', 'a device not recorded')}, commit "
+            f"`{data.get('commit', 'not recorded')}`; {what}."
+            + (f" Not recorded in the JSON: {', '.join(missing)}." if missing else "")
+            + f" Command (JSON: `bench/results/{name}`):"
+        ),
+        "",
+    ]
+    return lines + ["```", data.get("command", "(not recorded)"), "```", ""]
+
+
+def serving_results(data: dict, name: str) -> list[str]:
+    """A workload through the engine, the server and og.Engine: bench_serving.py's own table."""
+    results = data["results"]
+    what = f"the engine on `{data['model']}`"
+    if "genai" in results:
+        what += (
+            f"; the peer, onnxruntime-genai's og.Engine (its version not recorded in the JSON), "
+            f"on `{data['genai_model']}`"
+        )
+    what += f"; {_runs(data)}"
+    ratio = results.get("engine", {}).get("output_throughput_vs_genai")
+    if ratio is not None:
+        what += f"; output tok/s, engine / og.Engine: {ratio:.2f}x"
+    return [*serving_meta(data, name, what), bench_serving.table(results)]
+
+
+def _flag(command: str, flag: str) -> str:
+    args = shlex.split(command)
+    return args[args.index(flag) + 1] if flag in args else f"bench_serving.py's default {flag}"
+
+
+def serving_mixed(data: dict, name: str) -> list[str]:
+    """--mixed-cost: one right-padded mixed call against separate decode and prefill calls."""
+    runs = data["mixed_cost"]["runs_ms"]
+    n = len(next(iter(runs.values())))
+    command = data.get("command", "")
+    what = (
+        f"B = {_flag(command, '--max-batch')} decode rows beside one chunk of "
+        f"S = {_flag(command, '--mixed-chunk')} tokens, median of {n} timed runs after one warm-up"
+    )
+    lines = [
+        "| calls | median ms | each run ms |",
+        "|---|---:|---|",
+    ]
+    for key, calls in (
+        ("mixed_padded", "one right-padded (B, S) call"),
+        ("separate", "a (B, 1) decode call + a (1, S) prefill call"),
+    ):
+        each = ", ".join(f"{t:.1f}" for t in runs[key])
+        lines.append(f"| {calls} | {data['mixed_cost'][key]:.1f} | {each} |")
+    return [*serving_meta(data, name, what), *lines]
+
+
+def serving(data: dict, name: str) -> list[str]:
+    return (serving_mixed if "mixed_cost" in data else serving_results)(data, name)
+
+
 def summary(cuda: dict, cpu: list[tuple[str, list[tuple[str, dict]]]]) -> list[str]:
     """README's table: the range of ORT time / ours per kind of call, each layout."""
     lines = ["| measured (commit) | kv_layout=0 | kv_layout=1 |", "|---|---:|---:|"]
@@ -317,8 +404,9 @@ def summary(cuda: dict, cpu: list[tuple[str, list[tuple[str, dict]]]]) -> list[s
     return lines
 
 
-def blocks(results: Path = RESULTS) -> tuple[dict[str, str], dict[str, str]]:
-    """Every block of docs/PERFORMANCE.md and of README.md, by name, from the JSON in `results`."""
+def blocks(results: Path = RESULTS) -> dict[str, dict[str, str]]:
+    """Every block of each document ("doc": docs/PERFORMANCE.md, "readme": README.md,
+    "serving": docs/SERVING.md), by name, from the JSON in `results`."""
     out: dict[str, str] = {}
     cuda = json.loads((results / CUDA).read_text())
     out["cuda-meta"] = cuda_meta(cuda, CUDA)
@@ -337,8 +425,11 @@ def blocks(results: Path = RESULTS) -> tuple[dict[str, str], dict[str, str]]:
         files = [(n, json.loads((results / n).read_text())) for n in names]
         out[block] = cpu_block(title, files)
         cpu.append((short, files))
-    return {k: "\n".join(v) for k, v in out.items()}, {
-        "readme-results": "\n".join(summary(cuda, cpu))
+    served = {f.stem: serving(json.loads(f.read_text()), f.name) for f in results.glob(SERVING)}
+    return {
+        "doc": {k: "\n".join(v) for k, v in out.items()},
+        "readme": {"readme-results": "\n".join(summary(cuda, cpu))},
+        "serving": {k: "\n".join(v) for k, v in served.items()},
     }
 
 
@@ -377,13 +468,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", type=Path, default=RESULTS)
     p.add_argument("--doc", type=Path, default=DOC)
     p.add_argument("--readme", type=Path, default=README)
+    p.add_argument("--serving", type=Path, default=SERVING_DOC)
     p.add_argument("--img", type=Path, default=IMG)
     p.add_argument("--check", action="store_true", help="compare only; exit 1 on a difference")
     p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
-    doc_blocks, readme_blocks = blocks(args.results)
+    new_blocks = blocks(args.results)
+    paths = {"doc": args.doc, "readme": args.readme, "serving": args.serving}
     stale = []
-    for path, new in ((args.doc, doc_blocks), (args.readme, readme_blocks)):
+    for key, new in new_blocks.items():
+        path = paths[key]
         text = path.read_text()
         out = splice(text, new)
         if out != text:

@@ -1,9 +1,11 @@
-"""bench/report.py: docs/PERFORMANCE.md's tables are what the script writes from the committed
-JSON in bench/results/, and each names its date, device, commit and command."""
+"""bench/report.py: the tables of docs/PERFORMANCE.md, docs/SERVING.md and README.md are what the
+script writes from the committed JSON in bench/results/, and each names its date, device, commit
+and command."""
 
 from __future__ import annotations
 
 import fnmatch
+import json
 import subprocess
 from pathlib import Path
 
@@ -14,8 +16,8 @@ report = load_bench("report")
 
 
 def test_the_documents_equal_what_the_script_writes():
-    doc_blocks, readme_blocks = report.blocks()
-    for path, new in ((report.DOC, doc_blocks), (report.README, readme_blocks)):
+    for key, new in report.blocks().items():
+        path = report.DOCUMENTS[key]
         text = path.read_text()
         assert report.splice(text, new) == text, f"{path}: run python bench/report.py"
 
@@ -34,14 +36,45 @@ def test_every_committed_result_has_a_table():
     fixed = {report.CUDA, report.KV_MEMORY} | {n for *_, names in report.CPU_GROUPS for n in names}
     assert fixed <= committed
     rest = committed - fixed - {report.CUDA_COLD}
-    assert all(fnmatch.fnmatch(n, report.STACKS) for n in rest), rest
+    assert all(fnmatch.fnmatch(n, report.STACKS) or fnmatch.fnmatch(n, report.SERVING)
+               for n in rest), rest  # fmt: skip
 
 
 @pytest.mark.parametrize("name", ["cuda-meta", "cpu-epyc", "cpu-xeon", "kv-memory"])
 def test_each_table_names_its_date_commit_and_command(name):
-    block = report.blocks()[0][name]
+    block = report.blocks()["doc"][name]
     assert "commit `" in block and "unknown" not in block
     assert "python bench/" in block and "UTC" in block
+
+
+def test_each_serving_table_names_its_date_device_commit_command_and_peer():
+    served = report.blocks()["serving"]
+    assert set(served) == {p.stem for p in report.RESULTS.glob(report.SERVING)}
+    for name, block in served.items():
+        data = json.loads((report.RESULTS / f"{name}.json").read_text())
+        assert f"Measured {data['date']} on {data['device']}, commit `{data['commit']}`" in block
+        assert f"\n{data['command']}\n" in block and "Not recorded in the JSON: " not in block
+        assert ("og.Engine" in block) == ("genai" in data.get("results", {})), name
+
+
+def test_a_serving_json_without_a_field_says_so():
+    data = {"date": "2026-12-06 00:40 UTC", "device": "cpu (x86_64, 2 cores)",
+            "command": "python bench/bench_serving.py --json x.json", "model": "m",
+            "genai_model": "g", "workload": {},
+            "results": {"genai": {"request_throughput": 1.0, "output_throughput": 2.0,
+                                  "ttft_ms": {"p50": 1, "p99": 2}, "tpot_ms": {"p50": 1, "p99": 2},
+                                  "itl_ms": {"p50": 1, "p99": 2}, "max_concurrent_decoding": 4,
+                                  "peak_committed_kv_bytes": None, "preemptions": None}}}  # fmt: skip
+    head = report.serving(data, "serving-x.json")[0]
+    assert "commit `not recorded`" in head and "Not recorded in the JSON: commit." in head
+    assert "runs per system not recorded in the JSON" in head
+    assert "og.Engine (its version not recorded in the JSON), on `g`" in head
+    mixed = {**data, "mixed_cost": {"mixed_padded": 9.0, "separate": 4.0,
+                                    "runs_ms": {"mixed_padded": [9.0], "separate": [4.0]}}}  # fmt: skip
+    lines = report.serving(mixed, "serving-y.json")
+    assert "B = bench_serving.py's default --max-batch decode rows" in lines[0]
+    assert lines[-2:] == ["| one right-padded (B, S) call | 9.0 | 9.0 |",
+                          "| a (B, 1) decode call + a (1, S) prefill call | 4.0 | 4.0 |"]  # fmt: skip
 
 
 def test_ratios_are_ort_time_over_ours():
