@@ -24,7 +24,9 @@ NAME = r"\bORT_KVLAYOUT_[A-Z0-9_]*[A-Z0-9](?![A-Z0-9_]*\*)"
 
 
 def _gen():
-    spec = importlib.util.spec_from_file_location("gen_knobs_doc", ROOT / "scripts" / "gen_knobs_doc.py")
+    spec = importlib.util.spec_from_file_location(
+        "gen_knobs_doc", ROOT / "scripts" / "gen_knobs_doc.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -78,7 +80,9 @@ def test_every_knob_name_in_the_sources_is_documented():
         for name in re.findall(NAME, path.read_text(errors="replace")):
             used.setdefault(name, str(path.relative_to(ROOT)))
     cmake = (ROOT / "CMakeLists.txt").read_text()
-    for name in re.findall(r"set\((\w+)\s[^)]*\bCACHE\b", cmake) + re.findall(r"option\((\w+)", cmake):
+    for name in re.findall(r"set\((\w+)\s[^)]*\bCACHE\b", cmake) + re.findall(
+        r"option\((\w+)", cmake
+    ):
         used.setdefault(name, "CMakeLists.txt")
     for name in re.findall(r"\$ENV\{(\w+)\}", cmake):
         used.setdefault(name, "CMakeLists.txt")

@@ -144,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split", default="", help="region boundaries, offsets: 0xe990,0x14250")
     p.add_argument("--lines", type=Path, help="nvdisasm -c -gi listing of the profiled build")
     p.add_argument("--kernel", default="DecodeTcKernelI6__halfLi128ELb1E", help="with --lines")
-    p.add_argument("--file", default="decode_kernel.cuh", help="with --lines: the kernel's source file")
+    p.add_argument(
+        "--file", default="decode_kernel.cuh", help="with --lines: the kernel's source file"
+    )
     p.add_argument("--top", type=int, default=30)
     args = p.parse_args(argv)
     try:
