@@ -5,8 +5,8 @@
     write_metadata(data, "smollm2-seq-major/inference_metadata.yaml")
 
 Schema (the one the onnx-genai engine reads; DESIGN section 5), every value derived from
-genai_config.json except model.io.kv_layout, which comes from the model's GroupQueryAttention
-nodes (all must agree):
+genai_config.json except model.io.kv_layout and the cache format (kv_dtype, kv_cache_bit_width,
+kv_quant_scheme), which come from the model's GroupQueryAttention nodes (all must agree):
 
     model:
       max_sequence_length: <- model.context_length
