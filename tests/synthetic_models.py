@@ -44,6 +44,13 @@ class Variant:
     data_bytes: int = 0  # an extra external initializer of this size (0: none)
     drop_config_keys: list[str] = field(default_factory=list)  # dotted genai_config keys
     float16: bool = False  # weights, KV cache and logits in float16 (ORT's CUDA GQA has no fp32)
+    # A quantized KV cache as the builder emits it (kv_cache_quant_scheme): 8 (int8 cache) or 4
+    # (uint8, two codes a byte); scales as float initializers, [1] or [1, Nkv, 1, H]; past and
+    # present separate (the builder does not share them for a quantized cache on CPU).
+    kv_bits: int = 0
+    kv_scheme: str = "PER_TENSOR"  # or "PER_CHANNEL"
+    fp8_cache: bool = False  # with kv_bits=8: a float8e4m3fn cache instead of int8
+    provider: str = ""  # e.g. "cuda": genai_config's decoder provider_options name it
     seed: int = 0
 
 
@@ -60,7 +67,10 @@ def genai_config(v: Variant) -> dict:
             "bos_token_id": 1,
             "context_length": MAX_POS,
             "decoder": {
-                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+                "session_options": {
+                    "log_id": "onnxruntime-genai",
+                    "provider_options": [{v.provider: {}}] if v.provider else [],
+                },
                 "filename": "model.onnx",
                 "head_size": v.head_size,
                 "hidden_size": v.num_heads * v.head_size,
@@ -84,7 +94,7 @@ def genai_config(v: Variant) -> dict:
             "type": "llama",
             "vocab_size": VOCAB,
         },
-        "search": {"max_length": MAX_POS, "past_present_share_buffer": True},
+        "search": {"max_length": MAX_POS, "past_present_share_buffer": not v.kv_bits},
     }
     if v.local_window_size > 0 and v.sliding_window_cache:
         config["model"]["decoder"]["sliding_window"] = {
@@ -147,10 +157,15 @@ def build_model(v: Variant) -> onnx.ModelProto:
         p = f"/model/layers.{layer}/attn"
         past_k, past_v = f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"
         pres_k, pres_v = f"present.{layer}.key", f"present.{layer}.value"
-        kv_shape = ["batch", v.kv_heads, "past", v.head_size]
-        inputs += [helper.make_tensor_value_info(n, ftype, kv_shape) for n in (past_k, past_v)]
-        out_shape = ["batch", v.kv_heads, "total", v.head_size]
-        outputs += [helper.make_tensor_value_info(n, ftype, out_shape) for n in (pres_k, pres_v)]
+        ctype, cdim = ftype, v.head_size
+        if v.kv_bits:
+            ctype = TensorProto.INT8 if v.kv_bits == 8 else TensorProto.UINT8
+            ctype = TensorProto.FLOAT8E4M3FN if v.fp8_cache else ctype
+            cdim = v.head_size if v.kv_bits == 8 else (v.head_size + 1) // 2
+        kv_shape = ["batch", v.kv_heads, "past", cdim]
+        inputs += [helper.make_tensor_value_info(n, ctype, kv_shape) for n in (past_k, past_v)]
+        out_shape = ["batch", v.kv_heads, "total", cdim]
+        outputs += [helper.make_tensor_value_info(n, ctype, out_shape) for n in (pres_k, pres_v)]
         if v.packed:
             w = weight(f"{p}/qkv.weight", hidden, hidden + 2 * kv_hidden)
             nodes.append(helper.make_node("MatMul", [x, w], [f"{p}/qkv"]))
@@ -177,6 +192,13 @@ def build_model(v: Variant) -> onnx.ModelProto:
         ]
         if v.quantized == "scales":
             gqa_inputs += [weight(f"{p}/k_scale", 1), weight(f"{p}/v_scale", 1)]
+        if v.kv_bits:
+            shape = (1,) if v.kv_scheme == "PER_TENSOR" else (1, v.kv_heads, 1, v.head_size)
+            lo = 0.05 if v.kv_bits == 8 else 1.0  # about max|k| / 127, or / 7
+            for name in ("k_scale", "v_scale"):
+                scale = rng.uniform(lo, 2 * lo, shape).astype(np.float32)
+                inits.append(numpy_helper.from_array(scale, f"{p}/{name}"))
+                gqa_inputs.append(f"{p}/{name}")
         if v.qk_norm:
             while len(gqa_inputs) < 14:
                 gqa_inputs.append("")
@@ -202,6 +224,9 @@ def build_model(v: Variant) -> onnx.ModelProto:
             attrs["k_quant_type"] = attrs["v_quant_type"] = "PER_TENSOR"
         if v.quantized == "bit_width":
             attrs["kv_cache_bit_width"] = 8
+        if v.kv_bits:
+            attrs["k_quant_type"] = attrs["v_quant_type"] = v.kv_scheme
+            attrs["kv_cache_bit_width"] = v.kv_bits
         if v.output_qk == "attr":
             attrs["qk_output"] = 1
         attrs.update(v.extra_attrs)

@@ -29,6 +29,9 @@ def test_values_from_genai_config(tmp_path):
                 "kv_outputs": [f"present.{i}.{kv}" for i in range(3) for kv in ("key", "value")],
                 "kv_layout": "head_major_bnsh",
                 "kv_update": "shared_buffer",
+                "kv_dtype": "float32",
+                "kv_cache_bit_width": 32,
+                "kv_quant_scheme": "none",
             },
             "attention": {
                 "type": "group_query_attention",

@@ -22,6 +22,7 @@ import yaml
 from ..op.layout import LAYOUT_NAMES
 from .graph import (
     GraphError,
+    PortTypes,
     attribute_problems,
     check_external_data,
     graph_facts,
@@ -176,7 +177,7 @@ def read_gqa_nodes(model_path: str | os.PathLike) -> list[onnx.NodeProto]:
     return read_graph_checked(Path(model_path))[0]
 
 
-def read_graph_checked(path: Path) -> tuple[list[onnx.NodeProto], set[str], set[str]]:
+def read_graph_checked(path: Path) -> tuple[list[onnx.NodeProto], PortTypes, PortTypes]:
     """graph_facts of one ONNX file whose external-data references are all servable."""
     try:
         model = load_model(path)

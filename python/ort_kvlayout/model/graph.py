@@ -200,13 +200,27 @@ def check_external_data(model: onnx.ModelProto, model_path: str | os.PathLike) -
             )
 
 
-def read_graph(model_path: str | os.PathLike) -> tuple[list[onnx.NodeProto], set[str], set[str]]:
-    """(GQA nodes, graph input names, graph output names) of one ONNX file, no external data."""
+# Graph port name -> ONNX element type (0 when the port is not a typed tensor).
+PortTypes = dict[str, int]
+
+
+def read_graph(model_path: str | os.PathLike) -> tuple[list[onnx.NodeProto], PortTypes, PortTypes]:
+    """(GQA nodes, graph inputs, graph outputs) of one ONNX file, no external data."""
     return graph_facts(load_model(model_path))
 
 
-def graph_facts(model: onnx.ModelProto) -> tuple[list[onnx.NodeProto], set[str], set[str]]:
-    """(GQA nodes, graph input names, graph output names) of a loaded model."""
-    inputs = {i.name for i in model.graph.input}
-    outputs = {o.name for o in model.graph.output}
-    return list(iter_gqa_nodes(model)), inputs, outputs
+def _port_types(values) -> PortTypes:
+    return {
+        v.name: v.type.tensor_type.elem_type if v.type.HasField("tensor_type") else 0
+        for v in values
+    }
+
+
+def graph_facts(model: onnx.ModelProto) -> tuple[list[onnx.NodeProto], PortTypes, PortTypes]:
+    """(GQA nodes, graph inputs, graph outputs) of a loaded model; the ports map each name to its
+    element type (used like sets of names, and for the KV cache's type)."""
+    return (
+        list(iter_gqa_nodes(model)),
+        _port_types(model.graph.input),
+        _port_types(model.graph.output),
+    )

@@ -5,8 +5,8 @@
     write_metadata(data, "smollm2-seq-major/inference_metadata.yaml")
 
 Schema (the one the onnx-genai engine reads; DESIGN section 5), every value derived from
-genai_config.json except model.io.kv_layout, which comes from the model's GroupQueryAttention
-nodes (all must agree):
+genai_config.json except model.io.kv_layout and the cache format (kv_dtype, kv_cache_bit_width,
+kv_quant_scheme), which come from the model's GroupQueryAttention nodes (all must agree):
 
     model:
       max_sequence_length: <- model.context_length
@@ -20,6 +20,12 @@ nodes (all must agree):
         kv_outputs: present key/value templates, same order
         kv_layout:  head_major_bnsh | seq_major_bsnh
         kv_update:  shared_buffer (search.past_present_share_buffer) | append
+        kv_dtype:   the cache element type, from the nodes' past (else present) key port and
+                    quant attributes: float16 | float32 | bfloat16 | int8 | uint8_packed_int4
+                    (omitted when an unquantized cache's port is untyped)
+        kv_cache_bit_width: bits per cached element: 16 | 32 | 8 | 4 (with kv_dtype)
+        kv_quant_scheme:    none | per_tensor | per_channel (k_quant_type = v_quant_type)
+        (kv_dtype, kv_cache_bit_width and kv_quant_scheme must agree over all GQA nodes)
       attention:
         type: group_query_attention
         num_attention_heads / num_kv_heads / head_dim <- model.decoder.*
@@ -31,7 +37,7 @@ nodes (all must agree):
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +58,7 @@ from ..model.config import (
     model_kv_layout,
     read_graph_checked,
 )
-from ..model.graph import GraphError, external_tensors, load_model, node_label
+from ..model.graph import GraphError, PortTypes, external_tensors, load_model, node_label
 from ..op.layout import LAYOUT_NAMES
 
 ATTENTION_TYPE = "group_query_attention"
@@ -63,7 +69,7 @@ MAX_HEADS = 1 << 16
 MAX_HEAD_SIZE = 1 << 16
 
 
-def _keep_graph_ports(names: list[str], ports: set[str], what: str) -> list[str]:
+def _keep_graph_ports(names: list[str], ports: Collection[str], what: str) -> list[str]:
     """Drops expanded KV names of layers without a KV cache (hybrid models: conv / linear layers).
 
     All present: unchanged. None present: an error, the templates do not match the graph.
@@ -97,7 +103,70 @@ def _sliding_window(
     return sizes.pop() if sizes else None
 
 
-GraphReader = Callable[[Path], tuple[list[onnx.NodeProto], set[str], set[str]]]
+GraphReader = Callable[[Path], tuple[list[onnx.NodeProto], PortTypes, PortTypes]]
+
+# Unquantized cache element types: (kv_dtype, bits per element).
+_FLOAT_CACHES = {
+    onnx.TensorProto.FLOAT16: ("float16", 16),
+    onnx.TensorProto.FLOAT: ("float32", 32),
+    onnx.TensorProto.BFLOAT16: ("bfloat16", 16),
+}
+_QUANT_CACHES = {8: "int8", 4: "uint8_packed_int4"}  # kv_cache_bit_width -> kv_dtype
+
+
+def _node_cache(
+    node: onnx.NodeProto, inputs: PortTypes, outputs: PortTypes
+) -> tuple[str | None, int | None, str]:
+    """(kv_dtype, bits, scheme) of one GQA node: the quant attributes, else its cache port's type.
+    An fp8 or unknown cache type is reported by its ONNX name; an untyped one as None."""
+    attrs = {a.name: a for a in node.attribute}
+    quant = {
+        n: attrs[n].s.decode(errors="replace").upper() if n in attrs else "NONE"
+        for n in ("k_quant_type", "v_quant_type")
+    }
+    kq, vq = quant["k_quant_type"], quant["v_quant_type"]
+    port = node.input[3] if len(node.input) > 3 and node.input[3] else ""
+    elem = inputs.get(port, 0) if port else 0
+    if not elem and len(node.output) > 1 and node.output[1]:
+        elem = outputs.get(node.output[1], 0)
+    if kq != "NONE" or vq != "NONE":
+        scheme = kq.lower() if kq == vq else f"k_{kq.lower()}_v_{vq.lower()}"
+        bits = attrs["kv_cache_bit_width"].i if "kv_cache_bit_width" in attrs else 0
+        if elem == onnx.TensorProto.FLOAT8E4M3FN:
+            return "float8e4m3fn", 8, scheme
+        return _QUANT_CACHES.get(bits, f"kv_cache_bit_width={bits}"), bits, scheme
+    if elem in _FLOAT_CACHES:
+        dtype, bits = _FLOAT_CACHES[elem]
+        return dtype, bits, "none"
+    if elem:
+        return onnx.TensorProto.DataType.Name(elem).lower(), None, "none"
+    return None, None, "none"
+
+
+def _kv_cache_format(
+    labelled: list[tuple[str, onnx.NodeProto]], inputs: PortTypes, outputs: PortTypes
+) -> dict[str, Any]:
+    """kv_dtype / kv_cache_bit_width / kv_quant_scheme, which every GQA node must share."""
+    by_format: dict[tuple, list[str]] = {}
+    for label, node in labelled:
+        by_format.setdefault(_node_cache(node, inputs, outputs), []).append(label)
+    if len(by_format) > 1:
+        lines = [
+            f"  kv_dtype={d}, kv_cache_bit_width={b}, kv_quant_scheme={q} ({len(names)} node(s)): "
+            + ", ".join(names)
+            for (d, b, q), names in by_format.items()
+        ]
+        raise MetadataError(
+            "GroupQueryAttention nodes disagree on the KV cache format:\n" + "\n".join(lines)
+        )
+    dtype, bits, scheme = next(iter(by_format))
+    out: dict[str, Any] = {}
+    if dtype is not None:
+        out["kv_dtype"] = dtype
+    if bits is not None:
+        out["kv_cache_bit_width"] = bits
+    out["kv_quant_scheme"] = scheme
+    return out
 
 
 def _token_id(config: dict[str, Any], dotted: str, vocab: int) -> int | None:
@@ -120,7 +189,7 @@ def _check_heads_agree(nodes: list[tuple[str, onnx.NodeProto]], heads: int, kv_h
             )
 
 
-def _check_layers_agree(template: str, ports: set[str], layers: int, what: str) -> None:
+def _check_layers_agree(template: str, ports: Collection[str], layers: int, what: str) -> None:
     """A graph port matching the %d template with a layer index >= num_hidden_layers means the
     config has fewer layers than the graph."""
     head, _, tail = template.partition("%d")
@@ -157,8 +226,8 @@ def build_metadata(model_dir: str | os.PathLike, read: GraphReader | None = None
     vocab = config_int(config, "model.vocab_size", 1, MAX_INT32)
 
     nodes_by_file: dict[str, list[onnx.NodeProto]] = {}
-    graph_inputs: set[str] = set()
-    graph_outputs: set[str] = set()
+    graph_inputs: PortTypes = {}
+    graph_outputs: PortTypes = {}
     for file in decoder_files(config):
         path = model_dir / file
         if not path.is_file():
@@ -170,11 +239,13 @@ def build_metadata(model_dir: str | os.PathLike, read: GraphReader | None = None
         graph_outputs |= file_outputs
     kv_layout = model_kv_layout(nodes_by_file)
     all_nodes = [n for nodes in nodes_by_file.values() for n in nodes]
-    _check_heads_agree(
-        [(node_label(n, i), n) for nodes in nodes_by_file.values() for i, n in enumerate(nodes)],
-        heads,
-        kv_heads,
-    )
+    labelled = [
+        (f"{file}: {node_label(n, i)}" if len(nodes_by_file) > 1 else node_label(n, i), n)
+        for file, nodes in nodes_by_file.items()
+        for i, n in enumerate(nodes)
+    ]
+    _check_heads_agree(labelled, heads, kv_heads)
+    kv_format = _kv_cache_format(labelled, graph_inputs, graph_outputs)
 
     io: dict[str, Any] = {
         "token_input": config_str(config, "model.decoder.inputs.input_ids"),
@@ -209,6 +280,7 @@ def build_metadata(model_dir: str | os.PathLike, read: GraphReader | None = None
             f"{json_type(shared)}"
         )
     io["kv_update"] = "shared_buffer" if shared else "append"
+    io.update(kv_format)
 
     attention: dict[str, Any] = {
         "type": ATTENTION_TYPE,

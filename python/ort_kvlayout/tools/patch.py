@@ -16,8 +16,11 @@ What it does (DESIGN section 5):
   `model.decoder.session_options.custom_ops_library`, so onnxruntime-genai runs the result as is;
 - writes inference_metadata.yaml (ort_kvlayout.tools.metadata).
 
-Nodes the op does not support (quantized KV cache, output_qk, attributes outside the contract)
-are refused by name with the reason, and then nothing is written.
+Nodes the op does not support (fp8 KV cache, output_qk, attributes outside the contract, an
+inconsistent quantized-cache setup) are refused by name with the reason, and then nothing is
+written. Quantized (int8 / packed int4) nodes are kept, k_scale/v_scale and the quant attributes
+unchanged, unless genai_config.json targets CUDA: the CUDA op does not run them yet, so such a
+model is refused by node name (docs/TOOLS.md).
 """
 
 from __future__ import annotations
@@ -153,8 +156,76 @@ def norm_epsilon_problems(attrs: dict[str, object]) -> list[str]:
     return problems
 
 
-def unsupported_reason(node: onnx.NodeProto) -> str | None:
-    """Why the ai.kvlayout op cannot run this GQA node as ORT runs it, or None when it can."""
+QUANT_TYPES = ("PER_TENSOR", "PER_CHANNEL")
+# The cache element type each kv_cache_bit_width needs (CONTRACT section 13).
+_BITS_CACHE = {8: onnx.TensorProto.INT8, 4: onnx.TensorProto.UINT8}
+
+
+def quant_type(attrs: dict[str, object], name: str) -> str:
+    """k_quant_type / v_quant_type as the op reads it (case-insensitive), upper case."""
+    return attrs.get(name, b"NONE").decode(errors="replace").upper()  # type: ignore[union-attr]
+
+
+def is_quantized(node: onnx.NodeProto) -> bool:
+    """A GQA node with a quantized KV cache (k_quant_type or v_quant_type not NONE)."""
+    attrs = node_attrs(node)
+    return any(quant_type(attrs, n) != "NONE" for n in ("k_quant_type", "v_quant_type"))
+
+
+def quant_problems(node: onnx.NodeProto, attrs: dict[str, object], cache_type: int) -> list[str]:
+    """Why the op refuses this node's quantized-cache setup (CONTRACT section 13): the attributes,
+    scales and cache element type must agree. cache_type: past/present key's ONNX element type
+    (0: unknown). A consistent int8 / packed-int4 node gives no reason; fp8 is refused."""
+    kq, vq = quant_type(attrs, "k_quant_type"), quant_type(attrs, "v_quant_type")
+    bits = attrs.get("kv_cache_bit_width", 0)
+    scales = [n for i, n in ((K_SCALE, "k_scale"), (V_SCALE, "v_scale")) if _present(node.input, i)]
+    if cache_type == onnx.TensorProto.FLOAT8E4M3FN:
+        return ["an fp8 (float8e4m3fn) KV cache is not supported: the op refuses it"]
+    if kq == vq == "NONE":
+        reasons = []
+        if scales:
+            reasons.append(
+                f"{'/'.join(scales)} input(s) without k_quant_type/v_quant_type: the op refuses a "
+                "scale for a cache that is not quantized (k_scale/v_scale)"
+            )
+        if bits != 0:
+            reasons.append(
+                f"quantized KV cache (kv_cache_bit_width={bits}) without k_quant_type/"
+                "v_quant_type: the op needs 0 when the cache is not quantized"
+            )
+        return reasons
+    reasons = []
+    for name, text in (("k_quant_type", kq), ("v_quant_type", vq)):
+        if text not in QUANT_TYPES and text != "NONE":
+            reasons.append(
+                f"quantized KV cache ({name}={text}): not NONE, PER_TENSOR or PER_CHANNEL"
+            )
+    if kq != vq:
+        reasons.append(
+            f"quantized KV cache (k_quant_type={kq}, v_quant_type={vq}): the op (as ORT's CPU "
+            "kernel) needs the same quant type for K and V"
+        )
+    if bits not in _BITS_CACHE:
+        reasons.append(
+            f"quantized KV cache (k_quant_type={kq}) needs kv_cache_bit_width 8 or 4, got {bits}"
+        )
+    elif cache_type and cache_type != _BITS_CACHE[bits]:  # type: ignore[index]
+        got = onnx.TensorProto.DataType.Name(cache_type).lower()
+        need = onnx.TensorProto.DataType.Name(_BITS_CACHE[bits]).lower()  # type: ignore[index]
+        reasons.append(
+            f"quantized KV cache (kv_cache_bit_width={bits}) needs a {need} cache, the graph's "
+            f"is {got}"
+        )
+    if len(scales) < 2:
+        reasons.append(f"quantized KV cache (k_quant_type={kq}) needs both k_scale and v_scale")
+    return reasons
+
+
+def unsupported_reason(node: onnx.NodeProto, cache_type: int = 0) -> str | None:
+    """Why the ai.kvlayout op cannot run this GQA node as ORT runs it, or None when it can.
+
+    cache_type: the ONNX element type of the node's past/present key (0: unknown), for the
+    quantized-cache checks (cache_element_types gives it for a whole model)."""
     reasons = attribute_problems(node)  # names and types, read with the op's table
     if reasons:  # values of the wrong type are not read further
         return "; ".join(reasons)
@@ -163,17 +234,7 @@ def unsupported_reason(node: onnx.NodeProto) -> str | None:
         reasons.append(f"{len(node.input)} inputs, the contract has {len(GQA_INPUTS)}")
     if len(node.output) > len(GQA_OUTPUTS):
         reasons.append(f"{len(node.output)} outputs, the contract has {len(GQA_OUTPUTS)}")
-    if _present(node.input, K_SCALE) or _present(node.input, V_SCALE):
-        reasons.append("quantized KV cache (k_scale/v_scale inputs) is not supported in v1")
-    for name in ("k_quant_type", "v_quant_type"):
-        text = attrs.get(name, b"NONE").decode(errors="replace")  # type: ignore[union-attr]
-        if text.upper() != "NONE":  # ORT reads it case-insensitively, and so does the op
-            reasons.append(f"quantized KV cache ({name}={text}) is not supported in v1")
-    if attrs.get("kv_cache_bit_width", 0) != 0:
-        reasons.append(
-            f"quantized KV cache (kv_cache_bit_width={attrs['kv_cache_bit_width']}) "
-            "is not supported in v1"
-        )
+    reasons += quant_problems(node, attrs, cache_type)
     if _present(node.output, OUTPUT_QK) or attrs.get("qk_output", 0) != 0:
         reasons.append("output_qk / qk_output is not supported")
     reasons += value_problems(attrs)
@@ -182,11 +243,29 @@ def unsupported_reason(node: onnx.NodeProto) -> str | None:
     return "; ".join(reasons) or None
 
 
+def cache_element_types(model: onnx.ModelProto) -> dict[str, int]:
+    """ONNX element type of every typed value of the main graph (inputs, outputs, value_info)."""
+    g = model.graph
+    return {
+        v.name: v.type.tensor_type.elem_type
+        for v in (*g.input, *g.output, *g.value_info)
+        if v.type.HasField("tensor_type")
+    }
+
+
+def node_cache_name(node: onnx.NodeProto) -> str:
+    """The name that types a GQA node's KV cache: its past_key input, else its present_key."""
+    if _present(node.input, 3):
+        return node.input[3]
+    return node.output[1] if _present(node.output, 1) else ""
+
+
 def check_model(model: onnx.ModelProto) -> list[tuple[str, str]]:
     """(node name, reason) for every GQA node that cannot be patched."""
     refusals = []
+    types = cache_element_types(model)
     for i, node in enumerate(iter_gqa_nodes(model)):
-        reason = unsupported_reason(node)
+        reason = unsupported_reason(node, types.get(node_cache_name(node), 0))
         if reason:
             refusals.append((node_label(node, i), reason))
     return refusals
@@ -367,6 +446,50 @@ def _missing_parents(path: Path) -> list[Path]:
     return missing
 
 
+def config_providers(config: object) -> set[str]:
+    """The execution providers genai_config.json names in any session_options.provider_options
+    (lower case: "cuda", "dml", ...)."""
+    found: set[str] = set()
+    if isinstance(config, dict):
+        for key, value in config.items():
+            if key == "provider_options" and isinstance(value, list):
+                found |= {
+                    str(k).lower() for entry in value if isinstance(entry, dict) for k in entry
+                }
+            else:
+                found |= config_providers(value)
+    elif isinstance(config, list):
+        for value in config:
+            found |= config_providers(value)
+    return found
+
+
+CUDA_QUANT_REASON = (
+    "quantized KV cache runs on the CPU op only so far, and genai_config.json's "
+    "provider_options name cuda (the CUDA op refuses it at session creation); patch a copy "
+    "whose provider_options name no GPU provider, or the unquantized model"
+)
+
+
+def _refuse_quantized_on_cuda(
+    config: dict, models: dict[Path, onnx.ModelProto], src: Path, files: int
+) -> None:
+    """A model whose genai_config.json targets CUDA cannot keep quantized GQA nodes: the CUDA op
+    refuses them at session creation, so the patched model would not load (docs/TOOLS.md)."""
+    if "cuda" not in config_providers(config):
+        return
+    refusals = []
+    for path, model in sorted(models.items()):
+        prefix = f"{path.relative_to(src).as_posix()}: " if files > 1 else ""
+        refusals += [
+            (prefix + node_label(node, i), CUDA_QUANT_REASON)
+            for i, node in enumerate(iter_gqa_nodes(model))
+            if is_quantized(node)
+        ]
+    if refusals:
+        raise UnsupportedNodeError(refusals)
+
+
 def patch_model_dir(
     model_dir: str | os.PathLike,
     out_dir: str | os.PathLike | None = None,
@@ -436,12 +559,17 @@ def patch_model_dir(
     from ..model.config import MetadataError, load_genai_config
     from .metadata import build_metadata, write_metadata
 
-    new_config_text = None
-    if lib is not None and (src / GENAI_CONFIG).is_file():
+    config = None
+    if (src / GENAI_CONFIG).is_file():
         try:
             config = load_genai_config(src)
         except MetadataError as exc:
-            raise PatchError(str(exc)) from exc
+            if lib is not None:
+                raise PatchError(str(exc)) from exc
+    if config is not None:
+        _refuse_quantized_on_cuda(config, models, src, len(onnx_files))
+    new_config_text = None
+    if lib is not None and config is not None:
         patched_files = {f.path for f in result.files if f.gqa_nodes}
         new_config = update_genai_config(
             json.loads(json.dumps(config)), patched_files, LIBRARY_NAME
