@@ -274,3 +274,16 @@ def test_builder_quantized_model_targeting_cuda_refused(tmp_path, tiny_hf):
     with pytest.raises(UnsupportedNodeError, match=r"(?s)/model/layers\.0/attn/.*CPU op only"):
         patch_model_dir(src, tmp_path / "out", library=None)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["int8_per_channel", "int4_per_tensor"])
+def test_cli_verify_runs_quantized_models(tmp_path, capsys, name):
+    """--verify's reference loop allocates the graph's int8 / packed uint8 caches: the original
+    (ORT's GQA) and the patched model (ours, seq-major) give the same greedy tokens."""
+    from ort_kvlayout.tools.cli import patch_main
+
+    _library()
+    src = make_model_dir(tmp_path / "model", QUANT[name])
+    assert patch_main([str(src), "-o", str(tmp_path / "out"), "--verify", "--tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens agree" in out and "max |logit diff|" in out

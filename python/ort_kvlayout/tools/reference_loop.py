@@ -33,6 +33,8 @@ _NP_TYPES = {
     "tensor(float16)": np.float16,
     "tensor(int64)": np.int64,
     "tensor(int32)": np.int32,
+    "tensor(int8)": np.int8,  # quantized KV caches (int8; packed int4 as uint8, two per byte)
+    "tensor(uint8)": np.uint8,
 }
 
 
@@ -126,7 +128,9 @@ class Generator:
 
     def new_cache(self, capacity: int) -> list[ort.OrtValue]:
         """Zeroed (1, Nkv, capacity, H) buffers, one per past/present pair, on the device."""
-        shape = (1, self.kv_heads, capacity, self.head_size)
+        # A packed int4 cache (uint8) holds two elements per byte: (H + 1) // 2 of them per row.
+        row = (self.head_size + 1) // 2 if self.kv_dtype == np.uint8 else self.head_size
+        shape = (1, self.kv_heads, capacity, row)
         # One array per buffer: on CPU the OrtValue wraps the numpy memory (and keeps it alive).
         return [
             ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, self.kv_dtype), self.device, 0)
