@@ -45,6 +45,7 @@ import onnxruntime as ort
 import ort_kvlayout
 from onnx import TensorProto, helper
 from ort_kvlayout.op.layout import from_layout, to_layout
+from revision import git_revision  # a sibling: bench/revision.py
 
 MS_DOMAIN = "com.microsoft"
 KV_DOMAIN = ort_kvlayout.DOMAIN
@@ -397,20 +398,9 @@ def library_info() -> dict:
         info.update({f"build_{k}": v for k, v in ort_kvlayout.build_info().items()})
     except Exception as e:  # noqa: BLE001 - informational only
         info["error"] = f"{type(e).__name__}: {e}"
-    try:
-        git = ["git", "-C", str(REPO)]
-        head = subprocess.run(
-            git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            git + ["status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        info["git"] = head + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        pass
+    revision = git_revision()
+    if revision != "unknown":
+        info["git"] = revision
     return info
 
 

@@ -31,7 +31,6 @@ import argparse
 import datetime as _dt
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,23 +40,11 @@ import onnxruntime as ort
 import ort_kvlayout
 from onnx import TensorProto, helper
 from ort_kvlayout.op.layout import kv_strides
+from revision import git_revision  # a sibling: bench/revision.py
 
 INPUTS = ("query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length")
 OUTPUTS = ("output", "present_key", "present_value")
 ROTARY_INPUTS = ("cos_cache", "sin_cache")
-
-
-def git_revision() -> str:
-    """The checkout's short commit (+dirty), recorded with a grid so its table names its code."""
-    git = ["git", "-C", str(Path(__file__).resolve().parents[1])]
-    try:
-        head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
 
 
 def build_model(domain: str, n: int, nkv: int, layout: int | None, rotary: bool = False) -> bytes:

@@ -35,12 +35,12 @@ import datetime
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from revision import git_revision  # a sibling: bench/revision.py
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {  # layers, kv heads, head dim, context
@@ -54,16 +54,6 @@ MODES = {  # label: (layout, cache mode)
     "preallocated": (1, "preallocated"),
 }
 MIB = 1 << 20
-
-
-def commit_id() -> str:
-    try:
-        return subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def token_points(context: int) -> list[int]:
@@ -373,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         suffix = args.provider
     results.update({
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit_id(), "host": platform.node(), "argv": sys.argv[1:],
+        "commit": git_revision(mark_dirty=False), "host": platform.node(), "argv": sys.argv[1:],
     })  # fmt: skip
     path = args.json or ROOT / "bench" / "results" / f"kv_cache_{args.part}_{suffix}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -42,18 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from revision import git_revision  # a sibling: bench/revision.py
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def commit_id() -> str:
-    try:
-        return subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 @dataclass
@@ -456,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.json:
             record = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                      "device": device_name(args.provider), "commit": commit_id(),
+                      "device": device_name(args.provider), "commit": git_revision(mark_dirty=False),
                       "command": "python bench/bench_serving.py " + " ".join(argv or sys.argv[1:]),
                       "mixed_cost": result}  # fmt: skip
             args.json.write_text(json.dumps(record, indent=1) + "\n")
@@ -499,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "device": device_name(args.provider),
-        "commit": commit_id(),
+        "commit": git_revision(mark_dirty=False),
         "command": "python bench/bench_serving.py " + " ".join(argv or sys.argv[1:]),
         "model": str(args.model.name),
         "genai_model": str(args.genai_model.name),
