@@ -1,6 +1,12 @@
 """CPU benchmark: ai.kvlayout::GroupQueryAttention (kv_layout 0 and 1) vs ORT's built-in
 com.microsoft::GroupQueryAttention, fp32, in one process, interleaved.
 
+Quantized caches (``--kv-quant int8-per-channel`` etc.): every variant runs ORT 1.32's quantized
+contract (int8 or packed int4 cache, static float32 scales as initializers); the extra variant
+``kv1plain`` is ours with the unquantized float32 cache in the same run, so the table shows both
+ours/ORT (quantized against quantized) and what the narrow cache buys over the plain one. Decode
+GB/s then counts the bytes of the cache as stored (1 byte an element for int8, 1/2 for int4).
+
 For every case three single-node models are built (ORT built-in, ours with kv_layout=0, ours with
 kv_layout=1) on the same random inputs (the layout-1 past is the same logical cache permuted).
 Inputs are pre-bound as CPU OrtValues and outputs bound to preallocated OrtValues (IO binding),
@@ -27,6 +33,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import hashlib
 import json
@@ -49,11 +56,21 @@ from revision import git_revision  # a sibling: bench/revision.py
 
 MS_DOMAIN = "com.microsoft"
 KV_DOMAIN = ort_kvlayout.DOMAIN
-VARIANTS = ("ort", "kv0", "kv1")  # ORT built-in, ours kv_layout=0, ours kv_layout=1
+VARIANTS = ("ort", "kv0", "kv1", "kv1plain")  # ORT built-in, ours layout 0 / 1, ours unquantized
+DEFAULT_VARIANTS = ("ort", "kv0", "kv1")
 VARIANT_LABELS = {
     "ort": "ORT com.microsoft",
     "kv0": "ours kv_layout=0 (BNSH)",
     "kv1": "ours kv_layout=1 (BSNH)",
+    "kv1plain": "ours kv_layout=1, float32 cache",
+}
+# --kv-quant values: (quant type, bit width). Scales are static float32 initializers.
+KV_QUANT = {
+    "none": (None, 0),
+    "int8-per-tensor": ("PER_TENSOR", 8),
+    "int8-per-channel": ("PER_CHANNEL", 8),
+    "int4-per-tensor": ("PER_TENSOR", 4),
+    "int4-per-channel": ("PER_CHANNEL", 4),
 }
 
 PRESETS = {
@@ -79,6 +96,24 @@ class Case:
     kv_heads: int
     head_size: int
     shared: bool = False  # past and present bound to one OrtValue
+    quant: str = "none"  # a KV_QUANT key
+
+    @property
+    def quant_type(self) -> str | None:
+        return KV_QUANT[self.quant][0]
+
+    @property
+    def bits(self) -> int:
+        return KV_QUANT[self.quant][1]
+
+    @property
+    def cache_row(self) -> int:
+        """Stored elements of one cache row (packed int4: two channels a byte)."""
+        return (self.head_size + 1) // 2 if self.bits == 4 else self.head_size
+
+    @property
+    def cache_elem_bytes(self) -> float:
+        return {0: 4.0, 8: 1.0, 4: 0.5}[self.bits]
 
     @property
     def name(self) -> str:
@@ -97,7 +132,8 @@ class Case:
     def work(self) -> float:
         """Bytes of KV read (decode) or causal flops (prefill) per call."""
         if self.kind == "decode":
-            return 2.0 * self.batch * self.kv_heads * self.total * self.head_size * 4
+            per_elem = self.cache_elem_bytes
+            return 2.0 * self.batch * self.kv_heads * self.total * self.head_size * per_elem
         s = self.seq
         return 4.0 * self.batch * self.num_heads * self.head_size * s * (s + 1) / 2
 
@@ -149,31 +185,57 @@ def build_cases(args) -> list[Case]:
             # total rows; we use the dynamic cache (C = L - 1, present L rows). A shared buffer
             # holds total rows (C = L) and the new row is appended in place.
             past = length if shared else length - 1
-            cases.append(Case("decode", b, 1, length, past, n, nkv, h, shared))
+            cases.append(Case("decode", b, 1, length, past, n, nkv, h, shared, args.kv_quant))
     for b, s in prefill:
         for n, nkv, h in heads:
-            # First prompt: S == total, no past inputs; present holds S rows.
-            cases.append(Case("prefill", b, s, s, 0, n, nkv, h))
+            # First prompt: S == total, no past inputs (a quantized node gets a zero-capacity
+            # past: ORT types present from past); present holds S rows.
+            cases.append(Case("prefill", b, s, s, 0, n, nkv, h, quant=args.kv_quant))
     return cases
 
 
 # ------------------------------------------------------------------------------------------
 # Models, inputs and bindings
 # ------------------------------------------------------------------------------------------
-def build_model(case: Case, domain: str, kv_layout: int | None) -> bytes:
+def cache_tensor_type(case: Case, quantized: bool) -> int:
+    if not quantized or case.bits == 0:
+        return TensorProto.FLOAT
+    return TensorProto.INT8 if case.bits == 8 else TensorProto.UINT8
+
+
+def scale_values(case: Case, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Static scales: one value (per tensor) or Nkv*H (per channel), in a range that keeps the
+    random normal K/V inside the codes without saturating most of them."""
+    qmax = 127.0 if case.bits == 8 else 7.0
+    count = 1 if case.quant_type == "PER_TENSOR" else case.kv_heads * case.head_size
+    shape = [1] if count == 1 else [1, case.kv_heads, 1, case.head_size]
+    return {
+        kv: (rng.uniform(2.5, 3.5, count) / qmax).astype(np.float32).reshape(shape)
+        for kv in ("k_scale", "v_scale")
+    }
+
+
+def build_model(
+    case: Case, domain: str, kv_layout: int | None, scales: dict | None = None
+) -> bytes:
+    """scales: the static k_scale/v_scale values of a quantized case, or None: unquantized."""
     f32, i32 = TensorProto.FLOAT, TensorProto.INT32
     b, s = case.batch, case.seq
     n, nkv, h = case.num_heads, case.kv_heads, case.head_size
+    quantized = scales is not None
+    ct = cache_tensor_type(case, quantized)
+    row = case.cache_row if quantized else h
+    past_rows = case.past if case.past or not quantized else 0
     inputs = [
         helper.make_tensor_value_info("query", f32, [b, s, n * h]),
         helper.make_tensor_value_info("key", f32, [b, s, nkv * h]),
         helper.make_tensor_value_info("value", f32, [b, s, nkv * h]),
     ]
     node_inputs = ["query", "key", "value"]
-    if case.past:
+    if case.past or quantized:
         inputs += [
-            helper.make_tensor_value_info("past_key", f32, [b, nkv, case.past, h]),
-            helper.make_tensor_value_info("past_value", f32, [b, nkv, case.past, h]),
+            helper.make_tensor_value_info("past_key", ct, [b, nkv, past_rows, row]),
+            helper.make_tensor_value_info("past_value", ct, [b, nkv, past_rows, row]),
         ]
         node_inputs += ["past_key", "past_value"]
     else:
@@ -186,12 +248,22 @@ def build_model(case: Case, domain: str, kv_layout: int | None) -> bytes:
     c_out = case.present_len
     outputs = [
         helper.make_tensor_value_info("output", f32, [b, s, n * h]),
-        helper.make_tensor_value_info("present_key", f32, [b, nkv, c_out, h]),
-        helper.make_tensor_value_info("present_value", f32, [b, nkv, c_out, h]),
+        helper.make_tensor_value_info("present_key", ct, [b, nkv, c_out, row]),
+        helper.make_tensor_value_info("present_value", ct, [b, nkv, c_out, row]),
     ]
     attrs = {"num_heads": n, "kv_num_heads": nkv}
     if kv_layout is not None:
         attrs["kv_layout"] = kv_layout
+    initializers = []
+    if quantized:
+        attrs.update(
+            k_quant_type=case.quant_type, v_quant_type=case.quant_type, kv_cache_bit_width=case.bits
+        )
+        node_inputs += [""] * (12 - len(node_inputs)) + ["k_scale", "v_scale"]
+        initializers = [
+            helper.make_tensor(name, f32, list(val.shape), val.ravel().tolist())
+            for name, val in scales.items()
+        ]
     node = helper.make_node(
         "GroupQueryAttention",
         node_inputs,
@@ -200,7 +272,7 @@ def build_model(case: Case, domain: str, kv_layout: int | None) -> bytes:
         name="gqa",
         **attrs,
     )
-    graph = helper.make_graph([node], "gqa_bench", inputs, outputs)
+    graph = helper.make_graph([node], "gqa_bench", inputs, outputs, initializer=initializers)
     opsets = [helper.make_opsetid("", 21), helper.make_opsetid(domain, 1)]
     return helper.make_model(graph, opset_imports=opsets, ir_version=10).SerializeToString()
 
@@ -223,6 +295,14 @@ def make_inputs(case: Case, rng: np.random.Generator) -> dict[str, np.ndarray]:
     if case.past:
         feeds["past_key"] = randn(b, nkv, case.past, h)
         feeds["past_value"] = randn(b, nkv, case.past, h)
+    if case.quant != "none":
+        lo, hi = (-127, 128) if case.bits == 8 else (0, 256)  # int8 codes / packed nibble pairs
+        dt = np.int8 if case.bits == 8 else np.uint8
+        for kv in ("key", "value"):  # random codes: the past as stored
+            feeds[f"past_{kv}_q"] = rng.integers(
+                lo, hi, (b, nkv, case.past, case.cache_row)
+            ).astype(dt)
+        feeds["scales"] = scale_values(case, rng)
     return feeds
 
 
@@ -231,12 +311,14 @@ class Variant:
 
     def __init__(self, key: str, case: Case, feeds: dict, so_factory, shared_inputs: dict):
         self.key = key
-        self.layout = 1 if key == "kv1" else 0
+        self.layout = 1 if key in ("kv1", "kv1plain") else 0
         domain = MS_DOMAIN if key == "ort" else KV_DOMAIN
         kv_layout = None if key == "ort" else self.layout
+        self.quantized = case.quant != "none" and key != "kv1plain"
+        scales = feeds["scales"] if self.quantized else None
         so = so_factory(domain)
         self.sess = ort.InferenceSession(
-            build_model(case, domain, kv_layout), so, providers=["CPUExecutionProvider"]
+            build_model(case, domain, kv_layout, scales), so, providers=["CPUExecutionProvider"]
         )
         self.io = self.sess.io_binding()
         self._keep = []  # numpy buffers behind the OrtValues (OrtValue does not own them)
@@ -251,14 +333,21 @@ class Variant:
                 shared_inputs[name] = ortvalue(feeds[name])
             self.io.bind_ortvalue_input(name, shared_inputs[name])
         b, s, nh = feeds["query"].shape
-        present_shape = (case.batch, case.kv_heads, case.present_len, case.head_size)
+        row = case.cache_row if self.quantized else case.head_size
+        cache_dtype = feeds["past_key_q"].dtype if self.quantized else np.float32
+        past_name = "past_{}_q" if self.quantized else "past_{}"
+        present_shape = (case.batch, case.kv_heads, case.present_len, row)
         self.output = np.empty((b, s, nh), dtype=np.float32)
         self.io.bind_ortvalue_output("output", ortvalue(self.output))
+        if self.quantized and not case.past:  # the zero-capacity past of a quantized prompt
+            for kv in ("key", "value"):
+                empty = np.empty((case.batch, case.kv_heads, 0, row), dtype=cache_dtype)
+                self.io.bind_ortvalue_input(f"past_{kv}", ortvalue(empty))
         if case.shared:
             # One buffer per variant: past and present are the same memory (append in place).
             self.present = {}
             for kv in ("key", "value"):
-                buf = to_layout(feeds[f"past_{kv}"], self.layout).copy()
+                buf = to_layout(feeds[past_name.format(kv)], self.layout).copy()
                 v = ortvalue(buf)
                 self.present[kv] = buf
                 self.io.bind_ortvalue_input(f"past_{kv}", v)
@@ -266,13 +355,14 @@ class Variant:
             return
         if case.past:
             for kv in ("key", "value"):
-                tag = (f"past_{kv}", self.layout)
+                tag = (past_name.format(kv), self.layout)
                 if tag not in shared_inputs:
-                    shared_inputs[tag] = ortvalue(to_layout(feeds[f"past_{kv}"], self.layout))
+                    past = to_layout(feeds[past_name.format(kv)], self.layout)
+                    shared_inputs[tag] = ortvalue(past)
                 self.io.bind_ortvalue_input(f"past_{kv}", shared_inputs[tag])
         self.present = {}
         for kv in ("key", "value"):
-            buf = np.empty(present_shape, dtype=np.float32)
+            buf = np.empty(present_shape, dtype=cache_dtype)
             self.present[kv] = buf
             self.io.bind_ortvalue_output(f"present_{kv}", ortvalue(buf))
 
@@ -295,12 +385,12 @@ def check_agreement(variants: dict[str, Variant], case: Case) -> dict[str, float
         return {}
     out = {}
     for key, v in variants.items():
-        if key == "ort":
-            continue
+        if key == "ort" or v.quantized != ref.quantized:
+            continue  # the plain cache answers another question: no agreement to check
         d = float(np.max(np.abs(v.output - ref.output)))
-        for kv in ("key", "value"):
-            a = v.logical_present(kv, case.total)
-            r = ref.logical_present(kv, case.total)
+        for kv in ("key", "value"):  # quantized: codes, compared as integers
+            a = v.logical_present(kv, case.total).astype(np.float64)
+            r = ref.logical_present(kv, case.total).astype(np.float64)
             d = max(d, float(np.max(np.abs(a - r))))
         out[key] = d
     return out
@@ -515,7 +605,15 @@ def main(argv: list[str] | None = None) -> int:
         "shared = one L-row buffer bound as past and present (default: dynamic)",
     )
     p.add_argument(
-        "--variants", default=",".join(VARIANTS), help="subset of ort,kv0,kv1 (default: all three)"
+        "--variants",
+        default=None,
+        help="subset of ort,kv0,kv1,kv1plain (default: ort,kv0,kv1, plus kv1plain with --kv-quant)",
+    )
+    p.add_argument(
+        "--kv-quant",
+        choices=sorted(KV_QUANT),
+        default="none",
+        help="quantized cache of every variant but kv1plain (default: none)",
     )
     p.add_argument(
         "--threads",
@@ -554,6 +652,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
 
+    if args.variants is None:
+        plain = ("kv1plain",) if args.kv_quant != "none" else ()
+        args.variants = ",".join(DEFAULT_VARIANTS + plain)
     keys = [k.strip() for k in args.variants.split(",") if k.strip()]
     if not keys or any(k not in VARIANTS for k in keys):
         p.error(f"--variants: choose from {','.join(VARIANTS)}")
@@ -615,12 +716,14 @@ def main(argv: list[str] | None = None) -> int:
         "kv_mode": args.kv_mode,
         "seed": args.seed,
         "dtype": "float32",
+        "kv_quant": args.kv_quant,
         "loadavg_start": os.getloadavg(),
         "min_reps": args.min_reps,
         "min_time_s": args.min_time,
         "order": "round-robin over variants per repetition, starting variant rotated",
         "metrics": {
-            "decode": "GB/s of KV read = 2*B*Nkv*L*H*4 bytes / median time",
+            "decode": "GB/s of KV read = 2*B*Nkv*L*H*(bytes an element as stored: 4 float32, "
+            "1 int8, 0.5 int4) / median time",
             "prefill": "GFLOP/s, causal flops = 4*B*N*H*S*(S+1)/2 / median time",
         },
     }
@@ -653,7 +756,9 @@ def main(argv: list[str] | None = None) -> int:
         times = measure(variants, args)
         foreign = other_load(snap, cpu_snapshot())
         diffs = check_agreement(variants, case)
-        stats = {k: summarize(case, times[k]) for k in keys}
+        # kv1plain reads the float32 cache: its GB/s counts those bytes.
+        plain = dataclasses.replace(case, quant="none")
+        stats = {k: summarize(case if variants[k].quantized else plain, times[k]) for k in keys}
         ratio = {}
         if "ort" in keys:
             ratio = {
