@@ -113,6 +113,8 @@ def test_models_health_metrics(server, client):
     assert get(server.url + "/health") == (200, '{"status":"ok"}')
     m = metrics(server)
     assert {"requests_running", "kv_committed_bytes", "preemptions_total"} <= set(m)
+    assert {"graph_captures_total", "graph_replays_total", "decode_buckets_used"} <= set(m)
+    assert m["graph_captures_total"] == 0  # the CPU runs uncaptured
     assert get(server.url + "/v1/models/other")[0] == 404
 
 

@@ -885,6 +885,7 @@ class Engine:
             "cuda_graph": self.config.graphs,
             "decode_buckets": list(self.buckets),
             "decode_buckets_used": len(self._fixed),
+            "decode_bucket_calls": dict(self._graph_runs),  # bucket -> its decode calls
         }
         for key in (
             "steps", "decode_calls", "decode_rows", "decode_padded_rows", "decode_eager_fallbacks",
