@@ -185,3 +185,26 @@ def test_graphs_survive_growth_and_slot_reuse(wide_model, capfd):
     if DEVICE == "cuda":
         _check_graph_counters(stats, logged)
         assert stats["graph_captures"] >= 1
+
+
+def test_a_budget_larger_than_the_device_is_refused_up_front(model):
+    from ort_kvlayout.runtime.kv_memory import allocator_stats
+    from ort_kvlayout.serve import memory
+    from ort_kvlayout.serve.engine import Engine, EngineConfig
+
+    free, total = memory.device_memory(DEVICE)
+    assert total and free and 0 < free <= total
+    before = allocator_stats()[DEVICE]["committed_bytes"]
+    where = "cuda:0's memory" if DEVICE == "cuda" else "this machine's memory"
+    with pytest.raises(ValueError, match=f"more than {where}"):
+        Engine(model, EngineConfig(provider=DEVICE, kv_budget_bytes=total + 1), start=False)
+    assert allocator_stats()[DEVICE]["committed_bytes"] == before
+    with Engine(model, EngineConfig(provider=DEVICE, kv_budget_fraction=0.5), start=False) as eng:
+        # half of what was free once the model loaded, at most the reservation
+        assert 0 < eng.budget <= min(free // 2, eng.stats()["kv_reserved_bytes"])
+    if DEVICE == "cuda":
+        with Engine(model, EngineConfig(provider=DEVICE), start=False) as eng:  # 0.9 of free
+            assert eng.budget == min(
+                int(memory.DEFAULT_CUDA_FRACTION * eng.device_free_bytes),
+                eng.stats()["kv_reserved_bytes"],
+            )
