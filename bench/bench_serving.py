@@ -521,12 +521,12 @@ def genai_version() -> str | None:
     return getattr(og, "__version__", None)
 
 
-# Model shapes for --model-shape (Hugging Face LlamaForCausalLM configs; random weights). The
-# context is 32k + 1k: the long mix's longest prompt and output fit.
+# Model shapes for --model-shape (Hugging Face LlamaForCausalLM configs; random weights), with
+# the real models' 128k context: what a preallocating cache reserves per request.
 _LLAMA3 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
            "vocab_size": 128256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
            "bos_token_id": 128000, "eos_token_id": 128001, "attention_bias": False,
-           "mlp_bias": False, "max_position_embeddings": 33792, "torch_dtype": "float16"}  # fmt: skip
+           "mlp_bias": False, "max_position_embeddings": 131072, "torch_dtype": "float16"}  # fmt: skip
 SHAPES = {
     "llama-3.2-1b": _LLAMA3 | {
         "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
