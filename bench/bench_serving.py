@@ -6,18 +6,29 @@
 Methods and metric names follow vLLM's `bench serve` and SGLang's bench_serving:
 
 * Workload (seeded): N requests; input lengths uniform in [L(1-r), L(1+r)] (`--input-len`,
-  `--range-ratio`), or the long-context mix (`--dataset long`: 8k-32k tokens, clipped to the
-  context); output lengths likewise from `--output-len`; prompt tokens drawn uniformly from the
+  `--range-ratio`; `--dataset random`), or a named workload (`--dataset long`: the long-context
+  mix, prompts uniform in [8192, 32768] tokens and outputs uniform in [128, 512]; `--dataset
+  chat`: short chats, prompts uniform in [64, 512], outputs uniform in [64, 512]); `--input-range
+  LO,HI` / `--output-range LO,HI` replace either range (small CPU runs of a named workload);
+  prompts are clipped to the context minus their output; prompt tokens drawn uniformly from the
   vocabulary (throughput does not depend on the tokens' values); every request ignores EOS,
   so each produces exactly its output length. Arrivals all at once (`--request-rate inf`) or
-  Poisson at that rate (requests/s).
+  Poisson at that rate (requests/s). `--dry-run` prints the workload and runs nothing.
 * Systems, on the same prompts: `engine` (ort_kvlayout.serve.engine on the patched model, in
   process: iteration-level scheduling over a growable seq-major cache), `server` (the same
   engine behind `ort-kvlayout serve`, started by the script, through streamed HTTP requests),
-  and `genai`
-  (onnxruntime-genai's og.Engine: requests through begin_turn, events from run; on CPU it
-  batches statically, up to its configured batch of 4, and a late request waits for the batch
-  in flight; on CUDA with a model built with `use_paged_attention` it batches continuously).
+  `genai` (onnxruntime-genai's og.Engine on `--genai-model`, the builder's plain GQA model:
+  requests through begin_turn, events from run; it batches statically, up to its configured
+  batch, and a late request waits for the batch in flight; all it does on CPU) and
+  `genai-paged` (og.Engine on `--genai-paged-model`, built with the builder's
+  `use_paged_attention=true`: continuous batching over PagedAttention, CUDA fp16/bf16 only;
+  with `--kv-budget` its block pool is pinned to the same bytes, `num_blocks` = budget /
+  (block_size x KV bytes per token), and its batch to `--max-batch`).
+* Models: `--model-shape llama-3.2-1b|llama-3.1-8b` builds fp16 (CUDA) models of those shapes
+  with random weights (a Hugging Face folder written by transformers, N(0, 0.02) weights, then
+  onnxruntime-genai's builder: the plain GQA model, the paged one on CUDA, and the seq-major
+  patch of the first), cached under `--build-dir`; throughput does not depend on the weights'
+  values, the tokens do not matter. `tiny-llama` is a 2-layer shape for tests.
 * Metrics: request throughput (req/s), output-token throughput (tok/s), total-token throughput,
   TTFT (arrival -> first token), TPOT ((last - first token) / (output - 1)), ITL (the gaps
   between a request's tokens), each as mean / p50 / p99 in ms; peak committed KV bytes and
@@ -61,23 +72,34 @@ class Record:
     done: bool = False
 
 
+# Named workloads: (prompt tokens, output tokens), each uniform on [lo, hi] (inclusive).
+WORKLOADS = {
+    "long": ((8192, 32768), (128, 512)),  # the long-context mix
+    "chat": ((64, 512), (64, 512)),  # short chats
+}
+
+
+def length_ranges(args) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The (lo, hi) ranges of prompt and output lengths the workload draws from."""
+    if args.dataset in WORKLOADS:
+        inputs, outputs = WORKLOADS[args.dataset]
+    else:
+        r = args.range_ratio
+        inputs = (int(args.input_len * (1 - r)), int(args.input_len * (1 + r)))
+        outputs = (int(args.output_len * (1 - r)), int(args.output_len * (1 + r)))
+    inputs = args.input_range or inputs
+    outputs = args.output_range or outputs
+    return (max(inputs[0], 1), max(inputs[1], 1)), (max(outputs[0], 1), max(outputs[1], 1))
+
+
 def workload(args, vocab: int, context: int) -> list[Item]:
     rng = np.random.default_rng(args.seed)
     n = args.num_requests
-    if args.dataset == "long":
-        inputs = rng.integers(8192, 32768 + 1, n)
-    else:
-        lo, hi = (
-            int(args.input_len * (1 - args.range_ratio)),
-            int(args.input_len * (1 + args.range_ratio)),
-        )
-        inputs = rng.integers(max(lo, 1), max(hi, 1) + 1, n)
-    lo, hi = (
-        int(args.output_len * (1 - args.range_ratio)),
-        int(args.output_len * (1 + args.range_ratio)),
-    )
-    outputs = rng.integers(max(lo, 1), max(hi, 1) + 1, n)
-    inputs = np.minimum(inputs, context - outputs)  # the long mix, clipped to the context
+    (ilo, ihi), (olo, ohi) = length_ranges(args)
+    inputs = rng.integers(ilo, ihi + 1, n)
+    outputs = rng.integers(olo, ohi + 1, n)
+    outputs = np.minimum(outputs, context - 1)
+    inputs = np.maximum(np.minimum(inputs, context - outputs), 1)  # clipped to the context
     if np.isinf(args.request_rate):
         arrivals = np.zeros(n)
     else:
@@ -141,8 +163,9 @@ def run_engine(args, items: list[Item]) -> dict:
 
     config = EngineConfig(
         max_batch=args.max_batch, prefill_chunk=args.variant[0], cache=args.variant[1],
-        provider=args.provider,
-        kv_budget_bytes=args.kv_budget, max_waiting=len(items) + 1,
+        provider=args.provider, kv_budget_bytes=args.kv_budget, max_waiting=len(items) + 1,
+        cuda_graph=False if args.no_cuda_graph else None,
+        capacity=args.capacity,
     )  # fmt: skip
     with Engine(args.model, config) as engine:
         engine.generate(items[0].prompt[:8], RequestParams(max_tokens=2, ignore_eos=True))  # warm
@@ -179,6 +202,11 @@ def run_engine(args, items: list[Item]) -> dict:
         preemptions=stats["preemptions"] - warm["preemptions"],
         kv_bytes_moved=stats["kv_bytes_moved"],
         graph_captures=stats["graph_captures"],
+        graph_replays=stats["graph_replays"] - warm["graph_replays"],
+        decode_buckets=stats["decode_bucket_calls"],
+        decode_padded_rows=stats["decode_padded_rows"] - warm["decode_padded_rows"],
+        decode_eager_fallbacks=stats["decode_eager_fallbacks"],
+        kv_budget_bytes=stats["kv_budget_bytes"],
         engine_steps=stats["steps"] - warm["steps"],
     )
     return result
@@ -272,10 +300,55 @@ def run_server(args, items: list[Item]) -> dict:
     return result
 
 
-def run_genai(args, items: list[Item]) -> dict:
+def genai_kv_token_bytes(model_dir: Path) -> int:
+    """KV bytes per token of every layer (K and V) of an onnxruntime-genai model, fp16/bf16."""
+    decoder = json.loads((model_dir / "genai_config.json").read_text())["model"]["decoder"]
+    heads, size = decoder["num_key_value_heads"], decoder["head_size"]
+    return decoder["num_hidden_layers"] * 2 * heads * size * 2
+
+
+def paged_with_budget(model_dir: Path, budget: int | None, max_batch: int, root: Path) -> tuple:
+    """The paged model with its block pool pinned to `budget` bytes (num_blocks; otherwise the
+    builder's gpu_utilization_factor stays) and its batch to max_batch: a folder of links to
+    model_dir's files beside an edited genai_config.json. Returns (folder, pool bytes or None)."""
+    config = json.loads((model_dir / "genai_config.json").read_text())
+    batching = config.setdefault("engine", {}).setdefault("dynamic_batching", {})
+    batching["max_batch_size"] = max_batch
+    pool = None
+    if budget is not None:
+        block = batching.get("block_size", 256) * genai_kv_token_bytes(model_dir)
+        batching.pop("gpu_utilization_factor", None)
+        batching["num_blocks"] = max(budget // block, 1)
+        pool = batching["num_blocks"] * block
+    out = root / f"{model_dir.name}-blocks"
+    out.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        link = out / f.name
+        if f.name != "genai_config.json" and not link.exists():
+            link.symlink_to(f.resolve())
+    (out / "genai_config.json").write_text(json.dumps(config, indent=1))
+    return out, pool
+
+
+def run_genai(args, items: list[Item], paged: bool = False) -> dict:
+    import tempfile
+
     import onnxruntime_genai as og
 
-    model = og.Model(str(args.genai_model))
+    model_dir, pool = args.genai_model, None
+    with tempfile.TemporaryDirectory() as tmp:
+        if paged:
+            model_dir, pool = paged_with_budget(
+                args.genai_paged_model, args.kv_budget, args.max_batch, Path(tmp)
+            )
+        model = og.Model(str(model_dir))
+        result = _run_genai(og, model, items)
+        del model
+    result["kv_pool_bytes"] = pool
+    return result
+
+
+def _run_genai(og, model, items: list[Item]) -> dict:
     engine = og.Engine(model)
     capacity = engine.get_capabilities().configured_max_batch_size
     buffer = engine.create_event_buffer(1024)
@@ -408,13 +481,185 @@ def table(results: dict) -> str:
     return "\n".join(rows)
 
 
+def int_pair(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LO,HI") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected 1 <= LO <= HI")
+    return lo, hi
+
+
+def describe(args, items: list[Item], context: int) -> str:
+    """--dry-run: the workload as drawn."""
+    (ilo, ihi), (olo, ohi) = length_ranges(args)
+    ins = np.array([len(i.prompt) for i in items])
+    outs = np.array([i.output_len for i in items])
+    rate = "all at once" if np.isinf(args.request_rate) else f"Poisson, {args.request_rate} req/s"
+    lines = [
+        f"workload {args.dataset}: {len(items)} requests, seed {args.seed}, arrivals {rate}",
+        (
+            f"prompt tokens uniform on [{ilo}, {ihi}] (clipped to the context {context} minus "
+            f"the output): min {ins.min()}, median {int(np.median(ins))}, max {ins.max()}, "
+            f"sum {ins.sum()}"
+        ),
+        (
+            f"output tokens uniform on [{olo}, {ohi}], EOS ignored: min {outs.min()}, "
+            f"median {int(np.median(outs))}, max {outs.max()}, sum {outs.sum()}"
+        ),
+        f"last arrival {items[-1].arrival:.1f} s",
+    ]
+    return "\n".join(lines)
+
+
+def genai_version() -> str | None:
+    try:
+        import onnxruntime_genai as og
+    except ImportError:
+        return None
+    return getattr(og, "__version__", None)
+
+
+# Model shapes for --model-shape (Hugging Face LlamaForCausalLM configs; random weights), with
+# the real models' 128k context: what a preallocating cache reserves per request.
+_LLAMA3 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+           "vocab_size": 128256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+           "bos_token_id": 128000, "eos_token_id": 128001, "attention_bias": False,
+           "mlp_bias": False, "max_position_embeddings": 131072, "torch_dtype": "float16"}  # fmt: skip
+SHAPES = {
+    "llama-3.2-1b": _LLAMA3 | {
+        "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+        "tie_word_embeddings": True,
+        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    },
+    "llama-3.1-8b": _LLAMA3 | {
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "tie_word_embeddings": False,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    },
+    # a 2-layer shape for the tests (vocab of the char tokenizer's size is not needed: ids only)
+    "tiny-llama": _LLAMA3 | {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512,
+        "bos_token_id": 1, "eos_token_id": 2, "max_position_embeddings": 1024,
+        "tie_word_embeddings": True,
+    },
+}  # fmt: skip
+
+
+def default_build_dir() -> Path:
+    root = os.environ.get("ORT_KVLAYOUT_CACHE")
+    if root:
+        return Path(root).expanduser() / "models"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "ort_kvlayout" / "models"
+
+
+def _write_tokenizer(folder: Path, vocab: int) -> None:
+    """A word-level tokenizer of `vocab` tokens: what the builder asks transformers for. The
+    benchmark sends token ids, so its vocabulary only has to be the model's size."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {f"t{i}": i for i in range(vocab)}
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "t1", "eos_token": "t2",
+              "unk_token": "t0", "model_max_length": 1 << 20}  # fmt: skip
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def build_shape(shape: str, provider: str, root: Path, log=print) -> dict[str, Path]:
+    """Random-weight models of `shape` under root (each step skipped when its `.complete`
+    marker exists, so an interrupted build resumes): {"hf", "gqa", "seq-major"} and, on CUDA,
+    "paged". fp16 on CUDA, fp32 on the CPU (the builder's paged model is CUDA-only)."""
+    precision, ep = ("fp16", "cuda") if provider == "cuda" else ("fp32", "cpu")
+    base = root / f"{shape}-random-{precision}-{ep}"
+    out = {"hf": base.with_name(base.name + "-hf"), "gqa": base,
+           "seq-major": base.with_name(base.name + "-seq-major")}  # fmt: skip
+    if provider == "cuda":
+        out["paged"] = base.with_name(base.name + "-paged")
+
+    def done(path: Path) -> bool:
+        return (path / ".complete").is_file()
+
+    def mark(path: Path) -> None:
+        (path / ".complete").write_text(f"{shape}: random weights N(0, 0.02)\n")
+
+    config = SHAPES[shape]
+    if not done(out["hf"]):
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        log(f"writing {out['hf']} (random weights)", file=sys.stderr)
+        out["hf"].mkdir(parents=True, exist_ok=True)
+        hf_config = LlamaConfig(**{k: v for k, v in config.items() if k != "torch_dtype"})
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(hf_config)
+        model = model.to_empty(device="cpu").to(torch.float16)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.fill_(1.0)
+                else:
+                    param.normal_(0.0, 0.02)
+        model.tie_weights()
+        model.save_pretrained(out["hf"], safe_serialization=True)
+        del model
+        _write_tokenizer(out["hf"], config["vocab_size"])
+        mark(out["hf"])
+    cache = root / ".builder-cache"
+    builds = [("gqa", [])]
+    if "paged" in out:
+        builds.append(("paged", ["--extra_options", "use_paged_attention=true",
+                                 "max_batch_size=256"]))  # fmt: skip
+    for key, extra in builds:
+        if done(out[key]):
+            continue
+        log(f"building {out[key]} (onnxruntime-genai builder)", file=sys.stderr)
+        cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(out["hf"]),
+               "-o", str(out[key]), "-p", precision, "-e", ep, "-c", str(cache), *extra]  # fmt: skip
+        subprocess.run(cmd, check=True)
+        mark(out[key])
+    if not done(out["seq-major"]):
+        from ort_kvlayout.tools.patch import patch_model_dir
+
+        log(f"patching {out['seq-major']} (seq-major)", file=sys.stderr)
+        patch_model_dir(out["gqa"], out["seq-major"], layout="seq-major", force=True)
+        mark(out["seq-major"])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, required=True, help="the patched (seq-major) model")
+    p.add_argument("--model", type=Path, help="the patched (seq-major) model")
     p.add_argument("--genai-model", type=Path, help="the model og.Engine runs (default --model)")
+    p.add_argument("--genai-paged-model", type=Path,
+                   help="the builder's use_paged_attention model (system genai-paged)")  # fmt: skip
+    p.add_argument("--model-shape", choices=sorted(SHAPES),
+                   help="build random-weight models of this shape (under --build-dir) and use "
+                        "them for --model, --genai-model and --genai-paged-model")  # fmt: skip
+    p.add_argument("--build-dir", type=Path, help="where --model-shape builds (default: "
+                   "$ORT_KVLAYOUT_CACHE/models)")  # fmt: skip
+    p.add_argument("--build-only", action="store_true", help="with --model-shape: build, stop")
     p.add_argument("--systems", default="engine,genai",
-                   help="engine,genai,server (comma separated; server: over HTTP)")  # fmt: skip
-    p.add_argument("--dataset", choices=["random", "long"], default="random")
+                   help="engine,server,genai,genai-paged (comma separated; server: over HTTP)")  # fmt: skip
+    p.add_argument("--capacity", type=int, help="engine tokens per slot (default: the context)")
+    p.add_argument("--no-cuda-graph", action="store_true",
+                   help="the engine's decode calls uncaptured on CUDA")  # fmt: skip
+    p.add_argument("--dataset", choices=["random", *WORKLOADS], default="random",
+                   help="random: --input-len/--output-len/--range-ratio; long: prompts U[8192, "
+                        "32768], outputs U[128, 512]; chat: prompts U[64, 512], outputs "
+                        "U[64, 512]")  # fmt: skip
+    p.add_argument("--input-range", type=int_pair, help="LO,HI prompt tokens (uniform)")
+    p.add_argument("--output-range", type=int_pair, help="LO,HI output tokens (uniform)")
+    p.add_argument("--dry-run", action="store_true", help="print the workload; run nothing")
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
@@ -438,6 +683,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixed-chunk", type=int, default=64)
     p.add_argument("--mixed-repeat", type=int, default=5)
     args = p.parse_args(argv)
+    if args.model_shape:
+        built = build_shape(args.model_shape, args.provider, args.build_dir or default_build_dir())
+        args.model = args.model or built["seq-major"]
+        args.genai_model = args.genai_model or built["gqa"]
+        args.genai_paged_model = args.genai_paged_model or built.get("paged")
+        if args.build_only:
+            print(json.dumps({k: str(v) for k, v in built.items()}, indent=1))
+            return 0
+    if args.model is None:
+        p.error("--model (or --model-shape) is required")
     args.genai_model = args.genai_model or args.model
     if args.mixed_cost:
         result = mixed_cost(args)
@@ -456,7 +711,12 @@ def main(argv: list[str] | None = None) -> int:
     from ort_kvlayout.runtime.model_spec import ModelSpec
 
     spec = ModelSpec.from_dir(args.model)
-    items = workload(args, spec.vocab_size, spec.kv.context_length)
+    context = args.capacity or spec.kv.context_length
+    items = workload(args, spec.vocab_size, context)
+    ranges = length_ranges(args)
+    if args.dry_run:
+        print(describe(args, items, context))
+        return 0
     # Each system (and each engine prefill chunk) runs --repeat times, in turn, so that a
     # shared machine's load changes hit them alike; the run of median output throughput counts.
     systems = []
@@ -469,8 +729,11 @@ def main(argv: list[str] | None = None) -> int:
                     notes += [cache] if "," in args.cache else []
                     label = f"{name} ({', '.join(notes)})" if notes else name
                     systems.append((label, fn, (int(chunk), cache)))
+        elif name in ("genai", "genai-paged"):
+            paged = name == "genai-paged"
+            systems.append((name, lambda a, i, paged=paged: run_genai(a, i, paged), None))
         else:
-            systems.append((name, {"genai": run_genai}[name], None))
+            raise SystemExit(f"unknown system {name!r}: engine, server, genai, genai-paged")
     runs: dict[str, list[dict]] = {label: [] for label, _, _ in systems}
     for rep in range(args.repeat):
         for label, fn, variant in systems:
@@ -483,9 +746,10 @@ def main(argv: list[str] | None = None) -> int:
         rs = sorted(rs, key=lambda r: r["output_throughput"])
         results[label] = dict(rs[len(rs) // 2])
         results[label]["runs_output_throughput"] = [r["output_throughput"] for r in rs]
-    if "engine" in results and "genai" in results:
-        ratio = results["engine"]["output_throughput"] / results["genai"]["output_throughput"]
-        results["engine"]["output_throughput_vs_genai"] = ratio
+    for peer in ("genai", "genai-paged"):
+        if "engine" in results and peer in results:
+            ratio = results["engine"]["output_throughput"] / results[peer]["output_throughput"]
+            results["engine"][f"output_throughput_vs_{peer.replace('-', '_')}"] = ratio
     print(table(results))
     record = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -494,9 +758,15 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python bench/bench_serving.py " + " ".join(argv or sys.argv[1:]),
         "model": str(args.model.name),
         "genai_model": str(args.genai_model.name),
+        "genai_paged_model": args.genai_paged_model.name if args.genai_paged_model else None,
+        "genai_version": genai_version(),
+        "model_shape": args.model_shape,
+        "weights": "random N(0, 0.02)" if args.model_shape else "the model's own",
         "workload": {
-            k: v for k, v in vars(args).items() if k not in ("model", "genai_model", "json", "variant")
-        },
+            k: v for k, v in vars(args).items()
+            if k not in ("model", "genai_model", "genai_paged_model", "json", "variant",
+                         "build_dir")
+        } | {"input_range": list(ranges[0]), "output_range": list(ranges[1])},
         "results": results,
     }  # fmt: skip
     record["workload"]["request_rate"] = str(args.request_rate)

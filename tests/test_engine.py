@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -362,9 +363,9 @@ def test_a_long_prompt_never_stalls_a_running_request_more_than_one_chunk(model,
             steps.append({"decode": 0, "prefill": 0})
             real_step()
 
-        def decode(lo, hi):
+        def decode(lo, hi, **kwargs):
             steps[-1]["decode"] += 1
-            real_decode(lo, hi)
+            real_decode(lo, hi, **kwargs)
 
         def prefill(r, take):
             steps[-1]["prefill"] += take
@@ -400,3 +401,90 @@ def test_generate_blocks_inside_an_event_loop(model, alone):
 
     with engine(model) as eng:
         assert asyncio.run(main(eng)) == alone[3]
+
+
+def idle_stats(eng, timeout: float = 10.0) -> dict:
+    """The counters once the loop went idle after the last request (it then frees scratch
+    rows; the last event reaches the reader before that)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = eng.stats()
+        if stats["kv_committed_bytes"] == 0 or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("chunk", [4, 256])
+def test_padded_decode_buckets_equal_generate_alone(model, alone, chunk):
+    """The decode calls CUDA graphs need (slots [0, bucket), a capacity-wide mask, one fixed
+    binding per bucket), run uncaptured on the CPU: joins, leaves and slot reuse give every
+    request its tokens alone; padded rows (free slots, prefilling requests) change nothing."""
+    with engine(model, max_batch=4, prefill_chunk=chunk, decode_buckets=(1, 2)) as eng:
+        handles = [eng.submit(p, params(n)) for p, n in zip(PROMPTS, LENGTHS)]
+        got = [h.result() for h in handles]
+        stats = idle_stats(eng)
+    assert got == alone
+    assert stats["decode_buckets"] == [1, 2, 4]
+    assert 1 <= stats["decode_buckets_used"] <= 3
+    assert stats["decode_padded_rows"] > 0  # free and prefilling slots padded the calls
+    assert stats["graph_captures"] == stats["graph_replays"] == 0  # no CUDA: nothing captured
+    assert stats["kv_bytes_moved"] == 0 and stats["kv_committed_bytes"] == 0
+
+
+def test_padded_decode_keeps_one_binding_per_bucket(model, alone):
+    """Slot reuse and growth never make a bucket's binding anew (on CUDA: never re-capture)."""
+    with engine(model, max_batch=4, prefill_chunk=8, decode_buckets=(2,)) as eng:
+        made = []
+        real = eng._fixed.__class__.__setitem__
+
+        class Recording(dict):
+            def __setitem__(self, key, value):
+                made.append(key)
+                real(self, key, value)
+
+        eng._fixed = Recording()
+        for _ in range(2):  # the second round reuses every slot
+            handles = [eng.submit(p, params(n)) for p, n in zip(PROMPTS, LENGTHS)]
+            assert [h.result() for h in handles] == alone
+        stats = eng.stats()
+    assert sorted(made) == sorted(set(made)) and set(made) <= {2, 4}
+    assert stats["decode_buckets_used"] == len(made)
+
+
+def test_padded_decode_under_a_tiny_budget(model, alone):
+    """Padding's scratch rows count against the budget: where they do not fit, the step runs
+    its decoding span eagerly (or preempts, as without padding); the tokens stay the same and
+    the budget holds."""
+    from ort_kvlayout.serve.engine import Engine, EngineConfig
+
+    with engine(model, max_batch=1) as probe:
+        spec_bytes = max(
+            probe.cache.entry_commit_bytes(len(p) + n) for p, n in zip(PROMPTS, LENGTHS)
+        )
+    config = EngineConfig(
+        max_batch=4, kv_budget_bytes=spec_bytes + spec_bytes // 2, prefill_chunk=8,
+        decode_buckets=(1, 2),
+    )  # fmt: skip
+    with Engine(model, config) as eng:
+        handles = [eng.submit(p, params(n)) for p, n in zip(PROMPTS, LENGTHS)]
+        got = [h.result() for h in handles]
+        stats = eng.stats()
+    assert got == alone
+    assert stats["kv_peak_committed_bytes"] <= config.kv_budget_bytes
+
+
+def test_cuda_graphs_are_refused_on_the_cpu():
+    from ort_kvlayout.serve.engine import EngineConfig
+
+    assert not EngineConfig().graphs and not EngineConfig().padded_decode
+    assert EngineConfig(provider="cuda").graphs and EngineConfig(provider="cuda").padded_decode
+    with pytest.raises(ValueError, match="cuda_graph=True needs provider='cuda'"):
+        EngineConfig(cuda_graph=True)
+    with pytest.raises(ValueError, match="CUDA graphs need decode buckets"):
+        EngineConfig(provider="cuda", decode_buckets=())
+    with pytest.raises(ValueError, match="bucket sizes must be >= 1"):
+        EngineConfig(decode_buckets=(0, 2))
+    with pytest.raises(ValueError, match="not both"):
+        EngineConfig(kv_budget_bytes=1 << 20, kv_budget_fraction=0.5)
+    with pytest.raises(ValueError, match=r"kv_budget_fraction must be in \(0, 1\]"):
+        EngineConfig(kv_budget_fraction=1.5)

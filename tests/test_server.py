@@ -4,6 +4,7 @@ usage, cancellation by disconnect, bad requests, overload, and clean shutdown.""
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import signal
@@ -113,6 +114,8 @@ def test_models_health_metrics(server, client):
     assert get(server.url + "/health") == (200, '{"status":"ok"}')
     m = metrics(server)
     assert {"requests_running", "kv_committed_bytes", "preemptions_total"} <= set(m)
+    assert {"graph_captures_total", "graph_replays_total", "decode_buckets_used"} <= set(m)
+    assert m["graph_captures_total"] == 0  # the CPU runs uncaptured
     assert get(server.url + "/v1/models/other")[0] == 404
 
 
@@ -306,6 +309,10 @@ def test_cli_faults(model, tmp_path):
     assert r.returncode == 2 and "no genai_config.json" in r.stderr
     r = run_cli(str(model), "--kv-budget", "100000GiB")
     assert r.returncode == 2 and "more than this machine's memory" in r.stderr
+    r = run_cli(str(model), "--cuda-graph")
+    assert r.returncode == 2 and "cuda_graph=True needs provider='cuda'" in r.stderr
+    r = run_cli(str(model), "--kv-budget", "0")
+    assert r.returncode == 2 and "a fraction of free memory is in (0, 1]" in r.stderr
     broken = tmp_path / "broken"
     shutil.copytree(model, broken)
     config = json.loads((broken / "genai_config.json").read_text())
@@ -355,3 +362,20 @@ def test_relative_model_dir_loads_the_library_from_the_model(model):
     finally:
         code, _, err = proc.stop()
     assert code == 0, err
+
+
+def test_kv_budget_and_bucket_arguments():
+    from ort_kvlayout.serve.cli import parse_buckets, parse_budget
+
+    assert parse_budget("0.9") == (None, 0.9)
+    assert parse_budget("90%") == (None, 0.9)
+    assert parse_budget("1") == (None, 1.0)  # all the free memory
+    assert parse_budget("2GiB") == (2 << 30, None)
+    assert parse_budget("1e9") == (10**9, None)
+    assert parse_budget("512 MiB") == (512 << 20, None)
+    assert parse_buckets("1,2,4,8") == (1, 2, 4, 8)
+    for bad in ("0", "120%", "-1", "lots"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_budget(bad)
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_buckets("1,0")

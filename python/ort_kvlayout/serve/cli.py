@@ -37,17 +37,35 @@ def default_model_dir() -> Path:
 
 
 def parse_bytes(text: str) -> int:
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:[eE]\d+)?)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"{text!r}: expected bytes such as 512MiB, 2GiB, 1e9")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-def physical_memory() -> int | None:
+def parse_budget(text: str) -> tuple[int | None, float | None]:
+    """--kv-budget: (bytes, None) for 512MiB, 2GiB, 1e9; (None, fraction) for a number in
+    (0, 1] or a percentage (0.9, 90%): that share of the memory free at start."""
+    t = text.strip()
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
+        value = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        return parse_bytes(text), None
+    if t.endswith("%") or value <= 1:
+        if not 0 < value <= 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: a fraction of free memory is in (0, 1]")
+        return None, value
+    return parse_bytes(text), None
+
+
+def parse_buckets(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(b) for b in text.split(",") if b.strip())
+    except ValueError:
+        sizes = (0,)
+    if any(b < 1 for b in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected batch sizes such as 1,2,4,8")
+    return sizes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,12 +81,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--provider", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--max-batch", type=int, default=8, help="requests running at once (slots)")
     p.add_argument("--capacity", type=int, help="tokens per slot (default: the model's context)")
-    p.add_argument("--kv-budget", type=parse_bytes,
-                   help="KV bytes the engine may commit, e.g. 2GiB (default: all slots whole)")  # fmt: skip
+    p.add_argument("--kv-budget", type=parse_budget, default=(None, None),
+                   help="KV memory the engine may commit: bytes (2GiB, 1e9) or a fraction of the "
+                        "memory free at start (0.9, 90%%); default: 0.9 on CUDA, every slot "
+                        "whole on the CPU")  # fmt: skip
     p.add_argument("--cache", choices=["growable", "preallocated"], default="growable",
                    help="preallocated: every slot committed whole (the budget buys whole slots)")  # fmt: skip
     p.add_argument("--prefill-chunk", type=int, default=256,
                    help="prompt tokens prefilled per step (bounds the decode stall)")  # fmt: skip
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode steps as CUDA graphs, one per batch bucket (default: on with "
+                        "--provider cuda)")  # fmt: skip
+    p.add_argument("--decode-buckets", type=parse_buckets,
+                   help="batch sizes decode calls are padded to, e.g. 1,2,4,8,16 (default: 1, "
+                        "2, 4, multiples of 8, max-batch; with CUDA graphs)")  # fmt: skip
     p.add_argument("--max-waiting", type=int, default=256,
                    help="queued requests before new ones get 503")  # fmt: skip
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -101,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 def serve(args: argparse.Namespace) -> int:
     from ..model.config import MetadataError
     from ..model.tokenizer import load_tokenizer
+    from . import memory
     from .engine import Engine, EngineConfig
 
     if args.model_dir is None:
@@ -118,12 +145,15 @@ def serve(args: argparse.Namespace) -> int:
     model_dir = model_dir.resolve()  # a library the config names is loaded from here, never PATH
     if not (model_dir / "genai_config.json").is_file():
         return _fail(f"{model_dir}: no genai_config.json (not an onnxruntime-genai model folder)")
-    memory = physical_memory()
-    if args.provider == "cpu" and args.kv_budget and memory and args.kv_budget > memory:
-        return _fail(
-            f"--kv-budget {args.kv_budget} bytes is more than this machine's memory ({memory} "
-            "bytes)"
-        )
+    budget_bytes, budget_fraction = args.kv_budget
+    if args.provider == "cpu" and budget_bytes is not None:
+        # The host's total is known before the model loads: refused at once. The device's free
+        # memory (CUDA) is read once the model is loaded, by the engine.
+        free, total = memory.device_memory("cpu")
+        try:
+            memory.resolve_kv_budget(budget_bytes, None, free, total, "cpu")
+        except ValueError as exc:
+            return _fail(f"--kv-budget: {exc}")
     try:
         import uvicorn
 
@@ -132,9 +162,10 @@ def serve(args: argparse.Namespace) -> int:
         return _fail(f"the server needs the serve extra (pip install 'ort-kvlayout[serve]'): {exc}")
     try:
         config = EngineConfig(
-            max_batch=args.max_batch, capacity=args.capacity, kv_budget_bytes=args.kv_budget,
-            prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting,
-            provider=args.provider, cache=args.cache,
+            max_batch=args.max_batch, capacity=args.capacity, kv_budget_bytes=budget_bytes,
+            kv_budget_fraction=budget_fraction, prefill_chunk=args.prefill_chunk,
+            max_waiting=args.max_waiting, provider=args.provider, cache=args.cache,
+            cuda_graph=args.cuda_graph, decode_buckets=args.decode_buckets,
         )  # fmt: skip
         tokenizer = None
         if (model_dir / "tokenizer.json").is_file():
@@ -159,8 +190,9 @@ def serve(args: argparse.Namespace) -> int:
         )
     )  # fmt: skip
     print(
-        f"serving {model_id} on http://{args.host}:{args.port}/v1 ({args.max_batch} slots, "
-        f"KV budget {engine.budget} bytes, context {engine.capacity})",
+        f"serving {model_id} on http://{args.host}:{args.port}/v1 ({engine.max_batch} slots, "
+        f"KV budget {engine.budget} bytes, context {engine.capacity}, CUDA graphs "
+        f"{'on' if engine.config.graphs else 'off'})",
         file=sys.stderr,
         flush=True,
     )

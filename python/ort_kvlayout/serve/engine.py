@@ -14,11 +14,18 @@ called from any thread and only post to its inbox. Each step:
 2. Budget. If the rows this step will write do not fit, the running request that arrived last
    is preempted: its slot and pages are released and it goes back to the queue with its tokens
    so far, to be recomputed (prefilled again) later (`preemptions` counts them).
-3. Decode. One call for the slots [lo, hi] that hold decoding requests: the KV buffers are bound
-   at slot lo's offset with batch hi-lo+1 (the same reservation, nothing moved). A slot inside
-   that range that is not decoding writes one scratch row: a prefilling request's next row
-   (its next chunk overwrites it) or row 0 of a free slot (one granule per buffer, released
-   when the slot leaves the range).
+3. Decode. One call for a slot range holding every decoding request: the KV buffers are bound
+   at the range's first slot with its length as the batch (the same reservation, nothing
+   moved). Padded (the default on CUDA, where each call is a CUDA graph): slots [0, bucket)
+   with the smallest bucket (1, 2, 4, then multiples of 8, and max_batch) that holds the
+   highest decoding slot, a mask as wide as the cache, one fixed binding and one graph per
+   bucket, captured once and replayed across growth and slot reuse (the cache's addresses
+   never move; the lengths are read on the device). Eager (the CPU default): the span [lo, hi]
+   of the decoding slots. A slot in the range that is not decoding writes one scratch row: a
+   prefilling request's next row (its next chunk overwrites it) or row 0 of a free slot (one
+   granule per buffer, released when the slot leaves the range or the engine goes idle).
+   Scratch rows count against the budget; where a bucket's do not fit but the span does, that
+   step's decode runs the span eagerly (serve/batching.py has the rules).
 4. Prefill. Prefilling requests, oldest first, get chunks of their remaining prompt until
    `prefill_chunk` tokens were scheduled in this step; each chunk is one call of batch 1 bound at
    the request's slot (a first prompt, then GQA's chunk case: rows written at [P, P+S)). A
@@ -50,9 +57,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnxruntime as ort
 
-from ..runtime.generation import Runtime
+from ..runtime.generation import CUDA_GRAPH_WARMUP_RUNS, Runtime
 from ..runtime.kv_cache import KvCache, KvMemoryError
 from ..runtime.sampling import GREEDY, Sampler, SamplingParams
+from . import memory
+from .batching import decode_range, decode_rows, resolve_buckets
 
 __all__ = [
     "Engine",
@@ -81,20 +90,39 @@ class EngineClosed(RuntimeError):
 @dataclass(frozen=True)
 class EngineConfig:
     """max_batch: slots (concurrent requests); capacity: tokens per slot (default: the model's
-    context); kv_budget_bytes: KV bytes the engine may commit (None: the whole reservation);
-    prefill_chunk: prompt tokens prefilled per step (bounds the decode stall); max_waiting:
-    queued requests before submit raises EngineOverloaded; cache: "growable" or
-    "preallocated" (the baseline: every slot committed whole)."""
+    context); kv_budget_bytes: KV bytes the engine may commit, refused when more than the
+    device has; kv_budget_fraction (instead): that share of the memory free when the engine
+    starts (after the model loaded); neither: on CUDA 0.9 of the free memory (at most the whole
+    reservation), on the CPU the whole reservation; prefill_chunk: prompt tokens prefilled per
+    step (bounds the decode stall); max_waiting: queued requests before submit raises
+    EngineOverloaded; cache: "growable" or "preallocated" (the baseline: every slot committed
+    whole); cuda_graph: decode calls captured as CUDA graphs, one per bucket (None: on with
+    provider "cuda"; True on the CPU is an error); decode_buckets: the batch sizes a decode call
+    is padded to, over slots [0, bucket) (None: 1, 2, 4, then multiples of 8, and max_batch;
+    graphs need them; () runs each step's decoding range as it is, uncaptured)."""
 
     max_batch: int = 8
     capacity: int | None = None
     kv_budget_bytes: int | None = None
+    kv_budget_fraction: float | None = None
     prefill_chunk: int = 256
     max_waiting: int = 256
     cache: str = "growable"
     provider: str = "cpu"
     device_id: int = 0
     granule: int | None = None
+    cuda_graph: bool | None = None
+    decode_buckets: tuple[int, ...] | None = None
+
+    @property
+    def graphs(self) -> bool:
+        """Whether decode calls run as CUDA graphs."""
+        return self.provider == "cuda" if self.cuda_graph is None else bool(self.cuda_graph)
+
+    @property
+    def padded_decode(self) -> bool:
+        """Whether decode calls are padded to buckets (with graphs, or asked for on the CPU)."""
+        return self.graphs if self.decode_buckets is None else bool(self.decode_buckets)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -107,6 +135,23 @@ class EngineConfig:
             raise ValueError(f"kv_budget_bytes must be >= 1, got {self.kv_budget_bytes}")
         if self.cache not in ("growable", "preallocated"):
             raise ValueError(f"cache {self.cache!r}: the engine runs 'growable' or 'preallocated'")
+        if self.provider not in ("cpu", "cuda"):
+            raise ValueError(f"provider {self.provider!r}: expected 'cpu' or 'cuda'")
+        if self.kv_budget_bytes is not None and self.kv_budget_fraction is not None:
+            raise ValueError("give kv_budget_bytes or kv_budget_fraction, not both")
+        if self.kv_budget_fraction is not None and not 0 < self.kv_budget_fraction <= 1:
+            raise ValueError(f"kv_budget_fraction must be in (0, 1], got {self.kv_budget_fraction}")
+        if self.cuda_graph and self.provider != "cuda":
+            raise ValueError(
+                "cuda_graph=True needs provider='cuda': CUDA graphs capture CUDA kernels (on "
+                "the CPU, decode_buckets runs the same padded decode calls uncaptured)"
+            )
+        if self.graphs and self.decode_buckets is not None and not self.decode_buckets:
+            raise ValueError("CUDA graphs need decode buckets (a fixed batch per graph)")
+        if self.decode_buckets is not None:
+            bad = [b for b in self.decode_buckets if int(b) < 1]
+            if bad:
+                raise ValueError(f"decode bucket sizes must be >= 1, got {bad}")
 
 
 @dataclass(frozen=True)
@@ -242,7 +287,7 @@ class Engine:
             model_dir,
             provider=config.provider,
             cache=config.cache,
-            cuda_graph=False,
+            cuda_graph=config.graphs,
             capacity=config.capacity,
             device_id=config.device_id,
             session_options=session_options,
@@ -261,6 +306,8 @@ class Engine:
         self._cond = threading.Condition()
         self._ids = itertools.count(1)
         self._bindings: dict[tuple[int, int], ort.IOBinding] = {}
+        self._fixed: dict[int, _FixedDecode] = {}  # per bucket: its binding (and graph)
+        self._graph_runs: collections.Counter = collections.Counter()
         self._counters = collections.Counter()
         self._peak_running = 0
         self._closing = False
@@ -272,18 +319,30 @@ class Engine:
             self.start()
 
     def _allocate(self, config: EngineConfig) -> None:
-        """The cache of `max_batch` slots (fewer for a preallocating cache whose budget buys
-        fewer whole slots) and the KV budget."""
+        """The KV budget (resolved once, from the memory free now that the model is loaded),
+        the cache of `max_batch` slots (fewer for a preallocating cache whose budget buys fewer
+        whole slots) and the decode buckets."""
         self.capacity = self.runtime.capacity
+        cuda = config.provider == "cuda"
+        if config.kv_budget_bytes is None and config.kv_budget_fraction is None and not cuda:
+            free = total = None  # the CPU default needs no query: the whole reservation
+        else:
+            free, total = memory.device_memory(config.provider, config.device_id)
+        budget = memory.resolve_kv_budget(
+            config.kv_budget_bytes, config.kv_budget_fraction, free, total,
+            f"cuda:{config.device_id}" if cuda else "cpu",
+            default_fraction=memory.DEFAULT_CUDA_FRACTION if cuda else None,
+        )  # fmt: skip
+        self.device_free_bytes, self.device_total_bytes = free, total
         slots = config.max_batch
-        if config.cache == "preallocated" and config.kv_budget_bytes is not None:
+        if config.cache == "preallocated" and budget is not None:
             # A preallocating cache commits whole slots up front: the budget buys that many.
             slot_bytes = self.capacity * self.spec.kv.token_bytes * self.spec.kv.buffers
-            slots = min(slots, config.kv_budget_bytes // slot_bytes)
+            slots = min(slots, budget // slot_bytes)
             if slots < 1:
                 raise ValueError(
-                    f"kv_budget_bytes {config.kv_budget_bytes} is less than one preallocated "
-                    f"slot of {self.capacity} tokens ({slot_bytes} bytes)"
+                    f"a KV budget of {budget} bytes is less than one preallocated slot of "
+                    f"{self.capacity} tokens ({slot_bytes} bytes)"
                 )
         self.max_batch = slots
         self.cache = KvCache.create(
@@ -299,8 +358,14 @@ class Engine:
         self._commit_bytes = functools.lru_cache(maxsize=1 << 16)(self.cache.entry_commit_bytes)
         self._greedy = Sampler(GREEDY)
         reserved = self.cache.stats.reserved_bytes
-        self.budget = reserved if config.kv_budget_bytes is None else config.kv_budget_bytes
+        if budget is None:
+            self.budget = reserved
+        elif config.kv_budget_bytes is None:  # a share of free memory: no more than it can use
+            self.budget = min(budget, reserved)
+        else:
+            self.budget = budget
         self.eos = frozenset(self.spec.eos_token_ids)
+        self.buckets = resolve_buckets(config.decode_buckets, slots) if config.padded_decode else ()
 
     # ---------------------------------------------------------------------------------------
     # Any thread
@@ -415,6 +480,7 @@ class Engine:
                 return  # still draining: the caller chose a timeout
             self._thread = None
         self._bindings.clear()
+        self._fixed.clear()
         self.cache.close()
         self.runtime.close()
 
@@ -454,6 +520,8 @@ class Engine:
                 continue
             try:
                 self._step()
+                if not self._has_work():
+                    self._release_scratch({})  # idle: no scratch row is needed
             except Exception as exc:  # noqa: BLE001 -- a failed step ends its requests, not the loop
                 self._counters["step_errors"] += 1
                 message = f"{type(exc).__name__}: {exc}"
@@ -515,10 +583,16 @@ class Engine:
             return False
 
     # --- memory ------------------------------------------------------------------------------
-    def _step_rows(self) -> dict[int, int]:
-        """Rows per slot this step writes up to (see the module docstring: scratch rows too)."""
-        rows: dict[int, int] = {}
+    def _decode_range(self, padded: bool) -> tuple[int, int] | None:
+        """This step's decode slot range: [0, bucket) padded, else the decoding slots' span."""
         decoding = [s for s, r in enumerate(self._slots) if r is not None and r.decoding]
+        return decode_range(decoding, self.buckets if padded else ())
+
+    def _step_rows(self, padded: bool | None = None) -> dict[int, int]:
+        """Rows per slot this step writes up to (see the module docstring: scratch rows too),
+        with the decode call padded to its bucket or not (default: as configured)."""
+        rows: dict[int, int] = {}
+        span = self._decode_range(bool(self.buckets) if padded is None else padded)
         budget = self.config.prefill_chunk
         # Rows a CUDA fp16 prefill may read past its chunk (Runtime._prefill_read_slack: cuDNN's
         # key tiles); 0 on the CPU.
@@ -530,8 +604,8 @@ class Engine:
             take = min(len(r.seq) - r.cached, budget)
             budget -= take
             rows[s] = min(r.cached + max(take, 1) + (slack if take else 0), self.capacity)
-        if decoding:
-            for s in range(min(decoding), max(decoding) + 1):
+        if span is not None:
+            for s in range(*span):
                 r = self._slots[s]
                 rows[s] = max(rows.get(s, 0), (r.cached + 1) if r is not None else 1)
         return rows
@@ -562,12 +636,21 @@ class Engine:
             self._slots[r.slot] = r
             self._counters["admitted"] += 1
 
-    def _preempt_to_fit(self) -> dict[int, int]:
+    def _preempt_to_fit(self) -> tuple[dict[int, int], bool]:
+        """This step's rows per slot, and whether its decode call is padded to a bucket. When
+        the padding's scratch rows do not fit the budget but the decoding span does, the decode
+        call runs that span eagerly (`decode_eager_fallbacks`) rather than preempting."""
         while True:
-            rows = self._step_rows()
             running = self._running()
+            if self.buckets:
+                rows = self._step_rows(padded=True)
+                if self._need_bytes(rows) <= self.budget:
+                    return rows, True
+            rows = self._step_rows(padded=False)
             if self._need_bytes(rows) <= self.budget or len(running) <= 1:
-                return rows
+                if self.buckets and self._decode_range(False) is not None:
+                    self._counters["decode_eager_fallbacks"] += 1
+                return rows, False
             self._preempt(max(running, key=lambda r: r.arrival))
 
     def _preempt(self, victim: _Request) -> None:
@@ -577,14 +660,19 @@ class Engine:
         position = sum(1 for w in self._waiting if w.arrival < victim.arrival)
         self._waiting.insert(position, victim)
 
-    # --- a step ------------------------------------------------------------------------------
-    def _step(self) -> None:
-        self._admit()
-        rows = self._preempt_to_fit()
-        # Scratch rows of free slots outside this step's range go back (see the docstring).
+    def _release_scratch(self, rows: dict[int, int]) -> None:
+        """Scratch rows of free slots outside `rows` (this step's) go back (the docstring)."""
+        if self.cache.closed:
+            return
         for s, r in enumerate(self._slots):
             if r is None and s not in rows and self.cache.tokens[s]:
                 self.cache.release(s)
+
+    # --- a step ------------------------------------------------------------------------------
+    def _step(self) -> None:
+        self._admit()
+        rows, padded = self._preempt_to_fit()
+        self._release_scratch(rows)
         try:
             self.cache.ensure([rows.get(s, self.cache.tokens[s]) for s in range(len(self._slots))])
         except KvMemoryError as exc:
@@ -598,10 +686,10 @@ class Engine:
             self._preempt(max(running, key=lambda r: r.arrival))
             return
         self._counters["steps"] += 1
-        decoding = [s for s, r in enumerate(self._slots) if r is not None and r.decoding]
+        span = self._decode_range(padded)
         prefilling = sorted((r for r in self._running() if not r.decoding), key=lambda r: r.arrival)
-        if decoding:
-            self._decode_step(min(decoding), max(decoding) + 1)
+        if span is not None:
+            self._decode_step(*span, padded=padded)
         budget = self.config.prefill_chunk
         for r in prefilling:
             if budget <= 0:
@@ -633,26 +721,51 @@ class Engine:
             positions = lengths[:, None] - ids.shape[1] + np.arange(ids.shape[1])
             binding.bind_cpu_input(spec.position_ids, np.maximum(positions, 0))
         binding.bind_output(spec.logits, "cpu")
-        self.runtime.session.run_with_iobinding(binding)
+        # gpu_graph_id -1 with CUDA graphs on: never captured (ORT's default id 0 would be)
+        self.runtime.session.run_with_iobinding(binding, self.runtime._run_options(None))
         self.runtime._check_length_record("engine step")
         return binding.get_outputs()[-1].numpy()
 
-    def _decode_step(self, lo: int, hi: int) -> None:
-        n = hi - lo
-        totals = []
-        ids = np.full((n, 1), self.spec.pad_token_id, np.int64)
-        for i, s in enumerate(range(lo, hi)):
-            r = self._slots[s]
-            if r is not None and r.decoding:
-                ids[i, 0] = r.seq[r.cached]
-            totals.append(r.cached + 1 if r is not None else 1)
-        mask = np.zeros((n, max(totals)), self.spec.mask_dtype)
-        for i, t in enumerate(totals):
-            mask[i, :t] = 1
-        logits = self._run(lo, ids, mask)
+    def _run_fixed(self, bucket: int, ids: list[int], totals: list[int]) -> np.ndarray:
+        """The decode call of slots [0, bucket) through its fixed binding; with CUDA graphs,
+        graph id `bucket`: ORT runs it CUDA_GRAPH_WARMUP_RUNS times, captures it on the next
+        run and replays it from then on (the counters follow that rule)."""
+        fixed = self._fixed.get(bucket)
+        if fixed is None:
+            fixed = self._fixed[bucket] = _FixedDecode(self, bucket)
+        fixed.set_inputs(ids, totals)
+        runs = self._graph_runs[bucket]
+        graph_id = bucket if self.config.graphs else None
+        self.runtime.session.run_with_iobinding(fixed.binding, self.runtime._run_options(graph_id))
+        self._graph_runs[bucket] = runs + 1
+        if self.config.graphs:
+            if runs == CUDA_GRAPH_WARMUP_RUNS:
+                self.cache.stats.graph_captures += 1
+            elif runs > CUDA_GRAPH_WARMUP_RUNS:
+                self.cache.stats.replays += 1
+        logits = fixed.logits()  # on the host: the step's kernels are done
+        self.runtime._check_length_record("engine decode step")
+        return logits
+
+    def _decode_step(self, lo: int, hi: int, padded: bool = False) -> None:
+        slots = []
+        for r in self._slots[lo:hi]:
+            if r is None:
+                slots.append(None)
+            else:
+                slots.append((r.seq[r.cached] if r.decoding else None, r.cached))
+        ids, totals = decode_rows(slots, self.spec.pad_token_id)
+        if padded:
+            logits = self._run_fixed(hi, ids, totals)
+        else:
+            mask = np.zeros((hi - lo, max(totals)), self.spec.mask_dtype)
+            for i, t in enumerate(totals):
+                mask[i, :t] = 1
+            logits = self._run(lo, np.array(ids, np.int64)[:, None], mask)
         self._counters["decode_calls"] += 1
-        self._counters["decode_rows"] += n
+        self._counters["decode_rows"] += hi - lo
         rows = [(i, r) for i, r in enumerate(self._slots[lo:hi]) if r is not None and r.decoding]
+        self._counters["decode_padded_rows"] += hi - lo - len(rows)
         # Greedy rows are chosen together (one argmax over their logits): the same tokens as
         # each request's own Sampler, without a call per request.
         greedy = [i for i, r in rows if r.params.sampling.greedy]
@@ -768,12 +881,88 @@ class Engine:
             "kv_growth_events": st.growth_events if st else 0,
             "graph_captures": st.graph_captures if st else 0,
             "graph_replays": st.replays if st else 0,
+            "graph_recaptures": st.recaptures if st else 0,
+            "cuda_graph": self.config.graphs,
+            "decode_buckets": list(self.buckets),
+            "decode_buckets_used": len(self._fixed),
+            "decode_bucket_calls": dict(self._graph_runs),  # bucket -> its decode calls
         }
         for key in (
-            "steps", "decode_calls", "decode_rows", "prefill_calls", "prefill_tokens", "tokens",
-            "admitted", "rejected", "step_errors", "callback_errors", "finished_stop",
-            "finished_length", "finished_cancelled", "finished_error",
+            "steps", "decode_calls", "decode_rows", "decode_padded_rows", "decode_eager_fallbacks",
+            "prefill_calls", "prefill_tokens", "tokens", "admitted", "rejected", "step_errors",
+            "callback_errors", "finished_stop", "finished_length", "finished_cancelled",
+            "finished_error",
         ):  # fmt: skip
             snap[key] = self._counters[key]
         with self._cond:
             self._snapshot = snap
+
+
+class _FixedDecode:
+    """The decode call of slots [0, bucket): the KV buffers bound at slot 0 with batch `bucket`,
+    input_ids (bucket, 1), an attention mask as wide as the cache (bucket, capacity; only the
+    rows whose length changed are rewritten), position_ids and the logits, each at one address
+    with one shape for the engine's life, as a CUDA graph needs (device OrtValues on CUDA,
+    copied in place each step; host arrays bound by pointer on the CPU). The cache's pointers
+    never move (growth commits granules under them, a freed slot keeps its addresses), so the
+    binding, and the graph captured from it, stay valid across growth and slot reuse."""
+
+    def __init__(self, engine: Engine, bucket: int):
+        rt, spec = engine.runtime, engine.spec
+        self.bucket = bucket
+        self.device = "cuda" if engine.config.provider == "cuda" else "cpu"
+        self._spec = spec
+        self.mask = np.zeros((bucket, engine.cache.capacity), spec.mask_dtype)
+        self._lengths = np.zeros(bucket, np.int64)  # ones per mask row now
+        self._host = {
+            spec.input_ids: np.zeros((bucket, 1), np.int64),
+            spec.attention_mask: self.mask,
+        }
+        if spec.position_ids:
+            self._host[spec.position_ids] = np.zeros((bucket, 1), np.int64)
+        self._host_logits = np.zeros((bucket, 1, spec.vocab_size), rt.logits_dtype)
+        self.binding = rt.session.io_binding()
+        for buf in engine.cache.entry_buffers(0, bucket):
+            for bind, name in ((self.binding.bind_input, buf.past),
+                               (self.binding.bind_output, buf.present)):  # fmt: skip
+                bind(name, buf.device, buf.device_id, buf.dtype, list(buf.shape), buf.ptr)
+        self._device: dict[str, ort.OrtValue] = {}
+        if self.device == "cpu":
+            for name, array in self._host.items():
+                self.binding.bind_input(
+                    name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data
+                )
+            self.binding.bind_output(
+                spec.logits, "cpu", 0, rt.logits_dtype, list(self._host_logits.shape),
+                self._host_logits.ctypes.data,
+            )  # fmt: skip
+        else:
+            device_id = engine.config.device_id
+            for name, array in self._host.items():
+                self._device[name] = ort.OrtValue.ortvalue_from_numpy(array, "cuda", device_id)
+                self.binding.bind_ortvalue_input(name, self._device[name])
+            self._device_logits = ort.OrtValue.ortvalue_from_numpy(
+                self._host_logits, "cuda", device_id
+            )
+            self.binding.bind_ortvalue_output(spec.logits, self._device_logits)
+
+    def set_inputs(self, ids: list[int], totals: list[int]) -> None:
+        spec = self._spec
+        self._host[spec.input_ids][:, 0] = ids
+        for i, t in enumerate(totals):
+            held = self._lengths[i]
+            if t > held:
+                self.mask[i, held:t] = 1
+            elif t < held:
+                self.mask[i, t:held] = 0
+            self._lengths[i] = t
+        if spec.position_ids:
+            self._host[spec.position_ids][:, 0] = np.asarray(totals, np.int64) - 1
+        for name, value in self._device.items():  # the same device address: updated in place
+            value.update_inplace(self._host[name])
+
+    def logits(self) -> np.ndarray:
+        """(bucket, 1, vocab): on the CPU the bound buffer itself, valid until the next call."""
+        if self.device == "cpu":
+            return self._host_logits
+        return self._device_logits.numpy()

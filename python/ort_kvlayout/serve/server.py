@@ -273,8 +273,15 @@ _METRICS = [
     ("kv_reserved_bytes", "kv_reserved_bytes", "gauge", "KV address space reserved"),
     ("kv_budget_bytes", "kv_budget_bytes", "gauge", "KV bytes the engine may commit"),
     ("kv_bytes_moved", "kv_bytes_moved_total", "counter", "KV bytes copied by growth"),
-    ("graph_captures", "graph_captures_total", "counter", "CUDA graphs captured"),
-]
+    ("graph_captures", "graph_captures_total", "counter", "CUDA graphs captured (one per bucket)"),
+    ("graph_replays", "graph_replays_total", "counter", "Decode calls replayed from a CUDA graph"),
+    ("decode_calls", "decode_calls_total", "counter", "Decode calls"),
+    ("decode_padded_rows", "decode_padded_rows_total", "counter",
+     "Rows of decode calls that decode nothing (bucket padding and scratch rows)"),
+    ("decode_eager_fallbacks", "decode_eager_fallbacks_total", "counter",
+     "Decode calls run eagerly: the bucket's scratch rows did not fit the KV budget"),
+    ("decode_buckets_used", "decode_buckets_used", "gauge", "Decode buckets run so far"),
+]  # fmt: skip
 
 
 def prometheus(stats: dict, model_id: str, uptime: float) -> str:
