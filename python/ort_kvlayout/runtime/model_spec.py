@@ -28,6 +28,7 @@ import onnx
 
 from ..model.config import (
     METADATA_FILE,
+    SCALE_KEYS,
     MetadataError,
     decoder_files,
     expand_kv,
@@ -59,14 +60,6 @@ _QUANT_BITS = {  # quantized cache element type -> the kv_cache_bit_width it hol
     onnx.TensorProto.FLOAT8E4M3FN: 8,
 }
 QUANT_SCHEMES = ("none", "per_tensor", "per_channel", "per_token")
-# genai_config.json keys of the PER_TOKEN scale caches (onnxruntime-genai 0.18's names) and the
-# templates the patcher writes (patch_kv_layout --kv-quant).
-SCALE_KEYS = {
-    "past_key_scale_names": "past_key_scale.%d",
-    "past_value_scale_names": "past_value_scale.%d",
-    "present_key_scale_names": "present_key_scale.%d",
-    "present_value_scale_names": "present_value_scale.%d",
-}
 
 
 def onnx_element_type(dtype: np.dtype) -> int:
