@@ -16,8 +16,7 @@ node the conversion
 
 Refused, by node name, before anything changes: a node that is already quantized or has
 k_scale/v_scale, a cache that is not float32/float16/bfloat16, a cache that is not a graph
-input/output or that another node reads, a packed-int4 cache whose head dimension is symbolic,
-and any non-GQA attention node in the model (its cache would stay unconverted).
+input/output or that another node reads, and any non-GQA attention node in the model (its cache would stay unconverted).
 """
 
 from __future__ import annotations
@@ -124,19 +123,15 @@ def _node_problems(
     return reasons
 
 
-def _narrow(info: onnx.ValueInfoProto, elem: int, bits: int) -> str | None:
-    """Gives a cache's value info the narrow type (int4: the packed last dim); a reason when the
-    packed dim cannot be computed."""
+def _narrow(info: onnx.ValueInfoProto, elem: int, bits: int) -> None:
+    """Gives a cache's value info the narrow type; int4: a fixed last dim H becomes the packed
+    (H + 1) // 2 (a symbolic one, the builder's kv_cache_dim, stays symbolic)."""
     tensor = info.type.tensor_type
     tensor.elem_type = elem
-    if bits == 4 and tensor.HasField("shape"):
-        dims = tensor.shape.dim
-        if len(dims) != 4 or not dims[3].HasField("dim_value"):
-            return f"{info.name!r}: a packed int4 cache needs a fixed head dimension (4-D shape)"
-        head = dims[3].dim_value
-        dims[3].Clear()
-        dims[3].dim_value = (head + 1) // 2
-    return None
+    if bits == 4 and tensor.HasField("shape") and len(tensor.shape.dim) == 4:
+        last = tensor.shape.dim[3]
+        if last.HasField("dim_value"):
+            last.dim_value = (last.dim_value + 1) // 2
 
 
 def _scale_info(cache: onnx.ValueInfoProto, name: str) -> onnx.ValueInfoProto:
@@ -200,11 +195,7 @@ def convert_model(
         caches = [node.input[3], node.input[4], node.output[1], node.output[2]]
         for name in caches:
             for info in _value_infos(g, name):
-                reason = _narrow(info, elem, bits)
-                if reason:
-                    refusals.append((prefix + label, reason))
-        if refusals:
-            continue
+                _narrow(info, elem, bits)
         while len(node.input) < PAST_K_SCALE:
             node.input.append("")
         node.input.extend([names[caches[0]], names[caches[1]]])
@@ -215,8 +206,6 @@ def convert_model(
         outputs = {v.name: v for v in g.output}
         g.input.extend([_scale_info(inputs[c], names[c]) for c in caches[:2]])
         g.output.extend([_scale_info(outputs[c], names[c]) for c in caches[2:]])
-    if refusals:
-        return refusals
     assert OUTPUT_QK < PRESENT_K_SCALE and len(GQA_OUTPUTS) == PRESENT_K_SCALE + 2
     model.CopyFrom(work)
     return []
