@@ -55,7 +55,14 @@ import numpy as np
 import onnxruntime as ort
 
 from ..op.length_errors import check_length_error
-from .kv_cache import BUCKET_TOKENS, CACHE_MODES, KvCache, KvCacheStats, KvCapacityError
+from .kv_cache import (
+    BUCKET_TOKENS,
+    CACHE_MODES,
+    KvCache,
+    KvCacheStats,
+    KvCapacityError,
+    bind_in_place,
+)
 from .model_spec import ModelSpec
 from .sampling import GREEDY, Sampler, SamplingParams
 
@@ -233,10 +240,8 @@ class Runtime:
 
     def _bind_kv(self, binding: ort.IOBinding, cache: KvCache) -> None:
         """Every KV buffer (and PER_TOKEN scale buffer) as its past input and present output,
-        in place; by ONNX element type (onnxruntime binds no float8 numpy dtype)."""
-        for buf in cache.buffers:
-            for bind, name in ((binding.bind_input, buf.past), (binding.bind_output, buf.present)):
-                bind(name, buf.device, buf.device_id, buf.element_type, list(buf.shape), buf.ptr)
+        in place."""
+        bind_in_place(binding, cache.buffers)
 
     def generate(
         self,

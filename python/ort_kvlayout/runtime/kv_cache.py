@@ -105,6 +105,15 @@ class KvBuffer:
         return onnx_element_type(self.dtype)
 
 
+def bind_in_place(binding, buffers) -> None:
+    """Binds every buffer (KV or PER_TOKEN scale) as its past input and present output at the
+    same address, so the op appends in place. By ONNX element type: onnxruntime binds no
+    float8 numpy dtype."""
+    for buf in buffers:
+        for bind, name in ((binding.bind_input, buf.past), (binding.bind_output, buf.present)):
+            bind(name, buf.device, buf.device_id, buf.element_type, list(buf.shape), buf.ptr)
+
+
 def _subtract(runs: list[tuple[int, int]], held: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """(offset, size) runs minus the (offset, size) runs `held` (both sorted, merged)."""
     out = []

@@ -58,7 +58,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..runtime.generation import CUDA_GRAPH_WARMUP_RUNS, Runtime
-from ..runtime.kv_cache import KvCache, KvMemoryError
+from ..runtime.kv_cache import KvCache, KvMemoryError, bind_in_place
 from ..runtime.sampling import GREEDY, Sampler, SamplingParams
 from . import memory
 from .batching import decode_range, decode_rows, resolve_buckets
@@ -337,7 +337,7 @@ class Engine:
         slots = config.max_batch
         if config.cache == "preallocated" and budget is not None:
             # A preallocating cache commits whole slots up front: the budget buys that many.
-            slot_bytes = self.capacity * self.spec.kv.token_bytes * self.spec.kv.buffers
+            slot_bytes = self.spec.kv.entry_bytes(self.capacity)  # KV and PER_TOKEN scales
             slots = min(slots, budget // slot_bytes)
             if slots < 1:
                 raise ValueError(
@@ -703,11 +703,7 @@ class Engine:
         binding = self._bindings.get(key)
         if binding is None:
             binding = self.runtime.session.io_binding()
-            for buf in self.cache.entry_buffers(first, count):
-                for bind, name in (
-                    (binding.bind_input, buf.past), (binding.bind_output, buf.present)
-                ):  # fmt: skip
-                    bind(name, buf.device, buf.device_id, buf.dtype, list(buf.shape), buf.ptr)
+            bind_in_place(binding, self.cache.entry_buffers(first, count))
             self._bindings[key] = binding
         return binding
 
@@ -922,10 +918,7 @@ class _FixedDecode:
             self._host[spec.position_ids] = np.zeros((bucket, 1), np.int64)
         self._host_logits = np.zeros((bucket, 1, spec.vocab_size), rt.logits_dtype)
         self.binding = rt.session.io_binding()
-        for buf in engine.cache.entry_buffers(0, bucket):
-            for bind, name in ((self.binding.bind_input, buf.past),
-                               (self.binding.bind_output, buf.present)):  # fmt: skip
-                bind(name, buf.device, buf.device_id, buf.dtype, list(buf.shape), buf.ptr)
+        bind_in_place(self.binding, engine.cache.entry_buffers(0, bucket))
         self._device: dict[str, ort.OrtValue] = {}
         if self.device == "cpu":
             for name, array in self._host.items():
