@@ -713,3 +713,13 @@ def test_scale_sharing_must_follow_the_cache():
     io.bind_ortvalue_output("present_value_scale", _ortvalue(keep["past_value_scale"]))
     with pytest.raises(Exception, match=r"must share memory exactly when past_key/present_key"):
         sess.run_with_iobinding(io)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_prompt_without_past(kind):
+    """A first prompt without past inputs (nor scale caches): present typed from the bit width,
+    the same bytes and scales as with a zero-capacity past."""
+    pc = PtCase(GqaCase(**SMALL, kind="prompt", seq=6, batch=2, pad=2, kv_layout=1), kind)
+    f = {k: v for k, v in pc.feeds().items() if not k.startswith("past_")}
+    got, want = run(pc, feeds=f), run(pc)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
