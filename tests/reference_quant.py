@@ -72,8 +72,9 @@ def fp8_encode(x) -> np.ndarray:
         e = np.where(m == 8, e + 1, e)
         m = np.where(m == 8, 0, m)
         normal = ((e + 7) << 3) | m
-        sub = np.rint(a * 512.0)  # subnormals: multiples of 2^-9 (8 is the smallest normal)
-    code = np.where(a < 2.0**-6, np.nan_to_num(sub).astype(np.int64), normal)
+        # Subnormals: multiples of 2^-9 (8 is the smallest normal).
+        sub = np.rint(np.where(a < 2.0**-6, a, 0.0) * 512.0).astype(np.int64)
+    code = np.where(a < 2.0**-6, sub, normal)
     code = np.where(a >= 448.0, 0x7E, np.minimum(code, 0x7E))
     code = np.where(np.isnan(a), 0x7F, code)
     return (code | sign).astype(np.uint8)
@@ -367,8 +368,13 @@ def quant_reference(inputs: dict, attrs: dict, kv_layout: int = 0, cache: str | 
             sc_cache = scales_to_layout(bits32.view(np.float32), kv_layout)
         results.append((el, ref.to_layout(stored, kv_layout), sc_cache))
     return QuantResult(
-        out, results[0][1], results[1][1], results[0][0], results[1][0], results[0][2],
-        results[1][2]
+        out,
+        results[0][1],
+        results[1][1],
+        results[0][0],
+        results[1][0],
+        results[0][2],
+        results[1][2],
     )
 
 
