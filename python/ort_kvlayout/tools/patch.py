@@ -16,10 +16,10 @@ What it does (DESIGN section 5):
   `model.decoder.session_options.custom_ops_library`, so onnxruntime-genai runs the result as is;
 - writes inference_metadata.yaml (ort_kvlayout.tools.metadata).
 
-Nodes the op does not support (fp8 KV cache, output_qk, attributes outside the contract, an
-inconsistent quantized-cache setup) are refused by name with the reason, and then nothing is
-written. Quantized (int8 / packed int4) nodes are kept, k_scale/v_scale and the quant attributes
-unchanged, unless genai_config.json targets CUDA: the CUDA op does not run them yet, so such a
+Nodes the op does not support (an fp8 KV cache without a quant type, output_qk, attributes
+outside the contract, an inconsistent quantized-cache setup) are refused by name with the
+reason, and then nothing is written. Quantized (int8 / packed int4 / fp8) nodes are kept,
+k_scale/v_scale and the quant attributes unchanged, unless genai_config.json targets CUDA: the CUDA op does not run them yet, so such a
 model is refused by node name (docs/TOOLS.md).
 """
 
