@@ -113,6 +113,15 @@ inline AttnKernel ChooseKernel(const GqaShape& s, const PlanBuffers& buf,
                                const CudaDeviceInfo& dev) {
   const bool half = s.dtype == DType::kFloat16 || s.dtype == DType::kBFloat16;
   if (!half || !buf.caches_aligned16) return AttnKernel::kPortable;
+  // A quantized cache: the decode kernel where an instance of its cache type serves the shape
+  // (DecodeQuantServes), else the portable kernel, which dequantizes its tiles (cuDNN and the
+  // tensor-core prefill read T only).
+  if (s.quantized()) {
+    return s.seq_len * s.group_size() <= kDecodeRows && DecodeQuantServes(s) &&
+                   DecodeTcFits(s, 2, dev)
+               ? AttnKernel::kDecodeTc
+               : AttnKernel::kPortable;
+  }
   if (s.seq_len >= 16 && buf.output_aligned4 && PrefillTcFits(s, 2, dev)) {
     return AttnKernel::kPrefillTc;
   }
