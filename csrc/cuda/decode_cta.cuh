@@ -49,7 +49,13 @@ struct DecodeCta {
   static constexpr int SH = kPack ? 64 : HD;  // columns of one head in the stage tiles
   static_assert(!kPack || (HD % SH == 0 && HD / SH <= kDecodeRows), "whole heads per tile");
   static constexpr int kDecWarps = W, kDecThreads = W * kWarp;
-  static constexpr int KS = DecKeys(HD), ST = DecStages(HD), P = DecPitch(HD);
+  // A quantized cache's steps take 16 / bits times the keys (the same bytes per step as T's:
+  // a step's loads are what a warp keeps in flight, so fewer steps read the codes faster); its
+  // stage slots keep T's geometry (KST rows of pitch P), the codes packed at their start.
+  static constexpr bool kQuant = kQuantCache<C>;
+  static constexpr int QBITS = kQuant ? kCacheBits<C> : 16;
+  static constexpr int KST = DecKeys(HD);
+  static constexpr int KS = KST * 16 / QBITS, ST = DecStages(HD), P = DecPitch(HD);
   static constexpr int NT = KS / 8;    // score n-tiles (8 keys each)
   static constexpr int KT = HD / 16;   // k-steps of Q K^T over a stage tile
   static constexpr int DTO = SH / 8;   // output n-tiles (8 dimensions each) of a row
@@ -64,11 +70,9 @@ struct DecodeCta {
   static constexpr int RP = DecRedPitch(HD);
   static constexpr int HD4 = SH / 4;
 
-  // A quantized cache (kQuant): code bits, bytes of a row (H == HD), its 16-byte chunks, the
+  // A quantized cache (kQuant): bytes of a row (H == HD), its 16-byte chunks, the
   // bytes of a key row each lane of a quad reads for Q K^T (in vectors of QKV bytes) and of a
   // value row each of the eight quads reads for P V.
-  static constexpr bool kQuant = kQuantCache<C>;
-  static constexpr int QBITS = kQuant ? kCacheBits<C> : 16;
   static constexpr int QRB = HD * QBITS / 8;
   static constexpr int QCR = QRB / 16;
   static constexpr int QKB = QRB / 4, QKV = QKB < 16 ? QKB : 16, QVB = QRB / 8;

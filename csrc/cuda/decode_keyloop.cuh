@@ -228,7 +228,7 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::StepQuant(int64_t
   ptx::CpAsyncWait<ST - 1>();  // this lane's copies of step i have landed
   __syncwarp();                // ... and every lane's
   const unsigned char* kt = reinterpret_cast<const unsigned char*>(StepSlot(i));
-  const unsigned char* vt = kt + KS * P * sizeof(T);
+  const unsigned char* vt = kt + KST * P * sizeof(T);
   const int64_t k0 = StepKey(i);
 
   float sc[NT][4];
@@ -308,30 +308,33 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::StepQuant(int64_t
         kw[k4][0] = *reinterpret_cast<const uint32_t*>(src);
       }
     }
-    uint32_t vb[DTO][2];  // n-tile n: (keys 2 tq, 2 tq + 1), (2 tq + 8, 2 tq + 9) of its column
+    // Word w of each key's share at a time: its n-tiles' B fragments, then their products (the
+    // fragments of one word live at once, not all DTO n-tiles').
+    constexpr int NPW = DTO / NW;  // n-tiles (columns) per word
 #pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {  // b0 from keys 0, 1 of the four; b1 from keys 2, 3
-      const uint32_t* ka = kw[2 * hf];
-      const uint32_t* kb2 = kw[2 * hf + 1];
+    for (int w = 0; w < NW; ++w) {
+      uint32_t vb[NPW][2];  // n-tile: (keys 2 tq, 2 tq + 1), (2 tq + 8, 2 tq + 9) of its column
 #pragma unroll
-      for (int w = 0; w < NW; ++w) {
+      for (int hf = 0; hf < 2; ++hf) {  // b0 from keys 0, 1 of the four; b1 from keys 2, 3
+        const uint32_t ka = kw[2 * hf][w], kb2 = kw[2 * hf + 1][w];
         if constexpr (QBITS == 8) {  // column 4 w + j: byte j of each key's word
-          Int8x4ToPairs<T>(__byte_perm(ka[w], kb2[w], 0x5140), vb[4 * w][hf], vb[4 * w + 1][hf]);
-          Int8x4ToPairs<T>(__byte_perm(ka[w], kb2[w], 0x7362), vb[4 * w + 2][hf],
-                           vb[4 * w + 3][hf]);
+          Int8x4ToPairs<T>(__byte_perm(ka, kb2, 0x5140), vb[0][hf], vb[1][hf]);
+          Int8x4ToPairs<T>(__byte_perm(ka, kb2, 0x7362), vb[2][hf], vb[3][hf]);
         } else {  // column 8 w + j: nibble j of each key's word
           uint32_t p4[4];
-          Int4x8ToPairs<T>(__byte_perm(ka[w], kb2[w], 0x5410), p4);
+          Int4x8ToPairs<T>(__byte_perm(ka, kb2, 0x5410), p4);
 #pragma unroll
-          for (int j = 0; j < 4; ++j) vb[8 * w + j][hf] = p4[j];
-          Int4x8ToPairs<T>(__byte_perm(ka[w], kb2[w], 0x7632), p4);
+          for (int j = 0; j < 4; ++j) vb[j][hf] = p4[j];
+          Int4x8ToPairs<T>(__byte_perm(ka, kb2, 0x7632), p4);
 #pragma unroll
-          for (int j = 0; j < 4; ++j) vb[8 * w + 4 + j][hf] = p4[j];
+          for (int j = 0; j < 4; ++j) vb[4 + j][hf] = p4[j];
         }
       }
-    }
 #pragma unroll
-    for (int n = 0; n < DTO; ++n) ptx::Mma16816<T>(o[n], a, vb[n][0], vb[n][1]);
+      for (int j = 0; j < NPW; ++j) {
+        ptx::Mma16816<T>(o[NPW * w + j], a, vb[j][0], vb[j][1]);
+      }
+    }
   }
 }
 

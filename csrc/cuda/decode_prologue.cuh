@@ -183,7 +183,7 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::Issue(int64_t i) 
 template <typename T, int HD, DecodeForm kForm, int W, typename C>
 __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::IssueQuant(int64_t i) {
   unsigned char* kt = reinterpret_cast<unsigned char*>(StepSlot(i));
-  unsigned char* vt = kt + KS * P * sizeof(T);
+  unsigned char* vt = kt + KST * P * sizeof(T);
   const int64_t k0 = StepKey(i);  // < k_end: a row of the cache
   const unsigned char* kstep = code_k + (k0 - geo.cache_base) * seq_stride;
   const unsigned char* vstep = code_v + (k0 - geo.cache_base) * seq_stride;
