@@ -51,15 +51,17 @@ def _session(model: bytes, domain: str, graph: bool = False):
     return _SESSIONS[key]
 
 
-def run_cuda_quant(qc: QuantCase, domain: str = KV_DOMAIN):
+def run_cuda_quant(qc: QuantCase, domain: str = KV_DOMAIN, sess=None):
     """(output, present_key, present_value) as host arrays after one run on the CUDA EP:
     presents in the case's layout for ai.kvlayout, BNSH for com.microsoft. Inputs on the device
     (total_sequence_length in CPU memory), outputs preallocated (output NaN-filled, separate
-    presents filled with 0x5A bytes), past bound as present when shared."""
+    presents filled with 0x5A bytes), past bound as present when shared. ``sess``: this session
+    instead of the cached one of the case's model."""
     c = qc.base
     layout = c.kv_layout if domain == KV_DOMAIN else None
     feeds = qc.feeds() if domain == KV_DOMAIN else qc.head_major_feeds()
-    sess = _session(_model(feeds, qc.attrs(), domain, layout, qc.cache_dtype), domain)
+    if sess is None:
+        sess = _session(_model(feeds, qc.attrs(), domain, layout, qc.cache_dtype), domain)
     names = {i.name for i in sess.get_inputs()}
     io = sess.io_binding()
     dev = {}
@@ -417,3 +419,31 @@ def test_cuda_graph_decode(layout, bits, quant):
         assert err <= 6e-3 * max(1.0, float(np.abs(oc[osel]).max())), f"output {err:.3g}, {what}"
         cpu_cache = {"past_key": kg.copy(), "past_value": vg.copy()}
         seqlens += 1
+
+
+# --------------------------------------------------------------------------------------------
+# Bad scales: the CPU op's errors, naming the input and the index
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "name,index,value,match",
+    [
+        ("k_scale", 0, 0.0, r"input 'k_scale'\[0\] = 0: every scale must be finite and > 0"),
+        ("v_scale", 5, -0.5, r"input 'v_scale'\[5\] = -0.5: every scale must be finite"),
+        ("k_scale", 3, np.nan, r"input 'k_scale'\[3\] = nan: every scale must be finite"),
+    ],
+)
+def test_bad_scale_values(name, index, value, match):
+    """Checked on the host when a kernel first sees the scale buffers: a fresh session (a cached
+    one may have checked good scales at the address the bad ones now take)."""
+    base = GqaCase(num_heads=8, kv_num_heads=2, head_size=64, kind="decode", past_len=20,
+                   dtype="fp16", seed=case_seed(8000))  # fmt: skip
+    qc = QuantCase(base, 8, "PER_CHANNEL")
+    f = qc.feeds()
+    bad = np.array(f[name], copy=True)
+    bad.reshape(-1)[index] = value
+    qc._feeds = dict(f, **{name: bad})
+    sess = new_cuda_session(_model(f, qc.attrs(), KV_DOMAIN, 0, qc.cache_dtype), KV_DOMAIN)
+    with pytest.raises(Exception, match=match):
+        run_cuda_quant(qc, sess=sess)
+    qc._feeds = f
+    run_cuda_quant(qc, sess=sess)  # the same kernel then runs good scales
