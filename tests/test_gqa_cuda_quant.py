@@ -193,7 +193,7 @@ def test_matrix(layout, bits, quant, kind, shared, dtype):
 
 # Head shapes: every quantized decode instance (64, 128: one token and chunks; G from 1 to 16),
 # the portable kernel (head sizes 8, 32, 96, 256; a prompt of several query blocks; packed QKV),
-# fp32, query_seqlens with padding.
+# fp32, query_seqlens with padding, the tensor-core prefill's quantized instances.
 SHAPES = [
     {"num_heads": 16, "kv_num_heads": 1, "head_size": 128, "kind": "decode", "past_len": 300},
     {"num_heads": 8, "kv_num_heads": 8, "head_size": 128, "kind": "chunk", "seq": 5,
@@ -208,6 +208,12 @@ SHAPES = [
      "batch": 2, "pad": 17},
     {"num_heads": 4, "kv_num_heads": 2, "head_size": 64, "kind": "chunk", "seq": 4,
      "past_len": 8, "batch": 3, "pad": 5, "query_seqlens": True},
+    # The tensor-core prefill's quantized instances (S >= 16, head sizes 64 and 128).
+    {"num_heads": 8, "kv_num_heads": 2, "head_size": 64, "kind": "prompt", "seq": 40,
+     "batch": 2, "pad": 9, "do_rotary": True},
+    {"num_heads": 8, "kv_num_heads": 4, "head_size": 128, "kind": "chunk", "seq": 20,
+     "past_len": 50, "batch": 2, "pad": 6, "query_seqlens": True, "local_window_size": 33,
+     "softcap": 8.0, "shared": True},
 ]  # fmt: skip
 
 
@@ -216,7 +222,7 @@ SHAPES = [
 @pytest.mark.parametrize("bits,quant", [(8, "PER_CHANNEL"), (4, "PER_TENSOR"), (4, "PER_CHANNEL")])
 @pytest.mark.parametrize("layout", [0, 1])
 def test_shapes(layout, bits, quant, dtype, shape):
-    if QUICK and (shape > 2 or dtype == "fp32"):
+    if QUICK and (2 < shape < len(SHAPES) - 2 or dtype == "fp32"):
         pytest.skip("GQA_GPU_QUICK: the decode kernel's shapes only")
     base = GqaCase(dtype=dtype, kv_layout=layout, seed=case_seed(2000 + shape), **SHAPES[shape])
     check(QuantCase(base, bits, quant))
