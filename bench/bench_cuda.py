@@ -23,6 +23,17 @@ Inputs are drawn on the GPU (torch) and bound by pointer, so the largest cases (
   python bench/bench_cuda.py --json bench/results/cuda-h200.json
   python bench/bench_cuda.py --rotary --heads 28/4/128 --decode 1x4096 --prefill ""  # as LLMs run it
   python bench/bench_cuda.py --flush-l2 --heads 28/4/128 --decode 1x4096 --prefill ""  # cold L2
+  python bench/bench_cuda.py --kv-quant int8-per-tensor,int8-per-channel,int4-per-channel \
+      --heads 32/8/128,28/4/128 --decode 1x16384,8x16384,1x32768 --prefill ""  # quantized caches
+
+--kv-quant SCHEMES: quantized decode (ORT's contract: int8 / packed int4 caches, per-tensor or
+per-channel float32 scales) for each decode case and scheme: ours with the quantized cache in
+both layouts (q0, q1), our fp16 path (kv0, kv1) and ORT's built-in GQA with the same quantized
+cache (ort_q; per-tensor int8 gives its k_scale and v_scale one tensor, the form its XQA decode
+kernel takes) and with fp16 (ort), all in one run on the same logical inputs. Ratios in the
+JSON: q_vs_fp16 (our quantized time / our fp16 time, per layout; the issue's target <= 0.55 at
+L >= 16k for int8) and q_speedup_vs_ort_q (ORT's quantized time / ours; target >= 1.5). TB/s
+counts the bytes the cache holds (codes: half of fp16's for int8, a quarter for int4).
 """
 
 from __future__ import annotations
@@ -47,11 +58,22 @@ OUTPUTS = ("output", "present_key", "present_value")
 ROTARY_INPUTS = ("cos_cache", "sin_cache")
 
 
-def build_model(domain: str, n: int, nkv: int, layout: int | None, rotary: bool = False) -> bytes:
+def build_model(
+    domain: str,
+    n: int,
+    nkv: int,
+    layout: int | None,
+    rotary: bool = False,
+    quant: tuple[int, str] | None = None,
+) -> bytes:
     """One GroupQueryAttention node; with `rotary`, do_rotary=1 and fp16 cos/sin caches as
-    inputs 7 and 8 (the op rotates q and the new k itself, as in exported LLMs)."""
+    inputs 7 and 8 (the op rotates q and the new k itself, as in exported LLMs). `quant`: (bits,
+    PER_TENSOR | PER_CHANNEL): an int8 (8) or packed int4 uint8 (4) cache and float32 scales as
+    inputs 12 and 13 (per-tensor: one input "kv_scale" for both, ORT's XQA form)."""
     f16 = TensorProto.FLOAT16
-    ins = [helper.make_tensor_value_info(name, f16, None) for name in INPUTS[:5]]
+    cache = f16 if quant is None else (TensorProto.INT8 if quant[0] == 8 else TensorProto.UINT8)
+    ins = [helper.make_tensor_value_info(name, f16, None) for name in INPUTS[:3]]
+    ins += [helper.make_tensor_value_info(name, cache, None) for name in INPUTS[3:5]]
     ins += [
         helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["B"]),
         helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
@@ -62,11 +84,18 @@ def build_model(domain: str, n: int, nkv: int, layout: int | None, rotary: bool 
         ins += [helper.make_tensor_value_info(name, f16, None) for name in ROTARY_INPUTS]
         names += list(ROTARY_INPUTS)
         attrs["do_rotary"] = 1
+    if quant is not None:
+        scales = ["kv_scale", "kv_scale"] if quant[1] == "PER_TENSOR" else ["k_scale", "v_scale"]
+        names += [""] * (12 - len(names)) + scales
+        ins += [helper.make_tensor_value_info(name, TensorProto.FLOAT, None)
+                for name in dict.fromkeys(scales)]  # fmt: skip
+        attrs.update(k_quant_type=quant[1], v_quant_type=quant[1], kv_cache_bit_width=quant[0])
     if layout is not None:
         attrs["kv_layout"] = layout
     node = helper.make_node("GroupQueryAttention", names, list(OUTPUTS), domain=domain,
                             **attrs)  # fmt: skip
-    outs = [helper.make_tensor_value_info(name, f16, None) for name in OUTPUTS]
+    outs = [helper.make_tensor_value_info("output", f16, None)]
+    outs += [helper.make_tensor_value_info(name, cache, None) for name in OUTPUTS[1:]]
     graph = helper.make_graph([node], "gqa", ins, outs)
     model = helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(domain, 1)]
@@ -202,7 +231,8 @@ def bind(sess, feeds: dict, shared: bool):
 
     io = sess.io_binding()
     keep = dict(feeds)
-    elem = {torch.float16: np.float16, torch.int32: np.int32}
+    elem = {torch.float16: np.float16, torch.int32: np.int32, torch.int8: np.int8,
+            torch.uint8: np.uint8, torch.float32: np.float32}  # fmt: skip
     for name, t in feeds.items():
         if name == "total_sequence_length":
             keep[name] = ort.OrtValue.ortvalue_from_numpy(t, "cpu", 0)
@@ -215,7 +245,7 @@ def bind(sess, feeds: dict, shared: bool):
     for past, present in (("past_key", "present_key"), ("past_value", "present_value")):
         if shared:
             t = feeds[past]
-            io.bind_output(present, "cuda", 0, np.float16, list(t.shape), t.data_ptr())
+            io.bind_output(present, "cuda", 0, elem[t.dtype], list(t.shape), t.data_ptr())
         else:
             io.bind_output(present, "cuda", 0)
     return io, keep
@@ -382,6 +412,137 @@ def run_case(kind: str, b: int, length: int, heads: tuple[int, int, int], runs: 
     return row
 
 
+def parse_kv_quant(text: str) -> list[tuple[int, str]]:
+    """--kv-quant: comma-separated int8|int4 - per-tensor|per-channel -> [(bits, QUANT_TYPE)]."""
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        parts = item.lower().split("-", 1)
+        if (
+            len(parts) != 2
+            or parts[0] not in ("int8", "int4")
+            or parts[1] not in ("per-tensor", "per-channel")
+        ):
+            raise ValueError(f"--kv-quant: int8|int4-per-tensor|per-channel, got {item!r}")
+        out.append((8 if parts[0] == "int8" else 4, parts[1].replace("-", "_").upper()))
+    return out
+
+
+QUANT_VARIANTS = ("ort", "kv0", "kv1", "ort_q", "q0", "q1")
+
+
+def run_quant_case(
+    b: int, length: int, heads: tuple[int, int, int], quant: tuple[int, str], runs: int, gen
+) -> dict:
+    """One decode case with a quantized cache: ours quantized (q0, q1), ours fp16 (kv0, kv1),
+    ORT's quantized (ort_q) and fp16 (ort) GQA, on the same logical inputs (random codes, scales
+    of about 3 sigma / the top code), each variant's Runs in one block (in QUANT_VARIANTS order).
+    A variant ORT refuses is recorded as {"error": ...}."""
+    import torch
+
+    n, nkv, h = heads
+    bits, qtype = quant
+    row_q = h if bits == 8 else (h + 1) // 2
+    dev = "cuda"
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=dev, dtype=torch.float32).to(torch.float16)
+
+    q, k, v = randn(b, 1, n * h), randn(b, 1, nkv * h), randn(b, 1, nkv * h)
+    cap = max(CAPACITY, length)
+    pk, pv = randn(b, nkv, cap, h), randn(b, nkv, cap, h)
+    lo, hi = (-127, 128) if bits == 8 else (0, 256)
+    qdt = torch.int8 if bits == 8 else torch.uint8
+    ck = torch.randint(lo, hi, (b, nkv, cap, row_q), generator=gen, device=dev).to(qdt)
+    cv = torch.randint(lo, hi, (b, nkv, cap, row_q), generator=gen, device=dev).to(qdt)
+    top = 3.0 / (127.0 if bits == 8 else 7.0)
+    if qtype == "PER_TENSOR":
+        scales = {"kv_scale": torch.full((1,), top, dtype=torch.float32, device=dev)}
+    else:
+        u = torch.rand(2, 1, nkv, 1, h, generator=gen, device=dev, dtype=torch.float32)
+        scales = {"k_scale": top * (0.5 + u[0]), "v_scale": top * (0.5 + u[1])}
+    base = {
+        "query": q, "key": k, "value": v,
+        "seqlens_k": torch.full((b,), length - 1, dtype=torch.int32, device=dev),
+        "total_sequence_length": np.array(length, np.int32),
+    }  # fmt: skip
+    if ROTARY:
+        base.update(rotary_caches(cap + 1, h, dev))
+    scheme = f"int{bits}-{qtype.lower().replace('_', '-')}"
+    row = {"kind": "decode", "batch": b, "length": length, "capacity": cap,
+           "heads": f"{n}/{nkv}/{h}", "kv_quant": scheme}  # fmt: skip
+    if ROTARY:
+        row["rotary"] = True
+    of = {"ort": ("com.microsoft", None, None), "kv0": (ort_kvlayout.DOMAIN, 0, None),
+          "kv1": (ort_kvlayout.DOMAIN, 1, None), "ort_q": ("com.microsoft", None, quant),
+          "q0": (ort_kvlayout.DOMAIN, 0, quant), "q1": (ort_kvlayout.DOMAIN, 1, quant)}  # fmt: skip
+    outputs = {}
+    for label in QUANT_VARIANTS:
+        domain, layout, qv = of[label]
+        feeds = dict(base)
+        past = (pk, pv) if qv is None else (ck, cv)
+        feeds["past_key"] = in_layout(past[0], layout or 0)
+        feeds["past_value"] = in_layout(past[1], layout or 0)
+        if qv is not None:
+            feeds.update(scales)
+        try:
+            sess = session(build_model(domain, n, nkv, layout, rotary=ROTARY, quant=qv))
+            io, keep = bind(sess, feeds, shared=True)
+            for _ in range(5):
+                sess.run_with_iobinding(io)
+            t, names = kernel_times(sess, io, runs)
+        except Exception as e:  # noqa: BLE001 - ORT's refusal of a case is a result
+            row[label] = {"error": str(e)[-300:]}
+            print(f"  {scheme} {row['heads']} B={b} L={length} {label}: {str(e)[-200:]}",
+                  file=sys.stderr)  # fmt: skip
+            continue
+        outputs[label] = keep["output"].float()
+        if BREAKDOWN:
+            top6 = sorted(names.items(), key=lambda kv: -kv[1])[:6]
+            print(f"  decode {row['heads']} B={b} L={length} {scheme} {label}: "
+                  + ", ".join(f"{nm[:60]} {us:.1f} us" for nm, us in top6), file=sys.stderr)  # fmt: skip
+        med = statistics.median(t)
+        bytes_read = kv_read_bytes(b, nkv, length, h) * (1 if qv is None else bits / 16)
+        row[label] = {"kernel_ms": med, "kernel_ms_p10_p90": np.percentile(t, [10, 90]).tolist(),
+                      "TB/s": bytes_read / (med * 1e-3) / 1e12}  # fmt: skip
+        del sess, io, keep, feeds
+    ms = {v: row[v]["kernel_ms"] for v in QUANT_VARIANTS if "kernel_ms" in row.get(v, {})}
+    row["q_vs_fp16"] = {f"q{x}": ms[f"q{x}"] / ms[f"kv{x}"] for x in (0, 1)
+                        if f"q{x}" in ms and f"kv{x}" in ms}  # fmt: skip
+    row["q_speedup_vs_ort_q"] = {f"q{x}": ms["ort_q"] / ms[f"q{x}"] for x in (0, 1)
+                                 if f"q{x}" in ms and "ort_q" in ms}  # fmt: skip
+    # Same codes and scales: ours and ORT's quantized outputs must agree (fp16 tolerance).
+    if "ort_q" in outputs:
+        row["max_abs_diff_q_vs_ort_q"] = max(
+            (float((outputs[x] - outputs["ort_q"]).abs().max()) for x in ("q0", "q1")
+             if x in outputs), default=None)  # fmt: skip
+    if "q0" in outputs and "q1" in outputs:
+        row["max_abs_diff_q0_vs_q1"] = float((outputs["q0"] - outputs["q1"]).abs().max())
+    del pk, pv, ck, cv, q, k, v, outputs
+    torch.cuda.empty_cache()
+    return row
+
+
+def print_quant_rows(rows: list[dict]) -> None:
+    print(
+        "| case | heads | scheme | ORT fp16 | ORT quantized | ours fp16 L0 | ours quant L0 "
+        "| ours fp16 L1 | ours quant L1 | quant/fp16 L0 | quant/fp16 L1 | vs ORT quant L0 "
+        "| vs ORT quant L1 | max diff vs ORT quant |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+    def cell(c):
+        return f"{c['kernel_ms'] * 1e3:.1f} us" if "kernel_ms" in c else "refused"
+
+    for r in rows:
+        name = f"decode B={r['batch']} L={r['length']}" + (" rotary" if r.get("rotary") else "")
+        cells = [cell(r[v]) for v in ("ort", "ort_q", "kv0", "q0", "kv1", "q1")]
+        qf, so = r["q_vs_fp16"], r["q_speedup_vs_ort_q"]
+        ratios = [f"{d[x]:.2f}" if x in d else "-" for d in (qf, so) for x in ("q0", "q1")]
+        diff = r.get("max_abs_diff_q_vs_ort_q")
+        print(f"| {name} | {r['heads']} | {r['kv_quant']} | {' | '.join(cells)} | "
+              f"{' | '.join(ratios)} | {'-' if diff is None else f'{diff:.1e}'} |", flush=True)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--heads", default="32/8/128,28/4/128,9/3/64,4/1/256")
@@ -405,7 +566,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="interleave the three variants' timed Runs in this many rounds")  # fmt: skip
     p.add_argument("--order", default=",".join(VARIANTS),
                    help="the variants' order: sessions and caches made, turns taken")  # fmt: skip
+    p.add_argument("--kv-quant", default="",
+                   help="quantized decode schemes, e.g. int8-per-channel,int4-per-tensor")  # fmt: skip
     args = p.parse_args(argv)
+    try:
+        kv_quant = parse_kv_quant(args.kv_quant)
+    except ValueError as e:
+        p.error(str(e))
     global LIBRARY, BREAKDOWN, SPAN, CAPACITY, ROTARY, ROUNDS, FLUSH_L2, FLUSH_EVENTS, ORDER
     LIBRARY, BREAKDOWN, SPAN, CAPACITY = args.library, args.breakdown, args.span, args.capacity
     ROTARY, ROUNDS, FLUSH_L2 = args.rotary, args.rounds, args.flush_l2
@@ -421,11 +588,15 @@ def main(argv: list[str] | None = None) -> int:
     if FLUSH_L2:
         FLUSH_EVENTS = flush_events()
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
-    rows = []
+    rows, quant_rows = [], []
     for heads_text in filter(None, args.heads.split(",")):
         heads = tuple(int(x) for x in heads_text.split("/"))
         for spec in filter(None, args.decode.split(",")):
             b, length = (int(x) for x in spec.split("x"))
+            if kv_quant:  # the quantized comparison replaces the fp16 one (it holds it)
+                for quant in kv_quant:
+                    quant_rows.append(run_quant_case(b, length, heads, quant, args.runs, gen))
+                continue
             rows.append(run_case("decode", b, length, heads, args.runs, gen))
         for spec in filter(None, args.prefill.split(",")):
             b, length = (int(x) for x in spec.split("x"))
@@ -435,6 +606,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"command: python {' '.join(sys.argv)}")
     if LIBRARY:
         print(f"library: {LIBRARY}")
+    if quant_rows:
+        print_quant_rows(quant_rows)
     print(
         "| case | heads | ORT built-in | ours kv_layout=0 | ours kv_layout=1 | ratio 0 | ratio 1 "
         "| kv1/kv0 time | max diff |"
@@ -463,7 +636,9 @@ def main(argv: list[str] | None = None) -> int:
         meta = {"date": date, "onnxruntime": ort.__version__, "device": torch.cuda.get_device_name(),
                 "command": "python " + " ".join(sys.argv), "git": git_revision(), "runs": args.runs,
                 "rounds": ROUNDS, "flush_l2": FLUSH_L2, "order": list(ORDER)}  # fmt: skip
-        args.json.write_text(json.dumps({**meta, "rows": rows}, indent=1))
+        if quant_rows:
+            meta["kv_quant"] = args.kv_quant
+        args.json.write_text(json.dumps({**meta, "rows": rows + quant_rows}, indent=1))
     return 0
 
 

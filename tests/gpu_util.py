@@ -168,6 +168,8 @@ _ONNX_TYPE = {
     BF16: TensorProto.BFLOAT16,
     np.dtype(np.int32): TensorProto.INT32,
     np.dtype(np.int64): TensorProto.INT64,
+    np.dtype(np.int8): TensorProto.INT8,  # quantized caches: int8 codes, packed int4 in uint8
+    np.dtype(np.uint8): TensorProto.UINT8,
 }
 
 

@@ -1,10 +1,13 @@
 // The portable attention kernel (CUDA cores, every dtype and shape the op accepts): CTA = (16
 // query rows of one KV group, batch x kv head, key split); online softmax over 32-key tiles in
-// shared memory, one key per lane. The combine kernel merges its splits.
+// shared memory, one key per lane. The combine kernel merges its splits. A quantized cache's
+// tiles are dequantized as they are loaded (float32(code) x scale, rounded to T): no copy of
+// the cache in T.
 #include <algorithm>
 
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
+#include "cuda/quant.cuh"
 
 namespace kvl {
 namespace cu {
@@ -38,7 +41,8 @@ __device__ __forceinline__ float DotRow(const float* q, const uint32_t* k, int64
   return acc;
 }
 
-template <typename T>
+// C: the cache's element type (T, or int8_t / PackedInt4 codes).
+template <typename T, typename C = T>
 __global__ void __launch_bounds__(kWarp* kWarps)
     AttentionKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_st, const float* q_ws,
                     AttnPlan plan, float* part_o, float* part_m, float* part_l) {
@@ -107,10 +111,27 @@ __global__ void __launch_bounds__(kWarp* kWarps)
       (reinterpret_cast<uintptr_t>(pk) | reinterpret_cast<uintptr_t>(pv)) % 16 == 0;
   for (int64_t k0 = key_lo; k0 < key_hi; k0 += kTileKeys) {
     __syncthreads();  // previous tile fully consumed (and qs staged, on the first tile)
+    if constexpr (kQuantCache<C>) {
+      const C* ck = static_cast<const C*>(buf.present_key);
+      const C* cv = static_cast<const C*>(buf.present_value);
+      for (int64_t idx = threadIdx.x; idx < kTileKeys * H; idx += blockDim.x) {
+        const int64_t j = idx / H, d = idx % H;
+        T kv = FromF<T>(0.0f), vv = FromF<T>(0.0f);
+        if (k0 + j < key_hi) {
+          const int64_t off = present_st.Offset(b, g, k0 + j - geo.cache_base);
+          kv = FromF<T>(static_cast<float>(CodeAt(ck + off, d)) *
+                        ChannelScale(buf.k_scale, s.k_quant, H, g, d));
+          vv = FromF<T>(static_cast<float>(CodeAt(cv + off, d)) *
+                        ChannelScale(buf.v_scale, s.v_quant, H, g, d));
+        }
+        reinterpret_cast<T*>(ks + j * pitch)[d] = kv;
+        vs[j * H + d] = vv;
+      }
+    }
     // 16-byte loads when the caches are 16-byte aligned (a row is H * sizeof(T) bytes, a
     // multiple of 16 since H % 8 == 0); a cache bound at an odd offset takes element loads.
     const int64_t quads = words / 4;
-    for (int64_t idx = threadIdx.x; aligned16 && idx < kTileKeys * quads; idx += blockDim.x) {
+    for (int64_t idx = threadIdx.x; !kQuantCache<C> && aligned16 && idx < kTileKeys * quads; idx += blockDim.x) {
       const int64_t j = idx / quads, w = (idx % quads) * 4;
       uint4 kq = make_uint4(0, 0, 0, 0), vq = make_uint4(0, 0, 0, 0);
       if (k0 + j < key_hi) {
@@ -125,7 +146,8 @@ __global__ void __launch_bounds__(kWarp* kWarps)
       kd[3] = kq.w;
       reinterpret_cast<uint4*>(vs + j * H)[w / 4] = vq;
     }
-    for (int64_t idx = threadIdx.x; !aligned16 && idx < kTileKeys * H; idx += blockDim.x) {
+    for (int64_t idx = threadIdx.x; !kQuantCache<C> && !aligned16 && idx < kTileKeys * H;
+         idx += blockDim.x) {
       const int64_t j = idx / H, d = idx % H;
       T kv = FromF<T>(0.0f), vv = FromF<T>(0.0f);
       if (k0 + j < key_hi) {
@@ -203,15 +225,18 @@ template <typename T>
 Status LaunchPortable(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
                       const AttnPlan& plan, const Workspace& ws, cudaStream_t stream) {
   const size_t smem = SmemBytes(s, sizeof(T));
-  if (smem > 48 * 1024) {  // large heads in float32: lift the 48 KB default (once per device)
-    KVL_RETURN_IF_ERROR(EnsureSmemLimit(reinterpret_cast<const void*>(AttentionKernel<T>), smem));
-  }
   const dim3 grid(static_cast<unsigned>(plan.row_blocks),
                   static_cast<unsigned>(s.batch * s.kv_num_heads),
                   static_cast<unsigned>(plan.splits));
-  AttentionKernel<T><<<grid, kWarp * kWarps, smem, stream>>>(s, buf, present_st, ws.q, plan,
-                                                             ws.part_o, ws.part_m, ws.part_l);
-  KVL_RETURN_IF_ERROR(CudaCheck(cudaGetLastError(), "attention launch"));
+  KVL_RETURN_IF_ERROR(DispatchCache<T>(s, [&](auto tag) {
+    const auto kernel = AttentionKernel<T, typename decltype(tag)::type>;
+    if (smem > 48 * 1024) {  // large heads in float32: lift the 48 KB default (once per device)
+      KVL_RETURN_IF_ERROR(EnsureSmemLimit(reinterpret_cast<const void*>(kernel), smem));
+    }
+    kernel<<<grid, kWarp * kWarps, smem, stream>>>(s, buf, present_st, ws.q, plan, ws.part_o,
+                                                   ws.part_m, ws.part_l);
+    return CudaCheck(cudaGetLastError(), "attention launch");
+  }));
   return LaunchCombine<T>(s, buf, plan, ws, stream);
 }
 

@@ -4,6 +4,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
+#include "cuda/quant.cuh"
 
 namespace kvl {
 namespace cu {
@@ -16,11 +17,12 @@ constexpr int kCopyWarps = 8;
 // 16-byte pieces when every row starts 16-byte aligned (`vec`), else element by element. An
 // element per thread with its own index arithmetic and length reads was 18 us for a first
 // prompt of 8192 rows at head size 256 that copies nothing (H200; docs/DECISIONS.md).
+// T: the cache's element type (a quantized cache's rows are CacheRow bytes, moved as they are).
 template <typename T>
 __global__ void __launch_bounds__(kCopyWarps* kWarp)
     CopyPastKernel(GqaShape s, GqaCudaBuffers buf, KvStrides past_st, KvStrides present_st,
                    bool vec) {
-  const int64_t H = s.head_size, C = s.present_capacity;
+  const int64_t H = CacheRow(s), C = s.present_capacity;
   const int64_t rows = s.batch * s.kv_num_heads * C;
   const int lane = threadIdx.x % kWarp;
   for (int64_t row = blockIdx.x * int64_t(kCopyWarps) + threadIdx.x / kWarp; row < rows;
@@ -47,8 +49,8 @@ __global__ void __launch_bounds__(kCopyWarps* kWarp)
       const T* ks = static_cast<const T*>(buf.past_key) + src;
       const T* vs = static_cast<const T*>(buf.past_value) + src;
       for (int64_t d = lane; d < H; d += kWarp) {
-        kd[d] = copy ? ks[d] : FromF<T>(0.0f);
-        vd[d] = copy ? vs[d] : FromF<T>(0.0f);
+        kd[d] = copy ? ks[d] : T{};
+        vd[d] = copy ? vs[d] : T{};
       }
     }
   }
@@ -60,14 +62,17 @@ template <typename T>
 Status LaunchCopyPast(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides past_st,
                       KvStrides present_st, const CudaDeviceInfo& dev, cudaStream_t stream) {
   const int64_t rows = s.batch * s.kv_num_heads * s.present_capacity;
-  // Row starts are multiples of H elements from the base pointers in both layouts.
-  const bool vec = (s.head_size * int64_t(sizeof(T))) % 16 == 0 &&
-                   Aligned16({buf.past_key, buf.past_value, buf.present_key, buf.present_value});
   const int64_t wanted = (rows + kCopyWarps - 1) / kCopyWarps;
   const int blocks = static_cast<int>(std::min<int64_t>(wanted, 64 * int64_t(dev.sm_count)));
-  CopyPastKernel<T><<<std::max(blocks, 1), kCopyWarps * kWarp, 0, stream>>>(s, buf, past_st,
-                                                                              present_st, vec);
-  return CudaCheck(cudaGetLastError(), "copy past launch");
+  return DispatchCache<T>(s, [&](auto tag) {
+    using C = typename decltype(tag)::type;
+    // Row starts are multiples of a row's elements from the base pointers in both layouts.
+    const bool vec = (CacheRow(s) * int64_t(sizeof(C))) % 16 == 0 &&
+                     Aligned16({buf.past_key, buf.past_value, buf.present_key, buf.present_value});
+    CopyPastKernel<C><<<std::max(blocks, 1), kCopyWarps * kWarp, 0, stream>>>(s, buf, past_st,
+                                                                                present_st, vec);
+    return CudaCheck(cudaGetLastError(), "copy past launch");
+  });
 }
 
 template Status LaunchCopyPast<float>(const GqaShape&, const GqaCudaBuffers&, KvStrides, KvStrides,

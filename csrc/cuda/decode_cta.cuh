@@ -13,6 +13,7 @@
 #include "cuda/online_softmax.cuh"
 #include "cuda/prepare_rows.cuh"
 #include "cuda/ptx.cuh"
+#include "cuda/quant.cuh"
 
 namespace kvl {
 namespace cu {
@@ -32,13 +33,29 @@ extern __shared__ __align__(128) unsigned char dec_smem[];
 // keeping its own head's scores and its own head's P V products (the others are computed and
 // dropped, never added), so the accumulators are SH wide and every row gets the per-head
 // kernel's arithmetic, in its order.
-template <typename T, int HD, DecodeForm kForm, int W>
+//
+// C: the cache's element type: T, or the codes of a quantized cache (int8_t, PackedInt4;
+// DecodeQuantServes says where). Then the stages hold the raw codes as cp.async lands them (no
+// tile of T), and the key loop converts each lane's codes to T in registers right before the MMA
+// (StepQuant): K's codes as they are, its scales folded into the query (q . (k o s) =
+// (q o s) . k), V's codes as they are, its scales applied to the output columns at the end (P V
+// is linear in each column). Codes are small integers, exact in T; the MMA sums over the head
+// dimension (Q K^T) and the keys (P V) in any order of the k index, so each lane reads whole
+// vectors of its codes and the query's columns follow the same order (QuantKDim); P V's output
+// columns come out in a lane order of their own (QuantVDim), undone where they are stored.
+template <typename T, int HD, DecodeForm kForm, int W, typename C = T>
 struct DecodeCta {
   static constexpr bool kPack = kForm == DecodeForm::kPackedHeads;
   static constexpr int SH = kPack ? 64 : HD;  // columns of one head in the stage tiles
   static_assert(!kPack || (HD % SH == 0 && HD / SH <= kDecodeRows), "whole heads per tile");
   static constexpr int kDecWarps = W, kDecThreads = W * kWarp;
-  static constexpr int KS = DecKeys(HD), ST = DecStages(HD), P = DecPitch(HD);
+  // A quantized cache's steps take 16 / bits times the keys (the same bytes per step as T's:
+  // a step's loads are what a warp keeps in flight, so fewer steps read the codes faster); its
+  // stage slots keep T's geometry (KST rows of pitch P), the codes packed at their start.
+  static constexpr bool kQuant = kQuantCache<C>;
+  static constexpr int QBITS = kQuant ? kCacheBits<C> : 16;
+  static constexpr int KST = DecKeys(HD);
+  static constexpr int KS = KST * 16 / QBITS, ST = DecStages(HD), P = DecPitch(HD);
   static constexpr int NT = KS / 8;    // score n-tiles (8 keys each)
   static constexpr int KT = HD / 16;   // k-steps of Q K^T over a stage tile
   static constexpr int DTO = SH / 8;   // output n-tiles (8 dimensions each) of a row
@@ -52,6 +69,15 @@ struct DecodeCta {
   static constexpr int KE = (SH + kWarp - 1) / kWarp;  // values per lane of a head's row
   static constexpr int RP = DecRedPitch(HD);
   static constexpr int HD4 = SH / 4;
+
+  // A quantized cache (kQuant): bytes of a row (H == HD), its 16-byte chunks, the
+  // bytes of a key row each lane of a quad reads for Q K^T (in vectors of QKV bytes) and of a
+  // value row each of the eight quads reads for P V.
+  static constexpr int QRB = HD * QBITS / 8;
+  static constexpr int QCR = QRB / 16;
+  static constexpr int QKB = QRB / 4, QKV = QKB < 16 ? QKB : 16, QVB = QRB / 8;
+  static_assert(!kQuant || (!kPack && (HD == 64 || HD == 128) && QCR >= 2 && QCR <= 8),
+                "quantized decode instances: head sizes 64 and 128, per-head CTAs");
 
   // The CTA's static shared memory: the warps' maxima, sums and weights, the rows' merged
   // maxima, sums and scales, and whether this CTA merges the splits.
@@ -109,6 +135,8 @@ struct DecodeCta {
   int64_t seq_stride, row_width;
   int chunks;
   int32_t stride32;
+  const unsigned char* code_k;  // a quantized cache's rows of (b, g), in bytes
+  const unsigned char* code_v;
   bool appended;       // uniform over the CTA
   uint32_t qa[KTQ][4];  // the query tile as A fragments: rows gq and gq + 8
 
@@ -177,6 +205,10 @@ struct DecodeCta {
   __device__ __forceinline__ bool Appends(int64_t i) const;
   __device__ __forceinline__ bool KeyLoop();
   __device__ __forceinline__ void Step(int64_t i);
+  __device__ __forceinline__ void IssueQuant(int64_t i);
+  __device__ __forceinline__ void StepQuant(int64_t i);
+  __device__ __forceinline__ int QuantKDim(int kk, int reg, int half) const;
+  __device__ __forceinline__ int QuantVDim(int n, int col) const { return col * DTO + n; }
   __device__ __forceinline__ void PV(float (&acc)[DTO][4], int n0, const float (&sc)[NT][4],
                                      const T* vs, unsigned v_lane);
   __device__ __forceinline__ bool MergeWarps();
@@ -201,6 +233,17 @@ __device__ __forceinline__ int DecKvAt(int j, int d) {
   } else {
     return j * DecPitch(HD) + d;
   }
+}
+
+// A quantized cache's stage tile: chunk c (16 bytes) of row r at this byte offset. 128-byte lines
+// of eight chunks hold 128 / QRB rows each, the chunks of a line XOR-swizzled by the row so that
+// the reads of the key loop (StepQuant: a quad's 16-byte vectors of one key row; a lane's
+// QVB bytes of four keys 1 and 8 apart) fall on distinct banks.
+template <int QCR>
+__device__ __forceinline__ int DecQuantAt(int r, int c) {
+  constexpr int RL = 8 / QCR;  // rows per line
+  const int swz = QCR == 8 ? ((r & 6) ^ ((r & 1) << 2)) : QCR == 4 ? (r & 6) : ((r >> 1) & 6);
+  return (r / RL) * 128 + ((((r % RL) * QCR + c) ^ swz) << 4);
 }
 
 }  // namespace cu

@@ -246,11 +246,21 @@ KVL_DEC_HD inline DecodeForm DecodeFormOf(const GqaShape& s) {
   return s.seq_len == 1 ? DecodeForm::kPlainOneToken : DecodeForm::kPlain;
 }
 
-// One compiled instance of the decode kernel: its tile, form and warps.
+// Quantized caches (int8 codes, packed int4): the decode kernel reads the codes and converts
+// them in registers right before the MMA (decode_keyloop.cuh). Compiled for head sizes 64 and
+// 128 (no padding columns), four warps, the full and the one-token plain forms, per-head CTAs
+// only; other quantized shapes take the portable kernel, which dequantizes its tiles.
+KVL_DEC_HD inline bool DecodeQuantServes(const GqaShape& s) {
+  return (s.kv_bits == 8 || s.kv_bits == 4) && (s.head_size == 64 || s.head_size == 128);
+}
+
+// One compiled instance of the decode kernel: its tile, form, warps and cache (kv_bits: 0 for a
+// cache of T, 8 or 4 for codes).
 struct DecodeInstance {
   int hd = 0;
   DecodeForm form = DecodeForm::kFull;
   int warps = 0;
+  int kv_bits = 0;
   size_t SmemBytes() const { return DecSmemBytes(hd, 2, warps); }  // fp16 / bf16
 };
 // The instance for a shape at `threads` per CTA, or false where none is compiled: four warps
@@ -260,6 +270,12 @@ struct DecodeInstance {
 // instance). Each instance adds to the build, so only those measured to win are compiled.
 inline bool DecodeInstanceFor(const GqaShape& s, int threads, bool packed, DecodeInstance* out) {
   const DecodeForm form = DecodeFormOf(s);
+  if (s.quantized()) {  // DecodeQuantServes: four warps, per-head CTAs, full or one-token plain
+    if (packed || threads != kDecodeCtaThreads || !DecodeQuantServes(s)) return false;
+    const DecodeForm qform = form == DecodeForm::kPlainOneToken ? form : DecodeForm::kFull;
+    *out = {static_cast<int>(s.head_size), qform, kDecWarpsOf4, static_cast<int>(s.kv_bits)};
+    return true;
+  }
   if (packed) {
     const int64_t tile = s.kv_num_heads * s.head_size;
     if (form != DecodeForm::kPlainOneToken || s.head_size != 64 || !DecPackedTile(tile) ||

@@ -69,12 +69,13 @@ __device__ __forceinline__ GqaShape PlainShape(GqaShape s, bool one_token) {
   return s;
 }
 
-template <typename T, int HD, DecodeForm kForm, int W>
+// C: the cache's element type (T, or the codes of a quantized cache: decode_cta.cuh).
+template <typename T, int HD, DecodeForm kForm, int W, typename C = T>
 __global__ void __launch_bounds__(W * kWarp)
     DecodeTcKernel(GqaShape s_arg, GqaCudaBuffers buf, KvStrides present_st, int64_t splits,
                    int64_t split_target, int cluster, float* part_o, float* part_m, float* part_l,
                    unsigned* counters) {
-  using Cta = DecodeCta<T, HD, kForm, W>;
+  using Cta = DecodeCta<T, HD, kForm, W, C>;
   const GqaShape s = kForm == DecodeForm::kFull
                          ? s_arg
                          : PlainShape(s_arg, kForm == DecodeForm::kPlainOneToken || Cta::kPack);
@@ -128,8 +129,34 @@ DecodeFn DecodeKernelsOfTile(DecodeForm form, int warps) {
   return nullptr;
 }
 
+// The quantized instances of tile HD (DecodeQuantServes, DecodeInstanceFor): the full and the
+// one-token plain forms at four warps, for a cache of kBits-bit codes. Null for any other form.
+template <typename T, int HD, int kBits>
+DecodeFn DecodeQuantKernelsOfTile(DecodeForm form) {
+  using C = std::conditional_t<kBits == 8, int8_t, PackedInt4>;
+  if (form == DecodeForm::kFull) return DecodeTcKernel<T, HD, DecodeForm::kFull, kDecWarpsOf4, C>;
+  if (form == DecodeForm::kPlainOneToken) {
+    return DecodeTcKernel<T, HD, DecodeForm::kPlainOneToken, kDecWarpsOf4, C>;
+  }
+  return nullptr;
+}
+
 }  // namespace cu
 }  // namespace kvl
+
+// One instantiation file's body: the quantized instances of (T, kBits) at head tiles 64 and 128
+// behind DecodeQuantInstanceFn.
+#define KVL_DECODE_QUANT_INSTANCES(T, BITS)                                          \
+  namespace kvl {                                                                    \
+  namespace cu {                                                                     \
+  template <>                                                                        \
+  DecodeFn DecodeQuantInstanceFn<T, BITS>(int hd, DecodeForm form) {                 \
+    return hd == 64    ? DecodeQuantKernelsOfTile<T, 64, BITS>(form)                 \
+           : hd == 128 ? DecodeQuantKernelsOfTile<T, 128, BITS>(form)                \
+                       : nullptr;                                                    \
+  }                                                                                  \
+  }                                                                                  \
+  }
 
 // One instantiation file's body: the instances of (T, HD) behind DecodeInstanceFn.
 #define KVL_DECODE_INSTANCES(T, HD)                                                  \

@@ -9,11 +9,11 @@
 namespace kvl {
 namespace cu {
 
-template <typename T, int HD, DecodeForm kForm, int W>
-__device__ __forceinline__ bool DecodeCta<T, HD, kForm, W>::KeyLoop() {
+template <typename T, int HD, DecodeForm kForm, int W, typename C>
+__device__ __forceinline__ bool DecodeCta<T, HD, kForm, W, C>::KeyLoop() {
   // Padding columns [row_width, HD) of every stage are zeroed once, now that no slot holds the
   // tile or a scratch row; the copies write columns [0, row_width) only.
-  for (int64_t idx = lane; HD > row_width && idx < ST * 2 * KS * (HD - row_width); idx += kWarp) {
+  for (int64_t idx = lane; !kQuant && HD > row_width && idx < ST * 2 * KS * (HD - row_width); idx += kWarp) {
     const int row = static_cast<int>(idx / (HD - row_width));  // of the ST x {K, V} tiles
     wsm[(row / KS) * KS * P +
         DecKvAt<HD>(row % KS, static_cast<int>(row_width + idx % (HD - row_width)))] =
@@ -56,7 +56,11 @@ __device__ __forceinline__ bool DecodeCta<T, HD, kForm, W>::KeyLoop() {
 #pragma unroll
   for (int n = 0; n < DTO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
 
-  for (int64_t i = 0; i < my_steps; ++i) Step(i);
+  if constexpr (kQuant) {
+    for (int64_t i = 0; i < my_steps; ++i) StepQuant(i);
+  } else {
+    for (int64_t i = 0; i < my_steps; ++i) Step(i);
+  }
 
   // (Every accumulator feeds the kept store: keeping o[0] alone let the compiler drop the other
   // P V products.)
@@ -70,8 +74,8 @@ __device__ __forceinline__ bool DecodeCta<T, HD, kForm, W>::KeyLoop() {
 
 // O += P V (AccumulatePV), V through ldmatrix.trans: the products of V's n-tiles [n0, n0 + DTO)
 // into acc.
-template <typename T, int HD, DecodeForm kForm, int W>
-__device__ __forceinline__ void DecodeCta<T, HD, kForm, W>::PV(float (&acc)[DTO][4], int n0,
+template <typename T, int HD, DecodeForm kForm, int W, typename C>
+__device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::PV(float (&acc)[DTO][4], int n0,
                                                                const float (&sc)[NT][4],
                                                                const T* vs, unsigned v_lane) {
   constexpr bool kXorAddr = DecSwizzled(HD);
@@ -91,8 +95,8 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W>::PV(float (&acc)[DTO]
 
 // Step i of this warp: issue step i + ST - 1, wait for step i, then its scores, softmax and
 // P V.
-template <typename T, int HD, DecodeForm kForm, int W>
-__device__ __forceinline__ void DecodeCta<T, HD, kForm, W>::Step(int64_t i) {
+template <typename T, int HD, DecodeForm kForm, int W, typename C>
+__device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::Step(int64_t i) {
   // The slot of step i - 1 was read by every lane before the barrier closing that step, so step
   // i + ST - 1 goes into it before waiting: ST steps in flight during the wait.
   __syncwarp();
@@ -204,6 +208,131 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W>::Step(int64_t i) {
         for (int e = 0; e < 4; ++e) {
           if ((e < 2 ? head_lo : head_hi) == hh) o[n][e] = t[n][e];
         }
+      }
+    }
+  }
+}
+
+// Step i of a quantized cache (Step's order: issue, wait, scores, softmax, P V), the operands
+// converted from the raw codes in registers. Q K^T: n-tile n's B fragments are key n 8 + gq's
+// codes, each lane of the quad reading its QKB bytes as whole vectors (QuantKDim gives the
+// columns, in which order the query fragments were built). P V: the lane reads QVB bytes (its
+// eight-quad share of the columns, gq DTO .. gq DTO + DTO - 1) of its four keys 2 tq, 2 tq + 1,
+// 2 tq + 8, 2 tq + 9 of each k-step and pairs them per column with byte permutes, so n-tile n's
+// column gq is head column gq DTO + n (QuantVDim; MergeWarps stores them back in order).
+template <typename T, int HD, DecodeForm kForm, int W, typename C>
+__device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::StepQuant(int64_t i) {
+  __syncwarp();
+  if (i + ST - 1 < my_steps) Issue(i + ST - 1);
+  ptx::CpAsyncCommit();
+  ptx::CpAsyncWait<ST - 1>();  // this lane's copies of step i have landed
+  __syncwarp();                // ... and every lane's
+  const unsigned char* kt = reinterpret_cast<const unsigned char*>(StepSlot(i));
+  const unsigned char* vt = kt + KST * P * sizeof(T);
+  const int64_t k0 = StepKey(i);
+
+  float sc[NT][4];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sc[n][e] = 0.0f;
+    const int r = n * 8 + gq;
+    uint32_t kb[KT][2];
+#pragma unroll
+    for (int v = 0; v < QKB / QKV; ++v) {
+      const int byte = (v * 4 + tq) * QKV;
+      const unsigned char* src = kt + DecQuantAt<QCR>(r, byte / 16) + byte % 16;
+      uint32_t w[QKV / 4];
+      if constexpr (QKV == 16) {
+        const uint4 x = *reinterpret_cast<const uint4*>(src);
+        w[0] = x.x;
+        w[1] = x.y;
+        w[2] = x.z;
+        w[3] = x.w;
+      } else {
+        static_assert(QKV == 8, "8- or 16-byte key vectors");
+        const uint2 x = *reinterpret_cast<const uint2*>(src);
+        w[0] = x.x;
+        w[1] = x.y;
+      }
+#pragma unroll
+      for (int ww = 0; ww < QKV / 4; ++ww) {
+        const int ki = v * (QKV / 4) + ww;
+        if constexpr (QBITS == 8) {
+          Int8x4ToPairs<T>(w[ww], kb[ki][0], kb[ki][1]);
+        } else {
+          uint32_t p4[4];
+          Int4x8ToPairs<T>(w[ww], p4);
+          kb[2 * ki][0] = p4[0];
+          kb[2 * ki][1] = p4[1];
+          kb[2 * ki + 1][0] = p4[2];
+          kb[2 * ki + 1][1] = p4[3];
+        }
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < KT; ++kk) ptx::Mma16816<T>(sc[n], qa[kk], kb[kk][0], kb[kk][1]);
+  }
+
+  const bool whole =
+      raw_scores &&
+      __all_sync(0xffffffffu, (idle[0] || (kr[0].lo <= k0 && k0 + KS <= kr[0].hi)) &&
+                                  (idle[1] || (kr[1].lo <= k0 && k0 + KS <= kr[1].hi)));
+  float tmax[2];
+  MaskStepScores<T, NT>(sc, tmax, whole, upper, k0, tq, kr, s, inv_softcap, bias, bias_row);
+  OnlineSoftmaxStep<NT, DTO>(sc, tmax, whole, upper, m, l, o);
+
+#pragma unroll
+  for (int kk = 0; kk < KS / 16; ++kk) {
+    uint32_t a[4];
+    ptx::ScoresToA<T>(a, sc[2 * kk], sc[2 * kk + 1]);
+    constexpr int NW = QVB / 4;  // words of each key's share
+    uint32_t kw[4][NW];          // keys 2 tq, 2 tq + 1, 2 tq + 8, 2 tq + 9
+#pragma unroll
+    for (int k4 = 0; k4 < 4; ++k4) {
+      const int r = kk * 16 + 2 * tq + (k4 & 1) + (k4 >> 1) * 8;
+      const int byte = gq * QVB;
+      const unsigned char* src = vt + DecQuantAt<QCR>(r, byte / 16) + byte % 16;
+      if constexpr (NW == 4) {
+        const uint4 x = *reinterpret_cast<const uint4*>(src);
+        kw[k4][0] = x.x;
+        kw[k4][1] = x.y;
+        kw[k4][2] = x.z;
+        kw[k4][3] = x.w;
+      } else if constexpr (NW == 2) {
+        const uint2 x = *reinterpret_cast<const uint2*>(src);
+        kw[k4][0] = x.x;
+        kw[k4][1] = x.y;
+      } else {
+        static_assert(NW == 1, "4-, 8- or 16-byte value shares");
+        kw[k4][0] = *reinterpret_cast<const uint32_t*>(src);
+      }
+    }
+    // Word w of each key's share at a time: its n-tiles' B fragments, then their products (the
+    // fragments of one word live at once, not all DTO n-tiles').
+    constexpr int NPW = DTO / NW;  // n-tiles (columns) per word
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      uint32_t vb[NPW][2];  // n-tile: (keys 2 tq, 2 tq + 1), (2 tq + 8, 2 tq + 9) of its column
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {  // b0 from keys 0, 1 of the four; b1 from keys 2, 3
+        const uint32_t ka = kw[2 * hf][w], kb2 = kw[2 * hf + 1][w];
+        if constexpr (QBITS == 8) {  // column 4 w + j: byte j of each key's word
+          Int8x4ToPairs<T>(__byte_perm(ka, kb2, 0x5140), vb[0][hf], vb[1][hf]);
+          Int8x4ToPairs<T>(__byte_perm(ka, kb2, 0x7362), vb[2][hf], vb[3][hf]);
+        } else {  // column 8 w + j: nibble j of each key's word
+          uint32_t p4[4];
+          Int4x8ToPairs<T>(__byte_perm(ka, kb2, 0x5410), p4);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) vb[j][hf] = p4[j];
+          Int4x8ToPairs<T>(__byte_perm(ka, kb2, 0x7632), p4);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) vb[4 + j][hf] = p4[j];
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < NPW; ++j) {
+        ptx::Mma16816<T>(o[NPW * w + j], a, vb[j][0], vb[j][1]);
       }
     }
   }

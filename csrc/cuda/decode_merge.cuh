@@ -44,8 +44,8 @@ constexpr int kDecodeFewMerge = 8;
 // The warps' partials (fixed order: deterministic) merged in the stage memory, then the CTA's:
 // into the output (one live split), the cluster's shared memory or its global partial slot.
 // False: nothing is left to merge.
-template <typename T, int HD, DecodeForm kForm, int W>
-__device__ __forceinline__ bool DecodeCta<T, HD, kForm, W>::MergeWarps() {
+template <typename T, int HD, DecodeForm kForm, int W, typename C>
+__device__ __forceinline__ bool DecodeCta<T, HD, kForm, W, C>::MergeWarps() {
   Shared& sh = Sh();
   // Every copy has landed (only empty groups can be pending) and every warp is past its last
   // read of the stages.
@@ -60,11 +60,24 @@ __device__ __forceinline__ bool DecodeCta<T, HD, kForm, W>::MergeWarps() {
       sh.red_m[warp][r] = m[hr];
       sh.red_l[warp][r] = lt;
     }
+    if constexpr (kQuant) {
+      // Columns in the key loop's order (QuantVDim), V's scales applied (a cache of codes).
 #pragma unroll
-    for (int n = 0; n < DTO; ++n) {
-      const int d = n * 8 + 2 * tq;
-      *reinterpret_cast<float2*>(red_o + (warp * kDecodeRows + r) * RP + d) =
-          make_float2(o[n][2 * hr], o[n][2 * hr + 1]);
+      for (int n = 0; n < DTO; ++n) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int d = QuantVDim(n, 2 * tq + c);
+          red_o[(warp * kDecodeRows + r) * RP + d] =
+              o[n][2 * hr + c] * ChannelScale(buf.v_scale, s.v_quant, H, g, d);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int n = 0; n < DTO; ++n) {
+        const int d = n * 8 + 2 * tq;
+        *reinterpret_cast<float2*>(red_o + (warp * kDecodeRows + r) * RP + d) =
+            make_float2(o[n][2 * hr], o[n][2 * hr + 1]);
+      }
     }
   }
   __syncthreads();
@@ -154,8 +167,8 @@ __device__ __forceinline__ bool DecodeCta<T, HD, kForm, W>::MergeWarps() {
 
 // Four values of row r of group slot `dst`, columns d .. d + 3, with the row's m and l (the
 // cluster merge's and the few-partial merge's group partials).
-template <typename T, int HD, DecodeForm kForm, int W>
-__device__ __forceinline__ void DecodeCta<T, HD, kForm, W>::StoreGroupPartial(
+template <typename T, int HD, DecodeForm kForm, int W, typename C>
+__device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::StoreGroupPartial(
     int64_t dst, int r, int d, const float4& acc, float mx, float lsum) {
   const int64_t at = (slot_base + dst) * kDecodeRows + r;
   *reinterpret_cast<float4*>(part_o + at * H + d) = acc;
@@ -167,8 +180,8 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W>::StoreGroupPartial(
 
 // The cluster's merge of its `members` live partials (ranks 0 .. members - 1) into the output
 // (dst < 0) or into group slot dst: each CTA takes a share of the items.
-template <typename T, int HD, DecodeForm kForm, int W>
-__device__ __forceinline__ void DecodeCta<T, HD, kForm, W>::ClusterValues(int members,
+template <typename T, int HD, DecodeForm kForm, int W, typename C>
+__device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::ClusterValues(int members,
                                                                           int64_t dst) {
   const int hs4 = static_cast<int>(H / 4);
   // Rank in the cluster: split itself in a row's only cluster (split < splits == cluster <=
@@ -195,8 +208,8 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W>::ClusterValues(int me
   }
 }
 
-template <typename T, int HD, DecodeForm kForm, int W>
-__device__ __forceinline__ bool DecodeCta<T, HD, kForm, W>::MergeInCluster(int members,
+template <typename T, int HD, DecodeForm kForm, int W, typename C>
+__device__ __forceinline__ bool DecodeCta<T, HD, kForm, W, C>::MergeInCluster(int members,
                                                                            int64_t dst) {
   ClusterSync();  // every live split's partial is in its shared memory
   trace.Mark();
@@ -219,10 +232,11 @@ __device__ __forceinline__ bool DecodeCta<T, HD, kForm, W>::MergeInCluster(int m
 // r of part_o. K items per thread per trip: where a thread has two items (28/4/128 at four
 // warps: 7 x 128 / 4 = 224 items for 128 threads) and at most FN = 4 partials, both items'
 // loads go out together, in the registers of one item of 8 partials.
-template <typename T, int HD, DecodeForm kForm, int W>
+template <typename T, int HD, DecodeForm kForm, int W, typename C>
 template <int FN, int K>
-__device__ __forceinline__ void DecodeCta<T, HD, kForm, W>::MergeFewItems(int nn, int64_t row0,
-                                                                          int64_t dst) {
+__device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::MergeFewItems(int nn,
+                                                                             int64_t row0,
+                                                                             int64_t dst) {
   const int items = nrows * hs / 4;
   for (int idx0 = threadIdx.x; idx0 < items; idx0 += K * kDecThreads) {
     int r[K], d[K];
@@ -263,8 +277,8 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W>::MergeFewItems(int nn
 // a chain of L2 round trips (about 0.4 to 0.6 us each on the H200), so it is built to take few:
 // every (slot, row) m and l in one trip to shared memory and each row's weights from there,
 // then the values.
-template <typename T, int HD, DecodeForm kForm, int W>
-__device__ __forceinline__ void DecodeCta<T, HD, kForm, W>::Merge(int64_t first, int64_t n,
+template <typename T, int HD, DecodeForm kForm, int W, typename C>
+__device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::Merge(int64_t first, int64_t n,
                                                                   int64_t dst) {
   Shared& sh = Sh();
   float* weight = reinterpret_cast<float*>(dec_smem);  // [row][slot]; red_o is no longer read
@@ -382,8 +396,8 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W>::Merge(int64_t first,
 // fence each, MEMBAR.SC.GPU). The last arrival returns the counter to zero (every CTA of this
 // launch that counts on it has counted), so counters kept across calls start the next launch
 // at zero.
-template <typename T, int HD, DecodeForm kForm, int W>
-__device__ __forceinline__ bool DecodeCta<T, HD, kForm, W>::LastToFinish(unsigned* counter,
+template <typename T, int HD, DecodeForm kForm, int W, typename C>
+__device__ __forceinline__ bool DecodeCta<T, HD, kForm, W, C>::LastToFinish(unsigned* counter,
                                                                          int64_t count) {
   Shared& sh = Sh();
   __syncthreads();
@@ -397,8 +411,8 @@ __device__ __forceinline__ bool DecodeCta<T, HD, kForm, W>::LastToFinish(unsigne
 }
 
 // The row's live splits merged: in the cluster, through the tree's global levels, or both.
-template <typename T, int HD, DecodeForm kForm, int W>
-__device__ __forceinline__ bool DecodeCta<T, HD, kForm, W>::MergeSplits() {
+template <typename T, int HD, DecodeForm kForm, int W, typename C>
+__device__ __forceinline__ bool DecodeCta<T, HD, kForm, W, C>::MergeSplits() {
   if (cluster_merge && tree.groups == 1) {
     return MergeInCluster(static_cast<int>(live), -1);
   }

@@ -9,8 +9,8 @@
 namespace kvl {
 namespace cu {
 
-template <typename T, int HD, DecodeForm kForm, int W>
-__device__ __forceinline__ void DecodeCta<T, HD, kForm, W>::Begin() {
+template <typename T, int HD, DecodeForm kForm, int W, typename C>
+__device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::Begin() {
   // The XOR address forms need the tiles on 128-byte boundaries (an invariant of the build:
   // dec_smem's alignment, so never taken).
   if (DecSwizzled(HD) && (ptx::SharedAddress(dec_smem) & 127u) != 0) __trap();
@@ -43,8 +43,8 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W>::Begin() {
 // on a query (a conversion or store of a query value here held up the whole prologue until the
 // query loads landed). Then this split's share of the live keys, partitioned here from the
 // lengths on the device. False: the CTA has no keys and leaves.
-template <typename T, int HD, DecodeForm kForm, int W>
-__device__ __forceinline__ bool DecodeCta<T, HD, kForm, W>::Partition() {
+template <typename T, int HD, DecodeForm kForm, int W, typename C>
+__device__ __forceinline__ bool DecodeCta<T, HD, kForm, W, C>::Partition() {
   const EntryLengths lengths = ReadLengths<true>(s, buf, b);
   prologue_trace.Mark(lengths.seqlens_k);  // the lengths landed
 #pragma unroll
@@ -108,8 +108,12 @@ __device__ __forceinline__ bool DecodeCta<T, HD, kForm, W>::Partition() {
 }
 
 // Issues the copies of this warp's i-th step into its stage slot.
-template <typename T, int HD, DecodeForm kForm, int W>
-__device__ __forceinline__ void DecodeCta<T, HD, kForm, W>::Issue(int64_t i) {
+template <typename T, int HD, DecodeForm kForm, int W, typename C>
+__device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::Issue(int64_t i) {
+  if constexpr (kQuant) {
+    IssueQuant(i);
+    return;
+  }
   T* ks = StepSlot(i);
   T* vs = ks + KS * P;
   const int64_t k0 = StepKey(i);  // < k_end: a row of the cache
@@ -174,10 +178,46 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W>::Issue(int64_t i) {
   }
 }
 
+// Issues the copies of this warp's i-th step of a quantized cache: the raw codes of KS rows of K
+// and of V, zeros past the split's end (their keys are masked; zero bytes are finite codes).
+template <typename T, int HD, DecodeForm kForm, int W, typename C>
+__device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::IssueQuant(int64_t i) {
+  unsigned char* kt = reinterpret_cast<unsigned char*>(StepSlot(i));
+  unsigned char* vt = kt + KST * P * sizeof(T);
+  const int64_t k0 = StepKey(i);  // < k_end: a row of the cache
+  const unsigned char* kstep = code_k + (k0 - geo.cache_base) * seq_stride;
+  const unsigned char* vstep = code_v + (k0 - geo.cache_base) * seq_stride;
+  const int rows_here = static_cast<int>(min(int64_t(KS), k_end - k0));
+  static_assert((KS * QCR) % kWarp == 0, "whole warp-wide copies");
+#pragma unroll
+  for (int it = 0; it < KS * QCR / kWarp; ++it) {
+    const int idx = lane + it * kWarp, r = idx / QCR, c = idx % QCR;
+    const bool valid = r < rows_here;
+    const int32_t off = valid ? r * stride32 + c * 16 : 0;
+    const int at = DecQuantAt<QCR>(r, c);
+    ptx::CpAsync16(kt + at, kstep + off, valid);
+    ptx::CpAsync16(vt + at, vstep + off, valid);
+  }
+}
+
+// A quantized cache: the head dimension of k-step kk's B register `reg` (b0, b1), value `half`
+// (low, high), for this lane (tq). A lane reads QKB bytes of a key row in vectors of QKV bytes,
+// vector v at byte (4 v + tq) QKV; each 32-bit word of it is one k-step of int8 codes (pairs
+// (0, 1), (2, 3)) or two of int4 codes (pairs (0, 4), (1, 5), then (2, 6), (3, 7): Int4x8ToPairs).
+template <typename T, int HD, DecodeForm kForm, int W, typename C>
+__device__ __forceinline__ int DecodeCta<T, HD, kForm, W, C>::QuantKDim(int kk, int reg,
+                                                                        int half) const {
+  constexpr int WPV = QKV / 4;  // words per vector
+  const int ki = QBITS == 8 ? kk : kk / 2;
+  const int o = ((ki / WPV) * 4 + tq) * QKV + 4 * (ki % WPV);  // the word's byte in the row
+  if constexpr (QBITS == 8) return o + 2 * reg + half;
+  return 2 * o + 2 * (kk % 2) + reg + 4 * half;
+}
+
 // Whether this CTA appends new row i: the CTA whose split reads it (split 0 takes the rows no
 // split reads, a first prompt's padding), found without a division on the path.
-template <typename T, int HD, DecodeForm kForm, int W>
-__device__ __forceinline__ bool DecodeCta<T, HD, kForm, W>::Appends(int64_t i) const {
+template <typename T, int HD, DecodeForm kForm, int W, typename C>
+__device__ __forceinline__ bool DecodeCta<T, HD, kForm, W, C>::Appends(int64_t i) const {
   const int64_t p = geo.past + i;
   return (key_lo <= p && p < key_hi) ? (k_begin <= p && p < k_end) : split == 0;
 }
@@ -186,14 +226,18 @@ __device__ __forceinline__ bool DecodeCta<T, HD, kForm, W>::Appends(int64_t i) c
 // rows (positions past + i) are appended by the CTA whose split reads them; the other CTAs never
 // read them. That CTA first issues the steps that read old rows only, then appends and waits
 // for every warp's rows, then issues the rest: only the loads of new rows wait.
-template <typename T, int HD, DecodeForm kForm, int W>
-__device__ __forceinline__ bool DecodeCta<T, HD, kForm, W>::Prologue() {
+template <typename T, int HD, DecodeForm kForm, int W, typename C>
+__device__ __forceinline__ bool DecodeCta<T, HD, kForm, W, C>::Prologue() {
   steps = (k_end - k_begin + KS - 1) / KS;  // of the CTA; warp w takes w, w+W, ...
   my_steps = steps > warp ? (steps - warp + kDecWarps - 1) / kDecWarps : 0;
   // Rows of this (batch, kv head): key j at base + (j - cache_base) * seq stride, in either
   // layout (cache_base: 0 unless a sliding window cache stages the rows, sliding.cu).
   pk = static_cast<const T*>(buf.present_key) + present_st.Offset(b, g, 0);
   pv = static_cast<const T*>(buf.present_value) + present_st.Offset(b, g, 0);
+  if constexpr (kQuant) {  // strides in bytes (codes or packed int4 pairs)
+    code_k = static_cast<const unsigned char*>(buf.present_key) + present_st.Offset(b, g, 0);
+    code_v = static_cast<const unsigned char*>(buf.present_value) + present_st.Offset(b, g, 0);
+  }
   seq_stride = present_st.seq;
   row_width = kPack ? nkv * H : H;               // elements of a stage row (packed: HD)
   chunks = static_cast<int>(row_width / 8);      // 16-byte chunks of a row (H % 8 == 0)
@@ -236,8 +280,8 @@ __device__ __forceinline__ bool DecodeCta<T, HD, kForm, W>::Prologue() {
       if (!Appends(i)) continue;
       NewKvRow<T, KE> row = first_row;
       if (ih != warp) row.Load(s, buf, b, i, hk, lane);
-      AppendKvRow<T>(s, buf, present_st, geo, b, i, hk, ClampedRotaryPosition(s, buf, geo, b, i),
-                     row, x, lane);
+      AppendKvRow<T, C>(s, buf, present_st, geo, b, i, hk,
+                        ClampedRotaryPosition(s, buf, geo, b, i), row, x, lane);
     }
     __syncthreads();  // every warp's rows before any warp's copies read them
   }
@@ -260,18 +304,36 @@ __device__ __forceinline__ bool DecodeCta<T, HD, kForm, W>::Prologue() {
       float* qr = q_raw + j * HD;  // the warp's own row: normed and rotated in place
       __syncwarp();                // every lane's raw values before rotary pairs cross lanes
       NormRotate<T>(s, buf, true, ClampedRotaryPosition(s, buf, geo, b, tok), qr, lane);
-      for (int64_t d = lane; d < SH; d += kWarp) qt[d] = FromF<T>(d < H ? qr[d] * s.scale : 0.0f);
+      if constexpr (kQuant) {  // K's scales folded into the query (H == HD)
+        for (int64_t d = lane; d < SH; d += kWarp) {
+          qt[d] = FromF<T>(qr[d] * s.scale * ChannelScale(buf.k_scale, s.k_quant, H, g, d));
+        }
+      } else {
+        for (int64_t d = lane; d < SH; d += kWarp) qt[d] = FromF<T>(d < H ? qr[d] * s.scale : 0.0f);
+      }
     } else {
       for (int64_t d = lane; d < SH; d += kWarp) qt[d] = FromF<T>(0.0f);
     }
   }
   __syncthreads();
+  if constexpr (kQuant) {  // the columns in the order of the lane's key codes (QuantKDim)
 #pragma unroll
-  for (int kk = 0; kk < KTQ; ++kk) {
+    for (int kk = 0; kk < KTQ; ++kk) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int d = kk * 16 + (e / 2) * 8 + 2 * tq;
-      qa[kk][e] = *reinterpret_cast<const uint32_t*>(q_tile + (gq + (e % 2) * 8) * P + d);
+      for (int e = 0; e < 4; ++e) {
+        const T* qrow = q_tile + (gq + (e % 2) * 8) * P;
+        qa[kk][e] = ptx::PackPair<T>(ToF(qrow[QuantKDim(kk, e / 2, 0)]),
+                                     ToF(qrow[QuantKDim(kk, e / 2, 1)]));
+      }
+    }
+  } else {
+#pragma unroll
+    for (int kk = 0; kk < KTQ; ++kk) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int d = kk * 16 + (e / 2) * 8 + 2 * tq;
+        qa[kk][e] = *reinterpret_cast<const uint32_t*>(q_tile + (gq + (e % 2) * 8) * P + d);
+      }
     }
   }
   __syncthreads();  // every warp holds its fragments: warp 0's free slot may take a step

@@ -149,4 +149,10 @@ class CudaLengthRecord {
 // with the CPU op's message before anything is launched. Refused while `stream` is capturing.
 Status CheckLengthsStrict(const GqaShape& shape, const GqaCudaBuffers& buffers, void* stream);
 
+// The values of k_scale / v_scale of a quantized cache (CheckKvScales: finite and > 0), copied
+// to the host on `stream`, which is then synchronized. Skipped while `stream` is capturing
+// (*checked false: nothing was read). No-op without quantization.
+Status CheckKvScalesOnDevice(const GqaShape& shape, const GqaCudaBuffers& buffers, void* stream,
+                             bool* checked);
+
 }  // namespace kvl

@@ -82,4 +82,30 @@ Status CheckLengthsStrict(const GqaShape& s, const GqaCudaBuffers& buf, void* st
                             positions ? position_ids.data() : nullptr, buf.shared());
 }
 
+Status CheckKvScalesOnDevice(const GqaShape& s, const GqaCudaBuffers& buf, void* stream,
+                             bool* checked) {
+  using cu::CudaCheck;
+  *checked = false;
+  if (!s.quantized()) return Status::Ok();
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  KVL_RETURN_IF_ERROR(CudaCheck(cudaStreamIsCapturing(st, &capture), "cudaStreamIsCapturing"));
+  if (capture != cudaStreamCaptureStatusNone) return Status::Ok();  // no copy while capturing
+  auto count = [&](KvQuant q) {
+    return q == KvQuant::kNone ? 0 : q == KvQuant::kPerTensor ? 1 : s.kv_num_heads * s.head_size;
+  };
+  std::vector<float> k(count(s.k_quant)), v(count(s.v_quant));
+  auto copy = [st](std::vector<float>* dst, const float* src) {
+    if (dst->empty()) return Status::Ok();
+    return CudaCheck(cudaMemcpyAsync(dst->data(), src, sizeof(float) * dst->size(),
+                                     cudaMemcpyDeviceToHost, st),
+                     "scale check: copy to the host");
+  };
+  KVL_RETURN_IF_ERROR(copy(&k, buf.k_scale));
+  KVL_RETURN_IF_ERROR(copy(&v, buf.v_scale));
+  KVL_RETURN_IF_ERROR(CudaCheck(cudaStreamSynchronize(st), "scale check: synchronize"));
+  *checked = true;
+  return CheckKvScales(s, k.data(), v.data());
+}
+
 }  // namespace kvl

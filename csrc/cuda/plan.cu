@@ -13,6 +13,7 @@
 #include "cuda/decode_dispatch.h"
 #include "cuda/kernels.h"
 #include "cuda/plan_rules.h"
+#include "cuda/quant.cuh"
 
 namespace kvl {
 namespace cu {
@@ -68,7 +69,7 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
   knobs.cudnn_min_rows = kv.cudnn_min_rows;
   if (TriesCudnn(s, ChooseKernel(s, pb, dev), pb, knobs)) {
     const KvStrides present_st =
-        MakeKvStrides(s.layout, s.kv_num_heads, s.present_capacity, s.head_size);
+        MakeKvStrides(s.layout, s.kv_num_heads, s.present_capacity, CacheRow(s));
     AttnPlan p;
     p.cudnn = FindCudnnPrefill(s, dev, present_st);
     if (p.cudnn != nullptr) {
@@ -151,9 +152,10 @@ Status Launch(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo
     ws.counters = decode_counters;
     ws.counters_zero = true;
   }
-  const KvStrides past_st = MakeKvStrides(s.layout, s.kv_num_heads, s.past_capacity, s.head_size);
+  // Strides in stored elements: T, int8 codes or packed int4 bytes (CacheRow per row).
+  const KvStrides past_st = MakeKvStrides(s.layout, s.kv_num_heads, s.past_capacity, CacheRow(s));
   const KvStrides present_st =
-      MakeKvStrides(s.layout, s.kv_num_heads, s.present_capacity, s.head_size);
+      MakeKvStrides(s.layout, s.kv_num_heads, s.present_capacity, CacheRow(s));
   if (s.sliding_window_cache) {
     // Prepare and the attention work on the staging rows (sliding.cu); present is written last.
     KVL_RETURN_IF_ERROR(LaunchSlidingStage<T>(s, buf, past_st, ws, dev, stream));

@@ -113,6 +113,18 @@ inline AttnKernel ChooseKernel(const GqaShape& s, const PlanBuffers& buf,
                                const CudaDeviceInfo& dev) {
   const bool half = s.dtype == DType::kFloat16 || s.dtype == DType::kBFloat16;
   if (!half || !buf.caches_aligned16) return AttnKernel::kPortable;
+  // A quantized cache: the tensor-core prefill and the decode kernel where their instances of
+  // its cache type serve the shape (head sizes 64 and 128: DecodeQuantServes), else the
+  // portable kernel; each dequantizes what it loads (cuDNN reads T only: TriesCudnn).
+  if (s.quantized()) {
+    if (!DecodeQuantServes(s)) return AttnKernel::kPortable;
+    if (s.seq_len >= 16 && buf.output_aligned4 && PrefillTcFits(s, 2, dev)) {
+      return AttnKernel::kPrefillTc;
+    }
+    return s.seq_len * s.group_size() <= kDecodeRows && DecodeTcFits(s, 2, dev)
+               ? AttnKernel::kDecodeTc
+               : AttnKernel::kPortable;
+  }
   if (s.seq_len >= 16 && buf.output_aligned4 && PrefillTcFits(s, 2, dev)) {
     return AttnKernel::kPrefillTc;
   }
@@ -125,11 +137,11 @@ inline AttnKernel ChooseKernel(const GqaShape& s, const PlanBuffers& buf,
 // Whether a call the tensor-core prefill serves asks cuDNN first: prefill of at least
 // cudnn_min_rows new rows (below it our kernel takes microseconds, and each new shape costs
 // cuDNN a graph build on its first call, docs/DECISIONS.md "cuDNN prefill bar") with 16-byte
-// aligned buffers.
+// aligned buffers, and a cache of T (cuDNN cannot read a quantized one).
 inline bool TriesCudnn(const GqaShape& s, AttnKernel kernel, const PlanBuffers& buf,
                        const PlanKnobs& knobs) {
-  return kernel == AttnKernel::kPrefillTc && s.seq_len >= knobs.cudnn_min_rows &&
-         buf.output_aligned16 && buf.caches_aligned16;
+  return kernel == AttnKernel::kPrefillTc && !s.quantized() &&
+         s.seq_len >= knobs.cudnn_min_rows && buf.output_aligned16 && buf.caches_aligned16;
 }
 
 // Where packed heads serve by default: 3 kv heads of size 64 (the 192-column tile) and more

@@ -5,11 +5,14 @@
 // (a thread holds two rows of each); K and V tiles arrive by cp.async one tile ahead. Tiles that
 // every row of a warp sees whole skip the per-element masks. HD is the head size rounded
 // up to a multiple of 32: columns past the head size are zero in Q, K and V and never written out.
+// A quantized cache (C: int8_t, PackedInt4; head sizes 64 and 128) is dequantized as each tile is
+// loaded (float32(code) x scale, rounded to T, into the same tiles): plain loads, not cp.async.
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
 #include "cuda/online_softmax.cuh"
 #include "cuda/prefill_geometry.h"
 #include "cuda/ptx.cuh"
+#include "cuda/quant.cuh"
 
 namespace kvl {
 namespace cu {
@@ -17,7 +20,36 @@ namespace {
 
 constexpr int kWarps = kTcWarps;
 
-template <typename T, int HD>
+// Values 8 c .. 8 c + 7 of a row of codes, dequantized with the scales of kv head h and rounded
+// to T, as one 16-byte piece of a tile (`row`: 8-byte aligned for int8, 4 for int4).
+template <typename T, typename C>
+__device__ __forceinline__ uint4 DequantPiece(const C* row, int c, const float* scale,
+                                              KvQuant quant, int64_t H, int64_t h) {
+  int codes[8];
+  if constexpr (kCacheBits<C> == 8) {
+    const uint2 w = *reinterpret_cast<const uint2*>(reinterpret_cast<const int8_t*>(row) + c * 8);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      codes[e] = static_cast<int8_t>(w.x >> (8 * e));
+      codes[4 + e] = static_cast<int8_t>(w.y >> (8 * e));
+    }
+  } else {
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(row + c * 4);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) codes[e] = static_cast<int>((w >> (4 * e)) & 15u) - 8;
+  }
+  uint4 out;
+  uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+  for (int e = 0; e < 8; e += 2) {
+    o[e / 2] = ptx::PackPair<T>(float(codes[e]) * ChannelScale(scale, quant, H, h, 8 * c + e),
+                                float(codes[e + 1]) * ChannelScale(scale, quant, H, h, 8 * c + e + 1));
+  }
+  return out;
+}
+
+// C: the cache's element type (T, or int8_t / PackedInt4 codes).
+template <typename T, int HD, typename C = T>
 __global__ void __launch_bounds__(kWarp* kWarps)
     PrefillTcKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_st, const float* q_ws) {
   constexpr int BC = TcKeys(HD), P = TcPitch(HD);
@@ -66,6 +98,24 @@ __global__ void __launch_bounds__(kWarp* kWarps)
     T* ks = kvs + (tile % 2) * 2 * BC * P;
     T* vs = ks + BC * P;
     const int64_t k0 = key_lo + tile * BC;
+    if constexpr (kQuantCache<C>) {  // codes -> T tiles (H == HD: no padding columns)
+      const C* ck = static_cast<const C*>(buf.present_key) + present_st.Offset(b, g, 0);
+      const C* cv = static_cast<const C*>(buf.present_value) + present_st.Offset(b, g, 0);
+#pragma unroll
+      for (int it = 0; it < (BC * CPR + kThreads - 1) / kThreads; ++it) {
+        const int idx = threadIdx.x + it * kThreads, j = idx / CPR, c = idx % CPR;
+        if (idx >= BC * CPR || c >= chunks) continue;
+        uint4 kq = make_uint4(0, 0, 0, 0), vq = kq;
+        if (k0 + j < key_hi) {  // past the end: zero rows
+          const int64_t off = (k0 + j - geo.cache_base) * seq_stride;
+          kq = DequantPiece<T>(ck + off, c, buf.k_scale, s.k_quant, H, g);
+          vq = DequantPiece<T>(cv + off, c, buf.v_scale, s.v_quant, H, g);
+        }
+        *reinterpret_cast<uint4*>(ks + j * P + c * 8) = kq;
+        *reinterpret_cast<uint4*>(vs + j * P + c * 8) = vq;
+      }
+      return;
+    }
 #pragma unroll
     for (int it = 0; it < (BC * CPR + kThreads - 1) / kThreads; ++it) {
       const int idx = threadIdx.x + it * kThreads, j = idx / CPR, c = idx % CPR;
@@ -180,16 +230,27 @@ __global__ void __launch_bounds__(kWarp* kWarps)
   }
 }
 
-template <typename T, int HD>
+template <typename T, int HD, typename C = T>
 Status LaunchHd(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
                 const float* q_ws, cudaStream_t stream) {
+  const auto kernel = PrefillTcKernel<T, HD, C>;
   const size_t smem = TcSmemBytes(HD, sizeof(T));
-  KVL_RETURN_IF_ERROR(EnsureSmemLimit(reinterpret_cast<const void*>(PrefillTcKernel<T, HD>), smem));
+  KVL_RETURN_IF_ERROR(EnsureSmemLimit(reinterpret_cast<const void*>(kernel), smem));
   const int64_t tpc = TcTokens(s.group_size());
   const dim3 grid(static_cast<unsigned>((s.seq_len + tpc - 1) / tpc),
                   static_cast<unsigned>(s.kv_num_heads), static_cast<unsigned>(s.batch));
-  PrefillTcKernel<T, HD><<<grid, kWarp * kWarps, smem, stream>>>(s, buf, present_st, q_ws);
+  kernel<<<grid, kWarp * kWarps, smem, stream>>>(s, buf, present_st, q_ws);
   return CudaCheck(cudaGetLastError(), "tensor-core prefill launch");
+}
+
+// A quantized cache: the instances of head sizes 64 and 128 (PrefillQuantServes).
+template <typename T, typename C>
+Status LaunchQuant(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
+                   const float* q_ws, cudaStream_t stream) {
+  if (s.head_size == 64) return LaunchHd<T, 64, C>(s, buf, present_st, q_ws, stream);
+  if (s.head_size == 128) return LaunchHd<T, 128, C>(s, buf, present_st, q_ws, stream);
+  return Status::Error("ai.kvlayout::GroupQueryAttention (CUDA): no quantized tensor-core "
+                       "prefill for head_size " + std::to_string(s.head_size));
 }
 
 }  // namespace
@@ -197,6 +258,8 @@ Status LaunchHd(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_
 template <typename T>
 Status LaunchPrefillTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
                        const Workspace& ws, cudaStream_t stream) {
+  if (s.kv_bits == 8) return LaunchQuant<T, int8_t>(s, buf, present_st, ws.q, stream);
+  if (s.kv_bits == 4) return LaunchQuant<T, PackedInt4>(s, buf, present_st, ws.q, stream);
   switch (TcHeadDim(s.head_size)) {
     case 32: return LaunchHd<T, 32>(s, buf, present_st, ws.q, stream);
     case 64: return LaunchHd<T, 64>(s, buf, present_st, ws.q, stream);

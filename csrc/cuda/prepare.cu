@@ -41,8 +41,9 @@ __device__ __forceinline__ BatchGeometry EntryLengthsOnce(const GqaShape& s,
 // One warp per (token, head) row: query heads 0..N-1, then kv heads (K normed and rotated, V
 // copied). A CTA per token whose warps looped over the heads left warps idle (3 of 8 at 4/1/256)
 // or ran five rows one after another in each (32/8/128), each row a chain of dependent loads:
-// 50 us for 8192 tokens at 4/1/256 against ORT's 31 (H200; docs/DECISIONS.md).
-template <typename T>
+// 50 us for 8192 tokens at 4/1/256 against ORT's 31 (H200; docs/DECISIONS.md). C: the cache's
+// element type (quantized caches: the rows are written as codes, AppendKvRow).
+template <typename T, typename C = T>
 __global__ void __launch_bounds__(kPrepareWarps* kWarp)
     PrepareKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_st, Workspace ws) {
   __shared__ float xs[kPrepareWarps][kMaxHeadSize];
@@ -60,7 +61,7 @@ __global__ void __launch_bounds__(kPrepareWarps* kWarp)
     if (i < WrittenRows(s, g)) {
       NewKvRow<T, kMaxHeadSize / kWarp> kv;
       kv.Load(s, buf, b, i, h - N, lane);
-      AppendKvRow<T>(s, buf, present_st, g, b, i, h - N, pos, kv, x, lane);
+      AppendKvRow<T, C>(s, buf, present_st, g, b, i, h - N, pos, kv, x, lane);
     }
     return;
   }
@@ -82,7 +83,7 @@ __global__ void __launch_bounds__(kPrepareWarps* kWarp)
 // trips (the lengths with the row, then the rotary tables) instead of three, and no shared
 // memory. At 4/1/256 B=1 S=8192 it takes 18.1 us where PrepareKernel took 40.1 (ORT's
 // UnpackRoPEAppend: 30.9; H200; docs/DECISIONS.md). PrepareKernel serves
-// the rest (4-byte types, other head sizes, rows not aligned to the vector).
+// the rest (4-byte types, other head sizes, rows not aligned to the vector, quantized caches).
 
 // E two-byte values from src to dst, both 2E-byte aligned, as one load and one store (the
 // caller's row arrays are declared alignas(2 E)).
@@ -207,6 +208,14 @@ Status LaunchPrepare(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pre
   if (blocks > INT32_MAX) {
     return Status::Error("ai.kvlayout::GroupQueryAttention (CUDA): " + std::to_string(rows) +
                          " query and key rows exceed one prepare launch");
+  }
+  if (s.quantized()) {  // the codes of the new rows, written by AppendKvRow
+    return DispatchCache<T>(s, [&](auto tag) {
+      using C = typename decltype(tag)::type;
+      PrepareKernel<T, C><<<static_cast<unsigned>(blocks), kPrepareWarps * kWarp, 0, stream>>>(
+          s, buf, present_st, ws);
+      return CudaCheck(cudaGetLastError(), "prepare launch");
+    });
   }
   if constexpr (sizeof(T) == 2) {
     if (PrepareRegsFit<T>(s, buf, ws)) {

@@ -7,6 +7,7 @@
 
 #include "core/length_rules.h"
 #include "cuda/common.cuh"
+#include "cuda/quant.cuh"
 
 namespace kvl {
 namespace cu {
@@ -147,11 +148,60 @@ struct NewKvRow {
   }
 };
 
+// A quantized cache (C: int8_t or PackedInt4): the warp stores the codes of the key row in x
+// (normed, rotated, still float) and of the value row `row.v`, each value rounded to T first
+// (ORT holds them in T), at element offset `off` of present (codes or packed bytes). x is reused.
+template <typename T, typename C, int E>
+__device__ void StoreQuantRows(const GqaShape& s, const GqaCudaBuffers& buf, int64_t off,
+                               int64_t hk, const NewKvRow<T, E>& row, float* x, int lane) {
+  const int64_t H = s.head_size;
+  constexpr float lo = kCacheBits<C> == 8 ? -128.0f : -8.0f, hi = kCacheBits<C> == 8 ? 127.0f : 7.0f;
+  auto code = [&](float v, const float* scale, KvQuant quant, int64_t d) {
+    return QuantCode(v, QuantInverse(ChannelScale(scale, quant, H, hk, d)), lo, hi);
+  };
+  if constexpr (kCacheBits<C> == 8) {
+    int8_t* kd = static_cast<int8_t*>(buf.present_key) + off;
+    int8_t* vd = static_cast<int8_t*>(buf.present_value) + off;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const int64_t d = lane + e * kWarp;
+      if (d < H) {
+        kd[d] = static_cast<int8_t>(code(ToF(FromF<T>(x[d])), buf.k_scale, s.k_quant, d));
+        vd[d] = static_cast<int8_t>(code(ToF(row.v[e]), buf.v_scale, s.v_quant, d));
+      }
+    }
+    __syncwarp();
+  } else {
+    // Byte p holds channels 2p (low nibble) and 2p + 1 (high; code 0 past an odd H): the pairs
+    // cross lanes, so each row goes through x.
+    auto store = [&](uint8_t* dst, const float* scale, KvQuant quant) {
+      for (int64_t p = lane; p < (H + 1) / 2; p += kWarp) {
+        const int q0 = code(x[2 * p], scale, quant, 2 * p);
+        const int q1 = 2 * p + 1 < H ? code(x[2 * p + 1], scale, quant, 2 * p + 1) : 0;
+        dst[p] = static_cast<uint8_t>(((q0 + 8) & 15) | (((q1 + 8) & 15) << 4));
+      }
+    };
+    for (int64_t d = lane; d < H; d += kWarp) x[d] = ToF(FromF<T>(x[d]));
+    __syncwarp();
+    store(static_cast<uint8_t*>(buf.present_key) + off, buf.k_scale, s.k_quant);
+    __syncwarp();
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const int64_t d = lane + e * kWarp;
+      if (d < H) x[d] = ToF(row.v[e]);
+    }
+    __syncwarp();
+    store(static_cast<uint8_t*>(buf.present_value) + off, buf.v_scale, s.v_quant);
+    __syncwarp();
+  }
+}
+
 // One warp appends token i's key (normed, rotated) and value rows of kv head hk, `row` (loaded
 // by NewKvRow::Load for the same token and head), to the cache `present_st` describes: the row
 // of position past + i (cache_base is row 0, non-zero only when a sliding window cache stages
-// the rows). `pos`: ClampedRotaryPosition of the token.
-template <typename T, int E>
+// the rows). `pos`: ClampedRotaryPosition of the token. C: the cache's element type (T, or the
+// codes of a quantized cache, written by StoreQuantRows).
+template <typename T, typename C = T, int E>
 __device__ void AppendKvRow(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
                             const BatchGeometry& g, int64_t b, int64_t i, int64_t hk, int64_t pos,
                             const NewKvRow<T, E>& row, float* x, int lane) {
@@ -164,6 +214,10 @@ __device__ void AppendKvRow(const GqaShape& s, const GqaCudaBuffers& buf, KvStri
   __syncwarp();
   NormRotate<T>(s, buf, false, pos, x, lane);
   const int64_t off = present_st.Offset(b, hk, g.past - g.cache_base + i);
+  if constexpr (kQuantCache<C>) {
+    StoreQuantRows<T, C>(s, buf, off, hk, row, x, lane);
+    return;
+  }
   T* kd = static_cast<T*>(buf.present_key) + off;
   T* vd = static_cast<T*>(buf.present_value) + off;
 #pragma unroll

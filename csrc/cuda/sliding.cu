@@ -14,14 +14,16 @@
 
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
+#include "cuda/quant.cuh"
 
 namespace kvl {
 namespace cu {
 namespace {
 
-// Rows move in units U: 16 bytes when every buffer is 16-byte aligned (a row is H * sizeof(T)
-// bytes, a multiple of 16 since H % 8 == 0), else one element. Offsets from KvStrides are
-// multiples of H elements, so dividing by `per` (elements per unit) is exact.
+// Rows move in units U: 16 bytes when every buffer is 16-byte aligned and a row is a multiple of
+// 16 bytes (H * sizeof(T) always, since H % 8 == 0; a quantized cache's CacheRow bytes not
+// always), else one element. Offsets from KvStrides are multiples of a row's elements, so
+// dividing by `per` (elements per unit) is exact.
 // Unit u of row r of (batch b, kv head h): the flat index of a grid-stride loop over
 // B x Nkv x rows x units, row-major, so consecutive threads move consecutive units of a row.
 struct RowUnit {
@@ -36,7 +38,7 @@ __device__ __forceinline__ RowUnit RowUnitOf(int64_t idx, int64_t units, int64_t
 template <typename U>
 __global__ void SlidingStageKernel(GqaShape s, GqaCudaBuffers buf, KvStrides past_st,
                                    KvStrides stage_st, int per, U* stage_k, U* stage_v) {
-  const int64_t units = s.head_size / per, C = s.past_capacity;
+  const int64_t units = CacheRow(s) / per, C = s.past_capacity;
   const int64_t n = s.batch * s.kv_num_heads * C * units;
   const U* pk = static_cast<const U*>(buf.past_key);
   const U* pv = static_cast<const U*>(buf.past_value);
@@ -56,7 +58,7 @@ template <typename U>
 __global__ void SlidingPresentKernel(GqaShape s, GqaCudaBuffers buf, KvStrides stage_st,
                                      KvStrides present_st, int per, bool shared,
                                      const U* stage_k, const U* stage_v) {
-  const int64_t units = s.head_size / per, C = s.present_capacity;
+  const int64_t units = CacheRow(s) / per, C = s.present_capacity;
   const int64_t n = s.batch * s.kv_num_heads * C * units;
   U* pk = static_cast<U*>(buf.present_key);
   U* pv = static_cast<U*>(buf.present_value);
@@ -77,7 +79,8 @@ __global__ void SlidingPresentKernel(GqaShape s, GqaCudaBuffers buf, KvStrides s
 }
 
 template <typename T>
-using ElementBits = std::conditional_t<sizeof(T) == 4, uint32_t, uint16_t>;
+using ElementBits =
+    std::conditional_t<sizeof(T) == 4, uint32_t, std::conditional_t<sizeof(T) == 2, uint16_t, uint8_t>>;
 
 int CopyBlocks(int64_t n, const CudaDeviceInfo& dev) {
   const int64_t blocks = std::min<int64_t>((n + 255) / 256, 8 * dev.sm_count);
@@ -89,27 +92,29 @@ int CopyBlocks(int64_t n, const CudaDeviceInfo& dev) {
 int64_t SlidingStageRows(const GqaShape& s) { return s.past_capacity + s.seq_len; }
 
 KvStrides SlidingStageStrides(const GqaShape& s) {
-  return MakeKvStrides(s.layout, s.kv_num_heads, SlidingStageRows(s), s.head_size);
+  return MakeKvStrides(s.layout, s.kv_num_heads, SlidingStageRows(s), CacheRow(s));
 }
 
 size_t SlidingStageBytes(const GqaShape& s) {
   if (!s.sliding_window_cache) return 0;
-  const size_t elem = s.dtype == DType::kFloat32 ? 4 : 2;
+  const size_t elem = s.quantized() ? 1 : s.dtype == DType::kFloat32 ? 4 : 2;
   const size_t bytes =
-      elem * size_t(s.batch * s.kv_num_heads * SlidingStageRows(s) * s.head_size);
+      elem * size_t(s.batch * s.kv_num_heads * SlidingStageRows(s) * CacheRow(s));
   return (bytes + 255) / 256 * 256;
 }
 
-// Launches `launch(word, per, words)` for rows of `rows` x H elements: in 16-byte words (uint4,
-// `per` elements each) when every pointer is 16-byte aligned, else element by element.
+// Launches `launch(word, per, words)` for rows of `rows` x CacheRow elements of type T (the
+// cache's): in 16-byte words (uint4, `per` elements each) when every pointer is 16-byte aligned
+// and a row is whole words, else element by element.
 template <typename T, typename Launch>
 void LaunchRowCopy(const GqaShape& s, int64_t rows, std::initializer_list<const void*> ptrs,
                    Launch launch) {
-  if (Aligned16(ptrs)) {
+  const int64_t row = CacheRow(s);
+  if (Aligned16(ptrs) && (row * int64_t(sizeof(T))) % 16 == 0) {
     const int per = 16 / sizeof(T);
-    launch(uint4{}, per, rows * (s.head_size / per));
+    launch(uint4{}, per, rows * (row / per));
   } else {
-    launch(ElementBits<T>{}, 1, rows * s.head_size);
+    launch(ElementBits<T>{}, 1, rows * row);
   }
 }
 
@@ -124,19 +129,22 @@ Status LaunchSlidingCopy(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides
       s.batch * s.kv_num_heads * (to_present ? s.present_capacity : s.past_capacity);
   const void* cache_k = to_present ? buf.present_key : buf.past_key;
   const void* cache_v = to_present ? buf.present_value : buf.past_value;
-  LaunchRowCopy<T>(s, rows, {cache_k, cache_v, ws.stage_k, ws.stage_v},
-                   [&](auto word, int per, int64_t n) {
-                     using U = decltype(word);
-                     U* stage_k = static_cast<U*>(ws.stage_k);
-                     U* stage_v = static_cast<U*>(ws.stage_v);
-                     if (to_present) {
-                       SlidingPresentKernel<U><<<CopyBlocks(n, dev), 256, 0, stream>>>(
-                           s, buf, stage_st, cache_st, per, buf.shared(), stage_k, stage_v);
-                     } else {
-                       SlidingStageKernel<U><<<CopyBlocks(n, dev), 256, 0, stream>>>(
-                           s, buf, cache_st, stage_st, per, stage_k, stage_v);
-                     }
-                   });
+  auto copy = [&](auto word, int per, int64_t n) {
+    using U = decltype(word);
+    U* stage_k = static_cast<U*>(ws.stage_k);
+    U* stage_v = static_cast<U*>(ws.stage_v);
+    if (to_present) {
+      SlidingPresentKernel<U><<<CopyBlocks(n, dev), 256, 0, stream>>>(
+          s, buf, stage_st, cache_st, per, buf.shared(), stage_k, stage_v);
+    } else {
+      SlidingStageKernel<U><<<CopyBlocks(n, dev), 256, 0, stream>>>(
+          s, buf, cache_st, stage_st, per, stage_k, stage_v);
+    }
+  };
+  const std::initializer_list<const void*> ptrs = {cache_k, cache_v, ws.stage_k, ws.stage_v};
+  DispatchCache<T>(s, [&](auto tag) {
+    LaunchRowCopy<typename decltype(tag)::type>(s, rows, ptrs, copy);
+  });
   return CudaCheck(cudaGetLastError(), to_present ? "sliding window present launch"
                                                   : "sliding window stage launch");
 }

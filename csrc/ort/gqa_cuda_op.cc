@@ -7,6 +7,15 @@
 namespace kvl {
 namespace {
 
+// Beyond the base contract, the CUDA kernels run ORT's quantized KV caches (int8 and packed int4
+// codes, per-tensor or per-channel scales): prepare writes the codes, the attention kernels read
+// them dequantized (docs/CONTRACT.md section 13).
+GqaKernelCaps CudaCaps() {
+  GqaKernelCaps caps;
+  caps.quantized_kv = true;
+  return caps;
+}
+
 // Device memory from the session's CUDA allocator (ORT's arena): no cudaMalloc per call, and
 // stream-ordered reuse, so a buffer released after the launches is safe.
 class DeviceBuffer {
@@ -65,7 +74,7 @@ Status GqaCudaKernel::Compute(Ort::KernelContext& ctx) {
   KVL_RETURN_IF_ERROR(registration_.Take());
   const CudaDeviceInfo& dev = device_;
   GqaShape shape;
-  KVL_RETURN_IF_ERROR(ReadAndCheckInputs(ctx, attrs_, &shape));
+  KVL_RETURN_IF_ERROR(ReadAndCheckInputs(ctx, attrs_, &shape, CudaCaps()));
   KVL_RETURN_IF_ERROR(CheckCudaSupport(shape));
   GqaOutputs outputs;
   KVL_RETURN_IF_ERROR(AllocateOutputs(ctx, shape, &outputs));
@@ -90,6 +99,7 @@ Status GqaCudaKernel::Compute(Ort::KernelContext& ctx) {
   KVL_RETURN_IF_ERROR(CheckSharedCapacity(shape, buf.shared()));
   void* stream = ctx.GetGPUComputeStream();
   if (strict_) KVL_RETURN_IF_ERROR(CheckLengthsStrict(shape, buf, stream));
+  KVL_RETURN_IF_ERROR(CheckScales(shape, buf, stream));
   buf.length_record = record_->device();
   buf.length_claim = record_->claim();
   unsigned* counters = nullptr;  // null: the workspace's, zeroed by a memset
@@ -99,6 +109,24 @@ Status GqaCudaKernel::Compute(Ort::KernelContext& ctx) {
   return LaunchGqaCuda(shape, buf, dev, plan, workspace.get(), stream, counters);
 }
 
+Status GqaCudaKernel::CheckScales(const GqaShape& shape, const GqaBuffers& buf, void* stream) {
+  if (!shape.quantized()) return Status::Ok();
+  {
+    std::lock_guard<std::mutex> lock(scales_mutex_);
+    if (!strict_ && buf.k_scale == checked_k_scale_ && buf.v_scale == checked_v_scale_) {
+      return Status::Ok();
+    }
+  }
+  bool checked = false;
+  KVL_RETURN_IF_ERROR(CheckKvScalesOnDevice(shape, buf, stream, &checked));
+  if (checked) {
+    std::lock_guard<std::mutex> lock(scales_mutex_);
+    checked_k_scale_ = buf.k_scale;
+    checked_v_scale_ = buf.v_scale;
+  }
+  return Status::Ok();
+}
+
 OrtStatusPtr GqaCudaKernel::ComputeV2(OrtKernelContext* context) {
   return GuardedCompute(context, [this](Ort::KernelContext& ctx) { return Compute(ctx); });
 }
@@ -106,7 +134,7 @@ OrtStatusPtr GqaCudaKernel::ComputeV2(OrtKernelContext* context) {
 OrtStatusPtr GqaCudaOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info,
                                        void** kernel) const {
   GqaAttributes attrs;
-  if (OrtStatusPtr st = ToOrtStatus(ReadGqaAttributes(api, info, &attrs))) return st;
+  if (OrtStatusPtr st = ToOrtStatus(ReadGqaAttributes(api, info, &attrs, CudaCaps()))) return st;
   CudaDeviceInfo device;
   if (OrtStatusPtr st = ToOrtStatus(QueryCudaDevice(&device))) return st;
   bool strict = false;

@@ -1,0 +1,455 @@
+"""Quantized KV caches (ORT 1.32's contract: int8 / packed int4, PER_TENSOR / PER_CHANNEL) on the
+CUDA op, both layouts: the present cache bytes equal our CPU op's (which equal ORT 1.32 CPU's,
+tests/test_gqa_quant.py) on the same inputs, and ORT CUDA's com.microsoft kernel's where it runs
+the case; the output is within fp16 / bf16 tolerance of the float64 oracle
+(tests/reference_quant.py), of our CPU op and of ORT CUDA. Every serving kernel is reached: the
+decode kernel's quantized instances (head sizes 64 and 128, one token and chunks), the portable
+kernel (prompts, other head sizes, fp32), a sliding window cache; plus a CUDA graph capture of
+quantized decode steps and a long (4096-key) decode.
+
+Skips without CUDAExecutionProvider or a CUDA build of ort_kvlayout (gpu_util.GPU_MARKS); the
+data are fresh per process (GQA_GPU_SEED reproduces them).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import reference as ref
+import reference_quant as rq
+from gpu_util import (
+    GPU_MARKS,
+    QUICK,
+    case_seed,
+    device_filled,
+    from_device,
+    new_cuda_session,
+    seed_note,
+    to_device,
+    update,
+)
+from gqa_case import KV_DOMAIN, MS_DOMAIN, GqaCase, rotary_caches
+from test_gqa_quant import ALONE, EPS, FLOOR, QuantCase, _max_err, _model
+from test_gqa_quant import run as run_cpu
+
+pytestmark = GPU_MARKS
+
+
+# --------------------------------------------------------------------------------------------
+# Running a quantized case on the CUDA EP
+# --------------------------------------------------------------------------------------------
+_SESSIONS: dict = {}
+
+
+def _session(model: bytes, domain: str, graph: bool = False):
+    key = (model, domain, graph)
+    if graph or key not in _SESSIONS:
+        sess = new_cuda_session(model, domain, graph=graph)
+        if graph:
+            return sess
+        _SESSIONS[key] = sess
+    return _SESSIONS[key]
+
+
+def run_cuda_quant(qc: QuantCase, domain: str = KV_DOMAIN, sess=None):
+    """(output, present_key, present_value) as host arrays after one run on the CUDA EP:
+    presents in the case's layout for ai.kvlayout, BNSH for com.microsoft. Inputs on the device
+    (total_sequence_length in CPU memory), outputs preallocated (output NaN-filled, separate
+    presents filled with 0x5A bytes), past bound as present when shared. ``sess``: this session
+    instead of the cached one of the case's model."""
+    c = qc.base
+    layout = c.kv_layout if domain == KV_DOMAIN else None
+    feeds = qc.feeds() if domain == KV_DOMAIN else qc.head_major_feeds()
+    if sess is None:
+        sess = _session(_model(feeds, qc.attrs(), domain, layout, qc.cache_dtype), domain)
+    names = {i.name for i in sess.get_inputs()}
+    io = sess.io_binding()
+    dev = {}
+    for k, v in feeds.items():
+        if v is None or k not in names:
+            continue
+        if k == "total_sequence_length":
+            io.bind_cpu_input(k, np.ascontiguousarray(np.asarray(v)))
+        else:
+            dev[k] = to_device(np.asarray(v))
+            io.bind_ortvalue_input(k, dev[k])
+    plan = ref.plan_step(feeds, qc.attrs())
+    q = np.asarray(feeds["query"])
+    out = device_filled((c.batch, c.seq, c.num_heads * c.head_size), q.dtype)
+    io.bind_ortvalue_output("output", out)
+    if c.shared:
+        pk, pv = dev["past_key"], dev["past_value"]
+    else:
+        shape = (c.batch, c.kv_num_heads, plan.present_capacity, qc.row)
+        pk = device_filled(shape, qc.cache_dtype, 0x5A)
+        pv = device_filled(shape, qc.cache_dtype, 0x5A)
+    io.bind_ortvalue_output("present_key", pk)
+    io.bind_ortvalue_output("present_value", pv)
+    sess.run_with_iobinding(io)
+    return from_device(out), from_device(pk), from_device(pv)
+
+
+def _exact_codes(qc: QuantCase) -> bool:
+    """Whether the key codes must match bit for bit: rotary and norm run in float32 on both
+    devices, but not in the same order of operations, so a value at a rounding edge of T can
+    round the other way and then move one code (V is never transformed: always exact)."""
+    return not qc.base.do_rotary and not qc.base.qk_norm
+
+
+def assert_same_codes(name, got, want, pmask, exact, what):
+    """Present bytes equal on the defined rows (``pmask``, the presents' byte order); with
+    rotary / norm, key codes within one code on at most 2% of the defined values."""
+    bad = (got != want) & pmask
+    if not bad.any():
+        return
+    if exact or name != "present_key":
+        raise AssertionError(
+            f"{name}: {int(bad.sum())} bytes differ from {what}; first at "
+            f"{np.argwhere(bad)[:3].tolist()} {seed_note()}"
+        )
+    # One code apart (int8 codes or either nibble of an int4 byte), rarely.
+    g, w = got.astype(np.int16), want.astype(np.int16)
+    if got.dtype == np.uint8:
+        diff = np.maximum(np.abs((g & 15) - (w & 15)), np.abs((g >> 4) - (w >> 4)))
+    else:
+        diff = np.abs(g - w)
+    assert diff[pmask].max() <= 1 and bad.sum() <= 0.02 * pmask.sum(), (
+        f"{name}: {int(bad.sum())} bytes differ from {what} (max {int(diff[pmask].max())} codes) "
+        f"{seed_note()}"
+    )
+
+
+def check(qc: QuantCase, cpu: bool = True) -> None:
+    """Ours on CUDA against the float64 oracle and (``cpu``) our CPU op on the same inputs."""
+    c = qc.base
+    ours = run_cuda_quant(qc)
+    out_ref, pk_ref, _pv_ref, (pk_lv, pv_lv) = qc.reference()
+    rows, pmask = qc.masks()
+    osel = np.broadcast_to(rows[:, :, None], out_ref.shape)
+    assert ours[1].dtype == qc.cache_dtype and ours[1].shape == pk_ref.shape, (ours[1].shape, qc)
+    # The codes against the oracle's (as the CPU test: one code at rounding edges with rotary).
+    for got, lv in ((ours[1], pk_lv), (ours[2], pv_lv)):
+        got_lv = rq.unpack(ref.from_layout(got, c.kv_layout), qc.bits, c.head_size)
+        defined = ~np.isnan(lv)
+        diff = np.abs(got_lv[defined] - lv[defined])
+        tol = 0 if _exact_codes(qc) else 1
+        assert diff.size == 0 or diff.max() <= tol, f"codes vs oracle for {qc!r} {seed_note()}"
+        assert diff.size == 0 or (diff > 0).mean() <= 0.02, f"codes vs oracle {qc!r} {seed_note()}"
+    w_max = float(np.abs(out_ref[osel]).max()) if osel.any() else 0.0
+    e_ours = _max_err(ours[0], out_ref, osel)
+    bound = ALONE[c.dtype] * max(1.0, w_max)
+    assert e_ours <= bound, f"output vs oracle: err {e_ours:.3g} > {bound:.3g} {qc!r} {seed_note()}"
+    if cpu:
+        theirs = run_cpu(qc)
+        for name, g, t in (
+            ("present_key", ours[1], theirs[1]),
+            ("present_value", ours[2], theirs[2]),
+        ):
+            assert_same_codes(name, g, t, pmask, _exact_codes(qc), f"our CPU op's for {qc!r}")
+        e_cpu = _max_err(theirs[0], out_ref, osel)
+        # Both against the oracle: ours within 2x the CPU op's error + the fp16 floor (the CPU
+        # op dequantizes into float32 tiles; ours converts to T for the MMA, like ORT CUDA).
+        bound = 2.0 * e_cpu + FLOOR[c.dtype] + 4 * EPS[c.dtype] * max(1.0, w_max)
+        assert e_ours <= max(bound, ALONE[c.dtype] * max(1.0, w_max)), (
+            f"output: err {e_ours:.3g} vs CPU op's {e_cpu:.3g} {qc!r} {seed_note()}"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# The matrix: layout x bits x granularity x case x shared/separate x dtype, at head sizes the
+# decode kernel serves quantized (64; 128 below) and the portable kernel's (16)
+# --------------------------------------------------------------------------------------------
+KINDS = {
+    "prompt": {"kind": "prompt", "seq": 7, "batch": 2, "pad": 3},
+    "decode": {"kind": "decode", "past_len": 37, "batch": 2, "pad": 4},
+    "chunk": {
+        "kind": "chunk",
+        "seq": 3,
+        "past_len": 29,
+        "batch": 2,
+        "pad": 5,
+        "query_seqlens": True,
+    },
+}
+HEADS = {"h64": {"num_heads": 8, "kv_num_heads": 2, "head_size": 64},
+         "h16": {"num_heads": 4, "kv_num_heads": 2, "head_size": 16}}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("shared", [False, True], ids=["separate", "shared"])
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("quant", ["PER_TENSOR", "PER_CHANNEL"])
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("layout", [0, 1])
+def test_matrix(layout, bits, quant, kind, shared, dtype):
+    if QUICK and dtype != "fp16":
+        pytest.skip("GQA_GPU_QUICK: fp16 only")
+    heads = "h64"
+    seed = case_seed(1000 + 100 * bits + 10 * len(quant) + list(KINDS).index(kind))
+    base = GqaCase(**HEADS[heads], dtype=dtype, kv_layout=layout, shared=shared, seed=seed,
+                   **KINDS[kind])  # fmt: skip
+    check(QuantCase(base, bits, quant))
+
+
+# Head shapes: every quantized decode instance (64, 128: one token and chunks; G from 1 to 16),
+# the portable kernel (head sizes 8, 32, 96, 256; a prompt of several query blocks; packed QKV),
+# fp32, query_seqlens with padding, the tensor-core prefill's quantized instances.
+SHAPES = [
+    {"num_heads": 16, "kv_num_heads": 1, "head_size": 128, "kind": "decode", "past_len": 300},
+    {"num_heads": 8, "kv_num_heads": 8, "head_size": 128, "kind": "chunk", "seq": 5,
+     "past_len": 70, "batch": 2, "pad": 9, "query_seqlens": True},
+    {"num_heads": 6, "kv_num_heads": 3, "head_size": 64, "kind": "decode", "past_len": 513,
+     "batch": 3, "pad": 100, "packed": True},
+    {"num_heads": 2, "kv_num_heads": 2, "head_size": 8, "kind": "decode", "past_len": 1},
+    {"num_heads": 4, "kv_num_heads": 2, "head_size": 96, "kind": "decode", "past_len": 45},
+    {"num_heads": 4, "kv_num_heads": 1, "head_size": 256, "kind": "chunk", "seq": 2,
+     "past_len": 33},
+    {"num_heads": 4, "kv_num_heads": 2, "head_size": 32, "kind": "prompt", "seq": 90,
+     "batch": 2, "pad": 17},
+    {"num_heads": 4, "kv_num_heads": 2, "head_size": 64, "kind": "chunk", "seq": 4,
+     "past_len": 8, "batch": 3, "pad": 5, "query_seqlens": True},
+    # The tensor-core prefill's quantized instances (S >= 16, head sizes 64 and 128).
+    {"num_heads": 8, "kv_num_heads": 2, "head_size": 64, "kind": "prompt", "seq": 40,
+     "batch": 2, "pad": 9, "do_rotary": True},
+    {"num_heads": 8, "kv_num_heads": 4, "head_size": 128, "kind": "chunk", "seq": 20,
+     "past_len": 50, "batch": 2, "pad": 6, "query_seqlens": True, "local_window_size": 33,
+     "softcap": 8.0, "shared": True},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", range(len(SHAPES)))
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("bits,quant", [(8, "PER_CHANNEL"), (4, "PER_TENSOR"), (4, "PER_CHANNEL")])
+@pytest.mark.parametrize("layout", [0, 1])
+def test_shapes(layout, bits, quant, dtype, shape):
+    if QUICK and (2 < shape < len(SHAPES) - 2 or dtype == "fp32"):
+        pytest.skip("GQA_GPU_QUICK: the decode kernel's shapes only")
+    base = GqaCase(dtype=dtype, kv_layout=layout, seed=case_seed(2000 + shape), **SHAPES[shape])
+    check(QuantCase(base, bits, quant))
+
+
+# Features combined (the decode kernel's full form, the portable kernel, a sliding window cache).
+FEATURES = {
+    "rotary": {"do_rotary": True},
+    "rotary_interleaved_partial_pos": {"do_rotary": True, "rotary_interleaved": True,
+                                       "rotary_dim": 32, "position_ids": True},
+    "window_softcap": {"local_window_size": 5, "softcap": 2.5},
+    "sink_bias": {"head_sink": True, "attention_bias": "bn"},
+    "smooth_scale": {"smooth_softmax": 1, "scale": 0.3},
+    "rotary_window_softcap_sink": {"do_rotary": True, "local_window_size": 4, "softcap": 5.0,
+                                   "head_sink": True},
+    "query_seqlens_capacity": {"query_seqlens": True, "extra_capacity": 5},
+    "qk_norm_rotary": {"qk_norm": True, "do_rotary": True},
+    "sliding_window_cache": {"sliding_window_cache": True, "local_window_size": 6,
+                             "extra_capacity": 2},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("kind", ["prompt", "decode", "chunk"])
+@pytest.mark.parametrize("bits,quant", [(8, "PER_TENSOR"), (4, "PER_CHANNEL")])
+@pytest.mark.parametrize("layout", [0, 1])
+@pytest.mark.parametrize("head_size", [64, 32])
+def test_features(head_size, layout, bits, quant, kind, feature):
+    if QUICK and (head_size != 64 or bits != 8):
+        pytest.skip("GQA_GPU_QUICK: head size 64, int8 only")
+    kw = {"num_heads": 8, "kv_num_heads": 2, "head_size": head_size, "dtype": "fp16",
+          "kv_layout": layout, "seed": case_seed(3000 + list(FEATURES).index(feature))}  # fmt: skip
+    kw.update(
+        {
+            "prompt": {"kind": "prompt", "seq": 9, "batch": 2, "pad": 2},
+            "decode": {"kind": "decode", "past_len": 13, "batch": 2, "pad": 3},
+            "chunk": {"kind": "chunk", "seq": 2, "past_len": 10, "batch": 2, "pad": 3,
+                      "query_seqlens": True},
+        }[kind]
+    )  # fmt: skip
+    kw.update(FEATURES[feature])
+    if kw.get("sliding_window_cache"):
+        kw["pad"] = 0  # a window-sized cache takes no right-padded prompt
+        if kind == "prompt":
+            kw["seq"] = 5  # a first prompt that fits the cache
+    check(QuantCase(GqaCase(**kw), bits, quant))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("layout", [0, 1])
+def test_prompt_without_past(layout, bits):
+    """A first prompt without past inputs (present typed from kv_cache_bit_width)."""
+    base = GqaCase(num_heads=8, kv_num_heads=2, head_size=64, kind="prompt", seq=6,
+                   dtype="fp16", kv_layout=layout, seed=case_seed(4000))  # fmt: skip
+    check(QuantCase(base, bits, "PER_CHANNEL", no_past=True))
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("bits,quant", [(8, "PER_CHANNEL"), (4, "PER_CHANNEL"), (8, "PER_TENSOR")])
+@pytest.mark.parametrize("head_size", [128, 64])
+def test_long_decode(head_size, bits, quant, dtype):
+    """4096 cached keys (many splits of the decode kernel, its merges), both layouts, shared."""
+    if QUICK and (dtype != "fp16" or head_size != 128):
+        pytest.skip("GQA_GPU_QUICK: fp16 at head size 128 only")
+    for layout in (0, 1):
+        base = GqaCase(num_heads=8, kv_num_heads=2, head_size=head_size, kind="decode",
+                       past_len=4096, batch=2, pad=1000, dtype=dtype, kv_layout=layout,
+                       shared=True, do_rotary=True, seed=case_seed(5000 + head_size))  # fmt: skip
+        check(QuantCase(base, bits, quant), cpu=not QUICK)
+
+
+# --------------------------------------------------------------------------------------------
+# ORT CUDA's com.microsoft kernel, the second oracle (where it runs the case)
+# --------------------------------------------------------------------------------------------
+ORT_CASES = {
+    "decode_shared_h128": {"num_heads": 16, "kv_num_heads": 2, "head_size": 128, "kind": "decode",
+                           "past_len": 100, "batch": 2, "pad": 7, "shared": True},
+    "decode_separate_h64": {"num_heads": 8, "kv_num_heads": 2, "head_size": 64, "kind": "decode",
+                            "past_len": 50, "batch": 2, "pad": 3},
+    "chunk_rotary": {"num_heads": 8, "kv_num_heads": 2, "head_size": 64, "kind": "chunk",
+                     "seq": 3, "past_len": 40, "batch": 2, "pad": 5, "do_rotary": True,
+                     "query_seqlens": True},
+    "prompt": {"num_heads": 8, "kv_num_heads": 2, "head_size": 64, "kind": "prompt", "seq": 20,
+               "batch": 2, "pad": 4},
+}  # fmt: skip
+
+
+def _ort_cuda_or_skip(qc: QuantCase):
+    try:
+        return run_cuda_quant(qc, MS_DOMAIN)
+    except Exception as e:  # noqa: BLE001 - ORT CUDA's refusal is the skip's reason
+        pytest.skip(f"ORT CUDA's com.microsoft GQA does not run {qc!r}: {str(e)[-300:]}")
+
+
+@pytest.mark.parametrize("case", list(ORT_CASES))
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("bits,quant", [(8, "PER_TENSOR"), (8, "PER_CHANNEL"), (4, "PER_TENSOR"),
+                                        (4, "PER_CHANNEL")])  # fmt: skip
+@pytest.mark.parametrize("layout", [0, 1])
+def test_vs_ort_cuda(layout, bits, quant, dtype, case):
+    """The present bytes equal ORT CUDA's (layout 1 compared after transposing to BNSH), the
+    outputs within 2x ORT CUDA's own error against the oracle + the fp16 floor. ORT CUDA 1.31.1
+    refuses some cases (a uint8 cache where built without int4 support; bf16 on some paths):
+    skipped with its message."""
+    c = GqaCase(dtype=dtype, kv_layout=layout, seed=case_seed(6000 + len(case)), **ORT_CASES[case])
+    qc = QuantCase(c, bits, quant)
+    theirs = _ort_cuda_or_skip(qc)
+    ours = run_cuda_quant(qc)
+    out_ref = qc.reference()[0]
+    rows, pmask = qc.masks()
+    pm = ref.from_layout(pmask, layout)
+    for name, g, t in (("present_key", ours[1], theirs[1]), ("present_value", ours[2], theirs[2])):
+        assert_same_codes(name, ref.from_layout(g, layout), t, pm, _exact_codes(qc),
+                          f"ORT CUDA's for {qc!r}")  # fmt: skip
+    osel = np.broadcast_to(rows[:, :, None], out_ref.shape)
+    w_max = float(np.abs(out_ref[osel]).max()) if osel.any() else 0.0
+    e_ort, e_ours = _max_err(theirs[0], out_ref, osel), _max_err(ours[0], out_ref, osel)
+    bound = 2.0 * e_ort + FLOOR[dtype] + 4 * EPS[dtype] * max(1.0, w_max)
+    assert e_ours <= max(bound, ALONE[dtype] * max(1.0, w_max)), (
+        f"output: err {e_ours:.3g} vs ORT CUDA's {e_ort:.3g} for {qc!r} {seed_note()}"
+    )
+    e_between = _max_err(ours[0], theirs[0].astype(np.float64), osel)
+    assert e_between <= ALONE[dtype] * max(1.0, w_max), (
+        f"output vs ORT CUDA's: {e_between:.3g} for {qc!r} {seed_note()}"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA graph capture of quantized decode steps
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits,quant", [(8, "PER_CHANNEL"), (4, "PER_TENSOR")])
+@pytest.mark.parametrize("layout", [0, 1])
+def test_cuda_graph_decode(layout, bits, quant):
+    """onnxruntime-genai's setup: one shared quantized cache bound to past and present, S = 1,
+    total_sequence_length = C; ORT captures the first run, later runs replay it while seqlens_k
+    grows. Every step's output and cache equal an uncaptured session's fed identically (same
+    kernels, same bits), and the cache's codes the CPU op's step by step."""
+    B, C, steps = 2, 96, 8 if QUICK else 24
+    base = GqaCase(num_heads=8, kv_num_heads=2, head_size=128, kind="decode", past_len=40,
+                   batch=B, pad=9, dtype="fp16", kv_layout=layout, shared=True,
+                   extra_capacity=C - 41, do_rotary=True, position_ids=True,
+                   seed=case_seed(7000 + 10 * bits + layout))  # fmt: skip
+    qc = QuantCase(base, bits, quant)
+    feeds = {k: v for k, v in qc.feeds().items() if v is not None}
+    assert feeds["past_key"].shape[2] == C, feeds["past_key"].shape
+    feeds["total_sequence_length"] = np.array(C, np.int32)  # constant: the cache's capacity
+    feeds["cos_cache"], feeds["sin_cache"] = rotary_caches(128, C, np.float16)  # every position
+    model = _model(feeds, qc.attrs(), KV_DOMAIN, layout, qc.cache_dtype)
+    rng = np.random.default_rng(case_seed(7100 + bits))
+    names = {i.name for i in new_cuda_session(model, KV_DOMAIN).get_inputs()}
+
+    class Rig:
+        def __init__(self, graph):
+            self.sess = new_cuda_session(model, KV_DOMAIN, graph=graph)
+            self.io = self.sess.io_binding()
+            self.dev = {k: to_device(np.asarray(v)) for k, v in feeds.items()
+                        if k in names and k != "total_sequence_length"}  # fmt: skip
+            for k, v in self.dev.items():
+                self.io.bind_ortvalue_input(k, v)
+            self.io.bind_cpu_input(
+                "total_sequence_length", np.ascontiguousarray(feeds["total_sequence_length"])
+            )
+            self.out = device_filled(np.asarray(feeds["query"]).shape, np.float16)
+            self.io.bind_ortvalue_output("output", self.out)
+            self.io.bind_ortvalue_output("present_key", self.dev["past_key"])
+            self.io.bind_ortvalue_output("present_value", self.dev["past_value"])
+
+        def step(self, f):
+            for k, v in f.items():
+                update(self.dev[k], v)
+            self.sess.run_with_iobinding(self.io)
+            return (from_device(self.out), from_device(self.dev["past_key"]),
+                    from_device(self.dev["past_value"]))  # fmt: skip
+
+    graph, eager = Rig(True), Rig(False)
+    seqlens = np.asarray(feeds["seqlens_k"]).copy()
+    cpu_cache = {k: np.asarray(feeds[k]).copy() for k in ("past_key", "past_value")}
+    for step in range(steps):
+        f = {k: rng.standard_normal(np.asarray(feeds[k]).shape).astype(np.float16)
+             for k in ("query", "key", "value") if k in names}  # fmt: skip
+        f["seqlens_k"] = seqlens.astype(np.int32)
+        if "position_ids" in names:
+            f["position_ids"] = seqlens.reshape(B, 1).astype(np.int64)
+        og, kg, vg = graph.step(f)
+        oe, ke, ve = eager.step(f)
+        what = f"step {step} of {qc!r} {seed_note()}"
+        assert np.array_equal(kg, ke) and np.array_equal(vg, ve), f"cache: graph != eager, {what}"
+        assert np.array_equal(og.view(np.uint16), oe.view(np.uint16)), f"output differs, {what}"
+        # The CPU op on the same step: the same codes (rotary: within one at rounding edges).
+        cf = dict(feeds, **f, past_key=cpu_cache["past_key"], past_value=cpu_cache["past_value"])
+        cq = qc.replace()
+        cq._feeds = cf
+        oc, kc, vc = run_cpu(cq)
+        _, pmask = cq.masks()
+        assert_same_codes("present_key", kg, kc, pmask, False, f"our CPU op's, {what}")
+        assert_same_codes("present_value", vg, vc, pmask, True, f"our CPU op's, {what}")
+        rows, _ = cq.masks()
+        osel = np.broadcast_to(rows[:, :, None], oc.shape)
+        err = _max_err(og, oc.astype(np.float64), osel)
+        assert err <= 6e-3 * max(1.0, float(np.abs(oc[osel]).max())), f"output {err:.3g}, {what}"
+        cpu_cache = {"past_key": kg.copy(), "past_value": vg.copy()}
+        seqlens += 1
+
+
+# --------------------------------------------------------------------------------------------
+# Bad scales: the CPU op's errors, naming the input and the index
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "name,index,value,match",
+    [
+        ("k_scale", 0, 0.0, r"input 'k_scale'\[0\] = 0: every scale must be finite and > 0"),
+        ("v_scale", 5, -0.5, r"input 'v_scale'\[5\] = -0.5: every scale must be finite"),
+        ("k_scale", 3, np.nan, r"input 'k_scale'\[3\] = nan: every scale must be finite"),
+    ],
+)
+def test_bad_scale_values(name, index, value, match):
+    """Checked on the host when a kernel first sees the scale buffers: a fresh session (a cached
+    one may have checked good scales at the address the bad ones now take)."""
+    base = GqaCase(num_heads=8, kv_num_heads=2, head_size=64, kind="decode", past_len=20,
+                   dtype="fp16", seed=case_seed(8000))  # fmt: skip
+    qc = QuantCase(base, 8, "PER_CHANNEL")
+    f = qc.feeds()
+    bad = np.array(f[name], copy=True)
+    bad.reshape(-1)[index] = value
+    qc._feeds = dict(f, **{name: bad})
+    sess = new_cuda_session(_model(f, qc.attrs(), KV_DOMAIN, 0, qc.cache_dtype), KV_DOMAIN)
+    with pytest.raises(Exception, match=match):
+        run_cuda_quant(qc, sess=sess)
+    qc._feeds = f
+    run_cuda_quant(qc, sess=sess)  # the same kernel then runs good scales
