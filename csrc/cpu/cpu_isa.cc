@@ -27,7 +27,9 @@ uint64_t EnabledXState() {
 
 bool CpuHasAvx2() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;  // F16C: CPUID.1:ECX bit 29
+  const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c &&
          (EnabledXState() & 0x6) == 0x6;
 }
 

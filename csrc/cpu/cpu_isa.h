@@ -11,8 +11,8 @@ namespace kvl {
 
 enum class CpuIsa : int {
   kPortable = 0,  // the compiler's baseline (x86-64: SSE2, 4-float vectors)
-  kAvx2 = 1,      // AVX2 + FMA, 8-float vectors
-  kAvx512 = 2,    // AVX-512 F/BW/VL/DQ + AVX2 + FMA, 16-float vectors
+  kAvx2 = 1,      // AVX2 + FMA + F16C, 8-float vectors
+  kAvx512 = 2,    // AVX-512 F/BW/VL/DQ + AVX2 + FMA + F16C, 16-float vectors
 };
 
 // "portable", "avx2", "avx512": the names ORT_KVLAYOUT_CPU_ISA takes.

@@ -16,29 +16,30 @@
 #include <immintrin.h>
 #endif
 
-// This file is compiled once per CPU level (CMakeLists.txt) with KVL_ISA_LEVEL = 0 (portable),
-// 1 (AVX2 + FMA) or 2 (AVX-512), and KVL_ISA_NS naming the namespace of that copy. The target
+// This file is compiled once per CPU level (CMakeLists.txt) with KVL_ISA_LEVEL = 0 (portable), 1
+// (AVX2 + FMA + F16C) or 2 (AVX-512), and KVL_ISA_NS naming the namespace of that copy. The target
 // ISA is switched on by a pragma AFTER the includes, not by -m flags: functions defined from here
 // on get the level's instructions, while the inline functions and templates of the headers
 // (std::vector's members, dtype.h, softcap.h) keep the baseline ISA. Those are emitted in every
-// copy under the same names and the linker keeps one of them; compiled with -mavx512f, the one
-// kept could be an AVX-512 copy called from the portable level. Everything defined below is in
+// copy under the same names and the linker keeps one of them; compiled with -mavx512f, the one kept
+// could be an AVX-512 copy called from the portable level. Everything defined below is in
 // KVL_ISA_NS (and mostly an anonymous namespace), so no two levels share a symbol.
 #if !defined(KVL_ISA_LEVEL) || !defined(KVL_ISA_NS)
 #error "gqa_cpu.cc needs KVL_ISA_LEVEL and KVL_ISA_NS (see CMakeLists.txt)"
 #endif
 // (#pragma GCC target does not expand macros: the strings are spelled out per compiler.)
 #if KVL_ISA_LEVEL == 1 && defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx,avx2,fma"))), apply_to = function)
+#pragma clang attribute push(__attribute__((target("avx,avx2,fma,f16c"))), apply_to = function)
 #elif KVL_ISA_LEVEL == 1
 #pragma GCC push_options
-#pragma GCC target("avx,avx2,fma")
+#pragma GCC target("avx,avx2,fma,f16c")
 #elif KVL_ISA_LEVEL == 2 && defined(__clang__)
 #pragma clang attribute push(                                                              \
-    __attribute__((target("avx,avx2,fma,avx512f,avx512bw,avx512vl,avx512dq"))), apply_to = function)
+    __attribute__((target("avx,avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq"))),         \
+    apply_to = function)
 #elif KVL_ISA_LEVEL == 2
 #pragma GCC push_options
-#pragma GCC target("avx,avx2,fma,avx512f,avx512bw,avx512vl,avx512dq")
+#pragma GCC target("avx,avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")
 #elif KVL_ISA_LEVEL != 0
 #error "KVL_ISA_LEVEL must be 0, 1 or 2"
 #endif
@@ -168,6 +169,51 @@ inline float Get(const void* base, int64_t index) {
   return ToFloat(static_cast<const T*>(base)[index]);
 }
 
+// dtype.h's HalfToFloat without branches, so that a loop of it vectorizes (SSE2 at the portable
+// level): the exponent is rebiased in place; inf/nan get a second rebias to 255; a zero or
+// subnormal h is rebuilt as 2^-14 * (1 + m/1024) - 2^-14 = m * 2^-24, exact, every operand and
+// result a float32 normal (no denormal slow path, unaffected by FTZ/DAZ).
+inline float HalfToFloatBranchFree(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t bits = static_cast<uint32_t>(h & 0x7fffu) << 13;
+  const uint32_t exp = bits & 0x0f800000u;
+  const uint32_t inf_nan = 0u - static_cast<uint32_t>(exp == 0x0f800000u);  // all ones or 0
+  const uint32_t tiny = 0u - static_cast<uint32_t>(exp == 0);
+  const uint32_t normal = bits + (112u << 23) + (inf_nan & (112u << 23));
+  const uint32_t sub = FloatToBits(BitsToFloat(bits + (113u << 23)) - BitsToFloat(113u << 23));
+  return BitsToFloat((sub & tiny) | (normal & ~tiny) | sign);
+}
+
+// x[0, n) = src[0, n) as float32, exact: the bulk conversion of every T row (cache rows, queries,
+// new K/V). float16 at the AVX2 and AVX-512 levels: F16C's vcvtph2ps, 8 or 16 per instruction
+// (which quiets a signaling NaN that HalfToFloat keeps: every value converted here is an operand
+// of arithmetic, which quiets it anyway, so results are the same bits). float16 at the portable
+// level and in tails: HalfToFloatBranchFree; bfloat16: a 16-bit shift (both vectorized by the
+// compiler at each level). A loop of HalfToFloat's branches does not vectorize: it read a
+// float16 cache ~3x slower than this (32/8/128 seq-major decode, L = 4096, one thread).
+template <typename T>
+inline void ToFloatRow(const T* src, int64_t n, float* x) {
+  if constexpr (std::is_same<T, float>::value) {
+    std::memcpy(x, src, static_cast<size_t>(n) * sizeof(float));
+  } else if constexpr (std::is_same<T, BFloat16>::value) {
+    for (int64_t d = 0; d < n; ++d) x[d] = BFloat16ToFloat(src[d].bits);
+  } else {
+    int64_t d = 0;
+#if KVL_ISA_LEVEL == 2
+    for (; d + 16 <= n; d += 16) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
+      _mm512_storeu_ps(x + d, _mm512_cvtph_ps(h));
+    }
+#elif KVL_ISA_LEVEL == 1
+    for (; d + 8 <= n; d += 8) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d));
+      _mm256_storeu_ps(x + d, _mm256_cvtph_ps(h));
+    }
+#endif
+    for (; d < n; ++d) x[d] = HalfToFloatBranchFree(src[d].bits);
+  }
+}
+
 // Everything an attention or preparation task reads; built once per call.
 template <typename T>
 struct Call {
@@ -267,15 +313,15 @@ struct Call {
 
 // One cache row -> float32 x[0, H): the T values, or the codes of a quantized cache times their
 // scales (`which`: 0 key, 1 value; h: the kv head; token_scale: the row's scale, PER_TOKEN). The
-// only place a cache row is read. Each loop is a plain element-wise map (int8 / fp8 decode, times
-// one or H scales), which the compiler vectorizes at each CPU level.
+// only place a cache row is read. T rows convert through ToFloatRow; each code loop is a plain
+// element-wise map (int8 / fp8 decode, times one or H scales), which the compiler vectorizes at
+// each CPU level.
 template <typename T>
 inline void LoadRow(const Call<T>& c, const uint8_t* row, int which, int64_t h, float token_scale,
                     float* x) {
   const int64_t H = c.s.head_size;
   if (!c.s.quantized()) {
-    const T* r = reinterpret_cast<const T*>(row);
-    for (int64_t d = 0; d < H; ++d) x[d] = ToFloat(r[d]);
+    ToFloatRow(reinterpret_cast<const T*>(row), H, x);
     return;
   }
   const bool per_token = c.s.per_token();
@@ -391,7 +437,7 @@ void PrepareToken(void* state, size_t task) {
   const int64_t q_row = (b * s.seq_len + i) * q_pitch;
   std::vector<float> x(static_cast<size_t>(H));
   for (int64_t h = 0; h < N; ++h) {
-    for (int64_t d = 0; d < H; ++d) x[d] = Get<T>(c.buf.query, q_row + h * H + d);
+    ToFloatRow(static_cast<const T*>(c.buf.query) + q_row + h * H, H, x.data());
     NormAndRotate(c, x.data(), c.buf.q_norm_weight, s.q_norm_epsilon, pos);
     float* dst = c.q_scaled.data() + ((b * N + h) * s.seq_len + i) * c.head_pad;
     for (int64_t d = 0; d < H; ++d) dst[d] = x[d] * s.scale;
@@ -403,7 +449,7 @@ void PrepareToken(void* state, size_t task) {
   const int64_t kv_row = s.packed_qkv ? q_row + N * H : (b * s.seq_len + i) * Nkv * H;
   const int64_t v_offset = s.packed_qkv ? Nkv * H : 0;
   for (int64_t h = 0; h < Nkv; ++h) {
-    for (int64_t d = 0; d < H; ++d) x[d] = Get<T>(k_src, kv_row + h * H + d);
+    ToFloatRow(static_cast<const T*>(k_src) + kv_row + h * H, H, x.data());
     NormAndRotate(c, x.data(), c.buf.k_norm_weight, s.k_norm_epsilon, pos);
     uint8_t* kdst = c.row(c.buf.present_key, c.present_strides, b, h, row);
     uint8_t* vdst = c.row(c.buf.present_value, c.present_strides, b, h, row);
@@ -422,7 +468,7 @@ void PrepareToken(void* state, size_t task) {
     StoreRow(c, x.data(), 0, h, kdst, kscale);
     const T* vs = static_cast<const T*>(v_src) + kv_row + v_offset + h * H;
     if (s.quantized()) {
-      for (int64_t d = 0; d < H; ++d) x[d] = ToFloat(vs[d]);
+      ToFloatRow(vs, H, x.data());
       StoreRow(c, x.data(), 1, h, vdst, vscale);
     } else {
       std::memcpy(vdst, vs, static_cast<size_t>(H) * sizeof(T));
@@ -536,47 +582,65 @@ void WriteSlidingPresent(void* state, size_t task) {
   }
 }
 
-// kt[d][i] = rows[i][d] for 8 float32 rows, d in [0, H), H a multiple of 8: 8 x 8 blocks
-// transposed in registers (AVX2 and AVX-512 levels). The scalar loop it replaces stored one float
-// per instruction, 256 bytes apart (~8% of a seq-major S=2048 32/8/128 prefill).
+#if KVL_ISA_LEVEL >= 1
+typedef float Vec8 __attribute__((vector_size(8 * sizeof(float))));
+// 8 T values as float32, exact (ToFloatRow's conversions, one vector).
+template <typename T>
+inline Vec8 LoadVec8(const T* p) {
+  if constexpr (std::is_same<T, float>::value) {
+    Vec8 v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if constexpr (std::is_same<T, Half>::value) {
+      return reinterpret_cast<Vec8>(_mm256_cvtph_ps(h));
+    } else {
+      return reinterpret_cast<Vec8>(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+  }
+}
+#endif
+
+// kt[d][i] = rows[i][d] for 8 T rows, d in [0, H), H a multiple of 8: 8 x 8 blocks converted to
+// float32 and transposed in registers (AVX2 and AVX-512 levels). The scalar loop it replaces
+// stored one float per instruction, 256 bytes apart (~8% of a seq-major S=2048 32/8/128 prefill).
 template <typename T>
 inline bool TransposeKRows8(const T* const* rows, int64_t H, float* kt) {
 #if KVL_ISA_LEVEL >= 1
-  if constexpr (std::is_same<T, float>::value) {
-    if (H % 8 != 0) return false;
-    typedef float Vec8 __attribute__((vector_size(8 * sizeof(float))));
-    for (int64_t d = 0; d < H; d += 8) {
-      Vec8 r[8];
-      // Unrolled, so r, t and u live in registers (a loop kept them in a stack array).
+  if (H % 8 != 0) return false;
+  for (int64_t d = 0; d < H; d += 8) {
+    Vec8 r[8];
+    // Unrolled, so r, t and u live in registers (a loop kept them in a stack array).
 #pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i) std::memcpy(&r[i], rows[i] + d, sizeof(Vec8));
-      Vec8 t[8], u[8];
+    for (int i = 0; i < 8; ++i) r[i] = LoadVec8(rows[i] + d);
+    Vec8 t[8], u[8];
 #pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) {  // pairs of rows interleaved: (r0 r1), (r2 r3), ...
-        t[2 * i] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
-        t[2 * i + 1] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
-      }
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {  // quads of rows: rows 0-3 (h = 0) and 4-7 (h = 1)
-        const Vec8 a0 = t[4 * h], a1 = t[4 * h + 1], b0 = t[4 * h + 2], b1 = t[4 * h + 3];
-        u[4 * h + 0] = __builtin_shufflevector(a0, b0, 0, 1, 8, 9, 4, 5, 12, 13);
-        u[4 * h + 1] = __builtin_shufflevector(a0, b0, 2, 3, 10, 11, 6, 7, 14, 15);
-        u[4 * h + 2] = __builtin_shufflevector(a1, b1, 0, 1, 8, 9, 4, 5, 12, 13);
-        u[4 * h + 3] = __builtin_shufflevector(a1, b1, 2, 3, 10, 11, 6, 7, 14, 15);
-      }
-#pragma GCC unroll 4
-      for (int k = 0; k < 4; ++k) {  // u[k]: dims k and k + 4 of rows 0-3; u[4 + k]: rows 4-7
-        const Vec8 lo = __builtin_shufflevector(u[k], u[4 + k], 0, 1, 2, 3, 8, 9, 10, 11);
-        const Vec8 hi = __builtin_shufflevector(u[k], u[4 + k], 4, 5, 6, 7, 12, 13, 14, 15);
-        std::memcpy(kt + (d + k) * kTileKeys, &lo, sizeof lo);
-        std::memcpy(kt + (d + k + 4) * kTileKeys, &hi, sizeof hi);
-      }
+    for (int i = 0; i < 4; ++i) {  // pairs of rows interleaved: (r0 r1), (r2 r3), ...
+      t[2 * i] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+      t[2 * i + 1] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
     }
-    return true;
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {  // quads of rows: rows 0-3 (h = 0) and 4-7 (h = 1)
+      const Vec8 a0 = t[4 * h], a1 = t[4 * h + 1], b0 = t[4 * h + 2], b1 = t[4 * h + 3];
+      u[4 * h + 0] = __builtin_shufflevector(a0, b0, 0, 1, 8, 9, 4, 5, 12, 13);
+      u[4 * h + 1] = __builtin_shufflevector(a0, b0, 2, 3, 10, 11, 6, 7, 14, 15);
+      u[4 * h + 2] = __builtin_shufflevector(a1, b1, 0, 1, 8, 9, 4, 5, 12, 13);
+      u[4 * h + 3] = __builtin_shufflevector(a1, b1, 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {  // u[k]: dims k and k + 4 of rows 0-3; u[4 + k]: rows 4-7
+      const Vec8 lo = __builtin_shufflevector(u[k], u[4 + k], 0, 1, 2, 3, 8, 9, 10, 11);
+      const Vec8 hi = __builtin_shufflevector(u[k], u[4 + k], 4, 5, 6, 7, 12, 13, 14, 15);
+      std::memcpy(kt + (d + k) * kTileKeys, &lo, sizeof lo);
+      std::memcpy(kt + (d + k + 4) * kTileKeys, &hi, sizeof hi);
+    }
   }
-#endif
+  return true;
+#else
   (void)rows, (void)H, (void)kt;
   return false;
+#endif
 }
 
 // scores[r][j] = q_r . k_j for RB query rows and kTileKeys keys (k transposed: kt[d][j]).
