@@ -114,16 +114,16 @@ __global__ void __launch_bounds__(kWarp* kWarps)
         *reinterpret_cast<uint4*>(ks + j * P + c * 8) = kq;
         *reinterpret_cast<uint4*>(vs + j * P + c * 8) = vq;
       }
-      return;
-    }
+    } else {
 #pragma unroll
-    for (int it = 0; it < (BC * CPR + kThreads - 1) / kThreads; ++it) {
-      const int idx = threadIdx.x + it * kThreads, j = idx / CPR, c = idx % CPR;
-      if (idx >= BC * CPR || c >= chunks) continue;
-      const bool valid = k0 + j < key_hi;  // past the end: zero rows
-      const int64_t off = valid ? (k0 + j - geo.cache_base) * seq_stride + c * 8 : 0;
-      ptx::CpAsync16(ks + j * P + c * 8, pk + off, valid);
-      ptx::CpAsync16(vs + j * P + c * 8, pv + off, valid);
+      for (int it = 0; it < (BC * CPR + kThreads - 1) / kThreads; ++it) {
+        const int idx = threadIdx.x + it * kThreads, j = idx / CPR, c = idx % CPR;
+        if (idx >= BC * CPR || c >= chunks) continue;
+        const bool valid = k0 + j < key_hi;  // past the end: zero rows
+        const int64_t off = valid ? (k0 + j - geo.cache_base) * seq_stride + c * 8 : 0;
+        ptx::CpAsync16(ks + j * P + c * 8, pk + off, valid);
+        ptx::CpAsync16(vs + j * P + c * 8, pv + off, valid);
+      }
     }
   };
   if (tiles > 0) issue(0);
