@@ -137,8 +137,19 @@ def test_quantized_model_same_tokens_under_onnxruntime_genai(tmp_path, name):
     assert _greedy(_session(src, None), prompt, len(tokens))[0] == tokens
 
 
-def test_cuda_targeted_quantized_model_refused_by_name(tmp_path):
+def test_cuda_targeted_int8_model_patches(tmp_path):
+    """The CUDA op runs int8 / int4 caches with static scales: a CUDA-targeted model keeps them."""
     src = make_model_dir(tmp_path / "model", Variant(kv_bits=8, provider="cuda"))
+    out = tmp_path / "out"
+    patch_model_dir(src, out, library=None)
+    model = onnx.load(out / "model.onnx")
+    for node in (n for n in model.graph.node if n.op_type == "GroupQueryAttention"):
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs["kv_layout"] == 1 and attrs["kv_cache_bit_width"] == 8
+
+
+def test_cuda_targeted_fp8_model_refused_by_name(tmp_path):
+    src = make_model_dir(tmp_path / "model", Variant(kv_bits=8, fp8_cache=True, provider="cuda"))
     before = snapshot(src)
     with pytest.raises(UnsupportedNodeError) as err:
         patch_model_dir(src, tmp_path / "out", library=None)
@@ -300,14 +311,13 @@ def test_builder_quantized_model_patched_runs_the_same(tmp_path, tiny_hf, scheme
         assert got == tokens, model_dir.name
 
 
-def test_builder_quantized_model_targeting_cuda_refused(tmp_path, tiny_hf):
+def test_builder_quantized_model_targeting_cuda_patches(tmp_path, tiny_hf):
     src = _build(tiny_hf, "int8_per_tensor", tmp_path / "model")
     config = json.loads((src / "genai_config.json").read_text())
     config["model"]["decoder"]["session_options"]["provider_options"] = [{"cuda": {}}]
     (src / "genai_config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedNodeError, match=r"(?s)/model/layers\.0/attn/.*CPU op only"):
-        patch_model_dir(src, tmp_path / "out", library=None)
-    assert not (tmp_path / "out").exists()
+    patch_model_dir(src, tmp_path / "out", library=None)
+    assert (tmp_path / "out" / "genai_config.json").exists()
 
 
 @pytest.mark.parametrize("name", ["int8_per_channel", "int4_per_tensor"])

@@ -272,8 +272,8 @@ Status CheckGqaAttributes(const GqaAttributes& a, const GqaKernelCaps& caps) {
     }
     if (!caps.quantized_kv) {
       return Fail("quantized KV cache (k_quant_type=", a.k_quant_type, ", kv_cache_bit_width=",
-                  a.kv_cache_bit_width, ") runs on the CPU op (CPUExecutionProvider) only so ",
-                  "far: these kernels do not support it");
+                  a.kv_cache_bit_width, ") runs on the CPU and CUDA ops (CPUExecutionProvider, ",
+                  "CUDAExecutionProvider) only: this kernel entry does not support it");
     }
     if (kq == KvQuant::kPerToken && !caps.per_token_kv) {
       return Fail("k_quant_type=PER_TOKEN (per-token scales in scale caches) runs on the CPU op ",

@@ -19,8 +19,8 @@ What it does (DESIGN section 5):
 Nodes the op does not support (an fp8 KV cache without a quant type, output_qk, attributes
 outside the contract, an inconsistent quantized-cache setup) are refused by name with the
 reason, and then nothing is written. Quantized (int8 / packed int4 / fp8) nodes are kept,
-k_scale/v_scale and the quant attributes unchanged, unless genai_config.json targets CUDA: the CUDA op does not run them yet, so such a
-model is refused by node name (docs/TOOLS.md).
+k_scale/v_scale and the quant attributes unchanged, unless genai_config.json targets CUDA and the node is fp8 or PER_TOKEN, which the
+CUDA op does not run yet: such a model is refused by node name (docs/TOOLS.md).
 """
 
 from __future__ import annotations
@@ -515,26 +515,37 @@ def config_providers(config: object) -> set[str]:
 
 
 CUDA_QUANT_REASON = (
-    "quantized KV cache runs on the CPU op only so far, and genai_config.json's "
-    "provider_options name cuda (the CUDA op refuses it at session creation); patch a copy "
-    "whose provider_options name no GPU provider, or the unquantized model"
+    "an fp8 or PER_TOKEN KV cache runs on the CPU op only so far, and genai_config.json's "
+    "provider_options name cuda (the CUDA op refuses it at session creation; it runs int8 and "
+    "int4 PER_TENSOR / PER_CHANNEL caches); patch a copy whose provider_options name no GPU "
+    "provider, or the unquantized model"
 )
+
+
+def cuda_refuses_quant(node: onnx.NodeProto, cache_type: int) -> bool:
+    """The CUDA op's quantized caches: int8 / packed int4 with static scales. fp8 caches and
+    PER_TOKEN scale caches run on the CPU op only (CONTRACT.md §13, "Other kernels")."""
+    if not is_quantized(node):
+        return False
+    per_token = quant_type(node_attrs(node), "k_quant_type") == "PER_TOKEN"
+    return per_token or cache_type == onnx.TensorProto.FLOAT8E4M3FN
 
 
 def _refuse_quantized_on_cuda(
     config: dict, models: dict[Path, onnx.ModelProto], src: Path, files: int
 ) -> None:
-    """A model whose genai_config.json targets CUDA cannot keep quantized GQA nodes: the CUDA op
-    refuses them at session creation, so the patched model would not load (docs/TOOLS.md)."""
+    """A model whose genai_config.json targets CUDA cannot keep GQA nodes the CUDA op refuses at
+    session creation (fp8, PER_TOKEN): the patched model would not load (docs/TOOLS.md)."""
     if "cuda" not in config_providers(config):
         return
     refusals = []
     for path, model in sorted(models.items()):
         prefix = f"{path.relative_to(src).as_posix()}: " if files > 1 else ""
+        types = cache_element_types(model)
         refusals += [
             (prefix + node_label(node, i), CUDA_QUANT_REASON)
             for i, node in enumerate(iter_gqa_nodes(model))
-            if is_quantized(node)
+            if cuda_refuses_quant(node, types.get(node_cache_name(node), 0))
         ]
     if refusals:
         raise UnsupportedNodeError(refusals)
