@@ -300,14 +300,22 @@ def test_long_decode(head_size, bits, quant, dtype):
 ORT_CASES = {
     "decode_shared_h128": {"num_heads": 16, "kv_num_heads": 2, "head_size": 128, "kind": "decode",
                            "past_len": 100, "batch": 2, "pad": 7, "shared": True},
-    "decode_separate_h64": {"num_heads": 8, "kv_num_heads": 2, "head_size": 64, "kind": "decode",
-                            "past_len": 50, "batch": 2, "pad": 3},
+    "decode_shared_h64": {"num_heads": 8, "kv_num_heads": 2, "head_size": 64, "kind": "decode",
+                          "past_len": 50, "batch": 2, "pad": 3, "shared": True},
     "chunk_rotary": {"num_heads": 8, "kv_num_heads": 2, "head_size": 64, "kind": "chunk",
                      "seq": 3, "past_len": 40, "batch": 2, "pad": 5, "do_rotary": True,
-                     "query_seqlens": True},
-    "prompt": {"num_heads": 8, "kv_num_heads": 2, "head_size": 64, "kind": "prompt", "seq": 20,
-               "batch": 2, "pad": 4},
+                     "query_seqlens": True, "shared": True},
+    "prompt_shared": {"num_heads": 8, "kv_num_heads": 2, "head_size": 64, "kind": "prompt",
+                      "seq": 20, "batch": 2, "pad": 4, "shared": True},
 }  # fmt: skip
+# ORT CUDA 1.31.1 runs quantized caches as onnxruntime-genai binds them on CUDA: one buffer
+# for past and present. With separate buffers (a decode with past_len 50, or a first prompt) its
+# present did not hold the codes (on the H200, 2026-12-06: 12,400 of 12,800 key bytes differ
+# from ORT CPU 1.32's, which ours equal) and its prompt output was 0.6 off the dequantizing
+# oracle, ours within fp16 tolerance: ORT CUDA is no oracle there, and
+# test_separate_buffers_ort_cuda_differs keeps the finding checked.
+ORT_SEPARATE = {"num_heads": 8, "kv_num_heads": 2, "head_size": 64, "kind": "decode",
+                "past_len": 50, "batch": 2, "pad": 3}  # fmt: skip
 
 
 def _ort_cuda_or_skip(qc: QuantCase):
@@ -348,6 +356,19 @@ def test_vs_ort_cuda(layout, bits, quant, dtype, case):
     assert e_between <= ALONE[dtype] * max(1.0, w_max), (
         f"output vs ORT CUDA's: {e_between:.3g} for {qc!r} {seed_note()}"
     )
+
+
+def test_separate_buffers_ort_cuda_differs():
+    """The finding behind ORT_CASES' shared buffers: with separate past/present, ORT CUDA
+    1.31.1's present codes differ from ours (which equal ORT CPU 1.32's: test_matrix) while
+    ours match the oracle. If a later ORT agrees, this fails: move the case back into ORT_CASES."""
+    c = GqaCase(dtype="fp16", kv_layout=0, seed=case_seed(6100), **ORT_SEPARATE)
+    qc = QuantCase(c, 8, "PER_CHANNEL")
+    theirs = _ort_cuda_or_skip(qc)
+    ours = run_cuda_quant(qc)
+    _, pmask = qc.masks()
+    differ = int(((ours[1] != theirs[1]) & pmask).sum())
+    assert differ > 0, "ORT CUDA now writes the codes of a separate present: compare it again"
 
 
 # --------------------------------------------------------------------------------------------
