@@ -33,6 +33,8 @@ INPUT_NAMES = (
     "q_norm_weight",
     "k_norm_weight",
     "query_seqlens",
+    "past_key_scale",  # ai.kvlayout, PER_TOKEN (docs/CONTRACT.md section 14)
+    "past_value_scale",
 )
 OUTPUT_NAMES = ("output", "present_key", "present_value", "output_qk")
 

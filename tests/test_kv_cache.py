@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
+import onnx
 import pytest
 from ort_kvlayout.op.layout import live_ranges, to_layout
 from ort_kvlayout.runtime.kv_cache import KvCache, KvCapacityError
@@ -248,3 +250,95 @@ def test_prefix_tokens_inverts_prefix_spans(layout):
             assert prefix_tokens(layout, 4, 64, 8, end - start - 1) == t - 1
             assert b in (0, 1)
     assert prefix_tokens(layout, 4, 64, 8, 10**9) == 64  # at most the capacity
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantized caches: narrow element types, packed int4 rows, PER_TOKEN scale caches.
+
+
+def qspec(dtype, bits=0, quant="none", layout=1, head_dim=64):
+    return KvSpec.synthetic(2, 4, head_dim, dtype, layout, 2048, bits, quant)
+
+
+@pytest.mark.parametrize("layout", [0, 1])
+def test_narrow_caches_commit_a_half_and_a_quarter(layout):
+    """1024 live tokens of 4 heads x 64: fp16 512 KiB a buffer, int8 and fp8 half, int4 a
+    quarter (rows of 32 bytes); exact, the pages being filled."""
+    fp8 = np.dtype(ml_dtypes.float8_e4m3fn)
+    committed = {}
+    for name, dtype, bits in [
+        ("fp16", np.float16, 0), ("int8", np.int8, 8), ("fp8", fp8, 8), ("int4", np.uint8, 4)
+    ]:  # fmt: skip
+        s = qspec(dtype, bits, "per_tensor" if bits else "none", layout)
+        with KvCache.create(s, "growable", capacity=1024) as cache:
+            cache.ensure(1024)
+            committed[name] = cache.stats.committed_bytes
+            assert cache.stats.live_bytes == committed[name] == cache.commit_bytes([1024])
+            assert cache.buffers[0].shape == (1, 4, 1024, s.row)
+            assert cache.buffers[0].dtype == np.dtype(dtype)
+    assert committed["fp16"] == 4 * 512 * 1024
+    assert committed["int8"] == committed["fp8"] == committed["fp16"] // 2
+    assert committed["int4"] == committed["fp16"] // 4
+
+
+def test_packed_int4_row_and_element_types():
+    assert qspec(np.uint8, 4, "per_tensor", head_dim=5).row == 3  # odd H: (H + 1) // 2 bytes
+    assert qspec(np.int8, 8, "per_channel").row == 64
+    fp8 = qspec(ml_dtypes.float8_e4m3fn, 8, "per_token")
+    assert fp8.element_type == onnx.TensorProto.FLOAT8E4M3FN
+    with KvCache.create(fp8, "growable", capacity=64) as cache:
+        assert {b.element_type for b in cache.buffers} == {
+            onnx.TensorProto.FLOAT8E4M3FN,
+            onnx.TensorProto.FLOAT,
+        }
+
+
+@pytest.mark.parametrize("layout", [0, 1])
+def test_per_token_scale_caches_travel_with_the_cache(layout):
+    s = qspec(np.int8, 8, "per_token", layout)
+    with KvCache.create(s, "growable", batch=2, capacity=1024) as cache:
+        scales = cache.buffers[4:]
+        assert [b.past for b in scales] == [
+            "past_key_scale.0", "past_value_scale.0", "past_key_scale.1", "past_value_scale.1"
+        ]  # fmt: skip
+        assert all(b.shape == (2, 4, 1024) and b.dtype == np.float32 for b in scales)
+        pointers = [b.ptr for b in cache.buffers]
+        cache.ensure([1024, 256])
+        assert [b.ptr for b in cache.buffers] == pointers  # grown in place
+        st = cache.stats
+        kv_bytes = 4 * (1024 + 256) * 4 * 64  # int8 rows: whole pages in both layouts
+        scale_bytes = st.scale_committed_bytes
+        # (B, Nkv, C) float32 with head_dim 1: entry 0's 1024 x 4 x 4 bytes are whole pages,
+        # entry 1's 256 rows one page (seq-major: one prefix) or 4 (head-major: 1 KiB a head).
+        need = 4 * (1024 * 16 + (PAGE if layout else 4 * PAGE))
+        assert scale_bytes == need
+        assert st.committed_bytes == kv_bytes + scale_bytes == cache.commit_bytes([1024, 256])
+        assert st.live_bytes == kv_bytes + 4 * (1024 + 256) * 4 * 4
+        assert cache.entry_commit_bytes(1024) == 4 * 1024 * 4 * 64 + 4 * 1024 * 16
+        view = cache.entry_buffers(1, 1)
+        assert view[4].ptr == scales[0].ptr + 1024 * 4 * 4 and view[4].shape == (1, 4, 1024)
+        released = cache.release(1)
+        assert released == 4 * 256 * 4 * 64 + (scale_bytes - 4 * 1024 * 16)
+        assert cache.stats.committed_bytes == 4 * 1024 * 4 * 64 + 4 * 1024 * 16
+        # A scale buffer reads back in its logical (B, Nkv, C) order, like the cache.
+        cache.ensure([1024, 0])
+        values = np.arange(4 * 1024, dtype=np.float32).reshape(1, 4, 1024)
+        raw = values.transpose(0, 2, 1) if layout else values
+        cache._scales._reservations[0].write(0, raw.tobytes())
+        np.testing.assert_array_equal(cache.logical(4)[:1], values)
+
+
+def test_per_token_bucket_restrides_the_scales_too():
+    s = qspec(np.int8, 8, "per_token", 1)
+    with KvCache.create(s, "bucket", batch=2, capacity=1024, bucket_tokens=16) as cache:
+        cache.ensure([16, 9])
+        values = np.random.default_rng(0).normal(size=(2, 4, 16)).astype(np.float32)
+        values[1, :, 9:] = 0
+        cache._scales._reservations[0].write(0, values.transpose(0, 2, 1).tobytes())
+        generation = cache.generation
+        cache.ensure([40, 9])
+        assert cache.generation == generation + 1 and cache.capacity == cache._scales.capacity
+        assert all(b.shape[2] == cache.capacity for b in cache.buffers)
+        np.testing.assert_array_equal(cache.logical(4)[:, :, :16], values)
+        moved = cache.stats.bytes_moved
+        assert moved == 4 * (16 + 9) * 4 * 64 + 4 * (16 + 9) * 4 * 4  # KV rows + scale rows

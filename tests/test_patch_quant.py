@@ -154,8 +154,29 @@ def test_cuda_targeted_unquantized_model_still_patches(tmp_path):
     assert patch_model_dir(src, tmp_path / "out", library=None).rewritten == 2
 
 
-def test_fp8_cache_refused_by_name(tmp_path):
+def test_fp8_static_scale_cache_patches(tmp_path):
+    """An fp8 (float8e4m3fn) cache with static scales: ORT's CPU has no kernel for it, ours
+    runs it (PER_TENSOR / PER_CHANNEL, CONTRACT); the patcher keeps it and the runtime reads
+    it."""
+    from ort_kvlayout.runtime.generation import Runtime
+
+    lib = _library()
     src = make_model_dir(tmp_path / "model", Variant(kv_bits=8, fp8_cache=True))
+    out = patch_model_dir(src, tmp_path / "out", library=lib).out_dir
+    io = load_metadata(out / "inference_metadata.yaml")["model"]["io"]
+    assert (io["kv_dtype"], io["kv_quant_scheme"]) == ("float8e4m3fn", "per_tensor")
+    with Runtime(out, capacity=32) as rt:
+        assert rt.spec.kv.element_type == onnx.TensorProto.FLOAT8E4M3FN
+        tokens = rt.generate([1, 5, 7, 9], 6, eos_token_ids=[]).tokens[0]
+    from ort_kvlayout.tools.reference_loop import Generator
+
+    assert tokens == Generator(out).generate([1, 5, 7, 9], 6).tokens
+
+
+def test_fp8_cache_without_quant_type_refused_by_name(tmp_path):
+    src = make_model_dir(tmp_path / "model", Variant(kv_bits=8, fp8_cache=True, extra_attrs={
+        "k_quant_type": "NONE", "v_quant_type": "NONE", "kv_cache_bit_width": 0,
+    }))  # fmt: skip
     with pytest.raises(UnsupportedNodeError, match=r"(?s)layers\.0.*fp8 \(float8e4m3fn\)"):
         patch_model_dir(src, tmp_path / "out", library=None)
 
@@ -197,10 +218,15 @@ BUILDER_SCHEMES = ["int8_per_channel", "int4_per_tensor"]
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory) -> Path:
     pytest.importorskip("onnxruntime_genai.models.builder")
+    return make_tiny_hf(tmp_path_factory.mktemp("builder"))
+
+
+def make_tiny_hf(root: Path) -> Path:
+    """root/hf: a random tiny Llama with a word-level tokenizer (t0 .. t255), and the scale
+    files root/per_tensor.json, root/per_channel.json."""
     torch = pytest.importorskip("torch")
     tokenizers = pytest.importorskip("tokenizers")
     transformers = pytest.importorskip("transformers")
-    root = tmp_path_factory.mktemp("builder")
     hf = root / "hf"
     vocab = 256
     torch.manual_seed(0)
@@ -264,6 +290,14 @@ def test_builder_quantized_model_patched_runs_the_same(tmp_path, tiny_hf, scheme
     for key, a in first_a.items():
         b = first_b[key].reshape(a.shape[0], a.shape[2], a.shape[1], a.shape[3])
         np.testing.assert_array_equal(b.transpose(0, 2, 1, 3), a, err_msg=key)
+    # Our runtime (growable cache of the graph's narrow type, shared in place) on both.
+    from ort_kvlayout.runtime.generation import Runtime
+
+    for model_dir in (src, out):
+        with Runtime(model_dir, capacity=64) as rt:
+            assert rt.spec.kv.quant == kind and rt.spec.kv.bits == int(bits[3:])
+            got = rt.generate(prompt, len(tokens), eos_token_ids=[]).tokens[0]
+        assert got == tokens, model_dir.name
 
 
 def test_builder_quantized_model_targeting_cuda_refused(tmp_path, tiny_hf):

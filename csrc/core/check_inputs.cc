@@ -87,21 +87,21 @@ DType QuantCacheDType(int64_t bits) { return bits == 4 ? DType::kUInt8 : DType::
 // past_key / past_value element type against the node's attributes.
 Status CheckCacheDType(GqaInput which, DType got, const GqaShape& s, const GqaAttributes& a) {
   if (got == s.cache_dtype) return Status::Ok();
-  if (got == DType::kFloat8E4M3) {
-    return Fail("input '", GqaInputName(which), "' is float8e4m3fn: an fp8 KV cache is not ",
-                "supported (ORT 1.32's CPU kernel has none); quantized caches are int8 ",
-                "(kv_cache_bit_width=8) or packed int4 in uint8 (kv_cache_bit_width=4)");
-  }
-  if (!s.quantized() && (got == DType::kInt8 || got == DType::kUInt8)) {
+  if (!s.quantized() &&
+      (got == DType::kInt8 || got == DType::kUInt8 || got == DType::kFloat8E4M3)) {
     return Fail("input '", GqaInputName(which), "' is ", DTypeName(got), ", a quantized cache: ",
-                "it needs k_quant_type = v_quant_type = PER_TENSOR or PER_CHANNEL, ",
-                "kv_cache_bit_width (8: int8, 4: uint8) and inputs k_scale/v_scale; an ",
-                "unquantized cache has the type of query (", DTypeName(s.dtype), ")");
+                "it needs k_quant_type = v_quant_type = PER_TENSOR or PER_CHANNEL (inputs ",
+                "k_scale/v_scale) or PER_TOKEN (scale caches), and kv_cache_bit_width (8: int8 ",
+                "or float8e4m3fn, 4: uint8); an unquantized cache has the type of query (",
+                DTypeName(s.dtype), ")");
   }
   if (s.quantized()) {
-    return Fail("input '", GqaInputName(which), "' must be ", DTypeName(s.cache_dtype),
-                " for kv_cache_bit_width=", s.kv_bits, " (k_quant_type=", a.k_quant_type,
-                "), got ", DTypeName(got));
+    const bool key = which == GqaInput::kPastKey;
+    const char* want = key ? (s.kv_bits == 8 ? "int8 or float8e4m3fn" : "uint8")
+                           : DTypeName(s.cache_dtype);
+    return Fail("input '", GqaInputName(which), "' must be ", want,
+                key ? "" : " (the type of 'past_key')", " for kv_cache_bit_width=", s.kv_bits,
+                " (k_quant_type=", a.k_quant_type, "), got ", DTypeName(got));
   }
   return Fail("input '", GqaInputName(which), "' must have the type of query (",
               DTypeName(s.dtype), "), got ", DTypeName(got));
@@ -112,6 +112,13 @@ Status CheckCacheDType(GqaInput which, DType got, const GqaShape& s, const GqaAt
 Status CheckScale(const GqaInputInfos& inputs, GqaInput which, KvQuant quant, const char* attr,
                   const GqaShape& s) {
   const TensorInfo& t = In(inputs, which);
+  if (quant == KvQuant::kPerToken) {
+    if (!t.exists) return Status::Ok();
+    return Fail("input '", GqaInputName(which), "' must be absent with ", attr, "=PER_TOKEN: ",
+                "the scales are computed per token as rows are written and travel in the ",
+                "scale caches (inputs past_key_scale/past_value_scale, outputs ",
+                "present_key_scale/present_value_scale)");
+  }
   if (quant == KvQuant::kNone) {
     if (!t.exists) return Status::Ok();
     return Fail("input '", GqaInputName(which), "' is given but attribute '", attr,
@@ -139,6 +146,47 @@ Status CheckScale(const GqaInputInfos& inputs, GqaInput which, KvQuant quant, co
   return Status::Ok();
 }
 
+// past_key_scale / past_value_scale (PER_TOKEN): float32 (B, Nkv, C) with C the capacity of
+// past_key, both present exactly when a past is; refused without PER_TOKEN.
+Status CheckScaleCaches(const GqaInputInfos& inputs, const GqaShape& s, const GqaAttributes& a) {
+  for (GqaInput which : {GqaInput::kPastKeyScale, GqaInput::kPastValueScale}) {
+    const TensorInfo& t = In(inputs, which);
+    const bool key = which == GqaInput::kPastKeyScale;
+    const char* cache = key ? "past_key" : "past_value";
+    if (!s.per_token()) {
+      if (!t.exists) continue;
+      return Fail("input '", GqaInputName(which), "' is given but k_quant_type is ",
+                  a.k_quant_type, ": a scale cache belongs to k_quant_type = v_quant_type = ",
+                  "PER_TOKEN");
+    }
+    if (!s.has_past) {
+      if (!t.exists) continue;
+      return Fail("input '", GqaInputName(which), "' is given without '", cache,
+                  "': a scale cache travels with its KV cache");
+    }
+    if (!t.exists) {
+      return Fail("input '", GqaInputName(which), "' is required with k_quant_type=PER_TOKEN ",
+                  "and a past: the float32 scales of '", cache, "''s rows, shape (batch, ",
+                  "kv_num_heads, capacity) = (", s.batch, ", ", s.kv_num_heads, ", ",
+                  s.past_capacity, ")");
+    }
+    if (t.dtype != DType::kFloat32) {
+      return Fail("input '", GqaInputName(which), "' must be float32, got ", DTypeName(t.dtype));
+    }
+    if (t.shape.size() != 3 || t.shape[0] != s.batch || t.shape[1] != s.kv_num_heads) {
+      return Fail("input '", GqaInputName(which), "' must have shape (batch, kv_num_heads, ",
+                  "capacity) = (", s.batch, ", ", s.kv_num_heads, ", ", s.past_capacity,
+                  "), got ", ShapeString(t.shape));
+    }
+    if (t.shape[2] != s.past_capacity) {
+      return Fail("input '", GqaInputName(which), "' has capacity ", t.shape[2],
+                  ": a scale cache must have the capacity of its KV cache ('", cache, "': ",
+                  s.past_capacity, ")");
+    }
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status ParseKvQuant(const std::string& text, const char* attribute, KvQuant* quant) {
@@ -151,9 +199,11 @@ Status ParseKvQuant(const std::string& text, const char* attribute, KvQuant* qua
     *quant = KvQuant::kPerTensor;
   } else if (upper == "PER_CHANNEL") {
     *quant = KvQuant::kPerChannel;
+  } else if (upper == "PER_TOKEN") {
+    *quant = KvQuant::kPerToken;
   } else {
-    return Fail("attribute '", attribute, "' must be NONE, PER_TENSOR or PER_CHANNEL (any ",
-                "case), got '", text, "'");
+    return Fail("attribute '", attribute, "' must be NONE, PER_TENSOR, PER_CHANNEL or PER_TOKEN ",
+                "(any case; PER_TOKEN is ai.kvlayout's), got '", text, "'");
   }
   return Status::Ok();
 }
@@ -162,6 +212,7 @@ const char* KvQuantName(KvQuant quant) {
   switch (quant) {
     case KvQuant::kPerTensor: return "PER_TENSOR";
     case KvQuant::kPerChannel: return "PER_CHANNEL";
+    case KvQuant::kPerToken: return "PER_TOKEN";
     default: return "NONE";
   }
 }
@@ -223,6 +274,29 @@ Status CheckGqaAttributes(const GqaAttributes& a, const GqaKernelCaps& caps) {
       return Fail("quantized KV cache (k_quant_type=", a.k_quant_type, ", kv_cache_bit_width=",
                   a.kv_cache_bit_width, ") runs on the CPU op (CPUExecutionProvider) only so ",
                   "far: these kernels do not support it");
+    }
+    if (kq == KvQuant::kPerToken && !caps.per_token_kv) {
+      return Fail("k_quant_type=PER_TOKEN (per-token scales in scale caches) runs on the CPU op ",
+                  "(CPUExecutionProvider) only so far: these kernels do not support it");
+    }
+  }
+  // PER_TOKEN writes the scales of the rows it writes: both present scale outputs are needed;
+  // without PER_TOKEN there are none to write.
+  const struct {
+    GqaOutput output;
+    bool named;
+  } scale_outputs[] = {{GqaOutput::kPresentKeyScale, a.present_key_scale_requested},
+                       {GqaOutput::kPresentValueScale, a.present_value_scale_requested}};
+  for (const auto& o : scale_outputs) {
+    if (kq == KvQuant::kPerToken && !o.named) {
+      return Fail("output '", GqaOutputName(o.output), "' (output ", static_cast<int>(o.output),
+                  ") is required with k_quant_type=PER_TOKEN: the float32 scales of the present ",
+                  "cache's rows, shape (batch, kv_num_heads, present capacity)");
+    }
+    if (kq != KvQuant::kPerToken && o.named) {
+      return Fail("output '", GqaOutputName(o.output), "' (output ", static_cast<int>(o.output),
+                  ") is named but k_quant_type is ", a.k_quant_type, ": scale caches belong to ",
+                  "k_quant_type = v_quant_type = PER_TOKEN");
     }
   }
   if (a.qk_output != 0) {
@@ -293,6 +367,15 @@ Status CheckGqaInputs(const GqaAttributes& attrs, const GqaInputInfos& inputs,
   s.v_quant = quant.v;
   s.kv_bits = quant.quantized() ? attrs.kv_cache_bit_width : 0;
   s.cache_dtype = quant.quantized() ? QuantCacheDType(s.kv_bits) : s.dtype;
+  // An 8-bit cache is int8 or float8e4m3fn, as past_key says (without a past: int8).
+  const TensorInfo& past_key = In(inputs, GqaInput::kPastKey);
+  if (s.kv_bits == 8 && past_key.exists && past_key.dtype == DType::kFloat8E4M3) {
+    if (!caps.fp8_kv) {
+      return Fail("input 'past_key' is float8e4m3fn: an fp8 KV cache runs on the CPU op ",
+                  "(CPUExecutionProvider) only so far: these kernels do not support it");
+    }
+    s.cache_dtype = DType::kFloat8E4M3;
+  }
   s.cache_row = KvRowElements(s.head_size, s.kv_bits);
   KVL_RETURN_IF_ERROR(CheckScale(inputs, GqaInput::kKScale, s.k_quant, "k_quant_type", s));
   KVL_RETURN_IF_ERROR(CheckScale(inputs, GqaInput::kVScale, s.v_quant, "v_quant_type", s));
@@ -362,6 +445,7 @@ Status CheckGqaInputs(const GqaAttributes& attrs, const GqaInputInfos& inputs,
     return Fail("inputs 'past_key' and 'past_value' are required when the query's sequence length (",
                 s.seq_len, ") is less than total_sequence_length (", total_sequence_length, ")");
   }
+  KVL_RETURN_IF_ERROR(CheckScaleCaches(inputs, s, attrs));
   // ORT's rule: without per-entry chunk lengths, the past length of a chunk is seqlens_k + 1 - S
   // for one entry only; a batch of chunks needs query_seqlens.
   if (s.gqa_case == GqaCase::kSubsequentPrompt && !s.has_query_seqlens && s.batch > 1) {
@@ -568,6 +652,15 @@ Status CheckSharing(const GqaBuffers& buf) {
     return Fail("past_key/present_key and past_value/present_value must either both share ",
                 "memory or both not");
   }
+  // PER_TOKEN: a scale cache shares its memory exactly when its KV cache does.
+  const bool shared = buf.shared();
+  if ((buf.past_key_scale != nullptr && (buf.past_key_scale == buf.present_key_scale) != shared) ||
+      (buf.past_value_scale != nullptr &&
+       (buf.past_value_scale == buf.present_value_scale) != shared)) {
+    return Fail("past_key_scale/present_key_scale and past_value_scale/present_value_scale must ",
+                "share memory exactly when past_key/present_key do (", shared ? "they do" : "they do not",
+                ")");
+  }
   return Status::Ok();
 }
 
@@ -583,7 +676,7 @@ Status CheckKvScales(const GqaShape& s, const float* k_scale, const float* v_sca
     const float* data;
   } scales[] = {{GqaInput::kKScale, s.k_quant, k_scale}, {GqaInput::kVScale, s.v_quant, v_scale}};
   for (const auto& sc : scales) {
-    if (sc.quant == KvQuant::kNone) continue;
+    if (sc.quant == KvQuant::kNone || sc.quant == KvQuant::kPerToken) continue;
     const int64_t n = sc.quant == KvQuant::kPerTensor ? 1 : s.kv_num_heads * s.head_size;
     for (int64_t i = 0; i < n; ++i) {
       const float v = sc.data[i];
@@ -607,13 +700,14 @@ const char* GqaInputName(GqaInput input) {
       "query",     "key",        "value",          "past_key",      "past_value",
       "seqlens_k", "total_sequence_length", "cos_cache", "sin_cache", "position_ids",
       "attention_bias", "head_sink", "k_scale", "v_scale", "q_norm_weight", "k_norm_weight",
-      "query_seqlens"};
+      "query_seqlens", "past_key_scale", "past_value_scale"};
   return kNames[static_cast<int>(input)];
 }
 
 const char* GqaOutputName(GqaOutput output) {
-  static constexpr const char* kNames[kGqaOutputCount] = {"output", "present_key",
-                                                          "present_value", "output_qk"};
+  static constexpr const char* kNames[kGqaOutputCount] = {
+      "output", "present_key", "present_value", "output_qk", "present_key_scale",
+      "present_value_scale"};
   return kNames[static_cast<int>(output)];
 }
 

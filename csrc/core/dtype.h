@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace kvl {
 
@@ -106,6 +107,62 @@ inline int8_t QuantizeInt8(float x, float inv_scale) {
 }
 inline uint8_t Int4Nibble(float x, float inv_scale) {
   return static_cast<uint8_t>((QuantizeCode(x, inv_scale, -8.0f, 7.0f) + 8) & 0x0f);
+}
+
+// ---- float8 e4m3fn (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; no inf; NaN = S.1111.111)
+// Decoding, exact: |x| = 2^(e - 7) * (1 + m / 8), or m * 2^-9 when e == 0; an integer form
+// ((8 | m) << e, or 2m) times 2^-10 that a compiler vectorizes (shifts, convert, selects).
+inline float Fp8E4M3ToFloat(uint8_t b) {
+  const int32_t e = (b >> 3) & 15, m = b & 7;
+  const int32_t mag = e == 0 ? 2 * m : (8 | m) << e;
+  const float v = static_cast<float>(mag) * 0x1p-10f;
+  if ((b & 0x7f) == 0x7f) return std::numeric_limits<float>::quiet_NaN();
+  return (b & 0x80) ? -v : v;
+}
+
+// Encoding with round-to-nearest-even, saturating: |x| >= 448 (and +-Inf) gives +-448, NaN gives
+// NaN (0x7f with the sign), -0 gives 0x80.
+inline uint8_t FloatToFp8E4M3(float x) {
+  const uint32_t u = FloatToBits(x);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  const uint32_t abs_bits = u & 0x7fffffffu;
+  if (abs_bits > 0x7f800000u) return sign | 0x7f;
+  const float a = BitsToFloat(abs_bits);
+  if (a >= 448.0f) return sign | 0x7e;
+  if (a < 0x1p-6f) {  // subnormal range: multiples of 2^-9 (a * 2^9 is exact), 8 -> 2^-6
+    return sign | static_cast<uint8_t>(std::rint(a * 512.0f));
+  }
+  // Round float32's 23 mantissa bits to 3 (RNE, a carry moves to the exponent), rebias 127 -> 7.
+  const uint32_t rounded = (abs_bits + 0x7ffffu + ((abs_bits >> 20) & 1u)) >> 20;
+  const uint32_t code = rounded - (120u << 3);
+  return sign | static_cast<uint8_t>(code > 0x7eu ? 0x7eu : code);
+}
+
+// Static fp8 scales (PER_TENSOR / PER_CHANNEL): q = fp8(x * (1 / scale)), read q * scale.
+inline uint8_t QuantizeFp8(float x, float inv_scale) { return FloatToFp8E4M3(x * inv_scale); }
+
+// ---- PER_TOKEN (ai.kvlayout, docs/CONTRACT.md section 14) -----------------------------------
+// One row x[0, H) (float32, after rounding to T): scale = amax / qmax (qmax 127 int8, 7 int4, 448
+// fp8), codes as the static rule with inv = 1 / scale (0 when scale is 0). A row holding a NaN or
+// an Inf gets scale NaN and codes 0 (it reads back NaN).
+inline float PerTokenQMax(int64_t bits, bool fp8) { return fp8 ? 448.0f : (bits == 4 ? 7.0f : 127.0f); }
+
+// The row's scale (NaN for a non-finite row); *inv gets what quantizing multiplies by.
+inline float PerTokenScale(const float* x, int64_t n, float qmax, float* inv) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int64_t d = 0; d < n; ++d) {
+    const float a = std::fabs(x[d]);
+    finite &= a <= std::numeric_limits<float>::max();  // false for Inf and NaN
+    amax = a > amax ? a : amax;
+  }
+  if (!finite) {
+    *inv = 0.0f;
+    return std::numeric_limits<float>::quiet_NaN();
+  }
+  const float scale = amax / qmax;
+  *inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+  return scale;
 }
 
 }  // namespace kvl

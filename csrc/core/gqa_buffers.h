@@ -29,6 +29,12 @@ struct GqaBuffers {
   void* output = nullptr;                  // (B, S, N*H)
   void* present_key = nullptr;             // (B, Nkv, C', cache_row) declared; may alias past_key
   void* present_value = nullptr;           // same as present_key
+  // PER_TOKEN scale caches, float32 (B, Nkv, C) / (B, Nkv, C') declared, kv_layout byte order
+  // (KvScaleStrides); a present may alias its past, exactly when present_key aliases past_key.
+  const float* past_key_scale = nullptr;
+  const float* past_value_scale = nullptr;
+  float* present_key_scale = nullptr;
+  float* present_value_scale = nullptr;
   // CUDA only: where the prepare/decode kernel records the first violated length rule (host-mapped
   // record, its device address) and the device word that elects the one writer. Null: no
   // record (the kernels still clamp every length).

@@ -31,11 +31,24 @@ enum class GqaInput : int {
   kQNormWeight,
   kKNormWeight,
   kQuerySeqlens,
+  // ai.kvlayout only (PER_TOKEN): one float32 scale per (batch, kv head, cache row) of the key
+  // and of the value cache, declared (B, Nkv, C), byte order of kv_layout (KvScaleStrides).
+  kPastKeyScale,
+  kPastValueScale,
   kCount
 };
 constexpr int kGqaInputCount = static_cast<int>(GqaInput::kCount);
 
-enum class GqaOutput : int { kOutput = 0, kPresentKey, kPresentValue, kOutputQk, kCount };
+// kPresentKeyScale / kPresentValueScale: ai.kvlayout only (PER_TOKEN), (B, Nkv, C') float32.
+enum class GqaOutput : int {
+  kOutput = 0,
+  kPresentKey,
+  kPresentValue,
+  kOutputQk,
+  kPresentKeyScale,
+  kPresentValueScale,
+  kCount
+};
 constexpr int kGqaOutputCount = static_cast<int>(GqaOutput::kCount);
 
 const char* GqaInputName(GqaInput input);
@@ -58,8 +71,10 @@ enum class DType {
 const char* DTypeName(DType dtype);
 
 // Quantization of one KV cache (attributes k_quant_type / v_quant_type): none (the cache holds T),
-// one scale for the cache, or one scale per (kv head, channel).
-enum class KvQuant { kNone, kPerTensor, kPerChannel };
+// one scale for the cache, one scale per (kv head, channel) (ORT's static scales, k_scale /
+// v_scale), or one scale per (batch, kv head, cache row) computed as the row is written and kept
+// in a scale cache beside the KV cache (PER_TOKEN, ai.kvlayout only: docs/CONTRACT.md section 14).
+enum class KvQuant { kNone, kPerTensor, kPerChannel, kPerToken };
 const char* KvQuantName(KvQuant quant);
 
 // Shape and type of one input as the op sees it; `exists` is false for an absent optional input.
@@ -93,12 +108,17 @@ struct GqaAttributes {
   int64_t kv_layout = 0;
   // Node facts: true when the node names a 4th output (output_qk).
   bool output_qk_requested = false;
+  // Node facts: true when the node names output present_key_scale / present_value_scale.
+  bool present_key_scale_requested = false;
+  bool present_value_scale_requested = false;
 };
 
 // What an execution provider's kernels implement beyond the base contract; the validation
 // (check_inputs.h) refuses the rest by name. The default is the base contract.
 struct GqaKernelCaps {
   bool quantized_kv = false;  // k/v_quant_type, kv_cache_bit_width, k_scale/v_scale, int caches
+  bool fp8_kv = false;        // float8e4m3fn caches (8 bits)
+  bool per_token_kv = false;  // k/v_quant_type = PER_TOKEN with the scale caches
 };
 
 enum class GqaCase { kFirstPrompt, kTokenGeneration, kSubsequentPrompt };
@@ -138,8 +158,9 @@ struct GqaShape {
   bool sliding_window_cache = false;  // window-sized cache, rows shifted as it fills
 
   // KV cache storage. Unquantized: the cache holds T, cache_row == head_size. Quantized (ORT's
-  // contract): int8 codes (kv_bits 8) or two int4 codes per byte (kv_bits 4, cache_row =
-  // (head_size + 1) / 2), x ~ code * scale with the scales of k_scale / v_scale.
+  // contract): int8 codes or float8e4m3fn values (kv_bits 8, cache_dtype tells which) or two int4
+  // codes per byte (kv_bits 4, cache_row = (head_size + 1) / 2), x ~ code * scale with the scales
+  // of k_scale / v_scale, or (PER_TOKEN) of the scale caches, one per cache row.
   KvQuant k_quant = KvQuant::kNone;
   KvQuant v_quant = KvQuant::kNone;
   int64_t kv_bits = 0;     // 0 (unquantized), 8 or 4
@@ -154,6 +175,8 @@ struct GqaShape {
 
   KVL_HOST_DEVICE bool is_first_prompt() const { return gqa_case == GqaCase::kFirstPrompt; }
   KVL_HOST_DEVICE bool quantized() const { return kv_bits != 0; }
+  KVL_HOST_DEVICE bool per_token() const { return k_quant == KvQuant::kPerToken; }
+  KVL_HOST_DEVICE bool fp8_cache() const { return cache_dtype == DType::kFloat8E4M3; }
   KVL_HOST_DEVICE int64_t group_size() const { return num_heads / kv_num_heads; }
 };
 

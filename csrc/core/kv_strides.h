@@ -49,6 +49,12 @@ KVL_HOST_DEVICE KvStrides MakeKvStrides(KvLayout layout, int64_t kv_heads, int64
   return KvStrides{kv_heads * capacity * head_dim, capacity * head_dim, head_dim};
 }
 
+// Strides of a PER_TOKEN scale cache, declared (B, Nkv, C): the cache's arithmetic with one
+// value per row, so (b, h, s) lives where a one-element cache row would.
+KVL_HOST_DEVICE KvStrides MakeKvScaleStrides(KvLayout layout, int64_t kv_heads, int64_t capacity) {
+  return MakeKvStrides(layout, kv_heads, capacity, /*head_dim=*/1);
+}
+
 inline const char* KvLayoutName(KvLayout layout) {
   return layout == KvLayout::kSeqMajorBsnh ? "seq_major_bsnh" : "head_major_bnsh";
 }

@@ -153,6 +153,16 @@ constexpr int kDimStep = 2 * kVW;
 
 int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// float8e4m3fn byte -> float32, as a table of dtype.h's decoding (1 KB, stays in L1): the
+// dequantization loop is then a load (a gather where the level has one) and a multiply.
+struct Fp8Table {
+  float value[256];
+  Fp8Table() {
+    for (int i = 0; i < 256; ++i) value[i] = Fp8E4M3ToFloat(static_cast<uint8_t>(i));
+  }
+};
+const Fp8Table kFp8Table;
+
 template <typename T>
 inline float Get(const void* base, int64_t index) {
   return ToFloat(static_cast<const T*>(base)[index]);
@@ -193,6 +203,16 @@ struct Call {
   std::vector<uint8_t>* new_k;
   std::vector<uint8_t>* new_v;
 
+  // PER_TOKEN (0: key, 1: value): the scale caches, one float32 per cache row at
+  // MakeKvScaleStrides(layout, Nkv, capacity), and a sliding window cache's new rows' scales,
+  // (B, Nkv, S), kept apart like new_k / new_v. qmax: the largest code (127, 7 or 448).
+  const float* past_scale[2] = {nullptr, nullptr};
+  float* present_scale[2] = {nullptr, nullptr};
+  KvStrides past_scale_strides{};
+  KvStrides present_scale_strides{};
+  std::vector<float>* new_scale[2] = {nullptr, nullptr};
+  float qmax = 0.0f;
+
   // Rows of one KV head in a task, padded to the micro-kernel block; heads' rows follow.
   int64_t head_rows_pad() const { return RoundUp(q_block * s.group_size(), row_block); }
   int64_t rows_per_task() const { return group_heads * head_rows_pad(); }
@@ -216,6 +236,24 @@ struct Call {
     const int64_t index = (b * s.kv_num_heads + h) * s.seq_len + i;
     return dst.data() + index * static_cast<int64_t>(row_bytes);
   }
+  // Scale of row i of (b, kv head h) among a sliding window cache's new rows (PER_TOKEN).
+  float* new_row_scale(bool value, int64_t b, int64_t h, int64_t i) const {
+    return new_scale[value]->data() + (b * s.kv_num_heads + h) * s.seq_len + i;
+  }
+  // Scale of present row r of (b, kv head h) (PER_TOKEN).
+  float* present_row_scale(bool value, int64_t b, int64_t h, int64_t r) const {
+    return present_scale[value] + present_scale_strides.Offset(b, h, r);
+  }
+  // PER_TOKEN scale of the key/value row of absolute position `pos`, as key_row finds the row;
+  // 0 (unused) for other caches.
+  float row_scale(int64_t b, int64_t h, int64_t pos, const BatchGeometry& g, bool value) const {
+    if (!s.per_token()) return 0.0f;
+    if (s.sliding_window_cache) {
+      if (pos >= g.past) return *new_row_scale(value, b, h, pos - g.past);
+      return past_scale[value][past_scale_strides.Offset(b, h, pos - g.cache_base)];
+    }
+    return *present_row_scale(value, b, h, pos);
+  }
   // Key/value row of absolute position `pos` (valid for this call's attention).
   const uint8_t* key_row(int64_t b, int64_t h, int64_t pos, const BatchGeometry& g,
                          bool value) const {
@@ -228,17 +266,31 @@ struct Call {
 };
 
 // One cache row -> float32 x[0, H): the T values, or the codes of a quantized cache times their
-// scales (`which`: 0 key, 1 value; h: the kv head). The only place a cache row is read.
+// scales (`which`: 0 key, 1 value; h: the kv head; token_scale: the row's scale, PER_TOKEN). The
+// only place a cache row is read. Each loop is a plain element-wise map (int8 / fp8 decode, times
+// one or H scales), which the compiler vectorizes at each CPU level.
 template <typename T>
-inline void LoadRow(const Call<T>& c, const uint8_t* row, int which, int64_t h, float* x) {
+inline void LoadRow(const Call<T>& c, const uint8_t* row, int which, int64_t h, float token_scale,
+                    float* x) {
   const int64_t H = c.s.head_size;
   if (!c.s.quantized()) {
     const T* r = reinterpret_cast<const T*>(row);
     for (int64_t d = 0; d < H; ++d) x[d] = ToFloat(r[d]);
     return;
   }
-  const float* sc = c.scale[which] + h * c.scale_pitch[which];
-  const bool per_channel = c.scale_pitch[which] != 0;
+  const bool per_token = c.s.per_token();
+  const float* sc = per_token ? &token_scale : c.scale[which] + h * c.scale_pitch[which];
+  const bool per_channel = !per_token && c.scale_pitch[which] != 0;
+  if (c.s.fp8_cache()) {
+    const float* fp8 = kFp8Table.value;
+    if (per_channel) {
+      for (int64_t d = 0; d < H; ++d) x[d] = fp8[row[d]] * sc[d];
+    } else {
+      const float s0 = sc[0];
+      for (int64_t d = 0; d < H; ++d) x[d] = fp8[row[d]] * s0;
+    }
+    return;
+  }
   if (c.s.kv_bits == 8) {
     const int8_t* q = reinterpret_cast<const int8_t*>(row);
     if (per_channel) {
@@ -261,27 +313,41 @@ inline void LoadRow(const Call<T>& c, const uint8_t* row, int which, int64_t h, 
 }
 
 // float32 x[0, H) -> one cache row: T values, or codes of a quantized cache (dtype.h's rule, on
-// x rounded to T first: ORT quantizes the rotated K and V it holds in T).
+// x rounded to T first, in place: ORT quantizes the rotated K and V it holds in T). PER_TOKEN:
+// the row's scale (dtype.h's PerTokenScale) goes to *token_scale; a non-finite row stores code 0
+// everywhere (scale NaN).
 template <typename T>
-inline void StoreRow(const Call<T>& c, const float* x, int which, int64_t h, uint8_t* row) {
+inline void StoreRow(const Call<T>& c, float* x, int which, int64_t h, uint8_t* row,
+                     float* token_scale) {
   const int64_t H = c.s.head_size;
   if (!c.s.quantized()) {
     T* r = reinterpret_cast<T*>(row);
     for (int64_t d = 0; d < H; ++d) r[d] = FromFloat<T>(x[d]);
     return;
   }
+  for (int64_t d = 0; d < H; ++d) x[d] = ToFloat(FromFloat<T>(x[d]));
   const float* inv = c.inv_scale[which] + h * c.scale_pitch[which];
-  const int64_t step = c.scale_pitch[which] != 0 ? 1 : 0;
-  auto stored = [](float v) { return ToFloat(FromFloat<T>(v)); };
+  int64_t step = c.scale_pitch[which] != 0 ? 1 : 0;
+  float token_inv = 0.0f;
+  if (c.s.per_token()) {
+    *token_scale = PerTokenScale(x, H, c.qmax, &token_inv);
+    if (*token_scale != *token_scale) std::fill(x, x + H, 0.0f);  // codes 0, read back NaN
+    inv = &token_inv;
+    step = 0;
+  }
+  if (c.s.fp8_cache()) {
+    for (int64_t d = 0; d < H; ++d) row[d] = QuantizeFp8(x[d], inv[d * step]);
+    return;
+  }
   if (c.s.kv_bits == 8) {
     int8_t* q = reinterpret_cast<int8_t*>(row);
-    for (int64_t d = 0; d < H; ++d) q[d] = QuantizeInt8(stored(x[d]), inv[d * step]);
+    for (int64_t d = 0; d < H; ++d) q[d] = QuantizeInt8(x[d], inv[d * step]);
     return;
   }
   for (int64_t i = 0; i < (H + 1) / 2; ++i) {
-    const uint8_t lo = Int4Nibble(stored(x[2 * i]), inv[2 * i * step]);
+    const uint8_t lo = Int4Nibble(x[2 * i], inv[2 * i * step]);
     const int64_t d = 2 * i + 1;
-    const uint8_t hi = d < H ? Int4Nibble(stored(x[d]), inv[d * step]) : 8;  // odd H: code 0
+    const uint8_t hi = d < H ? Int4Nibble(x[d], inv[d * step]) : 8;  // odd H: code 0
     row[i] = static_cast<uint8_t>(lo | (hi << 4));
   }
 }
@@ -341,15 +407,23 @@ void PrepareToken(void* state, size_t task) {
     NormAndRotate(c, x.data(), c.buf.k_norm_weight, s.k_norm_epsilon, pos);
     uint8_t* kdst = c.row(c.buf.present_key, c.present_strides, b, h, row);
     uint8_t* vdst = c.row(c.buf.present_value, c.present_strides, b, h, row);
+    float* kscale = nullptr;  // PER_TOKEN: where the rows' scales go
+    float* vscale = nullptr;
     if (s.sliding_window_cache) {
       kdst = c.new_row(false, b, h, i);
       vdst = c.new_row(true, b, h, i);
     }
-    StoreRow(c, x.data(), 0, h, kdst);
+    if (s.per_token()) {
+      kscale = s.sliding_window_cache ? c.new_row_scale(false, b, h, i)
+                                      : c.present_row_scale(false, b, h, row);
+      vscale = s.sliding_window_cache ? c.new_row_scale(true, b, h, i)
+                                      : c.present_row_scale(true, b, h, row);
+    }
+    StoreRow(c, x.data(), 0, h, kdst, kscale);
     const T* vs = static_cast<const T*>(v_src) + kv_row + v_offset + h * H;
     if (s.quantized()) {
       for (int64_t d = 0; d < H; ++d) x[d] = ToFloat(vs[d]);
-      StoreRow(c, x.data(), 1, h, vdst);
+      StoreRow(c, x.data(), 1, h, vdst, vscale);
     } else {
       std::memcpy(vdst, vs, static_cast<size_t>(H) * sizeof(T));
     }
@@ -402,6 +476,15 @@ void CopyPast(void* state, size_t task) {
     void* dst = which ? c.buf.present_value : c.buf.present_key;
     CopyRows(c, b, h, dst, src, 0, geo.past);
     ZeroPresentRows(c, b, h, dst, geo.past + c.written_rows(geo));
+    if (!s.per_token()) continue;
+    // The scales of those rows; undefined rows get scale 0 (they read back 0).
+    for (int64_t r = 0; r < geo.past; ++r) {
+      *c.present_row_scale(which, b, h, r) =
+          c.past_scale[which][c.past_scale_strides.Offset(b, h, r)];
+    }
+    for (int64_t r = geo.past + c.written_rows(geo); r < s.present_capacity; ++r) {
+      *c.present_row_scale(which, b, h, r) = 0.0f;
+    }
   }
 }
 
@@ -442,6 +525,14 @@ void WriteSlidingPresent(void* state, size_t task) {
     }
     // A shared buffer's rows past L keep their content, as in ORT.
     if (!c.buf.shared()) ZeroPresentRows(c, b, h, dst, rows);
+    if (!s.per_token()) continue;
+    // The scales move with their rows (ascending, as the rows: safe in place).
+    for (int64_t r = 0; r < rows; ++r) {
+      *c.present_row_scale(which, b, h, r) = c.row_scale(b, h, geo.present_base + r, geo, which);
+    }
+    for (int64_t r = rows; r < s.present_capacity && !c.buf.shared(); ++r) {
+      *c.present_row_scale(which, b, h, r) = 0.0f;
+    }
   }
 }
 
@@ -828,14 +919,14 @@ void AttentionTask(void* state, size_t task_index) {
         const uint8_t* vrow = c.key_row(b, g, k0 + j, geo, true);
         if (!dot_scores) {
           if (j >= transposed) {
-            LoadRow(c, krow, 0, g, t.row.data());
+            LoadRow(c, krow, 0, g, c.row_scale(b, g, k0 + j, geo, false), t.row.data());
             for (int64_t d = 0; d < H; ++d) t.kt[d * kTileKeys + j] = t.row[d];
           }
         } else if (direct_v) {
           t.k_rows[j] = reinterpret_cast<const float*>(krow);
         } else {
           float* dst = t.k.data() + j * hp;
-          LoadRow(c, krow, 0, g, dst);
+          LoadRow(c, krow, 0, g, c.row_scale(b, g, k0 + j, geo, false), dst);
           for (int64_t d = H; d < hp; ++d) dst[d] = 0.0f;
           t.k_rows[j] = dst;
         }
@@ -843,7 +934,7 @@ void AttentionTask(void* state, size_t task_index) {
           t.v_rows[j] = reinterpret_cast<const float*>(vrow);
         } else {
           float* dst = t.v.data() + j * hp;
-          LoadRow(c, vrow, 1, g, dst);
+          LoadRow(c, vrow, 1, g, c.row_scale(b, g, k0 + j, geo, true), dst);
           for (int64_t d = H; d < hp; ++d) dst[d] = 0.0f;
           t.v_rows[j] = dst;
         }
@@ -915,6 +1006,7 @@ template <typename T>
 Status Run(const GqaShape& s, const GqaCpuBuffers& buf, const Parallel& parallel) {
   std::vector<float> q_scaled, part_o, part_m, part_l;
   std::vector<uint8_t> new_k, new_v;
+  std::vector<float> new_k_scale, new_v_scale;
   KVL_RETURN_IF_ERROR(CheckSharing(buf));
   const size_t cache_elem = s.quantized() ? 1 : sizeof(T);
   Call<T> c{s, buf, {}, {}, cache_elem, static_cast<size_t>(s.cache_row) * cache_elem,
@@ -926,13 +1018,28 @@ Status Run(const GqaShape& s, const GqaCpuBuffers& buf, const Parallel& parallel
   // Inverse scales, computed once as ORT does (quantizing multiplies by them).
   std::vector<float> inv_scales[2];
   const KvQuant quant[2] = {s.k_quant, s.v_quant};
-  for (int which = 0; which < 2 && s.quantized(); ++which) {
+  for (int which = 0; which < 2 && s.quantized() && !s.per_token(); ++which) {
     const int64_t n = quant[which] == KvQuant::kPerChannel ? s.kv_num_heads * s.head_size : 1;
     for (int64_t i = 0; i < n; ++i) {
       inv_scales[which].push_back(QuantInverseScale(c.scale[which][i]));
     }
     c.inv_scale[which] = inv_scales[which].data();
     c.scale_pitch[which] = quant[which] == KvQuant::kPerChannel ? s.head_size : 0;
+  }
+  if (s.per_token()) {
+    c.past_scale[0] = buf.past_key_scale;
+    c.past_scale[1] = buf.past_value_scale;
+    c.present_scale[0] = buf.present_key_scale;
+    c.present_scale[1] = buf.present_value_scale;
+    c.past_scale_strides = MakeKvScaleStrides(s.layout, s.kv_num_heads, s.past_capacity);
+    c.present_scale_strides = MakeKvScaleStrides(s.layout, s.kv_num_heads, s.present_capacity);
+    c.new_scale[0] = &new_k_scale;
+    c.new_scale[1] = &new_v_scale;
+    c.qmax = PerTokenQMax(s.kv_bits, s.fp8_cache());
+    if (s.sliding_window_cache) {
+      new_k_scale.resize(static_cast<size_t>(s.batch * s.kv_num_heads * s.seq_len));
+      new_v_scale.resize(new_k_scale.size());
+    }
   }
   q_scaled.assign(static_cast<size_t>(s.batch * s.num_heads * s.seq_len * c.head_pad), 0.0f);
 

@@ -35,8 +35,8 @@ int EstimateThreads() {
   return threads;
 }
 
-// The CPU kernels implement the quantized KV caches of ORT's contract.
-constexpr GqaKernelCaps kCpuCaps{/*quantized_kv=*/true};
+// The CPU kernels implement the quantized KV caches of ORT's contract, fp8 caches and PER_TOKEN.
+constexpr GqaKernelCaps kCpuCaps{/*quantized_kv=*/true, /*fp8_kv=*/true, /*per_token_kv=*/true};
 
 Status Compute(Ort::KernelContext& ctx, const GqaAttributes& attrs) {
   GqaShape shape;

@@ -1,6 +1,7 @@
 #include "ort/gqa_op_common.h"
 
 #include <cstdlib>
+#include <utility>
 #include <string>
 
 #include "core/gqa_attributes.h"
@@ -87,6 +88,8 @@ ONNXTensorElementDataType InputType(size_t index) {
       return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
     case GqaInput::kKScale:
     case GqaInput::kVScale:
+    case GqaInput::kPastKeyScale:
+    case GqaInput::kPastValueScale:
       return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
     default:
       // T (float, float16, bfloat16): checked by CheckGqaInputs so the error names the input.
@@ -261,18 +264,33 @@ OrtStatusPtr InferOutputShape(const OrtCustomOp*, OrtShapeInferContext* ctx) {
       api.ReleaseStatus(st);  // the node does not produce this output
     }
   }
+  // PER_TOKEN scale caches: float32 (B, Nkv, C'), when the node names them.
+  for (GqaOutput which : {GqaOutput::kPresentKeyScale, GqaOutput::kPresentValueScale}) {
+    const std::vector<Dim> dims{batch, kv_heads, capacity};
+    if (OrtStatus* st = SetOutput(api, ctx, static_cast<size_t>(which),
+                                  ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, dims)) {
+      api.ReleaseStatus(st);
+    }
+  }
   return nullptr;
 }
 
 size_t GetMayInplace(int** input_index, int** output_index) {
-  // past_key -> present_key, past_value -> present_value. ORT frees these with ReleaseMayInplace.
-  *input_index = static_cast<int*>(std::malloc(2 * sizeof(int)));
-  *output_index = static_cast<int*>(std::malloc(2 * sizeof(int)));
-  (*input_index)[0] = static_cast<int>(GqaInput::kPastKey);
-  (*input_index)[1] = static_cast<int>(GqaInput::kPastValue);
-  (*output_index)[0] = static_cast<int>(GqaOutput::kPresentKey);
-  (*output_index)[1] = static_cast<int>(GqaOutput::kPresentValue);
-  return 2;
+  // past_key -> present_key, past_value -> present_value, and the PER_TOKEN scale caches alike.
+  // ORT frees these with ReleaseMayInplace.
+  constexpr std::pair<GqaInput, GqaOutput> kPairs[] = {
+      {GqaInput::kPastKey, GqaOutput::kPresentKey},
+      {GqaInput::kPastValue, GqaOutput::kPresentValue},
+      {GqaInput::kPastKeyScale, GqaOutput::kPresentKeyScale},
+      {GqaInput::kPastValueScale, GqaOutput::kPresentValueScale}};
+  constexpr size_t n = sizeof(kPairs) / sizeof(kPairs[0]);
+  *input_index = static_cast<int*>(std::malloc(n * sizeof(int)));
+  *output_index = static_cast<int*>(std::malloc(n * sizeof(int)));
+  for (size_t i = 0; i < n; ++i) {
+    (*input_index)[i] = static_cast<int>(kPairs[i].first);
+    (*output_index)[i] = static_cast<int>(kPairs[i].second);
+  }
+  return n;
 }
 
 void ReleaseMayInplace(int* input_index, int* output_index) {
@@ -289,15 +307,22 @@ Status ReadGqaAttributes(const OrtApi& api, const OrtKernelInfo* info, GqaAttrib
   size_t outputs = 0;
   if (OrtStatus* st = api.KernelInfo_GetOutputCount(info, &outputs)) {
     api.ReleaseStatus(st);
-  } else if (outputs > static_cast<size_t>(GqaOutput::kOutputQk)) {
+    outputs = 0;
+  }
+  // Whether the node names output `which` (an empty name is an absent optional output).
+  auto named = [&](GqaOutput which) {
+    const size_t index = static_cast<size_t>(which);
+    if (index >= outputs) return false;
     size_t size = 0;
-    const size_t index = static_cast<size_t>(GqaOutput::kOutputQk);
     if (OrtStatus* st = api.KernelInfo_GetOutputName(info, index, nullptr, &size)) {
       api.ReleaseStatus(st);
-    } else {
-      a.output_qk_requested = size > 1;  // size counts the terminating NUL
+      return false;
     }
-  }
+    return size > 1;  // size counts the terminating NUL
+  };
+  a.output_qk_requested = named(GqaOutput::kOutputQk);
+  a.present_key_scale_requested = named(GqaOutput::kPresentKeyScale);
+  a.present_value_scale_requested = named(GqaOutput::kPresentValueScale);
   KVL_RETURN_IF_ERROR(CheckGqaAttributes(a, caps));
   *attrs = a;
   return Status::Ok();
@@ -349,6 +374,12 @@ GqaBuffers CollectBuffers(Ort::KernelContext& ctx, const GqaShape& shape,
     buf.k_scale = InputData<float>(ctx, GqaInput::kKScale);
     buf.v_scale = InputData<float>(ctx, GqaInput::kVScale);
   }
+  if (shape.per_token()) {
+    buf.past_key_scale = InputData<float>(ctx, GqaInput::kPastKeyScale);
+    buf.past_value_scale = InputData<float>(ctx, GqaInput::kPastValueScale);
+    buf.present_key_scale = outputs.present_key_scale;
+    buf.present_value_scale = outputs.present_value_scale;
+  }
   buf.output = outputs.output;
   buf.present_key = outputs.present_key;
   buf.present_value = outputs.present_value;
@@ -385,6 +416,28 @@ Status AllocateOutputs(Ort::KernelContext& ctx, const GqaShape& s, GqaOutputs* o
           "total_sequence_length (" + std::to_string(s.total_seq_len) +
           ") must not exceed its capacity. ONNX Runtime said: " + e.what());
     }
+  }
+  if (!s.per_token()) return Status::Ok();
+  const std::vector<int64_t> scale_shape{s.batch, s.kv_num_heads, s.present_capacity};
+  for (GqaOutput which : {GqaOutput::kPresentKeyScale, GqaOutput::kPresentValueScale}) {
+    const size_t index = static_cast<size_t>(which);
+    float** slot =
+        which == GqaOutput::kPresentKeyScale ? &out->present_key_scale : &out->present_value_scale;
+    const std::string what = std::string("ai.kvlayout::GroupQueryAttention: output '") +
+                             GqaOutputName(which) + "' (float32, shape (batch, kv_num_heads, " +
+                             "present capacity) = (" + std::to_string(s.batch) + ", " +
+                             std::to_string(s.kv_num_heads) + ", " +
+                             std::to_string(s.present_capacity) + "))";
+    try {
+      Ort::UnownedValue value = index < count ? ctx.GetOutput(index, scale_shape)
+                                              : Ort::UnownedValue(nullptr);
+      if (value) *slot = value.GetTensorMutableData<float>();
+    } catch (const Ort::Exception& e) {
+      return Status::Error("cannot provide " + what + ". When past and present scale caches " +
+                           "share one buffer, total_sequence_length must not exceed its " +
+                           "capacity. ONNX Runtime said: " + e.what());
+    }
+    if (*slot == nullptr) return Status::Error(what + " is required with k_quant_type=PER_TOKEN");
   }
   return Status::Ok();
 }

@@ -57,6 +57,8 @@ struct GqaOutputs {
   void* output = nullptr;
   void* present_key = nullptr;
   void* present_value = nullptr;
+  float* present_key_scale = nullptr;  // PER_TOKEN only
+  float* present_value_scale = nullptr;
 };
 Status AllocateOutputs(Ort::KernelContext& ctx, const GqaShape& shape, GqaOutputs* outputs);
 

@@ -40,6 +40,16 @@ MAX_CONFIG_BYTES = 16 << 20  # genai_config.json files are a few KiB
 MAX_INT32 = (1 << 31) - 1  # context length, vocabulary: int32 in ORT and onnxruntime-genai
 
 
+# genai_config.json keys (model.decoder.inputs / .outputs) of a PER_TOKEN model's scale caches,
+# onnxruntime-genai 0.18's names, and the templates patch_kv_layout --kv-quant writes.
+SCALE_KEYS = {
+    "past_key_scale_names": "past_key_scale.%d",
+    "past_value_scale_names": "past_value_scale.%d",
+    "present_key_scale_names": "present_key_scale.%d",
+    "present_value_scale_names": "present_value_scale.%d",
+}
+
+
 class MetadataError(ValueError):
     """genai_config.json or the model does not determine the metadata; names what is missing."""
 

@@ -29,6 +29,10 @@ position, and every later step writes its row at seqlens_k[b].
   (rows past it are zero-filled, not read); ORT's own com.microsoft kernels may read every
   capacity row (an illegal-address fault on unmapped memory), so a growable cache on CUDA is
   refused unless every GQA node is ai.kvlayout: run original models there with "preallocated".
+* Quantized caches (int8, packed int4, fp8; ModelSpec reads the type and scheme from the graph)
+  are bound like any other: the op quantizes the new rows in place. A PER_TOKEN model's scale
+  caches are buffers of the same cache, bound as past and present in place beside their KV
+  caches (kv_cache.py).
 * After every step (prefill, each decode step, graph replays included) the runtime takes the
   length violations the CUDA op recorded on the device (ort_kvlayout.take_length_error) and
   raises LengthError naming the step: a replayed graph runs no host code of the op, so its Run
@@ -228,9 +232,11 @@ class Runtime:
         return self.cache
 
     def _bind_kv(self, binding: ort.IOBinding, cache: KvCache) -> None:
+        """Every KV buffer (and PER_TOKEN scale buffer) as its past input and present output,
+        in place; by ONNX element type (onnxruntime binds no float8 numpy dtype)."""
         for buf in cache.buffers:
             for bind, name in ((binding.bind_input, buf.past), (binding.bind_output, buf.present)):
-                bind(name, buf.device, buf.device_id, buf.dtype, list(buf.shape), buf.ptr)
+                bind(name, buf.device, buf.device_id, buf.element_type, list(buf.shape), buf.ptr)
 
     def generate(
         self,

@@ -21,13 +21,22 @@ Modes (every buffer is declared (B, Nkv, C, H); the model's kv_layout decides th
   Pointers and shapes change at each growth (``generation`` counts them): every growth moves the
   live cache and invalidates a captured graph.
 
+Quantized caches: every buffer holds the graph's element type, rows of `spec.row` elements (a
+packed int4 row is (H + 1) // 2 bytes), so an int8 or fp8 cache commits half the bytes of an fp16
+one and an int4 cache a quarter. A PER_TOKEN model's float32 scale caches (B, Nkv, C) travel
+beside the KV caches: a cache of their own inside this one (the same mode, batch, capacity and
+granule; laid out with head_dim 1), grown, committed, released and reset with it; `buffers`
+lists them after the KV buffers, bound as past and present in place the same way.
+
 The counters (`KvCacheStats`) are what the benchmarks and the CLI report; committed bytes come
-from the allocators themselves (and on the host `measured_committed_bytes()` asks the kernel).
+from the allocators themselves (and on the host `measured_committed_bytes()` asks the kernel);
+they include the scale caches, also counted apart (`scale_committed_bytes`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -42,7 +51,7 @@ from .kv_memory import (
     Reservation,
     granule_runs,
 )
-from .model_spec import KvSpec
+from .model_spec import KvSpec, onnx_element_type
 
 __all__ = [
     "CACHE_MODES",
@@ -65,7 +74,8 @@ class KvCapacityError(ValueError):
 @dataclass
 class KvCacheStats:
     reserved_bytes: int = 0  # address space held (growable) or allocated (other modes)
-    committed_bytes: int = 0  # physical memory held now (all buffers)
+    committed_bytes: int = 0  # physical memory held now (all buffers, scale caches included)
+    scale_committed_bytes: int = 0  # of which the PER_TOKEN scale caches (0 without them)
     peak_committed_bytes: int = 0
     live_bytes: int = 0  # bytes of the live rows last ensured (all buffers)
     bytes_moved: int = 0  # copied by growth (bucket re-striding); 0 for in-place growth
@@ -83,10 +93,16 @@ class KvBuffer:
     past: str
     present: str
     ptr: int
-    shape: tuple[int, int, int, int]  # (B, Nkv, C, H): C is the bound capacity
+    shape: tuple[int, ...]  # (B, Nkv, C, row): C is the bound capacity; a scale cache (B, Nkv, C)
     dtype: np.dtype
     device: str
     device_id: int
+
+    @property
+    def element_type(self) -> int:
+        """The ONNX element type, what IO binding is given (onnxruntime binds no float8 numpy
+        dtype)."""
+        return onnx_element_type(self.dtype)
 
 
 def _subtract(runs: list[tuple[int, int]], held: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -153,6 +169,7 @@ class KvCache:
         self.generation = 0  # bumped whenever buffer pointers or shapes change (bucket growth)
         self._granule = granule
         self._itemsize = np.dtype(spec.dtype).itemsize
+        self._scales: KvCache | None = None  # PER_TOKEN: the scale caches, a cache of their own
         self._reservations: list[Reservation] = []
         self._ensured = [0] * batch  # tokens per entry the last ensure() asked for (monotonic)
         self._covered = [0] * batch  # tokens per entry whose rows are committed for sure
@@ -203,6 +220,11 @@ class KvCache:
                 for res in cache._reservations:
                     res.commit(0, res.size)
                 cache._covered = [cache.capacity] * batch
+            scale_spec = spec.scale_spec()
+            if scale_spec is not None:
+                cache._scales = cls.create(
+                    scale_spec, mode, device, batch, capacity, device_id, granule, bucket_tokens
+                )
         except BaseException:
             cache.close()
             raise
@@ -233,12 +255,18 @@ class KvCache:
 
     @property
     def buffers(self) -> list[KvBuffer]:
+        """The KV buffers (k0, v0, k1, ...), then the scale buffers in the same order."""
         self._check_open()
-        shape = (self.batch, self.spec.kv_heads, self.capacity, self.spec.head_dim)
+        shape = (self.batch, self.spec.kv_heads, self.capacity, self.spec.row)
         return [
             KvBuffer(past, present, res.ptr, shape, self.spec.dtype, self.device, self.device_id)
             for (past, present), res in zip(self.spec.names, self._reservations)
-        ]
+        ] + self._scale_buffers(self._scales.buffers if self._scales else [])
+
+    @staticmethod
+    def _scale_buffers(buffers: list[KvBuffer]) -> list[KvBuffer]:
+        """A scale cache is declared (B, Nkv, C): its inner cache's (B, Nkv, C, 1) less the 1."""
+        return [dataclasses.replace(b, shape=b.shape[:3]) for b in buffers]
 
     def entry_buffers(self, first: int, count: int) -> list[KvBuffer]:
         """The buffers of batch entries [first, first+count) alone: a batch entry's rows lie in
@@ -248,30 +276,33 @@ class KvCache:
         if not (0 <= first and 1 <= count and first + count <= self.batch):
             raise ValueError(f"entries [{first}, {first + count}) outside a batch of {self.batch}")
         offset = first * self.capacity * self.spec.token_bytes
-        shape = (count, self.spec.kv_heads, self.capacity, self.spec.head_dim)
+        shape = (count, self.spec.kv_heads, self.capacity, self.spec.row)
+        scales = self._scales.entry_buffers(first, count) if self._scales else []
         return [
             KvBuffer(past, present, res.ptr + offset, shape, self.spec.dtype, self.device,
                      self.device_id)
             for (past, present), res in zip(self.spec.names, self._reservations)
-        ]  # fmt: skip
+        ] + self._scale_buffers(scales)  # fmt: skip
 
     def entry_commit_bytes(self, tokens: int) -> int:
         """Bytes (all buffers) that one entry of `tokens` live rows commits in this cache: its
         granule-rounded ranges (growable), or its share of the whole buffers (other modes)."""
+        scales = self._scales.entry_commit_bytes(tokens) if self._scales else 0
         if self.mode != "growable":
-            return self.max_capacity * self.spec.token_bytes * self.spec.buffers
+            return self.max_capacity * self.spec.token_bytes * self.spec.buffers + scales
         runs = granule_runs(self._byte_ranges([tokens], self.capacity), self.granule)
-        return sum(size for _, size in runs) * self.spec.buffers
+        return sum(size for _, size in runs) * self.spec.buffers + scales
 
     def commit_bytes(self, tokens_per_entry: list[int]) -> int:
         """Bytes (all buffers) that live rows 0..t_b-1 of every entry b commit in this cache:
         the granules covering them, a granule shared by neighbouring entries counted once (a
         2 MiB CUDA granule holds several small entries). Other modes: every entry with rows
         holds its whole share. The sum of entry_commit_bytes over the entries is an upper
-        bound that double-counts shared granules."""
+        bound that double-counts shared granules. The scale caches' bytes are included."""
+        scales = self._scales.commit_bytes(tokens_per_entry) if self._scales else 0
         if self.mode != "growable":
             share = self.max_capacity * self.spec.token_bytes * self.spec.buffers
-            return share * sum(1 for t in tokens_per_entry if t > 0)
+            return share * sum(1 for t in tokens_per_entry if t > 0) + scales
         if len(tokens_per_entry) != self.batch:
             raise ValueError(f"{len(tokens_per_entry)} token counts for a batch of {self.batch}")
         # prefix_spans + granule_runs, vectorized (a serving engine asks every step): the spans
@@ -283,14 +314,14 @@ class KvCache:
             raise ValueError(f"token counts {tokens_per_entry} outside [0, {self.capacity}]")
         entries = np.flatnonzero(t)
         if not entries.size:
-            return 0
-        st = kv_strides(s.layout, s.kv_heads, self.capacity, s.head_dim)
+            return scales
+        st = kv_strides(s.layout, s.kv_heads, self.capacity, s.row)
         starts = (entries[:, None] * st.batch + np.arange(s.kv_heads) * st.head).ravel()
-        ends = starts + np.repeat((t[entries] - 1) * st.seq + s.head_dim, s.kv_heads)
+        ends = starts + np.repeat((t[entries] - 1) * st.seq + s.row, s.kv_heads)
         lo, hi = starts * es // g, -(-(ends * es) // g)
         before = np.maximum.accumulate(np.concatenate(([lo[0]], hi[:-1])))
         granules = np.maximum(hi - np.maximum(lo, before), 0).sum()
-        return int(granules) * g * s.buffers
+        return int(granules) * g * s.buffers + scales
 
     def release(self, entry: int) -> int:
         """Ends batch entry `entry`'s sequence: no live rows, and (growable) its granules go
@@ -319,6 +350,9 @@ class KvCache:
         if self.mode == "growable":
             self._covered[entry] = 0
         self._ensured[entry] = 0
+        if self._scales is not None:
+            released += self._scales.release(entry)
+            self._update_bytes()
         self._update_live_bytes()
         return released
 
@@ -354,18 +388,28 @@ class KvCache:
                 )
         tokens = [max(t, e) for t, e in zip(tokens, self._ensured)]
         grew = False
-        if any(t > c for t, c in zip(tokens, self._covered)):
+        scales = self._scales
+        if any(t > c for t, c in zip(tokens, self._covered)) or (
+            scales is not None and any(t > c for t, c in zip(tokens, scales._covered))
+        ):
             start = time.perf_counter()
+            moved = scales.stats.bytes_moved if scales is not None else 0
             try:
-                if self.mode == "bucket":
-                    grew = self._grow_bucket(tokens)
-                else:
-                    grew = self._commit(tokens)
+                if any(t > c for t, c in zip(tokens, self._covered)):
+                    grew = self._grow_bucket(tokens) if self.mode == "bucket" else (
+                        self._commit(tokens)
+                    )  # fmt: skip
+                if scales is not None:  # grown alike (bucket: to the same capacity)
+                    grew = scales.ensure(tokens) or grew
             finally:  # a failed commit may have committed some buffers: count what is held
+                if scales is not None:
+                    self.stats.bytes_moved += scales.stats.bytes_moved - moved
                 self._update_bytes()
             if grew:
                 self.stats.growth_events += 1
                 self.stats.growth_seconds += time.perf_counter() - start
+        elif scales is not None:
+            scales.ensure(tokens)  # its live counts (nothing to commit)
         self._ensured = tokens
         self._update_live_bytes()  # the rest changes only where memory was committed (above)
         return grew
@@ -374,11 +418,13 @@ class KvCache:
         """A new sequence: no live tokens. Committed memory and pointers stay (reuse)."""
         self._check_open()
         self._ensured = [0] * self.batch
+        if self._scales is not None:
+            self._scales.reset()
         self._update_bytes()
 
     def _byte_ranges(self, tokens: list[int], capacity: int) -> list[tuple[int, int]]:
         s = self.spec
-        ranges = live_ranges(s.layout, s.kv_heads, capacity, s.head_dim, tokens)
+        ranges = live_ranges(s.layout, s.kv_heads, capacity, s.row, tokens)
         return [(a * self._itemsize, b * self._itemsize) for a, b in ranges]
 
     def _commit(self, tokens: list[int]) -> bool:
@@ -400,10 +446,10 @@ class KvCache:
         s, es, g = self.spec, self._itemsize, self.granule
         covered = [0] * self.batch
         fits: dict[int, int] = {}
-        for b, start, end in prefix_spans(s.layout, s.kv_heads, self.capacity, s.head_dim, tokens):
+        for b, start, end in prefix_spans(s.layout, s.kv_heads, self.capacity, s.row, tokens):
             granule_end = -(-(end * es) // g) * g  # the end of the granule holding the last row
             rows = prefix_tokens(
-                s.layout, s.kv_heads, self.capacity, s.head_dim, granule_end // es - start
+                s.layout, s.kv_heads, self.capacity, s.row, granule_end // es - start
             )
             fits[b] = min(fits.get(b, rows), rows)
         for b, rows in fits.items():
@@ -444,8 +490,8 @@ class KvCache:
         """(source offset, destination offset, bytes) moving the live rows of every (entry,
         head) from capacity old to new; runs that stay adjacent in both are merged."""
         s, es = self.spec, self._itemsize
-        old = prefix_spans(s.layout, s.kv_heads, old_capacity, s.head_dim, tokens)
-        new = prefix_spans(s.layout, s.kv_heads, new_capacity, s.head_dim, tokens)
+        old = prefix_spans(s.layout, s.kv_heads, old_capacity, s.row, tokens)
+        new = prefix_spans(s.layout, s.kv_heads, new_capacity, s.row, tokens)
         copies: list[list[int]] = []
         for (_, src_start, src_end), (_, dst_start, _) in zip(old, new):
             src, dst, size = src_start * es, dst_start * es, (src_end - src_start) * es
@@ -461,34 +507,47 @@ class KvCache:
         st = self.stats
         st.reserved_bytes = sum(r.size for r in self._reservations)
         st.committed_bytes = sum(r.committed_bytes for r in self._reservations)
+        if self._scales is not None:
+            inner = self._scales.stats
+            st.reserved_bytes += inner.reserved_bytes
+            st.committed_bytes += inner.committed_bytes
+            st.scale_committed_bytes = inner.committed_bytes
         st.peak_committed_bytes = max(st.peak_committed_bytes, st.committed_bytes)
         self._update_live_bytes()
 
     def _update_live_bytes(self) -> None:
-        self.stats.live_bytes = sum(self._ensured) * self.spec.token_bytes * self.spec.buffers
+        live = sum(self._ensured) * self.spec.token_bytes * self.spec.buffers
+        self.stats.live_bytes = live + (self._scales.stats.live_bytes if self._scales else 0)
 
     def measured_committed_bytes(self) -> int:
         """Host: resident bytes as the kernel reports them (mincore); CUDA: mapped granules."""
         self._check_open()
-        return sum(r.resident_bytes() for r in self._reservations)  # type: ignore[attr-defined]
+        scales = self._scales.measured_committed_bytes() if self._scales else 0
+        return sum(r.resident_bytes() for r in self._reservations) + scales  # type: ignore[attr-defined]
 
     # -----------------------------------------------------------------------------------------
     def read_bytes(self, index: int, offset: int, size: int) -> bytes:
-        """Raw bytes of buffer `index` (a device copy on CUDA): tests check growth moved none."""
+        """Raw bytes of buffer `index` (a device copy on CUDA): tests check growth moved none.
+        Indices past the KV buffers are the scale buffers (as in `buffers`)."""
         self._check_open()
+        if index >= len(self._reservations) and self._scales is not None:
+            return self._scales.read_bytes(index - len(self._reservations), offset, size)
         return self._reservations[index].read(offset, size)
 
     def logical(self, index: int) -> np.ndarray:
-        """A host copy of buffer `index` as the logical (B, Nkv, C, H) array (any layout).
-        Only committed rows are read; the rest read as zeros."""
+        """A host copy of buffer `index` as the logical (B, Nkv, C, row) array (any layout; a
+        scale buffer, past the KV buffers: (B, Nkv, C)). Only committed rows are read; the rest
+        read as zeros."""
         self._check_open()
+        if index >= len(self._reservations) and self._scales is not None:
+            return self._scales.logical(index - len(self._reservations))[..., 0]
         s = self.spec
         res = self._reservations[index]
-        data = np.zeros(self.batch * self.capacity * s.kv_heads * s.head_dim, s.dtype)
+        data = np.zeros(self.batch * self.capacity * s.kv_heads * s.row, s.dtype)
         raw = data.view(np.uint8)
         for start, end in self._byte_ranges(self._ensured, self.capacity):
             raw[start:end] = np.frombuffer(res.read(start, end - start), np.uint8)
-        shape = (self.batch, s.kv_heads, self.capacity, s.head_dim)
+        shape = (self.batch, s.kv_heads, self.capacity, s.row)
         return np.array(from_layout(data.reshape(shape), s.layout))
 
     def close(self) -> None:
@@ -503,7 +562,13 @@ class KvCache:
             except BaseException as exc:  # noqa: BLE001 -- release the rest first
                 error = error or exc
         self._reservations = []
+        if self._scales is not None:
+            try:
+                self._scales.close()
+            except BaseException as exc:  # noqa: BLE001 -- report the first
+                error = error or exc
         self.stats.committed_bytes = 0
+        self.stats.scale_committed_bytes = 0
         if error is not None:
             raise error
 

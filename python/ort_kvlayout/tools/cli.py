@@ -108,6 +108,13 @@ def patch_parser() -> argparse.ArgumentParser:
         choices=["seq-major", "head-major"],
         help="KV layout of the rewritten nodes (default seq-major, BSNH)",
     )
+    p.add_argument(
+        "--kv-quant",
+        default=None,
+        choices=["int8-per-token", "int4-per-token", "fp8-per-token"],
+        help="also convert the plain (float) KV caches to PER_TOKEN quantization: int8, packed "
+        "int4 or fp8 caches with per-(token, kv head) scale caches (CPU op only)",
+    )
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
     p.add_argument(
         "--verify",
@@ -156,6 +163,7 @@ def _patch(args: argparse.Namespace) -> int:
             metadata=not args.no_metadata,
             link=args.link,
             log=log,
+            kv_quant=args.kv_quant,
         )
     except (PatchError, FileExistsError) as exc:
         _err(str(exc))
@@ -166,7 +174,9 @@ def _patch(args: argparse.Namespace) -> int:
     if not args.verify:
         return 0
     try:
-        check = verify_patch(result.model_dir, result.out_dir, args.prompt, args.tokens)
+        check = verify_patch(
+            result.model_dir, result.out_dir, args.prompt, args.tokens, kv_quant=args.kv_quant
+        )
     except Exception as exc:  # noqa: BLE001 -- ORT, tokenizer, model: output stays, unverified
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
         _err(
@@ -177,7 +187,11 @@ def _patch(args: argparse.Namespace) -> int:
         f"verify: {len(check.original_tokens)} greedy tokens, max |logit diff| "
         f"{check.max_logit_diff:.3g} over {check.compared_steps} step(s), tokens "
         + ("agree" if check.tokens_agree else "DISAGREE")
+        + (f" with the {args.kv_quant} reference (numpy emulation)" if args.kv_quant else "")
     )
+    if check.unquantized_tokens is not None:
+        same, total = check.agreement(check.unquantized_tokens, check.patched_tokens)
+        print(f"verify: the first {same} of {total} tokens agree with the unquantized model")
     if not check.tokens_agree:
         print(f"  original: {check.original_tokens}\n  patched:  {check.patched_tokens}")
         return EXIT_MISMATCH

@@ -22,9 +22,10 @@ kv_quant_scheme), which come from the model's GroupQueryAttention nodes (all mus
         kv_update:  shared_buffer (search.past_present_share_buffer) | append
         kv_dtype:   the cache element type, from the nodes' past (else present) key port and
                     quant attributes: float16 | float32 | bfloat16 | int8 | uint8_packed_int4
-                    (omitted when an unquantized cache's port is untyped)
+                    | float8e4m3fn (omitted when an unquantized cache's port is untyped)
         kv_cache_bit_width: bits per cached element: 16 | 32 | 8 | 4 (with kv_dtype)
-        kv_quant_scheme:    none | per_tensor | per_channel (k_quant_type = v_quant_type)
+        kv_quant_scheme:    none | per_tensor | per_channel | per_token (k_quant_type =
+                            v_quant_type; per_token: patch_kv_layout --kv-quant)
         (kv_dtype, kv_cache_bit_width and kv_quant_scheme must agree over all GQA nodes)
       attention:
         type: group_query_attention

@@ -61,9 +61,19 @@ GQA_INPUTS = (
     "query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length",
     "cos_cache", "sin_cache", "position_ids", "attention_bias", "head_sink", "k_scale", "v_scale",
     "q_norm_weight", "k_norm_weight", "query_seqlens",
+    "past_key_scale", "past_value_scale",  # ai.kvlayout only: PER_TOKEN scale caches
 )  # fmt: skip
-GQA_OUTPUTS = ("output", "present_key", "present_value", "output_qk")
+GQA_OUTPUTS = (
+    "output", "present_key", "present_value", "output_qk",
+    "present_key_scale", "present_value_scale",  # ai.kvlayout only: PER_TOKEN
+)  # fmt: skip
 K_SCALE, V_SCALE = GQA_INPUTS.index("k_scale"), GQA_INPUTS.index("v_scale")
+PAST_K_SCALE, PAST_V_SCALE = (
+    GQA_INPUTS.index("past_key_scale"),
+    GQA_INPUTS.index("past_value_scale"),
+)
+PRESENT_K_SCALE = GQA_OUTPUTS.index("present_key_scale")
+PRESENT_V_SCALE = GQA_OUTPUTS.index("present_value_scale")
 OUTPUT_QK = GQA_OUTPUTS.index("output_qk")
 Q_NORM, K_NORM = GQA_INPUTS.index("q_norm_weight"), GQA_INPUTS.index("k_norm_weight")
 
@@ -156,9 +166,12 @@ def norm_epsilon_problems(attrs: dict[str, object]) -> list[str]:
     return problems
 
 
-QUANT_TYPES = ("PER_TENSOR", "PER_CHANNEL")
-# The cache element type each kv_cache_bit_width needs (CONTRACT section 13).
-_BITS_CACHE = {8: onnx.TensorProto.INT8, 4: onnx.TensorProto.UINT8}
+QUANT_TYPES = ("PER_TENSOR", "PER_CHANNEL", "PER_TOKEN")
+# The cache element types each kv_cache_bit_width takes (CONTRACT section 13 and PER_TOKEN).
+_BITS_CACHE = {
+    8: (onnx.TensorProto.INT8, onnx.TensorProto.FLOAT8E4M3FN),
+    4: (onnx.TensorProto.UINT8,),
+}
 
 
 def quant_type(attrs: dict[str, object], name: str) -> str:
@@ -175,18 +188,28 @@ def is_quantized(node: onnx.NodeProto) -> bool:
 def quant_problems(node: onnx.NodeProto, attrs: dict[str, object], cache_type: int) -> list[str]:
     """Why the op refuses this node's quantized-cache setup (CONTRACT section 13): the attributes,
     scales and cache element type must agree. cache_type: past/present key's ONNX element type
-    (0: unknown). A consistent int8 / packed-int4 node gives no reason; fp8 is refused."""
+    (0: unknown). A consistent int8 / packed-int4 / fp8 node gives no reason; so does a
+    PER_TOKEN one with both scale caches and no k_scale/v_scale."""
     kq, vq = quant_type(attrs, "k_quant_type"), quant_type(attrs, "v_quant_type")
     bits = attrs.get("kv_cache_bit_width", 0)
     scales = [n for i, n in ((K_SCALE, "k_scale"), (V_SCALE, "v_scale")) if _present(node.input, i)]
-    if cache_type == onnx.TensorProto.FLOAT8E4M3FN:
-        return ["an fp8 (float8e4m3fn) KV cache is not supported: the op refuses it"]
+    scale_caches = [GQA_INPUTS[i] for i in (PAST_K_SCALE, PAST_V_SCALE) if _present(node.input, i)]
+    scale_caches += [
+        GQA_OUTPUTS[i] for i in (PRESENT_K_SCALE, PRESENT_V_SCALE) if _present(node.output, i)
+    ]
     if kq == vq == "NONE":
         reasons = []
+        if cache_type == onnx.TensorProto.FLOAT8E4M3FN:
+            reasons.append("an fp8 (float8e4m3fn) KV cache without k_quant_type/v_quant_type")
         if scales:
             reasons.append(
                 f"{'/'.join(scales)} input(s) without k_quant_type/v_quant_type: the op refuses a "
                 "scale for a cache that is not quantized (k_scale/v_scale)"
+            )
+        if scale_caches:
+            reasons.append(
+                f"scale cache(s) {'/'.join(scale_caches)} without k_quant_type=PER_TOKEN: the op "
+                "refuses them"
             )
         if bits != 0:
             reasons.append(
@@ -198,7 +221,8 @@ def quant_problems(node: onnx.NodeProto, attrs: dict[str, object], cache_type: i
     for name, text in (("k_quant_type", kq), ("v_quant_type", vq)):
         if text not in QUANT_TYPES and text != "NONE":
             reasons.append(
-                f"quantized KV cache ({name}={text}): not NONE, PER_TENSOR or PER_CHANNEL"
+                f"quantized KV cache ({name}={text}): not NONE, PER_TENSOR, PER_CHANNEL or "
+                "PER_TOKEN"
             )
     if kq != vq:
         reasons.append(
@@ -209,15 +233,41 @@ def quant_problems(node: onnx.NodeProto, attrs: dict[str, object], cache_type: i
         reasons.append(
             f"quantized KV cache (k_quant_type={kq}) needs kv_cache_bit_width 8 or 4, got {bits}"
         )
-    elif cache_type and cache_type != _BITS_CACHE[bits]:  # type: ignore[index]
+    elif cache_type and cache_type not in _BITS_CACHE[bits]:  # type: ignore[index]
         got = onnx.TensorProto.DataType.Name(cache_type).lower()
-        need = onnx.TensorProto.DataType.Name(_BITS_CACHE[bits]).lower()  # type: ignore[index]
+        need = " or ".join(
+            onnx.TensorProto.DataType.Name(t).lower()
+            for t in _BITS_CACHE[bits]  # type: ignore[index]
+        )
         reasons.append(
             f"quantized KV cache (kv_cache_bit_width={bits}) needs a {need} cache, the graph's "
             f"is {got}"
         )
-    if len(scales) < 2:
-        reasons.append(f"quantized KV cache (k_quant_type={kq}) needs both k_scale and v_scale")
+    if "PER_TOKEN" in (kq, vq):
+        if scales:
+            reasons.append(
+                f"{'/'.join(scales)} with k_quant_type=PER_TOKEN: the scales are computed per "
+                "token (k_scale/v_scale must be absent)"
+            )
+        missing = [
+            GQA_INPUTS[i] for i in (PAST_K_SCALE, PAST_V_SCALE) if not _present(node.input, i)
+        ]
+        missing += [
+            GQA_OUTPUTS[i] for i in (PRESENT_K_SCALE, PRESENT_V_SCALE)
+            if not _present(node.output, i)
+        ]  # fmt: skip
+        if _present(node.input, 3) and missing:
+            reasons.append(
+                f"PER_TOKEN quantized KV cache without its scale cache(s) {'/'.join(missing)}"
+            )
+    else:
+        if len(scales) < 2:
+            reasons.append(f"quantized KV cache (k_quant_type={kq}) needs both k_scale and v_scale")
+        if scale_caches:
+            reasons.append(
+                f"scale cache(s) {'/'.join(scale_caches)} need k_quant_type=PER_TOKEN, the "
+                f"node's is {kq}"
+            )
     return reasons
 
 
@@ -499,13 +549,16 @@ def patch_model_dir(
     metadata: bool = True,
     link: bool = False,
     log: Callable[[str], None] | None = None,
+    kv_quant: str | None = None,
 ) -> PatchResult:
     """Writes a patched copy of `model_dir` to `out_dir` (see the module docstring).
 
     library: "auto" copies ort_kvlayout.library_path(); a path copies that file; None copies none
     and leaves genai_config.json's session options as they are. metadata=False skips
     inference_metadata.yaml. link=True hard-links large files instead of copying them (see
-    _copy_file for the caveat).
+    _copy_file for the caveat). kv_quant: a KV_QUANT_SCHEMES value ("int8-per-token", ...)
+    converts the plain KV caches to PER_TOKEN (tools/kvquant.py) and records the scale caches'
+    names in genai_config.json.
 
     Everything is read and checked before anything is written (graphs, external-data
     references, genai_config.json, the metadata); on any failure or interrupt, the temporary
@@ -528,6 +581,7 @@ def patch_model_dir(
     if dst.exists() and not dst.is_dir():
         raise PatchError(f"output {dst} exists and is not a directory")
     lib = _resolve_library(library)
+    quant = _kv_quant_plan(src, kv_quant) if kv_quant is not None else None
 
     # Read and rewrite every graph first: refusals are raised before anything is written.
     onnx_files = sorted(p for p in src.rglob("*.onnx") if p.is_file())
@@ -539,6 +593,12 @@ def patch_model_dir(
         rel = path.relative_to(src).as_posix()
         model = _load_checked(path)
         report = FileReport(rel)
+        if quant is not None:
+            prefix = f"{rel}: " if len(onnx_files) > 1 else ""
+            quant_refusals = quant.convert(model, prefix)
+            if quant_refusals:
+                refusals += quant_refusals
+                continue
         try:
             report.gqa_nodes, report.rewritten, file_changed = rewrite_model(model, layout)
         except UnsupportedNodeError as exc:
@@ -569,11 +629,13 @@ def patch_model_dir(
     if config is not None:
         _refuse_quantized_on_cuda(config, models, src, len(onnx_files))
     new_config_text = None
-    if lib is not None and config is not None:
-        patched_files = {f.path for f in result.files if f.gqa_nodes}
-        new_config = update_genai_config(
-            json.loads(json.dumps(config)), patched_files, LIBRARY_NAME
-        )
+    if config is not None and (lib is not None or quant is not None):
+        new_config = json.loads(json.dumps(config))
+        if lib is not None:
+            patched_files = {f.path for f in result.files if f.gqa_nodes}
+            new_config = update_genai_config(new_config, patched_files, LIBRARY_NAME)
+        if quant is not None:
+            quant.record(new_config)
         if new_config != config:
             new_config_text = json.dumps(new_config, indent=4) + "\n"
     metadata_data = None
@@ -610,9 +672,9 @@ def patch_model_dir(
             (tmp / LIBRARY_NAME).unlink(missing_ok=True)  # may be a link into the source
             shutil.copy2(lib, tmp / LIBRARY_NAME)
             result.library = LIBRARY_NAME
-            if new_config_text is not None:
-                (tmp / GENAI_CONFIG).unlink()  # never write through a link into the source
-                (tmp / GENAI_CONFIG).write_text(new_config_text)
+        if new_config_text is not None:
+            (tmp / GENAI_CONFIG).unlink()  # never write through a link into the source
+            (tmp / GENAI_CONFIG).write_text(new_config_text)
         if metadata_data is not None:
             (tmp / METADATA_FILE).unlink(missing_ok=True)  # may be a link into the source
             write_metadata(metadata_data, tmp / METADATA_FILE, force=True)
@@ -629,6 +691,64 @@ def patch_model_dir(
         raise
     log(f"wrote {dst} ({result.rewritten} node(s) rewritten, kv_layout={LAYOUT_NAMES[layout]})")
     return result
+
+
+@dataclass
+class _KvQuantPlan:
+    """--kv-quant: the scheme, the scale caches' names (from genai_config.json) and the refusal
+    of a CUDA-targeted model, applied to each graph before its layout rewrite."""
+
+    scheme: str
+    templates: dict[str, str]
+    names: dict[str, str]
+    cuda: bool
+
+    def convert(self, model: onnx.ModelProto, prefix: str) -> list[tuple[str, str]]:
+        from .kvquant import convert_model
+
+        if self.cuda:
+            return [
+                (prefix + node_label(node, i), CUDA_PER_TOKEN_REASON)
+                for i, node in enumerate(iter_gqa_nodes(model))
+            ]
+        return convert_model(model, self.scheme, self.names, prefix)
+
+    def record(self, config: dict) -> None:
+        """The scale caches' name templates under model.decoder.inputs / outputs."""
+        decoder = config["model"]["decoder"]
+        for key, template in self.templates.items():
+            decoder["inputs" if key.startswith("past") else "outputs"][key] = template
+
+
+CUDA_PER_TOKEN_REASON = (
+    "genai_config.json's provider_options name cuda, and the CUDA op cannot run PER_TOKEN "
+    "quantized KV caches yet (it refuses them at session creation); convert a copy whose "
+    "provider_options name no GPU provider"
+)
+
+
+def _kv_quant_plan(src: Path, scheme: str) -> _KvQuantPlan:
+    from ..model.config import SCALE_KEYS, MetadataError, config_int, load_genai_config
+    from .kvquant import KvQuantError, check_scheme, scale_names_for
+
+    try:
+        check_scheme(scheme)
+        config = load_genai_config(src)
+        layers = config_int(config, "model.decoder.num_hidden_layers", 1, 1 << 16)
+        decoder = config["model"]["decoder"]
+        templates = {
+            key: decoder["inputs" if key.startswith("past") else "outputs"].get(key, default)
+            for key, default in SCALE_KEYS.items()
+        }
+        names = scale_names_for(decoder, layers, templates)
+    except (KvQuantError, MetadataError) as exc:
+        raise PatchError(f"--kv-quant: {exc}") from exc
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise PatchError(
+            f"--kv-quant: {GENAI_CONFIG} lacks the decoder's past/present key/value name "
+            f"templates ({type(exc).__name__}: {exc})"
+        ) from exc
+    return _KvQuantPlan(scheme, templates, names, "cuda" in config_providers(config))
 
 
 def _commit(tmp: Path, dst: Path, force: bool) -> None:

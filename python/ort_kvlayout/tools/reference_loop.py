@@ -13,6 +13,15 @@ by one column a step; seqlens_k and total_sequence_length are derived from it in
 Batch size 1, no sampling, numpy buffers: kept deliberately simple and independent of the runtime
 it checks (ort_kvlayout.runtime: KV cache modes, batches, sampling, CUDA graphs), so it imports
 nothing of this package.
+
+Quantized caches: int8, packed int4 (uint8, (H + 1) // 2 bytes a row) and float8e4m3fn caches
+are allocated in the graph's type. A PER_TOKEN model's float32 scale caches (1, Nkv, C), named
+by genai_config's past_key_scale_names / ... (default past_key_scale.%d, ...), are shared in
+place beside them. `emulate_kv_quant` runs a plain (float-cache) model as the PER_TOKEN oracle:
+after each step, every row written that step is quantized and dequantized in numpy
+(`fake_quant_rows`: the op's code, docs/CONTRACT.md) and stored back in the cache's type. It is
+not bit-exact to the op: the attention of the step that writes a row reads it unquantized here
+(the op reads it dequantized), and a float16 cache rounds the dequantized value to float16.
 """
 
 from __future__ import annotations
@@ -24,10 +33,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 GENAI_CONFIG = "genai_config.json"
+# genai_config.json's scale-cache templates (PER_TOKEN) and their defaults.
+SCALE_KEYS = {
+    "past_key_scale_names": "past_key_scale.%d",
+    "past_value_scale_names": "past_value_scale.%d",
+    "present_key_scale_names": "present_key_scale.%d",
+    "present_value_scale_names": "present_value_scale.%d",
+}
+# PER_TOKEN schemes: (largest code, smallest code, code type); fp8 rounds to float8e4m3fn.
+KV_QUANT = {
+    "int8-per-token": (127, -128, np.int8),
+    "int4-per-token": (7, -8, np.int8),
+    "fp8-per-token": (448, -448, ml_dtypes.float8_e4m3fn),
+}
 _NP_TYPES = {
     "tensor(float)": np.float32,
     "tensor(float16)": np.float16,
@@ -35,7 +59,42 @@ _NP_TYPES = {
     "tensor(int32)": np.int32,
     "tensor(int8)": np.int8,  # quantized KV caches (int8; packed int4 as uint8, two per byte)
     "tensor(uint8)": np.uint8,
+    "tensor(float8e4m3fn)": ml_dtypes.float8_e4m3fn,
 }
+_ONNX_TYPES = {  # numpy types OrtValue cannot take by dtype
+    np.dtype(ml_dtypes.float8_e4m3fn): onnx.TensorProto.FLOAT8E4M3FN,
+}
+
+
+def fake_quant_rows(x: np.ndarray, scheme: str) -> np.ndarray:
+    """PER_TOKEN quantize then dequantize each row (last axis) of float32 `x`: scale =
+    max|x| / qmax, codes rint(x * float32(1 / scale)) clamped (fp8: cast, saturating), read
+    back float32(code) * scale; a row with a NaN/Inf reads NaN, an all-zero row 0."""
+    hi, lo, code = KV_QUANT[scheme]
+    x = np.asarray(x, np.float32)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        amax = np.max(np.abs(x), axis=-1, keepdims=True)
+        scale = (amax / np.float32(hi)).astype(np.float32)
+        finite = np.isfinite(scale)
+        inv = np.where(finite & (scale > 0), np.float32(1) / np.where(scale > 0, scale, 1), 0)
+        y = np.where(finite, x, 0).astype(np.float32) * inv.astype(np.float32)
+        if code is np.int8:
+            q = np.clip(np.rint(y), lo, hi).astype(np.float32)
+        else:
+            q = np.clip(y, lo, hi).astype(code).astype(np.float32)
+        out = q * np.where(finite, scale, np.float32(np.nan))
+    return out.astype(np.float32)
+
+
+def _graph_kv_layout(path: Path) -> int:
+    """The kv_layout of the graph's GroupQueryAttention nodes (0 without the attribute)."""
+    model = onnx.load(str(path), load_external_data=False)
+    for node in model.graph.node:
+        if node.op_type == "GroupQueryAttention":
+            for attr in node.attribute:
+                if attr.name == "kv_layout":
+                    return int(attr.i)
+    return 0
 
 
 @dataclass
@@ -81,9 +140,11 @@ class Generator:
         provider: str = "cpu",
         custom_ops_library: str | os.PathLike | None = "auto",
         session_options: ort.SessionOptions | None = None,
+        emulate_kv_quant: str | None = None,
     ):
         """custom_ops_library: "auto" registers the library genai_config.json names (if any);
-        a path registers that file; None registers none. provider: "cpu" or "cuda"."""
+        a path registers that file; None registers none. provider: "cpu" or "cuda".
+        emulate_kv_quant: a KV_QUANT scheme to emulate on a float-cache model (CPU only)."""
         self.model_dir = Path(model_dir)
         self.config: dict[str, Any] = json.loads((self.model_dir / GENAI_CONFIG).read_text())
         model = self.config["model"]
@@ -125,6 +186,32 @@ class Generator:
         self.kv_dtype = _NP_TYPES[types[self.kv_pairs[0][0]]]
         self.mask_dtype = _NP_TYPES[types[self.attention_mask_name]]
         self.has_position_ids = bool(self.position_ids_name) and self.position_ids_name in types
+        # PER_TOKEN scale caches: (past, present) per KV pair, when the graph has them.
+        templates = {k: {**inputs, **outputs}.get(k, v) for k, v in SCALE_KEYS.items()}
+        self.scale_pairs: list[tuple[str, str]] = []
+        for past, _ in self.kv_pairs:
+            layer, kind = self._layer_of(past, inputs)
+            name = templates[f"past_{kind}_scale_names"] % layer
+            if name in types:
+                present = templates[f"present_{kind}_scale_names"] % layer
+                self.scale_pairs.append((name, present))
+        self.emulate_kv_quant = emulate_kv_quant
+        if emulate_kv_quant is not None:
+            if emulate_kv_quant not in KV_QUANT:
+                raise ValueError(f"emulate_kv_quant {emulate_kv_quant!r}: one of {list(KV_QUANT)}")
+            if self.kv_dtype not in (np.float32, np.float16) or self.scale_pairs:
+                raise ValueError("emulate_kv_quant needs a float32 / float16 KV cache")
+            if self.device != "cpu":
+                raise ValueError("emulate_kv_quant runs on the CPU (the cache is numpy memory)")
+        self.kv_layout = _graph_kv_layout(path)
+        self._arrays: list[np.ndarray] = []  # the numpy memory of the KV buffers (CPU)
+
+    def _layer_of(self, past: str, inputs: dict[str, Any]) -> tuple[int, str]:
+        for kind in ("key", "value"):
+            for layer in range(self.layers):
+                if inputs[f"past_{kind}_names"] % layer == past:
+                    return layer, kind
+        raise ValueError(f"{past} matches no past key/value template")
 
     def new_cache(self, capacity: int) -> list[ort.OrtValue]:
         """Zeroed (1, Nkv, capacity, H) buffers, one per past/present pair, on the device."""
@@ -132,10 +219,26 @@ class Generator:
         row = (self.head_size + 1) // 2 if self.kv_dtype == np.uint8 else self.head_size
         shape = (1, self.kv_heads, capacity, row)
         # One array per buffer: on CPU the OrtValue wraps the numpy memory (and keeps it alive).
-        return [
-            ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, self.kv_dtype), self.device, 0)
-            for _ in self.kv_pairs
-        ]
+        self._arrays = [np.zeros(shape, self.kv_dtype) for _ in self.kv_pairs]
+        scales = [np.zeros(shape[:3], np.float32) for _ in self.scale_pairs]
+        return [self._value(a) for a in self._arrays + scales]
+
+    def _value(self, array: np.ndarray) -> ort.OrtValue:
+        onnx_type = _ONNX_TYPES.get(array.dtype)
+        if onnx_type is None:
+            return ort.OrtValue.ortvalue_from_numpy(array, self.device, 0)
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array, onnx_type)
+
+    def _emulate(self, first: int, end: int) -> None:
+        """Rows [first, end) of every cache quantized and dequantized in place (numpy)."""
+        for array in self._arrays:
+            capacity = array.shape[2]
+            rows = array.reshape(-1)
+            if self.kv_layout == 1:  # the (1, Nkv, C, H) buffer holds (1, C, Nkv, H) bytes
+                view = rows.reshape(capacity, self.kv_heads, self.head_size)[first:end]
+            else:
+                view = rows.reshape(self.kv_heads, capacity, self.head_size)[:, first:end]
+            view[...] = fake_quant_rows(view.astype(np.float32), self.emulate_kv_quant)
 
     def generate(
         self,
@@ -150,7 +253,7 @@ class Generator:
             raise ValueError(f"prompt + new tokens exceed the cache capacity {capacity}")
         cache = self.new_cache(capacity)
         binding = self.session.io_binding()
-        for (past, present), value in zip(self.kv_pairs, cache):
+        for (past, present), value in zip(self.kv_pairs + self.scale_pairs, cache):
             binding.bind_ortvalue_input(past, value)
             binding.bind_ortvalue_output(present, value)
 
@@ -170,6 +273,8 @@ class Generator:
                 binding.bind_cpu_input(self.position_ids_name, positions)
             binding.bind_output(self.logits_name, "cpu")
             self.session.run_with_iobinding(binding)
+            if self.emulate_kv_quant is not None:
+                self._emulate(past, total)
             logits = binding.get_outputs()[-1].numpy()  # logits bound last
             last = np.asarray(logits[0, -1], dtype=np.float32)
             token = int(np.argmax(last))

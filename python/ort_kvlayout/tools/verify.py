@@ -4,6 +4,10 @@ greedy loop (reference_loop), compared token by token and logit by logit.
     from ort_kvlayout.tools.verify import verify_patch
     check = verify_patch("smollm2", "smollm2-seq-major")
     check.tokens_agree, check.max_logit_diff
+
+After `--kv-quant` (a PER_TOKEN conversion) the original runs as the reference loop's PER_TOKEN
+emulation (numpy quantize/dequantize of each written row, reference_loop.fake_quant_rows) and,
+for information, unquantized: the report gives the agreement with both.
 """
 
 from __future__ import annotations
@@ -26,10 +30,19 @@ class VerifyResult:
     patched_tokens: list[int]
     max_logit_diff: float  # over the steps both runs reached with the same prefix
     compared_steps: int
+    unquantized_tokens: list[int] | None = None  # --kv-quant: the original, not emulated
 
     @property
     def tokens_agree(self) -> bool:
         return self.original_tokens == self.patched_tokens
+
+    @staticmethod
+    def agreement(a: list[int], b: list[int]) -> tuple[int, int]:
+        """(leading tokens that agree, tokens compared)."""
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n, max(len(a), len(b))
 
 
 def verify_prompt_ids(model_dir: Path, prompt: str) -> list[int]:
@@ -50,15 +63,24 @@ def verify_patch(
     prompt: str = "The capital of France is",
     max_new_tokens: int = 16,
     provider: str = "cpu",
+    kv_quant: str | None = None,
 ) -> VerifyResult:
     """Greedy generation with both directories (plain ORT, KV shared in place) and a comparison.
 
     The original runs with no custom-op library (ORT's own GQA for com.microsoft nodes); the
-    patched one with the library its genai_config.json names.
+    patched one with the library its genai_config.json names. kv_quant: the patched model was
+    converted to this PER_TOKEN scheme; the original runs with it emulated (and plain).
     """
     original_dir, patched_dir = Path(original_dir), Path(patched_dir)
     ids = verify_prompt_ids(original_dir, prompt)
-    a = Generator(original_dir, provider, custom_ops_library="auto").generate(ids, max_new_tokens)
+    plain = None
+    original = Generator(
+        original_dir, provider, custom_ops_library="auto", emulate_kv_quant=kv_quant
+    )
+    a = original.generate(ids, max_new_tokens)
+    if kv_quant is not None:
+        plain = Generator(original_dir, provider, custom_ops_library="auto")
+        plain = plain.generate(ids, max_new_tokens).tokens
     b = Generator(patched_dir, provider, custom_ops_library="auto").generate(ids, max_new_tokens)
     steps = 0
     diff = 0.0
@@ -67,4 +89,4 @@ def verify_patch(
         steps += 1
         if ta != tb:
             break
-    return VerifyResult(a.tokens, b.tokens, diff, steps)
+    return VerifyResult(a.tokens, b.tokens, diff, steps, plain)
