@@ -444,7 +444,13 @@ def table(data: dict) -> str:
     variants not measured yet, each with the command that measures it."""
     lines = [TABLE_HEAD, "|---|---|---|---:|---:|---:|---:|---|---:|---|"]
     for r in data["rows"]:
-        delta = _pct(r["delta_pct"]) if "delta_pct" in r else "(reference)"
+        delta = (
+            "(reference)"
+            if r["name"] == "fp32"
+            else _pct(r["delta_pct"])
+            if "delta_pct" in r
+            else ""
+        )
         paired = f"{r['delta_nll']:+.5f} ± {r['delta_nll_stderr']:.5f}" if "delta_nll" in r else ""
         agree = f"{100 * r['top1_agreement']:.2f}%" if "top1_agreement" in r else ""
         target = ""
