@@ -253,7 +253,7 @@ def evaluate(prefill: Prefill, windows: list[np.ndarray], log, label: str):
     return nlls, tops, seconds
 
 
-def row_of(variant: Variant, nlls, tops, seconds, reference, src: Path) -> dict:
+def row_of(variant: Variant, nlls, tops, seconds, reference, src: Path, commit: str) -> dict:
     nll = np.concatenate(nlls)
     mean = float(nll.mean())
     row = {
@@ -268,7 +268,7 @@ def row_of(variant: Variant, nlls, tops, seconds, reference, src: Path) -> dict:
         "build": variant.build_command(),
         "patch": variant.patch_command(src),
         "model": src.name,
-        "commit": git_revision(),
+        "commit": commit,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
     if variant.builder_scheme != "none":
@@ -325,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
+    # Once, before this run writes its JSON (which git may track: it would read as a change).
+    commit = git_revision()
     library = ort_kvlayout.library_path()
     base_dir = build_test_model.build(PRECISION, EP, args.cache_root, log=log)
     tokenizer = load_tokenizer(base_dir)
@@ -397,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
             data["not_run"][name] = reason
             continue
         data["not_run"].pop(name, None)
-        row = row_of(variant, nlls, tops, seconds, reference, src)
+        row = row_of(variant, nlls, tops, seconds, reference, src, commit)
         if name == "fp32":
             reference = (np.concatenate(nlls), np.concatenate(tops))
             reference_file.parent.mkdir(parents=True, exist_ok=True)
