@@ -1,5 +1,5 @@
-"""Writes the tables of docs/PERFORMANCE.md, docs/SERVING.md and README.md (and the plots) from
-bench/results/.
+"""Writes the tables of docs/PERFORMANCE.md, docs/SERVING.md, docs/QUANTIZATION.md and README.md
+(and the plots) from bench/results/.
 
     python bench/report.py            # rewrite the tables between the markers, and the plots
     python bench/report.py --check    # exit 1 where a document differs from what this writes
@@ -21,13 +21,15 @@ import sys
 from pathlib import Path
 
 import bench_serving  # a sibling: its Markdown table is the one a serving run prints
+import perplexity  # a sibling: its Markdown table is the one a perplexity run prints
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 DOC = ROOT / "docs" / "PERFORMANCE.md"
 README = ROOT / "README.md"
 SERVING_DOC = ROOT / "docs" / "SERVING.md"
-DOCUMENTS = {"doc": DOC, "readme": README, "serving": SERVING_DOC}  # the keys of blocks()
+QUANT_DOC = ROOT / "docs" / "QUANTIZATION.md"
+DOCUMENTS = {"doc": DOC, "readme": README, "serving": SERVING_DOC, "quant": QUANT_DOC}  # blocks()
 IMG = ROOT / "docs" / "img"
 
 CUDA = "cuda-h200.json"
@@ -39,6 +41,7 @@ COLD_COMMAND = (
 STACKS = "stack-*.json"
 STACK_COMMAND = "python bench/bench_stack.py --json bench/results/stack-32-8-128.json"
 SERVING = "serving-*.json"  # each in the block named by its stem, in docs/SERVING.md
+PERPLEXITY = "perplexity-*.json"  # each in the block named by its stem, in docs/QUANTIZATION.md
 KV_MEMORY = "kv-cache-memory-cpu-2m.json"
 KV_POINTS = (1, 256, 1024, 2048, 4096, 8192)
 MIB = 1 << 20
@@ -367,6 +370,30 @@ def serving(data: dict, name: str) -> list[str]:
     return (serving_mixed if "mixed_cost" in data else serving_results)(data, name)
 
 
+def perplexity_block(data: dict, name: str) -> list[str]:
+    """bench/perplexity.py's table, after what ran where, on which text, how, and how to rerun."""
+    text, method = data["text"], data["method"]
+    scored = method["windows"] * method["scored_tokens_per_window"]
+    return [
+        (
+            f"{data['model']}. Measured on {data['cpu']} ({data['device']}), onnxruntime "
+            f"{data['onnxruntime']}, onnxruntime-genai {data['onnxruntime_genai']}; each row's "
+            f"commit in the table (its date in the JSON). Text: {text['work']}, the file "
+            f"`{text['file']}` of the PyPI wheel {text['package']}=={text['version']} (sha256 "
+            f"`{text['sha256'][:16]}...`; {text['licence']}), {text['tokens']} tokens. Method: "
+            f"{method['what']}; windows of {method['window']} tokens, stride {method['stride']}, "
+            f"{method['windows']} windows, {scored} scored tokens. Static scales: "
+            f"{data['calibration']}. Command (JSON: `bench/results/{name}`):"
+        ),
+        "",
+        "```",
+        data["command"],
+        "```",
+        "",
+        perplexity.table(data),
+    ]
+
+
 def summary(cuda: dict, cpu: list[tuple[str, list[tuple[str, dict]]]]) -> list[str]:
     """README's table: the range of ORT time / ours per kind of call, each layout."""
     lines = ["| measured (commit) | kv_layout=0 | kv_layout=1 |", "|---|---:|---:|"]
@@ -406,7 +433,8 @@ def summary(cuda: dict, cpu: list[tuple[str, list[tuple[str, dict]]]]) -> list[s
 
 def blocks(results: Path = RESULTS) -> dict[str, dict[str, str]]:
     """Every block of each document ("doc": docs/PERFORMANCE.md, "readme": README.md,
-    "serving": docs/SERVING.md), by name, from the JSON in `results`."""
+    "serving": docs/SERVING.md, "quant": docs/QUANTIZATION.md), by name, from the JSON in
+    `results`."""
     out: dict[str, str] = {}
     cuda = json.loads((results / CUDA).read_text())
     out["cuda-meta"] = cuda_meta(cuda, CUDA)
@@ -426,10 +454,15 @@ def blocks(results: Path = RESULTS) -> dict[str, dict[str, str]]:
         out[block] = cpu_block(title, files)
         cpu.append((short, files))
     served = {f.stem: serving(json.loads(f.read_text()), f.name) for f in results.glob(SERVING)}
+    ppl = {
+        f.stem: perplexity_block(json.loads(f.read_text()), f.name)
+        for f in results.glob(PERPLEXITY)
+    }
     return {
         "doc": {k: "\n".join(v) for k, v in out.items()},
         "readme": {"readme-results": "\n".join(summary(cuda, cpu))},
         "serving": {k: "\n".join(v) for k, v in served.items()},
+        "quant": {k: "\n".join(v) for k, v in ppl.items()},
     }
 
 
@@ -469,12 +502,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--doc", type=Path, default=DOC)
     p.add_argument("--readme", type=Path, default=README)
     p.add_argument("--serving", type=Path, default=SERVING_DOC)
+    p.add_argument("--quant", type=Path, default=QUANT_DOC)
     p.add_argument("--img", type=Path, default=IMG)
     p.add_argument("--check", action="store_true", help="compare only; exit 1 on a difference")
     p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
     new_blocks = blocks(args.results)
-    paths = {"doc": args.doc, "readme": args.readme, "serving": args.serving}
+    paths = {"doc": args.doc, "readme": args.readme, "serving": args.serving, "quant": args.quant}
     stale = []
     for key, new in new_blocks.items():
         path = paths[key]

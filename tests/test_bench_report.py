@@ -37,7 +37,7 @@ def test_every_committed_result_has_a_table():
     assert fixed <= committed
     rest = committed - fixed - {report.CUDA_COLD}
     assert all(fnmatch.fnmatch(n, report.STACKS) or fnmatch.fnmatch(n, report.SERVING)
-               for n in rest), rest  # fmt: skip
+               or fnmatch.fnmatch(n, report.PERPLEXITY) for n in rest), rest  # fmt: skip
 
 
 @pytest.mark.parametrize("name", ["cuda-meta", "cpu-epyc", "cpu-xeon", "kv-memory"])
@@ -115,3 +115,43 @@ def test_a_marker_without_a_block_and_a_block_without_a_marker_are_refused():
         report.splice(doc, {})
     with pytest.raises(KeyError, match="y"):
         report.splice(doc, {"x": "new", "y": "more"})
+
+
+def test_each_perplexity_table_names_its_text_method_commit_and_command():
+    blocks = report.blocks()["quant"]
+    assert set(blocks) == {p.stem for p in report.RESULTS.glob(report.PERPLEXITY)}
+    for name, block in blocks.items():
+        data = json.loads((report.RESULTS / f"{name}.json").read_text())
+        text = data["text"]
+        assert f"{text['package']}=={text['version']}" in block and text["sha256"][:16] in block
+        assert (
+            f"\n{data['command']}\n" in block and f"windows of {data['method']['window']}" in block
+        )
+        for row in data["rows"]:
+            assert f"| {row['name']} |" in block and f"`{row['commit']}`" in block
+            assert "unknown" not in row["commit"]
+
+
+def test_a_perplexity_table_gives_deltas_targets_and_what_is_not_measured():
+    perplexity = report.perplexity
+    rows = [
+        {"name": "fp32", "kv_dtype": "float32", "scales": "none", "ppl": 20.0, "mean_nll": 3.0,
+         "commit": "abc1234"},
+        {"name": "int8-per-token", "kv_dtype": "int8", "scales": "dynamic", "ppl": 20.2,
+         "mean_nll": 3.01, "commit": "abc1234", "target_pct": 0.5, "delta_nll": 0.01,
+         "delta_nll_stderr": 0.002, "top1_agreement": 0.97},
+        {"name": "fp8-per-token", "kv_dtype": "float8e4m3fn", "scales": "dynamic", "ppl": 20.1,
+         "mean_nll": 3.005, "commit": "abc1234", "target_pct": 1.0, "ppl_ort_op": 20.1},
+    ]  # fmt: skip
+    data = perplexity.finish({"rows": rows, "not_run": {"int4-per-token": "SystemExit: 2"}})
+    lines = perplexity.table(data).splitlines()
+    assert lines[2].startswith("| fp32 | float32 | none | 20.0000 | (reference) |")
+    assert "| +1.00% | +0.01000 ± 0.00200 | 97.00% | <= +0.5%: missed |" in lines[3]
+    assert "| +0.50% |" in lines[4] and "<= +1%: met | 20.1000 | `abc1234` |" in lines[4]
+    assert "Not measured yet:" in lines
+    missing = [line for line in lines if line.startswith("- ")]
+    assert len(missing) == len(perplexity.VARIANTS) - 3
+    assert (
+        "- int4-per-token: `python bench/perplexity.py --variants int4-per-token --json "
+        "bench/results/perplexity-cpu-smollm2.json` (last try: SystemExit: 2)" in missing
+    )
