@@ -6,8 +6,10 @@
 
 Each table lies between `<!-- report:NAME -->` and `<!-- /report:NAME -->` in its document; the
 text outside the markers is left alone. A table names its date, device, commit and command, all
-read from its JSON, and every ratio is ORT's built-in com.microsoft::GroupQueryAttention time
-over ours, both measured in the same run (higher is faster for us). A serving table
+read from its JSON, and every ratio against ORT is ORT's built-in
+com.microsoft::GroupQueryAttention time over ours (or our GB/s over its), both measured in the
+same run (higher is faster for us); docs/QUANTIZATION.md's CUDA table also gives ours quantized
+over ours fp16 (lower is faster for the quantized cache). A serving table
 (bench_serving.py's) names its peer, onnxruntime-genai's og.Engine, where the run had one.
 """
 
@@ -44,6 +46,15 @@ SERVING = "serving-*.json"  # each in the block named by its stem, in docs/SERVI
 PERPLEXITY = "perplexity-*.json"  # each in the block named by its stem, in docs/QUANTIZATION.md
 KV_MEMORY = "kv-cache-memory-cpu-2m.json"
 KV_POINTS = (1, 256, 1024, 2048, 4096, 8192)
+# Quantized decode against ORT's quantized GQA, each in the block named by its stem, in
+# docs/QUANTIZATION.md: bench_cuda.py --kv-quant's JSON, and bench_cpu.py --kv-quant's.
+CUDA_QUANT = ("cuda-quant-h200.json",)
+CPU_QUANT = ("cpu-quant-int8-xeon.json",)
+# Issue 46's CUDA targets, for int8 and fp8 caches at L >= 16k: ours quantized / ours fp16 at
+# most 0.55 (time), ORT's quantized time / ours at least 1.5; on CPU, ours / ORT at least 1.0.
+QUANT_TARGET_LENGTH = 16384
+QUANT_VS_FP16 = 0.55
+QUANT_VS_ORT = 1.5
 MIB = 1 << 20
 # (block, title of the machine, its short name, JSON files measured on it in one sitting, in
 # table order)
@@ -394,6 +405,165 @@ def perplexity_block(data: dict, name: str) -> list[str]:
     ]
 
 
+def _us(cell: dict) -> str:
+    return f"{cell['kernel_ms'] * 1e3:.1f}" if "kernel_ms" in cell else "refused"
+
+
+def _met(values: dict[str, float], ok) -> str:
+    """met / missed over both layouts (q0, q1), or which layout met it where they differ."""
+    hits = {x: ok(v) for x, v in values.items()}
+    if not hits:
+        return "not measured"
+    if all(hits.values()) or not any(hits.values()):
+        return "met" if all(hits.values()) else "missed"
+    return ", ".join(f"L{x[1]} {'met' if h else 'missed'}" for x, h in sorted(hits.items()))
+
+
+def _targeted(row: dict) -> bool:
+    scheme = row["kv_quant"]
+    return scheme.startswith(("int8", "fp8")) and row["length"] >= QUANT_TARGET_LENGTH
+
+
+def cuda_quant(data: dict, name: str) -> list[str]:
+    """bench_cuda.py --kv-quant: kernel times of ORT fp16 and quantized, ours fp16 and quantized,
+    the two ratios against issue 46's targets, and how far ours is from ORT's quantized output."""
+    flush = "each Run after an L2 flush" if data.get("flush_l2") else "warm (no L2 flush)"
+    device_copy = data.get("git_reported_on_device")
+    commit = f"commit `{data.get('git', 'unknown')}`" + (
+        f" (the copy on the device reported `{device_copy}`)" if device_copy else ""
+    )
+    rows = data["rows"]
+    caps = sorted({r["capacity"] for r in rows if r["capacity"] != r["length"]})
+    capacity = "L" if not caps else f"max(L, {', '.join(map(str, caps))})"
+    targeted = [r for r in rows if _targeted(r)]
+    counts = []
+    for key, what, ok in (
+        ("q_vs_fp16", f"ours quantized / ours fp16 <= {QUANT_VS_FP16}",
+         lambda v: v <= QUANT_VS_FP16),
+        ("q_speedup_vs_ort_q", f"ORT quantized / ours quantized >= {QUANT_VS_ORT}x",
+         lambda v: v >= QUANT_VS_ORT),
+    ):  # fmt: skip
+        both = sum(all(ok(v) for v in r[key].values()) and bool(r[key]) for r in targeted)
+        one = sum(any(ok(v) for v in r[key].values()) for r in targeted) - both
+        counts.append(
+            f"{what}: met in both layouts by {both} of {len(targeted)} rows"
+            + (f", in one layout by {one} more" if one else "")
+        )
+    lines = [
+        (
+            f"Decode, one new token, shared in-place cache of capacity {capacity}. Measured "
+            f"{data['date']} "
+            f"on {data['device']}, onnxruntime {data['onnxruntime']}, {commit}; median kernel "
+            f"time of {data['runs']} timed Runs per variant in {data.get('rounds', 1)} round(s), "
+            f"{flush}, all variants of a row in one run on the same logical inputs. Command: "
+            f"`{data['command']}` (JSON: `bench/results/{name}`)."
+        ),
+        "",
+        (
+            'Times in us. "quant / fp16" is ours quantized over ours fp16 in the same layout '
+            '(lower: the quantized cache is faster); "ORT quant / ours quant" is ORT\'s '
+            'quantized time over ours (higher: ours is faster); "max diff" is the largest '
+            "|ours quantized - ORT quantized| over the output, either layout. Targets (issue 46, "
+            f"int8 and fp8 at L >= {_length(QUANT_TARGET_LENGTH)}; none for int4): quant / fp16 "
+            f"<= {QUANT_VS_FP16} and ORT quant / ours quant >= {QUANT_VS_ORT}x. Of the "
+            f"{len(targeted)} rows with a target: {'; '.join(counts)}."
+        ),
+        "",
+        (
+            "| case | N/Nkv/H | scheme | ORT fp16 | ORT quant | ours fp16 L1 | ours quant L0 "
+            "| ours quant L1 | quant / fp16 L0 / L1 | ORT quant / ours quant L0 / L1 | max diff "
+            "| targets met |"
+        ),
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        case = f"B={r['batch']} L={_length(r['length'])}" + (" rotary" if r.get("rotary") else "")
+        times = " | ".join(_us(r.get(v, {})) for v in ("ort", "ort_q", "kv1", "q0", "q1"))
+        qf, so = r["q_vs_fp16"], r["q_speedup_vs_ort_q"]
+        ratios = [
+            " / ".join(f"{d[x]:.2f}{unit}" if x in d else "-" for x in ("q0", "q1"))
+            for d, unit in ((qf, ""), (so, "x"))
+        ]
+        diff = r.get("max_abs_diff_q_vs_ort_q")
+        if _targeted(r):
+            met = (
+                f"<= {QUANT_VS_FP16}: {_met(qf, lambda v: v <= QUANT_VS_FP16)}; "
+                f">= {QUANT_VS_ORT}x: {_met(so, lambda v: v >= QUANT_VS_ORT)}"
+            )
+        else:
+            met = "no target"
+        lines.append(
+            f"| {case} | {r['heads']} | {r['kv_quant']} | {times} | {ratios[0]} "
+            f"| {ratios[1]} | {'-' if diff is None else f'{diff:.1e}'} "
+            f"| {met} |"
+        )
+    return lines
+
+
+def cpu_quant(data: dict, name: str) -> list[str]:
+    """bench_cpu.py --kv-quant: decode GB/s of ORT's quantized GQA and ours, per case and level,
+    ours with the float32 cache beside them, and how much of the machine other processes used."""
+    levels = data["levels"]
+    first = next(iter(levels.values()))["meta"]
+    machine, lib = first["machine"], first["ort_kvlayout"]
+    dates = sorted(lv["meta"]["date"][:19] for lv in levels.values())
+    other = [r["other_processes_cpus"] for lv in levels.values() for r in lv["results"]]
+    cpus = machine["logical_cpus"]
+    if max(other) >= 0.1:
+        load = (
+            f"The machine was shared: other processes used {min(other):.2f} to {max(other):.2f} "
+            f'CPUs\' worth of its {cpus} during the cases (column "other load")'
+        )
+    else:
+        load = f"Other processes used at most {max(other):.2f} of its {cpus} CPUs during the cases"
+    lines = [
+        (
+            f"{machine['model_name']}, {cpus} logical CPUs, {first['kv_quant']} cache, "
+            f"onnxruntime {first['onnxruntime']}, commit `{lib.get('git', 'unknown')}`, runs "
+            f"started {dates[0].replace('T', ' ')} to {dates[-1][11:]} UTC. Command: "
+            f"`{cpu_command(first, list(levels), name)}`."
+        ),
+        "",
+        (
+            "Decode GB/s of KV read, counting the cache's bytes as stored: 1 an int8 element, "
+            'and 4 for "ours kv1 float32" (ours, kv_layout=1, with the unquantized float32 '
+            "cache), whose GB/s is therefore 4 times that of an int8 cache read in the same "
+            "time. kv0/ORT and kv1/ORT are ours quantized over ORT's "
+            f"quantized GQA (target >= 1.0x, higher: ours is faster). {load}."
+        ),
+        "",
+        (
+            "| case | N/Nkv/H | level | ORT quant | ours quant kv_layout=0 | ours quant kv_layout=1 "
+            "| ours kv1 float32 | kv0/ORT | kv1/ORT | other load (CPUs) |"
+        ),
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    n_cases = len(next(iter(levels.values()))["results"])
+    for i in range(n_cases):  # each case at every level, in the JSON's case order
+        for level, d in levels.items():
+            r = d["results"][i]
+            st = r["stats"]
+            gbs = " | ".join(
+                f"{st[k]['throughput']:.2f}" for k in ("ort", "kv0", "kv1", "kv1plain")
+            )
+            lines.append(
+                f"| {r['case']['name']} | {r['case']['heads']} | {level} | {gbs} "
+                f"| {_ratio(r['ratio']['kv0'])} | {_ratio(r['ratio']['kv1'])} "
+                f"| {r['other_processes_cpus']:.2f} |"
+            )
+    kv0 = [r["ratio"]["kv0"] for lv in levels.values() for r in lv["results"]]
+    kv1 = [r["ratio"]["kv1"] for lv in levels.values() for r in lv["results"]]
+    lines += [
+        "",
+        (
+            f"At or above ORT (>= 1.0x): kv_layout=0 at {sum(v >= 1.0 for v in kv0)} of "
+            f"{len(kv0)} points ({_span(kv0)}), kv_layout=1 at {sum(v >= 1.0 for v in kv1)} of "
+            f"{len(kv1)} ({_span(kv1)})."
+        ),
+    ]
+    return lines
+
+
 def summary(cuda: dict, cpu: list[tuple[str, list[tuple[str, dict]]]]) -> list[str]:
     """README's table: the range of ORT time / ours per kind of call, each layout."""
     lines = ["| measured (commit) | kv_layout=0 | kv_layout=1 |", "|---|---:|---:|"]
@@ -454,15 +624,19 @@ def blocks(results: Path = RESULTS) -> dict[str, dict[str, str]]:
         out[block] = cpu_block(title, files)
         cpu.append((short, files))
     served = {f.stem: serving(json.loads(f.read_text()), f.name) for f in results.glob(SERVING)}
-    ppl = {
+    quant = {
         f.stem: perplexity_block(json.loads(f.read_text()), f.name)
         for f in results.glob(PERPLEXITY)
     }
+    for n in CUDA_QUANT:
+        quant[Path(n).stem] = cuda_quant(json.loads((results / n).read_text()), n)
+    for n in CPU_QUANT:
+        quant[Path(n).stem] = cpu_quant(json.loads((results / n).read_text()), n)
     return {
         "doc": {k: "\n".join(v) for k, v in out.items()},
         "readme": {"readme-results": "\n".join(summary(cuda, cpu))},
         "serving": {k: "\n".join(v) for k, v in served.items()},
-        "quant": {k: "\n".join(v) for k, v in ppl.items()},
+        "quant": {k: "\n".join(v) for k, v in quant.items()},
     }
 
 

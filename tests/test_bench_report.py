@@ -1,5 +1,5 @@
-"""bench/report.py: the tables of docs/PERFORMANCE.md, docs/SERVING.md and README.md are what the
-script writes from the committed JSON in bench/results/, and each names its date, device, commit
+"""bench/report.py: the tables of docs/PERFORMANCE.md, docs/SERVING.md, docs/QUANTIZATION.md and
+README.md are what the script writes from the committed JSON in bench/results/, and each names its date, device, commit
 and command."""
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ def test_every_committed_result_has_a_table():
     if ls.returncode != 0:
         pytest.skip("not a git checkout")
     committed = {Path(f).name for f in ls.stdout.split() if f.endswith(".json")}
-    fixed = {report.CUDA, report.KV_MEMORY} | {n for *_, names in report.CPU_GROUPS for n in names}
+    fixed = {report.CUDA, report.KV_MEMORY, *report.CUDA_QUANT, *report.CPU_QUANT}
+    fixed |= {n for *_, names in report.CPU_GROUPS for n in names}
     assert fixed <= committed
     rest = committed - fixed - {report.CUDA_COLD}
     assert all(fnmatch.fnmatch(n, report.STACKS) or fnmatch.fnmatch(n, report.SERVING)
@@ -119,8 +120,11 @@ def test_a_marker_without_a_block_and_a_block_without_a_marker_are_refused():
 
 def test_each_perplexity_table_names_its_text_method_commit_and_command():
     blocks = report.blocks()["quant"]
-    assert set(blocks) == {p.stem for p in report.RESULTS.glob(report.PERPLEXITY)}
-    for name, block in blocks.items():
+    ppl = {p.stem for p in report.RESULTS.glob(report.PERPLEXITY)}
+    speed = {Path(n).stem for n in (*report.CUDA_QUANT, *report.CPU_QUANT)}
+    assert set(blocks) == ppl | speed
+    for name in ppl:
+        block = blocks[name]
         data = json.loads((report.RESULTS / f"{name}.json").read_text())
         text = data["text"]
         assert f"{text['package']}=={text['version']}" in block and text["sha256"][:16] in block
@@ -155,3 +159,78 @@ def test_a_perplexity_table_gives_deltas_targets_and_what_is_not_measured():
         "- int4-per-token: `python bench/perplexity.py --variants int4-per-token --json "
         "bench/results/perplexity-cpu-smollm2.json` (last try: SystemExit: 2)" in missing
     )
+
+
+@pytest.mark.parametrize("name", ["cuda-quant-h200", "cpu-quant-int8-xeon"])
+def test_each_quantized_speed_table_names_its_date_commit_and_command(name):
+    block = report.blocks()["quant"][name]
+    assert "commit `" in block and "unknown" not in block
+    assert "python bench/" in block and "UTC" in block
+    assert f"bench/results/{name}.json`" in block
+    if name.startswith("cpu"):
+        assert "other load" in block
+
+
+def _quant_cell(us: float) -> dict:
+    return {"kernel_ms": us * 1e-3}
+
+
+def test_a_cuda_quant_table_says_which_targets_each_row_meets():
+    rows = [
+        {"kind": "decode", "batch": 8, "length": 16384, "capacity": 16384, "heads": "32/8/128",
+         "kv_quant": "int8-per-channel", "ort": _quant_cell(130), "kv0": _quant_cell(125),
+         "kv1": _quant_cell(126), "ort_q": _quant_cell(120), "q0": _quant_cell(70),
+         "q1": _quant_cell(80), "q_vs_fp16": {"q0": 0.56, "q1": 0.54},
+         "q_speedup_vs_ort_q": {"q0": 1.71, "q1": 1.5}, "max_abs_diff_q_vs_ort_q": 0.0005},
+        {"kind": "decode", "batch": 1, "length": 16384, "capacity": 16384, "heads": "9/3/64",
+         "kv_quant": "int4-per-channel", "ort": _quant_cell(12), "kv0": _quant_cell(11),
+         "kv1": _quant_cell(11), "ort_q": {"error": "refused"}, "q0": _quant_cell(14),
+         "q1": _quant_cell(14), "q_vs_fp16": {"q0": 1.3, "q1": 1.3}, "q_speedup_vs_ort_q": {}},
+        {"kind": "decode", "batch": 1, "length": 4096, "capacity": 4096, "heads": "9/3/64",
+         "kv_quant": "int8-per-channel", "ort": _quant_cell(5), "kv0": _quant_cell(5),
+         "kv1": _quant_cell(5), "ort_q": _quant_cell(6), "q0": _quant_cell(4), "q1": _quant_cell(4),
+         "q_vs_fp16": {"q0": 0.8, "q1": 0.8}, "q_speedup_vs_ort_q": {"q0": 1.5, "q1": 1.5}},
+    ]  # fmt: skip
+    data = {"date": "2026-12-06 04:21 UTC", "device": "NVIDIA H200", "onnxruntime": "1.31.1",
+            "git": "abc1234", "git_reported_on_device": "def5678+dirty", "runs": 20,
+            "command": "python bench/bench_cuda.py --kv-quant x --json y.json", "rows": rows}  # fmt: skip
+    lines = report.cuda_quant(data, "cuda-quant-x.json")
+    assert "commit `abc1234` (the copy on the device reported `def5678+dirty`)" in lines[0]
+    assert "Of the 1 rows with a target: " in lines[2]
+    assert "<= 0.55: met in both layouts by 0 of 1 rows, in one layout by 1 more" in lines[2]
+    assert ">= 1.5x: met in both layouts by 1 of 1 rows." in lines[2]
+    assert lines[-3] == (
+        "| B=8 L=16k | 32/8/128 | int8-per-channel | 130.0 | 120.0 | 126.0 | 70.0 | 80.0 "
+        "| 0.56 / 0.54 | 1.71x / 1.50x | 5.0e-04 | <= 0.55: L0 missed, L1 met; >= 1.5x: met |"
+    )
+    assert lines[-2] == (
+        "| B=1 L=16k | 9/3/64 | int4-per-channel | 12.0 | refused | 11.0 | 14.0 | 14.0 "
+        "| 1.30 / 1.30 | - / - | - | no target |"
+    )
+    assert lines[-1].endswith("| no target |")  # int8 below L = 16k
+
+
+def test_a_cpu_quant_table_says_when_the_machine_was_shared():
+    def level(other: float) -> dict:
+        stats = {k: {"throughput": g} for k, g in
+                 (("ort", 1.0), ("kv0", 1.2), ("kv1", 0.9), ("kv1plain", 2.0))}  # fmt: skip
+        meta = {"date": "2026-12-06T04:23:02+00:00", "kv_quant": "int8-per-channel",
+                "onnxruntime": "1.32.0", "ort_kvlayout": {"git": "abc1234"},
+                "machine": {"model_name": "Xeon", "logical_cpus": 2},
+                "command": "python bench/bench_cpu.py --kv-quant int8-per-channel --isa current "
+                           "--json /tmp/a.json"}  # fmt: skip
+        result = {"case": {"name": "decode B=1 L=4096", "heads": "9/3/64"}, "stats": stats,
+                  "ratio": {"kv0": 1.2, "kv1": 0.9, "kv1plain": 2.0},
+                  "other_processes_cpus": other}  # fmt: skip
+        return {"meta": meta, "results": [result]}
+
+    lines = report.cpu_quant({"levels": {"avx2": level(1.34)}}, "cpu-quant-x.json")
+    assert "--isa avx2 --json bench/results/cpu-quant-x.json" in lines[0]
+    assert "The machine was shared: other processes used 1.34 to 1.34 CPUs' worth" in lines[2]
+    assert (
+        "| decode B=1 L=4096 | 9/3/64 | avx2 | 1.00 | 1.20 | 0.90 | 2.00 | 1.20x | 0.90x | 1.34 |"
+        in lines
+    )
+    assert lines[-1].startswith("At or above ORT (>= 1.0x): kv_layout=0 at 1 of 1 points")
+    idle = report.cpu_quant({"levels": {"avx2": level(0.02)}}, "cpu-quant-x.json")
+    assert "Other processes used at most 0.02 of its 2 CPUs" in idle[2]
