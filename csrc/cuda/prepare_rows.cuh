@@ -230,6 +230,12 @@ __device__ void AppendKvRow(const GqaShape& s, const GqaCudaBuffers& buf, KvStri
   __syncwarp();
   NormRotate<T>(s, buf, false, pos, x, lane);
   const int64_t off = present_st.Offset(b, hk, g.past - g.cache_base + i);
+  if constexpr (std::is_same<C, int8_t>::value) {  // the decode kernel's 8-bit instances
+    if (s.fp8_cache()) {                            // also serve float8e4m3fn caches
+      StoreQuantRows<T, Fp8E4M3>(s, buf, off, hk, row, x, lane);
+      return;
+    }
+  }
   if constexpr (kQuantCache<C>) {
     StoreQuantRows<T, C>(s, buf, off, hk, row, x, lane);
     return;

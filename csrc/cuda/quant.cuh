@@ -4,6 +4,8 @@
 // csrc/cuda/.
 #pragma once
 
+#include <cuda_fp8.h>
+
 #include <cstdint>
 #include <type_traits>
 
@@ -190,6 +192,34 @@ __device__ __forceinline__ void Int4x8ToPairs(uint32_t w, uint32_t (&p)[4]) {
                                                  __ushort_as_bfloat16(0x4308));  // 136
       p[j] = HalfPairBits(__hsub2(PairOf<__nv_bfloat162>(u | 0x43004300u), bias));
     }
+  }
+}
+
+// Four float8 e4m3fn bytes of w as two pairs of T: p01 = (byte 0, byte 1), p23 = (2, 3). Every
+// e4m3 value (NaN too) is exact in fp16 (the hardware's fp8x2 -> half2), and in bf16 through
+// float32.
+template <typename T>
+__device__ __forceinline__ void Fp8x4ToPairs(uint32_t w, uint32_t& p01, uint32_t& p23) {
+  const __half2 h01 = __half2(__nv_cvt_fp8x2_to_halfraw2(
+      static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3));
+  const __half2 h23 = __half2(__nv_cvt_fp8x2_to_halfraw2(
+      static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3));
+  if constexpr (std::is_same<T, __half>::value) {
+    p01 = HalfPairBits(h01);
+    p23 = HalfPairBits(h23);
+  } else {
+    p01 = HalfPairBits(__float22bfloat162_rn(__half22float2(h01)));
+    p23 = HalfPairBits(__float22bfloat162_rn(__half22float2(h23)));
+  }
+}
+
+// The product of two pairs of T (PER_TOKEN: value codes times their keys' scales), rounded to T.
+template <typename T>
+__device__ __forceinline__ uint32_t MulPairs(uint32_t a, uint32_t b) {
+  if constexpr (std::is_same<T, __half>::value) {
+    return HalfPairBits(__hmul2(PairOf<__half2>(a), PairOf<__half2>(b)));
+  } else {
+    return HalfPairBits(__hmul2(PairOf<__nv_bfloat162>(a), PairOf<__nv_bfloat162>(b)));
   }
 }
 
