@@ -25,6 +25,8 @@ Inputs are drawn on the GPU (torch) and bound by pointer, so the largest cases (
   python bench/bench_cuda.py --flush-l2 --heads 28/4/128 --decode 1x4096 --prefill ""  # cold L2
   python bench/bench_cuda.py --kv-quant int8-per-tensor,int8-per-channel,int4-per-channel \
       --heads 32/8/128,28/4/128 --decode 1x16384,8x16384,1x32768 --prefill ""  # quantized caches
+  python bench/bench_cuda.py --kv-quant int8-per-token,fp8-per-token,fp8-per-tensor \
+      --heads 32/8/128 --decode 1x16384,8x16384 --prefill ""  # ours: per-token scales, fp8
 
 --kv-quant SCHEMES: quantized decode (ORT's contract: int8 / packed int4 caches, per-tensor or
 per-channel float32 scales) for each decode case and scheme: ours with the quantized cache in
@@ -34,6 +36,10 @@ kernel takes) and with fp16 (ort), all in one run on the same logical inputs. Ra
 JSON: q_vs_fp16 (our quantized time / our fp16 time, per layout; the issue's target <= 0.55 at
 L >= 16k for int8) and q_speedup_vs_ort_q (ORT's quantized time / ours; target >= 1.5). TB/s
 counts the bytes the cache holds (codes: half of fp16's for int8, a quarter for int4).
+Also fp8 (float8e4m3fn caches, static scales: ORT CUDA 1.31.1 may refuse them, recorded as
+refused) and our PER_TOKEN schemes (int8 / int4 / fp8 -per-token: a float32 scale cache beside
+each KV cache, bound shared like the cache; ORT has no such mode, so ort_q is recorded as
+refused and the ratio that counts is q_vs_fp16).
 """
 
 from __future__ import annotations
@@ -56,6 +62,10 @@ from revision import git_revision  # a sibling: bench/revision.py
 INPUTS = ("query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length")
 OUTPUTS = ("output", "present_key", "present_value")
 ROTARY_INPUTS = ("cos_cache", "sin_cache")
+# PER_TOKEN (ai.kvlayout): the scale caches, inputs 17 and 18, outputs 4 and 5 (shared in place).
+SCALE_CACHES = ("past_key_scale", "past_value_scale", "present_key_scale", "present_value_scale")
+CACHE_TYPES = {"int8": TensorProto.INT8, "int4": TensorProto.UINT8,
+               "fp8": TensorProto.FLOAT8E4M3FN}  # fmt: skip
 
 
 def build_model(
@@ -64,14 +74,16 @@ def build_model(
     nkv: int,
     layout: int | None,
     rotary: bool = False,
-    quant: tuple[int, str] | None = None,
+    quant: tuple[int, str, str] | None = None,
 ) -> bytes:
     """One GroupQueryAttention node; with `rotary`, do_rotary=1 and fp16 cos/sin caches as
     inputs 7 and 8 (the op rotates q and the new k itself, as in exported LLMs). `quant`: (bits,
-    PER_TENSOR | PER_CHANNEL): an int8 (8) or packed int4 uint8 (4) cache and float32 scales as
-    inputs 12 and 13 (per-tensor: one input "kv_scale" for both, ORT's XQA form)."""
+    PER_TENSOR | PER_CHANNEL | PER_TOKEN, int8 | int4 | fp8): an int8, packed int4 uint8 or
+    float8e4m3fn cache and float32 scales as inputs 12 and 13 (per-tensor: one input "kv_scale"
+    for both, ORT's XQA form), or (PER_TOKEN, ai.kvlayout only) the scale caches as inputs 17 and
+    18 and outputs 4 and 5."""
     f16 = TensorProto.FLOAT16
-    cache = f16 if quant is None else (TensorProto.INT8 if quant[0] == 8 else TensorProto.UINT8)
+    cache = f16 if quant is None else CACHE_TYPES[quant[2]]
     ins = [helper.make_tensor_value_info(name, f16, None) for name in INPUTS[:3]]
     ins += [helper.make_tensor_value_info(name, cache, None) for name in INPUTS[3:5]]
     ins += [
@@ -84,7 +96,14 @@ def build_model(
         ins += [helper.make_tensor_value_info(name, f16, None) for name in ROTARY_INPUTS]
         names += list(ROTARY_INPUTS)
         attrs["do_rotary"] = 1
-    if quant is not None:
+    outputs = list(OUTPUTS)
+    if quant is not None and quant[1] == "PER_TOKEN":
+        names += [""] * (17 - len(names)) + list(SCALE_CACHES[:2])
+        ins += [helper.make_tensor_value_info(name, TensorProto.FLOAT, None)
+                for name in SCALE_CACHES[:2]]  # fmt: skip
+        outputs += ["", *SCALE_CACHES[2:]]
+        attrs.update(k_quant_type=quant[1], v_quant_type=quant[1], kv_cache_bit_width=quant[0])
+    elif quant is not None:
         scales = ["kv_scale", "kv_scale"] if quant[1] == "PER_TENSOR" else ["k_scale", "v_scale"]
         names += [""] * (12 - len(names)) + scales
         ins += [helper.make_tensor_value_info(name, TensorProto.FLOAT, None)
@@ -92,10 +111,12 @@ def build_model(
         attrs.update(k_quant_type=quant[1], v_quant_type=quant[1], kv_cache_bit_width=quant[0])
     if layout is not None:
         attrs["kv_layout"] = layout
-    node = helper.make_node("GroupQueryAttention", names, list(OUTPUTS), domain=domain,
+    node = helper.make_node("GroupQueryAttention", names, outputs, domain=domain,
                             **attrs)  # fmt: skip
     outs = [helper.make_tensor_value_info("output", f16, None)]
     outs += [helper.make_tensor_value_info(name, cache, None) for name in OUTPUTS[1:]]
+    outs += [helper.make_tensor_value_info(name, TensorProto.FLOAT, None)
+             for name in outputs[len(OUTPUTS) + 1:]]  # fmt: skip
     graph = helper.make_graph([node], "gqa", ins, outs)
     model = helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(domain, 1)]
@@ -225,8 +246,11 @@ def session(model: bytes) -> ort.InferenceSession:
     return ort.InferenceSession(model, so, providers=["CUDAExecutionProvider"])
 
 
-def bind(sess, feeds: dict, shared: bool):
-    """Binds torch CUDA tensors (and the CPU scalar total_sequence_length) by pointer."""
+def bind(sess, feeds: dict, shared: bool, types: dict | None = None):
+    """Binds torch CUDA tensors (and the CPU scalar total_sequence_length) by pointer. `types`:
+    ONNX element types by name, where the tensor's bytes are another type's (an fp8 cache held
+    in uint8). PER_TOKEN scale caches (past_*_scale in feeds) are bound shared as their
+    presents, like the caches."""
     import torch
 
     io = sess.io_binding()
@@ -238,14 +262,19 @@ def bind(sess, feeds: dict, shared: bool):
             keep[name] = ort.OrtValue.ortvalue_from_numpy(t, "cpu", 0)
             io.bind_ortvalue_input(name, keep[name])
             continue
-        io.bind_input(name, "cuda", 0, elem[t.dtype], list(t.shape), t.data_ptr())
+        etype = (types or {}).get(name, elem[t.dtype])
+        io.bind_input(name, "cuda", 0, etype, list(t.shape), t.data_ptr())
     b, s, d = feeds["query"].shape
     keep["output"] = out = torch.empty((b, s, d), dtype=torch.float16, device="cuda")
     io.bind_output("output", "cuda", 0, np.float16, [b, s, d], out.data_ptr())
-    for past, present in (("past_key", "present_key"), ("past_value", "present_value")):
+    pairs = [("past_key", "present_key"), ("past_value", "present_value")]
+    if SCALE_CACHES[0] in feeds:
+        pairs += [(SCALE_CACHES[0], SCALE_CACHES[2]), (SCALE_CACHES[1], SCALE_CACHES[3])]
+    for past, present in pairs:
         if shared:
             t = feeds[past]
-            io.bind_output(present, "cuda", 0, elem[t.dtype], list(t.shape), t.data_ptr())
+            etype = (types or {}).get(past, elem[t.dtype])
+            io.bind_output(present, "cuda", 0, etype, list(t.shape), t.data_ptr())
         else:
             io.bind_output(present, "cuda", 0)
     return io, keep
@@ -412,18 +441,21 @@ def run_case(kind: str, b: int, length: int, heads: tuple[int, int, int], runs: 
     return row
 
 
-def parse_kv_quant(text: str) -> list[tuple[int, str]]:
-    """--kv-quant: comma-separated int8|int4 - per-tensor|per-channel -> [(bits, QUANT_TYPE)]."""
+def parse_kv_quant(text: str) -> list[tuple[int, str, str]]:
+    """--kv-quant: comma-separated int8|int4|fp8 - per-tensor|per-channel|per-token ->
+    [(bits, QUANT_TYPE, cache)]."""
     out = []
     for item in filter(None, (x.strip() for x in text.split(","))):
         parts = item.lower().split("-", 1)
         if (
             len(parts) != 2
-            or parts[0] not in ("int8", "int4")
-            or parts[1] not in ("per-tensor", "per-channel")
+            or parts[0] not in CACHE_TYPES
+            or parts[1] not in ("per-tensor", "per-channel", "per-token")
         ):
-            raise ValueError(f"--kv-quant: int8|int4-per-tensor|per-channel, got {item!r}")
-        out.append((8 if parts[0] == "int8" else 4, parts[1].replace("-", "_").upper()))
+            raise ValueError(
+                f"--kv-quant: int8|int4|fp8-per-tensor|per-channel|per-token, got {item!r}"
+            )
+        out.append((4 if parts[0] == "int4" else 8, parts[1].replace("-", "_").upper(), parts[0]))
     return out
 
 
@@ -431,16 +463,18 @@ QUANT_VARIANTS = ("ort", "kv0", "kv1", "ort_q", "q0", "q1")
 
 
 def run_quant_case(
-    b: int, length: int, heads: tuple[int, int, int], quant: tuple[int, str], runs: int, gen
+    b: int, length: int, heads: tuple[int, int, int], quant: tuple[int, str, str], runs: int, gen
 ) -> dict:
     """One decode case with a quantized cache: ours quantized (q0, q1), ours fp16 (kv0, kv1),
-    ORT's quantized (ort_q) and fp16 (ort) GQA, on the same logical inputs (random codes, scales
-    of about 3 sigma / the top code), each variant's Runs in one block (in QUANT_VARIANTS order).
-    A variant ORT refuses is recorded as {"error": ...}."""
+    ORT's quantized (ort_q) and fp16 (ort) GQA, on the same logical inputs (random codes: fp8
+    bytes other than NaN; scales of about 3 sigma / the top code, per token a scale cache of
+    them), each variant's Runs in one block (in QUANT_VARIANTS order). A variant ORT refuses
+    (fp8 maybe, PER_TOKEN always: com.microsoft has no such mode) is recorded as
+    {"error": ...}."""
     import torch
 
     n, nkv, h = heads
-    bits, qtype = quant
+    bits, qtype, kind = quant
     row_q = h if bits == 8 else (h + 1) // 2
     dev = "cuda"
 
@@ -450,12 +484,18 @@ def run_quant_case(
     q, k, v = randn(b, 1, n * h), randn(b, 1, nkv * h), randn(b, 1, nkv * h)
     cap = max(CAPACITY, length)
     pk, pv = randn(b, nkv, cap, h), randn(b, nkv, cap, h)
-    lo, hi = (-127, 128) if bits == 8 else (0, 256)
-    qdt = torch.int8 if bits == 8 else torch.uint8
+    lo, hi = (-127, 128) if kind == "int8" else (0, 256)
+    qdt = torch.int8 if kind == "int8" else torch.uint8
     ck = torch.randint(lo, hi, (b, nkv, cap, row_q), generator=gen, device=dev).to(qdt)
     cv = torch.randint(lo, hi, (b, nkv, cap, row_q), generator=gen, device=dev).to(qdt)
-    top = 3.0 / (127.0 if bits == 8 else 7.0)
-    if qtype == "PER_TENSOR":
+    if kind == "fp8":  # no NaN bytes (0x7f, 0xff): their neighbours
+        ck[(ck & 0x7F) == 0x7F] -= 1
+        cv[(cv & 0x7F) == 0x7F] -= 1
+    top = 3.0 / {"int8": 127.0, "int4": 7.0, "fp8": 448.0}[kind]
+    if qtype == "PER_TOKEN":
+        u = torch.rand(2, b, nkv, cap, generator=gen, device=dev, dtype=torch.float32)
+        scales = {SCALE_CACHES[0]: top * (0.5 + u[0]), SCALE_CACHES[1]: top * (0.5 + u[1])}
+    elif qtype == "PER_TENSOR":
         scales = {"kv_scale": torch.full((1,), top, dtype=torch.float32, device=dev)}
     else:
         u = torch.rand(2, 1, nkv, 1, h, generator=gen, device=dev, dtype=torch.float32)
@@ -467,7 +507,12 @@ def run_quant_case(
     }  # fmt: skip
     if ROTARY:
         base.update(rotary_caches(cap + 1, h, dev))
-    scheme = f"int{bits}-{qtype.lower().replace('_', '-')}"
+    scheme = f"{kind}-{qtype.lower().replace('_', '-')}"
+    types = (
+        {"past_key": CACHE_TYPES["fp8"], "past_value": CACHE_TYPES["fp8"]}
+        if kind == "fp8"
+        else None
+    )
     row = {"kind": "decode", "batch": b, "length": length, "capacity": cap,
            "heads": f"{n}/{nkv}/{h}", "kv_quant": scheme}  # fmt: skip
     if ROTARY:
@@ -485,8 +530,10 @@ def run_quant_case(
         if qv is not None:
             feeds.update(scales)
         try:
+            if qv is not None and qtype == "PER_TOKEN" and domain != ort_kvlayout.DOMAIN:
+                raise RuntimeError("com.microsoft GroupQueryAttention has no PER_TOKEN mode")
             sess = session(build_model(domain, n, nkv, layout, rotary=ROTARY, quant=qv))
-            io, keep = bind(sess, feeds, shared=True)
+            io, keep = bind(sess, feeds, shared=True, types=types if qv is not None else None)
             for _ in range(5):
                 sess.run_with_iobinding(io)
             t, names = kernel_times(sess, io, runs)

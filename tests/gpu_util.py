@@ -193,6 +193,18 @@ def to_device(arr) -> ort.OrtValue:
     return ov
 
 
+def to_device_as(arr, onnx_type: int) -> ort.OrtValue:
+    """``arr``'s bytes as a device tensor of ONNX element type ``onnx_type`` (a float8e4m3fn
+    cache held in uint8 on the host; ``from_device`` reads it back as uint8)."""
+    arr = np.ascontiguousarray(np.asarray(arr))
+    ov = ort.OrtValue.ortvalue_from_shape_and_type(
+        [int(s) for s in arr.shape], onnx_type, DEVICE, 0
+    )
+    if arr.size:
+        ov.update_inplace(arr)
+    return ov
+
+
 def update(ov: ort.OrtValue, arr) -> None:
     """Copies ``arr`` into the device OrtValue (same address: what CUDA graph replay needs)."""
     ov.update_inplace(_host_bits(np.asarray(arr)))

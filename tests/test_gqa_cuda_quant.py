@@ -5,7 +5,10 @@ the case; the output is within fp16 / bf16 tolerance of the float64 oracle
 (tests/reference_quant.py), of our CPU op and of ORT CUDA. Every serving kernel is reached: the
 decode kernel's quantized instances (head sizes 64 and 128, one token and chunks), the portable
 kernel (prompts, other head sizes, fp32), a sliding window cache; plus a CUDA graph capture of
-quantized decode steps and a long (4096-key) decode.
+quantized decode steps and a long (4096-key) decode. Then PER_TOKEN scales (int8, int4, fp8) and
+fp8 caches with static scales (ours, sections 13 and 14 of docs/CONTRACT.md): bytes and scale
+bits equal our CPU op's, the output within tolerance of the oracle, shared = separate, a 4096-key
+decode and a CUDA graph capture of PER_TOKEN decode steps.
 
 Skips without CUDAExecutionProvider or a CUDA build of ort_kvlayout (gpu_util.GPU_MARKS); the
 data are fresh per process (GQA_GPU_SEED reproduces them).
@@ -26,9 +29,17 @@ from gpu_util import (
     new_cuda_session,
     seed_note,
     to_device,
+    to_device_as,
     update,
 )
 from gqa_case import KV_DOMAIN, MS_DOMAIN, GqaCase, rotary_caches
+from onnx import TensorProto
+from test_gqa_pertoken import SCALE_RTOL as PT_SCALE_RTOL
+from test_gqa_pertoken import PtCase
+from test_gqa_pertoken import _steps as pt_steps
+from test_gqa_pertoken import check as check_pt_oracle
+from test_gqa_pertoken import model as pt_model
+from test_gqa_pertoken import run as run_cpu_pt
 from test_gqa_quant import ALONE, EPS, FLOOR, QuantCase, _max_err, _model
 from test_gqa_quant import run as run_cpu
 
@@ -474,3 +485,289 @@ def test_bad_scale_values(name, index, value, match):
         run_cuda_quant(qc, sess=sess)
     qc._feeds = f
     run_cuda_quant(qc, sess=sess)  # the same kernel then runs good scales
+
+
+# --------------------------------------------------------------------------------------------
+# PER_TOKEN scales (int8, packed int4, fp8) and fp8 caches with static scales (ours,
+# docs/CONTRACT.md sections 13 and 14): the present bytes and the scale caches' bits equal our
+# CPU op's on the same inputs, the output within tolerance of the float64 oracle (its `check`,
+# tests/test_gqa_pertoken.py), shared equal to separate, both layouts; a 4096-key decode and a
+# CUDA graph capture of PER_TOKEN decode steps.
+# --------------------------------------------------------------------------------------------
+_FP8 = TensorProto.FLOAT8E4M3FN
+PT_SCHEMES = [("int8", "PER_TOKEN"), ("int4", "PER_TOKEN"), ("fp8", "PER_TOKEN"),
+              ("fp8", "PER_TENSOR"), ("fp8", "PER_CHANNEL")]  # fmt: skip
+PT_IDS = ["-".join(s).lower() for s in PT_SCHEMES]
+
+
+def _cache_device(pc: PtCase, arr):
+    return to_device_as(arr, _FP8) if pc.kind == "fp8" else to_device(arr)
+
+
+def _cache_filled(pc: PtCase, shape, byte: int):
+    return _cache_device(pc, np.full(shape, byte, np.uint8).view(pc.np_cache))
+
+
+def run_cuda_pt(pc: PtCase, sess=None, shared: bool | None = None):
+    """(output, present_key, present_value, present_key_scale, present_value_scale) as host
+    arrays after one run on the CUDA EP, in the case's layout (fp8 caches as uint8; scales None
+    without PER_TOKEN). Separate presents are prefilled with 0x5A bytes and their scale caches
+    with NaN; shared: the past buffers (and scale caches) are bound as the presents."""
+    c = pc.base
+    shared = c.shared if shared is None else shared
+    feeds = pc.feeds()
+    if sess is None:
+        sess = _session(pt_model(pc, feeds), KV_DOMAIN)
+    names = {i.name for i in sess.get_inputs()}
+    io = sess.io_binding()
+    dev = {}
+    for k, v in feeds.items():
+        if v is None or k not in names:
+            continue
+        if k == "total_sequence_length":
+            io.bind_cpu_input(k, np.ascontiguousarray(np.asarray(v)))
+            continue
+        cache = k in ("past_key", "past_value")
+        dev[k] = _cache_device(pc, np.asarray(v)) if cache else to_device(np.asarray(v))
+        io.bind_ortvalue_input(k, dev[k])
+    plan = ref.plan_step(feeds, pc.attrs())
+    q = np.asarray(feeds["query"])
+    out = device_filled((c.batch, c.seq, c.num_heads * c.head_size), q.dtype)
+    io.bind_ortvalue_output("output", out)
+    shape = (c.batch, c.kv_num_heads, plan.present_capacity)
+    if shared:
+        pk, pv = dev["past_key"], dev["past_value"]
+        ks, vs = dev.get("past_key_scale"), dev.get("past_value_scale")
+    else:
+        pk = _cache_filled(pc, shape + (pc.row,), 0x5A)
+        pv = _cache_filled(pc, shape + (pc.row,), 0x5A)
+        ks, vs = device_filled(shape, np.float32), device_filled(shape, np.float32)
+    io.bind_ortvalue_output("present_key", pk)
+    io.bind_ortvalue_output("present_value", pv)
+    if pc.per_token:
+        io.bind_ortvalue_output("present_key_scale", ks)
+        io.bind_ortvalue_output("present_value_scale", vs)
+    sess.run_with_iobinding(io)
+    host = [from_device(out), from_device(pk).view(pc.np_cache), from_device(pv).view(pc.np_cache)]
+    scales = (from_device(ks), from_device(vs)) if pc.per_token else (None, None)
+    return (*host, *scales)
+
+
+def assert_same_pt(pc: PtCase, got, want, what: str) -> None:
+    """Present bytes and scale bits equal on the defined rows; with rotary / norm (float32 on
+    both devices, different operation orders), codes within one step on at most 2% of the
+    values and scales within one ulp of T relative (test_gqa_pertoken.py's rule)."""
+    c = pc.base
+    exact = not c.do_rotary and not c.qk_norm
+    _, pmask = rq.quant_masks(pc.feeds(), pc.attrs(), c.kv_layout)
+    for name, g, w in (("present_key", got[1], want[1]), ("present_value", got[2], want[2])):
+        bad = (g != w) & pmask
+        if not bad.any():
+            continue
+        assert not exact, (
+            f"{name}: {int(bad.sum())} bytes differ from {what}; first at "
+            f"{np.argwhere(bad)[:3].tolist()} {seed_note()}"
+        )
+        gs = pt_steps(ref.from_layout(g, c.kv_layout), pc.kind, c.head_size)
+        ws = pt_steps(ref.from_layout(w, c.kv_layout), pc.kind, c.head_size)
+        m = ref.from_layout(pmask, c.kv_layout)  # bytes -> values: an int4 byte holds two
+        m = np.repeat(m, 2, axis=-1)[..., : c.head_size] if pc.kind == "int4" else m
+        diff = np.abs(gs.astype(np.int64) - ws.astype(np.int64))[m]
+        assert diff.max() <= 1 and (diff > 0).mean() <= 0.02, (
+            f"{name}: codes vs {what}: max {int(diff.max())} steps, "
+            f"{float((diff > 0).mean()):.3%} differ {seed_note()}"
+        )
+    if not pc.per_token:
+        return
+    smask = rq.scale_mask(pc.feeds(), pc.attrs(), c.kv_layout)
+    for name, g, w in (("present_key_scale", got[3], want[3]),
+                       ("present_value_scale", got[4], want[4])):  # fmt: skip
+        bad = (g.view(np.uint32) != w.view(np.uint32)) & smask
+        if not bad.any():
+            continue
+        assert not exact, f"{name}: bits differ at {np.argwhere(bad)[:3].tolist()} {seed_note()}"
+        assert np.allclose(g[smask], w[smask], rtol=PT_SCALE_RTOL[c.dtype], atol=0,
+                           equal_nan=True), f"{name} vs {what} {seed_note()}"  # fmt: skip
+
+
+def check_pt(pc: PtCase, cpu: bool = True) -> None:
+    """Ours on CUDA against the oracle (codes, scales, output: test_gqa_pertoken.check) and
+    (``cpu``) our CPU op's bytes and scale bits on the same inputs."""
+    ours = run_cuda_pt(pc)
+    check_pt_oracle(pc, ours)
+    if cpu:
+        assert_same_pt(pc, ours, run_cpu_pt(pc), f"our CPU op's for {pc!r}")
+
+
+PT_HEADS = {"h64": {"num_heads": 8, "kv_num_heads": 2, "head_size": 64},
+            "h128": {"num_heads": 8, "kv_num_heads": 1, "head_size": 128},
+            "h16": {"num_heads": 4, "kv_num_heads": 2, "head_size": 16}}  # fmt: skip
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["separate", "shared"])
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("heads", list(PT_HEADS))
+@pytest.mark.parametrize("scheme", PT_SCHEMES, ids=PT_IDS)
+@pytest.mark.parametrize("layout", [0, 1])
+def test_pt_matrix(layout, scheme, heads, kind, shared):
+    """Every scheme x step x kernel (decode kernel: head sizes 64 / 128; portable: 16)."""
+    if QUICK and heads == "h16":
+        pytest.skip("GQA_GPU_QUICK: the decode kernel's head sizes only")
+    seed = case_seed(9000 + 100 * PT_SCHEMES.index(scheme) + 10 * list(KINDS).index(kind))
+    base = GqaCase(**PT_HEADS[heads], dtype="fp16", kv_layout=layout, shared=shared, seed=seed,
+                   **KINDS[kind])  # fmt: skip
+    check_pt(PtCase(base, *scheme))
+
+
+PT_FEATURES = {
+    "rotary": {"do_rotary": True, "position_ids": True},
+    "rotary_window_softcap_sink": {"do_rotary": True, "rotary_interleaved": True,
+                                   "rotary_dim": 32, "local_window_size": 4, "softcap": 5.0,
+                                   "head_sink": True},
+    "smooth_bias_capacity": {"smooth_softmax": 1, "attention_bias": "bn", "extra_capacity": 5},
+    "qk_norm_rotary": {"qk_norm": True, "do_rotary": True},
+    "sliding_window_cache": {"sliding_window_cache": True, "local_window_size": 6,
+                             "extra_capacity": 2, "pad": 0},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("feature", list(PT_FEATURES))
+@pytest.mark.parametrize("kind", ["decode", "chunk"])
+@pytest.mark.parametrize("scheme", PT_SCHEMES[:3] + PT_SCHEMES[4:], ids=PT_IDS[:3] + PT_IDS[4:])
+@pytest.mark.parametrize("layout", [0, 1])
+def test_pt_features(layout, scheme, kind, feature):
+    if QUICK and scheme[0] == "int4":
+        pytest.skip("GQA_GPU_QUICK: int8 and fp8")
+    kw = {"num_heads": 8, "kv_num_heads": 2, "head_size": 64, "dtype": "fp16",
+          "kv_layout": layout, "shared": layout == 1,
+          "seed": case_seed(9500 + list(PT_FEATURES).index(feature))}  # fmt: skip
+    kw.update({"decode": {"kind": "decode", "past_len": 13, "batch": 2, "pad": 3},
+               "chunk": {"kind": "chunk", "seq": 3, "past_len": 10, "batch": 2, "pad": 3,
+                         "query_seqlens": True}}[kind])  # fmt: skip
+    kw.update(PT_FEATURES[feature])
+    check_pt(PtCase(GqaCase(**kw), *scheme))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("scheme", PT_SCHEMES[:3] + PT_SCHEMES[3:4], ids=PT_IDS[:4])
+@pytest.mark.parametrize("layout", [0, 1])
+def test_pt_dtypes(layout, scheme, dtype):
+    """bf16 (the decode kernel's bf16 instances, a prompt on the portable kernel) and fp32."""
+    for kind in ("decode", "prompt"):
+        base = GqaCase(**PT_HEADS["h64"], dtype=dtype, kv_layout=layout, do_rotary=True,
+                       seed=case_seed(9700 + len(dtype)), **KINDS[kind])  # fmt: skip
+        check_pt(PtCase(base, *scheme))
+
+
+@pytest.mark.parametrize("scheme", PT_SCHEMES, ids=PT_IDS)
+@pytest.mark.parametrize("layout", [0, 1])
+def test_pt_shared_equals_separate(layout, scheme):
+    """A shared buffer (and scale cache) gives the separate run's output, bytes and scale bits."""
+    base = GqaCase(**PT_HEADS["h64"], dtype="fp16", kind="chunk", seq=2, past_len=40, query_seqlens=True, batch=2,
+                   pad=5, kv_layout=layout, extra_capacity=3, seed=case_seed(9800))  # fmt: skip
+    pc = PtCase(base, *scheme)
+    sep, shr = run_cuda_pt(pc, shared=False), run_cuda_pt(pc, shared=True)
+    assert np.array_equal(sep[0].view(np.uint16), shr[0].view(np.uint16)), seed_note()
+    _, pmask = rq.quant_masks(pc.feeds(), pc.attrs(), layout)
+    for a, b in zip(sep[1:3], shr[1:3], strict=True):
+        assert np.array_equal(a[pmask], b[pmask]), seed_note()
+    if pc.per_token:
+        smask = rq.scale_mask(pc.feeds(), pc.attrs(), layout)
+        for a, b in zip(sep[3:], shr[3:], strict=True):
+            assert np.array_equal(a[smask].view(np.uint32), b[smask].view(np.uint32)), seed_note()
+
+
+@pytest.mark.parametrize("scheme", PT_SCHEMES[:4], ids=PT_IDS[:4])
+@pytest.mark.parametrize("head_size", [128, 64])
+def test_pt_long_decode(head_size, scheme):
+    """4096 cached keys (many splits of the decode kernel, its merges), both layouts, shared."""
+    if QUICK and head_size != 128:
+        pytest.skip("GQA_GPU_QUICK: head size 128 only")
+    for layout in (0, 1):
+        base = GqaCase(num_heads=8, kv_num_heads=2, head_size=head_size, kind="decode",
+                       past_len=4096, batch=2, pad=1000, dtype="fp16", kv_layout=layout,
+                       shared=True, do_rotary=True, seed=case_seed(9900 + head_size))  # fmt: skip
+        check_pt(PtCase(base, *scheme), cpu=not QUICK)
+
+
+@pytest.mark.parametrize(
+    "scheme", [("int8", "PER_TOKEN"), ("fp8", "PER_TOKEN")], ids=["int8", "fp8"]
+)
+@pytest.mark.parametrize("layout", [0, 1])
+def test_pt_cuda_graph_decode(layout, scheme):
+    """A captured PER_TOKEN decode step (onnxruntime-genai's setup: one shared cache and scale
+    cache bound as past and present, S = 1, total_sequence_length = C): every replayed step's
+    output, cache bytes and scale bits equal an uncaptured session's fed identically, and the
+    cache and scales our CPU op's step by step."""
+    B, C, steps = 2, 96, 6 if QUICK else 16
+    base = GqaCase(num_heads=8, kv_num_heads=2, head_size=128, kind="decode", past_len=40,
+                   batch=B, pad=9, dtype="fp16", kv_layout=layout, shared=True,
+                   extra_capacity=C - 41, do_rotary=True, position_ids=True,
+                   seed=case_seed(9950 + layout))  # fmt: skip
+    pc = PtCase(base, *scheme)
+    feeds = {k: v for k, v in pc.feeds().items() if v is not None}
+    assert feeds["past_key"].shape[2] == C, feeds["past_key"].shape
+    feeds["total_sequence_length"] = np.array(C, np.int32)
+    feeds["cos_cache"], feeds["sin_cache"] = rotary_caches(128, C, np.float16)
+    pc._feeds = feeds
+    model = pt_model(pc, feeds)
+    rng = np.random.default_rng(case_seed(9960))
+    names = {i.name for i in new_cuda_session(model, KV_DOMAIN).get_inputs()}
+    caches = ("past_key", "past_value", "past_key_scale", "past_value_scale")
+
+    class Rig:
+        def __init__(self, graph):
+            self.sess = new_cuda_session(model, KV_DOMAIN, graph=graph)
+            self.io = self.sess.io_binding()
+            self.dev = {}
+            for k, v in feeds.items():
+                if k not in names or k == "total_sequence_length":
+                    continue
+                cache = k in ("past_key", "past_value")
+                self.dev[k] = _cache_device(pc, v) if cache else to_device(np.asarray(v))
+                self.io.bind_ortvalue_input(k, self.dev[k])
+            self.io.bind_cpu_input(
+                "total_sequence_length", np.ascontiguousarray(feeds["total_sequence_length"])
+            )
+            self.out = device_filled(np.asarray(feeds["query"]).shape, np.float16)
+            self.io.bind_ortvalue_output("output", self.out)
+            for name in ("key", "value"):
+                self.io.bind_ortvalue_output(f"present_{name}", self.dev[f"past_{name}"])
+                self.io.bind_ortvalue_output(f"present_{name}_scale",
+                                             self.dev[f"past_{name}_scale"])  # fmt: skip
+
+        def step(self, f):
+            for k, v in f.items():
+                update(self.dev[k], v)
+            self.sess.run_with_iobinding(self.io)
+            return (from_device(self.out),
+                    *(from_device(self.dev[k]).view(np.asarray(feeds[k]).dtype) for k in caches))  # fmt: skip
+
+    graph, eager = Rig(True), Rig(False)
+    seqlens = np.asarray(feeds["seqlens_k"]).copy()
+    state = {k: np.asarray(feeds[k]).copy() for k in caches}
+    for step in range(steps):
+        f = {k: rng.standard_normal(np.asarray(feeds[k]).shape).astype(np.float16)
+             for k in ("query", "key", "value") if k in names}  # fmt: skip
+        f["seqlens_k"] = seqlens.astype(np.int32)
+        if "position_ids" in names:
+            f["position_ids"] = seqlens.reshape(B, 1).astype(np.int64)
+        g, e = graph.step(f), eager.step(f)
+        what = f"step {step} of {pc!r} {seed_note()}"
+        for a, b in zip(g[1:], e[1:], strict=True):
+            assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), (
+                f"cache: graph != eager, {what}"
+            )
+        assert np.array_equal(g[0].view(np.uint16), e[0].view(np.uint16)), f"output, {what}"
+        cq = pc.replace()
+        cq._feeds = dict(feeds, **f, **state)
+        want = run_cpu_pt(cq)
+        assert_same_pt(cq, g, want, f"our CPU op's, {what}")
+        rows, _ = rq.quant_masks(cq.feeds(), cq.attrs(), layout)
+        osel = np.broadcast_to(rows[:, :, None], want[0].shape)
+        err = _max_err(g[0], want[0].astype(np.float64), osel)
+        assert err <= 6e-3 * max(1.0, float(np.abs(want[0][osel]).max())), (
+            f"output {err:.3g}, {what}"
+        )
+        state = {k: a.copy() for k, a in zip(caches, g[1:], strict=True)}
+        seqlens += 1

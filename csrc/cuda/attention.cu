@@ -41,7 +41,7 @@ __device__ __forceinline__ float DotRow(const float* q, const uint32_t* k, int64
   return acc;
 }
 
-// C: the cache's element type (T, or int8_t / PackedInt4 codes).
+// C: the cache's element type (T, or int8_t / PackedInt4 codes / Fp8E4M3 bytes).
 template <typename T, typename C = T>
 __global__ void __launch_bounds__(kWarp* kWarps)
     AttentionKernel(GqaShape s, GqaCudaBuffers buf, KvStrides present_st, const float* q_ws,
@@ -119,10 +119,10 @@ __global__ void __launch_bounds__(kWarp* kWarps)
         T kv = FromF<T>(0.0f), vv = FromF<T>(0.0f);
         if (k0 + j < key_hi) {
           const int64_t off = present_st.Offset(b, g, k0 + j - geo.cache_base);
-          kv = FromF<T>(static_cast<float>(CodeAt(ck + off, d)) *
-                        ChannelScale(buf.k_scale, s.k_quant, H, g, d));
-          vv = FromF<T>(static_cast<float>(CodeAt(cv + off, d)) *
-                        ChannelScale(buf.v_scale, s.v_quant, H, g, d));
+          kv = FromF<T>(ValueAt(ck + off, d) *
+                        ReadScale(s, buf.k_scale, buf.present_key_scale, s.k_quant, g, d, off));
+          vv = FromF<T>(ValueAt(cv + off, d) *
+                        ReadScale(s, buf.v_scale, buf.present_value_scale, s.v_quant, g, d, off));
         }
         reinterpret_cast<T*>(ks + j * pitch)[d] = kv;
         vs[j * H + d] = vv;

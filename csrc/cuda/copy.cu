@@ -1,5 +1,5 @@
 // Non-shared past -> present: the valid past rows are copied through both layouts' strides and
-// the rows nobody writes this call are zeroed.
+// the rows nobody writes this call are zeroed (PER_TOKEN: their scales likewise, 0 for the zeroed).
 #include <algorithm>
 
 #include "cuda/common.cuh"
@@ -17,7 +17,8 @@ constexpr int kCopyWarps = 8;
 // 16-byte pieces when every row starts 16-byte aligned (`vec`), else element by element. An
 // element per thread with its own index arithmetic and length reads was 18 us for a first
 // prompt of 8192 rows at head size 256 that copies nothing (H200; docs/DECISIONS.md).
-// T: the cache's element type (a quantized cache's rows are CacheRow bytes, moved as they are).
+// T: the cache's element type (a quantized cache's rows are CacheRow bytes, moved as they are;
+// PER_TOKEN: each row's float32 scale, at ScaleIndex of its offset, moves with it).
 template <typename T>
 __global__ void __launch_bounds__(kCopyWarps* kWarp)
     CopyPastKernel(GqaShape s, GqaCudaBuffers buf, KvStrides past_st, KvStrides present_st,
@@ -33,6 +34,12 @@ __global__ void __launch_bounds__(kCopyWarps* kWarp)
     if (!copy && r < g.past + WrittenRows(s, g)) continue;  // this call's new rows
     const int64_t dst = present_st.Offset(b, h, r);
     const int64_t src = copy ? past_st.Offset(b, h, r) : 0;
+    if (s.per_token() && lane == 0) {  // the row's scales move with it; undefined rows get 0
+      buf.present_key_scale[ScaleIndex(s, dst)] =
+          copy ? buf.past_key_scale[ScaleIndex(s, src)] : 0.0f;
+      buf.present_value_scale[ScaleIndex(s, dst)] =
+          copy ? buf.past_value_scale[ScaleIndex(s, src)] : 0.0f;
+    }
     if (vec) {
       constexpr int64_t E = 16 / sizeof(T);  // elements per piece
       uint4* kd = reinterpret_cast<uint4*>(static_cast<T*>(buf.present_key) + dst);

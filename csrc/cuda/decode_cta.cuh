@@ -35,7 +35,9 @@ extern __shared__ __align__(128) unsigned char dec_smem[];
 // kernel's arithmetic, in its order.
 //
 // C: the cache's element type: T, or the codes of a quantized cache (int8_t, PackedInt4;
-// DecodeQuantServes says where). Then the stages hold the raw codes as cp.async lands them (no
+// DecodeQuantServes says where; the int8_t instances also read float8e4m3fn bytes, and both
+// PER_TOKEN scales: uniform runtime branches on s.fp8_cache() and s.per_token(), no instances of
+// their own). Then the stages hold the raw codes as cp.async lands them (no
 // tile of T), and the key loop converts each lane's codes to T in registers right before the MMA
 // (StepQuant): K's codes as they are, its scales folded into the query (q . (k o s) =
 // (q o s) . k), V's codes as they are, its scales applied to the output columns at the end (P V
@@ -43,6 +45,10 @@ extern __shared__ __align__(128) unsigned char dec_smem[];
 // dimension (Q K^T) and the keys (P V) in any order of the k index, so each lane reads whole
 // vectors of its codes and the query's columns follow the same order (QuantKDim); P V's output
 // columns come out in a lane order of their own (QuantVDim), undone where they are stored.
+// PER_TOKEN scales are per key: each step's K and V scales land by cp.async beside its codes
+// (the stage slot's padding, QuantScaleAt), K's multiply the score columns after Q K^T (float32)
+// and V's the value fragments (pairs of keys, in T) before P V; a NaN scale (a non-finite row)
+// reaches the rows that attend the key through their P (NaN for p != 0), never the others.
 template <typename T, int HD, DecodeForm kForm, int W, typename C = T>
 struct DecodeCta {
   static constexpr bool kPack = kForm == DecodeForm::kPackedHeads;
@@ -137,6 +143,10 @@ struct DecodeCta {
   int32_t stride32;
   const unsigned char* code_k;  // a quantized cache's rows of (b, g), in bytes
   const unsigned char* code_v;
+  // PER_TOKEN: the scale caches' rows of (b, g) (key j at (j - cache_base) x tok_stride).
+  const float* tok_k;
+  const float* tok_v;
+  int32_t tok_stride;
   bool appended;       // uniform over the CTA
   uint32_t qa[KTQ][4];  // the query tile as A fragments: rows gq and gq + 8
 
@@ -209,6 +219,10 @@ struct DecodeCta {
   __device__ __forceinline__ void StepQuant(int64_t i);
   __device__ __forceinline__ int QuantKDim(int kk, int reg, int half) const;
   __device__ __forceinline__ int QuantVDim(int n, int col) const { return col * DTO + n; }
+  // PER_TOKEN: byte offset of key j's scale in a K (or V) stage tile: after the KS rows of
+  // codes (2 x KST x HD bytes), inside the tile's pitch padding (2 x KST x 8 x sizeof(T) bytes).
+  static constexpr int kQuantScaleAt = KS * QRB;
+  static_assert(!kQuant || KS * 4 <= KST * (P - HD) * int(sizeof(T)), "scales fit the padding");
   __device__ __forceinline__ void PV(float (&acc)[DTO][4], int n0, const float (&sc)[NT][4],
                                      const T* vs, unsigned v_lane);
   __device__ __forceinline__ bool MergeWarps();

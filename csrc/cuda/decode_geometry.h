@@ -249,9 +249,15 @@ KVL_DEC_HD inline DecodeForm DecodeFormOf(const GqaShape& s) {
 // Quantized caches (int8 codes, packed int4): the decode kernel reads the codes and converts
 // them in registers right before the MMA (decode_keyloop.cuh). Compiled for head sizes 64 and
 // 128 (no padding columns), four warps, the full and the one-token plain forms, per-head CTAs
-// only; other quantized shapes take the portable kernel, which dequantizes its tiles.
+// only; other quantized shapes take the portable kernel, which dequantizes its tiles. The 8-bit
+// instances also read float8e4m3fn caches, and every instance PER_TOKEN scales (runtime branches).
 KVL_DEC_HD inline bool DecodeQuantServes(const GqaShape& s) {
   return (s.kv_bits == 8 || s.kv_bits == 4) && (s.head_size == 64 || s.head_size == 128);
+}
+// The tensor-core prefill's quantized tiles: int8 / int4 codes with static scales (PER_TOKEN
+// scales and fp8 caches take the portable kernel for prompts).
+KVL_DEC_HD inline bool PrefillQuantServes(const GqaShape& s) {
+  return DecodeQuantServes(s) && !s.per_token() && !s.fp8_cache();
 }
 
 // One compiled instance of the decode kernel: its tile, form, warps and cache (kv_bits: 0 for a

@@ -230,6 +230,10 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::StepQuant(int64_t
   const unsigned char* kt = reinterpret_cast<const unsigned char*>(StepSlot(i));
   const unsigned char* vt = kt + KST * P * sizeof(T);
   const int64_t k0 = StepKey(i);
+  const bool fp8 = QBITS == 8 && s.fp8_cache();  // float8e4m3fn bytes in the int8 instances
+  const bool token = s.per_token();               // PER_TOKEN scales beside the codes
+  const float* ksc = reinterpret_cast<const float*>(kt + kQuantScaleAt);
+  const float* vsc = reinterpret_cast<const float*>(vt + kQuantScaleAt);
 
   float sc[NT][4];
 #pragma unroll
@@ -259,7 +263,11 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::StepQuant(int64_t
       for (int ww = 0; ww < QKV / 4; ++ww) {
         const int ki = v * (QKV / 4) + ww;
         if constexpr (QBITS == 8) {
-          Int8x4ToPairs<T>(w[ww], kb[ki][0], kb[ki][1]);
+          if (fp8) {
+            Fp8x4ToPairs<T>(w[ww], kb[ki][0], kb[ki][1]);
+          } else {
+            Int8x4ToPairs<T>(w[ww], kb[ki][0], kb[ki][1]);
+          }
         } else {
           uint32_t p4[4];
           Int4x8ToPairs<T>(w[ww], p4);
@@ -273,6 +281,13 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::StepQuant(int64_t
 #pragma unroll
     for (int kk = 0; kk < KT; ++kk) ptx::Mma16816<T>(sc[n], qa[kk], kb[kk][0], kb[kk][1]);
   }
+  if (token) {  // each score column times its key's K scale (keys n 8 + 2 tq, + 1)
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[n][e] *= ksc[n * 8 + 2 * tq + (e & 1)];
+    }
+  }
 
   const bool whole =
       raw_scores &&
@@ -281,11 +296,32 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::StepQuant(int64_t
   float tmax[2];
   MaskStepScores<T, NT>(sc, tmax, whole, upper, k0, tq, kr, s, inv_softcap, bias, bias_row);
   OnlineSoftmaxStep<NT, DTO>(sc, tmax, whole, upper, m, l, o);
+  if (token) {  // a NaN V scale (non-finite row) reaches the rows attending its key: P = NaN
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float v = vsc[n * 8 + 2 * tq + (e & 1)];
+        if (v != v && sc[n][e] != 0.0f) sc[n][e] = __int_as_float(0x7fc00000);
+      }
+    }
+  }
 
 #pragma unroll
   for (int kk = 0; kk < KS / 16; ++kk) {
     uint32_t a[4];
     ptx::ScoresToA<T>(a, sc[2 * kk], sc[2 * kk + 1]);
+    // PER_TOKEN: the V scales of keys (2 tq, 2 tq + 1) and (2 tq + 8, 2 tq + 9) as pairs of T
+    // (a NaN one as 0: it must not reach rows whose P is 0 for its key).
+    uint32_t vsp[2] = {0u, 0u};
+    if (token) {
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int k = kk * 16 + 2 * tq + 8 * hf;
+        const float v0 = vsc[k], v1 = vsc[k + 1];
+        vsp[hf] = ptx::PackPair<T>(v0 == v0 ? v0 : 0.0f, v1 == v1 ? v1 : 0.0f);
+      }
+    }
     constexpr int NW = QVB / 4;  // words of each key's share
     uint32_t kw[4][NW];          // keys 2 tq, 2 tq + 1, 2 tq + 8, 2 tq + 9
 #pragma unroll
@@ -318,8 +354,13 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::StepQuant(int64_t
       for (int hf = 0; hf < 2; ++hf) {  // b0 from keys 0, 1 of the four; b1 from keys 2, 3
         const uint32_t ka = kw[2 * hf][w], kb2 = kw[2 * hf + 1][w];
         if constexpr (QBITS == 8) {  // column 4 w + j: byte j of each key's word
-          Int8x4ToPairs<T>(__byte_perm(ka, kb2, 0x5140), vb[0][hf], vb[1][hf]);
-          Int8x4ToPairs<T>(__byte_perm(ka, kb2, 0x7362), vb[2][hf], vb[3][hf]);
+          if (fp8) {
+            Fp8x4ToPairs<T>(__byte_perm(ka, kb2, 0x5140), vb[0][hf], vb[1][hf]);
+            Fp8x4ToPairs<T>(__byte_perm(ka, kb2, 0x7362), vb[2][hf], vb[3][hf]);
+          } else {
+            Int8x4ToPairs<T>(__byte_perm(ka, kb2, 0x5140), vb[0][hf], vb[1][hf]);
+            Int8x4ToPairs<T>(__byte_perm(ka, kb2, 0x7362), vb[2][hf], vb[3][hf]);
+          }
         } else {  // column 8 w + j: nibble j of each key's word
           uint32_t p4[4];
           Int4x8ToPairs<T>(__byte_perm(ka, kb2, 0x5410), p4);
@@ -328,6 +369,13 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::StepQuant(int64_t
           Int4x8ToPairs<T>(__byte_perm(ka, kb2, 0x7632), p4);
 #pragma unroll
           for (int j = 0; j < 4; ++j) vb[4 + j][hf] = p4[j];
+        }
+      }
+      if (token) {
+#pragma unroll
+        for (int j = 0; j < NPW; ++j) {
+          vb[j][0] = MulPairs<T>(vb[j][0], vsp[0]);
+          vb[j][1] = MulPairs<T>(vb[j][1], vsp[1]);
         }
       }
 #pragma unroll

@@ -67,8 +67,10 @@ __device__ __forceinline__ bool DecodeCta<T, HD, kForm, W, C>::MergeWarps() {
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           const int d = QuantVDim(n, 2 * tq + c);
+          // (PER_TOKEN: the key loop applied them to the value fragments.)
           red_o[(warp * kDecodeRows + r) * RP + d] =
-              o[n][2 * hr + c] * ChannelScale(buf.v_scale, s.v_quant, H, g, d);
+              s.per_token() ? o[n][2 * hr + c]
+                            : o[n][2 * hr + c] * ChannelScale(buf.v_scale, s.v_quant, H, g, d);
         }
       }
     } else {

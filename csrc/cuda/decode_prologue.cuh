@@ -198,6 +198,19 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::IssueQuant(int64_
     ptx::CpAsync16(kt + at, kstep + off, valid);
     ptx::CpAsync16(vt + at, vstep + off, valid);
   }
+  if (s.per_token()) {  // the keys' scales beside the codes (0 past the split's end)
+    const int64_t first = (k0 - geo.cache_base) * tok_stride;
+#pragma unroll
+    for (int it = 0; it < (KS + kWarp - 1) / kWarp; ++it) {
+      const int j = lane + it * kWarp;
+      if (j < KS) {
+        const bool valid = j < rows_here;
+        const int64_t at = valid ? first + int64_t(j) * tok_stride : 0;
+        ptx::CpAsync4(kt + kQuantScaleAt + 4 * j, tok_k + at, valid);
+        ptx::CpAsync4(vt + kQuantScaleAt + 4 * j, tok_v + at, valid);
+      }
+    }
+  }
 }
 
 // A quantized cache: the head dimension of k-step kk's B register `reg` (b0, b1), value `half`
@@ -237,6 +250,11 @@ __device__ __forceinline__ bool DecodeCta<T, HD, kForm, W, C>::Prologue() {
   if constexpr (kQuant) {  // strides in bytes (codes or packed int4 pairs)
     code_k = static_cast<const unsigned char*>(buf.present_key) + present_st.Offset(b, g, 0);
     code_v = static_cast<const unsigned char*>(buf.present_value) + present_st.Offset(b, g, 0);
+    if (s.per_token()) {  // scale (b, g, j) at the cache row's offset / CacheRow (ScaleIndex)
+      tok_k = buf.present_key_scale + ScaleIndex(s, present_st.Offset(b, g, 0));
+      tok_v = buf.present_value_scale + ScaleIndex(s, present_st.Offset(b, g, 0));
+      tok_stride = static_cast<int32_t>(ScaleIndex(s, present_st.seq));
+    }
   }
   seq_stride = present_st.seq;
   row_width = kPack ? nkv * H : H;               // elements of a stage row (packed: HD)
@@ -304,9 +322,11 @@ __device__ __forceinline__ bool DecodeCta<T, HD, kForm, W, C>::Prologue() {
       float* qr = q_raw + j * HD;  // the warp's own row: normed and rotated in place
       __syncwarp();                // every lane's raw values before rotary pairs cross lanes
       NormRotate<T>(s, buf, true, ClampedRotaryPosition(s, buf, geo, b, tok), qr, lane);
-      if constexpr (kQuant) {  // K's scales folded into the query (H == HD)
+      if constexpr (kQuant) {  // K's static scales folded into the query (H == HD)
+        const bool token = s.per_token();  // PER_TOKEN: the scores take them (StepQuant)
         for (int64_t d = lane; d < SH; d += kWarp) {
-          qt[d] = FromF<T>(qr[d] * s.scale * ChannelScale(buf.k_scale, s.k_quant, H, g, d));
+          const float ks = token ? 1.0f : ChannelScale(buf.k_scale, s.k_quant, H, g, d);
+          qt[d] = FromF<T>(qr[d] * s.scale * ks);
         }
       } else {
         for (int64_t d = lane; d < SH; d += kWarp) qt[d] = FromF<T>(d < H ? qr[d] * s.scale : 0.0f);

@@ -36,6 +36,8 @@ struct Workspace {
   void* cudnn = nullptr;            // cuDNN's own workspace
   void* stage_k = nullptr;          // sliding window cache: SlidingStageStrides rows of K
   void* stage_v = nullptr;          // ... and of V (null without a sliding window cache)
+  float* stage_k_scale = nullptr;   // PER_TOKEN: the staging rows' K scales (SlidingStageStrides
+  float* stage_v_scale = nullptr;   // / CacheRow, ScaleIndex), after each staging area's rows
 };
 
 template <typename T>
@@ -52,7 +54,10 @@ Status LaunchPrepare(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pre
 // position cache_base + j, the resident past rows then this call's new rows (written by
 // prepare or the decode kernel). After the attention, present rows [0, L(total)) are taken from the staging rows.
 // Staging: (B, Nkv, C + S, H) in the call's layout, T elements; 256-byte multiple, 0 when off.
+// PER_TOKEN: each staging area (K, V) is followed by its rows' float32 scales, (B, Nkv, C + S)
+// at the rows' strides with head_dim 1 (ScaleIndex); SlidingStageBytes counts both.
 int64_t SlidingStageRows(const GqaShape& s);  // resident past + new rows: past capacity + S
+size_t SlidingStageRowBytes(const GqaShape& s);  // the rows only
 size_t SlidingStageBytes(const GqaShape& s);
 KvStrides SlidingStageStrides(const GqaShape& s);
 // Resident past rows [0, L(past)) -> staging rows.

@@ -86,7 +86,8 @@ Status CheckKvScalesOnDevice(const GqaShape& s, const GqaCudaBuffers& buf, void*
                              bool* checked) {
   using cu::CudaCheck;
   *checked = false;
-  if (!s.quantized()) return Status::Ok();
+  // PER_TOKEN scales are computed on the device: nothing to check (or read on the host).
+  if (!s.quantized() || s.per_token()) return Status::Ok();
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   KVL_RETURN_IF_ERROR(CudaCheck(cudaStreamIsCapturing(st, &capture), "cudaStreamIsCapturing"));

@@ -107,6 +107,10 @@ Workspace CarveWorkspace(const GqaShape& s, const AttnPlan& p, void* workspace) 
   if (p.stage_bytes > 0) {
     ws.stage_k = base;
     ws.stage_v = base + p.stage_bytes;
+    if (s.per_token()) {  // each area's scales after its rows (SlidingStageBytes)
+      ws.stage_k_scale = reinterpret_cast<float*>(base + SlidingStageRowBytes(s));
+      ws.stage_v_scale = reinterpret_cast<float*>(base + p.stage_bytes + SlidingStageRowBytes(s));
+    }
   }
   base += 2 * p.stage_bytes;
   if (p.q_storage_bytes > 0) {
@@ -162,6 +166,8 @@ Status Launch(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDeviceInfo
     GqaCudaBuffers staged = buf;
     staged.present_key = ws.stage_k;
     staged.present_value = ws.stage_v;
+    staged.present_key_scale = ws.stage_k_scale;  // PER_TOKEN (null otherwise)
+    staged.present_value_scale = ws.stage_v_scale;
     KVL_RETURN_IF_ERROR(Attend<T>(s, staged, dev, SlidingStageStrides(s), plan, ws, stream));
     return LaunchSlidingPresent<T>(s, buf, present_st, ws, dev, stream);
   }

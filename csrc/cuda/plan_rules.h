@@ -114,11 +114,13 @@ inline AttnKernel ChooseKernel(const GqaShape& s, const PlanBuffers& buf,
   const bool half = s.dtype == DType::kFloat16 || s.dtype == DType::kBFloat16;
   if (!half || !buf.caches_aligned16) return AttnKernel::kPortable;
   // A quantized cache: the tensor-core prefill and the decode kernel where their instances of
-  // its cache type serve the shape (head sizes 64 and 128: DecodeQuantServes), else the
-  // portable kernel; each dequantizes what it loads (cuDNN reads T only: TriesCudnn).
+  // its cache type serve the shape (head sizes 64 and 128: DecodeQuantServes; the prefill not
+  // for PER_TOKEN or fp8: PrefillQuantServes), else the portable kernel; each dequantizes what
+  // it loads (cuDNN reads T only: TriesCudnn).
   if (s.quantized()) {
     if (!DecodeQuantServes(s)) return AttnKernel::kPortable;
-    if (s.seq_len >= 16 && buf.output_aligned4 && PrefillTcFits(s, 2, dev)) {
+    if (s.seq_len >= 16 && buf.output_aligned4 && PrefillQuantServes(s) &&
+        PrefillTcFits(s, 2, dev)) {
       return AttnKernel::kPrefillTc;
     }
     return s.seq_len * s.group_size() <= kDecodeRows && DecodeTcFits(s, 2, dev)

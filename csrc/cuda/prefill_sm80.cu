@@ -258,6 +258,10 @@ Status LaunchQuant(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides prese
 template <typename T>
 Status LaunchPrefillTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides present_st,
                        const Workspace& ws, cudaStream_t stream) {
+  if (s.per_token() || s.fp8_cache()) {  // the plan gives these the portable kernel
+    return Status::Error("ai.kvlayout::GroupQueryAttention (CUDA): no tensor-core prefill for "
+                         "PER_TOKEN scales or an fp8 cache");
+  }
   if (s.kv_bits == 8) return LaunchQuant<T, int8_t>(s, buf, present_st, ws.q, stream);
   if (s.kv_bits == 4) return LaunchQuant<T, PackedInt4>(s, buf, present_st, ws.q, stream);
   switch (TcHeadDim(s.head_size)) {

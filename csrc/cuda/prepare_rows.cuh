@@ -148,52 +148,68 @@ struct NewKvRow {
   }
 };
 
-// A quantized cache (C: int8_t or PackedInt4): the warp stores the codes of the key row in x
-// (normed, rotated, still float) and of the value row `row.v`, each value rounded to T first
+// A quantized cache (C: int8_t, PackedInt4 or Fp8E4M3): the warp stores the codes of the key row
+// in x (normed, rotated, still float) and of the value row `row.v`, each value rounded to T first
 // (ORT holds them in T), at element offset `off` of present (codes or packed bytes). x is reused.
+// PER_TOKEN (a runtime branch, uniform per launch): each row's scale is computed first (a warp
+// reduction of |x| over the row, TokenScale) and stored in the scale cache at ScaleIndex(off),
+// then the row is quantized with its inverse; a non-finite row stores codes 0. Static scales:
+// QuantInverse of the channel's scale. One rule for every cache type: dtype.h's, bit for bit.
 template <typename T, typename C, int E>
 __device__ void StoreQuantRows(const GqaShape& s, const GqaCudaBuffers& buf, int64_t off,
                                int64_t hk, const NewKvRow<T, E>& row, float* x, int lane) {
   const int64_t H = s.head_size;
-  constexpr float lo = kCacheBits<C> == 8 ? -128.0f : -8.0f, hi = kCacheBits<C> == 8 ? 127.0f : 7.0f;
-  auto code = [&](float v, const float* scale, KvQuant quant, int64_t d) {
-    return QuantCode(v, QuantInverse(ChannelScale(scale, quant, H, hk, d)), lo, hi);
-  };
-  if constexpr (kCacheBits<C> == 8) {
-    int8_t* kd = static_cast<int8_t*>(buf.present_key) + off;
-    int8_t* vd = static_cast<int8_t*>(buf.present_value) + off;
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      const int64_t d = lane + e * kWarp;
-      if (d < H) {
-        kd[d] = static_cast<int8_t>(code(ToF(FromF<T>(x[d])), buf.k_scale, s.k_quant, d));
-        vd[d] = static_cast<int8_t>(code(ToF(row.v[e]), buf.v_scale, s.v_quant, d));
+  // x holds the row's values (rounded to T, synchronized by the warp): its codes into dst.
+  auto store = [&](C* dst, const float* scale, float* tokens, KvQuant quant) {
+    float token_inv = 0.0f;
+    bool zero = false;
+    if (quant == KvQuant::kPerToken) {
+      float amax = 0.0f;
+      bool finite = true;
+      for (int64_t d = lane; d < H; d += kWarp) {
+        const float a = fabsf(x[d]);
+        finite &= a <= 3.402823466e38f;  // false for Inf and NaN
+        amax = a > amax ? a : amax;
       }
+      amax = WarpMax(amax);  // exact: the same maximum in any order
+      finite = __all_sync(0xffffffffu, finite);
+      const float sc = TokenScale(amax, finite, kTokenQMax<C>, &token_inv);
+      zero = !finite;
+      if (lane == 0) tokens[ScaleIndex(s, off)] = sc;
     }
-    __syncwarp();
-  } else {
-    // Byte p holds channels 2p (low nibble) and 2p + 1 (high; code 0 past an odd H): the pairs
-    // cross lanes, so each row goes through x.
-    auto store = [&](uint8_t* dst, const float* scale, KvQuant quant) {
-      for (int64_t p = lane; p < (H + 1) / 2; p += kWarp) {
-        const int q0 = code(x[2 * p], scale, quant, 2 * p);
-        const int q1 = 2 * p + 1 < H ? code(x[2 * p + 1], scale, quant, 2 * p + 1) : 0;
-        dst[p] = static_cast<uint8_t>(((q0 + 8) & 15) | (((q1 + 8) & 15) << 4));
-      }
+    auto inv_of = [&](int64_t d) {
+      return quant == KvQuant::kPerToken ? token_inv
+                                         : QuantInverse(ChannelScale(scale, quant, H, hk, d));
     };
-    for (int64_t d = lane; d < H; d += kWarp) x[d] = ToF(FromF<T>(x[d]));
-    __syncwarp();
-    store(static_cast<uint8_t*>(buf.present_key) + off, buf.k_scale, s.k_quant);
-    __syncwarp();
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      const int64_t d = lane + e * kWarp;
-      if (d < H) x[d] = ToF(row.v[e]);
+    auto val = [&](int64_t d) { return zero ? 0.0f : x[d]; };
+    if constexpr (kFp8Cache<C>) {
+      for (int64_t d = lane; d < H; d += kWarp) dst[d].bits = FloatToFp8(__fmul_rn(val(d), inv_of(d)));
+    } else if constexpr (kCacheBits<C> == 8) {
+      for (int64_t d = lane; d < H; d += kWarp) {
+        dst[d] = static_cast<int8_t>(QuantCode(val(d), inv_of(d), -128.0f, 127.0f));
+      }
+    } else {
+      // Byte p holds channels 2p (low nibble) and 2p + 1 (high; code 0 past an odd H).
+      for (int64_t p = lane; p < (H + 1) / 2; p += kWarp) {
+        const int q0 = QuantCode(val(2 * p), inv_of(2 * p), -8.0f, 7.0f);
+        const int q1 = 2 * p + 1 < H ? QuantCode(val(2 * p + 1), inv_of(2 * p + 1), -8.0f, 7.0f) : 0;
+        dst[p].bits = static_cast<uint8_t>(((q0 + 8) & 15) | (((q1 + 8) & 15) << 4));
+      }
     }
-    __syncwarp();
-    store(static_cast<uint8_t*>(buf.present_value) + off, buf.v_scale, s.v_quant);
-    __syncwarp();
+  };
+  for (int64_t d = lane; d < H; d += kWarp) x[d] = ToF(FromF<T>(x[d]));
+  __syncwarp();
+  store(static_cast<C*>(buf.present_key) + off, buf.k_scale, buf.present_key_scale, s.k_quant);
+  __syncwarp();
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const int64_t d = lane + e * kWarp;
+    if (d < H) x[d] = ToF(row.v[e]);
   }
+  __syncwarp();
+  store(static_cast<C*>(buf.present_value) + off, buf.v_scale, buf.present_value_scale,
+        s.v_quant);
+  __syncwarp();
 }
 
 // One warp appends token i's key (normed, rotated) and value rows of kv head hk, `row` (loaded
@@ -214,6 +230,12 @@ __device__ void AppendKvRow(const GqaShape& s, const GqaCudaBuffers& buf, KvStri
   __syncwarp();
   NormRotate<T>(s, buf, false, pos, x, lane);
   const int64_t off = present_st.Offset(b, hk, g.past - g.cache_base + i);
+  if constexpr (std::is_same<C, int8_t>::value) {  // the decode kernel's 8-bit instances
+    if (s.fp8_cache()) {                            // also serve float8e4m3fn caches
+      StoreQuantRows<T, Fp8E4M3>(s, buf, off, hk, row, x, lane);
+      return;
+    }
+  }
   if constexpr (kQuantCache<C>) {
     StoreQuantRows<T, C>(s, buf, off, hk, row, x, lane);
     return;

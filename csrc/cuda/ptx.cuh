@@ -48,6 +48,14 @@ __device__ __forceinline__ void CpAsync16(void* smem_dst, const void* gmem_src, 
                "l"(gmem_src), "r"(src_bytes)
                : "memory");
 }
+// 4 bytes global -> shared (cp.async.ca: the only form below 16 bytes); `valid` false writes 4
+// zero bytes and reads nothing.
+__device__ __forceinline__ void CpAsync4(void* smem_dst, const void* gmem_src, bool valid) {
+  const int src_bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(SharedAddress(smem_dst)),
+               "l"(gmem_src), "r"(src_bytes)
+               : "memory");
+}
 // 16 bytes global -> shared, the destination as a shared-window address.
 __device__ __forceinline__ void CpAsync16At(unsigned smem_addr, const void* gmem_src) {
   asm volatile(KVL_CP_ASYNC_CG " [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gmem_src) : "memory");

@@ -4,6 +4,8 @@
 // csrc/cuda/.
 #pragma once
 
+#include <cuda_fp8.h>
+
 #include <cstdint>
 #include <type_traits>
 
@@ -17,11 +19,19 @@ struct PackedInt4 {
   uint8_t bits;
 };
 
-// C, a cache element type: T itself (unquantized), int8_t or PackedInt4.
+// A byte of a float8 e4m3fn cache (1 sign, 4 exponent bits of bias 7, 3 mantissa bits, no inf).
+struct Fp8E4M3 {
+  uint8_t bits;
+};
+
+// C, a cache element type: T itself (unquantized), int8_t, PackedInt4 or Fp8E4M3.
 template <typename C>
-constexpr bool kQuantCache = std::is_same<C, int8_t>::value || std::is_same<C, PackedInt4>::value;
+constexpr bool kQuantCache = std::is_same<C, int8_t>::value ||
+                             std::is_same<C, PackedInt4>::value || std::is_same<C, Fp8E4M3>::value;
 template <typename C>
-constexpr int kCacheBits = std::is_same<C, int8_t>::value ? 8 : 4;  // quantized caches only
+constexpr int kCacheBits = std::is_same<C, PackedInt4>::value ? 4 : 8;  // quantized caches only
+template <typename C>
+constexpr bool kFp8Cache = std::is_same<C, Fp8E4M3>::value;
 
 template <typename C>
 struct CacheTag {
@@ -29,9 +39,10 @@ struct CacheTag {
 };
 
 // The one switch from a call's cache to its element type: fn(CacheTag<C>{}) with C = T without
-// quantization, int8_t with 8 bits, PackedInt4 with 4.
+// quantization, int8_t with 8 bits (Fp8E4M3 for a float8e4m3fn cache), PackedInt4 with 4.
 template <typename T, typename Fn>
 decltype(auto) DispatchCache(const GqaShape& s, Fn&& fn) {
+  if (s.kv_bits == 8 && s.fp8_cache()) return fn(CacheTag<Fp8E4M3>{});
   if (s.kv_bits == 8) return fn(CacheTag<int8_t>{});
   if (s.kv_bits == 4) return fn(CacheTag<PackedInt4>{});
   return fn(CacheTag<T>{});
@@ -59,12 +70,74 @@ __device__ __forceinline__ float ChannelScale(const float* scale, KvQuant quant,
   return quant == KvQuant::kPerChannel ? scale[h * H + d] : scale[0];
 }
 
+// ---- float8 e4m3fn, bit for bit the CPU op's (core/dtype.h FloatToFp8E4M3 / Fp8E4M3ToFloat) ---
+// Encoding: round to nearest even, saturating: |x| >= 448 and +-Inf give +-448 (0x7e with the
+// sign), NaN gives NaN (0x7f with the sign), -0 gives 0x80; subnormals are multiples of 2^-9.
+__device__ __forceinline__ uint8_t FloatToFp8(float x) {
+  const uint32_t u = __float_as_uint(x);
+  const uint32_t sign = (u >> 24) & 0x80u;
+  const uint32_t abs_bits = u & 0x7fffffffu;
+  if (abs_bits > 0x7f800000u) return static_cast<uint8_t>(sign | 0x7fu);
+  const float a = __uint_as_float(abs_bits);
+  if (a >= 448.0f) return static_cast<uint8_t>(sign | 0x7eu);
+  if (a < 0x1p-6f) return static_cast<uint8_t>(sign | static_cast<uint32_t>(rintf(__fmul_rn(a, 512.0f))));
+  const uint32_t rounded = (abs_bits + 0x7ffffu + ((abs_bits >> 20) & 1u)) >> 20;
+  const uint32_t code = rounded - (120u << 3);
+  return static_cast<uint8_t>(sign | (code > 0x7eu ? 0x7eu : code));
+}
+// Decoding, exact: (8 | m) << e (or 2m when e == 0) times 2^-10; NaN for S.1111.111.
+__device__ __forceinline__ float Fp8ToFloat(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  const int mag = e == 0 ? 2 * m : (8 | m) << e;
+  const float v = static_cast<float>(mag) * 0x1p-10f;
+  if ((b & 0x7f) == 0x7f) return __int_as_float(0x7fc00000);
+  return (b & 0x80) ? -v : v;
+}
+
+// ---- PER_TOKEN (docs/CONTRACT.md section 14): one scale per cache row ------------------------
+// The largest code: 127 (int8), 7 (int4), 448 (fp8).
+template <typename C>
+constexpr float kTokenQMax = kFp8Cache<C> ? 448.0f : (kCacheBits<C> == 4 ? 7.0f : 127.0f);
+// A scale cache holds one float per cache row at the cache's strides with head_dim 1
+// (MakeKvScaleStrides): the row at element offset `off` of a cache of CacheRow-element rows
+// has its scale at off / CacheRow (every stride is a multiple of a row).
+KVL_HOST_DEVICE int64_t ScaleIndex(const GqaShape& s, int64_t off) {
+  return off / KvRowElements(s.head_size, s.kv_bits);
+}
+// scale = amax / qmax (a correctly rounded division whatever --use_fast_math says), inv =
+// scale > 0 ? 1 / scale : 0 (correctly rounded, as the CPU op's 1.0f / scale); a non-finite row
+// (`finite` false) gets scale NaN and inv 0 (its values are stored as 0). dtype.h PerTokenScale.
+__device__ __forceinline__ float TokenScale(float amax, bool finite, float qmax, float* inv) {
+  if (!finite) {
+    *inv = 0.0f;
+    return __int_as_float(0x7fc00000);
+  }
+  const float scale = __fdiv_rn(amax, qmax);
+  *inv = scale > 0.0f ? __frcp_rn(scale) : 0.0f;
+  return scale;
+}
+
 // ---- reading: float32(q) * scale --------------------------------------------------------------
-// The code of channel d of a row of codes.
+// The value of channel d of a row of codes (float32(q); an fp8 byte decoded).
 __device__ __forceinline__ int CodeAt(const int8_t* row, int64_t d) { return row[d]; }
 __device__ __forceinline__ int CodeAt(const PackedInt4* row, int64_t d) {
   const int byte = row[d / 2].bits;
   return ((d & 1) ? (byte >> 4) : (byte & 15)) - 8;
+}
+__device__ __forceinline__ float ValueAt(const int8_t* row, int64_t d) { return float(row[d]); }
+__device__ __forceinline__ float ValueAt(const PackedInt4* row, int64_t d) {
+  return float(CodeAt(row, d));
+}
+__device__ __forceinline__ float ValueAt(const Fp8E4M3* row, int64_t d) {
+  return Fp8ToFloat(row[d].bits);
+}
+// The scale of channel d of the row at element offset `off` of kv head h: static (k_scale /
+// v_scale) or the row's own (PER_TOKEN: `tokens`, the scale cache the row's strides address).
+__device__ __forceinline__ float ReadScale(const GqaShape& s, const float* scale,
+                                           const float* tokens, KvQuant quant, int64_t h,
+                                           int64_t d, int64_t off) {
+  if (quant == KvQuant::kPerToken) return tokens[ScaleIndex(s, off)];
+  return ChannelScale(scale, quant, s.head_size, h, d);
 }
 
 // ---- codes to T pairs in registers (the decode kernel's MMA operands) -------------------------
@@ -119,6 +192,34 @@ __device__ __forceinline__ void Int4x8ToPairs(uint32_t w, uint32_t (&p)[4]) {
                                                  __ushort_as_bfloat16(0x4308));  // 136
       p[j] = HalfPairBits(__hsub2(PairOf<__nv_bfloat162>(u | 0x43004300u), bias));
     }
+  }
+}
+
+// Four float8 e4m3fn bytes of w as two pairs of T: p01 = (byte 0, byte 1), p23 = (2, 3). Every
+// e4m3 value (NaN too) is exact in fp16 (the hardware's fp8x2 -> half2), and in bf16 through
+// float32.
+template <typename T>
+__device__ __forceinline__ void Fp8x4ToPairs(uint32_t w, uint32_t& p01, uint32_t& p23) {
+  const __half2 h01 = __half2(__nv_cvt_fp8x2_to_halfraw2(
+      static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3));
+  const __half2 h23 = __half2(__nv_cvt_fp8x2_to_halfraw2(
+      static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3));
+  if constexpr (std::is_same<T, __half>::value) {
+    p01 = HalfPairBits(h01);
+    p23 = HalfPairBits(h23);
+  } else {
+    p01 = HalfPairBits(__float22bfloat162_rn(__half22float2(h01)));
+    p23 = HalfPairBits(__float22bfloat162_rn(__half22float2(h23)));
+  }
+}
+
+// The product of two pairs of T (PER_TOKEN: value codes times their keys' scales), rounded to T.
+template <typename T>
+__device__ __forceinline__ uint32_t MulPairs(uint32_t a, uint32_t b) {
+  if constexpr (std::is_same<T, __half>::value) {
+    return HalfPairBits(__hmul2(PairOf<__half2>(a), PairOf<__half2>(b)));
+  } else {
+    return HalfPairBits(__hmul2(PairOf<__nv_bfloat162>(a), PairOf<__nv_bfloat162>(b)));
   }
 }
 

@@ -37,7 +37,8 @@ __device__ __forceinline__ RowUnit RowUnitOf(int64_t idx, int64_t units, int64_t
 
 template <typename U>
 __global__ void SlidingStageKernel(GqaShape s, GqaCudaBuffers buf, KvStrides past_st,
-                                   KvStrides stage_st, int per, U* stage_k, U* stage_v) {
+                                   KvStrides stage_st, int per, U* stage_k, U* stage_v,
+                                   float* stage_ks, float* stage_vs) {
   const int64_t units = CacheRow(s) / per, C = s.past_capacity;
   const int64_t n = s.batch * s.kv_num_heads * C * units;
   const U* pk = static_cast<const U*>(buf.past_key);
@@ -51,13 +52,20 @@ __global__ void SlidingStageKernel(GqaShape s, GqaCudaBuffers buf, KvStrides pas
     const int64_t dst = stage_st.Offset(b, h, r) / per + u;
     stage_k[dst] = pk[src];
     stage_v[dst] = pv[src];
+    if (s.per_token() && u == 0) {  // the row's scales (PER_TOKEN) move with it
+      const int64_t ds = ScaleIndex(s, stage_st.Offset(b, h, r));
+      const int64_t ss = ScaleIndex(s, past_st.Offset(b, h, r));
+      stage_ks[ds] = buf.past_key_scale[ss];
+      stage_vs[ds] = buf.past_value_scale[ss];
+    }
   }
 }
 
 template <typename U>
 __global__ void SlidingPresentKernel(GqaShape s, GqaCudaBuffers buf, KvStrides stage_st,
                                      KvStrides present_st, int per, bool shared,
-                                     const U* stage_k, const U* stage_v) {
+                                     const U* stage_k, const U* stage_v,
+                                     const float* stage_ks, const float* stage_vs) {
   const int64_t units = CacheRow(s) / per, C = s.present_capacity;
   const int64_t n = s.batch * s.kv_num_heads * C * units;
   U* pk = static_cast<U*>(buf.present_key);
@@ -67,13 +75,24 @@ __global__ void SlidingPresentKernel(GqaShape s, GqaCudaBuffers buf, KvStrides s
     const auto [b, h, r, u] = RowUnitOf(idx, units, C, s.kv_num_heads);
     const BatchGeometry g = Geo(s, buf, b);
     const int64_t dst = present_st.Offset(b, h, r) / per + u;
+    const bool scales = s.per_token() && u == 0;  // PER_TOKEN: the row's scales move with it
+    const int64_t ds = scales ? ScaleIndex(s, present_st.Offset(b, h, r)) : 0;
     if (r < g.total - g.present_base) {
-      const int64_t src = stage_st.Offset(b, h, g.present_base - g.cache_base + r) / per + u;
+      const int64_t row = stage_st.Offset(b, h, g.present_base - g.cache_base + r);
+      const int64_t src = row / per + u;
       pk[dst] = stage_k[src];
       pv[dst] = stage_v[src];
+      if (scales) {
+        buf.present_key_scale[ds] = stage_ks[ScaleIndex(s, row)];
+        buf.present_value_scale[ds] = stage_vs[ScaleIndex(s, row)];
+      }
     } else if (!shared) {  // a shared buffer's rows past L keep their content, as in ORT
       pk[dst] = U{};
       pv[dst] = U{};
+      if (scales) {
+        buf.present_key_scale[ds] = 0.0f;
+        buf.present_value_scale[ds] = 0.0f;
+      }
     }
   }
 }
@@ -95,12 +114,18 @@ KvStrides SlidingStageStrides(const GqaShape& s) {
   return MakeKvStrides(s.layout, s.kv_num_heads, SlidingStageRows(s), CacheRow(s));
 }
 
-size_t SlidingStageBytes(const GqaShape& s) {
+size_t SlidingStageRowBytes(const GqaShape& s) {
   if (!s.sliding_window_cache) return 0;
   const size_t elem = s.quantized() ? 1 : s.dtype == DType::kFloat32 ? 4 : 2;
   const size_t bytes =
       elem * size_t(s.batch * s.kv_num_heads * SlidingStageRows(s) * CacheRow(s));
   return (bytes + 255) / 256 * 256;
+}
+
+size_t SlidingStageBytes(const GqaShape& s) {
+  if (!s.sliding_window_cache || !s.per_token()) return SlidingStageRowBytes(s);
+  const size_t scales = sizeof(float) * size_t(s.batch * s.kv_num_heads * SlidingStageRows(s));
+  return SlidingStageRowBytes(s) + (scales + 255) / 256 * 256;
 }
 
 // Launches `launch(word, per, words)` for rows of `rows` x CacheRow elements of type T (the
@@ -135,10 +160,11 @@ Status LaunchSlidingCopy(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides
     U* stage_v = static_cast<U*>(ws.stage_v);
     if (to_present) {
       SlidingPresentKernel<U><<<CopyBlocks(n, dev), 256, 0, stream>>>(
-          s, buf, stage_st, cache_st, per, buf.shared(), stage_k, stage_v);
+          s, buf, stage_st, cache_st, per, buf.shared(), stage_k, stage_v, ws.stage_k_scale,
+          ws.stage_v_scale);
     } else {
       SlidingStageKernel<U><<<CopyBlocks(n, dev), 256, 0, stream>>>(
-          s, buf, cache_st, stage_st, per, stage_k, stage_v);
+          s, buf, cache_st, stage_st, per, stage_k, stage_v, ws.stage_k_scale, ws.stage_v_scale);
     }
   };
   const std::initializer_list<const void*> ptrs = {cache_k, cache_v, ws.stage_k, ws.stage_v};

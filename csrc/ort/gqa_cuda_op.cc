@@ -8,11 +8,14 @@ namespace kvl {
 namespace {
 
 // Beyond the base contract, the CUDA kernels run ORT's quantized KV caches (int8 and packed int4
-// codes, per-tensor or per-channel scales): prepare writes the codes, the attention kernels read
-// them dequantized (docs/CONTRACT.md section 13).
+// codes, per-tensor or per-channel scales), float8e4m3fn caches and our PER_TOKEN scale caches:
+// prepare (or the decode kernel) writes the codes and scales, the attention kernels read them
+// dequantized (docs/CONTRACT.md sections 13 and 14).
 GqaKernelCaps CudaCaps() {
   GqaKernelCaps caps;
   caps.quantized_kv = true;
+  caps.fp8_kv = true;
+  caps.per_token_kv = true;
   return caps;
 }
 
@@ -110,7 +113,7 @@ Status GqaCudaKernel::Compute(Ort::KernelContext& ctx) {
 }
 
 Status GqaCudaKernel::CheckScales(const GqaShape& shape, const GqaBuffers& buf, void* stream) {
-  if (!shape.quantized()) return Status::Ok();
+  if (!shape.quantized() || shape.per_token()) return Status::Ok();  // PER_TOKEN: no inputs
   {
     std::lock_guard<std::mutex> lock(scales_mutex_);
     if (!strict_ && buf.k_scale == checked_k_scale_ && buf.v_scale == checked_v_scale_) {
