@@ -48,7 +48,7 @@ KV_MEMORY = "kv-cache-memory-cpu-2m.json"
 KV_POINTS = (1, 256, 1024, 2048, 4096, 8192)
 # Quantized decode against ORT's quantized GQA, each in the block named by its stem, in
 # docs/QUANTIZATION.md: bench_cuda.py --kv-quant's JSON, and bench_cpu.py --kv-quant's.
-CUDA_QUANT = ("cuda-quant-h200.json",)
+CUDA_QUANT = ("cuda-quant-h200.json", "cuda-quant-h100.json")
 CPU_QUANT = ("cpu-quant-int8-xeon.json",)
 # Issue 46's CUDA targets, for int8 and fp8 caches at L >= 16k: ours quantized / ours fp16 at
 # most 0.55 (time), ORT's quantized time / ours at least 1.5; on CPU, ours / ORT at least 1.0.

@@ -161,7 +161,7 @@ def test_a_perplexity_table_gives_deltas_targets_and_what_is_not_measured():
     )
 
 
-@pytest.mark.parametrize("name", ["cuda-quant-h200", "cpu-quant-int8-xeon"])
+@pytest.mark.parametrize("name", ["cuda-quant-h200", "cuda-quant-h100", "cpu-quant-int8-xeon"])
 def test_each_quantized_speed_table_names_its_date_commit_and_command(name):
     block = report.blocks()["quant"][name]
     assert "commit `" in block and "unknown" not in block

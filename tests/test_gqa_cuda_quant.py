@@ -363,6 +363,12 @@ def test_vs_ort_cuda(layout, bits, quant, dtype, case):
     assert e_ours <= max(bound, ALONE[dtype] * max(1.0, w_max)), (
         f"output: err {e_ours:.3g} vs ORT CUDA's {e_ort:.3g} for {qc!r} {seed_note()}"
     )
+    if c.kind == "prompt":
+        # ORT CUDA 1.31.1's first prompt attends to the new rows as given, not dequantized (on
+        # the H100, 2026-12-06: outputs 0.6 to 0.97 apart, its present bytes equal to ours);
+        # ORT CPU 1.32 and ours read them back from the cache (CONTRACT.md §13): ours is held
+        # to the oracle above, and only the bytes to ORT CUDA.
+        return
     e_between = _max_err(ours[0], theirs[0].astype(np.float64), osel)
     assert e_between <= ALONE[dtype] * max(1.0, w_max), (
         f"output vs ORT CUDA's: {e_between:.3g} for {qc!r} {seed_note()}"

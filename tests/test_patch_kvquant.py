@@ -210,12 +210,16 @@ def test_cli_refuses_unknown_scheme(tmp_path, capsys):
     assert exit_.value.code == 2 and "invalid choice: 'int8'" in capsys.readouterr().err
 
 
-def test_cuda_targeted_model_refused_by_node(tmp_path):
+def test_cuda_targeted_model_converts(tmp_path):
+    """The CUDA op runs PER_TOKEN caches too: a CUDA-targeted model converts like any other."""
     src = make_model_dir(tmp_path / "model", Variant(float16=True, provider="cuda"))
-    text = _refused(src, tmp_path / "out", "fp8-per-token")
-    for layer in range(2):
-        assert f"/model/layers.{layer}/attn/GroupQueryAttention: genai_config.json's" in text
-    assert "the CUDA op cannot run PER_TOKEN quantized KV caches yet" in text
+    out = patch_model_dir(src, tmp_path / "out", kv_quant="fp8-per-token").out_dir
+    model = onnx.load(out / "model.onnx")
+    nodes = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(nodes) == 2
+    for node in nodes:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs["k_quant_type"] in (b"PER_TOKEN", "PER_TOKEN")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -113,7 +113,7 @@ def patch_parser() -> argparse.ArgumentParser:
         default=None,
         choices=["int8-per-token", "int4-per-token", "fp8-per-token"],
         help="also convert the plain (float) KV caches to PER_TOKEN quantization: int8, packed "
-        "int4 or fp8 caches with per-(token, kv head) scale caches (CPU op only)",
+        "int4 or fp8 caches with per-(token, kv head) scale caches",
     )
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
     p.add_argument(

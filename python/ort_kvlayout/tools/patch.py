@@ -19,8 +19,7 @@ What it does (DESIGN section 5):
 Nodes the op does not support (an fp8 KV cache without a quant type, output_qk, attributes
 outside the contract, an inconsistent quantized-cache setup) are refused by name with the
 reason, and then nothing is written. Quantized (int8 / packed int4 / fp8) nodes are kept,
-k_scale/v_scale and the quant attributes unchanged, unless genai_config.json targets CUDA and the node is fp8 or PER_TOKEN, which the
-CUDA op does not run yet: such a model is refused by node name (docs/TOOLS.md).
+k_scale/v_scale and the quant attributes unchanged: the CPU and CUDA ops run them (docs/TOOLS.md).
 """
 
 from __future__ import annotations
@@ -496,61 +495,6 @@ def _missing_parents(path: Path) -> list[Path]:
     return missing
 
 
-def config_providers(config: object) -> set[str]:
-    """The execution providers genai_config.json names in any session_options.provider_options
-    (lower case: "cuda", "dml", ...)."""
-    found: set[str] = set()
-    if isinstance(config, dict):
-        for key, value in config.items():
-            if key == "provider_options" and isinstance(value, list):
-                found |= {
-                    str(k).lower() for entry in value if isinstance(entry, dict) for k in entry
-                }
-            else:
-                found |= config_providers(value)
-    elif isinstance(config, list):
-        for value in config:
-            found |= config_providers(value)
-    return found
-
-
-CUDA_QUANT_REASON = (
-    "an fp8 or PER_TOKEN KV cache runs on the CPU op only so far, and genai_config.json's "
-    "provider_options name cuda (the CUDA op refuses it at session creation; it runs int8 and "
-    "int4 PER_TENSOR / PER_CHANNEL caches); patch a copy whose provider_options name no GPU "
-    "provider, or the unquantized model"
-)
-
-
-def cuda_refuses_quant(node: onnx.NodeProto, cache_type: int) -> bool:
-    """The CUDA op's quantized caches: int8 / packed int4 with static scales. fp8 caches and
-    PER_TOKEN scale caches run on the CPU op only (CONTRACT.md §13, "Other kernels")."""
-    if not is_quantized(node):
-        return False
-    per_token = quant_type(node_attrs(node), "k_quant_type") == "PER_TOKEN"
-    return per_token or cache_type == onnx.TensorProto.FLOAT8E4M3FN
-
-
-def _refuse_quantized_on_cuda(
-    config: dict, models: dict[Path, onnx.ModelProto], src: Path, files: int
-) -> None:
-    """A model whose genai_config.json targets CUDA cannot keep GQA nodes the CUDA op refuses at
-    session creation (fp8, PER_TOKEN): the patched model would not load (docs/TOOLS.md)."""
-    if "cuda" not in config_providers(config):
-        return
-    refusals = []
-    for path, model in sorted(models.items()):
-        prefix = f"{path.relative_to(src).as_posix()}: " if files > 1 else ""
-        types = cache_element_types(model)
-        refusals += [
-            (prefix + node_label(node, i), CUDA_QUANT_REASON)
-            for i, node in enumerate(iter_gqa_nodes(model))
-            if cuda_refuses_quant(node, types.get(node_cache_name(node), 0))
-        ]
-    if refusals:
-        raise UnsupportedNodeError(refusals)
-
-
 def patch_model_dir(
     model_dir: str | os.PathLike,
     out_dir: str | os.PathLike | None = None,
@@ -637,8 +581,6 @@ def patch_model_dir(
         except MetadataError as exc:
             if lib is not None:
                 raise PatchError(str(exc)) from exc
-    if config is not None:
-        _refuse_quantized_on_cuda(config, models, src, len(onnx_files))
     new_config_text = None
     if config is not None and (lib is not None or quant is not None):
         new_config = json.loads(json.dumps(config))
@@ -706,22 +648,16 @@ def patch_model_dir(
 
 @dataclass
 class _KvQuantPlan:
-    """--kv-quant: the scheme, the scale caches' names (from genai_config.json) and the refusal
-    of a CUDA-targeted model, applied to each graph before its layout rewrite."""
+    """--kv-quant: the scheme and the scale caches' names (from genai_config.json), applied to
+    each graph before its layout rewrite."""
 
     scheme: str
     templates: dict[str, str]
     names: dict[str, str]
-    cuda: bool
 
     def convert(self, model: onnx.ModelProto, prefix: str) -> list[tuple[str, str]]:
         from .kvquant import convert_model
 
-        if self.cuda:
-            return [
-                (prefix + node_label(node, i), CUDA_PER_TOKEN_REASON)
-                for i, node in enumerate(iter_gqa_nodes(model))
-            ]
         return convert_model(model, self.scheme, self.names, prefix)
 
     def record(self, config: dict) -> None:
@@ -729,13 +665,6 @@ class _KvQuantPlan:
         decoder = config["model"]["decoder"]
         for key, template in self.templates.items():
             decoder["inputs" if key.startswith("past") else "outputs"][key] = template
-
-
-CUDA_PER_TOKEN_REASON = (
-    "genai_config.json's provider_options name cuda, and the CUDA op cannot run PER_TOKEN "
-    "quantized KV caches yet (it refuses them at session creation); convert a copy whose "
-    "provider_options name no GPU provider"
-)
 
 
 def _kv_quant_plan(src: Path, scheme: str) -> _KvQuantPlan:
@@ -759,7 +688,7 @@ def _kv_quant_plan(src: Path, scheme: str) -> _KvQuantPlan:
             f"--kv-quant: {GENAI_CONFIG} lacks the decoder's past/present key/value name "
             f"templates ({type(exc).__name__}: {exc})"
         ) from exc
-    return _KvQuantPlan(scheme, templates, names, "cuda" in config_providers(config))
+    return _KvQuantPlan(scheme, templates, names)
 
 
 def _commit(tmp: Path, dst: Path, force: bool) -> None:
