@@ -62,6 +62,22 @@ def _session(model: bytes, domain: str, graph: bool = False):
     return _SESSIONS[key]
 
 
+def _bind_inputs(sess, io, feeds: dict, put=lambda k, v: to_device(v)) -> dict:
+    """Binds the feeds the session takes: total_sequence_length in CPU memory, every other one
+    as the device value ``put(name, array)`` returns; the device values, by name."""
+    names = {i.name for i in sess.get_inputs()}
+    dev = {}
+    for k, v in feeds.items():
+        if v is None or k not in names:
+            continue
+        if k == "total_sequence_length":
+            io.bind_cpu_input(k, np.ascontiguousarray(np.asarray(v)))
+            continue
+        dev[k] = put(k, np.asarray(v))
+        io.bind_ortvalue_input(k, dev[k])
+    return dev
+
+
 def run_cuda_quant(qc: QuantCase, domain: str = KV_DOMAIN, sess=None):
     """(output, present_key, present_value) as host arrays after one run on the CUDA EP:
     presents in the case's layout for ai.kvlayout, BNSH for com.microsoft. Inputs on the device
@@ -73,17 +89,8 @@ def run_cuda_quant(qc: QuantCase, domain: str = KV_DOMAIN, sess=None):
     feeds = qc.feeds() if domain == KV_DOMAIN else qc.head_major_feeds()
     if sess is None:
         sess = _session(_model(feeds, qc.attrs(), domain, layout, qc.cache_dtype), domain)
-    names = {i.name for i in sess.get_inputs()}
     io = sess.io_binding()
-    dev = {}
-    for k, v in feeds.items():
-        if v is None or k not in names:
-            continue
-        if k == "total_sequence_length":
-            io.bind_cpu_input(k, np.ascontiguousarray(np.asarray(v)))
-        else:
-            dev[k] = to_device(np.asarray(v))
-            io.bind_ortvalue_input(k, dev[k])
+    dev = _bind_inputs(sess, io, feeds)
     plan = ref.plan_step(feeds, qc.attrs())
     q = np.asarray(feeds["query"])
     out = device_filled((c.batch, c.seq, c.num_heads * c.head_size), q.dtype)
@@ -524,18 +531,11 @@ def run_cuda_pt(pc: PtCase, sess=None, shared: bool | None = None):
     feeds = pc.feeds()
     if sess is None:
         sess = _session(pt_model(pc, feeds), KV_DOMAIN)
-    names = {i.name for i in sess.get_inputs()}
     io = sess.io_binding()
-    dev = {}
-    for k, v in feeds.items():
-        if v is None or k not in names:
-            continue
-        if k == "total_sequence_length":
-            io.bind_cpu_input(k, np.ascontiguousarray(np.asarray(v)))
-            continue
-        cache = k in ("past_key", "past_value")
-        dev[k] = _cache_device(pc, np.asarray(v)) if cache else to_device(np.asarray(v))
-        io.bind_ortvalue_input(k, dev[k])
+    dev = _bind_inputs(
+        sess, io, feeds,
+        lambda k, v: _cache_device(pc, v) if k in ("past_key", "past_value") else to_device(v),
+    )  # fmt: skip
     plan = ref.plan_step(feeds, pc.attrs())
     q = np.asarray(feeds["query"])
     out = device_filled((c.batch, c.seq, c.num_heads * c.head_size), q.dtype)
