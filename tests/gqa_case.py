@@ -197,6 +197,25 @@ def _ortvalue(arr: np.ndarray):
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
+def next_token_feeds(feeds: dict, rng: np.random.Generator, total: int) -> dict:
+    """A decode step after ``feeds`` (batch 1): one new random query/key/value row in the dtype
+    of the query, total length ``total``; the other inputs (past caches included) as given."""
+    dtype = np.asarray(feeds["query"]).dtype
+
+    def row(name: str) -> np.ndarray:
+        width = np.asarray(feeds[name]).shape[-1]
+        return rng.standard_normal((1, 1, width)).astype(dtype)
+
+    return dict(
+        feeds,
+        query=row("query"),
+        key=row("key"),
+        value=row("value"),
+        seqlens_k=np.array([total - 1], np.int32),
+        total_sequence_length=np.array(total, np.int32),
+    )
+
+
 def run_session(sess: ort.InferenceSession, feeds: dict, shared: bool = False, attrs=None):
     """Runs and returns (output, present_key, present_value) as numpy arrays.
 

@@ -24,7 +24,15 @@ import onnxruntime as ort
 import pytest
 import reference as ref
 import reference_quant as rq
-from gqa_case import KV_DOMAIN, GqaCase, build_model, gqa_cases, make_session, op_available
+from gqa_case import (
+    KV_DOMAIN,
+    GqaCase,
+    build_model,
+    gqa_cases,
+    make_session,
+    next_token_feeds,
+    op_available,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
@@ -433,12 +441,7 @@ def test_decode_sequence_shared():
     for step in range(4):
         T = 5 + step + 1
         nf = dict(
-            f,
-            query=rng.standard_normal((1, 1, 64)).astype(np.float16),
-            key=rng.standard_normal((1, 1, 32)).astype(np.float16),
-            value=rng.standard_normal((1, 1, 32)).astype(np.float16),
-            seqlens_k=np.array([T - 1], np.int32),
-            total_sequence_length=np.array(T, np.int32),
+            next_token_feeds(f, rng, T),
             past_key=ours[1],
             past_value=ours[2],
             past_key_scale=ours[3],

@@ -23,6 +23,7 @@ from gqa_case import (
     build_model,
     gqa_cases,
     make_session,
+    next_token_feeds,
     op_available,
 )
 from hypothesis import HealthCheck, given, settings
@@ -443,14 +444,7 @@ def test_decode_sequence_shared():
         rng = np.random.default_rng(5)
         for step in range(4):
             T = 5 + step + 1
-            nf = dict(
-                f,
-                query=rng.standard_normal((1, 1, 64)).astype(np.float16),
-                key=rng.standard_normal((1, 1, 32)).astype(np.float16),
-                value=rng.standard_normal((1, 1, 32)).astype(np.float16),
-                seqlens_k=np.array([T - 1], np.int32),
-                total_sequence_length=np.array(T, np.int32),
-            )
+            nf = next_token_feeds(f, rng, T)
             step_case = qc.replace(base=qc.base.replace(kind="decode", past_len=T - 1))
             ours = run(step_case, feeds=dict(nf, past_key=ours[1], past_value=ours[2]))
             theirs = run(step_case, MS_DOMAIN, dict(nf, past_key=theirs[1], past_value=theirs[2]))
