@@ -34,6 +34,7 @@ def plan(
     seq_len: int = 1,
     dtype: str = "float16",
     knobs: dict | None = None,
+    kv_bits: int = 0,
 ) -> dict:
     n, nkv, h = (int(x) for x in heads.split("/"))
     shape = {
@@ -47,6 +48,8 @@ def plan(
         "present_capacity": max(length, seq_len),
         "dtype": dtype,
     }
+    if kv_bits:
+        shape["kv_bits"] = kv_bits
     return _C.plan_gqa_cuda(shape, device, knobs or {})
 
 
@@ -541,3 +544,25 @@ def test_sm80_has_no_clusters():
     for heads in ("9/3/64", "28/4/128", "32/8/128", "4/1/256"):
         for b in BATCHES:
             assert plan(heads, b, 4096, 1, A100)["cluster"] == 0
+
+
+def test_quantized_one_token_decode_takes_eight_warps():
+    """8-bit codes: the one-token decode takes the eight-warp instance wherever a row has at most
+    one CTA per SM (its key loop is bound by its warps' issue); more rows than SMs, 4-bit codes,
+    a prompt chunk or decode_wide=0 keep four warps. Splits follow the one-CTA-per-SM slots."""
+    for dev in DEVICES.values():
+        sms = dev["sm_count"]
+        for heads in ("9/3/64", "32/8/128", "28/4/128"):
+            nkv = int(heads.split("/")[1])
+            for b in BATCHES:
+                p = plan(heads, b, 16384, 1, dev, kv_bits=8)
+                assert p["kernel"] == "decode_tc"
+                wide = b * nkv <= sms
+                assert p["decode_threads"] == (256 if wide else 128), (heads, b)
+                assert plan(heads, b, 16384, 1, dev, kv_bits=4)["decode_threads"] == 128
+                off = plan(heads, b, 16384, 1, dev, kv_bits=8, knobs={"decode_wide": 0})
+                assert off["decode_threads"] == 128
+                assert not off["decode_packed"] and not p["decode_packed"]
+        p = plan("32/8/128", 1, 16384, 1, dev, kv_bits=8)
+        assert p["split_target"] == sms // 8
+        assert plan("32/8/128", 1, 16384, 1, dev, kv_bits=8, seq_len=2)["decode_threads"] == 128

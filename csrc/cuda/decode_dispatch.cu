@@ -15,8 +15,8 @@ namespace {
 
 template <typename T>
 DecodeFn DecodeKernelOfType(const DecodeInstance& inst) {
-  if (inst.kv_bits == 8) return DecodeQuantInstanceFn<T, 8>(inst.hd, inst.form);
-  if (inst.kv_bits == 4) return DecodeQuantInstanceFn<T, 4>(inst.hd, inst.form);
+  if (inst.kv_bits == 8) return DecodeQuantInstanceFn<T, 8>(inst.hd, inst.form, inst.warps);
+  if (inst.kv_bits == 4) return DecodeQuantInstanceFn<T, 4>(inst.hd, inst.form, inst.warps);
   switch (inst.hd) {
 #define KVL_DECODE_HD(hd) \
   case hd:                \

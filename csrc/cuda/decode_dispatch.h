@@ -21,9 +21,10 @@ using DecodeFn = void (*)(GqaShape, GqaBuffers, KvStrides, int64_t, int64_t, int
 template <typename T, int HD>
 DecodeFn DecodeInstanceFn(DecodeForm form, int warps);
 
-// The quantized instance of tile hd (64 or 128) for a cache of kBits-bit codes, or null.
+// The quantized instance of tile hd (64 or 128) for a cache of kBits-bit codes at `warps`
+// warps, or null.
 template <typename T, int kBits>
-DecodeFn DecodeQuantInstanceFn(int hd, DecodeForm form);
+DecodeFn DecodeQuantInstanceFn(int hd, DecodeForm form, int warps);
 
 // The kernel of a compiled instance (DecodeInstanceFor) for fp16 or bf16.
 DecodeFn DecodeKernelOf(DType dtype, const DecodeInstance& inst);

@@ -248,12 +248,18 @@ KVL_DEC_HD inline DecodeForm DecodeFormOf(const GqaShape& s) {
 
 // Quantized caches (int8 codes, packed int4): the decode kernel reads the codes and converts
 // them in registers right before the MMA (decode_keyloop.cuh). Compiled for head sizes 64 and
-// 128 (no padding columns), four warps, the full and the one-token plain forms, per-head CTAs
-// only; other quantized shapes take the portable kernel, which dequantizes its tiles. The 8-bit
+// 128 (no padding columns), four warps (and eight: DecQuantWide), the full and the one-token
+// plain forms, per-head CTAs only; other quantized shapes take the portable kernel, which dequantizes its tiles. The 8-bit
 // instances also read float8e4m3fn caches, and every instance PER_TOKEN scales (runtime branches).
 KVL_DEC_HD inline bool DecodeQuantServes(const GqaShape& s) {
   return (s.kv_bits == 8 || s.kv_bits == 4) && (s.head_size == 64 || s.head_size == 128);
 }
+// The quantized instances at eight warps: the one-token plain form of 8-bit codes (int8, and
+// float8e4m3fn through the same instances), head tiles 64 and 128. Their key loop converts every
+// code in registers (about 2.5x the instructions per key of T's ldmatrix path), so at one CTA per
+// SM four warps (one per scheduler) issue too slowly to keep the loads coming: the plan gives
+// them eight (plan_rules.h, docs/DECISIONS.md "quantized decode warps").
+KVL_DEC_HD constexpr bool DecQuantWide(int bits) { return bits == 8; }
 // The tensor-core prefill's quantized tiles: int8 / int4 codes with static scales (PER_TOKEN
 // scales and fp8 caches take the portable kernel for prompts).
 KVL_DEC_HD inline bool PrefillQuantServes(const GqaShape& s) {
@@ -276,10 +282,13 @@ struct DecodeInstance {
 // instance). Each instance adds to the build, so only those measured to win are compiled.
 inline bool DecodeInstanceFor(const GqaShape& s, int threads, bool packed, DecodeInstance* out) {
   const DecodeForm form = DecodeFormOf(s);
-  if (s.quantized()) {  // DecodeQuantServes: four warps, per-head CTAs, full or one-token plain
-    if (packed || threads != kDecodeCtaThreads || !DecodeQuantServes(s)) return false;
+  if (s.quantized()) {  // DecodeQuantServes: per-head CTAs, full or one-token plain
+    if (packed || !DecodeQuantServes(s)) return false;
     const DecodeForm qform = form == DecodeForm::kPlainOneToken ? form : DecodeForm::kFull;
-    *out = {static_cast<int>(s.head_size), qform, kDecWarpsOf4, static_cast<int>(s.kv_bits)};
+    const bool wide = threads == kDecodeWideCtaThreads && qform == DecodeForm::kPlainOneToken &&
+                      DecQuantWide(static_cast<int>(s.kv_bits));
+    if (threads != kDecodeCtaThreads && !wide) return false;
+    *out = {static_cast<int>(s.head_size), qform, threads / 32, static_cast<int>(s.kv_bits)};
     return true;
   }
   if (packed) {

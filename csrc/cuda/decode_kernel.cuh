@@ -130,10 +130,20 @@ DecodeFn DecodeKernelsOfTile(DecodeForm form, int warps) {
 }
 
 // The quantized instances of tile HD (DecodeQuantServes, DecodeInstanceFor): the full and the
-// one-token plain forms at four warps, for a cache of kBits-bit codes. Null for any other form.
+// one-token plain forms at four warps, for a cache of kBits-bit codes, and the one-token plain
+// form at eight warps for 8-bit codes (DecQuantWide). Null for any other (form, warps).
 template <typename T, int HD, int kBits>
-DecodeFn DecodeQuantKernelsOfTile(DecodeForm form) {
+DecodeFn DecodeQuantKernelsOfTile(DecodeForm form, int warps) {
   using C = std::conditional_t<kBits == 8, int8_t, PackedInt4>;
+  if (warps == kDecWideWarps) {
+    if constexpr (DecQuantWide(kBits)) {
+      if (form == DecodeForm::kPlainOneToken) {
+        return DecodeTcKernel<T, HD, DecodeForm::kPlainOneToken, kDecWideWarps, C>;
+      }
+    }
+    return nullptr;
+  }
+  if (warps != kDecWarpsOf4) return nullptr;
   if (form == DecodeForm::kFull) return DecodeTcKernel<T, HD, DecodeForm::kFull, kDecWarpsOf4, C>;
   if (form == DecodeForm::kPlainOneToken) {
     return DecodeTcKernel<T, HD, DecodeForm::kPlainOneToken, kDecWarpsOf4, C>;
@@ -150,9 +160,9 @@ DecodeFn DecodeQuantKernelsOfTile(DecodeForm form) {
   namespace kvl {                                                                    \
   namespace cu {                                                                     \
   template <>                                                                        \
-  DecodeFn DecodeQuantInstanceFn<T, BITS>(int hd, DecodeForm form) {                 \
-    return hd == 64    ? DecodeQuantKernelsOfTile<T, 64, BITS>(form)                 \
-           : hd == 128 ? DecodeQuantKernelsOfTile<T, 128, BITS>(form)                \
+  DecodeFn DecodeQuantInstanceFn<T, BITS>(int hd, DecodeForm form, int warps) {      \
+    return hd == 64    ? DecodeQuantKernelsOfTile<T, 64, BITS>(form, warps)          \
+           : hd == 128 ? DecodeQuantKernelsOfTile<T, 128, BITS>(form, warps)         \
                        : nullptr;                                                    \
   }                                                                                  \
   }                                                                                  \

@@ -198,9 +198,12 @@ inline bool DecodePlanRules(const GqaShape& s, const CudaDeviceInfo& dev,
   // merge takes two rounds at four warps, and of more than 16 rows up to one per SM: with one
   // CTA per SM each scheduler then has two warps to issue from, and the merge takes half the
   // rounds. Not at one-round shapes of few rows, nor with more rows than SMs. Packed heads:
-  // eight warps wherever that instance serves. docs/DECISIONS.md, "wide instance".
+  // eight warps wherever that instance serves. docs/DECISIONS.md, "wide instance". A quantized
+  // cache (DecQuantWide): eight warps for every one-token call of at most one row per SM, whose
+  // key loop is bound by its warps' issue (docs/DECISIONS.md, "quantized decode warps").
   if (knobs.decode_wide &&
-      (packed || (few && two_rounds) || (base <= sms && (two_rounds || base > kFewDecodeRows))) &&
+      (packed || (few && two_rounds) || (base <= sms && (two_rounds || base > kFewDecodeRows)) ||
+       (s.quantized() && base <= sms)) &&
       DecodeTcWideServes(s, dev, packed)) {
     p.decode_threads = kDecodeWideCtaThreads;
   }

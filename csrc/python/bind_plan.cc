@@ -31,6 +31,16 @@ void BindPlan(py::module_& m) {
         s.dtype = dtype == "float16"    ? kvl::DType::kFloat16
                   : dtype == "bfloat16" ? kvl::DType::kBFloat16
                                         : kvl::DType::kFloat32;
+        // A quantized cache ("kv_bits": 8 or 4; "kv_quant": PER_TENSOR, PER_CHANNEL or PER_TOKEN
+        // for K and V, default PER_CHANNEL).
+        if (shape.contains("kv_bits")) {
+          s.kv_bits = shape["kv_bits"].cast<int64_t>();
+          const std::string q =
+              shape.contains("kv_quant") ? shape["kv_quant"].cast<std::string>() : "PER_CHANNEL";
+          s.k_quant = s.v_quant = q == "PER_TENSOR"  ? kvl::KvQuant::kPerTensor
+                                  : q == "PER_TOKEN" ? kvl::KvQuant::kPerToken
+                                                     : kvl::KvQuant::kPerChannel;
+        }
         kvl::CudaDeviceInfo dev;
         dev.sm_count = device["sm_count"].cast<int>();
         dev.cc_major = device["cc_major"].cast<int>();
