@@ -216,6 +216,9 @@ struct DecodeCta {
   __device__ __forceinline__ bool KeyLoop();
   __device__ __forceinline__ void Step(int64_t i);
   __device__ __forceinline__ void IssueQuant(int64_t i);
+  // kFp8: float8e4m3fn bytes in an 8-bit instance; kToken: PER_TOKEN scales. Compile-time, so
+  // the step's conversions hold no branch (KeyLoop picks the variant once).
+  template <bool kFp8, bool kToken>
   __device__ __forceinline__ void StepQuant(int64_t i);
   __device__ __forceinline__ int QuantKDim(int kk, int reg, int half) const;
   __device__ __forceinline__ int QuantVDim(int n, int col) const { return col * DTO + n; }

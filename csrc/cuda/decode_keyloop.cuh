@@ -57,7 +57,23 @@ __device__ __forceinline__ bool DecodeCta<T, HD, kForm, W, C>::KeyLoop() {
   for (int n = 0; n < DTO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
 
   if constexpr (kQuant) {
-    for (int64_t i = 0; i < my_steps; ++i) StepQuant(i);
+    // One variant of the step per (fp8, PER_TOKEN): a runtime test inside the step split its
+    // unrolled conversions into basic blocks the compiler could not schedule across (a branch
+    // per converted word: docs/DECISIONS.md, "quantized decode warps").
+    const bool token = s.per_token();
+    if (QBITS == 8 && s.fp8_cache()) {
+      if constexpr (QBITS == 8) {
+        if (token) {
+          for (int64_t i = 0; i < my_steps; ++i) StepQuant<true, true>(i);
+        } else {
+          for (int64_t i = 0; i < my_steps; ++i) StepQuant<true, false>(i);
+        }
+      }
+    } else if (token) {
+      for (int64_t i = 0; i < my_steps; ++i) StepQuant<false, true>(i);
+    } else {
+      for (int64_t i = 0; i < my_steps; ++i) StepQuant<false, false>(i);
+    }
   } else {
     for (int64_t i = 0; i < my_steps; ++i) Step(i);
   }
@@ -221,6 +237,7 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::Step(int64_t i) {
 // 2 tq + 8, 2 tq + 9 of each k-step and pairs them per column with byte permutes, so n-tile n's
 // column gq is head column gq DTO + n (QuantVDim; MergeWarps stores them back in order).
 template <typename T, int HD, DecodeForm kForm, int W, typename C>
+template <bool kFp8, bool kToken>
 __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::StepQuant(int64_t i) {
   __syncwarp();
   if (i + ST - 1 < my_steps) Issue(i + ST - 1);
@@ -230,8 +247,7 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::StepQuant(int64_t
   const unsigned char* kt = reinterpret_cast<const unsigned char*>(StepSlot(i));
   const unsigned char* vt = kt + KST * P * sizeof(T);
   const int64_t k0 = StepKey(i);
-  const bool fp8 = QBITS == 8 && s.fp8_cache();  // float8e4m3fn bytes in the int8 instances
-  const bool token = s.per_token();               // PER_TOKEN scales beside the codes
+  static_assert(!kFp8 || QBITS == 8, "float8e4m3fn bytes in the 8-bit instances only");
   const float* ksc = reinterpret_cast<const float*>(kt + kQuantScaleAt);
   const float* vsc = reinterpret_cast<const float*>(vt + kQuantScaleAt);
 
@@ -263,7 +279,7 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::StepQuant(int64_t
       for (int ww = 0; ww < QKV / 4; ++ww) {
         const int ki = v * (QKV / 4) + ww;
         if constexpr (QBITS == 8) {
-          if (fp8) {
+          if constexpr (kFp8) {
             Fp8x4ToPairs<T>(w[ww], kb[ki][0], kb[ki][1]);
           } else {
             Int8x4ToPairs<T>(w[ww], kb[ki][0], kb[ki][1]);
@@ -281,7 +297,7 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::StepQuant(int64_t
 #pragma unroll
     for (int kk = 0; kk < KT; ++kk) ptx::Mma16816<T>(sc[n], qa[kk], kb[kk][0], kb[kk][1]);
   }
-  if (token) {  // each score column times its key's K scale (keys n 8 + 2 tq, + 1)
+  if constexpr (kToken) {  // each score column times its key's K scale (keys n 8 + 2 tq, + 1)
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
 #pragma unroll
@@ -296,7 +312,8 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::StepQuant(int64_t
   float tmax[2];
   MaskStepScores<T, NT>(sc, tmax, whole, upper, k0, tq, kr, s, inv_softcap, bias, bias_row);
   OnlineSoftmaxStep<NT, DTO>(sc, tmax, whole, upper, m, l, o);
-  if (token) {  // a NaN V scale (non-finite row) reaches the rows attending its key: P = NaN
+  // A NaN V scale (non-finite row) reaches the rows attending its key: P = NaN.
+  if constexpr (kToken) {
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
 #pragma unroll
@@ -314,7 +331,7 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::StepQuant(int64_t
     // PER_TOKEN: the V scales of keys (2 tq, 2 tq + 1) and (2 tq + 8, 2 tq + 9) as pairs of T
     // (a NaN one as 0: it must not reach rows whose P is 0 for its key).
     uint32_t vsp[2] = {0u, 0u};
-    if (token) {
+    if constexpr (kToken) {
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const int k = kk * 16 + 2 * tq + 8 * hf;
@@ -354,7 +371,7 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::StepQuant(int64_t
       for (int hf = 0; hf < 2; ++hf) {  // b0 from keys 0, 1 of the four; b1 from keys 2, 3
         const uint32_t ka = kw[2 * hf][w], kb2 = kw[2 * hf + 1][w];
         if constexpr (QBITS == 8) {  // column 4 w + j: byte j of each key's word
-          if (fp8) {
+          if constexpr (kFp8) {
             Fp8x4ToPairs<T>(__byte_perm(ka, kb2, 0x5140), vb[0][hf], vb[1][hf]);
             Fp8x4ToPairs<T>(__byte_perm(ka, kb2, 0x7362), vb[2][hf], vb[3][hf]);
           } else {
@@ -371,7 +388,7 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::StepQuant(int64_t
           for (int j = 0; j < 4; ++j) vb[4 + j][hf] = p4[j];
         }
       }
-      if (token) {
+      if constexpr (kToken) {
 #pragma unroll
         for (int j = 0; j < NPW; ++j) {
           vb[j][0] = MulPairs<T>(vb[j][0], vsp[0]);
