@@ -109,17 +109,23 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::PV(float (&acc)[D
   });
 }
 
-// Step i of this warp: issue step i + ST - 1, wait for step i, then its scores, softmax and
-// P V.
+// The opening of step i (Step, StepQuant): issue step i + ST - 1, then wait until every lane's
+// copies of step i have landed. The slot of step i - 1 was read by every lane before the barrier
+// closing that step, so step i + ST - 1 goes into it before waiting: ST steps in flight during
+// the wait.
 template <typename T, int HD, DecodeForm kForm, int W, typename C>
-__device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::Step(int64_t i) {
-  // The slot of step i - 1 was read by every lane before the barrier closing that step, so step
-  // i + ST - 1 goes into it before waiting: ST steps in flight during the wait.
+__device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::WaitStep(int64_t i) {
   __syncwarp();
   if (i + ST - 1 < my_steps) Issue(i + ST - 1);
   ptx::CpAsyncCommit();
   ptx::CpAsyncWait<ST - 1>();  // this lane's copies of step i have landed
   __syncwarp();                // ... and every lane's
+}
+
+// Step i of this warp: WaitStep, then its scores, softmax and P V.
+template <typename T, int HD, DecodeForm kForm, int W, typename C>
+__device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::Step(int64_t i) {
+  WaitStep(i);
   if constexpr (kDecodeTrace) {
     if (i == 0) {
       prologue_trace.Mark();  // warp 0's first step landed
@@ -239,11 +245,7 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::Step(int64_t i) {
 template <typename T, int HD, DecodeForm kForm, int W, typename C>
 template <bool kFp8, bool kToken>
 __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::StepQuant(int64_t i) {
-  __syncwarp();
-  if (i + ST - 1 < my_steps) Issue(i + ST - 1);
-  ptx::CpAsyncCommit();
-  ptx::CpAsyncWait<ST - 1>();  // this lane's copies of step i have landed
-  __syncwarp();                // ... and every lane's
+  WaitStep(i);
   const unsigned char* kt = reinterpret_cast<const unsigned char*>(StepSlot(i));
   const unsigned char* vt = kt + KST * P * sizeof(T);
   const int64_t k0 = StepKey(i);
