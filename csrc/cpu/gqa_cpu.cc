@@ -96,6 +96,47 @@ inline float HorizontalSum(VecF v) {
   return v[0];
 }
 
+// The lane sums of 4 vectors, out[i * stride] = sum of v_i's lanes: one halving tree over all
+// four (3 or 4 shuffle-add levels, the first two merging vectors), not 4 separate ones (a
+// quarter of the shuffles, which compete with the FMAs for a port).
+inline void HorizontalSum4(VecF a, VecF b, VecF c, VecF d, float* out, int64_t stride) {
+#if KVL_ISA_LEVEL == 2
+  const VecF ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                                          22, 23) +
+                  __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
+                                          29, 30, 31);
+  const VecF cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                                          22, 23) +
+                  __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
+                                          29, 30, 31);
+  VecF x = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26,
+                                   27) +
+           __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                   31);
+  x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  constexpr int kStep = 4;
+#elif KVL_ISA_LEVEL == 1
+  const VecF ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+                  __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+  const VecF cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 8, 9, 10, 11) +
+                  __builtin_shufflevector(c, d, 4, 5, 6, 7, 12, 13, 14, 15);
+  VecF x = __builtin_shufflevector(ab, cd, 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(ab, cd, 2, 3, 6, 7, 10, 11, 14, 15);
+  x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6);
+  constexpr int kStep = 2;
+#else
+  const VecF ab =
+      __builtin_shufflevector(a, b, 0, 1, 4, 5) + __builtin_shufflevector(a, b, 2, 3, 6, 7);
+  const VecF cd =
+      __builtin_shufflevector(c, d, 0, 1, 4, 5) + __builtin_shufflevector(c, d, 2, 3, 6, 7);
+  const VecF x =
+      __builtin_shufflevector(ab, cd, 0, 2, 4, 6) + __builtin_shufflevector(ab, cd, 1, 3, 5, 7);
+  constexpr int kStep = 1;
+#endif
+  for (int i = 0; i < 4; ++i) out[i * stride] = x[i * kStep];
+}
+
 // exp(x) for a vector, relative error ~2e-7; inputs below -87 (and -inf) give exactly 0.
 inline VecF VecExp(VecF x) {
   const VecF lo = Splat(-87.0f), hi = Splat(88.0f);
@@ -722,7 +763,12 @@ inline void ScoreDot(const float* const* q, const KS& k, const VS& v, int tile, 
       const VecF kv = k.Get(j, d);
       for (int r = 0; r < RB; ++r) acc[r] += Load(q[r] + d) * kv;
     }
-    for (int r = 0; r < RB; ++r) scores[r * kTileKeys + j] = HorizontalSum(acc[r]);
+    int r = 0;
+    for (; r + 4 <= RB; r += 4) {
+      HorizontalSum4(acc[r], acc[r + 1], acc[r + 2], acc[r + 3], scores + r * kTileKeys + j,
+                     kTileKeys);
+    }
+    for (; r < RB; ++r) scores[r * kTileKeys + j] = HorizontalSum(acc[r]);
   }
   for (int r = 0; r < RB; ++r) {
     std::fill(scores + r * kTileKeys + tile, scores + (r + 1) * kTileKeys, 0.0f);
