@@ -277,7 +277,7 @@ struct Call {
   int64_t num_q_blocks;
   int64_t group_heads;  // KV heads per task: all of them when a token's heads are adjacent
   int64_t num_groups;   // kv_num_heads / group_heads
-  int64_t row_block;    // micro-kernel rows: 4 or kRowBlock
+  int64_t row_block;    // micro-kernel rows: 1 to 4 (a head's rows at decode) or kRowBlock
   int64_t num_splits;   // key splits per (b, head group, q block)
   int64_t split_keys;   // keys per split (multiple of kTileKeys)
   // Split partials: (task, split, row, head_pad) for o; (task, split, row) for m and l.
@@ -768,7 +768,14 @@ inline void ScoreDot(const float* const* q, const KS& k, const VS& v, int tile, 
       HorizontalSum4(acc[r], acc[r + 1], acc[r + 2], acc[r + 3], scores + r * kTileKeys + j,
                      kTileKeys);
     }
-    for (; r < RB; ++r) scores[r * kTileKeys + j] = HorizontalSum(acc[r]);
+    if constexpr (RB % 4 == 1) {
+      scores[r * kTileKeys + j] = HorizontalSum(acc[r]);
+    } else if constexpr (RB % 4 != 0) {  // 2 or 3 rows: one tree, zeros for the missing
+      const VecF zero = Splat(0.0f);
+      float sums[4];
+      HorizontalSum4(acc[r], acc[r + 1], RB % 4 == 3 ? acc[(r + 2) % RB] : zero, zero, sums, 1);
+      for (int i = 0; i < RB % 4; ++i) scores[(r + i) * kTileKeys + j] = sums[i];
+    }
   }
   for (int r = 0; r < RB; ++r) {
     std::fill(scores + r * kTileKeys + tile, scores + (r + 1) * kTileKeys, 0.0f);
@@ -1156,10 +1163,16 @@ void AttentionTask(void* state, size_t task_index) {
         for (int64_t d = 0; d < H; ++d) t.kt[d * kTileKeys + j] = 0.0f;
       }
       const auto rows = [&](const auto& ks, const auto& vs) {
-        if (c.row_block == 4) {
-          AttentionRows<T, 4>(c, t, b, r_begin, r_end, k0, tile, dot_scores, ks, vs);
-        } else {
+        if (c.row_block == kRowBlock) {
           AttentionRows<T, kRowBlock>(c, t, b, r_begin, r_end, k0, tile, dot_scores, ks, vs);
+        } else if (c.row_block == 1) {
+          AttentionRows<T, 1>(c, t, b, r_begin, r_end, k0, tile, dot_scores, ks, vs);
+        } else if (c.row_block == 2) {
+          AttentionRows<T, 2>(c, t, b, r_begin, r_end, k0, tile, dot_scores, ks, vs);
+        } else if (c.row_block == 3) {
+          AttentionRows<T, 3>(c, t, b, r_begin, r_end, k0, tile, dot_scores, ks, vs);
+        } else {
+          AttentionRows<T, 4>(c, t, b, r_begin, r_end, k0, tile, dot_scores, ks, vs);
         }
       };
       if (codes) {
@@ -1296,11 +1309,12 @@ Status Run(const GqaShape& s, const GqaCpuBuffers& buf, const Parallel& parallel
     c.q_block /= 2;
   }
   c.num_q_blocks = (s.seq_len + c.q_block - 1) / c.q_block;
-  // Token generation: 4-row micro-blocks when a head has <= 4 query rows (no padded FMAs), and,
+  // Token generation: micro-blocks of a head's query rows when it has <= 4 (1 to 4 rows: no
+  // padding rows, whose FMAs and score sums a 4-row block paid for at G = 3, 2 or 1), and,
   // when a token's heads are adjacent in the cache (seq-major), one task over all of them so
   // the cache streams in address order; key splits then provide the parallelism.
   const bool decode_like = c.q_block * G <= kRowBlock;
-  c.row_block = c.q_block * G <= 4 ? 4 : kRowBlock;
+  c.row_block = c.q_block * G <= 4 ? c.q_block * G : kRowBlock;
   const bool heads_adjacent = c.present_strides.head == s.cache_row && !s.sliding_window_cache;
   c.group_heads = decode_like && heads_adjacent ? s.kv_num_heads : 1;
   c.num_groups = s.kv_num_heads / c.group_heads;
