@@ -96,6 +96,47 @@ inline float HorizontalSum(VecF v) {
   return v[0];
 }
 
+// The lane sums of 4 vectors, out[i * stride] = sum of v_i's lanes: one halving tree over all
+// four (3 or 4 shuffle-add levels, the first two merging vectors), not 4 separate ones (a
+// quarter of the shuffles, which compete with the FMAs for a port).
+inline void HorizontalSum4(VecF a, VecF b, VecF c, VecF d, float* out, int64_t stride) {
+#if KVL_ISA_LEVEL == 2
+  const VecF ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                                          22, 23) +
+                  __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
+                                          29, 30, 31);
+  const VecF cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                                          22, 23) +
+                  __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
+                                          29, 30, 31);
+  VecF x = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26,
+                                   27) +
+           __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                   31);
+  x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  constexpr int kStep = 4;
+#elif KVL_ISA_LEVEL == 1
+  const VecF ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+                  __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+  const VecF cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 8, 9, 10, 11) +
+                  __builtin_shufflevector(c, d, 4, 5, 6, 7, 12, 13, 14, 15);
+  VecF x = __builtin_shufflevector(ab, cd, 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(ab, cd, 2, 3, 6, 7, 10, 11, 14, 15);
+  x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6);
+  constexpr int kStep = 2;
+#else
+  const VecF ab =
+      __builtin_shufflevector(a, b, 0, 1, 4, 5) + __builtin_shufflevector(a, b, 2, 3, 6, 7);
+  const VecF cd =
+      __builtin_shufflevector(c, d, 0, 1, 4, 5) + __builtin_shufflevector(c, d, 2, 3, 6, 7);
+  const VecF x =
+      __builtin_shufflevector(ab, cd, 0, 2, 4, 6) + __builtin_shufflevector(ab, cd, 1, 3, 5, 7);
+  constexpr int kStep = 1;
+#endif
+  for (int i = 0; i < 4; ++i) out[i * stride] = x[i * kStep];
+}
+
 // exp(x) for a vector, relative error ~2e-7; inputs below -87 (and -inf) give exactly 0.
 inline VecF VecExp(VecF x) {
   const VecF lo = Splat(-87.0f), hi = Splat(88.0f);
@@ -236,7 +277,7 @@ struct Call {
   int64_t num_q_blocks;
   int64_t group_heads;  // KV heads per task: all of them when a token's heads are adjacent
   int64_t num_groups;   // kv_num_heads / group_heads
-  int64_t row_block;    // micro-kernel rows: 4 or kRowBlock
+  int64_t row_block;    // micro-kernel rows: 1 to 4 (a head's rows at decode) or kRowBlock
   int64_t num_splits;   // key splits per (b, head group, q block)
   int64_t split_keys;   // keys per split (multiple of kTileKeys)
   // Split partials: (task, split, row, head_pad) for o; (task, split, row) for m and l.
@@ -313,7 +354,8 @@ struct Call {
 
 // One cache row -> float32 x[0, H): the T values, or the codes of a quantized cache times their
 // scales (`which`: 0 key, 1 value; h: the kv head; token_scale: the row's scale, PER_TOKEN). The
-// only place a cache row is read. T rows convert through ToFloatRow; each code loop is a plain
+// one place a cache row becomes float32 values, except int8 rows at token generation, which
+// Int8Rows reads in place. T rows convert through ToFloatRow; each code loop is a plain
 // element-wise map (int8 / fp8 decode, times one or H scales), which the compiler vectorizes at
 // each CPU level.
 template <typename T>
@@ -664,36 +706,85 @@ inline void ScoreBlock(const float* const* q, const float* kt, int64_t H, float*
   }
 }
 
-// The same scores by dot products over key rows (k rows head_pad long, zero padded): cheaper
-// than transposing the tile when a head has a single row block (token generation).
-// Each step also prefetches into L1 the key row 4 ahead and the value row the PV pass will read
-// (v rows as in AccumulateBlock): the tile's rows sit in L2/L3, and in seq-major order they are
-// Nkv*H apart, so the hardware L1 prefetchers do not bring them (shared-cache decode, AVX2:
-// +10 to 50%, both layouts).
-template <int RB>
-inline void ScoreDot(const float* const* q, const float* const* k, const float* const* v, int tile,
-                     int64_t head_pad, float* scores) {
-  constexpr int64_t kLineFloats = 64 / sizeof(float);
+// The K or V rows of a tile as float32 vectors, for the dot-product micro-kernels: Get(j, d) is
+// elements [d, d + kVW) of row j, d < head_pad (float32 rows are zero padded to head_pad; code
+// rows are read in place only where H = head_pad, so no load passes a row's end).
+// FloatRows: float32 rows (a float32 cache in place, or rows dequantized into the scratch).
+struct FloatRows {
+  const float* const* rows;
+  static constexpr int64_t kElemBytes = sizeof(float);
+  VecF Get(int j, int64_t d) const { return Load(rows[j] + d); }
+  const void* Row(int j) const { return rows[j]; }
+};
+// Int8Rows: an int8 cache's codes read in place and widened in registers (vpmovsxbd + vcvtdq2ps at
+// AVX2/AVX-512), exact. The scales are applied outside the micro-kernels (AttentionTask): folded
+// into the queries for K, into the weights (PER_TOKEN) or the output (per channel / tensor) for V.
+struct Int8Rows {
+  const int8_t* const* rows;
+  static constexpr int64_t kElemBytes = 1;
+  // (Intrinsics: GCC 12 turns __builtin_convertvector of an int8 vector into kVW scalar
+  // conversions, which made this path 2.5x slower than dequantizing into the scratch.)
+  VecF Get(int j, int64_t d) const {
+    const int8_t* p = rows[j] + d;
+#if KVL_ISA_LEVEL == 2
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return reinterpret_cast<VecF>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)));
+#elif KVL_ISA_LEVEL == 1
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return reinterpret_cast<VecF>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+#else
+    return VecF{static_cast<float>(p[0]), static_cast<float>(p[1]), static_cast<float>(p[2]),
+                static_cast<float>(p[3])};
+#endif
+  }
+  const void* Row(int j) const { return rows[j]; }
+};
+
+// The same scores by dot products over key rows (zero padded queries): cheaper than transposing
+// the tile when a head has a single row block (token generation).
+// Each step also prefetches into L1 the key row 4 ahead and the value row the PV pass will read:
+// the tile's rows sit in L2/L3, and in seq-major order they are Nkv*H apart, so the hardware L1
+// prefetchers do not bring them (shared-cache decode, AVX2: +10 to 50%, both layouts).
+template <int RB, typename KS, typename VS>
+inline void ScoreDot(const float* const* q, const KS& k, const VS& v, int tile, int64_t head_pad,
+                     float* scores) {
+  const int64_t kb = head_pad * KS::kElemBytes, vb = head_pad * VS::kElemBytes;
   for (int j = 0; j < tile; ++j) {
-    for (int64_t d = 0; d < head_pad; d += kLineFloats) __builtin_prefetch(v[j] + d, 0, 3);
+    for (int64_t o = 0; o < vb; o += 64) {
+      __builtin_prefetch(static_cast<const char*>(v.Row(j)) + o, 0, 3);
+    }
     if (j + 4 < tile) {
-      for (int64_t d = 0; d < head_pad; d += kLineFloats) __builtin_prefetch(k[j + 4] + d, 0, 3);
+      for (int64_t o = 0; o < kb; o += 64) {
+        __builtin_prefetch(static_cast<const char*>(k.Row(j + 4)) + o, 0, 3);
+      }
     }
     VecF acc[RB] = {};
     for (int64_t d = 0; d < head_pad; d += kVW) {
-      const VecF kv = Load(k[j] + d);
+      const VecF kv = k.Get(j, d);
       for (int r = 0; r < RB; ++r) acc[r] += Load(q[r] + d) * kv;
     }
-    for (int r = 0; r < RB; ++r) scores[r * kTileKeys + j] = HorizontalSum(acc[r]);
+    int r = 0;
+    for (; r + 4 <= RB; r += 4) {
+      HorizontalSum4(acc[r], acc[r + 1], acc[r + 2], acc[r + 3], scores + r * kTileKeys + j,
+                     kTileKeys);
+    }
+    if constexpr (RB % 4 == 1) {
+      scores[r * kTileKeys + j] = HorizontalSum(acc[r]);
+    } else if constexpr (RB % 4 != 0) {  // 2 or 3 rows: one tree, zeros for the missing
+      const VecF zero = Splat(0.0f);
+      float sums[4];
+      HorizontalSum4(acc[r], acc[r + 1], RB % 4 == 3 ? acc[(r + 2) % RB] : zero, zero, sums, 1);
+      for (int i = 0; i < RB % 4; ++i) scores[(r + i) * kTileKeys + j] = sums[i];
+    }
   }
   for (int r = 0; r < RB; ++r) {
     std::fill(scores + r * kTileKeys + tile, scores + (r + 1) * kTileKeys, 0.0f);
   }
 }
 
-// o[r][:] += sum_j p[r][j] * v_j for RB rows; v rows are head_pad long (zero padded).
-template <int RB>
-inline void AccumulateBlock(const float* p, const float* const* v, int tile, int64_t head_pad,
+// o[r][:] += sum_j p[r][j] * v_j for RB rows; v rows are head_pad long.
+template <int RB, typename VS>
+inline void AccumulateBlock(const float* p, const VS& v, int tile, int64_t head_pad,
                             float* const* o) {
   for (int64_t d0 = 0; d0 < head_pad; d0 += kDimStep) {
     VecF acc[RB][2];
@@ -702,8 +793,8 @@ inline void AccumulateBlock(const float* p, const float* const* v, int tile, int
       acc[r][1] = Load(o[r] + d0 + kVW);
     }
     for (int j = 0; j < tile; ++j) {
-      const VecF v0 = Load(v[j] + d0);
-      const VecF v1 = Load(v[j] + d0 + kVW);
+      const VecF v0 = v.Get(j, d0);
+      const VecF v1 = v.Get(j, d0 + kVW);
       for (int r = 0; r < RB; ++r) {
         const VecF pj = Splat(p[r * kTileKeys + j]);
         acc[r][0] += pj * v0;
@@ -722,6 +813,11 @@ struct Scratch {
   int v_nonfinite = -1;  // the current tile's V rows: -1 not checked yet, 0 finite, 1 not
   std::vector<float> kt, k, v, row, scores, o, m, l, zero_q;
   std::vector<const float*> q_rows, k_rows, v_rows;
+  // An int8 cache read in place (Int8Rows): the tile's code rows, each task row's query times the
+  // K scales of its head (qk, qk_rows), and PER_TOKEN the tile's row scales (0 past the tile).
+  std::vector<const int8_t*> kc_rows, vc_rows;
+  std::vector<float> qk, k_scale, v_scale;
+  std::vector<const float*> qk_rows;
   std::vector<float*> o_rows;
   std::vector<int64_t> lo, hi, head, token;
 };
@@ -739,11 +835,18 @@ inline TaskRow MapRow(int64_t r, int64_t g0, int64_t i0, int64_t q_rows, int64_t
 }
 
 // Whether the tile's value rows (head_pad long) hold a NaN or an Inf; computed once per tile.
-inline bool TileValuesNonFinite(Scratch& t, int tile, int64_t head_pad) {
+// Int8Rows: the codes are finite and the static scales validated finite; a PER_TOKEN row's scale
+// (NaN for a non-finite row) multiplies its weight, so the tile's scales decide.
+template <typename VS>
+inline bool TileValuesNonFinite(Scratch& t, const VS& v, int tile, int64_t head_pad) {
   if (t.v_nonfinite < 0) {
     VecF acc = Splat(0.0f);
-    for (int j = 0; j < tile; ++j) {
-      for (int64_t d = 0; d < head_pad; d += kVW) acc += Load(t.v_rows[j] + d) * 0.0f;
+    if constexpr (std::is_same<VS, Int8Rows>::value) {
+      for (int j = 0; j < tile; ++j) acc += Splat(t.v_scale[j]) * 0.0f;
+    } else {
+      for (int j = 0; j < tile; ++j) {
+        for (int64_t d = 0; d < head_pad; d += kVW) acc += v.Get(j, d) * 0.0f;
+      }
     }
     bool bad = false;
     for (int l = 0; l < kVW; ++l) bad |= acc[l] != 0.0f;  // x * 0 is NaN for NaN or Inf
@@ -754,22 +857,28 @@ inline bool TileValuesNonFinite(Scratch& t, int tile, int64_t head_pad) {
 
 // o[r][:] += sum_{j in [lo[r], hi[r])} p[r][j] * v_j: AccumulateBlock restricted to each row's
 // own columns.
-template <int RB>
-void AccumulateRanges(const float* p, const float* const* v, const int* lo, const int* hi,
+template <int RB, typename VS>
+void AccumulateRanges(const float* p, const VS& v, const int* lo, const int* hi,
                       int64_t head_pad, float* const* o) {
   for (int r = 0; r < RB; ++r) {
     for (int j = lo[r]; j < hi[r]; ++j) {
       const VecF pj = Splat(p[r * kTileKeys + j]);
       for (int64_t d = 0; d < head_pad; d += kVW) {
-        Store(o[r] + d, Load(o[r] + d) + pj * Load(v[j] + d));
+        Store(o[r] + d, Load(o[r] + d) + pj * v.Get(j, d));
       }
     }
   }
 }
 
-template <typename T, int RB>
+// K and V rows come from ks / vs (dot_scores; a transposed tile reads t.kt). With Int8Rows the
+// queries are t.qk_rows (K scales folded in), PER_TOKEN scores are multiplied by the keys' scales
+// and weights by the values' scales (t.k_scale, t.v_scale); per-channel V scales are applied to
+// the output at the task's end.
+template <typename T, int RB, typename KS, typename VS>
 void AttentionRows(const Call<T>& c, Scratch& t, int64_t b, int64_t r_begin, int64_t r_end,
-                   int64_t k0, int tile, bool dot_scores) {
+                   int64_t k0, int tile, bool dot_scores, const KS& ks, const VS& vs) {
+  constexpr bool codes = std::is_same<VS, Int8Rows>::value;
+  const bool token_scales = codes && c.s.per_token();
   const GqaShape& s = c.s;
   const int64_t H = s.head_size, hp = c.head_pad;
   const T* bias = static_cast<const T*>(c.buf.attention_bias);
@@ -783,8 +892,15 @@ void AttentionRows(const Call<T>& c, Scratch& t, int64_t b, int64_t r_begin, int
     for (int r = 0; r < RB; ++r) any |= t.lo[r0 + r] < k0 + tile && t.hi[r0 + r] > k0;
     if (!any) continue;
     if (dot_scores) {
-      ScoreDot<RB>(t.q_rows.data() + r0, t.k_rows.data(), t.v_rows.data(), tile, hp,
-                   t.scores.data());
+      const float* const* q = codes ? t.qk_rows.data() + r0 : t.q_rows.data() + r0;
+      ScoreDot<RB>(q, ks, vs, tile, hp, t.scores.data());
+      if (token_scales) {
+        for (int r = 0; r < RB; ++r) {
+          float* sc = t.scores.data() + r * kTileKeys;
+          const float* ks_tile = t.k_scale.data();
+          for (int j = 0; j < kTileKeys; j += kVW) Store(sc + j, Load(sc + j) * Load(ks_tile + j));
+        }
+      }
     } else {
       ScoreBlock<RB>(t.q_rows.data() + r0, t.kt.data(), H, t.scores.data());
     }
@@ -860,11 +976,16 @@ void AttentionRows(const Call<T>& c, Scratch& t, int64_t b, int64_t r_begin, int
     // A masked column has weight 0, but 0 * (NaN or Inf) in its value row is NaN: in a partial
     // block whose tile holds a non-finite value, each row sums its own columns only (rare: the
     // check runs for partial blocks, once per tile and head; a decode has none).
-    if (partial && TileValuesNonFinite(t, tile, hp)) {
-      AccumulateRanges<RB>(t.scores.data(), t.v_rows.data(), range_lo, range_hi, hp,
-                           t.o_rows.data() + r0);
+    if (token_scales) {  // weights times the values' scales (l summed the weights above)
+      for (int r = 0; r < RB; ++r) {
+        float* sc = t.scores.data() + r * kTileKeys;
+        for (int j = range_lo[r]; j < range_hi[r]; ++j) sc[j] *= t.v_scale[j];
+      }
+    }
+    if (partial && TileValuesNonFinite(t, vs, tile, hp)) {
+      AccumulateRanges<RB>(t.scores.data(), vs, range_lo, range_hi, hp, t.o_rows.data() + r0);
     } else {
-      AccumulateBlock<RB>(t.scores.data(), t.v_rows.data(), tile, hp, t.o_rows.data() + r0);
+      AccumulateBlock<RB>(t.scores.data(), vs, tile, hp, t.o_rows.data() + r0);
     }
   }
 }
@@ -886,6 +1007,10 @@ void AttentionTask(void* state, size_t task_index) {
   // One row block per head (token generation): dot products over key rows; else a transposed
   // K tile shared by the head's row blocks.
   const bool dot_scores = head_rows == c.row_block;
+  // There an int8 cache is read in place (Int8Rows) when its rows fill head_pad (no load past a
+  // row's end); other quantized caches are dequantized into the scratch a tile at a time (LoadRow).
+  const bool codes =
+      dot_scores && s.quantized() && !s.fp8_cache() && s.kv_bits == 8 && H == hp;
 
   thread_local Scratch t;
   if (dot_scores) {
@@ -928,6 +1053,26 @@ void AttentionTask(void* state, size_t task_index) {
     key_lo = std::min(key_lo, t.lo[r]);
     key_hi = std::max(key_hi, t.hi[r]);
   }
+  if (codes) {  // queries times their head's K scales (PER_TOKEN: the scores take them)
+    t.kc_rows.resize(kTileKeys);
+    t.vc_rows.resize(kTileKeys);
+    t.k_scale.assign(kTileKeys, 0.0f);
+    t.v_scale.assign(kTileKeys, 0.0f);
+    t.qk.resize(static_cast<size_t>(rows_pad * hp));
+    t.qk_rows.resize(rows_pad);
+    for (int64_t r = 0; r < rows_pad; ++r) {
+      if (s.per_token()) {
+        t.qk_rows[r] = t.q_rows[r];
+        continue;
+      }
+      const int64_t g = g0 + r / head_rows;
+      const float* sk = c.scale[0] + g * c.scale_pitch[0];
+      const int64_t step = c.scale_pitch[0] != 0 ? 1 : 0;
+      float* qk = t.qk.data() + r * hp;
+      for (int64_t d = 0; d < H; ++d) qk[d] = t.q_rows[r][d] * sk[d * step];
+      t.qk_rows[r] = qk;
+    }
+  }
   // This task's key split.
   key_lo = std::max(key_lo, split * c.split_keys);
   key_hi = std::min(key_hi, (split + 1) * c.split_keys);
@@ -969,7 +1114,8 @@ void AttentionTask(void* state, size_t task_index) {
       if (!any) continue;
       // K tile: rows or transposed into kt[d][j]; V rows (float32 rows are used in place).
       int transposed = 0;  // keys [0, transposed) of kt filled 8 at a time
-      // (A quantized cache's rows are dequantized here, a tile at a time: LoadRow.)
+      // (A quantized cache's rows are dequantized here, a tile at a time, by LoadRow; an int8
+      // cache's rows at token generation are only pointed to: Int8Rows.)
       while (!dot_scores && !s.quantized() && transposed + 8 <= tile) {
         const T* rows[8];
         for (int i = 0; i < 8; ++i) {
@@ -978,7 +1124,16 @@ void AttentionTask(void* state, size_t task_index) {
         if (!TransposeKRows8<T>(rows, H, t.kt.data() + transposed)) break;
         transposed += 8;
       }
-      for (int j = 0; j < tile; ++j) {
+      for (int j = 0; j < tile && codes; ++j) {
+        t.kc_rows[j] = reinterpret_cast<const int8_t*>(c.key_row(b, g, k0 + j, geo, false));
+        t.vc_rows[j] = reinterpret_cast<const int8_t*>(c.key_row(b, g, k0 + j, geo, true));
+        if (s.per_token()) {
+          t.k_scale[j] = c.row_scale(b, g, k0 + j, geo, false);
+          t.v_scale[j] = c.row_scale(b, g, k0 + j, geo, true);
+        }
+      }
+      for (int j = tile; j < kTileKeys && codes; ++j) t.k_scale[j] = t.v_scale[j] = 0.0f;
+      for (int j = 0; j < tile && !codes; ++j) {
         const uint8_t* krow = c.key_row(b, g, k0 + j, geo, false);
         const uint8_t* vrow = c.key_row(b, g, k0 + j, geo, true);
         if (!dot_scores) {
@@ -1007,14 +1162,35 @@ void AttentionTask(void* state, size_t task_index) {
       for (int j = tile; j < kTileKeys && !dot_scores; ++j) {
         for (int64_t d = 0; d < H; ++d) t.kt[d * kTileKeys + j] = 0.0f;
       }
-      if (c.row_block == 4) {
-        AttentionRows<T, 4>(c, t, b, r_begin, r_end, k0, tile, dot_scores);
+      const auto rows = [&](const auto& ks, const auto& vs) {
+        if (c.row_block == kRowBlock) {
+          AttentionRows<T, kRowBlock>(c, t, b, r_begin, r_end, k0, tile, dot_scores, ks, vs);
+        } else if (c.row_block == 1) {
+          AttentionRows<T, 1>(c, t, b, r_begin, r_end, k0, tile, dot_scores, ks, vs);
+        } else if (c.row_block == 2) {
+          AttentionRows<T, 2>(c, t, b, r_begin, r_end, k0, tile, dot_scores, ks, vs);
+        } else if (c.row_block == 3) {
+          AttentionRows<T, 3>(c, t, b, r_begin, r_end, k0, tile, dot_scores, ks, vs);
+        } else {
+          AttentionRows<T, 4>(c, t, b, r_begin, r_end, k0, tile, dot_scores, ks, vs);
+        }
+      };
+      if (codes) {
+        rows(Int8Rows{t.kc_rows.data()}, Int8Rows{t.vc_rows.data()});
       } else {
-        AttentionRows<T, kRowBlock>(c, t, b, r_begin, r_end, k0, tile, dot_scores);
+        rows(FloatRows{t.k_rows.data()}, FloatRows{t.v_rows.data()});
       }
     }
   }
 
+  if (codes && !s.per_token()) {  // the V scales of each row's head, per channel or tensor
+    for (int64_t r = 0; r < rows_pad; ++r) {
+      const int64_t g = g0 + r / head_rows;
+      const float* sv = c.scale[1] + g * c.scale_pitch[1];
+      const int64_t step = c.scale_pitch[1] != 0 ? 1 : 0;
+      for (int64_t d = 0; d < H; ++d) t.o_rows[r][d] *= sv[d * step];
+    }
+  }
   if (c.num_splits > 1) {  // partial state; MergeSplits finishes
     const int64_t slot = base * c.num_splits + split;
     const int64_t rpt = c.rows_per_task();
@@ -1133,11 +1309,12 @@ Status Run(const GqaShape& s, const GqaCpuBuffers& buf, const Parallel& parallel
     c.q_block /= 2;
   }
   c.num_q_blocks = (s.seq_len + c.q_block - 1) / c.q_block;
-  // Token generation: 4-row micro-blocks when a head has <= 4 query rows (no padded FMAs), and,
+  // Token generation: micro-blocks of a head's query rows when it has <= 4 (1 to 4 rows: no
+  // padding rows, whose FMAs and score sums a 4-row block paid for at G = 3, 2 or 1), and,
   // when a token's heads are adjacent in the cache (seq-major), one task over all of them so
   // the cache streams in address order; key splits then provide the parallelism.
   const bool decode_like = c.q_block * G <= kRowBlock;
-  c.row_block = c.q_block * G <= 4 ? 4 : kRowBlock;
+  c.row_block = c.q_block * G <= 4 ? c.q_block * G : kRowBlock;
   const bool heads_adjacent = c.present_strides.head == s.cache_row && !s.sliding_window_cache;
   c.group_heads = decode_like && heads_adjacent ? s.kv_num_heads : 1;
   c.num_groups = s.kv_num_heads / c.group_heads;
