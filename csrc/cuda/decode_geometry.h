@@ -249,8 +249,9 @@ KVL_DEC_HD inline DecodeForm DecodeFormOf(const GqaShape& s) {
 // Quantized caches (int8 codes, packed int4): the decode kernel reads the codes and converts
 // them in registers right before the MMA (decode_keyloop.cuh). Compiled for head sizes 64 and
 // 128 (no padding columns), four warps (and eight: DecQuantWide), the full and the one-token
-// plain forms, per-head CTAs only; other quantized shapes take the portable kernel, which dequantizes its tiles. The 8-bit
-// instances also read float8e4m3fn caches, and every instance PER_TOKEN scales (runtime branches).
+// plain forms, per-head CTAs only; other quantized shapes take the portable kernel, which
+// dequantizes its tiles. The 8-bit instances also read float8e4m3fn caches, and every instance
+// PER_TOKEN scales (a key-loop step compiled per variant: StepQuant).
 KVL_DEC_HD inline bool DecodeQuantServes(const GqaShape& s) {
   return (s.kv_bits == 8 || s.kv_bits == 4) && (s.head_size == 64 || s.head_size == 128);
 }

@@ -59,7 +59,7 @@ __device__ __forceinline__ bool DecodeCta<T, HD, kForm, W, C>::KeyLoop() {
   if constexpr (kQuant) {
     // One variant of the step per (fp8, PER_TOKEN): a runtime test inside the step split its
     // unrolled conversions into basic blocks the compiler could not schedule across (a branch
-    // per converted word: docs/DECISIONS.md, "quantized decode warps").
+    // per converted word: docs/DECISIONS.md, "quantized step variants").
     const bool token = s.per_token();
     if (QBITS == 8 && s.fp8_cache()) {
       if constexpr (QBITS == 8) {
