@@ -28,20 +28,19 @@ from gpu_util import (
     from_device,
     new_cuda_session,
     seed_note,
-    to_device,
-    to_device_as,
     update,
 )
 from gqa_case import KV_DOMAIN, MS_DOMAIN, GqaCase, rotary_caches
 from onnx import TensorProto
+from quant_harness import DevicePlace, bind_inputs
 from test_gqa_pertoken import SCALE_RTOL as PT_SCALE_RTOL
 from test_gqa_pertoken import PtCase
 from test_gqa_pertoken import _steps as pt_steps
 from test_gqa_pertoken import check as check_pt_oracle
 from test_gqa_pertoken import model as pt_model
-from test_gqa_pertoken import run as run_cpu_pt
+from test_gqa_pertoken import run as run_pt
 from test_gqa_quant import ALONE, EPS, FLOOR, QuantCase, _max_err, _model
-from test_gqa_quant import run as run_cpu
+from test_gqa_quant import run as run_quant
 
 pytestmark = GPU_MARKS
 
@@ -49,62 +48,12 @@ pytestmark = GPU_MARKS
 # --------------------------------------------------------------------------------------------
 # Running a quantized case on the CUDA EP
 # --------------------------------------------------------------------------------------------
-_SESSIONS: dict = {}
-
-
-def _session(model: bytes, domain: str, graph: bool = False):
-    key = (model, domain, graph)
-    if graph or key not in _SESSIONS:
-        sess = new_cuda_session(model, domain, graph=graph)
-        if graph:
-            return sess
-        _SESSIONS[key] = sess
-    return _SESSIONS[key]
-
-
-def _bind_inputs(sess, io, feeds: dict, put=lambda k, v: to_device(v)) -> dict:
-    """Binds the feeds the session takes: total_sequence_length in CPU memory, every other one
-    as the device value ``put(name, array)`` returns; the device values, by name."""
-    names = {i.name for i in sess.get_inputs()}
-    dev = {}
-    for k, v in feeds.items():
-        if v is None or k not in names:
-            continue
-        if k == "total_sequence_length":
-            io.bind_cpu_input(k, np.ascontiguousarray(np.asarray(v)))
-            continue
-        dev[k] = put(k, np.asarray(v))
-        io.bind_ortvalue_input(k, dev[k])
-    return dev
-
-
 def run_cuda_quant(qc: QuantCase, domain: str = KV_DOMAIN, sess=None):
-    """(output, present_key, present_value) as host arrays after one run on the CUDA EP:
-    presents in the case's layout for ai.kvlayout, BNSH for com.microsoft. Inputs on the device
-    (total_sequence_length in CPU memory), outputs preallocated (output NaN-filled, separate
-    presents filled with 0x5A bytes), past bound as present when shared. ``sess``: this session
-    instead of the cached one of the case's model."""
-    c = qc.base
-    layout = c.kv_layout if domain == KV_DOMAIN else None
-    feeds = qc.feeds() if domain == KV_DOMAIN else qc.head_major_feeds()
-    if sess is None:
-        sess = _session(_model(feeds, qc.attrs(), domain, layout, qc.cache_dtype), domain)
-    io = sess.io_binding()
-    dev = _bind_inputs(sess, io, feeds)
-    plan = ref.plan_step(feeds, qc.attrs())
-    q = np.asarray(feeds["query"])
-    out = device_filled((c.batch, c.seq, c.num_heads * c.head_size), q.dtype)
-    io.bind_ortvalue_output("output", out)
-    if c.shared:
-        pk, pv = dev["past_key"], dev["past_value"]
-    else:
-        shape = (c.batch, c.kv_num_heads, plan.present_capacity, qc.row)
-        pk = device_filled(shape, qc.cache_dtype, 0x5A)
-        pv = device_filled(shape, qc.cache_dtype, 0x5A)
-    io.bind_ortvalue_output("present_key", pk)
-    io.bind_ortvalue_output("present_value", pv)
-    sess.run_with_iobinding(io)
-    return from_device(out), from_device(pk), from_device(pv)
+    """(output, present_key, present_value) as host arrays after one run on the CUDA EP
+    (test_gqa_quant.run on tests/quant_harness.py's device placement: inputs on the device,
+    total_sequence_length in CPU memory, outputs preallocated, past bound as present when
+    shared). ``sess``: this session instead of the cached one of the case's model."""
+    return run_quant(qc, domain, device="cuda", sess=sess)
 
 
 def _exact_codes(qc: QuantCase) -> bool:
@@ -158,7 +107,7 @@ def check(qc: QuantCase, cpu: bool = True) -> None:
     bound = ALONE[c.dtype] * max(1.0, w_max)
     assert e_ours <= bound, f"output vs oracle: err {e_ours:.3g} > {bound:.3g} {qc!r} {seed_note()}"
     if cpu:
-        theirs = run_cpu(qc)
+        theirs = run_quant(qc)
         for name, g, t in (
             ("present_key", ours[1], theirs[1]),
             ("present_value", ours[2], theirs[2]),
@@ -423,13 +372,7 @@ def test_cuda_graph_decode(layout, bits, quant):
         def __init__(self, graph):
             self.sess = new_cuda_session(model, KV_DOMAIN, graph=graph)
             self.io = self.sess.io_binding()
-            self.dev = {k: to_device(np.asarray(v)) for k, v in feeds.items()
-                        if k in names and k != "total_sequence_length"}  # fmt: skip
-            for k, v in self.dev.items():
-                self.io.bind_ortvalue_input(k, v)
-            self.io.bind_cpu_input(
-                "total_sequence_length", np.ascontiguousarray(feeds["total_sequence_length"])
-            )
+            self.dev = bind_inputs(DevicePlace(), self.sess, self.io, feeds)
             self.out = device_filled(np.asarray(feeds["query"]).shape, np.float16)
             self.io.bind_ortvalue_output("output", self.out)
             self.io.bind_ortvalue_output("present_key", self.dev["past_key"])
@@ -460,7 +403,7 @@ def test_cuda_graph_decode(layout, bits, quant):
         cf = dict(feeds, **f, past_key=cpu_cache["past_key"], past_value=cpu_cache["past_value"])
         cq = qc.replace()
         cq._feeds = cf
-        oc, kc, vc = run_cpu(cq)
+        oc, kc, vc = run_quant(cq)
         _, pmask = cq.masks()
         assert_same_codes("present_key", kg, kc, pmask, False, f"our CPU op's, {what}")
         assert_same_codes("present_value", vg, vc, pmask, True, f"our CPU op's, {what}")
@@ -513,50 +456,12 @@ PT_SCHEMES = [("int8", "PER_TOKEN"), ("int4", "PER_TOKEN"), ("fp8", "PER_TOKEN")
 PT_IDS = ["-".join(s).lower() for s in PT_SCHEMES]
 
 
-def _cache_device(pc: PtCase, arr):
-    return to_device_as(arr, _FP8) if pc.kind == "fp8" else to_device(arr)
-
-
-def _cache_filled(pc: PtCase, shape, byte: int):
-    return _cache_device(pc, np.full(shape, byte, np.uint8).view(pc.np_cache))
-
-
 def run_cuda_pt(pc: PtCase, sess=None, shared: bool | None = None):
     """(output, present_key, present_value, present_key_scale, present_value_scale) as host
-    arrays after one run on the CUDA EP, in the case's layout (fp8 caches as uint8; scales None
-    without PER_TOKEN). Separate presents are prefilled with 0x5A bytes and their scale caches
-    with NaN; shared: the past buffers (and scale caches) are bound as the presents."""
-    c = pc.base
-    shared = c.shared if shared is None else shared
-    feeds = pc.feeds()
-    if sess is None:
-        sess = _session(pt_model(pc, feeds), KV_DOMAIN)
-    io = sess.io_binding()
-    dev = _bind_inputs(
-        sess, io, feeds,
-        lambda k, v: _cache_device(pc, v) if k in ("past_key", "past_value") else to_device(v),
-    )  # fmt: skip
-    plan = ref.plan_step(feeds, pc.attrs())
-    q = np.asarray(feeds["query"])
-    out = device_filled((c.batch, c.seq, c.num_heads * c.head_size), q.dtype)
-    io.bind_ortvalue_output("output", out)
-    shape = (c.batch, c.kv_num_heads, plan.present_capacity)
-    if shared:
-        pk, pv = dev["past_key"], dev["past_value"]
-        ks, vs = dev.get("past_key_scale"), dev.get("past_value_scale")
-    else:
-        pk = _cache_filled(pc, shape + (pc.row,), 0x5A)
-        pv = _cache_filled(pc, shape + (pc.row,), 0x5A)
-        ks, vs = device_filled(shape, np.float32), device_filled(shape, np.float32)
-    io.bind_ortvalue_output("present_key", pk)
-    io.bind_ortvalue_output("present_value", pv)
-    if pc.per_token:
-        io.bind_ortvalue_output("present_key_scale", ks)
-        io.bind_ortvalue_output("present_value_scale", vs)
-    sess.run_with_iobinding(io)
-    host = [from_device(out), from_device(pk).view(pc.np_cache), from_device(pv).view(pc.np_cache)]
-    scales = (from_device(ks), from_device(vs)) if pc.per_token else (None, None)
-    return (*host, *scales)
+    arrays after one run on the CUDA EP (test_gqa_pertoken.run on tests/quant_harness.py's
+    device placement), in the case's layout (fp8 caches as uint8; scales None without
+    PER_TOKEN)."""
+    return run_pt(pc, shared=shared, device="cuda", sess=sess)
 
 
 def assert_same_pt(pc: PtCase, got, want, what: str) -> None:
@@ -602,7 +507,7 @@ def check_pt(pc: PtCase, cpu: bool = True) -> None:
     ours = run_cuda_pt(pc)
     check_pt_oracle(pc, ours)
     if cpu:
-        assert_same_pt(pc, ours, run_cpu_pt(pc), f"our CPU op's for {pc!r}")
+        assert_same_pt(pc, ours, run_pt(pc), f"our CPU op's for {pc!r}")
 
 
 PT_HEADS = {"h64": {"num_heads": 8, "kv_num_heads": 2, "head_size": 64},
@@ -725,16 +630,8 @@ def test_pt_cuda_graph_decode(layout, scheme):
         def __init__(self, graph):
             self.sess = new_cuda_session(model, KV_DOMAIN, graph=graph)
             self.io = self.sess.io_binding()
-            self.dev = {}
-            for k, v in feeds.items():
-                if k not in names or k == "total_sequence_length":
-                    continue
-                cache = k in ("past_key", "past_value")
-                self.dev[k] = _cache_device(pc, v) if cache else to_device(np.asarray(v))
-                self.io.bind_ortvalue_input(k, self.dev[k])
-            self.io.bind_cpu_input(
-                "total_sequence_length", np.ascontiguousarray(feeds["total_sequence_length"])
-            )
+            self.dev = bind_inputs(DevicePlace(), self.sess, self.io, feeds,
+                                   _FP8 if pc.kind == "fp8" else None)  # fmt: skip
             self.out = device_filled(np.asarray(feeds["query"]).shape, np.float16)
             self.io.bind_ortvalue_output("output", self.out)
             for name in ("key", "value"):
@@ -767,7 +664,7 @@ def test_pt_cuda_graph_decode(layout, scheme):
         assert np.array_equal(g[0].view(np.uint16), e[0].view(np.uint16)), f"output, {what}"
         cq = pc.replace()
         cq._feeds = dict(feeds, **f, **state)
-        want = run_cpu_pt(cq)
+        want = run_pt(cq)
         assert_same_pt(cq, g, want, f"our CPU op's, {what}")
         rows, _ = rq.quant_masks(cq.feeds(), cq.attrs(), layout)
         osel = np.broadcast_to(rows[:, :, None], want[0].shape)
