@@ -39,7 +39,7 @@ from test_gqa_pertoken import _steps as pt_steps
 from test_gqa_pertoken import check as check_pt_oracle
 from test_gqa_pertoken import model as pt_model
 from test_gqa_pertoken import run as run_pt
-from test_gqa_quant import ALONE, EPS, FLOOR, QuantCase, _max_err, _model
+from test_gqa_quant import ALONE, EPS, FLOOR, QuantCase, _max_err, _model, check_codes
 from test_gqa_quant import run as run_quant
 
 pytestmark = GPU_MARKS
@@ -90,20 +90,8 @@ def check(qc: QuantCase, cpu: bool = True) -> None:
     """Ours on CUDA against the float64 oracle and (``cpu``) our CPU op on the same inputs."""
     c = qc.base
     ours = run_cuda_quant(qc)
-    out_ref, pk_ref, _pv_ref, (pk_lv, pv_lv) = qc.reference()
-    rows, pmask = qc.masks()
-    osel = np.broadcast_to(rows[:, :, None], out_ref.shape)
-    assert ours[1].dtype == qc.cache_dtype and ours[1].shape == pk_ref.shape, (ours[1].shape, qc)
     # The codes against the oracle's (as the CPU test: one code at rounding edges with rotary).
-    for got, lv in ((ours[1], pk_lv), (ours[2], pv_lv)):
-        got_lv = rq.unpack(ref.from_layout(got, c.kv_layout), qc.bits, c.head_size)
-        defined = ~np.isnan(lv)
-        diff = np.abs(got_lv[defined] - lv[defined])
-        tol = 0 if _exact_codes(qc) else 1
-        assert diff.size == 0 or diff.max() <= tol, f"codes vs oracle for {qc!r} {seed_note()}"
-        assert diff.size == 0 or (diff > 0).mean() <= 0.02, f"codes vs oracle {qc!r} {seed_note()}"
-    w_max = float(np.abs(out_ref[osel]).max()) if osel.any() else 0.0
-    e_ours = _max_err(ours[0], out_ref, osel)
+    out_ref, osel, pmask, w_max, e_ours = check_codes(qc, ours, f" {seed_note()}")
     bound = ALONE[c.dtype] * max(1.0, w_max)
     assert e_ours <= bound, f"output vs oracle: err {e_ours:.3g} > {bound:.3g} {qc!r} {seed_note()}"
     if cpu:
@@ -347,6 +335,42 @@ def test_separate_buffers_ort_cuda_differs():
 # --------------------------------------------------------------------------------------------
 # CUDA graph capture of quantized decode steps
 # --------------------------------------------------------------------------------------------
+class GraphRig:
+    """onnxruntime-genai's binding of a decode step: a session (``graph``: captured as a CUDA
+    graph on the first run, replayed after) with its inputs on the device, each cache of
+    ``caches`` (past names, ``cache_type`` as in bind_inputs) bound as its present too, the
+    output preallocated NaN-filled. ``step`` writes new inputs in place and runs once."""
+
+    def __init__(self, model: bytes, feeds: dict, graph: bool, caches, cache_type=None):
+        self.sess = new_cuda_session(model, KV_DOMAIN, graph=graph)
+        self.io = self.sess.io_binding()
+        self.dev = bind_inputs(DevicePlace(), self.sess, self.io, feeds, cache_type)
+        self.out = device_filled(np.asarray(feeds["query"]).shape, np.float16)
+        self.io.bind_ortvalue_output("output", self.out)
+        for k in caches:
+            self.io.bind_ortvalue_output(k.replace("past_", "present_"), self.dev[k])
+        self.caches = [(k, np.asarray(feeds[k]).dtype) for k in caches]
+
+    def step(self, f: dict):
+        """(output, *caches) as host arrays after writing ``f`` into the bound inputs and one
+        run (the caches in their feeds' dtypes: fp8 as uint8)."""
+        for k, v in f.items():
+            update(self.dev[k], v)
+        self.sess.run_with_iobinding(self.io)
+        return (from_device(self.out), *(from_device(self.dev[k]).view(t) for k, t in self.caches))
+
+
+def step_feeds(rng, feeds: dict, names, seqlens) -> dict:
+    """A decode step's new inputs: random fp16 query / key / value rows (those in ``names``, of
+    the feeds' shapes), seqlens_k = ``seqlens`` and the positions there."""
+    f = {k: rng.standard_normal(np.asarray(feeds[k]).shape).astype(np.float16)
+         for k in ("query", "key", "value") if k in names}  # fmt: skip
+    f["seqlens_k"] = seqlens.astype(np.int32)
+    if "position_ids" in names:
+        f["position_ids"] = seqlens.reshape(-1, 1).astype(np.int64)
+    return f
+
+
 @pytest.mark.parametrize("bits,quant", [(8, "PER_CHANNEL"), (4, "PER_TENSOR")])
 @pytest.mark.parametrize("layout", [0, 1])
 def test_cuda_graph_decode(layout, bits, quant):
@@ -367,33 +391,11 @@ def test_cuda_graph_decode(layout, bits, quant):
     model = _model(feeds, qc.attrs(), KV_DOMAIN, layout, qc.cache_dtype)
     rng = np.random.default_rng(case_seed(7100 + bits))
     names = {i.name for i in new_cuda_session(model, KV_DOMAIN).get_inputs()}
-
-    class Rig:
-        def __init__(self, graph):
-            self.sess = new_cuda_session(model, KV_DOMAIN, graph=graph)
-            self.io = self.sess.io_binding()
-            self.dev = bind_inputs(DevicePlace(), self.sess, self.io, feeds)
-            self.out = device_filled(np.asarray(feeds["query"]).shape, np.float16)
-            self.io.bind_ortvalue_output("output", self.out)
-            self.io.bind_ortvalue_output("present_key", self.dev["past_key"])
-            self.io.bind_ortvalue_output("present_value", self.dev["past_value"])
-
-        def step(self, f):
-            for k, v in f.items():
-                update(self.dev[k], v)
-            self.sess.run_with_iobinding(self.io)
-            return (from_device(self.out), from_device(self.dev["past_key"]),
-                    from_device(self.dev["past_value"]))  # fmt: skip
-
-    graph, eager = Rig(True), Rig(False)
+    graph, eager = (GraphRig(model, feeds, g, ("past_key", "past_value")) for g in (True, False))
     seqlens = np.asarray(feeds["seqlens_k"]).copy()
     cpu_cache = {k: np.asarray(feeds[k]).copy() for k in ("past_key", "past_value")}
     for step in range(steps):
-        f = {k: rng.standard_normal(np.asarray(feeds[k]).shape).astype(np.float16)
-             for k in ("query", "key", "value") if k in names}  # fmt: skip
-        f["seqlens_k"] = seqlens.astype(np.int32)
-        if "position_ids" in names:
-            f["position_ids"] = seqlens.reshape(B, 1).astype(np.int64)
+        f = step_feeds(rng, feeds, names, seqlens)
         og, kg, vg = graph.step(f)
         oe, ke, ve = eager.step(f)
         what = f"step {step} of {qc!r} {seed_note()}"
@@ -625,36 +627,12 @@ def test_pt_cuda_graph_decode(layout, scheme):
     rng = np.random.default_rng(case_seed(9960))
     names = {i.name for i in new_cuda_session(model, KV_DOMAIN).get_inputs()}
     caches = ("past_key", "past_value", "past_key_scale", "past_value_scale")
-
-    class Rig:
-        def __init__(self, graph):
-            self.sess = new_cuda_session(model, KV_DOMAIN, graph=graph)
-            self.io = self.sess.io_binding()
-            self.dev = bind_inputs(DevicePlace(), self.sess, self.io, feeds,
-                                   _FP8 if pc.kind == "fp8" else None)  # fmt: skip
-            self.out = device_filled(np.asarray(feeds["query"]).shape, np.float16)
-            self.io.bind_ortvalue_output("output", self.out)
-            for name in ("key", "value"):
-                self.io.bind_ortvalue_output(f"present_{name}", self.dev[f"past_{name}"])
-                self.io.bind_ortvalue_output(f"present_{name}_scale",
-                                             self.dev[f"past_{name}_scale"])  # fmt: skip
-
-        def step(self, f):
-            for k, v in f.items():
-                update(self.dev[k], v)
-            self.sess.run_with_iobinding(self.io)
-            return (from_device(self.out),
-                    *(from_device(self.dev[k]).view(np.asarray(feeds[k]).dtype) for k in caches))  # fmt: skip
-
-    graph, eager = Rig(True), Rig(False)
+    cache_type = _FP8 if pc.kind == "fp8" else None
+    graph, eager = (GraphRig(model, feeds, g, caches, cache_type) for g in (True, False))
     seqlens = np.asarray(feeds["seqlens_k"]).copy()
     state = {k: np.asarray(feeds[k]).copy() for k in caches}
     for step in range(steps):
-        f = {k: rng.standard_normal(np.asarray(feeds[k]).shape).astype(np.float16)
-             for k in ("query", "key", "value") if k in names}  # fmt: skip
-        f["seqlens_k"] = seqlens.astype(np.int32)
-        if "position_ids" in names:
-            f["position_ids"] = seqlens.reshape(B, 1).astype(np.int64)
+        f = step_feeds(rng, feeds, names, seqlens)
         g, e = graph.step(f), eager.step(f)
         what = f"step {step} of {pc!r} {seed_note()}"
         for a, b in zip(g[1:], e[1:], strict=True):

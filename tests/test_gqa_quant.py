@@ -172,26 +172,33 @@ def _max_err(got, want, sel) -> float:
     return float(e.max()) if e.size else 0.0
 
 
-def check(qc: QuantCase) -> None:
+def check_codes(qc: QuantCase, ours, note: str = ""):
+    """The presents of ``ours`` (run's triple, on either device) against the oracle's codes:
+    equal, except that rotary / norm run in float32 in the kernel and float64 in the oracle, so
+    a value at a rounding edge may move one code (on at most 2% of the defined values).
+    Returns (oracle output, its defined elements, the presents' defined bytes, the oracle's
+    max |output|, ours' max error against it); ``note`` ends the failure messages."""
     c = qc.base
-    ours = run(qc)
     out_ref, pk_ref, _pv_ref, (pk_lv, pv_lv) = qc.reference()
     rows, pmask = qc.masks()
     osel = np.broadcast_to(rows[:, :, None], out_ref.shape)
     assert ours[1].dtype == qc.cache_dtype and ours[1].shape == pk_ref.shape, (ours[1].shape, qc)
-
-    # Present codes against the oracle's: equal, except that rotary / norm run in float32 in
-    # the kernel and float64 in the oracle, so a value at a rounding edge may move one code.
     exact = not c.do_rotary and not c.qk_norm
     for got, lv in ((ours[1], pk_lv), (ours[2], pv_lv)):
         got_lv = rq.unpack(ref.from_layout(got, c.kv_layout), qc.bits, c.head_size)
         defined = ~np.isnan(lv)
         diff = np.abs(got_lv[defined] - lv[defined])
-        assert diff.size == 0 or diff.max() <= (0 if exact else 1), f"codes vs oracle for {qc!r}"
-        assert diff.size == 0 or (diff > 0).mean() <= 0.02, f"codes vs oracle for {qc!r}"
-
-    e_ours = _max_err(ours[0], out_ref, osel)
+        what = f"codes vs oracle for {qc!r}{note}"
+        assert diff.size == 0 or diff.max() <= (0 if exact else 1), what
+        assert diff.size == 0 or (diff > 0).mean() <= 0.02, what
     w_max = float(np.abs(out_ref[osel]).max()) if osel.any() else 0.0
+    return out_ref, osel, pmask, w_max, _max_err(ours[0], out_ref, osel)
+
+
+def check(qc: QuantCase) -> None:
+    c = qc.base
+    ours = run(qc)
+    out_ref, osel, pmask, w_max, e_ours = check_codes(qc, ours)
     if ort_runs(qc):
         theirs = run(qc, MS_DOMAIN)
         # The cache bytes: equal to ORT's, in BNSH order.
