@@ -28,20 +28,19 @@ from gpu_util import (
     from_device,
     new_cuda_session,
     seed_note,
-    to_device,
-    to_device_as,
     update,
 )
 from gqa_case import KV_DOMAIN, MS_DOMAIN, GqaCase, rotary_caches
 from onnx import TensorProto
+from quant_harness import DevicePlace, bind_inputs
 from test_gqa_pertoken import SCALE_RTOL as PT_SCALE_RTOL
 from test_gqa_pertoken import PtCase
 from test_gqa_pertoken import _steps as pt_steps
 from test_gqa_pertoken import check as check_pt_oracle
 from test_gqa_pertoken import model as pt_model
-from test_gqa_pertoken import run as run_cpu_pt
-from test_gqa_quant import ALONE, EPS, FLOOR, QuantCase, _max_err, _model
-from test_gqa_quant import run as run_cpu
+from test_gqa_pertoken import run as run_pt
+from test_gqa_quant import ALONE, EPS, FLOOR, QuantCase, _max_err, _model, check_codes
+from test_gqa_quant import run as run_quant
 
 pytestmark = GPU_MARKS
 
@@ -49,62 +48,12 @@ pytestmark = GPU_MARKS
 # --------------------------------------------------------------------------------------------
 # Running a quantized case on the CUDA EP
 # --------------------------------------------------------------------------------------------
-_SESSIONS: dict = {}
-
-
-def _session(model: bytes, domain: str, graph: bool = False):
-    key = (model, domain, graph)
-    if graph or key not in _SESSIONS:
-        sess = new_cuda_session(model, domain, graph=graph)
-        if graph:
-            return sess
-        _SESSIONS[key] = sess
-    return _SESSIONS[key]
-
-
-def _bind_inputs(sess, io, feeds: dict, put=lambda k, v: to_device(v)) -> dict:
-    """Binds the feeds the session takes: total_sequence_length in CPU memory, every other one
-    as the device value ``put(name, array)`` returns; the device values, by name."""
-    names = {i.name for i in sess.get_inputs()}
-    dev = {}
-    for k, v in feeds.items():
-        if v is None or k not in names:
-            continue
-        if k == "total_sequence_length":
-            io.bind_cpu_input(k, np.ascontiguousarray(np.asarray(v)))
-            continue
-        dev[k] = put(k, np.asarray(v))
-        io.bind_ortvalue_input(k, dev[k])
-    return dev
-
-
 def run_cuda_quant(qc: QuantCase, domain: str = KV_DOMAIN, sess=None):
-    """(output, present_key, present_value) as host arrays after one run on the CUDA EP:
-    presents in the case's layout for ai.kvlayout, BNSH for com.microsoft. Inputs on the device
-    (total_sequence_length in CPU memory), outputs preallocated (output NaN-filled, separate
-    presents filled with 0x5A bytes), past bound as present when shared. ``sess``: this session
-    instead of the cached one of the case's model."""
-    c = qc.base
-    layout = c.kv_layout if domain == KV_DOMAIN else None
-    feeds = qc.feeds() if domain == KV_DOMAIN else qc.head_major_feeds()
-    if sess is None:
-        sess = _session(_model(feeds, qc.attrs(), domain, layout, qc.cache_dtype), domain)
-    io = sess.io_binding()
-    dev = _bind_inputs(sess, io, feeds)
-    plan = ref.plan_step(feeds, qc.attrs())
-    q = np.asarray(feeds["query"])
-    out = device_filled((c.batch, c.seq, c.num_heads * c.head_size), q.dtype)
-    io.bind_ortvalue_output("output", out)
-    if c.shared:
-        pk, pv = dev["past_key"], dev["past_value"]
-    else:
-        shape = (c.batch, c.kv_num_heads, plan.present_capacity, qc.row)
-        pk = device_filled(shape, qc.cache_dtype, 0x5A)
-        pv = device_filled(shape, qc.cache_dtype, 0x5A)
-    io.bind_ortvalue_output("present_key", pk)
-    io.bind_ortvalue_output("present_value", pv)
-    sess.run_with_iobinding(io)
-    return from_device(out), from_device(pk), from_device(pv)
+    """(output, present_key, present_value) as host arrays after one run on the CUDA EP
+    (test_gqa_quant.run on tests/quant_harness.py's device placement: inputs on the device,
+    total_sequence_length in CPU memory, outputs preallocated, past bound as present when
+    shared). ``sess``: this session instead of the cached one of the case's model."""
+    return run_quant(qc, domain, device="cuda", sess=sess)
 
 
 def _exact_codes(qc: QuantCase) -> bool:
@@ -141,24 +90,12 @@ def check(qc: QuantCase, cpu: bool = True) -> None:
     """Ours on CUDA against the float64 oracle and (``cpu``) our CPU op on the same inputs."""
     c = qc.base
     ours = run_cuda_quant(qc)
-    out_ref, pk_ref, _pv_ref, (pk_lv, pv_lv) = qc.reference()
-    rows, pmask = qc.masks()
-    osel = np.broadcast_to(rows[:, :, None], out_ref.shape)
-    assert ours[1].dtype == qc.cache_dtype and ours[1].shape == pk_ref.shape, (ours[1].shape, qc)
     # The codes against the oracle's (as the CPU test: one code at rounding edges with rotary).
-    for got, lv in ((ours[1], pk_lv), (ours[2], pv_lv)):
-        got_lv = rq.unpack(ref.from_layout(got, c.kv_layout), qc.bits, c.head_size)
-        defined = ~np.isnan(lv)
-        diff = np.abs(got_lv[defined] - lv[defined])
-        tol = 0 if _exact_codes(qc) else 1
-        assert diff.size == 0 or diff.max() <= tol, f"codes vs oracle for {qc!r} {seed_note()}"
-        assert diff.size == 0 or (diff > 0).mean() <= 0.02, f"codes vs oracle {qc!r} {seed_note()}"
-    w_max = float(np.abs(out_ref[osel]).max()) if osel.any() else 0.0
-    e_ours = _max_err(ours[0], out_ref, osel)
+    out_ref, osel, pmask, w_max, e_ours = check_codes(qc, ours, f" {seed_note()}")
     bound = ALONE[c.dtype] * max(1.0, w_max)
     assert e_ours <= bound, f"output vs oracle: err {e_ours:.3g} > {bound:.3g} {qc!r} {seed_note()}"
     if cpu:
-        theirs = run_cpu(qc)
+        theirs = run_quant(qc)
         for name, g, t in (
             ("present_key", ours[1], theirs[1]),
             ("present_value", ours[2], theirs[2]),
@@ -398,6 +335,42 @@ def test_separate_buffers_ort_cuda_differs():
 # --------------------------------------------------------------------------------------------
 # CUDA graph capture of quantized decode steps
 # --------------------------------------------------------------------------------------------
+class GraphRig:
+    """onnxruntime-genai's binding of a decode step: a session (``graph``: captured as a CUDA
+    graph on the first run, replayed after) with its inputs on the device, each cache of
+    ``caches`` (past names, ``cache_type`` as in bind_inputs) bound as its present too, the
+    output preallocated NaN-filled. ``step`` writes new inputs in place and runs once."""
+
+    def __init__(self, model: bytes, feeds: dict, graph: bool, caches, cache_type=None):
+        self.sess = new_cuda_session(model, KV_DOMAIN, graph=graph)
+        self.io = self.sess.io_binding()
+        self.dev = bind_inputs(DevicePlace(), self.sess, self.io, feeds, cache_type)
+        self.out = device_filled(np.asarray(feeds["query"]).shape, np.float16)
+        self.io.bind_ortvalue_output("output", self.out)
+        for k in caches:
+            self.io.bind_ortvalue_output(k.replace("past_", "present_"), self.dev[k])
+        self.caches = [(k, np.asarray(feeds[k]).dtype) for k in caches]
+
+    def step(self, f: dict):
+        """(output, *caches) as host arrays after writing ``f`` into the bound inputs and one
+        run (the caches in their feeds' dtypes: fp8 as uint8)."""
+        for k, v in f.items():
+            update(self.dev[k], v)
+        self.sess.run_with_iobinding(self.io)
+        return (from_device(self.out), *(from_device(self.dev[k]).view(t) for k, t in self.caches))
+
+
+def step_feeds(rng, feeds: dict, names, seqlens) -> dict:
+    """A decode step's new inputs: random fp16 query / key / value rows (those in ``names``, of
+    the feeds' shapes), seqlens_k = ``seqlens`` and the positions there."""
+    f = {k: rng.standard_normal(np.asarray(feeds[k]).shape).astype(np.float16)
+         for k in ("query", "key", "value") if k in names}  # fmt: skip
+    f["seqlens_k"] = seqlens.astype(np.int32)
+    if "position_ids" in names:
+        f["position_ids"] = seqlens.reshape(-1, 1).astype(np.int64)
+    return f
+
+
 @pytest.mark.parametrize("bits,quant", [(8, "PER_CHANNEL"), (4, "PER_TENSOR")])
 @pytest.mark.parametrize("layout", [0, 1])
 def test_cuda_graph_decode(layout, bits, quant):
@@ -418,39 +391,11 @@ def test_cuda_graph_decode(layout, bits, quant):
     model = _model(feeds, qc.attrs(), KV_DOMAIN, layout, qc.cache_dtype)
     rng = np.random.default_rng(case_seed(7100 + bits))
     names = {i.name for i in new_cuda_session(model, KV_DOMAIN).get_inputs()}
-
-    class Rig:
-        def __init__(self, graph):
-            self.sess = new_cuda_session(model, KV_DOMAIN, graph=graph)
-            self.io = self.sess.io_binding()
-            self.dev = {k: to_device(np.asarray(v)) for k, v in feeds.items()
-                        if k in names and k != "total_sequence_length"}  # fmt: skip
-            for k, v in self.dev.items():
-                self.io.bind_ortvalue_input(k, v)
-            self.io.bind_cpu_input(
-                "total_sequence_length", np.ascontiguousarray(feeds["total_sequence_length"])
-            )
-            self.out = device_filled(np.asarray(feeds["query"]).shape, np.float16)
-            self.io.bind_ortvalue_output("output", self.out)
-            self.io.bind_ortvalue_output("present_key", self.dev["past_key"])
-            self.io.bind_ortvalue_output("present_value", self.dev["past_value"])
-
-        def step(self, f):
-            for k, v in f.items():
-                update(self.dev[k], v)
-            self.sess.run_with_iobinding(self.io)
-            return (from_device(self.out), from_device(self.dev["past_key"]),
-                    from_device(self.dev["past_value"]))  # fmt: skip
-
-    graph, eager = Rig(True), Rig(False)
+    graph, eager = (GraphRig(model, feeds, g, ("past_key", "past_value")) for g in (True, False))
     seqlens = np.asarray(feeds["seqlens_k"]).copy()
     cpu_cache = {k: np.asarray(feeds[k]).copy() for k in ("past_key", "past_value")}
     for step in range(steps):
-        f = {k: rng.standard_normal(np.asarray(feeds[k]).shape).astype(np.float16)
-             for k in ("query", "key", "value") if k in names}  # fmt: skip
-        f["seqlens_k"] = seqlens.astype(np.int32)
-        if "position_ids" in names:
-            f["position_ids"] = seqlens.reshape(B, 1).astype(np.int64)
+        f = step_feeds(rng, feeds, names, seqlens)
         og, kg, vg = graph.step(f)
         oe, ke, ve = eager.step(f)
         what = f"step {step} of {qc!r} {seed_note()}"
@@ -460,7 +405,7 @@ def test_cuda_graph_decode(layout, bits, quant):
         cf = dict(feeds, **f, past_key=cpu_cache["past_key"], past_value=cpu_cache["past_value"])
         cq = qc.replace()
         cq._feeds = cf
-        oc, kc, vc = run_cpu(cq)
+        oc, kc, vc = run_quant(cq)
         _, pmask = cq.masks()
         assert_same_codes("present_key", kg, kc, pmask, False, f"our CPU op's, {what}")
         assert_same_codes("present_value", vg, vc, pmask, True, f"our CPU op's, {what}")
@@ -513,50 +458,12 @@ PT_SCHEMES = [("int8", "PER_TOKEN"), ("int4", "PER_TOKEN"), ("fp8", "PER_TOKEN")
 PT_IDS = ["-".join(s).lower() for s in PT_SCHEMES]
 
 
-def _cache_device(pc: PtCase, arr):
-    return to_device_as(arr, _FP8) if pc.kind == "fp8" else to_device(arr)
-
-
-def _cache_filled(pc: PtCase, shape, byte: int):
-    return _cache_device(pc, np.full(shape, byte, np.uint8).view(pc.np_cache))
-
-
 def run_cuda_pt(pc: PtCase, sess=None, shared: bool | None = None):
     """(output, present_key, present_value, present_key_scale, present_value_scale) as host
-    arrays after one run on the CUDA EP, in the case's layout (fp8 caches as uint8; scales None
-    without PER_TOKEN). Separate presents are prefilled with 0x5A bytes and their scale caches
-    with NaN; shared: the past buffers (and scale caches) are bound as the presents."""
-    c = pc.base
-    shared = c.shared if shared is None else shared
-    feeds = pc.feeds()
-    if sess is None:
-        sess = _session(pt_model(pc, feeds), KV_DOMAIN)
-    io = sess.io_binding()
-    dev = _bind_inputs(
-        sess, io, feeds,
-        lambda k, v: _cache_device(pc, v) if k in ("past_key", "past_value") else to_device(v),
-    )  # fmt: skip
-    plan = ref.plan_step(feeds, pc.attrs())
-    q = np.asarray(feeds["query"])
-    out = device_filled((c.batch, c.seq, c.num_heads * c.head_size), q.dtype)
-    io.bind_ortvalue_output("output", out)
-    shape = (c.batch, c.kv_num_heads, plan.present_capacity)
-    if shared:
-        pk, pv = dev["past_key"], dev["past_value"]
-        ks, vs = dev.get("past_key_scale"), dev.get("past_value_scale")
-    else:
-        pk = _cache_filled(pc, shape + (pc.row,), 0x5A)
-        pv = _cache_filled(pc, shape + (pc.row,), 0x5A)
-        ks, vs = device_filled(shape, np.float32), device_filled(shape, np.float32)
-    io.bind_ortvalue_output("present_key", pk)
-    io.bind_ortvalue_output("present_value", pv)
-    if pc.per_token:
-        io.bind_ortvalue_output("present_key_scale", ks)
-        io.bind_ortvalue_output("present_value_scale", vs)
-    sess.run_with_iobinding(io)
-    host = [from_device(out), from_device(pk).view(pc.np_cache), from_device(pv).view(pc.np_cache)]
-    scales = (from_device(ks), from_device(vs)) if pc.per_token else (None, None)
-    return (*host, *scales)
+    arrays after one run on the CUDA EP (test_gqa_pertoken.run on tests/quant_harness.py's
+    device placement), in the case's layout (fp8 caches as uint8; scales None without
+    PER_TOKEN)."""
+    return run_pt(pc, shared=shared, device="cuda", sess=sess)
 
 
 def assert_same_pt(pc: PtCase, got, want, what: str) -> None:
@@ -602,7 +509,7 @@ def check_pt(pc: PtCase, cpu: bool = True) -> None:
     ours = run_cuda_pt(pc)
     check_pt_oracle(pc, ours)
     if cpu:
-        assert_same_pt(pc, ours, run_cpu_pt(pc), f"our CPU op's for {pc!r}")
+        assert_same_pt(pc, ours, run_pt(pc), f"our CPU op's for {pc!r}")
 
 
 PT_HEADS = {"h64": {"num_heads": 8, "kv_num_heads": 2, "head_size": 64},
@@ -720,44 +627,12 @@ def test_pt_cuda_graph_decode(layout, scheme):
     rng = np.random.default_rng(case_seed(9960))
     names = {i.name for i in new_cuda_session(model, KV_DOMAIN).get_inputs()}
     caches = ("past_key", "past_value", "past_key_scale", "past_value_scale")
-
-    class Rig:
-        def __init__(self, graph):
-            self.sess = new_cuda_session(model, KV_DOMAIN, graph=graph)
-            self.io = self.sess.io_binding()
-            self.dev = {}
-            for k, v in feeds.items():
-                if k not in names or k == "total_sequence_length":
-                    continue
-                cache = k in ("past_key", "past_value")
-                self.dev[k] = _cache_device(pc, v) if cache else to_device(np.asarray(v))
-                self.io.bind_ortvalue_input(k, self.dev[k])
-            self.io.bind_cpu_input(
-                "total_sequence_length", np.ascontiguousarray(feeds["total_sequence_length"])
-            )
-            self.out = device_filled(np.asarray(feeds["query"]).shape, np.float16)
-            self.io.bind_ortvalue_output("output", self.out)
-            for name in ("key", "value"):
-                self.io.bind_ortvalue_output(f"present_{name}", self.dev[f"past_{name}"])
-                self.io.bind_ortvalue_output(f"present_{name}_scale",
-                                             self.dev[f"past_{name}_scale"])  # fmt: skip
-
-        def step(self, f):
-            for k, v in f.items():
-                update(self.dev[k], v)
-            self.sess.run_with_iobinding(self.io)
-            return (from_device(self.out),
-                    *(from_device(self.dev[k]).view(np.asarray(feeds[k]).dtype) for k in caches))  # fmt: skip
-
-    graph, eager = Rig(True), Rig(False)
+    cache_type = _FP8 if pc.kind == "fp8" else None
+    graph, eager = (GraphRig(model, feeds, g, caches, cache_type) for g in (True, False))
     seqlens = np.asarray(feeds["seqlens_k"]).copy()
     state = {k: np.asarray(feeds[k]).copy() for k in caches}
     for step in range(steps):
-        f = {k: rng.standard_normal(np.asarray(feeds[k]).shape).astype(np.float16)
-             for k in ("query", "key", "value") if k in names}  # fmt: skip
-        f["seqlens_k"] = seqlens.astype(np.int32)
-        if "position_ids" in names:
-            f["position_ids"] = seqlens.reshape(B, 1).astype(np.int64)
+        f = step_feeds(rng, feeds, names, seqlens)
         g, e = graph.step(f), eager.step(f)
         what = f"step {step} of {pc!r} {seed_note()}"
         for a, b in zip(g[1:], e[1:], strict=True):
@@ -767,7 +642,7 @@ def test_pt_cuda_graph_decode(layout, scheme):
         assert np.array_equal(g[0].view(np.uint16), e[0].view(np.uint16)), f"output, {what}"
         cq = pc.replace()
         cq._feeds = dict(feeds, **f, **state)
-        want = run_cpu_pt(cq)
+        want = run_pt(cq)
         assert_same_pt(cq, g, want, f"our CPU op's, {what}")
         rows, _ = rq.quant_masks(cq.feeds(), cq.attrs(), layout)
         osel = np.broadcast_to(rows[:, :, None], want[0].shape)

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import reference as ref
 import reference_quant as rq
@@ -36,10 +35,10 @@ from gqa_case import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
+from quant_harness import host_ortvalue, placement, run_bound
 
 pytestmark = pytest.mark.skipif(not op_available()[0], reason=op_available()[1])
 
-_BF16 = np.dtype(ml_dtypes.bfloat16)
 _CACHE = {  # kind -> (numpy storage, ONNX element type)
     "int8": (np.int8, TensorProto.INT8),
     "int4": (np.uint8, TensorProto.UINT8),
@@ -129,16 +128,6 @@ class PtCase:
         return f"PtCase({self.base!r}, kind={self.kind}, quant={self.quant})"
 
 
-def _ortvalue(arr, onnx_type=None):
-    if onnx_type is not None:
-        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(arr, onnx_type)
-    if arr.dtype == _BF16:
-        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
-            arr.view(np.uint16), TensorProto.BFLOAT16
-        )
-    return ort.OrtValue.ortvalue_from_numpy(arr)
-
-
 def model(pc: PtCase, feeds: dict, attrs: dict | None = None, scale_outputs=None) -> bytes:
     """The single-node model: outputs (output, present_key, present_value[, "", scales])."""
     cache_type = _CACHE[pc.kind][1]
@@ -161,42 +150,29 @@ def model(pc: PtCase, feeds: dict, attrs: dict | None = None, scale_outputs=None
     return m.SerializeToString()
 
 
-def run(pc: PtCase, feeds: dict | None = None, shared: bool | None = None):
-    """(output, present_key, present_value, present_key_scale, present_value_scale) in the
-    case's layout (scales None without PER_TOKEN). Outputs preallocated (IO binding); shared:
-    the past buffers (and scale caches) are the presents."""
+def run(
+    pc: PtCase,
+    feeds: dict | None = None,
+    shared: bool | None = None,
+    device: str = "cpu",
+    sess=None,
+):
+    """(output, present_key, present_value, present_key_scale, present_value_scale) as host
+    arrays after one run on ``device`` ("cpu" or "cuda", tests/quant_harness.py), in the case's
+    layout (fp8 caches as uint8; scales None without PER_TOKEN). Outputs preallocated (output
+    NaN-filled, separate presents filled with 0x5A bytes and their scale caches with NaN);
+    shared: the past buffers (and scale caches) are the presents. ``sess``: this session
+    instead of one of the case's model."""
     c = pc.base
     shared = c.shared if shared is None else shared
     feeds = pc.feeds() if feeds is None else feeds
-    sess = make_session(model(pc, feeds), KV_DOMAIN)
-    names = {i.name for i in sess.get_inputs()}
-    io = sess.io_binding()
-    keep = {}
+    place = placement(device)
+    if sess is None:
+        sess = place.session(model(pc, feeds), KV_DOMAIN)
     cache_type = _CACHE[pc.kind][1] if pc.kind == "fp8" else None
-    for k, v in feeds.items():
-        if v is None or k not in names:
-            continue
-        keep[k] = np.array(v, copy=True)
-        typed = cache_type if k in ("past_key", "past_value") else None
-        io.bind_ortvalue_input(k, _ortvalue(keep[k], typed))
-    plan = ref.plan_step(feeds, pc.attrs())
-    out = np.zeros((c.batch, c.seq, c.num_heads * c.head_size), np.asarray(feeds["query"]).dtype)
-    io.bind_ortvalue_output("output", _ortvalue(out))
-    shape = (c.batch, c.kv_num_heads, plan.present_capacity)
-    if shared:
-        pk, pv = keep["past_key"], keep["past_value"]
-        ks, vs = keep.get("past_key_scale"), keep.get("past_value_scale")
-    else:
-        pk, pv = np.zeros(shape + (pc.row,), pc.np_cache), np.zeros(shape + (pc.row,), pc.np_cache)
-        ks, vs = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
-    io.bind_ortvalue_output("present_key", _ortvalue(pk, cache_type))
-    io.bind_ortvalue_output("present_value", _ortvalue(pv, cache_type))
-    if pc.per_token:
-        io.bind_ortvalue_output("present_key_scale", _ortvalue(ks))
-        io.bind_ortvalue_output("present_value_scale", _ortvalue(vs))
-    sess.run_with_iobinding(io)
-    scales = (ks.copy(), vs.copy()) if pc.per_token else (None, None)
-    return (out, pk.copy(), pv.copy(), *scales)
+    return run_bound(
+        place, sess, feeds, pc.attrs(), c, shared, pc.np_cache, pc.row, cache_type, pc.per_token
+    )
 
 
 ALONE = {"fp32": 1e-4, "fp16": 6e-3, "bf16": 4e-2}
@@ -563,7 +539,7 @@ def _raise(pc: PtCase, feeds=None, attrs=None, match="", scale_outputs=None, typ
             if v is None or k not in names:
                 continue
             t = (types or {}).get(k)
-            ins[k] = _ortvalue(np.ascontiguousarray(v), t) if t else np.asarray(v)
+            ins[k] = host_ortvalue(np.ascontiguousarray(v), t) if t else np.asarray(v)
         sess.run(None, ins)
 
 
@@ -707,13 +683,13 @@ def test_scale_sharing_must_follow_the_cache():
     io = sess.io_binding()
     keep = {k: np.array(v, copy=True) for k, v in f.items() if v is not None}
     for k, v in keep.items():
-        io.bind_ortvalue_input(k, _ortvalue(v))
+        io.bind_ortvalue_input(k, host_ortvalue(v))
     cap = keep["past_key"].shape[2]
-    io.bind_ortvalue_output("output", _ortvalue(np.zeros((1, 1, 64), np.float16)))
+    io.bind_ortvalue_output("output", host_ortvalue(np.zeros((1, 1, 64), np.float16)))
     for name in ("present_key", "present_value"):
-        io.bind_ortvalue_output(name, _ortvalue(np.zeros((1, 2, cap, 16), np.int8)))
-    io.bind_ortvalue_output("present_key_scale", _ortvalue(keep["past_key_scale"]))
-    io.bind_ortvalue_output("present_value_scale", _ortvalue(keep["past_value_scale"]))
+        io.bind_ortvalue_output(name, host_ortvalue(np.zeros((1, 2, cap, 16), np.int8)))
+    io.bind_ortvalue_output("present_key_scale", host_ortvalue(keep["past_key_scale"]))
+    io.bind_ortvalue_output("present_value_scale", host_ortvalue(keep["past_value_scale"]))
     with pytest.raises(Exception, match=r"must share memory exactly when past_key/present_key"):
         sess.run_with_iobinding(io)
 

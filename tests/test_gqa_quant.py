@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import reference as ref
 import reference_quant as rq
@@ -29,6 +28,7 @@ from gqa_case import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto
+from quant_harness import placement, run_bound
 
 pytestmark = pytest.mark.skipif(not op_available()[0], reason=op_available()[1])
 
@@ -39,7 +39,6 @@ _ONNX = {
     np.dtype(np.float32): TensorProto.FLOAT,
     np.dtype(ml_dtypes.bfloat16): TensorProto.BFLOAT16,
 }
-_BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 # --------------------------------------------------------------------------------------------
@@ -127,44 +126,28 @@ def _model(feeds: dict, attrs: dict, domain: str, layout, cache_dtype) -> bytes:
     return m.SerializeToString()
 
 
-def _ortvalue(arr):
-    if arr.dtype == _BF16:
-        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
-            arr.view(np.uint16), TensorProto.BFLOAT16
-        )
-    return ort.OrtValue.ortvalue_from_numpy(arr)
-
-
-def run(qc: QuantCase, domain: str = KV_DOMAIN, feeds: dict | None = None):
-    """(output, present_key, present_value): presents in the case's layout for ai.kvlayout, BNSH
-    for com.microsoft. Outputs preallocated (IO binding); shared: past buffers are the presents.
-    ``feeds``: instead of the case's (caches in the byte order of ``domain``)."""
+def run(
+    qc: QuantCase,
+    domain: str = KV_DOMAIN,
+    feeds: dict | None = None,
+    device: str = "cpu",
+    sess=None,
+):
+    """(output, present_key, present_value) as host arrays after one run on ``device`` ("cpu":
+    our CPU op or ORT's; "cuda": the CUDA EP, tests/quant_harness.py): presents in the case's
+    layout for ai.kvlayout, BNSH for com.microsoft. Outputs preallocated (output NaN-filled,
+    separate presents filled with 0x5A bytes); shared: past buffers are the presents.
+    ``feeds``: instead of the case's (caches in the byte order of ``domain``); ``sess``: this
+    session instead of one of the case's model."""
     c = qc.base
     layout = c.kv_layout if domain == KV_DOMAIN else None
     if feeds is None:
         feeds = qc.feeds() if domain == KV_DOMAIN else qc.head_major_feeds()
-    sess = make_session(_model(feeds, qc.attrs(), domain, layout, qc.cache_dtype), domain)
-    names = {i.name for i in sess.get_inputs()}
-    io = sess.io_binding()
-    keep = {}
-    for k, v in feeds.items():
-        if v is None or k not in names:
-            continue
-        keep[k] = np.array(v, copy=True)
-        io.bind_ortvalue_input(k, _ortvalue(keep[k]))
-    plan = ref.plan_step(feeds, qc.attrs())
-    q = np.asarray(feeds["query"])
-    out = np.zeros((c.batch, c.seq, c.num_heads * c.head_size), q.dtype)
-    io.bind_ortvalue_output("output", _ortvalue(out))
-    if c.shared:
-        pk, pv = keep["past_key"], keep["past_value"]
-    else:
-        shape = (c.batch, c.kv_num_heads, plan.present_capacity, qc.row)
-        pk, pv = np.zeros(shape, qc.cache_dtype), np.zeros(shape, qc.cache_dtype)
-    io.bind_ortvalue_output("present_key", _ortvalue(pk))
-    io.bind_ortvalue_output("present_value", _ortvalue(pv))
-    sess.run_with_iobinding(io)
-    return out, pk.copy(), pv.copy()
+    place = placement(device)
+    if sess is None:
+        sess = place.session(_model(feeds, qc.attrs(), domain, layout, qc.cache_dtype), domain)
+    got = run_bound(place, sess, feeds, qc.attrs(), c, c.shared, qc.cache_dtype, qc.row)
+    return got[:3]
 
 
 def ort_runs(qc: QuantCase) -> bool:
@@ -189,26 +172,33 @@ def _max_err(got, want, sel) -> float:
     return float(e.max()) if e.size else 0.0
 
 
-def check(qc: QuantCase) -> None:
+def check_codes(qc: QuantCase, ours, note: str = ""):
+    """The presents of ``ours`` (run's triple, on either device) against the oracle's codes:
+    equal, except that rotary / norm run in float32 in the kernel and float64 in the oracle, so
+    a value at a rounding edge may move one code (on at most 2% of the defined values).
+    Returns (oracle output, its defined elements, the presents' defined bytes, the oracle's
+    max |output|, ours' max error against it); ``note`` ends the failure messages."""
     c = qc.base
-    ours = run(qc)
     out_ref, pk_ref, _pv_ref, (pk_lv, pv_lv) = qc.reference()
     rows, pmask = qc.masks()
     osel = np.broadcast_to(rows[:, :, None], out_ref.shape)
     assert ours[1].dtype == qc.cache_dtype and ours[1].shape == pk_ref.shape, (ours[1].shape, qc)
-
-    # Present codes against the oracle's: equal, except that rotary / norm run in float32 in
-    # the kernel and float64 in the oracle, so a value at a rounding edge may move one code.
     exact = not c.do_rotary and not c.qk_norm
     for got, lv in ((ours[1], pk_lv), (ours[2], pv_lv)):
         got_lv = rq.unpack(ref.from_layout(got, c.kv_layout), qc.bits, c.head_size)
         defined = ~np.isnan(lv)
         diff = np.abs(got_lv[defined] - lv[defined])
-        assert diff.size == 0 or diff.max() <= (0 if exact else 1), f"codes vs oracle for {qc!r}"
-        assert diff.size == 0 or (diff > 0).mean() <= 0.02, f"codes vs oracle for {qc!r}"
-
-    e_ours = _max_err(ours[0], out_ref, osel)
+        what = f"codes vs oracle for {qc!r}{note}"
+        assert diff.size == 0 or diff.max() <= (0 if exact else 1), what
+        assert diff.size == 0 or (diff > 0).mean() <= 0.02, what
     w_max = float(np.abs(out_ref[osel]).max()) if osel.any() else 0.0
+    return out_ref, osel, pmask, w_max, _max_err(ours[0], out_ref, osel)
+
+
+def check(qc: QuantCase) -> None:
+    c = qc.base
+    ours = run(qc)
+    out_ref, osel, pmask, w_max, e_ours = check_codes(qc, ours)
     if ort_runs(qc):
         theirs = run(qc, MS_DOMAIN)
         # The cache bytes: equal to ORT's, in BNSH order.
