@@ -358,6 +358,21 @@ def rotary_caches(positions: int, head_size: int, device: str) -> dict:
     }
 
 
+def step_feeds(q, k, v, length: int, positions: int, head_size: int, device: str) -> dict:
+    """The inputs every variant of a case shares: q, k, v, the lengths of a cache of `length`
+    rows per batch entry, and with --rotary the cos/sin caches of `positions` positions."""
+    import torch
+
+    feeds = {
+        "query": q, "key": k, "value": v,
+        "seqlens_k": torch.full((q.shape[0],), length - 1, dtype=torch.int32, device=device),
+        "total_sequence_length": np.array(length, np.int32),
+    }  # fmt: skip
+    if ROTARY:
+        feeds.update(rotary_caches(positions, head_size, device))
+    return feeds
+
+
 def run_case(kind: str, b: int, length: int, heads: tuple[int, int, int], runs: int, gen) -> dict:
     import torch
 
@@ -371,13 +386,7 @@ def run_case(kind: str, b: int, length: int, heads: tuple[int, int, int], runs: 
     q, k, v = randn(b, s, n * h), randn(b, s, nkv * h), randn(b, s, nkv * h)
     cap = max(CAPACITY, length) if kind == "decode" else length
     pk, pv = randn(b, nkv, cap, h), randn(b, nkv, cap, h)  # rows past L: live data of nobody
-    base = {
-        "query": q, "key": k, "value": v,
-        "seqlens_k": torch.full((b,), length - 1, dtype=torch.int32, device=dev),
-        "total_sequence_length": np.array(length, np.int32),
-    }  # fmt: skip
-    if ROTARY:
-        base.update(rotary_caches(cap + s, h, dev))
+    base = step_feeds(q, k, v, length, cap + s, h, dev)
     row = {"kind": kind, "batch": b, "length": length, "capacity": cap, "heads": f"{n}/{nkv}/{h}"}
     if ROTARY:
         row["rotary"] = True
@@ -500,13 +509,7 @@ def run_quant_case(
     else:
         u = torch.rand(2, 1, nkv, 1, h, generator=gen, device=dev, dtype=torch.float32)
         scales = {"k_scale": top * (0.5 + u[0]), "v_scale": top * (0.5 + u[1])}
-    base = {
-        "query": q, "key": k, "value": v,
-        "seqlens_k": torch.full((b,), length - 1, dtype=torch.int32, device=dev),
-        "total_sequence_length": np.array(length, np.int32),
-    }  # fmt: skip
-    if ROTARY:
-        base.update(rotary_caches(cap + 1, h, dev))
+    base = step_feeds(q, k, v, length, cap + 1, h, dev)
     scheme = f"{kind}-{qtype.lower().replace('_', '-')}"
     types = (
         {"past_key": CACHE_TYPES["fp8"], "past_value": CACHE_TYPES["fp8"]}
