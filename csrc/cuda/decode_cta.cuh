@@ -215,6 +215,7 @@ struct DecodeCta {
   __device__ __forceinline__ bool Appends(int64_t i) const;
   __device__ __forceinline__ bool KeyLoop();
   __device__ __forceinline__ void WaitStep(int64_t i);
+  __device__ __forceinline__ void SoftmaxStep(float (&sc)[NT][4], int64_t k0);
   __device__ __forceinline__ void Step(int64_t i);
   __device__ __forceinline__ void IssueQuant(int64_t i);
   // kFp8: float8e4m3fn bytes in an 8-bit instance; kToken: PER_TOKEN scales. Compile-time, so

@@ -122,6 +122,21 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::WaitStep(int64_t 
   __syncwarp();                // ... and every lane's
 }
 
+// The scores of the step at key k0 (Step, StepQuant) turned into P: masks, softcap, bias, then
+// the online softmax of rows gq (e = 0, 1) and gq + 8 (e = 2, 3), which rescales l and o. A step
+// inside the key range of every working row of the warp needs no masks.
+template <typename T, int HD, DecodeForm kForm, int W, typename C>
+__device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::SoftmaxStep(float (&sc)[NT][4],
+                                                                        int64_t k0) {
+  const bool whole =
+      raw_scores &&
+      __all_sync(0xffffffffu, (idle[0] || (kr[0].lo <= k0 && k0 + KS <= kr[0].hi)) &&
+                                  (idle[1] || (kr[1].lo <= k0 && k0 + KS <= kr[1].hi)));
+  float tmax[2];
+  MaskStepScores<T, NT>(sc, tmax, whole, upper, k0, tq, kr, s, inv_softcap, bias, bias_row);
+  OnlineSoftmaxStep<NT, DTO>(sc, tmax, whole, upper, m, l, o);
+}
+
 // Step i of this warp: WaitStep, then its scores, softmax and P V.
 template <typename T, int HD, DecodeForm kForm, int W, typename C>
 __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::Step(int64_t i) {
@@ -199,15 +214,7 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::Step(int64_t i) {
     }
   }
 
-  // Masks, softcap, bias; the online softmax of rows gq (e = 0, 1) and gq + 8 (e = 2, 3). A
-  // step inside the key range of every working row of the warp needs no masks.
-  const bool whole =
-      raw_scores &&
-      __all_sync(0xffffffffu, (idle[0] || (kr[0].lo <= k0 && k0 + KS <= kr[0].hi)) &&
-                                  (idle[1] || (kr[1].lo <= k0 && k0 + KS <= kr[1].hi)));
-  float tmax[2];
-  MaskStepScores<T, NT>(sc, tmax, whole, upper, k0, tq, kr, s, inv_softcap, bias, bias_row);
-  OnlineSoftmaxStep<NT, DTO>(sc, tmax, whole, upper, m, l, o);
+  SoftmaxStep(sc, k0);
 
   if constexpr (!kPack) {
     PV(o, 0, sc, vs, v_lane);
@@ -306,14 +313,7 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::StepQuant(int64_t
       for (int e = 0; e < 4; ++e) sc[n][e] *= ksc[n * 8 + 2 * tq + (e & 1)];
     }
   }
-
-  const bool whole =
-      raw_scores &&
-      __all_sync(0xffffffffu, (idle[0] || (kr[0].lo <= k0 && k0 + KS <= kr[0].hi)) &&
-                                  (idle[1] || (kr[1].lo <= k0 && k0 + KS <= kr[1].hi)));
-  float tmax[2];
-  MaskStepScores<T, NT>(sc, tmax, whole, upper, k0, tq, kr, s, inv_softcap, bias, bias_row);
-  OnlineSoftmaxStep<NT, DTO>(sc, tmax, whole, upper, m, l, o);
+  SoftmaxStep(sc, k0);
   // A NaN V scale (non-finite row) reaches the rows attending its key: P = NaN.
   if constexpr (kToken) {
 #pragma unroll
