@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/common.cuh"
 #include "cuda/decode_geometry.h"
@@ -84,6 +85,12 @@ struct DecodeCta {
   static constexpr int QKB = QRB / 4, QKV = QKB < 16 ? QKB : 16, QVB = QRB / 8;
   static_assert(!kQuant || (!kPack && (HD == 64 || HD == 128) && QCR >= 2 && QCR <= 8),
                 "quantized decode instances: head sizes 64 and 128, per-head CTAs");
+  // 8-bit codes under fp16: the static int8 step feeds the MMAs 1152 + code (no subtraction per
+  // code pair) and corrects the products: the scores start at -1152 x each row's query sum
+  // (k_bias), and o's extra n-tile o[DTO] sums 1152 x P, taken from O after the key loop
+  // (docs/DECISIONS.md, "biased int8 operands").
+  static constexpr bool kBiased = kQuant && QBITS == 8 && std::is_same<T, __half>::value;
+  static constexpr int kOBias = kBiased ? 1 : 0;
 
   // The CTA's static shared memory: the warps' maxima, sums and weights, the rows' merged
   // maxima, sums and scales, and whether this CTA merges the splits.
@@ -159,7 +166,19 @@ struct DecodeCta {
   int64_t bias_row[2];
   int head_lo, head_hi;
   float m[2], l[2];
-  float o[DTO][4];
+  float o[DTO + kOBias][4];  // o[DTO]: the biased step's 1152 x P sums (kBiased)
+  float k_bias[2];           // kBiased: -1152 x the query sums of rows gq and gq + 8
+  // A quantized step's shared reads at this lane's offsets, set once before the key loop: K
+  // vector v of row 8 n + gq at n QLS + qk_at[v]; V share of key row 8 h + 2 tq + o at
+  // h QLS + qv_at[o]. DecQuantAt's swizzle depends on r % 8 alone where a row octet holds whole
+  // 128-byte lines (QCR >= 4), so its QLS bytes add per octet (QLaneAt). Computed per step,
+  // the swizzle arithmetic was about 90 instructions of the step's loop.
+  static constexpr bool QLaneAt = kQuant && QCR >= 4;
+  static constexpr int QLS = 8 * QRB;
+  int qk_at[kQuant ? QKB / QKV : 1], qv_at[2];
+  // IssueQuant's copies: copy iteration it's shared offset (it / IPO) QLS + qc_at[it % IPO],
+  // IPO = QCR / 4 iterations per row octet (32 / QCR rows each).
+  int qc_at[kQuant && QCR >= 4 ? QCR / 4 : 1];
 
   // The merges (MergeWarps).
   DecodeMergeTree tree;
@@ -215,6 +234,8 @@ struct DecodeCta {
   __device__ __forceinline__ bool Appends(int64_t i) const;
   __device__ __forceinline__ bool KeyLoop();
   __device__ __forceinline__ void WaitStep(int64_t i);
+  // kBiasTile: o[DTO] is rescaled with o (the biased int8 step's); other steps leave it 0.
+  template <bool kBiasTile = false>
   __device__ __forceinline__ void SoftmaxStep(float (&sc)[NT][4], int64_t k0);
   __device__ __forceinline__ void Step(int64_t i);
   __device__ __forceinline__ void IssueQuant(int64_t i);

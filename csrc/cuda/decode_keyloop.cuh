@@ -54,7 +54,29 @@ __device__ __forceinline__ bool DecodeCta<T, HD, kForm, W, C>::KeyLoop() {
   m[0] = m[1] = -INFINITY;
   l[0] = l[1] = 0.0f;
 #pragma unroll
-  for (int n = 0; n < DTO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  for (int n = 0; n < DTO + kOBias; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  if constexpr (kBiased) {  // Q (1152, ..., 1152)^T: every column holds the row's 1152 x sum
+    float qs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int kk = 0; kk < KT; ++kk) {
+      ptx::Mma16816<T>(qs, qa[kk], kInt8HalfBiasPair, kInt8HalfBiasPair);
+    }
+    k_bias[0] = -qs[0];
+    k_bias[1] = -qs[2];
+  }
+
+  if constexpr (QLaneAt) {
+#pragma unroll
+    for (int v = 0; v < QKB / QKV; ++v) {
+      const int byte = (v * 4 + tq) * QKV;
+      qk_at[v] = DecQuantAt<QCR>(gq, byte / 16) + byte % 16;
+    }
+#pragma unroll
+    for (int o1 = 0; o1 < 2; ++o1) {
+      const int byte = gq * QVB;
+      qv_at[o1] = DecQuantAt<QCR>(2 * tq + o1, byte / 16) + byte % 16;
+    }
+  }
 
   if constexpr (kQuant) {
     // One variant of the step per (fp8, PER_TOKEN): a runtime test inside the step split its
@@ -76,6 +98,13 @@ __device__ __forceinline__ bool DecodeCta<T, HD, kForm, W, C>::KeyLoop() {
     }
   } else {
     for (int64_t i = 0; i < my_steps; ++i) Step(i);
+  }
+  if constexpr (kBiased) {  // O less 1152 x P's sums: the codes' products (0 unless biased V)
+#pragma unroll
+    for (int n = 0; n < DTO; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[n][e] -= o[DTO][e];
+    }
   }
 
   // (Every accumulator feeds the kept store: keeping o[0] alone let the compiler drop the other
@@ -126,6 +155,7 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::WaitStep(int64_t 
 // the online softmax of rows gq (e = 0, 1) and gq + 8 (e = 2, 3), which rescales l and o. A step
 // inside the key range of every working row of the warp needs no masks.
 template <typename T, int HD, DecodeForm kForm, int W, typename C>
+template <bool kBiasTile>
 __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::SoftmaxStep(float (&sc)[NT][4],
                                                                         int64_t k0) {
   const bool whole =
@@ -134,7 +164,12 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::SoftmaxStep(float
                                   (idle[1] || (kr[1].lo <= k0 && k0 + KS <= kr[1].hi)));
   float tmax[2];
   MaskStepScores<T, NT>(sc, tmax, whole, upper, k0, tq, kr, s, inv_softcap, bias, bias_row);
-  OnlineSoftmaxStep<NT, DTO>(sc, tmax, whole, upper, m, l, o);
+  if constexpr (kBiasTile) {
+    OnlineSoftmaxStep<NT, DTO + 1>(sc, tmax, whole, upper, m, l, o);
+  } else {  // o's first DTO n-tiles: a variant that leaves o[DTO] at 0 keeps no registers for it
+    OnlineSoftmaxStep<NT, DTO>(sc, tmax, whole, upper, m, l,
+                               reinterpret_cast<float(&)[DTO][4]>(o));
+  }
 }
 
 // Step i of this warp: WaitStep, then its scores, softmax and P V.
@@ -257,6 +292,10 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::StepQuant(int64_t
   const unsigned char* vt = kt + KST * P * sizeof(T);
   const int64_t k0 = StepKey(i);
   static_assert(!kFp8 || QBITS == 8, "float8e4m3fn bytes in the 8-bit instances only");
+  // Biased int8 operands (kBiased): K's always (the K scale, static or per token, applies to
+  // the corrected score), V's with static scales (a PER_TOKEN scale multiplies each code before
+  // the MMA, where 1152 + code would lose the code's bits).
+  constexpr bool kBiasK = kBiased && !kFp8, kBiasV = kBiasK && !kToken;
   const float* ksc = reinterpret_cast<const float*>(kt + kQuantScaleAt);
   const float* vsc = reinterpret_cast<const float*>(vt + kQuantScaleAt);
 
@@ -264,13 +303,14 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::StepQuant(int64_t
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) sc[n][e] = 0.0f;
+    for (int e = 0; e < 4; ++e) sc[n][e] = kBiasK ? k_bias[e / 2] : 0.0f;
     const int r = n * 8 + gq;
     uint32_t kb[KT][2];
 #pragma unroll
     for (int v = 0; v < QKB / QKV; ++v) {
       const int byte = (v * 4 + tq) * QKV;
-      const unsigned char* src = kt + DecQuantAt<QCR>(r, byte / 16) + byte % 16;
+      const unsigned char* src =
+          kt + (QLaneAt ? n * QLS + qk_at[v] : DecQuantAt<QCR>(r, byte / 16) + byte % 16);
       uint32_t w[QKV / 4];
       if constexpr (QKV == 16) {
         const uint4 x = *reinterpret_cast<const uint4*>(src);
@@ -290,6 +330,8 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::StepQuant(int64_t
         if constexpr (QBITS == 8) {
           if constexpr (kFp8) {
             Fp8x4ToPairs<T>(w[ww], kb[ki][0], kb[ki][1]);
+          } else if constexpr (kBiasK) {
+            Int8x4ToBiasedHalfPairs(w[ww], kb[ki][0], kb[ki][1]);
           } else {
             Int8x4ToPairs<T>(w[ww], kb[ki][0], kb[ki][1]);
           }
@@ -313,7 +355,7 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::StepQuant(int64_t
       for (int e = 0; e < 4; ++e) sc[n][e] *= ksc[n * 8 + 2 * tq + (e & 1)];
     }
   }
-  SoftmaxStep(sc, k0);
+  SoftmaxStep<kBiasV>(sc, k0);
   // A NaN V scale (non-finite row) reaches the rows attending its key: P = NaN.
   if constexpr (kToken) {
 #pragma unroll
@@ -347,7 +389,9 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::StepQuant(int64_t
     for (int k4 = 0; k4 < 4; ++k4) {
       const int r = kk * 16 + 2 * tq + (k4 & 1) + (k4 >> 1) * 8;
       const int byte = gq * QVB;
-      const unsigned char* src = vt + DecQuantAt<QCR>(r, byte / 16) + byte % 16;
+      const unsigned char* src =
+          vt + (QLaneAt ? (2 * kk + (k4 >> 1)) * QLS + qv_at[k4 & 1]
+                        : DecQuantAt<QCR>(r, byte / 16) + byte % 16);
       if constexpr (NW == 4) {
         const uint4 x = *reinterpret_cast<const uint4*>(src);
         kw[k4][0] = x.x;
@@ -376,6 +420,9 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::StepQuant(int64_t
           if constexpr (kFp8) {
             Fp8x4ToPairs<T>(__byte_perm(ka, kb2, 0x5140), vb[0][hf], vb[1][hf]);
             Fp8x4ToPairs<T>(__byte_perm(ka, kb2, 0x7362), vb[2][hf], vb[3][hf]);
+          } else if constexpr (kBiasV) {
+            Int8x4ToBiasedHalfPairs(__byte_perm(ka, kb2, 0x5140), vb[0][hf], vb[1][hf]);
+            Int8x4ToBiasedHalfPairs(__byte_perm(ka, kb2, 0x7362), vb[2][hf], vb[3][hf]);
           } else {
             Int8x4ToPairs<T>(__byte_perm(ka, kb2, 0x5140), vb[0][hf], vb[1][hf]);
             Int8x4ToPairs<T>(__byte_perm(ka, kb2, 0x7362), vb[2][hf], vb[3][hf]);
@@ -401,6 +448,9 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::StepQuant(int64_t
       for (int j = 0; j < NPW; ++j) {
         ptx::Mma16816<T>(o[NPW * w + j], a, vb[j][0], vb[j][1]);
       }
+    }
+    if constexpr (kBiasV) {  // the k-step's 1152 x P sums, in every column of o[DTO]
+      ptx::Mma16816<T>(o[DTO], a, kInt8HalfBiasPair, kInt8HalfBiasPair);
     }
   }
 }

@@ -189,12 +189,17 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::IssueQuant(int64_
   const unsigned char* vstep = code_v + (k0 - geo.cache_base) * seq_stride;
   const int rows_here = static_cast<int>(min(int64_t(KS), k_end - k0));
   static_assert((KS * QCR) % kWarp == 0, "whole warp-wide copies");
+  // Iteration it copies chunk lane % QCR of row lane / QCR + RPI it (QLaneAt: of octet
+  // it / IPO, at a lane offset set once), at this lane's source offset plus it RPI rows.
+  constexpr int RPI = kWarp / QCR, IPO = QLaneAt ? 8 / RPI : 1;
+  const int r0 = lane / QCR;
+  const int32_t src0 = r0 * stride32 + (lane % QCR) * 16;
 #pragma unroll
   for (int it = 0; it < KS * QCR / kWarp; ++it) {
-    const int idx = lane + it * kWarp, r = idx / QCR, c = idx % QCR;
-    const bool valid = r < rows_here;
-    const int32_t off = valid ? r * stride32 + c * 16 : 0;
-    const int at = DecQuantAt<QCR>(r, c);
+    const bool valid = r0 + it * RPI < rows_here;
+    const uint32_t off = valid ? uint32_t(src0 + it * RPI * stride32) : 0u;
+    const int at = QLaneAt ? (it / IPO) * QLS + qc_at[it % IPO]
+                           : DecQuantAt<QCR>(r0 + it * RPI, lane % QCR);
     ptx::CpAsync16(kt + at, kstep + off, valid);
     ptx::CpAsync16(vt + at, vstep + off, valid);
   }
@@ -254,6 +259,12 @@ __device__ __forceinline__ bool DecodeCta<T, HD, kForm, W, C>::Prologue() {
       tok_k = buf.present_key_scale + ScaleIndex(s, present_st.Offset(b, g, 0));
       tok_v = buf.present_value_scale + ScaleIndex(s, present_st.Offset(b, g, 0));
       tok_stride = static_cast<int32_t>(ScaleIndex(s, present_st.seq));
+    }
+    if constexpr (QLaneAt) {  // IssueQuant's lane offsets: rows lane / QCR + RPI o, chunk lane % QCR
+#pragma unroll
+      for (int o1 = 0; o1 < QCR / 4; ++o1) {
+        qc_at[o1] = DecQuantAt<QCR>(lane / QCR + o1 * (kWarp / QCR), lane % QCR);
+      }
     }
   }
   seq_stride = present_st.seq;

@@ -159,15 +159,30 @@ __device__ __forceinline__ T2 PairOf(uint32_t bits) {
   return *reinterpret_cast<const T2*>(&bits);
 }
 
+// The fp16 pair (1152, 1152): the bias of Int8x4ToBiasedHalfPairs.
+constexpr uint32_t kInt8HalfBiasPair = 0x64806480u;
+constexpr float kInt8HalfBias = 1152.0f;
+
+// Four int8 codes (bytes 0..3 of w) as two pairs of fp16 holding 1152 + code, exactly (1024 +
+// the biased byte): Int8x4ToPairs without its subtraction, for an MMA operand whose products are
+// corrected afterwards by 1152 x the sum of the other operand (the decode's biased int8 step).
+__device__ __forceinline__ void Int8x4ToBiasedHalfPairs(uint32_t w, uint32_t& p01,
+                                                        uint32_t& p23) {
+  const uint32_t x = w ^ 0x80808080u;  // code + 128, as unsigned bytes
+  p01 = __byte_perm(x, 0x64646464u, 0x4140);
+  p23 = __byte_perm(x, 0x64646464u, 0x4342);
+}
+
 // Four int8 codes (bytes 0..3 of w) as two pairs of T: p01 = (byte 0, byte 1), p23 = (2, 3).
 template <typename T>
 __device__ __forceinline__ void Int8x4ToPairs(uint32_t w, uint32_t& p01, uint32_t& p23) {
-  const uint32_t x = w ^ 0x80808080u;  // code + 128, as unsigned bytes
   if constexpr (std::is_same<T, __half>::value) {
-    const __half2 bias = __half2(__ushort_as_half(0x6480), __ushort_as_half(0x6480));  // 1152
-    p01 = HalfPairBits(__hsub2(PairOf<__half2>(__byte_perm(x, 0x64646464u, 0x4140)), bias));
-    p23 = HalfPairBits(__hsub2(PairOf<__half2>(__byte_perm(x, 0x64646464u, 0x4342)), bias));
+    const __half2 bias = PairOf<__half2>(kInt8HalfBiasPair);
+    Int8x4ToBiasedHalfPairs(w, p01, p23);
+    p01 = HalfPairBits(__hsub2(PairOf<__half2>(p01), bias));
+    p23 = HalfPairBits(__hsub2(PairOf<__half2>(p23), bias));
   } else {
+    const uint32_t x = w ^ 0x80808080u;  // code + 128, as unsigned bytes
     auto f = [&](unsigned sel) {  // 2^23 + byte, less 2^23 + 128
       return __uint_as_float(__byte_perm(x, 0x4B000000u, sel)) - 8388736.0f;
     };
