@@ -171,8 +171,9 @@ struct DecodeCta {
   // A quantized step's shared reads at this lane's offsets, set once before the key loop: K
   // vector v of row 8 n + gq at n QLS + qk_at[v]; V share of key row 8 h + 2 tq + o at
   // h QLS + qv_at[o]. DecQuantAt's swizzle depends on r % 8 alone where a row octet holds whole
-  // 128-byte lines (QCR >= 4), so its QLS bytes add per octet (QLaneAt). Computed per step,
-  // the swizzle arithmetic was about 90 instructions of the step's loop.
+  // 128-byte lines (QCR >= 4), so its QLS bytes add per octet (QLaneAt). Computed per step
+  // (with the copies' offsets, qc_at), the swizzle arithmetic was about 60 instructions of the
+  // static int8 step's loop at head size 128 (sm_90).
   static constexpr bool QLaneAt = kQuant && QCR >= 4;
   static constexpr int QLS = 8 * QRB;
   int qk_at[kQuant ? QKB / QKV : 1], qv_at[2];

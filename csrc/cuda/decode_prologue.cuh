@@ -260,7 +260,7 @@ __device__ __forceinline__ bool DecodeCta<T, HD, kForm, W, C>::Prologue() {
       tok_v = buf.present_value_scale + ScaleIndex(s, present_st.Offset(b, g, 0));
       tok_stride = static_cast<int32_t>(ScaleIndex(s, present_st.seq));
     }
-    if constexpr (QLaneAt) {  // IssueQuant's lane offsets: rows lane / QCR + RPI o, chunk lane % QCR
+    if constexpr (QLaneAt) {  // IssueQuant's: rows lane / QCR + RPI o1, chunk lane % QCR
 #pragma unroll
       for (int o1 = 0; o1 < QCR / 4; ++o1) {
         qc_at[o1] = DecQuantAt<QCR>(lane / QCR + o1 * (kWarp / QCR), lane % QCR);
