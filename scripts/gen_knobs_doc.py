@@ -47,7 +47,7 @@ BUILD_KNOBS = [
 COMPILE_KNOBS = [
     ("KVL_DECODE_TRACE", "0 | 1 | 2", "0", "diagnostic",
      ("1: the decode kernel prints a KVL_TRACE line of phase cycles per launch; 2: one line per "
-     "CTA of row 0 (bench/trace_summary.py reads them)")),
+     "CTA of row 0 (tools/perf/trace_summary.py reads them)")),
     ("KVL_DECODE_STOP", "0 .. 5", "0", "diagnostic",
      ("n > 0 ends the decode kernel after its n-th phase (wrong results; splits a launch's time "
      "by phase)")),

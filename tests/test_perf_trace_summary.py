@@ -1,4 +1,4 @@
-"""tools/perf/trace_summary.py: the medians of the decode kernel's trace marks, grouped by case and line (the lines' format is DecTrace::Line in csrc/cuda/decode.cu)."""
+"""tools/perf/trace_summary.py: the medians of the decode kernel's trace marks, grouped by case and line (the lines' format is DecTrace::Line in csrc/cuda/decode_instrument.cuh)."""
 
 from __future__ import annotations
 

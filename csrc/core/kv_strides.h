@@ -6,7 +6,7 @@
 //   seq-major  BSNH: b*C*Nkv*H + s*Nkv*H + h*H + d
 // In BSNH the address of token s of batch b does not depend on C beyond the batch stride, so a
 // cache can grow in place. Every CPU and CUDA kernel indexes the cache only through this struct;
-// python/ort_kvlayout/layout.py mirrors it.
+// python/ort_kvlayout/op/layout.py mirrors it.
 #pragma once
 
 #include <cstdint>

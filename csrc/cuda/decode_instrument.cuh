@@ -18,8 +18,8 @@
 // prologue: the lengths landed, partition known, first steps issued, query fragments ready,
 // first step landed. A mark taken with a value (`Mark(v)`) waits for it: the clock is read after
 // an instruction that uses v. Each line is one printf (lines of CTAs printing at once do not
-// interleave) and names its case (head size, rows, B x Nkv, live keys) so bench/trace_summary.py
-// can group lines by case; it ends with the CTA's %globaltimer start.
+// interleave) and names its case (head size, rows, B x Nkv, live keys) so
+// tools/perf/trace_summary.py can group lines by case; it ends with the CTA's %globaltimer start.
 // KVL_DECODE_TRACE=2 prints instead one line per CTA of row 0 (every split): its prologue marks,
 // the cycles and the %globaltimer when its partial is written (before it arrives at a merge), so
 // the CTA whose partial comes last can be named; no merge lines.
