@@ -20,14 +20,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-# fp16 instances: head tile, form (2: plain one token, 3: packed heads), warps.
+# fp16 instances (kvl::cu::DecodeTcKernel<__half, HD, DecodeForm, W, C>): head tile, form (2:
+# plain one token, 3: packed heads), warps; an int8 cache's instances end their warps with "aE".
 DEFAULT = [
-    "I6__halfLi64ELNS1_10DecodeFormE2ELi4E",
-    "I6__halfLi64ELNS1_10DecodeFormE2ELi8E",
-    "I6__halfLi128ELNS1_10DecodeFormE2ELi4E",
-    "I6__halfLi128ELNS1_10DecodeFormE2ELi8E",
-    "I6__halfLi256ELNS1_10DecodeFormE2ELi4E",
-    "I6__halfLi192ELNS1_10DecodeFormE3ELi8E",
+    "I6__halfLi64ELNS0_10DecodeFormE2ELi4E",
+    "I6__halfLi64ELNS0_10DecodeFormE2ELi8E",
+    "I6__halfLi128ELNS0_10DecodeFormE2ELi4E",
+    "I6__halfLi128ELNS0_10DecodeFormE2ELi8E",
+    "I6__halfLi256ELNS0_10DecodeFormE2ELi4E",
+    "I6__halfLi192ELNS0_10DecodeFormE3ELi8E",
 ]
 INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
 COUNTED = {
