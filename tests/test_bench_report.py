@@ -36,7 +36,7 @@ def test_every_committed_result_has_a_table():
     fixed = {report.CUDA, report.KV_MEMORY, *report.CUDA_QUANT, *report.CPU_QUANT}
     fixed |= {n for *_, names in report.CPU_GROUPS for n in names}
     assert fixed <= committed
-    rest = committed - fixed - {report.CUDA_COLD}
+    rest = committed - fixed - {report.CUDA_COLD, report.CUDA_QUANT_COLD}
     assert all(fnmatch.fnmatch(n, report.STACKS) or fnmatch.fnmatch(n, report.SERVING)
                or fnmatch.fnmatch(n, report.PERPLEXITY) for n in rest), rest  # fmt: skip
 
@@ -91,6 +91,9 @@ def test_ratios_are_ort_time_over_ours():
 
 def test_results_not_committed_yet_name_their_command():
     assert "--flush-l2" in report.cuda_cold(None, report.CUDA_COLD)[0]
+    if not (report.RESULTS / report.CUDA_QUANT_COLD).exists():
+        cold = report.blocks()["quant"][Path(report.CUDA_QUANT_COLD).stem]
+        assert cold.startswith("No cold") and "--flush-l2 --kv-quant" in cold
     assert "bench_stack.py --json" in report.stacks([])[0]
 
 
@@ -121,7 +124,7 @@ def test_a_marker_without_a_block_and_a_block_without_a_marker_are_refused():
 def test_each_perplexity_table_names_its_text_method_commit_and_command():
     blocks = report.blocks()["quant"]
     ppl = {p.stem for p in report.RESULTS.glob(report.PERPLEXITY)}
-    speed = {Path(n).stem for n in (*report.CUDA_QUANT, *report.CPU_QUANT)}
+    speed = {Path(n).stem for n in (*report.CUDA_QUANT, report.CUDA_QUANT_COLD, *report.CPU_QUANT)}
     assert set(blocks) == ppl | speed
     for name in ppl:
         block = blocks[name]
