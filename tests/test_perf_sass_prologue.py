@@ -58,3 +58,33 @@ def test_spills_per_instance(tmp_path):
         "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
     )
     assert sass_prologue.spills(log) == {"_Z1aILi64EE": "28 / 24", "_Z1bILi128EE": "0 / 0"}
+
+
+_DECODE = [
+    "@P0 BRA 0x20",
+    "EXIT",
+    "LDG.E R6, desc[UR4][R6.64]",
+    "LDGSTS.E.BYPASS.LTC128B.128 [R9], desc[UR4][R12.64]",
+]
+
+
+def _kernel(args: str) -> str:
+    return f"_ZN3kvl2cu14DecodeTcKernelI{args}EEvNS_8GqaShapeE"
+
+
+def test_defaults_are_those_the_cubin_holds_and_rows_name_the_instance(monkeypatch, capsys):
+    # One .cu per instantiation: an int8 cubin holds no fp16 instance, and the fp16 patterns
+    # (substrings) match its instances, which the rows then name in full.
+    int8 = _kernel("6__halfLi64ELNS0_10DecodeFormE2ELi8Ea")
+    monkeypatch.setattr(sass_prologue, "functions", lambda cubin: {int8: _sass(_DECODE)})
+    assert sass_prologue.main(["x.cubin"]) == 0
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| 6__half")]
+    assert rows == ["| 6__halfLi64ELNS0_10DecodeFormE2ELi8Ea | 4 | 0 | 1 | 0 | 0 | 0 | 0 | 0 |"]
+
+
+def test_a_named_instance_must_be_in_the_cubin(monkeypatch, capsys):
+    monkeypatch.setattr(sass_prologue, "functions", lambda cubin: {_kernel("x"): _sass(_DECODE)})
+    assert sass_prologue.main(["x.cubin", "Li128E"]) == 1
+    assert "no instance matches Li128E" in capsys.readouterr().err
+    assert sass_prologue.main(["x.cubin"]) == 1
+    assert "none of the default instances" in capsys.readouterr().err

@@ -4,8 +4,8 @@
         -Icsrc -I$ORT_INCLUDE -o decode.cubin csrc/cuda/decode_half_hd128.cu > ptxas.log 2>&1
     python tools/perf/sass_prologue.py decode.cubin --ptxas ptxas.log
 
-For each named instance (by default the fp16 one-token ones the grid's shapes run, and the packed
-one): its instructions in all; from the working CTAs' path (the target of the kernel's first
+For each named instance (by default those of the fp16 one-token ones the grid's shapes run, and
+the packed one, that the cubin holds: one decode_<dtype>_hd<N>.cu each): its instructions in all; from the working CTAs' path (the target of the kernel's first
 branch, which jumps over the checker row's code) the instructions to the lengths load (its first
 LDG) and to the first LDGSTS (the first step's copies); and, before that LDGSTS, the reciprocals
 (MUFU.RCP: one per integer division or __frcp_rn), conversions and double-precision operations.
@@ -90,7 +90,7 @@ def prologue(instrs: list[tuple[int, str]]) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("cubin", type=Path)
-    p.add_argument("instances", nargs="*", default=DEFAULT, help="substrings of mangled names")
+    p.add_argument("instances", nargs="*", help="substrings of mangled names (default: DEFAULT's)")
     p.add_argument("--ptxas", type=Path, default=None, help="the compile's ptxas -v output")
     args = p.parse_args(argv)
     funcs = functions(args.cubin)
@@ -98,7 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     cols = ["instructions", "to lengths", "to LDGSTS", *COUNTED]
     print("| instance | " + " | ".join(cols) + (" | spill bytes st / ld |" if spilled else " |"))
     print("|---" * (len(cols) + 1 + bool(spilled)) + "|")
-    for pattern in args.instances:
+    # A named instance must be in the cubin; of the defaults, those it holds.
+    named = args.instances or [d for d in DEFAULT if any(d in n for n in funcs)]
+    if not named:
+        print(f"sass_prologue.py: {args.cubin} holds none of the default instances; name some",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    for pattern in named:
         name = next((n for n in funcs if pattern in n), None)
         if name is None:
             print(f"sass_prologue.py: no instance matches {pattern}", file=sys.stderr)
@@ -108,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"sass_prologue.py: {name}: {e}", file=sys.stderr)
             return 1
-        row = [pattern] + [str(facts[c]) for c in cols]
+        # The instance's template arguments (a pattern may match a longer name: an int8 one's).
+        args_at = re.search(r"DecodeTcKernelI(.*?)EEv", name)
+        row = [args_at.group(1) if args_at else name] + [str(facts[c]) for c in cols]
         if spilled:
             row.append(spilled.get(name, "0 / 0"))
         print("| " + " | ".join(row) + " |")
