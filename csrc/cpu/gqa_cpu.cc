@@ -870,6 +870,16 @@ void AccumulateRanges(const float* p, const VS& v, const int* lo, const int* hi,
   }
 }
 
+// dst[d] = src[d] x kv head h's static scale of element d, d < H (`which`: 0 key, 1 value; per
+// channel H scales a head, per tensor one): an int8 cache read in place (Int8Rows) takes its K
+// scales in the queries and its V scales in the output.
+template <typename T>
+inline void TimesHeadScales(const Call<T>& c, int which, int64_t h, const float* src, float* dst) {
+  const float* sc = c.scale[which] + h * c.scale_pitch[which];
+  const int64_t step = c.scale_pitch[which] != 0 ? 1 : 0;
+  for (int64_t d = 0; d < c.s.head_size; ++d) dst[d] = src[d] * sc[d * step];
+}
+
 // K and V rows come from ks / vs (dot_scores; a transposed tile reads t.kt). With Int8Rows the
 // queries are t.qk_rows (K scales folded in), PER_TOKEN scores are multiplied by the keys' scales
 // and weights by the values' scales (t.k_scale, t.v_scale); per-channel V scales are applied to
@@ -1065,11 +1075,8 @@ void AttentionTask(void* state, size_t task_index) {
         t.qk_rows[r] = t.q_rows[r];
         continue;
       }
-      const int64_t g = g0 + r / head_rows;
-      const float* sk = c.scale[0] + g * c.scale_pitch[0];
-      const int64_t step = c.scale_pitch[0] != 0 ? 1 : 0;
       float* qk = t.qk.data() + r * hp;
-      for (int64_t d = 0; d < H; ++d) qk[d] = t.q_rows[r][d] * sk[d * step];
+      TimesHeadScales(c, 0, g0 + r / head_rows, t.q_rows[r], qk);
       t.qk_rows[r] = qk;
     }
   }
@@ -1185,10 +1192,7 @@ void AttentionTask(void* state, size_t task_index) {
 
   if (codes && !s.per_token()) {  // the V scales of each row's head, per channel or tensor
     for (int64_t r = 0; r < rows_pad; ++r) {
-      const int64_t g = g0 + r / head_rows;
-      const float* sv = c.scale[1] + g * c.scale_pitch[1];
-      const int64_t step = c.scale_pitch[1] != 0 ? 1 : 0;
-      for (int64_t d = 0; d < H; ++d) t.o_rows[r][d] *= sv[d * step];
+      TimesHeadScales(c, 1, g0 + r / head_rows, t.o_rows[r], t.o_rows[r]);
     }
   }
   if (c.num_splits > 1) {  // partial state; MergeSplits finishes
