@@ -566,3 +566,14 @@ def test_quantized_one_token_decode_takes_eight_warps():
         p = plan("32/8/128", 1, 16384, 1, dev, kv_bits=8)
         assert p["split_target"] == sms // 8
         assert plan("32/8/128", 1, 16384, 1, dev, kv_bits=8, seq_len=2)["decode_threads"] == 128
+
+
+def test_plan_quant_type_is_parsed_as_the_op_parses_it():
+    """kv_quant goes through ParseKvQuant: any case, and an unknown name is refused by name."""
+    shape = {"batch": 1, "seq_len": 1, "num_heads": 32, "kv_num_heads": 8, "head_size": 128,
+             "kv_layout": 1, "past_capacity": 4096, "present_capacity": 4096, "dtype": "float16",
+             "kv_bits": 8}  # fmt: skip
+    for q in ("per_token", "PER_TENSOR"):
+        assert _C.plan_gqa_cuda(dict(shape, kv_quant=q), H200, {})["kernel"] == "decode_tc"
+    with pytest.raises(ValueError, match="'kv_quant' must be NONE, PER_TENSOR"):
+        _C.plan_gqa_cuda(dict(shape, kv_quant="PER_ROW"), H200, {})

@@ -5,6 +5,7 @@
 #include <string>
 #include <type_traits>
 
+#include "core/check_inputs.h"
 #include "core/gqa_types.h"
 #include "cuda/plan_model.h"
 
@@ -37,9 +38,9 @@ void BindPlan(py::module_& m) {
           s.kv_bits = shape["kv_bits"].cast<int64_t>();
           const std::string q =
               shape.contains("kv_quant") ? shape["kv_quant"].cast<std::string>() : "PER_CHANNEL";
-          s.k_quant = s.v_quant = q == "PER_TENSOR"  ? kvl::KvQuant::kPerTensor
-                                  : q == "PER_TOKEN" ? kvl::KvQuant::kPerToken
-                                                     : kvl::KvQuant::kPerChannel;
+          const kvl::Status st = kvl::ParseKvQuant(q, "kv_quant", &s.k_quant);
+          if (!st.ok()) throw py::value_error(st.message());
+          s.v_quant = s.k_quant;
         }
         kvl::CudaDeviceInfo dev;
         dev.sm_count = device["sm_count"].cast<int>();
