@@ -1,0 +1,152 @@
+"""The served graph (ort_kvlayout.model.serving_graph): lengths in place of the mask, logits only
+at the sampled positions. Oracle: the model's own graph on the same inputs (its logits at those
+positions, its present caches), CPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from serve_util import library_or_skip
+from synthetic_models import VOCAB, Variant, build_model, make_model_dir
+
+CAPACITY = 48
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from ort_kvlayout.tools.patch import patch_model_dir
+
+    library_or_skip()
+    root = tmp_path_factory.mktemp("served")
+    src = make_model_dir(root / "original", Variant(layers=2))
+    return patch_model_dir(src, root / "seq", layout="seq-major").out_dir
+
+
+def _session(model: onnx.ModelProto | str, folder) -> ort.InferenceSession:
+    import ort_kvlayout
+
+    so = ort.SessionOptions()
+    ort_kvlayout.register(so)
+    if isinstance(model, onnx.ModelProto):
+        so.add_session_config_entry(
+            "session.model_external_initializers_file_folder_path", str(folder)
+        )
+        model = model.SerializeToString()
+    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+
+def _caches(sess, batch: int, rng) -> dict[str, np.ndarray]:
+    return {
+        i.name: rng.normal(0, 1, (batch, i.shape[1], CAPACITY, i.shape[3])).astype(np.float32)
+        for i in sess.get_inputs()
+        if i.name.startswith("past")
+    }
+
+
+def _served(model_dir):
+    from ort_kvlayout.model.serving_graph import serving_graph
+
+    proto = onnx.load(str(model_dir / "model.onnx"), load_external_data=False)
+    return serving_graph(proto, "attention_mask", "logits", sample=False)
+
+
+@pytest.mark.parametrize(
+    "width, totals, last",
+    [
+        (7, [7, 5], [6, 4]),  # a right-padded first prompt: the last real token of each row
+        (1, [20, 9], [0, 0]),  # decode rows over a past of 19 and 8 rows
+        (4, [12], [3]),  # a chunk of 4 after 8 cached rows (batch 1: no query_seqlens)
+    ],
+)
+def test_served_logits_and_caches_equal_the_models_own(model_dir, width, totals, last):
+    served = _served(model_dir)
+    names = served.inputs
+    own, new = _session(str(model_dir / "model.onnx"), None), _session(served.model, model_dir)
+    rng = np.random.default_rng(1)
+    batch = len(totals)
+    ids = rng.integers(4, VOCAB, (batch, width))
+    caches = _caches(own, batch, rng)
+    mask = np.zeros((batch, max(totals)), np.int64)
+    for b, n in enumerate(totals):
+        mask[b, :n] = 1
+    want = own.run(None, {"input_ids": ids, "attention_mask": mask, **caches})
+    got = new.run(None, {
+        "input_ids": ids, **caches,
+        names.seqlens: np.asarray(totals, np.int32) - 1,
+        names.total: np.array(max(totals), np.int32),
+        names.logits_positions: np.asarray(last, np.int64),
+    })  # fmt: skip
+    assert got[0].shape == (batch, 1, VOCAB)
+    np.testing.assert_array_equal(got[0][:, 0], want[0][np.arange(batch), last])
+    for g, w in zip(got[1:], want[1:]):  # the present caches
+        np.testing.assert_array_equal(g, w)
+
+
+def test_the_mask_input_is_gone_and_the_lengths_are_inputs(model_dir):
+    served = _served(model_dir)
+    inputs = {i.name: i for i in served.model.graph.input}
+    assert "attention_mask" not in inputs
+    assert inputs[served.inputs.seqlens].type.tensor_type.elem_type == TensorProto.INT32
+    assert inputs[served.inputs.logits_positions].type.tensor_type.elem_type == TensorProto.INT64
+    assert not any(n.op_type == "ReduceSum" for n in served.model.graph.node)
+
+
+def test_the_sampler_node_ends_the_graph(model_dir):
+    from ort_kvlayout.model.serving_graph import SAMPLE_OP, serving_graph
+
+    proto = onnx.load(str(model_dir / "model.onnx"), load_external_data=False)
+    served = serving_graph(proto, "attention_mask", "logits")
+    node = served.model.graph.node[-1]
+    assert (node.op_type, node.domain) == (SAMPLE_OP, "ai.kvlayout")
+    assert node.input[0] == "logits"
+    assert served.inputs.token_ids in {o.name for o in served.model.graph.output}
+    assert "attention_mask" in {i.name for i in proto.graph.input}  # the argument is kept
+
+
+def _tiny(mask_also_feeds: str | None = None, head: str = "MatMul") -> onnx.ModelProto:
+    """A one-layer synthetic model with a defect grafted on."""
+    model = build_model(Variant(layers=1))
+    graph = model.graph
+    if mask_also_feeds:
+        graph.node.append(helper.make_node("Cast", ["mask_sum"], [mask_also_feeds], to=1))
+        graph.output.append(
+            helper.make_tensor_value_info(mask_also_feeds, TensorProto.FLOAT, ["batch"])
+        )
+    if head != "MatMul":
+        for node in graph.node:
+            if node.output and node.output[0] == "logits":
+                node.op_type = head
+    return model
+
+
+def test_a_mask_that_feeds_more_than_the_lengths_is_refused():
+    from ort_kvlayout.model.serving_graph import ServingGraphError, serving_graph
+
+    with pytest.raises(ServingGraphError, match="computed from the mask"):
+        serving_graph(_tiny(mask_also_feeds="mask_out"), "attention_mask", "logits")
+
+
+def test_a_graph_without_an_lm_head_is_refused():
+    from ort_kvlayout.model.serving_graph import ServingGraphError, serving_graph
+
+    with pytest.raises(ServingGraphError, match="no LM head"):
+        serving_graph(_tiny(head="Softmax"), "attention_mask", "logits")
+
+
+def test_names_that_exist_already_are_refused():
+    from ort_kvlayout.model.serving_graph import ServedInputs, ServingGraphError, serving_graph
+
+    model = _tiny()
+    model.graph.initializer.append(numpy_helper.from_array(np.zeros(1, np.int64), "taken"))
+    with pytest.raises(ServingGraphError, match="taken"):
+        serving_graph(model, "attention_mask", "logits", ServedInputs(seqlens="taken"))
+
+
+def test_an_unknown_mask_name_is_refused():
+    from ort_kvlayout.model.serving_graph import ServingGraphError, serving_graph
+
+    with pytest.raises(ServingGraphError, match="no input 'mask'"):
+        serving_graph(_tiny(), "mask", "logits")
