@@ -34,6 +34,19 @@ Methods and metric names follow vLLM's `bench serve` and SGLang's bench_serving:
   between a request's tokens), each as mean / p50 / p99 in ms; peak committed KV bytes and
   preemptions (engine); the most requests producing tokens at once (both, from the timelines).
 
+* Stalls: each system's run has a deadline, `--deadline` seconds (default 900) from its start;
+  it also stalls when no event of its requests came for `--stall-timeout` seconds (default 120)
+  while some are unfinished, or when og.Engine holds no request while some of ours never ended.
+  A stalled run stops waiting and records what it has: our engine's unfinished requests are
+  cancelled, the HTTP clients' connections shut down, og.Engine's run() no longer called and its
+  requests closed (og.Engine runs in a worker thread, so a run() that never returns is left
+  behind: `blocked_in_run`). Its result says `stalled`, `stopped_by` (deadline, stall, idle,
+  warm-up), `unfinished_requests` of `requests`, `last_event_s` (its last event, seconds after
+  the start), `deadline_s` and `stall_timeout_s`; its metrics cover the tokens produced before
+  the stall, and its throughputs (and `duration_s`) run to its last event, not to the moment
+  it was given up on. og.Engine events whose request is None or not one of ours are counted
+  (`stray_events`) and skipped. A table with a stalled run gets a `stalled` column.
+
 Prints a Markdown table and writes JSON (--json; default bench/results/serving-<device>.json)
 with the device, commit, command and workload.
 """
@@ -69,7 +82,8 @@ class Item:
 class Record:
     arrival: float = 0.0
     times: list[float] = field(default_factory=list)  # each token's time (seconds after start)
-    done: bool = False
+    done: bool = False  # ended by its output length (EOS is ignored: the expected end)
+    ended: bool = False  # its last event came (or its stream closed), whatever the reason
 
 
 # Named workloads: (prompt tokens, output tokens), each uniform on [lo, hi] (inclusive).
@@ -124,6 +138,8 @@ def summarize(items: list[Item], records: list[Record], duration: float) -> dict
     ttft, tpot, itl = [], [], []
     out_tokens = sum(len(r.times) for r in records)
     in_tokens = sum(len(i.prompt) for i in items)
+    # Prompts that were served (a first token came): all of them unless the run stalled.
+    prefilled = sum(len(i.prompt) for i, r in zip(items, records) if r.times)
     for r in records:
         if not r.times:
             continue
@@ -137,14 +153,16 @@ def summarize(items: list[Item], records: list[Record], duration: float) -> dict
     for _, d in events:
         live += d
         peak = max(peak, live)
+    # A run stopped before its first event has no time to divide by, and nothing to divide.
+    rate = (lambda n: n / duration) if duration > 0 else (lambda n: 0.0)
     return {
         "completed": sum(r.done for r in records),
         "duration_s": duration,
         "input_tokens": in_tokens,
         "output_tokens": out_tokens,
-        "request_throughput": len(records) / duration,
-        "output_throughput": out_tokens / duration,
-        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "request_throughput": rate(sum(r.ended for r in records)),
+        "output_throughput": rate(out_tokens),
+        "total_token_throughput": rate(prefilled + out_tokens),
         "ttft_ms": percentiles(ttft),
         "tpot_ms": percentiles(tpot),
         "itl_ms": percentiles(itl),
@@ -152,49 +170,204 @@ def summarize(items: list[Item], records: list[Record], duration: float) -> dict
     }
 
 
-def wait_until(start: float, t: float) -> None:
-    delay = start + t - time.perf_counter()
-    if delay > 0:
-        time.sleep(delay)
+DEADLINE_S = 900.0  # --deadline: a system's run stops waiting this long after its start
+STALL_TIMEOUT_S = 120.0  # --stall-timeout: ... or this long without an event of its requests
+# After a run stopped, how long the harness waits for a system's thread (og.Engine's worker,
+# our engine's loop, the HTTP clients) to let go before it moves on without it.
+CLOSE_GRACE_S = 30.0
 
 
-def run_engine(args, items: list[Item]) -> dict:
-    from ort_kvlayout.serve.engine import Engine, EngineConfig, RequestParams
+class Run:
+    """One system's pass over the workload: each request's Record, and when to stop waiting.
 
-    config = EngineConfig(
+    Thread-safe: events come from the engine's thread, the HTTP clients' threads or og.Engine's
+    worker while the caller waits. A run ends when every request ended; it stops (stalls) when
+    `deadline` seconds passed since begin(), or when no event of ours came for `stall_timeout`
+    seconds while submitted requests are unfinished (stray events, not of our requests, make no
+    progress, so they do not count). Once stopped, its records are frozen: what came later does
+    not count."""
+
+    def __init__(self, items: list[Item], deadline: float, stall_timeout: float):
+        self.items = items
+        self.records = [Record() for _ in items]
+        self.deadline = deadline
+        self.stall_timeout = stall_timeout
+        self.start = time.perf_counter()
+        self.last_event: float | None = None  # seconds after start
+        self.end: float | None = None  # when every request ended, or when the run stopped
+        self.stopped_by: str | None = None  # "deadline", "stall", "idle", "warm-up", "error"
+        self.stray_events = 0
+        self._quiet_since = 0.0  # the later of the last event and the last arrival
+        self._in_flight = 0
+        self._ended = 0
+        self._cond = threading.Condition()
+
+    def begin(self) -> None:
+        """Restarts the clock (after a warm-up in another thread)."""
+        with self._cond:
+            self.start = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.start
+
+    @property
+    def stopped(self) -> bool:
+        return self.stopped_by is not None
+
+    def arrive(self, i: int) -> bool:
+        """Request i is being submitted now; False when the run already stopped."""
+        with self._cond:
+            if self.stopped:
+                return False
+            self.records[i].arrival = self._quiet_since = self.now()
+            self._in_flight += 1
+            return True
+
+    def token(self, i: int, n: int = 1, at: float | None = None) -> None:
+        """n tokens of request i, at `at` (seconds after start; default now)."""
+        with self._cond:
+            if not self.stopped:
+                at = self.now() if at is None else at
+                self.records[i].times += [at] * n
+                self.last_event = self._quiet_since = at
+
+    def finish(self, i: int, done: bool, at: float | None = None, event: bool = True) -> None:
+        """Request i ended (done: by its length); event=False: its stream closed, no event."""
+        with self._cond:
+            record = self.records[i]
+            if self.stopped or record.ended:
+                return
+            record.ended, record.done = True, done
+            self._in_flight -= 1
+            self._ended += 1
+            if event:
+                self.last_event = self._quiet_since = self.now() if at is None else at
+            if self._ended == len(self.records):
+                self.end = self.now()
+            self._cond.notify_all()
+
+    def stray(self) -> None:
+        with self._cond:
+            self.stray_events += 1
+
+    def stop(self, reason: str) -> None:
+        """Stops waiting (if requests are unfinished): the run stalled for `reason`."""
+        with self._cond:
+            if not self.stopped and self._ended < len(self.records):
+                self.stopped_by, self.end = reason, self.now()
+                self._cond.notify_all()
+
+    def wait(self, until: float = float("inf")) -> bool:
+        """Blocks until `until` (seconds after start; True: the run goes on) or the run is over
+        (False): every request ended, or it stopped, here if its deadline or stall came."""
+        with self._cond:
+            while self._ended < len(self.records) and not self.stopped:
+                now = self.now()
+                reason, check = self._expiry(now)
+                if reason is not None:
+                    self.stop(reason)
+                    break
+                if now >= until:
+                    return True
+                self._cond.wait(min(check, until) - now)  # tokens do not notify: no wake-ups
+            return False
+
+    def _expiry(self, now: float) -> tuple[str | None, float]:
+        """Why the run should stop now (or None), and when to look again."""
+        if now >= self.deadline:
+            return "deadline", now
+        if self._in_flight == 0:
+            return None, self.deadline
+        stall = self._quiet_since + self.stall_timeout
+        return ("stall", now) if now >= stall else (None, min(stall, self.deadline))
+
+    def result(self) -> dict:
+        """summarize() over the records, and how the run ended. A stalled run's throughput
+        counts the tokens it produced over the time to its last event (the time it was making
+        progress), not to the moment it was given up on."""
+        with self._cond:
+            duration = self.end if self.end is not None else self.now()
+            if self.stopped and self.last_event is not None:
+                duration = self.last_event
+            result = summarize(self.items, self.records, duration)
+            result.update(
+                requests=len(self.records),
+                stalled=self.stopped,
+                stopped_by=self.stopped_by,
+                unfinished_requests=len(self.records) - self._ended,
+                last_event_s=self.last_event,
+                deadline_s=self.deadline,
+                stall_timeout_s=self.stall_timeout,
+            )
+        return result
+
+
+def engine_config(args, n: int):
+    from ort_kvlayout.serve.engine import EngineConfig
+
+    return EngineConfig(
         max_batch=args.max_batch, prefill_chunk=args.variant[0], cache=args.variant[1],
-        provider=args.provider, kv_budget_bytes=args.kv_budget, max_waiting=len(items) + 1,
+        provider=args.provider, kv_budget_bytes=args.kv_budget, max_waiting=n + 1,
         cuda_graph=False if args.no_cuda_graph else None,
         capacity=args.capacity,
     )  # fmt: skip
-    with Engine(args.model, config) as engine:
-        engine.generate(items[0].prompt[:8], RequestParams(max_tokens=2, ignore_eos=True))  # warm
-        warm = engine.stats()
-        records = [Record() for _ in items]
-        left = threading.Semaphore(0)
-        start = time.perf_counter()
 
-        def on_event(i):
-            def cb(event):
-                now = time.perf_counter() - start
-                if event.token_id is not None:
-                    records[i].times.append(now)
-                if event.finished:
-                    records[i].done = event.finish_reason == "length"
-                    left.release()
 
-            return cb
+def run_engine(args, items: list[Item]) -> dict:
+    from ort_kvlayout.serve.engine import Engine
 
-        for i, item in enumerate(items):
-            wait_until(start, item.arrival)
-            records[i].arrival = time.perf_counter() - start
-            params = RequestParams(max_tokens=item.output_len, ignore_eos=True)
-            engine.submit(item.prompt, params, on_event=on_event(i))
-        for _ in items:
-            left.acquire()
-        duration = time.perf_counter() - start
-        stats = engine.stats()
-    result = summarize(items, records, duration)
+    config = engine_config(args, len(items))
+    engine = Engine(args.model, config)
+    try:
+        result = _run_engine(engine, items, args.deadline, args.stall_timeout)
+    finally:
+        # Bounded: a step that never returns must not hang the harness (the loop's thread is a
+        # daemon; the cache is then left to the process's end).
+        engine.close(timeout=CLOSE_GRACE_S)
+    return result
+
+
+def _warm_up(engine, prompt: list[int], timeout: float) -> None:
+    from ort_kvlayout.serve.engine import RequestParams
+
+    ended = threading.Event()
+    params = RequestParams(max_tokens=2, ignore_eos=True)
+    engine.submit(prompt, params, on_event=lambda e: e.finished and ended.set())
+    if not ended.wait(timeout):
+        raise RuntimeError(f"the engine's warm-up request did not end in {timeout} s")
+
+
+def _run_engine(engine, items: list[Item], deadline: float, stall_timeout: float) -> dict:
+    """items through a started Engine (events by callback on its thread); once the run stops,
+    its unfinished requests are cancelled."""
+    from ort_kvlayout.serve.engine import RequestParams
+
+    _warm_up(engine, items[0].prompt[:8], stall_timeout)
+    warm = engine.stats()
+    run = Run(items, deadline, stall_timeout)
+
+    def on_event(i):
+        def cb(event):
+            if event.token_id is not None:
+                run.token(i)
+            if event.finished:
+                run.finish(i, event.finish_reason == "length")
+
+        return cb
+
+    handles = {}
+    for i, item in enumerate(items):
+        if not run.wait(until=item.arrival) or not run.arrive(i):
+            break
+        params = RequestParams(max_tokens=item.output_len, ignore_eos=True)
+        handles[i] = engine.submit(item.prompt, params, on_event=on_event(i))
+    run.wait()
+    if run.stopped:
+        for i, handle in handles.items():
+            if not run.records[i].ended:
+                handle.cancel()
+    stats = engine.stats()
+    result = run.result()
     result.update(
         peak_committed_kv_bytes=stats["kv_peak_committed_bytes"],
         reserved_kv_bytes=stats["kv_reserved_bytes"],
@@ -215,8 +388,8 @@ def run_engine(args, items: list[Item]) -> dict:
 def run_server(args, items: list[Item]) -> dict:
     """The same workload through `ort-kvlayout serve` (started here on a free port) over HTTP:
     streamed /v1/completions with the prompt as token ids, ignore_eos, greedy; a token's time is
-    when its SSE frame arrives (return_token_ids counts the tokens of each frame)."""
-    import http.client
+    when its SSE frame arrives (return_token_ids counts the tokens of each frame). Once the run
+    stops, the clients' connections are shut down (the server is terminated anyway)."""
     import socket
 
     with socket.socket() as sock:
@@ -230,74 +403,122 @@ def run_server(args, items: list[Item]) -> dict:
     if args.kv_budget:
         cmd += ["--kv-budget", str(args.kv_budget)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _await_server(proc, port, items[0].prompt[:8])
+        run = Run(items, args.deadline, args.stall_timeout)
+        _run_clients(run, port)
+        metrics = _server_metrics(port)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    result = run.result()
+    result.update(
+        peak_committed_kv_bytes=_int(metrics.get("kv_committed_bytes_peak")),
+        max_concurrency=_int(metrics.get("requests_running_peak")),
+        preemptions=_int(metrics.get("preemptions_total")),
+        kv_bytes_moved=_int(metrics.get("kv_bytes_moved_total")),
+    )
+    return result
 
-    def post(body: dict, on_line=None) -> None:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
+
+def _int(value: float | None) -> int | None:
+    return None if value is None else int(value)
+
+
+def _completion(item: Item) -> dict:
+    return {"model": "bench", "prompt": item.prompt, "max_tokens": item.output_len,
+            "temperature": 0, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}  # fmt: skip
+
+
+def _post(port: int, body: dict, on_line=None, sockets: list | None = None) -> None:
+    """POSTs a completion and feeds each SSE data line to on_line; its socket goes to
+    `sockets` (so that another thread can shut it down)."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
+    try:
         conn.request("POST", "/v1/completions", json.dumps(body),
                      {"Content-Type": "application/json"})  # fmt: skip
+        if sockets is not None:
+            sockets.append(conn.sock)
         response = conn.getresponse()
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
         for line in response:
             if on_line is not None and line.startswith(b"data: {"):
                 on_line(json.loads(line[6:]))
+    finally:
         conn.close()
 
-    def body(item: Item) -> dict:
-        return {"model": "bench", "prompt": item.prompt, "max_tokens": item.output_len,
-                "temperature": 0, "ignore_eos": True, "stream": True,
-                "return_token_ids": True}  # fmt: skip
 
-    try:
-        deadline = time.monotonic() + 300
-        while True:  # ready: a warm-up request answers
+def _await_server(proc: subprocess.Popen, port: int, prompt: list[int]) -> None:
+    """Until a warm-up request answers (at most 300 s)."""
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            _post(port, _completion(Item(prompt, 2, 0.0)))
+            return
+        except (OSError, RuntimeError):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start: {proc.stderr.read()}") from None
+            time.sleep(0.2)
+
+
+def _run_clients(run: Run, port: int) -> None:
+    """One streaming client thread per request, each started at its arrival."""
+    import http.client
+    import socket
+
+    sockets: list[socket.socket] = []
+
+    def client(i: int) -> None:
+        def on_line(frame: dict) -> None:
+            at = run.now()
+            for choice in frame.get("choices", []):
+                if n := len(choice.get("token_ids") or []):
+                    run.token(i, n, at)
+                if choice.get("finish_reason"):
+                    run.finish(i, choice["finish_reason"] == "length", at)
+
+        try:
+            if run.arrive(i):
+                _post(port, _completion(run.items[i]), on_line, sockets)
+        except (OSError, ValueError, http.client.HTTPException):
+            if not run.stopped:  # a stopped run shut the connection down: expected
+                raise
+        finally:
+            run.finish(i, False, event=False)  # a stream that closed without a finish_reason
+
+    threads = []
+    for i, item in enumerate(run.items):
+        if not run.wait(until=item.arrival):
+            break
+        threads.append(threading.Thread(target=client, args=(i,), daemon=True))
+        threads[-1].start()
+    run.wait()
+    if run.stopped:
+        for sock in sockets:
             try:
-                post(body(Item(items[0].prompt[:8], 2, 0.0)))
-                break
-            except (OSError, RuntimeError):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the server did not start: {proc.stderr.read()}")
-                time.sleep(0.2)
-        records = [Record() for _ in items]
-        start = time.perf_counter()
+                sock.shutdown(socket.SHUT_RDWR)  # unblocks the client reading it
+            except OSError:
+                pass
+    for t in threads:
+        t.join(CLOSE_GRACE_S)
 
-        def client(i: int) -> None:
-            def on_line(frame: dict) -> None:
-                now = time.perf_counter() - start
-                for choice in frame.get("choices", []):
-                    records[i].times += [now] * len(choice.get("token_ids") or [])
-                    if choice.get("finish_reason") == "length":
-                        records[i].done = True
 
-            records[i].arrival = time.perf_counter() - start
-            post(body(items[i]), on_line)
-
-        threads = []
-        for i, item in enumerate(items):
-            wait_until(start, item.arrival)
-            threads.append(threading.Thread(target=client, args=(i,)))
-            threads[-1].start()
-        for t in threads:
-            t.join()
-        duration = time.perf_counter() - start
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as r:
-            metrics = r.read().decode()
-    finally:
-        proc.terminate()
-        proc.wait(60)
-    values = {
+def _server_metrics(port: int) -> dict[str, float]:
+    """The server's /metrics (prefix dropped); empty if it does not answer (a stalled server)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    return {
         line.split("{")[0].removeprefix("ort_kvlayout_"): float(line.rsplit(" ", 1)[1])
-        for line in metrics.splitlines()
+        for line in text.splitlines()
         if line and not line.startswith("#")
     }
-    result = summarize(items, records, duration)
-    result.update(
-        peak_committed_kv_bytes=int(values["kv_committed_bytes_peak"]),
-        max_concurrency=int(values["requests_running_peak"]),
-        preemptions=int(values["preemptions_total"]),
-        kv_bytes_moved=int(values["kv_bytes_moved_total"]),
-    )
-    return result
 
 
 def genai_kv_token_bytes(model_dir: Path) -> int:
@@ -342,71 +563,111 @@ def run_genai(args, items: list[Item], paged: bool = False) -> dict:
                 args.genai_paged_model, args.kv_budget, args.max_batch, Path(tmp)
             )
         model = og.Model(str(model_dir))
-        result = _run_genai(og, model, items)
+        result = _run_genai(og, model, items, args.deadline, args.stall_timeout)
         del model
     result["kv_pool_bytes"] = pool
     return result
 
 
-def _run_genai(og, model, items: list[Item]) -> dict:
-    engine = og.Engine(model)
-    capacity = engine.get_capabilities().configured_max_batch_size
-    buffer = engine.create_event_buffer(1024)
-    token_flag = og.EngineEventFlags.TOKEN.value
-
-    def submit(prompt: list[int], n: int):
-        request = engine.create_request()
-        options = og.TurnOptions(request)
-        options.set_max_generated_tokens(n)
-        options.set_min_generated_tokens(n)  # EOS masked: exactly n tokens (ignore_eos)
-        options.set_temperature(0.0)
-        request.begin_turn(np.array(prompt, np.int32), options)
-        return request
-
-    def drain(on_event) -> None:
-        events = engine.run(buffer)
-        now = time.perf_counter()
-        for event in events or []:
-            on_event(event, now)
-
-    warm = submit(items[0].prompt[:8], 2)
-    while engine.has_pending_requests():
-        drain(lambda e, t: None)
-    warm.close()
-
-    records = [Record() for _ in items]
-    by_request: dict[int, int] = {}
-    requests = []
-    start = time.perf_counter()
-    concurrent = 0
-
-    def on_event(event, now):
-        i = by_request[id(event.request)]
-        if event.flags.value & token_flag:
-            records[i].times.append(now - start)
-        if event.finish_reason != og.FinishReason.NONE:
-            records[i].done = event.finish_reason == og.FinishReason.MAX_GENERATED_TOKENS
-
-    pending = list(range(len(items)))
-    while pending or engine.has_pending_requests():
-        now = time.perf_counter() - start
-        while pending and items[pending[0]].arrival <= now:
-            i = pending.pop(0)
-            records[i].arrival = time.perf_counter() - start
-            request = submit(items[i].prompt, items[i].output_len)
-            by_request[id(request)] = i
-            requests.append(request)
-        if engine.has_pending_requests():
-            drain(on_event)
-            concurrent = max(concurrent, sum(1 for r in records if r.times and not r.done))
-        elif pending:
-            wait_until(start, items[pending[0]].arrival)
-    duration = time.perf_counter() - start
-    for request in requests:
-        request.close()
-    result = summarize(items, records, duration)
-    result.update(peak_committed_kv_bytes=None, max_concurrency=capacity, preemptions=None)
+def _run_genai(
+    og, model, items: list[Item], deadline: float = DEADLINE_S, stall: float = STALL_TIMEOUT_S
+) -> dict:
+    """items through og.Engine: requests by begin_turn, events from run(). og.Engine must be
+    called from the thread that made it, so a worker thread makes and drives it while this one
+    waits on the Run: a run() that never returns cannot hang the harness. Once the run stops,
+    the worker stops calling run() and closes the requests; if run() has not returned
+    CLOSE_GRACE_S (at most the stall timeout) later, the worker is left behind
+    (`blocked_in_run`) with its requests open. The warm-up request must end within the stall
+    timeout."""
+    run = Run(items, deadline, stall)
+    warmed, out = threading.Event(), {}
+    worker = threading.Thread(target=_genai_worker, args=(og, model, run, warmed, out))
+    worker.daemon = True  # one blocked in run() must not keep the process alive
+    worker.start()
+    if warmed.wait(stall):
+        run.wait()
+    else:
+        run.stop("warm-up")
+    worker.join(min(CLOSE_GRACE_S, stall))
+    if "error" in out:
+        raise out["error"]
+    result = run.result()
+    result.update(
+        peak_committed_kv_bytes=None, max_concurrency=out.get("capacity"), preemptions=None,
+        stray_events=run.stray_events, blocked_in_run=worker.is_alive(),
+    )  # fmt: skip
     return result
+
+
+def _genai_worker(og, model, run: Run, warmed: threading.Event, out: dict) -> None:
+    """The worker of _run_genai: makes the engine, ends a warm-up request, then the run;
+    closes its requests. out: "capacity" (its configured batch) or "error"."""
+    requests = []
+    try:
+        engine = og.Engine(model)
+        out["capacity"] = engine.get_capabilities().configured_max_batch_size
+        buffer = engine.create_event_buffer(1024)
+        requests.append(_genai_submit(og, engine, run.items[0].prompt[:8], 2))
+        while engine.has_pending_requests() and not run.stopped:
+            engine.run(buffer)
+        run.begin()
+        warmed.set()
+        _genai_loop(og, engine, buffer, run, requests)
+    except Exception as exc:  # noqa: BLE001 (re-raised by _run_genai, on its thread)
+        out["error"] = exc
+        run.stop("error")
+    finally:
+        warmed.set()
+        for request in requests:
+            request.close()
+
+
+def _genai_submit(og, engine, prompt: list[int], n: int):
+    request = engine.create_request()
+    options = og.TurnOptions(request)
+    options.set_max_generated_tokens(n)
+    options.set_min_generated_tokens(n)  # EOS masked: exactly n tokens (ignore_eos)
+    options.set_temperature(0.0)
+    request.begin_turn(np.array(prompt, np.int32), options)
+    return request
+
+
+def _genai_loop(og, engine, buffer, run: Run, requests: list) -> None:
+    """Submits each item at its arrival and feeds run()'s events to the Run until it is over.
+    An event whose request is None or not one of ours is counted (stray_events) and skipped."""
+    token_flag = og.EngineEventFlags.TOKEN.value
+    by_request: dict[int, int] = {}  # id() of our requests (kept alive in `requests`) -> item
+
+    def on_event(event, at: float) -> None:
+        i = by_request.get(id(event.request)) if event.request is not None else None
+        if i is None:
+            run.stray()
+            return
+        if event.flags.value & token_flag:
+            run.token(i, at=at)
+        if event.finish_reason != og.FinishReason.NONE:
+            run.finish(i, event.finish_reason == og.FinishReason.MAX_GENERATED_TOKENS, at)
+
+    items, pending = run.items, 0  # items[pending:] are still to arrive
+    while not run.stopped:
+        while pending < len(items) and items[pending].arrival <= run.now():
+            if not run.arrive(pending):
+                return
+            request = _genai_submit(og, engine, items[pending].prompt, items[pending].output_len)
+            by_request[id(request)] = pending
+            requests.append(request)
+            pending += 1
+        if engine.has_pending_requests():
+            events = engine.run(buffer)
+            at = run.now()  # one run() call's tokens come out together
+            for event in events or []:
+                on_event(event, at)
+        elif pending < len(items):
+            run.wait(until=items[pending].arrival)
+        else:
+            # og.Engine holds nothing more: every request ended, or some will never end.
+            run.stop("idle")
+            return
 
 
 def mixed_cost(args) -> dict:
@@ -470,6 +731,10 @@ def table(results: dict) -> str:
     def opt(value, fmt="{}"):
         return "-" if value is None else fmt.format(value)
 
+    stalled = any(r.get("stalled") for r in results.values())
+    if stalled:  # the column only where a run stalled: older tables stay as they were
+        rows[0] += " stalled |"
+        rows[1] += "---|"
     for name, r in results.items():
         kv = r.get("peak_committed_kv_bytes")
         rows.append(
@@ -477,8 +742,27 @@ def table(results: dict) -> str:
             f"| {pair(r['ttft_ms'])} | {pair(r['tpot_ms'])} | {pair(r['itl_ms'])} "
             f"| {opt(None if kv is None else kv / 2**20, '{:.1f}')} "
             f"| {r['max_concurrent_decoding']} | {opt(r.get('preemptions'))} |"
+            + (f" {stall_note(r)} |" if stalled else "")
         )
+    if stalled:
+        rows += ["", STALL_FOOTNOTE]
     return "\n".join(rows)
+
+
+STALL_FOOTNOTE = (
+    "A stalled run was given up at its deadline (--deadline), after --stall-timeout seconds "
+    "without an event of its requests, or when its engine held no request while some had not "
+    "ended (idle); its row counts the tokens it produced, over the time to its last event."
+)
+
+
+def stall_note(r: dict) -> str:
+    """'7 of 64 unfinished at 40.1 s (stall)' for a stalled run (the time of its last event),
+    '-' for one that ended."""
+    if not r.get("stalled"):
+        return "-"
+    at = "with no event" if r["last_event_s"] is None else f"at {r['last_event_s']:.1f} s"
+    return f"{r['unfinished_requests']} of {r['requests']} unfinished {at} ({r['stopped_by']})"
 
 
 def int_pair(text: str) -> tuple[int, int]:
@@ -674,6 +958,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", default="growable", help="engine cache(s): growable,preallocated")
     p.add_argument("--repeat", type=int, default=1, help="runs per system, in turn (median)")
     p.add_argument("--kv-budget", type=int, default=None, help="engine KV budget in bytes")
+    p.add_argument("--deadline", type=float, default=DEADLINE_S,
+                   help="seconds from a system's start after which its run stops waiting and "
+                        "records what it has (stalled); default %(default)s")  # fmt: skip
+    p.add_argument("--stall-timeout", type=float, default=STALL_TIMEOUT_S,
+                   help="a run also stalls after this many seconds without an event while "
+                        "requests are unfinished; default %(default)s")  # fmt: skip
     p.add_argument("--json", type=Path)
     p.add_argument(
         "--mixed-cost",
@@ -748,7 +1038,8 @@ def main(argv: list[str] | None = None) -> int:
         results[label]["runs_output_throughput"] = [r["output_throughput"] for r in rs]
     for peer in ("genai", "genai-paged"):
         if "engine" in results and peer in results:
-            ratio = results["engine"]["output_throughput"] / results[peer]["output_throughput"]
+            theirs = results[peer]["output_throughput"]  # 0: a peer that stalled before a token
+            ratio = results["engine"]["output_throughput"] / theirs if theirs else None
             results["engine"][f"output_throughput_vs_{peer.replace('-', '_')}"] = ratio
     print(table(results))
     record = {

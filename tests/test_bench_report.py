@@ -78,6 +78,30 @@ def test_a_serving_json_without_a_field_says_so():
                           "| a (B, 1) decode call + a (1, S) prefill call | 4.0 | 4.0 |"]  # fmt: skip
 
 
+def test_a_serving_table_shows_a_stalled_run():
+    def row(**extra):
+        return {"request_throughput": 1.0, "output_throughput": 2.0, "ttft_ms": {"p50": 1, "p99": 2},
+                "tpot_ms": {"p50": 1, "p99": 2}, "itl_ms": {"p50": 1, "p99": 2},
+                "max_concurrent_decoding": 4, "peak_committed_kv_bytes": None,
+                "preemptions": None, **extra}  # fmt: skip
+
+    data = {"date": "2026-12-06 00:40 UTC", "device": "cuda (H100)", "commit": "abc1234",
+            "command": "python bench/bench_serving.py", "model": "m", "genai_model": "g",
+            "workload": {"repeat": 1},
+            "results": {"engine": row(stalled=False, requests=64, unfinished_requests=0),
+                        "genai-paged": row(stalled=True, stopped_by="stall", requests=64,
+                                           unfinished_requests=7, last_event_s=40.06)}}  # fmt: skip
+    table = report.serving(data, "serving-x.json")[-1].splitlines()
+    assert table[0].endswith("| preemptions | stalled |")
+    assert table[2].endswith("| - |") and table[2].startswith("| engine |")
+    assert table[3].endswith("| 7 of 64 unfinished at 40.1 s (stall) |")
+    assert "over the time to its last event" in table[-1]
+    # Without a stall (every committed JSON, and ones from before the field): no column, no note.
+    del data["results"]["genai-paged"]
+    table = report.serving(data, "serving-x.json")[-1].splitlines()
+    assert table[0].endswith("| preemptions |") and len(table) == 3
+
+
 def test_ratios_are_ort_time_over_ours():
     rows = [
         {"kind": "decode", "heads": "9/3/64", "batch": 1, "length": 1024, "ratio0": 1.25,

@@ -5,7 +5,12 @@ built by the builder, through the engine and og.Engine on the CPU)."""
 from __future__ import annotations
 
 import argparse
+import enum
+import http.server
 import json
+import threading
+import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -103,3 +108,295 @@ def test_end_to_end_on_a_tiny_random_llama(tmp_path, capsys):
         r = record["results"][system]
         assert r["completed"] == 5 and 15 <= r["output_tokens"] <= 30
     assert record["results"]["engine"]["output_throughput_vs_genai"] > 0
+
+
+# --- Stalls: every run ends by its deadline or stall timeout, and strays never crash it -------
+
+
+class StubRequest:
+    def __init__(self, engine):
+        self.engine, self.n, self.closed = engine, 0, False
+
+    def begin_turn(self, prompt, options):
+        self.engine.check_thread()
+        self.index = len(self.engine.submitted) - 1  # -1: the warm-up request
+        self.engine.submitted.append(self)
+        self.engine.active.append(self)
+
+    def close(self):
+        self.engine.check_thread()
+        self.closed = True
+
+
+class StubTurnOptions:
+    def __init__(self, request):
+        self.request = request
+
+    def set_max_generated_tokens(self, n):
+        self.request.n = n
+
+    def set_min_generated_tokens(self, n):
+        pass
+
+    def set_temperature(self, t):
+        pass
+
+
+MADE: list = []  # every StubEngine, the last one the run's
+
+
+class StubEngine:
+    """og.Engine's surface the harness uses. Each run() gives each active request one token (its
+    last with MAX_GENERATED_TOKENS), except `silent` ones (by submission order; the warm-up is
+    -1): they get nothing, and stay pending unless `drop_silent`. `strays` events of no request of
+    ours come with each run() call once the workload began; from run() call `block_at` on,
+    run() blocks until `release` is set. Calls from another thread than the maker's raise, as
+    og.Engine's do."""
+
+    def __init__(self, config):
+        self.__dict__.update(silent=(), drop_silent=False, strays=0, block_at=None, delay=0.0)
+        self.__dict__.update(config)
+        self.owner = threading.get_ident()
+        self.submitted, self.active, self.calls, self.strays_sent = [], [], 0, 0
+        self.release = threading.Event()
+        MADE.append(self)
+
+    def check_thread(self):
+        if threading.get_ident() != self.owner:
+            raise RuntimeError("Engine operations must be called from the Engine owner thread.")
+
+    def get_capabilities(self):
+        return SimpleNamespace(configured_max_batch_size=4)
+
+    def create_event_buffer(self, n):
+        self.check_thread()
+        return object()
+
+    def create_request(self):
+        self.check_thread()
+        return StubRequest(self)
+
+    def has_pending_requests(self):
+        self.check_thread()
+        dropped = self.silent if self.drop_silent else ()
+        return any(r.index not in dropped for r in self.active)
+
+    def run(self, buffer):
+        self.check_thread()
+        self.calls += 1
+        if self.block_at is not None and self.calls >= self.block_at:
+            self.release.wait()
+        time.sleep(self.delay)
+        events = []
+        for r in list(self.active):
+            if r.index in self.silent:
+                continue
+            r.n -= 1
+            reason = OG.FinishReason.MAX_GENERATED_TOKENS if r.n == 0 else OG.FinishReason.NONE
+            events.append(SimpleNamespace(request=r, flags=TOKEN, finish_reason=reason))
+            if r.n == 0:
+                self.active.remove(r)
+        if len(self.submitted) > 1:  # after the warm-up: a None request, and one not ours
+            for k in range(self.strays):
+                request = None if k % 2 == 0 else StubRequest(self)
+                events.append(SimpleNamespace(request=request, flags=TOKEN,
+                                              finish_reason=OG.FinishReason.NONE))  # fmt: skip
+            self.strays_sent += self.strays
+        return events
+
+
+class FinishReason(enum.Enum):
+    NONE = 0
+    MAX_GENERATED_TOKENS = 3
+
+
+TOKEN = SimpleNamespace(value=1)
+OG = SimpleNamespace(
+    Engine=StubEngine, TurnOptions=StubTurnOptions, FinishReason=FinishReason,
+    EngineEventFlags=SimpleNamespace(TOKEN=TOKEN),
+)  # fmt: skip
+
+
+def stub_items(lengths, arrivals=None):
+    arrivals = arrivals or [0.0] * len(lengths)
+    return [bench.Item([16 + i] * 12, n, a) for i, (n, a) in enumerate(zip(lengths, arrivals))]
+
+
+def run_stub_genai(config, items, deadline=30.0, stall=0.5):
+    MADE.clear()
+    start = time.perf_counter()
+    result = bench._run_genai(OG, config, items, deadline, stall)
+    return result, time.perf_counter() - start, MADE[-1]
+
+
+def test_genai_events_without_a_request_of_ours_are_counted_not_fatal():
+    items = stub_items([5, 3, 4])
+    result, _, engine = run_stub_genai({"strays": 2}, items)
+    assert engine.strays_sent > 0 and result["stray_events"] == engine.strays_sent
+    assert result["completed"] == 3 and result["output_tokens"] == 12
+    assert not result["stalled"] and result["unfinished_requests"] == 0
+    assert result["stopped_by"] is None and result["max_concurrency"] == 4
+    assert all(r.closed for r in engine.submitted)  # closed by the worker, its owner thread
+
+
+@pytest.mark.parametrize("drop", [False, True], ids=["still-pending", "dropped"])
+def test_genai_requests_that_never_get_an_event_stall_the_run(drop):
+    """og.Engine goes silent on two requests (the paged engine's 7 of 64): the run returns at
+    the stall timeout (or at once when og.Engine holds nothing more), with what came before."""
+    items = stub_items([5, 3, 4, 6, 2, 7])
+    result, took, engine = run_stub_genai({"silent": (3, 5), "drop_silent": drop}, items)
+    assert took < 0.5 + 5.0 and (took >= 0.5) != drop
+    assert result["stalled"] and result["stopped_by"] == ("idle" if drop else "stall")
+    assert result["unfinished_requests"] == 2 and result["requests"] == 6
+    assert result["completed"] == 4 and result["output_tokens"] == 5 + 3 + 4 + 2
+    # Throughput over the time to the last event, not to the moment the run was given up.
+    assert result["duration_s"] == result["last_event_s"] < took
+    assert result["output_throughput"] == pytest.approx(14 / result["last_event_s"])
+    assert result["request_throughput"] == pytest.approx(4 / result["last_event_s"])
+    assert not result["blocked_in_run"] and all(r.closed for r in engine.submitted)
+
+
+def test_genai_deadline_stops_a_slow_run():
+    items = stub_items([1000, 1000, 1000])
+    result, took, _ = run_stub_genai({"delay": 0.01}, items, deadline=0.6, stall=10.0)
+    assert 0.6 <= took < 3.0
+    assert result["stalled"] and result["stopped_by"] == "deadline"
+    assert result["unfinished_requests"] == 3 and 0 < result["output_tokens"] < 3000
+    assert result["deadline_s"] == 0.6 and result["stall_timeout_s"] == 10.0
+
+
+def test_genai_run_that_never_returns_is_left_behind():
+    items = stub_items([4, 4])
+    MADE.clear()
+    try:
+        result, took, engine = run_stub_genai({"block_at": 4}, items, stall=0.4)
+        assert took < 0.4 * 2 + 5.0 and result["blocked_in_run"]
+        assert result["stalled"] and result["stopped_by"] == "stall"
+        assert 0 < result["output_tokens"] < 8 and result["unfinished_requests"] == 2
+    finally:
+        for engine in MADE:
+            engine.release.set()
+
+
+def test_a_gap_between_arrivals_is_not_a_stall():
+    """Nothing in flight during a gap of Poisson arrivals longer than the stall timeout."""
+    items = stub_items([2, 2], arrivals=[0.0, 0.8])
+    result, took, _ = run_stub_genai({}, items, stall=0.3)
+    assert not result["stalled"] and result["completed"] == 2 and took >= 0.8
+
+
+def test_summarize_and_the_table_take_a_run_without_tokens():
+    items = stub_items([4, 4])
+    result = bench.summarize(items, [bench.Record(), bench.Record()], 0.0)
+    assert result["output_throughput"] == result["request_throughput"] == 0.0
+    assert result["ttft_ms"]["p50"] is None and result["max_concurrent_decoding"] == 0
+    result.update(requests=2, stalled=True, stopped_by="deadline", unfinished_requests=2,
+                  last_event_s=None)  # fmt: skip
+    table = bench.table({"genai-paged": result})
+    assert "| 0.00 | 0.0 | - | - | - |" in table
+    assert "| 2 of 2 unfinished with no event (deadline) |" in table
+
+
+class StubServeEngine:
+    """The Engine surface _run_engine uses: each request's events delivered inside submit(), all
+    of them, or none for the `silent` ones (by submission order; the warm-up is -1)."""
+
+    def __init__(self, silent=()):
+        self.silent, self.submitted, self.cancelled = silent, 0, []
+
+    def submit(self, prompt, params, on_event):
+        from ort_kvlayout.serve.engine import Event
+
+        index, self.submitted = self.submitted - 1, self.submitted + 1
+        if index not in self.silent:
+            for k in range(params.max_tokens):
+                last = k == params.max_tokens - 1
+                on_event(Event(index, 20 + k, None, "length" if last else None))
+        return SimpleNamespace(cancel=lambda: self.cancelled.append(index))
+
+    def stats(self):
+        counters = dict.fromkeys(
+            ["kv_peak_committed_bytes", "kv_reserved_bytes", "peak_running", "preemptions",
+             "kv_bytes_moved", "graph_captures", "graph_replays", "decode_bucket_calls",
+             "decode_padded_rows", "decode_eager_fallbacks", "kv_budget_bytes", "steps"], 0,
+        )  # fmt: skip
+        return counters
+
+
+def test_the_engine_run_cancels_what_a_stall_left_unfinished():
+    pytest.importorskip("ort_kvlayout.serve.engine")
+    engine = StubServeEngine(silent=(1, 2))
+    start = time.perf_counter()
+    result = bench._run_engine(engine, stub_items([3, 5, 2, 4]), 30.0, 0.4)
+    assert time.perf_counter() - start < 0.4 + 5.0
+    assert sorted(engine.cancelled) == [1, 2]
+    assert result["stalled"] and result["stopped_by"] == "stall"
+    assert result["unfinished_requests"] == 2 and result["output_tokens"] == 7
+
+
+def test_the_engine_deadline_on_a_tiny_model(tmp_path):
+    """A real engine: long outputs one slot at a time past a short deadline; the run returns,
+    with the tokens made before it, and the engine ends the cancelled requests."""
+    from ort_kvlayout.serve.engine import Engine, EngineConfig
+    from ort_kvlayout.tools.patch import patch_model_dir
+    from serve_util import library_or_skip
+    from synthetic_models import Variant, make_model_dir
+
+    library_or_skip()
+    src = make_model_dir(tmp_path / "original", Variant(layers=2))
+    model = patch_model_dir(src, tmp_path / "seq", layout="seq-major").out_dir
+    # 3840 steps one slot at a time (about 0.7 s on a laptop core) against a 0.1 s deadline
+    items = [bench.Item([5 + i, 7, 9, 11], 240, 0.0) for i in range(16)]
+    with Engine(model, EngineConfig(max_batch=1)) as engine:
+        start = time.perf_counter()
+        result = bench._run_engine(engine, items, 0.1, 30.0)
+        assert time.perf_counter() - start < 0.1 + 5.0
+        assert result["stalled"] and result["stopped_by"] == "deadline"
+        assert result["unfinished_requests"] >= 8 and 0 < result["output_tokens"] < 3840
+        assert result["duration_s"] == result["last_event_s"] < 0.2  # the tokens before it
+        deadline = time.monotonic() + 10
+        while engine.stats()["running"] + engine.stats()["waiting"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.stats()["running"] == engine.stats()["waiting"] == 0  # cancelled
+
+
+class StubCompletions(http.server.BaseHTTPRequestHandler):
+    """/v1/completions streaming one token a frame; max_tokens 99: one frame, then silence."""
+
+    release = threading.Event()
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        n = body["max_tokens"]
+        for k in range(1 if n == 99 else n):
+            reason = "length" if k == n - 1 else None
+            frame = {"choices": [{"token_ids": [20 + k], "finish_reason": reason}]}
+            self.wfile.write(f"data: {json.dumps(frame)}\n\n".encode())
+            self.wfile.flush()
+        if n == 99:
+            self.release.wait(30)
+            return
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_server_clients_stop_at_a_stall():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), StubCompletions)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        run = bench.Run(stub_items([3, 99, 4]), 30.0, 0.4)
+        start = time.perf_counter()
+        bench._run_clients(run, server.server_address[1])
+        assert time.perf_counter() - start < 0.4 + 5.0
+        result = run.result()
+        assert result["stalled"] and result["stopped_by"] == "stall"
+        assert result["unfinished_requests"] == 1 and result["output_tokens"] == 3 + 1 + 4
+    finally:
+        StubCompletions.release.set()
+        server.shutdown()
