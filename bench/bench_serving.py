@@ -46,6 +46,9 @@ Methods and metric names follow vLLM's `bench serve` and SGLang's bench_serving:
   the stall, and its throughputs (and `duration_s`) run to its last event, not to the moment
   it was given up on. og.Engine events whose request is None or not one of ours are counted
   (`stray_events`) and skipped. A table with a stalled run gets a `stalled` column.
+* `--host-sampling`: the engine system with EngineConfig(sample_on_device=False); the engine
+  result records `sample_on_device` (None where EngineConfig has no such field) and the engine's
+  `step_profile` stats where it keeps them (as the engine counts them: warm-up included).
 
 Prints a Markdown table and writes JSON (--json; default bench/results/serving-<device>.json)
 with the device, commit, command and workload.
@@ -305,12 +308,21 @@ class Run:
 def engine_config(args, n: int):
     from ort_kvlayout.serve.engine import EngineConfig
 
-    return EngineConfig(
-        max_batch=args.max_batch, prefill_chunk=args.variant[0], cache=args.variant[1],
-        provider=args.provider, kv_budget_bytes=args.kv_budget, max_waiting=n + 1,
-        cuda_graph=False if args.no_cuda_graph else None,
-        capacity=args.capacity,
-    )  # fmt: skip
+    kwargs = {}
+    if args.host_sampling:
+        # Only when asked: EngineConfigs older than the field would refuse the keyword.
+        kwargs["sample_on_device"] = False
+    try:
+        return EngineConfig(
+            max_batch=args.max_batch, prefill_chunk=args.variant[0], cache=args.variant[1],
+            provider=args.provider, kv_budget_bytes=args.kv_budget, max_waiting=n + 1,
+            cuda_graph=False if args.no_cuda_graph else None,
+            capacity=args.capacity, **kwargs,
+        )  # fmt: skip
+    except TypeError as exc:
+        if kwargs:
+            raise SystemExit(f"--host-sampling: this engine has no sample_on_device ({exc})")
+        raise
 
 
 def run_engine(args, items: list[Item]) -> dict:
@@ -324,6 +336,7 @@ def run_engine(args, items: list[Item]) -> dict:
         # Bounded: a step that never returns must not hang the harness (the loop's thread is a
         # daemon; the cache is then left to the process's end).
         engine.close(timeout=CLOSE_GRACE_S)
+    result["sample_on_device"] = getattr(config, "sample_on_device", None)
     return result
 
 
@@ -382,6 +395,10 @@ def _run_engine(engine, items: list[Item], deadline: float, stall_timeout: float
         kv_budget_bytes=stats["kv_budget_bytes"],
         engine_steps=stats["steps"] - warm["steps"],
     )
+    # Per-phase step times, where the engine keeps them, copied as they are: counted since the
+    # engine started, so the warm-up request's steps are in them.
+    if "step_profile" in stats:
+        result["step_profile"] = stats["step_profile"]
     return result
 
 
@@ -964,6 +981,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stall-timeout", type=float, default=STALL_TIMEOUT_S,
                    help="a run also stalls after this many seconds without an event while "
                         "requests are unfinished; default %(default)s")  # fmt: skip
+    p.add_argument("--host-sampling", action="store_true",
+                   help="the engine system samples on the host (EngineConfig "
+                        "sample_on_device=False)")  # fmt: skip
     p.add_argument("--json", type=Path)
     p.add_argument(
         "--mixed-cost",

@@ -320,7 +320,7 @@ class StubServeEngine:
              "kv_bytes_moved", "graph_captures", "graph_replays", "decode_bucket_calls",
              "decode_padded_rows", "decode_eager_fallbacks", "kv_budget_bytes", "steps"], 0,
         )  # fmt: skip
-        return counters
+        return counters | {"step_profile": {"decode_ms": 1.5}}
 
 
 def test_the_engine_run_cancels_what_a_stall_left_unfinished():
@@ -332,6 +332,25 @@ def test_the_engine_run_cancels_what_a_stall_left_unfinished():
     assert sorted(engine.cancelled) == [1, 2]
     assert result["stalled"] and result["stopped_by"] == "stall"
     assert result["unfinished_requests"] == 2 and result["output_tokens"] == 7
+    assert result["step_profile"] == {"decode_ms": 1.5}  # copied through
+
+
+@pytest.mark.parametrize("host", [False, True])
+def test_host_sampling_asks_the_config_only_when_given(monkeypatch, host):
+    engine_module = pytest.importorskip("ort_kvlayout.serve.engine")
+    seen = {}
+
+    def config(**kwargs):
+        seen.update(kwargs)
+        return SimpleNamespace(**kwargs)
+
+    monkeypatch.setattr(engine_module, "EngineConfig", config)
+    args = argparse.Namespace(
+        host_sampling=host, max_batch=2, variant=(64, "growable"), provider="cpu",
+        kv_budget=None, no_cuda_graph=False, capacity=None,
+    )  # fmt: skip
+    bench.engine_config(args, 4)
+    assert ("sample_on_device" in seen) == host and seen.get("sample_on_device", False) is False
 
 
 def test_the_engine_deadline_on_a_tiny_model(tmp_path):
