@@ -60,6 +60,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import threading
@@ -702,7 +703,8 @@ def mixed_cost(args) -> dict:
 
         def call(batch: int, width: int) -> None:
             ids = rng.integers(16, engine.spec.vocab_size, (batch, width))
-            engine._run(0, ids, np.ones((batch, width), engine.spec.mask_dtype))
+            # a first prompt of `width` tokens in every row (no past), its last token sampled
+            engine.executor.run(0, ids, [width] * batch, [width - 1] * batch, [None] * batch)
 
         shapes = {"mixed_padded": [(b, chunk)], "separate": [(b, 1), (1, chunk)]}
         times: dict[str, list[float]] = {name: [] for name in shapes}
@@ -875,10 +877,14 @@ def _write_tokenizer(folder: Path, vocab: int) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def build_shape(shape: str, provider: str, root: Path, log=print) -> dict[str, Path]:
+def build_shape(
+    shape: str, provider: str, root: Path, log=print, drop_hf: bool = False
+) -> dict[str, Path]:
     """Random-weight models of `shape` under root (each step skipped when its `.complete`
     marker exists, so an interrupted build resumes): {"hf", "gqa", "seq-major"} and, on CUDA,
-    "paged". fp16 on CUDA, fp32 on the CPU (the builder's paged model is CUDA-only)."""
+    "paged". fp16 on CUDA, fp32 on the CPU (the builder's paged model is CUDA-only). The
+    seq-major patch hard-links the weights; drop_hf removes the Hugging Face folder once the
+    builder's models exist (the 8B shape then takes two 16 GB copies, not four)."""
     precision, ep = ("fp16", "cuda") if provider == "cuda" else ("fp32", "cpu")
     base = root / f"{shape}-random-{precision}-{ep}"
     out = {"hf": base.with_name(base.name + "-hf"), "gqa": base,
@@ -893,7 +899,12 @@ def build_shape(shape: str, provider: str, root: Path, log=print) -> dict[str, P
         (path / ".complete").write_text(f"{shape}: random weights N(0, 0.02)\n")
 
     config = SHAPES[shape]
-    if not done(out["hf"]):
+    cache = root / ".builder-cache"
+    builds = [("gqa", [])]
+    if "paged" in out:
+        builds.append(("paged", ["--extra_options", "use_paged_attention=true",
+                                 "max_batch_size=256"]))  # fmt: skip
+    if not done(out["hf"]) and not all(done(out[key]) for key, _ in builds):
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -915,11 +926,6 @@ def build_shape(shape: str, provider: str, root: Path, log=print) -> dict[str, P
         del model
         _write_tokenizer(out["hf"], config["vocab_size"])
         mark(out["hf"])
-    cache = root / ".builder-cache"
-    builds = [("gqa", [])]
-    if "paged" in out:
-        builds.append(("paged", ["--extra_options", "use_paged_attention=true",
-                                 "max_batch_size=256"]))  # fmt: skip
     for key, extra in builds:
         if done(out[key]):
             continue
@@ -932,8 +938,12 @@ def build_shape(shape: str, provider: str, root: Path, log=print) -> dict[str, P
         from ort_kvlayout.tools.patch import patch_model_dir
 
         log(f"patching {out['seq-major']} (seq-major)", file=sys.stderr)
-        patch_model_dir(out["gqa"], out["seq-major"], layout="seq-major", force=True)
+        # Hard links: the patch changes the graph, not the weights (an 8B model's 16 GB once).
+        patch_model_dir(out["gqa"], out["seq-major"], layout="seq-major", force=True, link=True)
         mark(out["seq-major"])
+    if drop_hf and out["hf"].exists():
+        log(f"removing {out['hf']} (--drop-hf: the builder's models are built)", file=sys.stderr)
+        shutil.rmtree(out["hf"])
     return out
 
 
@@ -949,6 +959,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--build-dir", type=Path, help="where --model-shape builds (default: "
                    "$ORT_KVLAYOUT_CACHE/models)")  # fmt: skip
     p.add_argument("--build-only", action="store_true", help="with --model-shape: build, stop")
+    p.add_argument("--drop-hf", action="store_true",
+                   help="with --model-shape: delete the Hugging Face folder once built from")  # fmt: skip
     p.add_argument("--systems", default="engine,genai",
                    help="engine,server,genai,genai-paged (comma separated; server: over HTTP)")  # fmt: skip
     p.add_argument("--capacity", type=int, help="engine tokens per slot (default: the context)")
@@ -994,7 +1006,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixed-repeat", type=int, default=5)
     args = p.parse_args(argv)
     if args.model_shape:
-        built = build_shape(args.model_shape, args.provider, args.build_dir or default_build_dir())
+        built = build_shape(args.model_shape, args.provider, args.build_dir or default_build_dir(),
+                            drop_hf=args.drop_hf)  # fmt: skip
         args.model = args.model or built["seq-major"]
         args.genai_model = args.genai_model or built["gqa"]
         args.genai_paged_model = args.genai_paged_model or built.get("paged")
