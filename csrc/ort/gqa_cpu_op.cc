@@ -5,29 +5,10 @@
 
 #include "core/knobs.h"
 #include "cpu/gqa_cpu.h"
+#include "ort/ort_parallel.h"
 
 namespace kvl {
 namespace {
-
-// Runs tasks on ORT's intra-op thread pool.
-class OrtParallel final : public Parallel {
- public:
-  explicit OrtParallel(Ort::KernelContext& ctx) : ctx_(ctx) {}
-  void For(size_t n, TaskFn fn, void* state) const override {
-    if (n == 0) return;
-    if (n == 1) {
-      fn(state, 0);
-      return;
-    }
-    ctx_.ParallelFor(fn, n, n, state);
-  }
-  int NumThreads() const override { return threads_; }
-  void set_threads(int threads) { threads_ = threads; }
-
- private:
-  Ort::KernelContext& ctx_;
-  int threads_ = 1;
-};
 
 // ORT does not expose its pool size to custom ops; the grid heuristic only needs an estimate.
 int EstimateThreads() {

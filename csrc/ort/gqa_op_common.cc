@@ -5,9 +5,9 @@
 #include <string>
 
 #include "core/gqa_attributes.h"
+#include "ort/shape_infer.h"
 
 namespace kvl {
-namespace {
 
 DType FromOrtType(ONNXTensorElementDataType type) {
   switch (type) {
@@ -22,6 +22,8 @@ DType FromOrtType(ONNXTensorElementDataType type) {
     default: return DType::kOther;
   }
 }
+
+namespace {
 
 // One node's attributes through OrtKernelInfo (the Source of ParseGqaAttributes). The C API has
 // only typed getters by name (no way to list a node's attributes or ask one's type), so Type()
@@ -97,70 +99,6 @@ ONNXTensorElementDataType InputType(size_t index) {
   }
 }
 
-// One inferred dimension: a value (>= 0) or a symbolic name. ORT turns a dimension without a
-// name into dim_value = its integer, so an unknown dimension must carry a name: -1 without one
-// becomes a fixed "-1" that never matches the run's shape, and ORT then logs a VerifyOutputSizes
-// warning for every output of every node on every Run.
-struct Dim {
-  int64_t value = -1;
-  std::string name;
-};
-
-// Dimensions of one input as the context knows them (empty: no input or no shape).
-struct InputDims {
-  ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-  std::vector<Dim> dims;
-  bool exists = false;  // an empty optional input comes back as an info of UNDEFINED type
-};
-
-InputDims ReadInputDims(const OrtApi& api, OrtShapeInferContext* ctx, size_t index) {
-  InputDims out;
-  size_t count = 0;
-  if (OrtStatus* st = api.ShapeInferContext_GetInputCount(ctx, &count)) {
-    api.ReleaseStatus(st);
-    return out;
-  }
-  OrtTensorTypeAndShapeInfo* info = nullptr;  // owned by the context
-  if (index >= count) return out;
-  if (OrtStatus* st = api.ShapeInferContext_GetInputTypeShape(ctx, index, &info)) {
-    api.ReleaseStatus(st);
-    return out;
-  }
-  auto ok = [&api](OrtStatus* st) {
-    if (st == nullptr) return true;
-    api.ReleaseStatus(st);
-    return false;
-  };
-  size_t rank = 0;
-  if (info == nullptr || !ok(api.GetTensorElementType(info, &out.type)) ||
-      !ok(api.GetDimensionsCount(info, &rank))) {
-    return out;
-  }
-  out.exists = out.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-  std::vector<int64_t> values(rank);
-  std::vector<const char*> names(rank, nullptr);
-  if (rank > 0 && (!ok(api.GetDimensions(info, values.data(), rank)) ||
-                   !ok(api.GetSymbolicDimensions(info, names.data(), rank)))) {
-    return out;
-  }
-  for (size_t i = 0; i < rank; ++i) {
-    out.dims.push_back(Dim{values[i], names[i] != nullptr ? names[i] : ""});
-  }
-  return out;
-}
-
-// `d` when it is known (a value or a name), else a dimension named `fallback`.
-Dim KnownOr(const Dim& d, const std::string& fallback) {
-  if (d.value >= 0 || !d.name.empty()) return d;
-  return Dim{-1, fallback};
-}
-
-Dim DimAt(const InputDims& in, size_t i, const std::string& fallback) {
-  return i < in.dims.size() ? KnownOr(in.dims[i], fallback) : Dim{-1, fallback};
-}
-
-std::string DimText(const Dim& d) { return d.value >= 0 ? std::to_string(d.value) : d.name; }
-
 int64_t ReadIntAttr(const OrtApi& api, OrtShapeInferContext* ctx, const char* name, int64_t dflt) {
   const OrtOpAttr* attr = nullptr;
   if (OrtStatus* st = api.ShapeInferContext_GetAttribute(ctx, name, &attr)) {
@@ -183,24 +121,6 @@ ONNXTensorElementDataType QuantCacheType(int64_t bits) {
   if (bits == 8) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
   if (bits == 4) return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
   return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-}
-
-OrtStatusPtr SetOutput(const OrtApi& api, OrtShapeInferContext* ctx, size_t index,
-                       ONNXTensorElementDataType type, const std::vector<Dim>& dims) {
-  std::vector<int64_t> values;
-  std::vector<const char*> names;
-  for (const Dim& d : dims) {
-    values.push_back(d.value >= 0 ? d.value : -1);
-    names.push_back(d.value >= 0 ? "" : d.name.c_str());
-  }
-  OrtTensorTypeAndShapeInfo* info = nullptr;
-  if (OrtStatus* st = api.CreateTensorTypeAndShapeInfo(&info)) return st;
-  OrtStatus* st = api.SetTensorElementType(info, type);
-  if (!st) st = api.SetDimensions(info, values.data(), values.size());
-  if (!st) st = api.SetSymbolicDimensions(info, names.data(), names.size());
-  if (!st) st = api.ShapeInferContext_SetOutputTypeShape(ctx, index, info);
-  api.ReleaseTensorTypeAndShapeInfo(info);
-  return st;
 }
 
 // Output types follow query, present types past (without past: query, or the quantized cache's

@@ -1,5 +1,6 @@
 // Pieces of the custom-op glue shared by the CPU and CUDA GroupQueryAttention ops: attribute
-// reading, input description, output allocation, the op schema callbacks.
+// reading, input description, output allocation, the op schema callbacks. FromOrtType,
+// ToOrtStatus and GuardedCompute serve every op of the library (SampleTokens too).
 #pragma once
 
 #define ORT_API_MANUAL_INIT
@@ -18,6 +19,9 @@ namespace kvl {
 
 constexpr const char* kDomain = "ai.kvlayout";
 constexpr const char* kOpName = "GroupQueryAttention";
+
+// The library's name of an ORT element type (DType::kOther for the types no op takes).
+DType FromOrtType(ONNXTensorElementDataType type);
 
 // Reads every attribute (absent ones keep the contract's defaults) and checks them: a wrong type,
 // a missing required attribute or a value outside the contract is an error (kernel creation,
