@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "ort/gqa_cpu_op.h"
+#include "ort/sample_op.h"
 #if defined(KVL_WITH_CUDA)
 #include "ort/gqa_cuda_op.h"
 #endif
@@ -35,14 +36,18 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   }
   Ort::InitApi(api);
   static kvl::GqaCpuOp cpu_op;
+  static kvl::SampleCpuOp sample_cpu_op;
 #if defined(KVL_WITH_CUDA)
   static kvl::GqaCudaOp cuda_op;
+  static kvl::SampleCudaOp sample_cuda_op;
 #endif
   try {
     auto domain = std::make_unique<Ort::CustomOpDomain>(kvl::kDomain);
     domain->Add(&cpu_op);
+    domain->Add(&sample_cpu_op);
 #if defined(KVL_WITH_CUDA)
     domain->Add(&cuda_op);
+    domain->Add(&sample_cuda_op);
 #endif
     Ort::UnownedSessionOptions session_options(options);
     session_options.Add(*domain);
