@@ -427,6 +427,28 @@ def test_distribution_matches_the_probabilities(runner):
     assert np.all(np.diff(got) >= 0)  # index order: the token grows with u
 
 
+@pytest.mark.parametrize("dims,rank", [(["b", 1, "vocab"], 2), ([3, 5], 1), ([None, 4, 2, 9], 3)])
+def test_shape_inference_gives_logits_leading_dims(dims, rank):
+    """The output's inferred shape is logits.shape[:-1]: a Shape node after it has `rank`
+    elements when the session is built (before any run)."""
+    import ort_kvlayout
+
+    ins = [helper.make_tensor_value_info("logits", TensorProto.FLOAT16, dims)]
+    ins += [helper.make_tensor_value_info(n, _ONNX[np.dtype(PARAM_TYPES[n])], None) for n in PARAMS]
+    nodes = [
+        helper.make_node("SampleTokens", ["logits", *PARAMS], ["ids"], domain=DOMAIN),
+        helper.make_node("Shape", ["ids"], ["shape"]),
+    ]
+    out = helper.make_tensor_value_info("shape", TensorProto.INT64, None)
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, 1)]
+    model = helper.make_model(helper.make_graph(nodes, "g", ins, [out]), opset_imports=opsets,
+                              ir_version=10)  # fmt: skip
+    so = ort.SessionOptions()
+    ort_kvlayout.register(so)
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    assert sess.get_outputs()[0].shape == [rank]
+
+
 # --------------------------------------------------------------------------------------------
 # Errors of the call
 # --------------------------------------------------------------------------------------------
