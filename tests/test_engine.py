@@ -68,13 +68,17 @@ def params(n, **kwargs):
     return RequestParams(max_tokens=n, ignore_eos=True, **kwargs)
 
 
+@pytest.mark.parametrize("on_device", [True, False], ids=["served", "own-graph"])
 @pytest.mark.parametrize("chunk", [4, 256])
-def test_concurrent_requests_equal_generate_alone(model, alone, chunk):
-    with engine(model, max_batch=4, prefill_chunk=chunk) as eng:
+def test_concurrent_requests_equal_generate_alone(model, alone, chunk, on_device):
+    """The served graph (lengths, logits at the sampled rows, SampleTokens) and the model's own
+    graph sampled on the host give every request the greedy tokens it gets alone."""
+    with engine(model, max_batch=4, prefill_chunk=chunk, sample_on_device=on_device) as eng:
         handles = [eng.submit(p, params(n)) for p, n in zip(PROMPTS, LENGTHS)]
         got = [h.result() for h in handles]
         stats = eng.stats()
     assert got == alone
+    assert stats["sample_on_device"] is on_device
     assert all(h.finish_reason == "length" for h in handles)
     assert stats["peak_running"] == 4  # 6 requests through 4 slots: slots were reused
     assert stats["kv_bytes_moved"] == 0
@@ -161,14 +165,23 @@ def test_cancel_a_waiting_request(model):
         assert b.finish_reason == "cancelled"
 
 
-def test_sampling_is_per_request_and_seeded(model):
+@pytest.mark.parametrize("on_device", [True, False], ids=["served", "own-graph"])
+def test_sampling_is_per_request_and_seeded(model, on_device):
     sampling = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=3)
-    with engine(model, max_batch=4) as eng:
+    with engine(model, max_batch=4, sample_on_device=on_device) as eng:
         solo = eng.generate(PROMPTS[0], params(20, sampling=sampling))
         handles = [eng.submit(PROMPTS[0], params(20, sampling=sampling)) for _ in range(3)]
         handles.append(eng.submit(PROMPTS[1], params(20)))
+        hot = [  # a flat distribution: the seed decides
+            eng.generate(PROMPTS[0], params(20, sampling=SamplingParams(5.0, seed=seed)))
+            for seed in (3, 4)
+        ]
         mixed = [h.result() for h in handles]
+    with engine(model, max_batch=2, sample_on_device=on_device) as eng:  # run to run
+        again = eng.generate(PROMPTS[0], params(20, sampling=sampling))
     assert mixed[:3] == [solo] * 3  # the same seed, whatever shares the batch
+    assert again == solo
+    assert hot[0] != hot[1]  # another seed: other tokens (a test that can fail)
 
 
 def test_stop_token_ids_and_eos(model, alone):
@@ -414,12 +427,15 @@ def idle_stats(eng, timeout: float = 10.0) -> dict:
         time.sleep(0.01)
 
 
+@pytest.mark.parametrize("on_device", [True, False], ids=["served", "own-graph"])
 @pytest.mark.parametrize("chunk", [4, 256])
-def test_padded_decode_buckets_equal_generate_alone(model, alone, chunk):
+def test_padded_decode_buckets_equal_generate_alone(model, alone, chunk, on_device):
     """The decode calls CUDA graphs need (slots [0, bucket), a capacity-wide mask, one fixed
     binding per bucket), run uncaptured on the CPU: joins, leaves and slot reuse give every
     request its tokens alone; padded rows (free slots, prefilling requests) change nothing."""
-    with engine(model, max_batch=4, prefill_chunk=chunk, decode_buckets=(1, 2)) as eng:
+    with engine(
+        model, max_batch=4, prefill_chunk=chunk, decode_buckets=(1, 2), sample_on_device=on_device
+    ) as eng:
         handles = [eng.submit(p, params(n)) for p, n in zip(PROMPTS, LENGTHS)]
         got = [h.result() for h in handles]
         stats = idle_stats(eng)
@@ -435,14 +451,14 @@ def test_padded_decode_keeps_one_binding_per_bucket(model, alone):
     """Slot reuse and growth never make a bucket's binding anew (on CUDA: never re-capture)."""
     with engine(model, max_batch=4, prefill_chunk=8, decode_buckets=(2,)) as eng:
         made = []
-        real = eng._fixed.__class__.__setitem__
+        real = eng.executor._buckets.__class__.__setitem__
 
         class Recording(dict):
             def __setitem__(self, key, value):
                 made.append(key)
                 real(self, key, value)
 
-        eng._fixed = Recording()
+        eng.executor._buckets = Recording()
         for _ in range(2):  # the second round reuses every slot
             handles = [eng.submit(p, params(n)) for p, n in zip(PROMPTS, LENGTHS)]
             assert [h.result() for h in handles] == alone
@@ -488,3 +504,35 @@ def test_cuda_graphs_are_refused_on_the_cpu():
         EngineConfig(kv_budget_bytes=1 << 20, kv_budget_fraction=0.5)
     with pytest.raises(ValueError, match=r"kv_budget_fraction must be in \(0, 1\]"):
         EngineConfig(kv_budget_fraction=1.5)
+
+
+def test_a_graph_that_cannot_be_served_falls_back_or_is_refused(model, alone, monkeypatch):
+    from ort_kvlayout.model import serving_graph as sg
+    from ort_kvlayout.serve import engine as engine_module
+
+    def refuse(*args, **kwargs):
+        raise sg.ServingGraphError("no LM head found above 'logits'")
+
+    monkeypatch.setattr(engine_module, "serving_graph", refuse)
+    with engine(model, max_batch=2) as eng:  # None: the model's own graph, and why
+        assert eng.generate(PROMPTS[0], params(LENGTHS[0])) == alone[0]
+        assert eng.stats()["sample_on_device"] is False
+        assert "no LM head" in eng.served_refusal
+    with pytest.raises(ValueError, match="sample_on_device=True.*no LM head"):
+        engine(model, sample_on_device=True)
+
+
+def test_step_profile_counts_every_step(model):
+    with engine(model, max_batch=2) as eng:
+        eng.generate(PROMPTS[1], params(6))
+        profile = eng.stats()["step_profile"]
+    assert profile["steps"] == eng.stats()["steps"] > 0
+    assert set(profile["per_step_ms"]) == {
+        "schedule",
+        "inputs",
+        "run",
+        "readback",
+        "sample",
+        "emit",
+    }
+    assert profile["total_ms"]["run"] > 0

@@ -94,18 +94,15 @@ def test_server_chat_stream_on_smollm2(model, tok):
 def test_streamed_text_is_the_full_decode_up_to_the_stop_string(tok, stop):
     """Token by token through the engine's incremental detokenizer: multi-byte characters
     split over byte-level tokens, leading spaces, stop strings spanning tokens."""
-    from ort_kvlayout.serve.engine import Engine, RequestParams, _Request
+    from ort_kvlayout.serve.detokenizer import IncrementalText
 
-    engine = Engine.__new__(Engine)  # only the text methods: no session
-    engine.tokenizer = tok
     prompt = tok.encode("<|im_start|>user\nSay hi<|im_end|>\n")
     generated = tok.encode(" Héllo wörld 🎉🚀 — naïve café, 日本語のテキスト!\n  two  spaces")
-    r = _Request(1, len(prompt), list(prompt), RequestParams(stop=stop), None, None, 1)
-    streamed, hit = "", False
+    text = IncrementalText(tok, len(prompt), stop)
+    seq, streamed, hit = list(prompt), "", False
     for i, t in enumerate(generated):
-        r.seq.append(t)
-        r.generated += 1
-        delta, hit = engine._text_delta(r, final=i == len(generated) - 1)
+        seq.append(t)
+        delta, hit = text.delta(seq, final=i == len(generated) - 1)
         streamed += delta
         if hit:
             break

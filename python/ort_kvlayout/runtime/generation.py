@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 from ..op.length_errors import check_length_error
@@ -128,10 +129,13 @@ class Runtime:
         fixed_mask: bool | None = None,
         granule: int | None = None,
         bucket_tokens: int = BUCKET_TOKENS,
+        model: onnx.ModelProto | None = None,
     ):
         """provider "cpu" | "cuda"; cache one of CACHE_MODES; cuda_graph defaults to True on
         CUDA; capacity: tokens per batch entry the cache reserves (default: the model's
-        context); custom_ops_library "auto" registers the one genai_config.json names."""
+        context); custom_ops_library "auto" registers the one genai_config.json names; model:
+        a rewritten decoder graph to run instead of the file's (its external data is read from
+        the model folder; the serving engine's served graph)."""
         if provider not in ("cpu", "cuda"):
             raise ValueError(f"provider {provider!r}: expected 'cpu' or 'cuda'")
         if cache not in CACHE_MODES:
@@ -183,7 +187,19 @@ class Runtime:
                 options["enable_cuda_graph"] = "1"
             providers.append(("CUDAExecutionProvider", options))
         providers.append("CPUExecutionProvider")
-        self.session = ort.InferenceSession(str(self.spec.onnx_path), so, providers=providers)
+        source: str | bytes = str(self.spec.onnx_path)
+        if model is not None:
+            if model.ByteSize() >= 1 << 31:
+                raise ValueError(
+                    "the rewritten graph is over protobuf's 2 GiB: keep the weights as external "
+                    "data (the builder's models do)"
+                )
+            source = model.SerializeToString()
+            so.add_session_config_entry(
+                "session.model_external_initializers_file_folder_path",
+                str(self.spec.onnx_path.parent.resolve()),
+            )
+        self.session = ort.InferenceSession(source, so, providers=providers)
         if provider == "cuda" and "CUDAExecutionProvider" not in self.session.get_providers():
             raise RuntimeError("CUDAExecutionProvider is not available in this onnxruntime")
         outputs = {o.name: o.type for o in self.session.get_outputs()}

@@ -55,13 +55,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
-from ..runtime.generation import CUDA_GRAPH_WARMUP_RUNS, Runtime
-from ..runtime.kv_cache import KvCache, KvMemoryError, bind_in_place
+from ..model.serving_graph import ServingGraphError, serving_graph
+from ..op.library import library_path
+from ..runtime.generation import Runtime
+from ..runtime.kv_cache import KvCache, KvMemoryError
+from ..runtime.model_spec import ModelSpec
 from ..runtime.sampling import GREEDY, Sampler, SamplingParams
 from . import memory
 from .batching import decode_range, decode_rows, resolve_buckets
+from .detokenizer import IncrementalText
+from .executor import NONFINITE_LOGITS, Executor
 
 __all__ = [
     "Engine",
@@ -99,7 +105,11 @@ class EngineConfig:
     whole); cuda_graph: decode calls captured as CUDA graphs, one per bucket (None: on with
     provider "cuda"; True on the CPU is an error); decode_buckets: the batch sizes a decode call
     is padded to, over slots [0, bucket) (None: 1, 2, 4, then multiples of 8, and max_batch;
-    graphs need them; () runs each step's decoding range as it is, uncaptured)."""
+    graphs need them; () runs each step's decoding range as it is, uncaptured);
+    sample_on_device: run the served graph (model/serving_graph.py: lengths in place of the
+    mask, logits only at sampled positions, tokens chosen by ai.kvlayout::SampleTokens, only ids
+    copied back; None: when the graph allows it, True: an error otherwise) or, False, the
+    model's own graph with every position's logits sampled on the host."""
 
     max_batch: int = 8
     capacity: int | None = None
@@ -113,6 +123,7 @@ class EngineConfig:
     granule: int | None = None
     cuda_graph: bool | None = None
     decode_buckets: tuple[int, ...] | None = None
+    sample_on_device: bool | None = None
 
     @property
     def graphs(self) -> bool:
@@ -259,10 +270,7 @@ class _Request:
     cached: int = 0  # rows in the slot's KV (len(seq) - cached == 1: decoding)
     slot: int = -1
     stop_ids: frozenset = frozenset()
-    emitted_chars: int = 0  # text already sent (stop strings hold some back)
-    text: str = ""  # generated text decoded so far (_generated_text)
-    prefix_offset: int = -1  # seq[prefix_offset:read_offset]: the context of the next decode
-    read_offset: int = -1
+    text: IncrementalText | None = None  # with a tokenizer: the text sent so far
     submitted_at: float = field(default_factory=time.perf_counter)
 
     @property
@@ -283,6 +291,11 @@ class Engine:
         start: bool = True,
     ):
         self.config = config = config or EngineConfig()
+        spec = ModelSpec.from_dir(model_dir)
+        served, self.served_refusal = self._served_graph(spec, config.sample_on_device)
+        library = "auto"
+        if served is not None and not spec.custom_ops_library:
+            library = library_path()  # SampleTokens is ours, whatever runs the attention
         self.runtime = Runtime(
             model_dir,
             provider=config.provider,
@@ -292,6 +305,8 @@ class Engine:
             device_id=config.device_id,
             session_options=session_options,
             granule=config.granule,
+            custom_ops_library=library,
+            model=served.model if served is not None else None,
         )
         self.spec = self.runtime.spec
         self.tokenizer = tokenizer
@@ -305,9 +320,9 @@ class Engine:
         self._inbox: list[tuple[str, object]] = []
         self._cond = threading.Condition()
         self._ids = itertools.count(1)
-        self._bindings: dict[tuple[int, int], ort.IOBinding] = {}
-        self._fixed: dict[int, _FixedDecode] = {}  # per bucket: its binding (and graph)
-        self._graph_runs: collections.Counter = collections.Counter()
+        self.executor = Executor(
+            self.runtime, self.cache, config.graphs, served.inputs if served is not None else None
+        )
         self._counters = collections.Counter()
         self._peak_running = 0
         self._closing = False
@@ -317,6 +332,20 @@ class Engine:
         self._update_snapshot()
         if start:
             self.start()
+
+    @staticmethod
+    def _served_graph(spec: ModelSpec, want: bool | None):
+        """The served graph of the model (None with want False, or when it does not apply and
+        want is None: then also the reason), read without the weights."""
+        if want is False:
+            return None, "sample_on_device=False"
+        try:
+            model = onnx.load(str(spec.onnx_path), load_external_data=False)
+            return serving_graph(model, spec.attention_mask, spec.logits), None
+        except ServingGraphError as exc:
+            if want:
+                raise ValueError(f"sample_on_device=True, but the graph cannot be served: {exc}")
+            return None, str(exc)
 
     def _allocate(self, config: EngineConfig) -> None:
         """The KV budget (resolved once, from the memory free now that the model is loaded),
@@ -356,7 +385,6 @@ class Engine:
         )
         # Bytes per entry of n rows: the same for every slot, asked several times a step.
         self._commit_bytes = functools.lru_cache(maxsize=1 << 16)(self.cache.entry_commit_bytes)
-        self._greedy = Sampler(GREEDY)
         reserved = self.cache.stats.reserved_bytes
         if budget is None:
             self.budget = reserved
@@ -428,6 +456,8 @@ class Engine:
             rid, len(prompt), list(prompt), params, handle, Sampler(params.sampling), rid,
             stop_ids=stop_ids,
         )  # fmt: skip
+        if self.tokenizer is not None:
+            request.text = IncrementalText(self.tokenizer, len(prompt), params.stop)
         with self._cond:
             if self._closing:
                 raise EngineClosed("the engine is shutting down")
@@ -479,8 +509,7 @@ class Engine:
             if self._thread.is_alive():
                 return  # still draining: the caller chose a timeout
             self._thread = None
-        self._bindings.clear()
-        self._fixed.clear()
+        self.executor.close()
         self.cache.close()
         self.runtime.close()
 
@@ -565,8 +594,8 @@ class Engine:
         if r in self._waiting:
             self._waiting.remove(r)
         self._counters[f"finished_{reason}"] += 1
-        if flush and self.tokenizer is not None:
-            text = self._flush_text(r)
+        if flush and r.text is not None:
+            text = r.text.delta(r.seq, final=True)[0] if r.generated else ""
         self._deliver(r, Event(r.id, token, text, reason, r.prompt_len, r.generated, error))
 
     def _deliver(self, r: _Request, event: Event) -> bool:
@@ -670,6 +699,8 @@ class Engine:
 
     # --- a step ------------------------------------------------------------------------------
     def _step(self) -> None:
+        profile = self.executor.profile
+        t = time.perf_counter_ns()
         self._admit()
         rows, padded = self._preempt_to_fit()
         self._release_scratch(rows)
@@ -686,8 +717,10 @@ class Engine:
             self._preempt(max(running, key=lambda r: r.arrival))
             return
         self._counters["steps"] += 1
+        profile.steps += 1
         span = self._decode_range(padded)
         prefilling = sorted((r for r in self._running() if not r.decoding), key=lambda r: r.arrival)
+        profile.add("schedule", t)
         if span is not None:
             self._decode_step(*span, padded=padded)
         budget = self.config.prefill_chunk
@@ -698,93 +731,57 @@ class Engine:
             budget -= take
             self._prefill_chunk(r, take)
 
-    def _binding(self, first: int, count: int) -> ort.IOBinding:
-        key = (first, count)
-        binding = self._bindings.get(key)
-        if binding is None:
-            binding = self.runtime.session.io_binding()
-            bind_in_place(binding, self.cache.entry_buffers(first, count))
-            self._bindings[key] = binding
-        return binding
-
-    def _run(self, first: int, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        spec = self.spec
-        binding = self._binding(first, ids.shape[0])
-        binding.bind_cpu_input(spec.input_ids, ids)
-        binding.bind_cpu_input(spec.attention_mask, mask)
-        if spec.position_ids:
-            lengths = mask.sum(axis=1).astype(np.int64)
-            positions = lengths[:, None] - ids.shape[1] + np.arange(ids.shape[1])
-            binding.bind_cpu_input(spec.position_ids, np.maximum(positions, 0))
-        binding.bind_output(spec.logits, "cpu")
-        # gpu_graph_id -1 with CUDA graphs on: never captured (ORT's default id 0 would be)
-        self.runtime.session.run_with_iobinding(binding, self.runtime._run_options(None))
-        self.runtime._check_length_record("engine step")
-        return binding.get_outputs()[-1].numpy()
-
-    def _run_fixed(self, bucket: int, ids: list[int], totals: list[int]) -> np.ndarray:
-        """The decode call of slots [0, bucket) through its fixed binding; with CUDA graphs,
-        graph id `bucket`: ORT runs it CUDA_GRAPH_WARMUP_RUNS times, captures it on the next
-        run and replays it from then on (the counters follow that rule)."""
-        fixed = self._fixed.get(bucket)
-        if fixed is None:
-            fixed = self._fixed[bucket] = _FixedDecode(self, bucket)
-        fixed.set_inputs(ids, totals)
-        runs = self._graph_runs[bucket]
-        graph_id = bucket if self.config.graphs else None
-        self.runtime.session.run_with_iobinding(fixed.binding, self.runtime._run_options(graph_id))
-        self._graph_runs[bucket] = runs + 1
-        if self.config.graphs:
-            if runs == CUDA_GRAPH_WARMUP_RUNS:
-                self.cache.stats.graph_captures += 1
-            elif runs > CUDA_GRAPH_WARMUP_RUNS:
-                self.cache.stats.replays += 1
-        logits = fixed.logits()  # on the host: the step's kernels are done
-        self.runtime._check_length_record("engine decode step")
-        return logits
-
     def _decode_step(self, lo: int, hi: int, padded: bool = False) -> None:
-        slots = []
+        slots, samplers = [], []
         for r in self._slots[lo:hi]:
             if r is None:
                 slots.append(None)
+                samplers.append(None)
             else:
                 slots.append((r.seq[r.cached] if r.decoding else None, r.cached))
+                samplers.append(r.sampler if r.decoding else None)
         ids, totals = decode_rows(slots, self.spec.pad_token_id)
         if padded:
-            logits = self._run_fixed(hi, ids, totals)
+            tokens = self.executor.run_bucket(hi, ids, totals, samplers)
         else:
-            mask = np.zeros((hi - lo, max(totals)), self.spec.mask_dtype)
-            for i, t in enumerate(totals):
-                mask[i, :t] = 1
-            logits = self._run(lo, np.array(ids, np.int64)[:, None], mask)
+            ids_array = np.array(ids, np.int64)[:, None]
+            tokens = self.executor.run(lo, ids_array, totals, [0] * (hi - lo), samplers)
         self._counters["decode_calls"] += 1
         self._counters["decode_rows"] += hi - lo
-        rows = [(i, r) for i, r in enumerate(self._slots[lo:hi]) if r is not None and r.decoding]
-        self._counters["decode_padded_rows"] += hi - lo - len(rows)
-        # Greedy rows are chosen together (one argmax over their logits): the same tokens as
-        # each request's own Sampler, without a call per request.
-        greedy = [i for i, r in rows if r.params.sampling.greedy]
-        chosen = dict(zip(greedy, self._greedy(logits[greedy, -1]))) if greedy else {}
-        for i, r in rows:
+        t = time.perf_counter_ns()
+        running = [(r, token) for r, token in zip(self._slots[lo:hi], tokens) if token is not None]
+        self._counters["decode_padded_rows"] += hi - lo - len(running)
+        for r, token in running:
             r.cached += 1
-            self._emit(r, logits[i, -1], chosen.get(i))
+            self._emit(r, token)
+        self.executor.profile.add("emit", t)
 
     def _prefill_chunk(self, r: _Request, take: int) -> None:
         start = r.cached
         ids = np.array([r.seq[start : start + take]], np.int64)
-        mask = np.ones((1, start + take), self.spec.mask_dtype)
-        logits = self._run(r.slot, ids, mask)
+        # The whole sequence in: its last row gives the next token (else no row is sampled).
+        completes = start + take == len(r.seq)
+        sampler = r.sampler if completes else None
+        tokens = self.executor.run(r.slot, ids, [start + take], [take - 1], [sampler])
         self._counters["prefill_calls"] += 1
         self._counters["prefill_tokens"] += take
         r.cached = start + take
-        if r.cached == len(r.seq):  # the whole sequence is in: its last row gives the next token
-            self._emit(r, logits[0, -1])
+        if completes:
+            t = time.perf_counter_ns()
+            self._emit(r, tokens[0])
+            self.executor.profile.add("emit", t)
 
-    def _emit(self, r: _Request, row: np.ndarray, token: int | None = None) -> None:
-        """Samples r's next token from its logits row (unless chosen already), then streams it
-        or finishes r."""
-        token = int(r.sampler(row[None])[0]) if token is None else int(token)
+    def _emit(self, r: _Request, token: int) -> None:
+        """Streams r's next token, or finishes r (a negative token: the sampler refused the row,
+        see executor.py)."""
+        if token < 0:
+            why = (
+                "the model's logits contain NaN or infinite values"
+                if token == NONFINITE_LOGITS
+                else "the device sampler refused the request's sampling parameters"
+            )
+            self._finish(r, "error", error=why)
+            return
         r.seq.append(token)  # len(seq) - cached == 1: r decodes it next
         r.generated += 1
         self._counters["tokens"] += 1
@@ -794,69 +791,14 @@ class Engine:
         elif r.generated >= r.params.max_tokens:
             reason = "length"
         text = None
-        if self.tokenizer is not None:
-            text, hit = self._text_delta(r, final=reason is not None)
+        if r.text is not None:
+            text, hit = r.text.delta(r.seq, final=reason is not None)
             if hit and reason is None:
                 reason = "stop"  # the text ends before the stop string
         if reason is not None:
             self._finish(r, reason, token=token, text=text, flush=False)
         else:
             self._deliver(r, Event(r.id, token, text, None, r.prompt_len, r.generated))
-
-    # --- text ----------------------------------------------------------------------------------
-    def _generated_text(self, r: _Request, final: bool = False) -> str:
-        """r's generated text, decoded incrementally (vLLM's scheme): the tokens since the last
-        complete text are decoded with a few tokens of context before them, and the part past
-        the context's own text is appended, so a step decodes a handful of tokens, not the
-        whole output, and a word's leading space or a multi-byte character split over tokens
-        comes out as the full decode has it. Until `final`, text ending in an incomplete UTF-8
-        character waits for the next token."""
-        seq = r.seq
-        if r.read_offset < 0:
-            r.prefix_offset, r.read_offset = max(r.prompt_len - 4, 0), r.prompt_len
-        if r.read_offset >= len(seq):
-            return r.text
-        prefix = self.tokenizer.decode(seq[r.prefix_offset : r.read_offset])
-        full = self.tokenizer.decode(seq[r.prefix_offset :])
-        if not full.startswith(prefix):  # a tokenizer whose decode is not incremental
-            r.text = self.tokenizer.decode(seq[r.prompt_len :])
-            r.prefix_offset = r.read_offset = len(seq)
-        elif final or (len(full) > len(prefix) and not full.endswith("\ufffd")):
-            r.text += full[len(prefix) :]
-            r.prefix_offset, r.read_offset = r.read_offset, len(seq)
-        return r.text
-
-    def _text_delta(self, r: _Request, final: bool) -> tuple[str, bool]:
-        """The new text to send, and whether a stop string was found (the text ends before it).
-        Held back: an incomplete UTF-8 character, and a suffix that may begin a stop string."""
-        text = self._generated_text(r, final)
-        stops = r.params.stop
-        if stops:
-            lo = max(0, r.emitted_chars - max(len(s) for s in stops))
-            hits = [i for i in (text.find(s, lo) for s in stops) if i >= 0]
-            if hits:
-                end = max(min(hits), r.emitted_chars)
-                delta = text[r.emitted_chars : end]
-                r.emitted_chars = end
-                return delta, True
-        end = len(text)
-        if not final:
-            if text.endswith("\ufffd"):
-                end = len(text.rstrip("\ufffd"))
-            for s in stops:
-                for k in range(min(len(s) - 1, end), 0, -1):
-                    if text[:end].endswith(s[:k]):
-                        end = min(end, len(text[:end]) - k)
-                        break
-        end = max(end, r.emitted_chars)
-        delta = text[r.emitted_chars : end]
-        r.emitted_chars = end
-        return delta, False
-
-    def _flush_text(self, r: _Request) -> str:
-        if r.generated == 0:
-            return ""
-        return self._text_delta(r, final=True)[0]
 
     def _update_snapshot(self) -> None:
         st = self.cache.stats if not self.cache.closed else None
@@ -880,8 +822,10 @@ class Engine:
             "graph_recaptures": st.recaptures if st else 0,
             "cuda_graph": self.config.graphs,
             "decode_buckets": list(self.buckets),
-            "decode_buckets_used": len(self._fixed),
-            "decode_bucket_calls": dict(self._graph_runs),  # bucket -> its decode calls
+            "decode_buckets_used": self.executor.buckets_used,
+            "decode_bucket_calls": dict(self.executor.bucket_calls),  # bucket -> decode calls
+            "sample_on_device": self.executor.served is not None,
+            "step_profile": self.executor.profile.summary(),
         }
         for key in (
             "steps", "decode_calls", "decode_rows", "decode_padded_rows", "decode_eager_fallbacks",
@@ -892,70 +836,3 @@ class Engine:
             snap[key] = self._counters[key]
         with self._cond:
             self._snapshot = snap
-
-
-class _FixedDecode:
-    """The decode call of slots [0, bucket): the KV buffers bound at slot 0 with batch `bucket`,
-    input_ids (bucket, 1), an attention mask as wide as the cache (bucket, capacity; only the
-    rows whose length changed are rewritten), position_ids and the logits, each at one address
-    with one shape for the engine's life, as a CUDA graph needs (device OrtValues on CUDA,
-    copied in place each step; host arrays bound by pointer on the CPU). The cache's pointers
-    never move (growth commits granules under them, a freed slot keeps its addresses), so the
-    binding, and the graph captured from it, stay valid across growth and slot reuse."""
-
-    def __init__(self, engine: Engine, bucket: int):
-        rt, spec = engine.runtime, engine.spec
-        self.bucket = bucket
-        self.device = "cuda" if engine.config.provider == "cuda" else "cpu"
-        self._spec = spec
-        self.mask = np.zeros((bucket, engine.cache.capacity), spec.mask_dtype)
-        self._lengths = np.zeros(bucket, np.int64)  # ones per mask row now
-        self._host = {
-            spec.input_ids: np.zeros((bucket, 1), np.int64),
-            spec.attention_mask: self.mask,
-        }
-        if spec.position_ids:
-            self._host[spec.position_ids] = np.zeros((bucket, 1), np.int64)
-        self._host_logits = np.zeros((bucket, 1, spec.vocab_size), rt.logits_dtype)
-        self.binding = rt.session.io_binding()
-        bind_in_place(self.binding, engine.cache.entry_buffers(0, bucket))
-        self._device: dict[str, ort.OrtValue] = {}
-        if self.device == "cpu":
-            for name, array in self._host.items():
-                self.binding.bind_input(
-                    name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data
-                )
-            self.binding.bind_output(
-                spec.logits, "cpu", 0, rt.logits_dtype, list(self._host_logits.shape),
-                self._host_logits.ctypes.data,
-            )  # fmt: skip
-        else:
-            device_id = engine.config.device_id
-            for name, array in self._host.items():
-                self._device[name] = ort.OrtValue.ortvalue_from_numpy(array, "cuda", device_id)
-                self.binding.bind_ortvalue_input(name, self._device[name])
-            self._device_logits = ort.OrtValue.ortvalue_from_numpy(
-                self._host_logits, "cuda", device_id
-            )
-            self.binding.bind_ortvalue_output(spec.logits, self._device_logits)
-
-    def set_inputs(self, ids: list[int], totals: list[int]) -> None:
-        spec = self._spec
-        self._host[spec.input_ids][:, 0] = ids
-        for i, t in enumerate(totals):
-            held = self._lengths[i]
-            if t > held:
-                self.mask[i, held:t] = 1
-            elif t < held:
-                self.mask[i, t:held] = 0
-            self._lengths[i] = t
-        if spec.position_ids:
-            self._host[spec.position_ids][:, 0] = np.asarray(totals, np.int64) - 1
-        for name, value in self._device.items():  # the same device address: updated in place
-            value.update_inplace(self._host[name])
-
-    def logits(self) -> np.ndarray:
-        """(bucket, 1, vocab): on the CPU the bound buffer itself, valid until the next call."""
-        if self.device == "cpu":
-            return self._host_logits
-        return self._device_logits.numpy()

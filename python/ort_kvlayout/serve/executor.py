@@ -1,0 +1,332 @@
+"""The engine's executor: runs the model calls a step plans, and returns a token per sampled row.
+
+    executor = Executor(runtime, cache, sample_on_device=True)
+    tokens = executor.run(first_slot, ids, totals, last, rows)    # an eager call: (B, S) ids
+    tokens = executor.run_bucket(bucket, ids, totals, rows)      # a padded decode call (graphs)
+
+It owns the session's bindings, the fixed per-bucket decode bindings (one CUDA graph each) and
+how tokens are chosen. Two graphs:
+
+* **Served** (`sample_on_device`, model/serving_graph.py): lengths in place of the attention mask,
+  logits only at the sampled position of each row, and ai.kvlayout::SampleTokens at the end.
+  A call uploads the ids, one length per row and, when a row samples, its parameters and a
+  uniform number; it reads back one int64 per row. On CUDA the logits never leave the device.
+* **The model's own** (host sampling): the attention mask (as wide as the cache in a padded
+  call), logits of every position copied to the host, sampled there with each request's
+  Sampler (greedy rows together, one argmax).
+
+`Row` says what a row samples with: None for a row whose token is not used (padding, a prefill
+chunk that does not end its prompt), else the request's Sampler (its params and seeded
+generator). A served call draws one uniform number from the generator of each sampling row it
+runs, so a seeded request gets the same tokens whatever shares its calls.
+
+Tokens come back as ints; -1 marks a row whose logits held NaN or infinity, -2 a row whose
+sampling parameters the op refused (SampleTokens' contract); the engine ends that request with
+an error.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import onnxruntime as ort
+
+from ..model.serving_graph import ServedInputs
+from ..runtime.generation import CUDA_GRAPH_WARMUP_RUNS, Runtime
+from ..runtime.kv_cache import KvCache, bind_in_place
+from ..runtime.sampling import GREEDY, Sampler
+
+__all__ = ["BAD_SAMPLING", "NONFINITE_LOGITS", "Executor", "StepProfile"]
+
+NONFINITE_LOGITS, BAD_SAMPLING = -1, -2
+_TOP_K_MAX = np.iinfo(np.int32).max
+_BELOW_ONE = np.nextafter(np.float32(1), np.float32(0))
+
+
+class StepProfile:
+    """Host time per phase of the engine's steps (perf_counter_ns sums): where a step's
+    milliseconds go. `run` is ORT's Run, which returns when the step's kernels are done (the
+    GPU's time and the launch overhead both land there)."""
+
+    PHASES = ("schedule", "inputs", "run", "readback", "sample", "emit")
+
+    def __init__(self) -> None:
+        self.ns = collections.Counter()
+        self.steps = 0
+
+    def add(self, phase: str, start_ns: int) -> int:
+        now = time.perf_counter_ns()
+        self.ns[phase] += now - start_ns
+        return now
+
+    def summary(self) -> dict:
+        per = max(self.steps, 1)
+        return {
+            "steps": self.steps,
+            "total_ms": {p: self.ns[p] / 1e6 for p in self.PHASES},
+            "per_step_ms": {p: self.ns[p] / 1e6 / per for p in self.PHASES},
+        }
+
+
+@dataclass
+class _Sampling:
+    """Per-row SampleTokens inputs of one call (host arrays)."""
+
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    uniform: np.ndarray
+
+    @classmethod
+    def zeros(cls, rows: int) -> _Sampling:
+        return cls(np.zeros(rows, np.float32), np.zeros(rows, np.int32),
+                   np.ones(rows, np.float32), np.zeros(rows, np.float32))  # fmt: skip
+
+    def fill(self, rows: list[Sampler | None]) -> bool:
+        """Sets every row (greedy for None); True when a value changed."""
+        t, k, p, u = self.temperature.copy(), self.top_k.copy(), self.top_p.copy(), self.uniform
+        u_changed = False
+        for i, sampler in enumerate(rows):
+            params = sampler.params if sampler is not None else GREEDY
+            t[i] = params.temperature
+            k[i] = min(params.top_k, _TOP_K_MAX)
+            p[i] = params.top_p
+            if sampler is not None and not params.greedy:
+                u[i] = min(np.float32(sampler.rng.random()), _BELOW_ONE)
+                u_changed = True
+        changed = u_changed or not (
+            np.array_equal(t, self.temperature) and np.array_equal(k, self.top_k)
+            and np.array_equal(p, self.top_p)
+        )  # fmt: skip
+        self.temperature, self.top_k, self.top_p = t, k, p
+        return changed
+
+    def feeds(self, names: ServedInputs) -> dict[str, np.ndarray]:
+        return {names.temperature: self.temperature, names.top_k: self.top_k,
+                names.top_p: self.top_p, names.uniform: self.uniform}  # fmt: skip
+
+
+class Executor:
+    """See the module docstring. One thread (the engine loop) calls it."""
+
+    def __init__(self, runtime: Runtime, cache: KvCache, graphs: bool, served: ServedInputs | None):
+        self.runtime, self.cache, self.graphs = runtime, cache, graphs
+        self.spec = runtime.spec
+        self.served = served
+        self.device = "cuda" if runtime.provider == "cuda" else "cpu"
+        self.device_id = runtime.device_id
+        self.profile = StepProfile()
+        self._bindings: dict[tuple[int, int], ort.IOBinding] = {}
+        self._buckets: dict[int, _BucketCall] = {}
+        self.bucket_calls: collections.Counter = collections.Counter()
+        self._greedy = Sampler(GREEDY)
+
+    @property
+    def buckets_used(self) -> int:
+        return len(self._buckets)
+
+    def close(self) -> None:
+        self._bindings.clear()
+        self._buckets.clear()
+
+    # --- eager calls ---------------------------------------------------------------------------
+    def _binding(self, first: int, count: int) -> ort.IOBinding:
+        key = (first, count)
+        binding = self._bindings.get(key)
+        if binding is None:
+            binding = self.runtime.session.io_binding()
+            bind_in_place(binding, self.cache.entry_buffers(first, count))
+            self._bindings[key] = binding
+        return binding
+
+    def run(
+        self, first: int, ids: np.ndarray, totals: list[int], last: list[int],
+        rows: list[Sampler | None],
+    ) -> list[int | None]:  # fmt: skip
+        """One uncaptured call over slots [first, first + B): ids (B, S), each row's total rows
+        after the call, the index in S of the token each row samples at (`last`), and who
+        samples (None: the row's token is not used). A token per row (None where not used)."""
+        t = time.perf_counter_ns()
+        spec, binding = self.spec, self._binding(first, ids.shape[0])
+        binding.bind_cpu_input(spec.input_ids, ids)
+        if spec.position_ids:
+            positions = (
+                np.asarray(totals, np.int64)[:, None] - ids.shape[1] + np.arange(ids.shape[1])
+            )
+            binding.bind_cpu_input(spec.position_ids, np.maximum(positions, 0))
+        if self.served is not None:
+            names = self.served
+            binding.bind_cpu_input(names.seqlens, np.asarray(totals, np.int32) - 1)
+            binding.bind_cpu_input(names.total, np.array(max(totals), np.int32))
+            binding.bind_cpu_input(names.logits_positions, np.asarray(last, np.int64))
+            sampling = _Sampling.zeros(len(rows))
+            sampling.fill(rows)
+            for name, array in sampling.feeds(names).items():
+                binding.bind_cpu_input(name, array)
+            binding.bind_output(spec.logits, self.device, self.device_id)  # stays there
+            binding.bind_output(names.token_ids, "cpu")
+        else:
+            mask = np.zeros((ids.shape[0], max(totals)), spec.mask_dtype)
+            for i, n in enumerate(totals):
+                mask[i, :n] = 1
+            binding.bind_cpu_input(spec.attention_mask, mask)
+            binding.bind_output(spec.logits, "cpu")
+        t = self.profile.add("inputs", t)
+        # gpu_graph_id -1 with CUDA graphs on: never captured (ORT's default id 0 would be)
+        self.runtime.session.run_with_iobinding(binding, self.runtime._run_options(None))
+        t = self.profile.add("run", t)
+        out = binding.get_outputs()[-1].numpy()
+        self.runtime._check_length_record("engine step")
+        t = self.profile.add("readback", t)
+        if self.served is not None:
+            tokens = [int(out[i, 0]) if r is not None else None for i, r in enumerate(rows)]
+        else:
+            tokens = self._host_sample(out[np.arange(len(last)), last], rows)
+        self.profile.add("sample", t)
+        return tokens
+
+    # --- padded decode calls -------------------------------------------------------------------
+    def run_bucket(
+        self, bucket: int, ids: list[int], totals: list[int], rows: list[Sampler | None]
+    ) -> list[int | None]:
+        """The decode call of slots [0, bucket) through its fixed binding; with CUDA graphs,
+        graph id `bucket`: ORT runs it CUDA_GRAPH_WARMUP_RUNS times, captures it on the next
+        run and replays it from then on (the cache's counters follow that rule)."""
+        t = time.perf_counter_ns()
+        call = self._buckets.get(bucket)
+        if call is None:
+            call = self._buckets[bucket] = _BucketCall(self, bucket)
+        call.set_inputs(ids, totals, rows)
+        t = self.profile.add("inputs", t)
+        runs = self.bucket_calls[bucket]
+        graph_id = bucket if self.graphs else None
+        self.runtime.session.run_with_iobinding(call.binding, self.runtime._run_options(graph_id))
+        t = self.profile.add("run", t)
+        self.bucket_calls[bucket] = runs + 1
+        if self.graphs:
+            if runs == CUDA_GRAPH_WARMUP_RUNS:
+                self.cache.stats.graph_captures += 1
+            elif runs > CUDA_GRAPH_WARMUP_RUNS:
+                self.cache.stats.replays += 1
+        out = call.output()  # on the host: the step's kernels are done
+        self.runtime._check_length_record("engine decode step")
+        t = self.profile.add("readback", t)
+        if self.served is not None:
+            tokens = [int(out[i, 0]) if r is not None else None for i, r in enumerate(rows)]
+        else:
+            tokens = self._host_sample(out[:, -1], rows)
+        self.profile.add("sample", t)
+        return tokens
+
+    def _host_sample(self, logits: np.ndarray, rows: list[Sampler | None]) -> list[int | None]:
+        """Tokens from host logits (B, V): greedy rows together (one argmax, the same tokens as
+        each request's own Sampler), the others by their Sampler."""
+        tokens: list[int | None] = [None] * len(rows)
+        greedy = [i for i, r in enumerate(rows) if r is not None and r.params.greedy]
+        if greedy:
+            for i, token in zip(greedy, self._greedy(logits[greedy])):
+                tokens[i] = int(token)
+        for i, r in enumerate(rows):
+            if r is not None and not r.params.greedy:
+                tokens[i] = int(r(logits[i][None])[0])
+        return tokens
+
+
+class _BucketCall:
+    """The decode call of slots [0, bucket): the KV buffers bound at slot 0 with batch `bucket`
+    and every other input and output at one address with one shape for the engine's life, as a
+    CUDA graph needs (device OrtValues on CUDA, updated in place each step; host arrays bound by
+    pointer on the CPU). The cache's pointers never move (growth commits granules under them, a
+    freed slot keeps its addresses), so the binding, and the graph captured from it, stay valid
+    across growth and slot reuse.
+
+    Served graph: ids, lengths (int32 a row), zero logits positions, the sampling inputs (sent
+    only when they change) and total_sequence_length = the capacity in CPU memory; out come the
+    token ids (the logits stay on the device). The model's own graph: ids and a mask as wide as
+    the cache (only the rows whose length changed are rewritten); out come the logits."""
+
+    def __init__(self, executor: Executor, bucket: int):
+        rt, spec, served = executor.runtime, executor.spec, executor.served
+        self.bucket, self.served, self.spec = bucket, served, spec
+        self.device = executor.device
+        capacity = executor.cache.capacity
+        self._lengths = np.zeros(bucket, np.int64)  # rows of each mask row / length now
+        self._host: dict[str, np.ndarray] = {spec.input_ids: np.zeros((bucket, 1), np.int64)}
+        if spec.position_ids:
+            self._host[spec.position_ids] = np.zeros((bucket, 1), np.int64)
+        if served is not None:
+            self._sampling = _Sampling.zeros(bucket)
+            self._host[served.seqlens] = np.zeros(bucket, np.int32)
+            self._host[served.logits_positions] = np.zeros(bucket, np.int64)
+            self._host.update(self._sampling.feeds(served))
+            self._total = np.array(capacity, np.int32)  # in CPU memory (the op's input 6)
+            outputs = {
+                spec.logits: np.zeros((bucket, 1, spec.vocab_size), rt.logits_dtype),
+                served.token_ids: np.zeros((bucket, 1), np.int64),
+            }
+            self._read = served.token_ids
+        else:
+            self.mask = np.zeros((bucket, capacity), spec.mask_dtype)
+            self._host[spec.attention_mask] = self.mask
+            outputs = {spec.logits: np.zeros((bucket, 1, spec.vocab_size), rt.logits_dtype)}
+            self._read = spec.logits
+        self._outputs = outputs
+        self.binding = rt.session.io_binding()
+        bind_in_place(self.binding, executor.cache.entry_buffers(0, bucket))
+        if served is not None:
+            self.binding.bind_input(served.total, "cpu", 0, np.int32, [], self._total.ctypes.data)
+        self._device: dict[str, ort.OrtValue] = {}
+        if self.device == "cpu":
+            for name, array in (*self._host.items(), *outputs.items()):
+                bind = self.binding.bind_input if name in self._host else self.binding.bind_output
+                bind(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+        else:
+            for name, array in (*self._host.items(), *outputs.items()):
+                value = ort.OrtValue.ortvalue_from_numpy(array, "cuda", executor.device_id)
+                self._device[name] = value
+                if name in self._host:
+                    self.binding.bind_ortvalue_input(name, value)
+                else:
+                    self.binding.bind_ortvalue_output(name, value)
+        self._dirty = set(self._host)  # every input is uploaded before the first call
+
+    def set_inputs(self, ids: list[int], totals: list[int], rows: list[Sampler | None]) -> None:
+        spec, host = self.spec, self._host
+        host[spec.input_ids][:, 0] = ids
+        self._dirty.add(spec.input_ids)
+        if spec.position_ids:
+            host[spec.position_ids][:, 0] = np.asarray(totals, np.int64) - 1
+            self._dirty.add(spec.position_ids)
+        if self.served is not None:
+            lengths = np.asarray(totals, np.int32) - 1
+            if not np.array_equal(lengths, host[self.served.seqlens]):
+                host[self.served.seqlens][:] = lengths
+                self._dirty.add(self.served.seqlens)
+            if self._sampling.fill(rows):
+                feeds = self._sampling.feeds(self.served)
+                for name, array in feeds.items():
+                    host[name][:] = array
+                self._dirty.update(feeds)
+        else:
+            for i, t in enumerate(totals):
+                held = self._lengths[i]
+                if t > held:
+                    self.mask[i, held:t] = 1
+                elif t < held:
+                    self.mask[i, t:held] = 0
+                self._lengths[i] = t
+            self._dirty.add(spec.attention_mask)
+        if self._device:  # the same device addresses: updated in place
+            for name in self._dirty:
+                self._device[name].update_inplace(host[name])
+        self._dirty.clear()
+
+    def output(self) -> np.ndarray:
+        """Token ids (bucket, 1), or the logits (bucket, 1, vocab) of the model's own graph; on
+        the CPU the bound buffer itself, valid until the next call."""
+        if self.device == "cpu":
+            return self._outputs[self._read]
+        return self._device[self._read].numpy()

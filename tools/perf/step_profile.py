@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""Where a serving step's time goes: the engine's host phases against the GPU's busy time.
+
+    python tools/perf/step_profile.py MODEL_DIR --provider cuda --batch 64 --prompt 256 \\
+        --output 128 --modes device,host [--no-cuda-graph] [--json out.json]
+
+`--batch` requests of `--prompt` random tokens each arrive at once and generate `--output`
+tokens (EOS ignored), with `--max-batch` = batch slots, one mode after the other in one process:
+`device` is the served graph (tokens sampled on the device, only ids copied back), `host` the
+model's own graph (all logits copied back and sampled on the host). A warm-up request runs
+first in each mode (CUDA graphs captured, cuDNN plans built).
+
+Per mode it prints the engine's step profile (StepProfile in serve/executor.py: schedule, inputs,
+run, readback, sample, emit; ms per step, from perf_counter), the wall time per step and, when
+torch with CUDA is importable (its profiler sees ORT's kernels in the same process through
+CUPTI), the GPU's kernel time per step: what a step would cost if the host never made the GPU
+wait. `host share` = 1 - GPU / wall: the part of a step the host adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def gpu_profiler():
+    """torch.profiler over CUDA kernels, or None without torch/CUDA."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return profile(activities=[ProfilerActivity.CUDA])
+
+
+def kernel_ms(prof) -> float:
+    total_us = 0.0
+    for event in prof.key_averages():
+        total_us += getattr(event, "self_device_time_total", None) or getattr(
+            event, "self_cuda_time_total", 0.0
+        )
+    return total_us / 1000
+
+
+def run_mode(args, mode: str) -> dict:
+    from ort_kvlayout.serve.engine import Engine, EngineConfig, RequestParams
+
+    config = EngineConfig(
+        max_batch=args.max_batch or args.batch, provider=args.provider,
+        prefill_chunk=args.prefill_chunk, capacity=args.capacity, kv_budget_bytes=args.kv_budget,
+        max_waiting=args.batch + 1, cuda_graph=False if args.no_cuda_graph else None,
+        sample_on_device=mode == "device",
+    )  # fmt: skip
+    rng = np.random.default_rng(args.seed)
+    with Engine(args.model, config) as engine:
+        vocab = engine.spec.vocab_size
+        engine.generate(
+            rng.integers(16, vocab, 8).tolist(), RequestParams(max_tokens=4, ignore_eos=True)
+        )
+        before = engine.stats()
+        prompts = [rng.integers(16, vocab, args.prompt).tolist() for _ in range(args.batch)]
+        left = threading.Semaphore(0)
+        params = RequestParams(max_tokens=args.output, ignore_eos=True)
+        prof = gpu_profiler() if args.provider == "cuda" else None
+        if prof is not None:
+            prof.__enter__()
+        start = time.perf_counter()
+        for p in prompts:
+            engine.submit(p, params, on_event=lambda e: e.finished and left.release())
+        for _ in prompts:
+            left.acquire()
+        wall = time.perf_counter() - start
+        if prof is not None:
+            prof.__exit__(None, None, None)
+        after = engine.stats()
+    steps = after["steps"] - before["steps"]
+    phases = {
+        p: after["step_profile"]["total_ms"][p] - before["step_profile"]["total_ms"][p]
+        for p in after["step_profile"]["total_ms"]
+    }
+    out = {
+        "mode": mode,
+        "sample_on_device": after["sample_on_device"],
+        "steps": steps,
+        "wall_s": wall,
+        "wall_ms_per_step": wall * 1000 / max(steps, 1),
+        "phase_ms_per_step": {p: v / max(steps, 1) for p, v in phases.items()},
+        "output_tok_s": args.batch * args.output / wall,
+        "decode_calls": after["decode_calls"] - before["decode_calls"],
+        "prefill_calls": after["prefill_calls"] - before["prefill_calls"],
+        "graph_replays": after["graph_replays"] - before["graph_replays"],
+    }
+    if prof is not None:
+        gpu = kernel_ms(prof)
+        out["gpu_ms_per_step"] = gpu / max(steps, 1)
+        out["host_share"] = 1 - gpu / (wall * 1000)
+    return out
+
+
+def table(results: list[dict]) -> str:
+    phases = list(results[0]["phase_ms_per_step"])
+    head = ["mode", "steps", "wall ms/step", *phases, "GPU ms/step", "host share", "tok/s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        gpu = r.get("gpu_ms_per_step")
+        cells = [r["mode"], str(r["steps"]), f"{r['wall_ms_per_step']:.2f}",
+                 *(f"{r['phase_ms_per_step'][p]:.2f}" for p in phases),
+                 f"{gpu:.2f}" if gpu is not None else "-",
+                 f"{r['host_share']:.0%}" if gpu is not None else "-",
+                 f"{r['output_tok_s']:.0f}"]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model", type=Path)
+    p.add_argument("--provider", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--batch", type=int, default=8, help="requests, all at once")
+    p.add_argument("--max-batch", type=int, help="engine slots (default: --batch)")
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--output", type=int, default=64)
+    p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--capacity", type=int)
+    p.add_argument("--kv-budget", type=int)
+    p.add_argument("--modes", default="device,host")
+    p.add_argument("--no-cuda-graph", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    results = []
+    for mode in args.modes.split(","):
+        if mode not in ("device", "host"):
+            p.error(f"mode {mode!r}: expected device or host")
+        results.append(run_mode(args, mode))
+        print(json.dumps(results[-1]), file=sys.stderr)
+    print(table(results))
+    if args.json:
+        args.json.write_text(json.dumps({"argv": sys.argv, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
