@@ -46,7 +46,8 @@ Methods and metric names follow vLLM's `bench serve` and SGLang's bench_serving:
   the stall, and its throughputs (and `duration_s`) run to its last event, not to the moment
   it was given up on. og.Engine events whose request is None or not one of ours are counted
   (`stray_events`) and skipped. A table with a stalled run gets a `stalled` column.
-* `--host-sampling`: the engine system with EngineConfig(sample_on_device=False); the engine
+* `--host-sampling`: the engine system with EngineConfig(sample_on_device=False) (the system
+  `engine-host` is that engine beside the default one in the same run); the engine
   result records `sample_on_device` (None where EngineConfig has no such field) and the engine's
   `step_profile` stats where it keeps them (as the engine counts them: warm-up included).
 
@@ -310,7 +311,7 @@ def engine_config(args, n: int):
     from ort_kvlayout.serve.engine import EngineConfig
 
     kwargs = {}
-    if args.host_sampling:
+    if args.host_sampling or (len(args.variant) > 2 and args.variant[2] == "host"):
         # Only when asked: EngineConfigs older than the field would refuse the keyword.
         kwargs["sample_on_device"] = False
     try:
@@ -413,7 +414,7 @@ def run_server(args, items: list[Item]) -> dict:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    chunk, cache = args.variant
+    chunk, cache = args.variant[:2]
     cmd = [sys.executable, "-m", "ort_kvlayout.serve.cli", "serve", str(args.model),
            "--port", str(port), "--max-batch", str(args.max_batch), "--prefill-chunk",
            str(chunk), "--cache", cache, "--provider", args.provider,
@@ -962,7 +963,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drop-hf", action="store_true",
                    help="with --model-shape: delete the Hugging Face folder once built from")  # fmt: skip
     p.add_argument("--systems", default="engine,genai",
-                   help="engine,server,genai,genai-paged (comma separated; server: over HTTP)")  # fmt: skip
+                   help="engine,engine-host,server,genai,genai-paged (comma separated; "
+                        "engine-host: sampled on the host; server: over HTTP)")  # fmt: skip
     p.add_argument("--capacity", type=int, help="engine tokens per slot (default: the context)")
     p.add_argument("--no-cuda-graph", action="store_true",
                    help="the engine's decode calls uncaptured on CUDA")  # fmt: skip
@@ -1044,19 +1046,24 @@ def main(argv: list[str] | None = None) -> int:
     # shared machine's load changes hit them alike; the run of median output throughput counts.
     systems = []
     for name in args.systems.split(","):
-        if name in ("engine", "server"):
-            fn = run_engine if name == "engine" else run_server
+        if name in ("engine", "engine-host", "server"):
+            fn = run_server if name == "server" else run_engine
+            sampling = "host" if name == "engine-host" else "device"
             for cache in args.cache.split(","):
                 for chunk in args.prefill_chunk.split(","):
                     notes = [f"chunk {chunk}"] if "," in args.prefill_chunk else []
                     notes += [cache] if "," in args.cache else []
-                    label = f"{name} ({', '.join(notes)})" if notes else name
-                    systems.append((label, fn, (int(chunk), cache)))
+                    base = "engine" if name == "engine-host" else name
+                    notes += ["host sampling"] if name == "engine-host" else []
+                    label = f"{base} ({', '.join(notes)})" if notes else base
+                    systems.append((label, fn, (int(chunk), cache, sampling)))
         elif name in ("genai", "genai-paged"):
             paged = name == "genai-paged"
             systems.append((name, lambda a, i, paged=paged: run_genai(a, i, paged), None))
         else:
-            raise SystemExit(f"unknown system {name!r}: engine, server, genai, genai-paged")
+            raise SystemExit(
+                f"unknown system {name!r}: engine, engine-host, server, genai, genai-paged"
+            )
     runs: dict[str, list[dict]] = {label: [] for label, _, _ in systems}
     for rep in range(args.repeat):
         for label, fn, variant in systems:

@@ -68,9 +68,12 @@ def _idle_stats(engine, timeout: float = 30.0) -> dict:
         time.sleep(0.01)
 
 
+@pytest.mark.parametrize("on_device", [True, False], ids=["served", "own-graph"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("chunk", [8, 256])
-def test_engine_on_cuda_equals_runtime_alone(model, chunk, graphs):
+def test_engine_on_cuda_equals_runtime_alone(model, chunk, graphs, on_device):
+    """Both graphs: the served one (lengths, logits at the sampled rows, SampleTokens inside the
+    captured decode graph) and the model's own (logits copied back, sampled on the host)."""
     from ort_kvlayout.runtime.kv_memory import allocator_stats
     from ort_kvlayout.serve.engine import Engine, EngineConfig, RequestParams
 
@@ -80,7 +83,7 @@ def test_engine_on_cuda_equals_runtime_alone(model, chunk, graphs):
     granule = 2 << 20 if DEVICE == "cpu" else None
     config = EngineConfig(
         max_batch=3, prefill_chunk=chunk, provider=DEVICE, granule=granule,
-        **_graph_config(graphs),
+        sample_on_device=on_device, **_graph_config(graphs),
     )  # fmt: skip
     # Every request is queued before the loop's first step, so the first step admits three
     # (however fast the device) and none can finish in it: peak_running is 3 by construction
@@ -97,6 +100,7 @@ def test_engine_on_cuda_equals_runtime_alone(model, chunk, graphs):
         stats = _idle_stats(engine)
     for g, (tokens, logits) in zip(got, alone):
         _same_or_tie(g, tokens, logits)
+    assert stats["sample_on_device"] is on_device
     assert stats["kv_bytes_moved"] == 0
     assert stats["kv_committed_bytes"] == 0  # every slot's granules unmapped
     assert stats["peak_running"] == 3
@@ -311,3 +315,30 @@ def test_a_budget_larger_than_the_device_is_refused_up_front(model):
                 int(memory.DEFAULT_CUDA_FRACTION * eng.device_free_bytes),
                 eng.stats()["kv_reserved_bytes"],
             )
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_seeded_sampling_on_the_device_is_reproducible(model, graphs):
+    """Sampled on the device (in the captured graph with graphs on): the same seed gives the
+    same tokens alone, beside other requests and in a new engine; another seed others."""
+    from ort_kvlayout.runtime.sampling import SamplingParams
+    from ort_kvlayout.serve.engine import Engine, EngineConfig, RequestParams
+
+    def params(seed: int) -> RequestParams:
+        # logits of this model differ by ~100 between the top tokens: a hot temperature
+        sampling = SamplingParams(temperature=200.0, top_k=40, top_p=0.98, seed=seed)
+        return RequestParams(max_tokens=24, ignore_eos=True, sampling=sampling)
+
+    config = EngineConfig(max_batch=3, provider=DEVICE, **_graph_config(graphs))
+    with Engine(model, config) as engine:
+        solo = engine.generate(PROMPTS[0], params(7))
+        handles = [engine.submit(PROMPTS[0], params(7)) for _ in range(2)]
+        handles.append(engine.submit(PROMPTS[1], RequestParams(max_tokens=30, ignore_eos=True)))
+        mixed = [h.result() for h in handles]
+        other = engine.generate(PROMPTS[0], params(8))
+        stats = engine.stats()
+    with Engine(model, config) as engine:
+        again = engine.generate(PROMPTS[0], params(7))
+    assert stats["sample_on_device"]
+    assert mixed[:2] == [solo, solo] and again == solo
+    assert other != solo

@@ -293,9 +293,10 @@ class Engine:
         self.config = config = config or EngineConfig()
         spec = ModelSpec.from_dir(model_dir)
         served, self.served_refusal = self._served_graph(spec, config.sample_on_device)
-        library = "auto"
-        if served is not None and not spec.custom_ops_library:
-            library = library_path()  # SampleTokens is ours, whatever runs the attention
+        # The served graph runs this package's own library: SampleTokens is ours whatever runs
+        # the attention, and the copy a patched folder holds (for onnxruntime-genai) may predate
+        # it. One library per session: the same domain twice would clash.
+        library = library_path() if served is not None else "auto"
         self.runtime = Runtime(
             model_dir,
             provider=config.provider,

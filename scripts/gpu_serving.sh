@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The serving runs on the GPU machine (shared/GPU.md), stage by stage, from the checkout's root:
+#
+#   bash scripts/gpu_serving.sh setup      # onnxruntime-gpu wheels, the package (CUDA), 1B models
+#   bash scripts/gpu_serving.sh tests      # the GPU tests of the op's sampler and the engine
+#   bash scripts/gpu_serving.sh profile    # tools/perf/step_profile.py, served against host
+#   bash scripts/gpu_serving.sh chat       # bench_serving chat: engine (both graphs), og paged
+#   bash scripts/gpu_serving.sh long       # bench_serving long mix: engine, og paged
+#   bash scripts/gpu_serving.sh prealloc   # long mix: growable against preallocated slots
+#
+# setup needs the wheel chunks in .device/wheels0..5 (shared/tools/stage-device-wheels) and the
+# ORT and cuDNN-frontend headers in .device/hdr/{ort,cudnn_frontend}. Results go to $OUT (or
+# /tmp/gpu_serving); bench JSON to bench/results/ there too. SHAPE (default llama-3.2-1b),
+# BUDGET (KV bytes, default 40 GiB), CAPACITY (33792) and MAX_BATCH (64) are the run's settings.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/gpu_serving}"
+mkdir -p "$OUT"
+SHAPE="${SHAPE:-llama-3.2-1b}"
+BUDGET="${BUDGET:-42949672960}"
+CAPACITY="${CAPACITY:-33792}"
+MAX_BATCH="${MAX_BATCH:-64}"
+MODELS="${MODELS:-/opt/models}"
+export PYTHONPATH="/opt/kvl:/opt/devwheels${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+BASE="$MODELS/$SHAPE-random-fp16-cuda"
+COMMON=(--model-shape "$SHAPE" --build-dir "$MODELS" --provider cuda --kv-budget "$BUDGET"
+        --capacity "$CAPACITY" --max-batch "$MAX_BATCH" --stall-timeout 60 --deadline 420)
+
+case "${1:-}" in
+  setup)
+    bash .device/wheels0/install-device-wheels || exit
+    t0=$SECONDS
+    ORT_INCLUDE_DIR="$PWD/.device/hdr/ort" \
+    CUDNN_FRONTEND_INCLUDE_DIR="$PWD/.device/hdr/cudnn_frontend" \
+    CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90-real" \
+      python3 -m pip install -q --no-deps --no-build-isolation --upgrade --target /opt/kvl . \
+      >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+    echo "package built in $((SECONDS - t0)) s"
+    python3 -c "import ort_kvlayout as k; print(k.__file__, k.build_info())"
+    python3 bench/bench_serving.py "${COMMON[@]}" --build-only
+    df -h / | tail -1
+    ;;
+  tests)
+    python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/test_sample_op.py \
+      tests/test_engine_gpu.py tests/test_cuda_graph.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+    ;;
+  profile)
+    python3 tools/perf/step_profile.py "$BASE-seq-major" --provider cuda --batch "$MAX_BATCH" \
+      --prompt 256 --output 128 --capacity "$CAPACITY" --kv-budget "$BUDGET" \
+      --modes device,host --json "$OUT/step-profile.json"
+    ;;
+  chat)
+    python3 bench/bench_serving.py "${COMMON[@]}" --dataset chat --num-requests 256 \
+      --request-rate inf --systems engine,genai-paged --json "$OUT/serving-chat.json"
+    python3 bench/bench_serving.py "${COMMON[@]}" --dataset chat --num-requests 256 \
+      --request-rate inf --systems engine --host-sampling --json "$OUT/serving-chat-host.json"
+    ;;
+  long)
+    python3 bench/bench_serving.py "${COMMON[@]}" --dataset long --num-requests 64 \
+      --request-rate 2 --prefill-chunk "${CHUNK:-4096}" --systems engine,genai-paged \
+      --json "$OUT/serving-long.json"
+    ;;
+  prealloc)
+    python3 bench/bench_serving.py "${COMMON[@]}" --dataset long --num-requests 64 \
+      --request-rate 2 --prefill-chunk "${CHUNK:-4096}" --cache growable,preallocated \
+      --systems engine --json "$OUT/serving-long-prealloc.json"
+    ;;
+  *)
+    sed -n 2,16p "$0"
+    exit 2
+    ;;
+esac
