@@ -5,6 +5,7 @@
 #   bash scripts/gpu_serving.sh tests      # the GPU tests of the op's sampler and the engine
 #   bash scripts/gpu_serving.sh profile    # tools/perf/step_profile.py, served against host
 #   bash scripts/gpu_serving.sh chat       # bench_serving chat: engine (both graphs), og paged
+#                                          (SYSTEMS= another list)
 #   bash scripts/gpu_serving.sh long       # bench_serving long mix: engine, og paged
 #   bash scripts/gpu_serving.sh prealloc   # long mix: growable against preallocated slots
 #
@@ -52,9 +53,8 @@ case "${1:-}" in
     ;;
   chat)
     python3 bench/bench_serving.py "${COMMON[@]}" --dataset chat --num-requests 256 \
-      --request-rate inf --systems engine,genai-paged --json "$OUT/serving-chat.json"
-    python3 bench/bench_serving.py "${COMMON[@]}" --dataset chat --num-requests 256 \
-      --request-rate inf --systems engine --host-sampling --json "$OUT/serving-chat-host.json"
+      --request-rate inf --systems "${SYSTEMS:-engine,engine-host,genai-paged}" \
+      --json "$OUT/serving-chat.json"
     ;;
   long)
     python3 bench/bench_serving.py "${COMMON[@]}" --dataset long --num-requests 64 \
