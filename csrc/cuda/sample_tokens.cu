@@ -6,10 +6,16 @@
 //      of 11, 11 and 10 bits, counting keys in a shared-memory histogram);
 //   3. the weight above it (the top-K mass);
 //   4. top-p: the cut key, by radix selection on weight (3 passes, weight histograms);
-//   5. a block-wide scan in index order over tiles of the row: the first kept token at which the
-//      running weight exceeds r.
+//   5. the kept weight of each warp's contiguous segment of the row (16 segments), then a
+//      block-wide scan in index order of the one segment where the running weight passes r: the
+//      first kept token at which it exceeds r.
 // Weights are integers (core/sample_rule.h), so histogram atomics, reductions and scans are
 // exact in any order: the token does not depend on scheduling, and equals the CPU kernel's.
+// Every pass keeps four 16-byte loads in flight per thread (one left the passes waiting on L2
+// latency). Weight histograms are two 32-bit halves with an explicit carry: shared-memory 64-bit
+// atomic adds are compare-and-swap loops, which retry without end on the bins most logits share
+// (H100: top-p over 128k logits took 430 us with them). Per-element warp collectives to merge
+// a warp's adds (match_any, redux) cost more than they saved (measured).
 // Ties at a cut (equal logits) are resolved by index rank: the radix selections give the cut key
 // and how many of its elements are kept; the final scan counts them in index order.
 #include <cuda_bf16.h>
@@ -32,6 +38,8 @@ constexpr int kThreads = 512;
 constexpr int kItems = 8;  // final pass: consecutive elements per thread (16 bytes of fp16)
 constexpr uint32_t kTile = kThreads * kItems;
 constexpr int kMaxBins = 2048;
+constexpr int kWarps = kThreads / 32;  // final pass: one contiguous segment of the row each
+constexpr uint32_t kUnroll = 4;        // 16-byte loads in flight per thread in the passes
 constexpr unsigned kMaxGrid = 1u << 16;
 
 // Radix digits of the 32-bit order keys, most significant first: bits [21, 32), [10, 21), [0, 10).
@@ -76,12 +84,19 @@ struct Shared {
   } temp;
   union {
     unsigned count[kMaxBins];
-    unsigned long long mass[kMaxBins];
+    struct {
+      unsigned lo[kMaxBins];  // weight sums mod 2^32
+      unsigned hi[kMaxBins];  // weight sums / 2^32 (with the carries out of lo)
+    } mass;
   } hist;
+  uint64_t seg_mass[kWarps];  // final pass: weight above the cut per segment
+  uint64_t seg_ties[kWarps];  // final pass: elements of the cut key per segment
   uint64_t broadcast;
   uint64_t digit_above;
   uint32_t digit;
   uint32_t pick;
+  uint32_t segment;  // final pass: the segment holding the token
+  Pair carry;        // final pass: the kept weight and cut-key elements before that segment
 };
 
 // The weight of a logit in the row (sample::FixedWeight).
@@ -94,8 +109,9 @@ struct Weigher {
   }
 };
 
-// fn(index, value) for every element of the row, each thread a strided share; 16-byte loads
-// when the row is 16-byte aligned (any order serves: every pass's result is order-free).
+// fn(index, value) for every element of the row, each thread a strided share, kUnroll 16-byte
+// loads at a time when the row is 16-byte aligned (any order serves: every pass's result is
+// order-free).
 template <typename T, typename Fn>
 __device__ __forceinline__ void ForEachInRow(const T* row, uint32_t n, Fn&& fn) {
   constexpr uint32_t kVec = 16 / sizeof(T);
@@ -103,15 +119,75 @@ __device__ __forceinline__ void ForEachInRow(const T* row, uint32_t n, Fn&& fn) 
   if ((reinterpret_cast<uintptr_t>(row) & 15u) == 0) {
     const uint32_t vecs = n / kVec;
     const uint4* v = reinterpret_cast<const uint4*>(row);
-    for (uint32_t i = threadIdx.x; i < vecs; i += kThreads) {
-      const uint4 raw = v[i];
-      const T* e = reinterpret_cast<const T*>(&raw);
+    for (uint32_t base = threadIdx.x; base < vecs; base += kThreads * kUnroll) {
+      uint4 raw[kUnroll];
 #pragma unroll
-      for (uint32_t j = 0; j < kVec; ++j) fn(i * kVec + j, ToF(e[j]));
+      for (uint32_t u = 0; u < kUnroll; ++u) {
+        const uint32_t i = base + u * kThreads;
+        if (i < vecs) raw[u] = v[i];
+      }
+#pragma unroll
+      for (uint32_t u = 0; u < kUnroll; ++u) {
+        const uint32_t i = base + u * kThreads;
+        if (i >= vecs) break;
+        const T* e = reinterpret_cast<const T*>(&raw[u]);
+#pragma unroll
+        for (uint32_t j = 0; j < kVec; ++j) fn(i * kVec + j, ToF(e[j]));
+      }
     }
     done = vecs * kVec;
   }
   for (uint32_t i = done + threadIdx.x; i < n; i += kThreads) fn(i, ToF(row[i]));
+}
+
+// The same for one warp over elements [begin, end), lanes on consecutive 16-byte pieces; begin
+// a multiple of 16 / sizeof(T) when the row is aligned.
+template <typename T, typename Fn>
+__device__ __forceinline__ void ForEachInSegment(const T* row, uint32_t begin, uint32_t end,
+                                                 Fn&& fn) {
+  constexpr uint32_t kVec = 16 / sizeof(T);
+  const uint32_t lane = threadIdx.x & 31u;
+  uint32_t done = begin;
+  if ((reinterpret_cast<uintptr_t>(row) & 15u) == 0 && begin < end) {
+    const uint32_t vend = end / kVec;
+    const uint4* v = reinterpret_cast<const uint4*>(row);
+    for (uint32_t base = begin / kVec + lane; base < vend; base += 32 * kUnroll) {
+      uint4 raw[kUnroll];
+#pragma unroll
+      for (uint32_t u = 0; u < kUnroll; ++u) {
+        const uint32_t i = base + u * 32;
+        if (i < vend) raw[u] = v[i];
+      }
+#pragma unroll
+      for (uint32_t u = 0; u < kUnroll; ++u) {
+        const uint32_t i = base + u * 32;
+        if (i >= vend) break;
+        const T* e = reinterpret_cast<const T*>(&raw[u]);
+#pragma unroll
+        for (uint32_t j = 0; j < kVec; ++j) fn(i * kVec + j, ToF(e[j]));
+      }
+    }
+    done = vend * kVec > begin ? vend * kVec : begin;
+  }
+  for (uint32_t i = done + lane; i < end; i += 32) fn(i, ToF(row[i]));
+}
+
+// hist[bin] += w, exactly, in two 32-bit halves: the low half's atomic returns the sum before
+// it, so an add that wraps it carries one into the high half. The halves' final values are the
+// exact sum whatever the order (it stays below 2^62).
+__device__ __forceinline__ void AddMass(Shared& sh, uint32_t bin, uint64_t w) {
+  const uint32_t lo = static_cast<uint32_t>(w);
+  uint32_t hi = static_cast<uint32_t>(w >> 32);
+  if (lo != 0) {
+    const uint32_t old = atomicAdd(&sh.hist.mass.lo[bin], lo);
+    hi += old + lo < old ? 1u : 0u;
+  }
+  if (hi != 0) atomicAdd(&sh.hist.mass.hi[bin], hi);
+}
+
+__device__ __forceinline__ uint64_t WarpSum(uint64_t v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
 }
 
 // Elements [i0, i0 + kItems) of the row (0 past its end).
@@ -153,7 +229,8 @@ __device__ uint64_t BlockMax(uint64_t v, Shared& sh) {
 
 template <bool kMass>
 __device__ __forceinline__ uint64_t Bin(const Shared& sh, int d) {
-  return kMass ? sh.hist.mass[d] : sh.hist.count[d];
+  if (kMass) return (uint64_t{sh.hist.mass.hi[d]} << 32) + sh.hist.mass.lo[d];
+  return sh.hist.count[d];
 }
 
 // In the histogram of `bins` bins (counts or weights), the digit d whose bins above sum to less
@@ -217,17 +294,18 @@ __device__ void SelectTopP(const T* row, uint32_t n, const Weigher& weigh, uint3
   for (int pass = 0; pass < kPasses; ++pass) {
     const int shift = DigitShift(pass), bins = 1 << DigitBits(pass);
     const uint32_t fixed = FixedMask(pass);
-    for (int i = threadIdx.x; i < bins; i += kThreads) sh.hist.mass[i] = 0;
+    for (int i = threadIdx.x; i < bins; i += kThreads) {
+      sh.hist.mass.lo[i] = 0;
+      sh.hist.mass.hi[i] = 0;
+    }
     __syncthreads();
     ForEachInRow(row, n, [&](uint32_t, float v) {
       const uint32_t key = sample::OrderKey(v);
-      if (key > key_k && (key & fixed) == prefix) {
-        const uint64_t w = weigh(v);
-        if (w != 0) atomicAdd(&sh.hist.mass[(key >> shift) & (bins - 1)], w);
-      }
+      if (key > key_k && (key & fixed) == prefix)
+        AddMass(sh, (key >> shift) & (bins - 1), weigh(v));
     });
     if (threadIdx.x == 0 && take_k > 0 && (key_k & fixed) == prefix) {
-      atomicAdd(&sh.hist.mass[(key_k >> shift) & (bins - 1)], take_k * w_k);
+      AddMass(sh, (key_k >> shift) & (bins - 1), take_k * w_k);
     }
     __syncthreads();
     FindDigit<true>(bins, target - above, sh);
@@ -241,20 +319,60 @@ __device__ void SelectTopP(const T* row, uint32_t n, const Weigher& weigh, uint3
 
 // The kept set is every element above cut_key and the first q elements (by index) of cut_key,
 // each weighing w_c. Returns the first index at which the running kept weight, in index order,
-// exceeds r (< the kept weight): tile by tile, each thread scanning kItems consecutive elements
-// after a block-wide exclusive scan of (weight above the cut, elements of the cut key).
+// exceeds r (< the kept weight). Each warp sums the weight above the cut and the cut-key
+// elements of its contiguous segment of the row, thread 0 finds the segment where the running
+// weight passes r, and only that segment is scanned, tile by tile: each thread takes kItems
+// consecutive elements after a block-wide exclusive scan of (weight above the cut, elements of
+// the cut key).
 template <typename T>
 __device__ uint32_t PickToken(const T* row, uint32_t n, const Weigher& weigh, uint32_t cut_key,
                               uint64_t q, uint64_t w_c, uint64_t r, Shared& sh) {
-  const bool aligned = (reinterpret_cast<uintptr_t>(row) & 15u) == 0;
-  if (threadIdx.x == 0) sh.pick = UINT32_MAX;
+  // Segments of whole 256-element pieces: every lane's first piece is 16-byte aligned.
+  const uint32_t per = (n + kWarps - 1) / kWarps;
+  const uint32_t seg_len = (per + 255u) / 256u * 256u;
+  {
+    const uint32_t warp = threadIdx.x / 32;
+    const uint32_t begin = warp * seg_len < n ? warp * seg_len : n;
+    const uint32_t end = n - begin < seg_len ? n : begin + seg_len;
+    uint64_t mass = 0, ties = 0;
+    ForEachInSegment(row, begin, end, [&](uint32_t, float v) {
+      const uint32_t key = sample::OrderKey(v);
+      if (key > cut_key) mass += weigh(v);
+      ties += key == cut_key ? 1 : 0;
+    });
+    mass = WarpSum(mass);
+    ties = WarpSum(ties);
+    if ((threadIdx.x & 31u) == 0) {
+      sh.seg_mass[warp] = mass;
+      sh.seg_ties[warp] = ties;
+    }
+  }
   __syncthreads();
-  Pair carry{0, 0};        // the tiles before this one
+  if (threadIdx.x == 0) {
+    // The first segment whose end the running weight passes r; the last if none does (not
+    // reached: the segments add up to the kept weight exactly, and r is below it).
+    const uint32_t segments = (n + seg_len - 1) / seg_len;
+    Pair before{0, 0};
+    uint32_t s = 0;
+    for (; s + 1 < segments; ++s) {
+      const Pair after{before.mass + sh.seg_mass[s], before.ties + sh.seg_ties[s]};
+      if (after.mass + (after.ties < q ? after.ties : q) * w_c > r) break;
+      before = after;
+    }
+    sh.segment = s;
+    sh.carry = before;
+    sh.pick = UINT32_MAX;
+  }
+  __syncthreads();
+  const uint32_t begin = sh.segment * seg_len;
+  const uint32_t end = n - begin < seg_len ? n : begin + seg_len;
+  Pair carry = sh.carry;  // the kept weight and cut-key elements before this tile
+  const bool aligned = (reinterpret_cast<uintptr_t>(row) & 15u) == 0;
   uint64_t last_kept = 0;  // 1 + the last kept index this thread saw
-  for (uint32_t base = 0; base < n; base += kTile) {
+  for (uint32_t base = begin; base < end; base += kTile) {
     const uint32_t i0 = base + threadIdx.x * kItems;
     float v[kItems];
-    LoadItems(row, n, i0, aligned, v);
+    LoadItems(row, end, i0, aligned, v);
     uint64_t w[kItems];
     uint8_t kind[kItems];  // 0: not kept, 1: above the cut, 2: of the cut key
     Pair mine{0, 0};
@@ -262,7 +380,7 @@ __device__ uint32_t PickToken(const T* row, uint32_t n, const Weigher& weigh, ui
     for (int j = 0; j < kItems; ++j) {
       w[j] = 0;
       kind[j] = 0;
-      if (i0 + j < n) {
+      if (i0 + j < end) {
         const uint32_t key = sample::OrderKey(v[j]);
         if (key > cut_key) {
           w[j] = weigh(v[j]);
@@ -294,8 +412,8 @@ __device__ uint32_t PickToken(const T* row, uint32_t n, const Weigher& weigh, ui
     if (pick != UINT32_MAX) return pick;
     carry = PairSum()(carry, tile);
   }
-  // Not reached: the scan adds the kept weight exactly, and r is below it. The contract's answer
-  // when no running sum exceeds r: the last kept token.
+  // Not reached (see above). The contract's answer when no running sum exceeds r: the last kept
+  // token (of the last segment, which then holds it).
   const uint64_t last = BlockMax(last_kept, sh);
   return last > 0 ? static_cast<uint32_t>(last - 1) : 0u;
 }
