@@ -43,6 +43,7 @@ COLD_COMMAND = (
 STACKS = "stack-*.json"
 STACK_COMMAND = "python bench/bench_stack.py --json bench/results/stack-32-8-128.json"
 SERVING = "serving-*.json"  # each in the block named by its stem, in docs/SERVING.md
+STEP_PROFILES = "step-profile-*.json"  # tools/perf/step_profile.py's, in docs/SERVING.md
 PERPLEXITY = "perplexity-*.json"  # each in the block named by its stem, in docs/QUANTIZATION.md
 KV_MEMORY = "kv-cache-memory-cpu-2m.json"
 KV_POINTS = (1, 256, 1024, 2048, 4096, 8192)
@@ -346,16 +347,37 @@ def serving_results(data: dict, name: str) -> list[str]:
     """A workload through the engine, the server and og.Engine: bench_serving.py's own table."""
     results = data["results"]
     what = f"the engine on `{data['model']}`"
-    if "genai" in results:
-        what += (
-            f"; the peer, onnxruntime-genai's og.Engine (its version not recorded in the JSON), "
-            f"on `{data['genai_model']}`"
-        )
+    version = data.get("genai_version") or "its version not recorded in the JSON"
+    for peer, model, kind in (("genai", "genai_model", "og.Engine"),
+                              ("genai-paged", "genai_paged_model", "og.Engine, paged")):  # fmt: skip
+        if peer in results:
+            what += f"; the peer, onnxruntime-genai's {kind} ({version}), on `{data[model]}`"
     what += f"; {_runs(data)}"
-    ratio = results.get("engine", {}).get("output_throughput_vs_genai")
-    if ratio is not None:
-        what += f"; output tok/s, engine / og.Engine: {ratio:.2f}x"
+    for peer, label in (("genai", "og.Engine"), ("genai-paged", "og.Engine paged")):
+        ratio = results.get("engine", {}).get(f"output_throughput_vs_{peer.replace('-', '_')}")
+        if ratio is not None:
+            what += f"; output tok/s, engine / {label}: {ratio:.2f}x"
     return [*serving_meta(data, name, what), bench_serving.table(results)]
+
+
+def step_profile(data: dict, name: str) -> list[str]:
+    """tools/perf/step_profile.py's JSON: host ms per phase of a step against the GPU's."""
+    what = "the engine's host phases per step (perf_counter) and the GPU's kernel time (CUPTI)"
+    lines = [*serving_meta(data, name, what)]
+    results = data["results"]
+    phases = list(results[0]["phase_ms_per_step"])
+    head = ["graph", "steps", "wall ms/step", *phases, "GPU ms/step", "host share", "out tok/s"]
+    lines += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for r in results:
+        graph = "served (device sampling)" if r["sample_on_device"] else "model's own (host)"
+        gpu = r.get("gpu_ms_per_step")
+        cells = [graph, str(r["steps"]), f"{r['wall_ms_per_step']:.2f}",
+                 *(f"{r['phase_ms_per_step'][p]:.2f}" for p in phases),
+                 f"{gpu:.2f}" if gpu is not None else "-",
+                 f"{r['host_share']:.0%}" if gpu is not None else "-",
+                 f"{r['output_tok_s']:.0f}"]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def _flag(command: str, flag: str) -> str:
@@ -632,6 +654,9 @@ def blocks(results: Path = RESULTS) -> dict[str, dict[str, str]]:
         out[block] = cpu_block(title, files)
         cpu.append((short, files))
     served = {f.stem: serving(json.loads(f.read_text()), f.name) for f in results.glob(SERVING)}
+    served |= {
+        f.stem: step_profile(json.loads(f.read_text()), f.name) for f in results.glob(STEP_PROFILES)
+    }
     quant = {
         f.stem: perplexity_block(json.loads(f.read_text()), f.name)
         for f in results.glob(PERPLEXITY)

@@ -10,7 +10,7 @@
 #   bash scripts/gpu_serving.sh prealloc   # long mix: growable against preallocated slots
 #
 # setup needs the wheel chunks in .device/wheels0..5 (shared/tools/stage-device-wheels) and the
-# ORT and cuDNN-frontend headers in .device/hdr/{ort,cudnn_frontend}. Results go to $OUT (or
+# ORT and cuDNN-frontend headers in .device/hdr/{ort,cudnn_frontend/include}. Results go to $OUT (or
 # /tmp/gpu_serving); bench JSON to bench/results/ there too. SHAPE (default llama-3.2-1b),
 # BUDGET (KV bytes, default 40 GiB), CAPACITY (33792) and MAX_BATCH (64) are the run's settings.
 set -uo pipefail
@@ -33,7 +33,7 @@ case "${1:-}" in
     bash .device/wheels0/install-device-wheels || exit
     t0=$SECONDS
     ORT_INCLUDE_DIR="$PWD/.device/hdr/ort" \
-    CUDNN_FRONTEND_INCLUDE_DIR="$PWD/.device/hdr/cudnn_frontend" \
+    CUDNN_FRONTEND_INCLUDE_DIR="$PWD/.device/hdr/cudnn_frontend/include" \
     CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90-real" \
       python3 -m pip install -q --no-deps --no-build-isolation --upgrade --target /opt/kvl . \
       >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
