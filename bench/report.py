@@ -351,7 +351,8 @@ def serving_results(data: dict, name: str) -> list[str]:
     for peer, model, kind in (("genai", "genai_model", "og.Engine"),
                               ("genai-paged", "genai_paged_model", "og.Engine, paged")):  # fmt: skip
         if peer in results:
-            what += f"; the peer, onnxruntime-genai's {kind} ({version}), on `{data[model]}`"
+            where = data.get(model) or "a model not recorded in the JSON"
+            what += f"; the peer, onnxruntime-genai's {kind} ({version}), on `{where}`"
     what += f"; {_runs(data)}"
     for peer, label in (("genai", "og.Engine"), ("genai-paged", "og.Engine paged")):
         ratio = results.get("engine", {}).get(f"output_throughput_vs_{peer.replace('-', '_')}")

@@ -38,7 +38,8 @@ def test_every_committed_result_has_a_table():
     assert fixed <= committed
     rest = committed - fixed - {report.CUDA_COLD, report.CUDA_QUANT_COLD}
     assert all(fnmatch.fnmatch(n, report.STACKS) or fnmatch.fnmatch(n, report.SERVING)
-               or fnmatch.fnmatch(n, report.PERPLEXITY) for n in rest), rest  # fmt: skip
+               or fnmatch.fnmatch(n, report.PERPLEXITY) or fnmatch.fnmatch(n, report.STEP_PROFILES)
+               for n in rest), rest  # fmt: skip
 
 
 @pytest.mark.parametrize("name", ["cuda-meta", "cpu-epyc", "cpu-xeon", "kv-memory"])
@@ -50,12 +51,21 @@ def test_each_table_names_its_date_commit_and_command(name):
 
 def test_each_serving_table_names_its_date_device_commit_command_and_peer():
     served = report.blocks()["serving"]
-    assert set(served) == {p.stem for p in report.RESULTS.glob(report.SERVING)}
+    profiles = {p.stem for p in report.RESULTS.glob(report.STEP_PROFILES)}
+    assert set(served) == {p.stem for p in report.RESULTS.glob(report.SERVING)} | profiles
     for name, block in served.items():
         data = json.loads((report.RESULTS / f"{name}.json").read_text())
         assert f"Measured {data['date']} on {data['device']}, commit `{data['commit']}`" in block
         assert f"\n{data['command']}\n" in block and "Not recorded in the JSON: " not in block
-        assert ("og.Engine" in block) == ("genai" in data.get("results", {})), name
+        results = data.get("results", {}) if name not in profiles else {}
+        assert ("og.Engine" in block) == bool({"genai", "genai-paged"} & set(results)), name
+
+
+def test_the_step_profile_table_shows_both_graphs_and_the_gpu_share():
+    for path in report.RESULTS.glob(report.STEP_PROFILES):
+        block = "\n".join(report.step_profile(json.loads(path.read_text()), path.name))
+        assert "| served (device sampling) |" in block and "| model's own (host) |" in block
+        assert "GPU ms/step" in block and "host share" in block
 
 
 def test_a_serving_json_without_a_field_says_so():
