@@ -266,6 +266,27 @@ def test_kv_cache_release_returns_an_entrys_granules():
         assert views[0].shape[0] == 2
 
 
+def test_kv_cache_release_can_keep_an_entrys_first_rows():
+    """release(keep=1): the granules under row 0 stay committed and counted, and the entry's
+    next sequence grows into them without committing anything (no map per request)."""
+    spec = KvSpec.synthetic(layers=1, kv_heads=2, head_dim=32, dtype=np.float32, context_length=256)
+    with KvCache.create(spec, "growable", batch=3, capacity=256) as cache:
+        cache.ensure([40, 100, 3])
+        before = cache.stats.committed_bytes
+        released = cache.release(1, keep=1)
+        assert released == cache.entry_commit_bytes(100) - cache.entry_commit_bytes(1)
+        assert cache.tokens == [40, 1, 3]
+        assert cache.stats.committed_bytes == before - released
+        assert cache.measured_committed_bytes() == cache.stats.committed_bytes
+        growth = cache.stats.growth_events
+        small = cache.entry_commit_bytes(1) // (spec.buffers * spec.token_bytes)  # rows it holds
+        assert not cache.ensure([40, max(small, 1), 3])  # inside the kept granule: no commit
+        assert cache.stats.growth_events == growth
+        cache.release(1)  # keep=0: everything goes
+        assert cache.tokens == [40, 0, 3]
+        assert cache.measured_committed_bytes() == cache.stats.committed_bytes
+
+
 @pytest.mark.parametrize("layout", ["seq-major", "head-major"])
 def test_kv_cache_commit_bytes_counts_shared_granules_once(layout):
     """commit_bytes is what ensure() commits; with a 2 MiB granule (CUDA's) small entries share
@@ -529,6 +550,7 @@ def test_step_profile_counts_every_step(model):
     assert profile["steps"] == eng.stats()["steps"] > 0
     assert set(profile["per_step_ms"]) == {
         "schedule",
+        "kv",
         "inputs",
         "run",
         "readback",

@@ -416,7 +416,7 @@ def test_recapture_counted_only_when_ort_captures_again(dirs, ref):
     assert CUDA_GRAPH_WARMUP_RUNS == 2
     with runtime(dirs["seq"], "bucket", fixed_mask=True, bucket_tokens=16) as rt:
         rt.cuda_graph = True  # count as the CUDA path does; the CPU session gets no graph ids
-        rt._run_options = lambda _graph_id: None
+        rt.run_options = lambda _graph_id: None
         # Prompt 9: bucket 16 -> 32 at decode step 8 (row 17), -> 64 at step 24 (row 33).
         out = rt.generate(PROMPT, 25, eos_token_ids=[])  # decode steps 1..24
         assert out.tokens == [ref["long"][:25]]

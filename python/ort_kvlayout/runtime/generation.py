@@ -70,7 +70,7 @@ from .sampling import GREEDY, Sampler, SamplingParams
 __all__ = ["CUDA_GRAPH_WARMUP_RUNS", "GenerationOutput", "Runtime"]
 
 # Rows mapped past the prompt before a CUDA fp16/bf16 prefill: one 128-row key tile of cuDNN's
-# flash attention (Runtime._prefill_read_slack).
+# flash attention (Runtime.prefill_read_slack).
 PREFILL_READ_SLACK = 128
 # ORT's CUDA EP: regular runs of a graph id before it captures (min_num_runs_before_cuda_graph_capture_).
 CUDA_GRAPH_WARMUP_RUNS = 2
@@ -216,13 +216,13 @@ class Runtime:
         self._owner: int | None = None  # the thread inside generate()
 
     # -----------------------------------------------------------------------------------------
-    def _check_length_record(self, where: str) -> None:
+    def check_length_record(self, where: str) -> None:
         """Raises LengthError if our op recorded a bad length on the device (graph replays
         included); only the library the session registered keeps such records."""
         if self.library is not None:
             check_length_error(where, self.library)
 
-    def _prefill_read_slack(self) -> int:
+    def prefill_read_slack(self) -> int:
         """Rows past the prompt that the prefill may read. On CUDA, fp16/bf16 prefill of 64 or
         more rows runs cuDNN's flash attention (docs/ARCHITECTURE.md), whose key tiles are
         bounded by the cache's capacity, not by each entry's length: the last tile may read up
@@ -331,7 +331,7 @@ class Runtime:
 
         # Prefill.
         start = time.perf_counter()
-        cache.ensure([min(width + self._prefill_read_slack(), cache.max_capacity)] * batch)
+        cache.ensure([min(width + self.prefill_read_slack(), cache.max_capacity)] * batch)
         ids = np.full((batch, width), self.spec.pad_token_id, np.int64)
         mask = np.zeros((batch, width), self.spec.mask_dtype)
         for b, p in enumerate(prompts):
@@ -339,7 +339,7 @@ class Runtime:
             mask[b, : len(p)] = 1
         positions = np.broadcast_to(np.arange(width, dtype=np.int64), (batch, width))
         logits = self._run_prefill(cache, ids, mask, positions)
-        self._check_length_record("prefill")
+        self.check_length_record("prefill")
         # The logits stay in the model's dtype: the sampler reads float16 greedily on its bits
         # (sampling.py; a float32 copy of SmolLM2's logits was ~75 us of a CUDA decode step).
         last = np.stack([logits[b, n - 1] for b, n in enumerate(lengths)])
@@ -379,7 +379,7 @@ class Runtime:
             live = [n + 1 for n in live]
             cache.ensure([max(width, n) for n in live])
             last = self._run_decode(cache, feed, live)
-            self._check_length_record(f"decode step {steps}")
+            self.check_length_record(f"decode step {steps}")
             decode_seconds += time.perf_counter() - start
             steps += 1
         return GenerationOutput(
@@ -387,7 +387,7 @@ class Runtime:
         )
 
     # -----------------------------------------------------------------------------------------
-    def _run_options(self, graph_id: int | None) -> ort.RunOptions | None:
+    def run_options(self, graph_id: int | None) -> ort.RunOptions | None:
         if not self.cuda_graph:
             return None
         options = ort.RunOptions()
@@ -410,7 +410,7 @@ class Runtime:
         # reused binding: ORT then allocates a fresh output (a reused one would be written under
         # an array an earlier step still views), and the name keeps its place.
         binding.bind_output(self.spec.logits, "cpu")
-        self.session.run_with_iobinding(binding, self._run_options(None))
+        self.session.run_with_iobinding(binding, self.run_options(None))
         return binding.get_outputs()[-1].numpy()
 
     def _run_narrow(self, cache: KvCache, ids, mask, positions) -> np.ndarray:
@@ -451,7 +451,7 @@ class Runtime:
             decode.mask[b, :n] = 1
         decode.set_inputs(feed, np.array([[n - 1] for n in live], np.int64))
         runs = self._graph_runs.get(self._graph_id, 0)
-        self.session.run_with_iobinding(decode.binding, self._run_options(self._graph_id))
+        self.session.run_with_iobinding(decode.binding, self.run_options(self._graph_id))
         self._graph_runs[self._graph_id] = runs + 1
         if self.cuda_graph:
             if runs == CUDA_GRAPH_WARMUP_RUNS:

@@ -332,20 +332,25 @@ class KvCache:
         granules = np.maximum(hi - np.maximum(lo, before), 0).sum()
         return int(granules) * g * s.buffers + scales
 
-    def release(self, entry: int) -> int:
+    def release(self, entry: int, keep: int = 0) -> int:
         """Ends batch entry `entry`'s sequence: no live rows, and (growable) its granules go
-        back to the system, except those it shares with another entry's live rows. Returns the
-        bytes released (all buffers); pointers and shapes stay, nothing is moved."""
+        back to the system, except those it shares with another entry's live rows. With `keep`
+        the entry holds rows [0, keep) on, as if ensured to that many (the granules under them
+        stay committed and counted; their contents mean nothing): a serving engine keeps a freed
+        slot's first granule for its scratch row or its next request, not a map and an unmap
+        (CUDA driver calls) per request. Returns the bytes released (all buffers); pointers and
+        shapes stay, nothing is moved."""
         self._check_open()
         if not 0 <= entry < self.batch:
             raise ValueError(f"entry {entry} outside a batch of {self.batch}")
+        keep = min(max(int(keep), 0), self._ensured[entry])
         released = 0
-        if self.mode == "growable" and self._ensured[entry]:
+        if self.mode == "growable" and self._ensured[entry] > keep:
             alone = [0] * self.batch
             alone[entry] = self._ensured[entry]
             mine = granule_runs(self._byte_ranges(alone, self.capacity), self.granule)
             others = list(self._ensured)
-            others[entry] = 0
+            others[entry] = keep
             kept = granule_runs(self._byte_ranges(others, self.capacity), self.granule)
             free = _subtract(mine, kept)
             try:
@@ -357,10 +362,12 @@ class KvCache:
                 self._covered[entry] = 0
                 self._update_bytes()
         if self.mode == "growable":
-            self._covered[entry] = 0
-        self._ensured[entry] = 0
+            alone = [0] * self.batch
+            alone[entry] = keep
+            self._covered[entry] = self._covered_tokens(alone)[entry] if keep else 0
+        self._ensured[entry] = keep
         if self._scales is not None:
-            released += self._scales.release(entry)
+            released += self._scales.release(entry, keep)
             self._update_bytes()
         self._update_live_bytes()
         return released

@@ -321,6 +321,7 @@ class Engine:
         self._inbox: list[tuple[str, object]] = []
         self._cond = threading.Condition()
         self._ids = itertools.count(1)
+        self._outbox: list[tuple[_Request, Event]] = []  # events of this step (_deliver)
         self.executor = Executor(
             self.runtime, self.cache, config.graphs, served.inputs if served is not None else None
         )
@@ -421,7 +422,7 @@ class Engine:
                 f"{len(prompt)} prompt tokens + {params.max_tokens} max_tokens need {rows} "
                 f"rows of context; the limit is {self.capacity}"
             )
-        need = self._commit_bytes(min(rows + self.runtime._prefill_read_slack(), self.capacity))
+        need = self._commit_bytes(min(rows + self.runtime.prefill_read_slack(), self.capacity))
         if need > self.budget:
             raise RequestTooLarge(
                 f"{len(prompt)} prompt tokens + {params.max_tokens} max_tokens need {need} KV "
@@ -542,9 +543,12 @@ class Engine:
                 for r in [*self._running(), *self._waiting]:
                     self._finish(r, "cancelled")
                 self._update_snapshot()
+                self._flush()
                 return
             if not self._has_work():
+                self._release_scratch({})  # a cancel may have left a freed slot's row 0
                 self._update_snapshot()
+                self._flush()
                 if closing:
                     return
                 continue
@@ -558,6 +562,7 @@ class Engine:
                 for r in self._running():
                     self._finish(r, "error", error=message)
             self._update_snapshot()
+            self._flush()
 
     def _has_work(self) -> bool:
         return bool(self._waiting) or any(r is not None for r in self._slots)
@@ -578,7 +583,11 @@ class Engine:
     def _release_slot(self, r: _Request) -> None:
         if r.slot >= 0:
             self._slots[r.slot] = None
-            self.cache.release(r.slot)
+            t = time.perf_counter_ns()
+            # Row 0 stays committed: the slot's next request or its scratch row reuses the
+            # granule under it; the next step's _release_scratch returns it if neither comes.
+            self.cache.release(r.slot, keep=1)
+            self.executor.profile.add("kv", t)
             r.slot = -1
         r.cached = 0
 
@@ -599,18 +608,28 @@ class Engine:
             text = r.text.delta(r.seq, final=True)[0] if r.generated else ""
         self._deliver(r, Event(r.id, token, text, reason, r.prompt_len, r.generated, error))
 
-    def _deliver(self, r: _Request, event: Event) -> bool:
-        """Hands an event to r's reader; a callback that raises is that request's problem
-        only: it is cancelled (its slot freed), the other requests go on."""
-        try:
-            r.handle._push(event)
-            return True
-        except Exception:  # noqa: BLE001 -- the caller's code, not the engine's
-            self._counters["callback_errors"] += 1
-            if not event.finished:
-                self._release_slot(r)
-                self._counters["finished_cancelled"] += 1
-            return False
+    def _deliver(self, r: _Request, event: Event) -> None:
+        """Queues an event for r's reader: the loop hands them over once the step is done and
+        its counters are published (_flush), so a reader that sees its last event also sees
+        stats() without its request."""
+        self._outbox.append((r, event))
+
+    def _flush(self) -> None:
+        """Hands the queued events over; a callback that raises is that request's problem only:
+        it is cancelled (its slot freed, its later events dropped), the other requests go on."""
+        outbox, self._outbox = self._outbox, []
+        failed: set[int] = set()
+        for r, event in outbox:
+            if r.id in failed:
+                continue
+            try:
+                r.handle._push(event)
+            except Exception:  # noqa: BLE001 -- the caller's code, not the engine's
+                self._counters["callback_errors"] += 1
+                failed.add(r.id)
+                if not event.finished and r.slot >= 0:
+                    self._release_slot(r)
+                    self._counters["finished_cancelled"] += 1
 
     # --- memory ------------------------------------------------------------------------------
     def _decode_range(self, padded: bool) -> tuple[int, int] | None:
@@ -624,9 +643,9 @@ class Engine:
         rows: dict[int, int] = {}
         span = self._decode_range(bool(self.buckets) if padded is None else padded)
         budget = self.config.prefill_chunk
-        # Rows a CUDA fp16 prefill may read past its chunk (Runtime._prefill_read_slack: cuDNN's
+        # Rows a CUDA fp16 prefill may read past its chunk (Runtime.prefill_read_slack: cuDNN's
         # key tiles); 0 on the CPU.
-        slack = self.runtime._prefill_read_slack()
+        slack = self.runtime.prefill_read_slack()
         for s, r in sorted(
             ((s, r) for s, r in enumerate(self._slots) if r is not None and not r.decoding),
             key=lambda sr: sr[1].arrival,
@@ -704,9 +723,11 @@ class Engine:
         t = time.perf_counter_ns()
         self._admit()
         rows, padded = self._preempt_to_fit()
+        t = profile.add("schedule", t)
         self._release_scratch(rows)
         try:
             self.cache.ensure([rows.get(s, self.cache.tokens[s]) for s in range(len(self._slots))])
+            t = profile.add("kv", t)
         except KvMemoryError as exc:
             # The device had less memory than the budget assumed: the newest request makes room
             # (recomputed later), or, alone, ends with an error; the loop goes on.

@@ -48,10 +48,12 @@ _BELOW_ONE = np.nextafter(np.float32(1), np.float32(0))
 
 class StepProfile:
     """Host time per phase of the engine's steps (perf_counter_ns sums): where a step's
-    milliseconds go. `run` is ORT's Run, which returns when the step's kernels are done (the
-    GPU's time and the launch overhead both land there)."""
+    milliseconds go. `schedule` is the engine's own bookkeeping (admission, the budget, the step
+    plan); `kv` the cache's commits and releases (on CUDA the driver's map and unmap calls); `run`
+    is ORT's Run, which returns when the step's kernels are done (the GPU's time and the launch
+    overhead both land there)."""
 
-    PHASES = ("schedule", "inputs", "run", "readback", "sample", "emit")
+    PHASES = ("schedule", "kv", "inputs", "run", "readback", "sample", "emit")
 
     def __init__(self) -> None:
         self.ns = collections.Counter()
@@ -176,10 +178,10 @@ class Executor:
             binding.bind_output(spec.logits, "cpu")
         t = self.profile.add("inputs", t)
         # gpu_graph_id -1 with CUDA graphs on: never captured (ORT's default id 0 would be)
-        self.runtime.session.run_with_iobinding(binding, self.runtime._run_options(None))
+        self.runtime.session.run_with_iobinding(binding, self.runtime.run_options(None))
         t = self.profile.add("run", t)
         out = binding.get_outputs()[-1].numpy()
-        self.runtime._check_length_record("engine step")
+        self.runtime.check_length_record("engine step")
         t = self.profile.add("readback", t)
         if self.served is not None:
             tokens = [int(out[i, 0]) if r is not None else None for i, r in enumerate(rows)]
@@ -203,7 +205,7 @@ class Executor:
         t = self.profile.add("inputs", t)
         runs = self.bucket_calls[bucket]
         graph_id = bucket if self.graphs else None
-        self.runtime.session.run_with_iobinding(call.binding, self.runtime._run_options(graph_id))
+        self.runtime.session.run_with_iobinding(call.binding, self.runtime.run_options(graph_id))
         t = self.profile.add("run", t)
         self.bucket_calls[bucket] = runs + 1
         if self.graphs:
@@ -212,7 +214,7 @@ class Executor:
             elif runs > CUDA_GRAPH_WARMUP_RUNS:
                 self.cache.stats.replays += 1
         out = call.output()  # on the host: the step's kernels are done
-        self.runtime._check_length_record("engine decode step")
+        self.runtime.check_length_record("engine decode step")
         t = self.profile.add("readback", t)
         if self.served is not None:
             tokens = [int(out[i, 0]) if r is not None else None for i, r in enumerate(rows)]
