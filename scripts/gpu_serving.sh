@@ -39,7 +39,8 @@ case "${1:-}" in
       >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
     echo "package built in $((SECONDS - t0)) s"
     python3 -c "import ort_kvlayout as k; print(k.__file__, k.build_info())"
-    python3 bench/bench_serving.py "${COMMON[@]}" --build-only
+    # the 8B shape: DROP_HF=1 deletes the Hugging Face folder once the builder's models exist
+    python3 bench/bench_serving.py "${COMMON[@]}" --build-only ${DROP_HF:+--drop-hf}
     df -h / | tail -1
     ;;
   tests)
