@@ -558,3 +558,31 @@ def test_step_profile_counts_every_step(model):
         "emit",
     }
     assert profile["total_ms"]["run"] > 0
+
+
+@pytest.mark.parametrize("quant", ["int8-per-channel", "int8-per-token"])
+def test_quantized_caches_through_both_graphs_equal_generate_alone(tmp_path, quant):
+    """A builder-style int8 per-channel cache (static scales) and a PER_TOKEN int8 cache (scale
+    caches bound beside the KV caches): the served graph and the model's own, eager and padded
+    decode calls, every request its tokens alone."""
+    from ort_kvlayout.runtime.generation import Runtime
+    from ort_kvlayout.tools.patch import patch_model_dir
+
+    library_or_skip()
+    if quant == "int8-per-channel":
+        variant, kv_quant = Variant(layers=2, kv_bits=8, kv_scheme="PER_CHANNEL"), {}
+    else:
+        variant, kv_quant = Variant(layers=2), {"kv_quant": quant}
+    src = make_model_dir(tmp_path / "original", variant)
+    model = patch_model_dir(src, tmp_path / "seq", layout="seq-major", **kv_quant).out_dir
+    prompts = PROMPTS[:3]
+    with Runtime(model) as rt:
+        want = [rt.generate(p, 12, eos_token_ids=[]).tokens[0] for p in prompts]
+    for on_device in (True, False):
+        for buckets in (None, (1, 2)):
+            with engine(
+                model, max_batch=2, sample_on_device=on_device, decode_buckets=buckets
+            ) as eng:
+                handles = [eng.submit(p, params(12)) for p in prompts]
+                assert [h.result() for h in handles] == want, (on_device, buckets)
+                assert eng.stats()["sample_on_device"] is on_device
