@@ -7,9 +7,9 @@ capacity x token bytes in both layouts, so the range is the same reservation bou
 offset with a smaller batch). Two ways to choose it:
 
 * eager: [lowest decoding slot, highest decoding slot + 1], a new shape whenever requests come
-  and go; the attention mask as wide as the longest row;
+  and go; the total length (the mask's width) that of the longest row;
 * buckets (what CUDA graphs need): [0, bucket) with the smallest bucket holding the highest
-  decoding slot, and a mask as wide as the cache's capacity. Every bucket's call then has one
+  decoding slot, and a total length of the cache's capacity. Every bucket's call then has one
   shape and, the cache's addresses never moving, one set of addresses for the engine's life:
   one graph per bucket, captured once, replayed across growth and slot reuse.
 

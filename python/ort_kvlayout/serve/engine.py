@@ -7,7 +7,10 @@
         engine.stats()                            # running, waiting, preemptions, KV bytes, ...
 
 One thread (the engine loop) owns the ORT session and the cache; `submit` and `cancel` may be
-called from any thread and only post to its inbox. Each step:
+called from any thread and only post to its inbox. The model calls run through the executor
+(executor.py) on the served graph (model/serving_graph.py: lengths in, logits only at the
+sampled rows, tokens chosen on the device; only ids read back) unless `sample_on_device` is
+False or the graph does not allow it. Each step:
 
 1. Admission. Waiting requests (oldest first) take the lowest free slot while the step's KV need
    plus their whole sequence fits the budget (`kv_budget_bytes`).
@@ -18,8 +21,8 @@ called from any thread and only post to its inbox. Each step:
    at the range's first slot with its length as the batch (the same reservation, nothing
    moved). Padded (the default on CUDA, where each call is a CUDA graph): slots [0, bucket)
    with the smallest bucket (1, 2, 4, then multiples of 8, and max_batch) that holds the
-   highest decoding slot, a mask as wide as the cache, one fixed binding and one graph per
-   bucket, captured once and replayed across growth and slot reuse (the cache's addresses
+   highest decoding slot, total_sequence_length = the cache's capacity, one fixed binding and
+   one graph per bucket, captured once and replayed across growth and slot reuse (the cache's addresses
    never move; the lengths are read on the device). Eager (the CPU default): the span [lo, hi]
    of the decoding slots. A slot in the range that is not decoding writes one scratch row: a
    prefilling request's next row (its next chunk overwrites it) or row 0 of a free slot (one
@@ -32,8 +35,10 @@ called from any thread and only post to its inbox. Each step:
    running request therefore waits at most one decode call plus `prefill_chunk` prompt tokens
    per step, however long the new prompts are (chunked prefill, Sarathi/vLLM-style).
 
-A request's slot and pages go back to the pool the moment it finishes or is cancelled; a
-waiting request reuses the slot in place (0 bytes moved).
+A request's slot and pages go back to the pool the moment it finishes or is cancelled, but for
+the granule under its row 0, kept until the next step for its next request or scratch row; a
+waiting request reuses the slot in place (0 bytes moved). Events reach their readers once the
+step is done and its counters are published.
 
 Why not one mixed call with `query_seqlens` (GQA input 16): a right-padded call computes every
 row of its (batch, longest chunk) shape in the dense layers, so padding the decode rows to a
