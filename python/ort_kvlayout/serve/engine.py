@@ -70,9 +70,10 @@ from ..runtime.kv_cache import KvCache, KvMemoryError
 from ..runtime.model_spec import ModelSpec
 from ..runtime.sampling import GREEDY, Sampler, SamplingParams
 from . import memory
-from .batching import decode_range, decode_rows, resolve_buckets
+from .batching import decode_rows, resolve_buckets
 from .detokenizer import IncrementalText
 from .executor import NONFINITE_LOGITS, Executor
+from .scheduler import Limits, Running, admissions, decode_span, fit_budget, prefill_chunks
 
 __all__ = [
     "Engine",
@@ -401,6 +402,12 @@ class Engine:
             self.budget = budget
         self.eos = frozenset(self.spec.eos_token_ids)
         self.buckets = resolve_buckets(config.decode_buckets, slots) if config.padded_decode else ()
+        # Rows a CUDA fp16 prefill may read past its chunk (Runtime.prefill_read_slack: cuDNN's
+        # key tiles); 0 on the CPU.
+        self._limits = Limits(
+            self.budget, self.capacity, config.prefill_chunk, self.runtime.prefill_read_slack(),
+            self.buckets,
+        )  # fmt: skip
 
     # ---------------------------------------------------------------------------------------
     # Any thread
@@ -637,75 +644,34 @@ class Engine:
                     self._counters["finished_cancelled"] += 1
 
     # --- memory ------------------------------------------------------------------------------
-    def _decode_range(self, padded: bool) -> tuple[int, int] | None:
-        """This step's decode slot range: [0, bucket) padded, else the decoding slots' span."""
-        decoding = [s for s, r in enumerate(self._slots) if r is not None and r.decoding]
-        return decode_range(decoding, self.buckets if padded else ())
-
-    def _step_rows(self, padded: bool | None = None) -> dict[int, int]:
-        """Rows per slot this step writes up to (see the module docstring: scratch rows too),
-        with the decode call padded to its bucket or not (default: as configured)."""
-        rows: dict[int, int] = {}
-        span = self._decode_range(bool(self.buckets) if padded is None else padded)
-        budget = self.config.prefill_chunk
-        # Rows a CUDA fp16 prefill may read past its chunk (Runtime.prefill_read_slack: cuDNN's
-        # key tiles); 0 on the CPU.
-        slack = self.runtime.prefill_read_slack()
-        for s, r in sorted(
-            ((s, r) for s, r in enumerate(self._slots) if r is not None and not r.decoding),
-            key=lambda sr: sr[1].arrival,
-        ):
-            take = min(len(r.seq) - r.cached, budget)
-            budget -= take
-            rows[s] = min(r.cached + max(take, 1) + (slack if take else 0), self.capacity)
-        if span is not None:
-            for s in range(*span):
-                r = self._slots[s]
-                rows[s] = max(rows.get(s, 0), (r.cached + 1) if r is not None else 1)
-        return rows
-
-    def _need_bytes(self, rows: dict[int, int]) -> int:
-        """KV bytes committed once `rows` are ensured: the granules holding every slot's rows
-        (at least what the slot holds already: ensure never shrinks), a granule that
-        neighbouring slots share counted once. Summing each slot's own granule-rounded bytes
-        would count a 2 MiB CUDA granule once per slot it holds (several small slots share one)
-        and refuse requests that fit."""
-        held = self.cache.tokens
-        tokens = [0] * len(held)
-        for s, n in rows.items():
-            tokens[s] = max(n, held[s])
-        return self.cache.commit_bytes(tokens)
+    def _view(self) -> list[Running | None]:
+        """The slots as the scheduler (scheduler.py) sees them."""
+        return [
+            None if r is None else Running(r.arrival, r.cached, len(r.seq)) for r in self._slots
+        ]
 
     def _admit(self) -> None:
-        while self._waiting and None in self._slots:
-            r = self._waiting[0]
-            slot = self._slots.index(None)
-            rows = self._step_rows()
-            rows[slot] = max(rows.get(slot, 0), len(r.seq))
-            if any(x is not None for x in self._slots) and self._need_bytes(rows) > self.budget:
-                return
-            self._waiting.popleft()
+        if not self._waiting or None not in self._slots:
+            return
+        waiting = [(r.arrival, len(r.seq)) for r in self._waiting]
+        for slot in admissions(
+            self._view(), waiting, self.cache.tokens, self._limits, self.cache.commit_bytes
+        ):
+            r = self._waiting.popleft()
             r.slot = slot
             r.cached = 0
-            self._slots[r.slot] = r
+            self._slots[slot] = r
             self._counters["admitted"] += 1
 
     def _preempt_to_fit(self) -> tuple[dict[int, int], bool]:
-        """This step's rows per slot, and whether its decode call is padded to a bucket. When
-        the padding's scratch rows do not fit the budget but the decoding span does, the decode
-        call runs that span eagerly (`decode_eager_fallbacks`) rather than preempting."""
-        while True:
-            running = self._running()
-            if self.buckets:
-                rows = self._step_rows(padded=True)
-                if self._need_bytes(rows) <= self.budget:
-                    return rows, True
-            rows = self._step_rows(padded=False)
-            if self._need_bytes(rows) <= self.budget or len(running) <= 1:
-                if self.buckets and self._decode_range(False) is not None:
-                    self._counters["decode_eager_fallbacks"] += 1
-                return rows, False
-            self._preempt(max(running, key=lambda r: r.arrival))
+        """This step's rows per slot, and whether its decode call is padded to a bucket
+        (scheduler.fit_budget decides; the victims are preempted here)."""
+        fit = fit_budget(self._view(), self.cache.tokens, self._limits, self.cache.commit_bytes)
+        for slot in fit.victims:
+            self._preempt(self._slots[slot])
+        if fit.eager_fallback:
+            self._counters["decode_eager_fallbacks"] += 1
+        return fit.rows, fit.padded
 
     def _preempt(self, victim: _Request) -> None:
         self._release_slot(victim)
@@ -745,17 +711,15 @@ class Engine:
             return
         self._counters["steps"] += 1
         profile.steps += 1
-        span = self._decode_range(padded)
-        prefilling = sorted((r for r in self._running() if not r.decoding), key=lambda r: r.arrival)
+        view = self._view()
+        span = decode_span(view, padded, self._limits)
+        chunks = [
+            (self._slots[s], take) for s, take in prefill_chunks(view, self._limits.prefill_chunk)
+        ]
         profile.add("schedule", t)
         if span is not None:
             self._decode_step(*span, padded=padded)
-        budget = self.config.prefill_chunk
-        for r in prefilling:
-            if budget <= 0:
-                break
-            take = min(len(r.seq) - r.cached, budget)
-            budget -= take
+        for r, take in chunks:
             self._prefill_chunk(r, take)
 
     def _decode_step(self, lo: int, hi: int, padded: bool = False) -> None:

@@ -1,0 +1,184 @@
+"""The engine's decisions for one step, as pure functions of what the slots hold.
+
+    view = [Running(arrival, cached, length) or None for each slot]
+    slots = admissions(view, waiting, held, limits, commit_bytes)   # where the waiting go
+    fit = fit_budget(view, held, limits, commit_bytes)              # rows, padding, victims
+    chunks = prefill_chunks(view, limits.prefill_chunk)             # (slot, tokens), oldest first
+
+No session, cache or request object: the engine (engine.py) passes a view of its slots, the rows
+each slot holds now (`held`, the cache's tokens) and the cache's byte count of a set of rows
+(`commit_bytes`), and applies what comes back; tests/test_scheduler.py checks the rules with
+numbers alone. The rules (docs/SERVING.md, "One step"):
+
+* rows: a prefilling request writes up to its next chunk (plus the rows a CUDA prefill may read
+  past it, `slack`), a decoding one its next row; a slot of the decode range that decodes
+  nothing writes one scratch row (serve/batching.py);
+* admission: waiting requests, oldest first, take the lowest free slot while the step's rows
+  with their whole sequence fit the budget (a request alone is always admitted);
+* the budget: when the step's rows do not fit, the decode call runs its span eagerly if that
+  fits (no scratch rows past it), else the running request that arrived last is preempted, and
+  so on; a preempted slot keeps its row-0 granule until the next step (KvCache.release keep=1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .batching import decode_range
+
+__all__ = [
+    "Fit",
+    "Limits",
+    "Running",
+    "admissions",
+    "decode_span",
+    "fit_budget",
+    "need_bytes",
+    "prefill_chunks",
+    "step_rows",
+]
+
+CommitBytes = Callable[[list[int]], int]  # rows per slot -> bytes the cache commits for them
+
+
+@dataclass(frozen=True)
+class Running:
+    """A running request as the scheduler sees it: its arrival order, the rows its slot holds,
+    and its sequence length (prompt + generated); decoding when one token is left to feed."""
+
+    arrival: int
+    cached: int
+    length: int
+
+    @property
+    def decoding(self) -> bool:
+        return self.length - self.cached == 1
+
+
+@dataclass(frozen=True)
+class Limits:
+    """budget: KV bytes; capacity: rows a slot holds at most; prefill_chunk: prompt tokens a step
+    prefills; slack: rows a prefill may read past its chunk; buckets: padded decode sizes (())."""
+
+    budget: int
+    capacity: int
+    prefill_chunk: int
+    slack: int = 0
+    buckets: tuple[int, ...] = ()
+
+
+@dataclass
+class Fit:
+    """What the budget allows this step: the rows per slot to ensure, whether the decode call is
+    padded to its bucket, the slots whose requests are preempted (newest first), and whether the
+    padded call had to run eagerly instead."""
+
+    rows: dict[int, int]
+    padded: bool
+    victims: list[int] = field(default_factory=list)
+    eager_fallback: bool = False
+
+
+def decode_span(slots: Sequence[Running | None], padded: bool, limits: Limits):
+    """The decode call's slot range [lo, hi) (None without a decoding request)."""
+    decoding = [s for s, r in enumerate(slots) if r is not None and r.decoding]
+    return decode_range(decoding, limits.buckets if padded else ())
+
+
+def prefill_chunks(slots: Sequence[Running | None], chunk: int) -> list[tuple[int, int]]:
+    """(slot, tokens) of this step's prefill calls: the prefilling requests, oldest first, until
+    `chunk` tokens were given out (a request past the budget gets nothing this step)."""
+    out = []
+    for s, r in sorted(
+        ((s, r) for s, r in enumerate(slots) if r is not None and not r.decoding),
+        key=lambda sr: sr[1].arrival,
+    ):
+        if chunk <= 0:
+            break
+        take = min(r.length - r.cached, chunk)
+        chunk -= take
+        out.append((s, take))
+    return out
+
+
+def step_rows(slots: Sequence[Running | None], limits: Limits, padded: bool) -> dict[int, int]:
+    """Rows per slot this step writes up to (scratch rows too), the decode call padded or not."""
+    rows: dict[int, int] = {}
+    budget = limits.prefill_chunk
+    for s, r in sorted(
+        ((s, r) for s, r in enumerate(slots) if r is not None and not r.decoding),
+        key=lambda sr: sr[1].arrival,
+    ):
+        take = min(r.length - r.cached, budget)
+        budget -= take
+        rows[s] = min(r.cached + max(take, 1) + (limits.slack if take else 0), limits.capacity)
+    span = decode_span(slots, padded, limits)
+    if span is not None:
+        for s in range(*span):
+            r = slots[s]
+            rows[s] = max(rows.get(s, 0), (r.cached + 1) if r is not None else 1)
+    return rows
+
+
+def need_bytes(rows: dict[int, int], held: Sequence[int], commit_bytes: CommitBytes) -> int:
+    """KV bytes committed once `rows` are ensured: every slot's rows, at least what it holds
+    already (ensure never shrinks), a granule that neighbouring slots share counted once
+    (commit_bytes counts the union; a sum per slot would count a 2 MiB CUDA granule once per
+    slot it holds and refuse requests that fit)."""
+    tokens = [0] * len(held)
+    for s, n in rows.items():
+        tokens[s] = max(n, held[s])
+    return commit_bytes(tokens)
+
+
+def admissions(
+    slots: Sequence[Running | None],
+    waiting: Sequence[tuple[int, int]],
+    held: Sequence[int],
+    limits: Limits,
+    commit_bytes: CommitBytes,
+) -> list[int]:
+    """The slots the first waiting requests ((arrival, length), oldest first) take, in order:
+    each the lowest free slot, while the step's rows with its whole sequence fit the budget."""
+    view = list(slots)
+    taken: list[int] = []
+    for arrival, length in waiting:
+        if None not in view:
+            break
+        slot = view.index(None)
+        rows = step_rows(view, limits, padded=bool(limits.buckets))
+        rows[slot] = max(rows.get(slot, 0), length)
+        running = any(r is not None for r in view)
+        if running and need_bytes(rows, held, commit_bytes) > limits.budget:
+            break
+        view[slot] = Running(arrival, 0, length)
+        taken.append(slot)
+    return taken
+
+
+def fit_budget(
+    slots: Sequence[Running | None],
+    held: Sequence[int],
+    limits: Limits,
+    commit_bytes: CommitBytes,
+) -> Fit:
+    """This step's rows under the budget (see the module docstring): padded if its scratch rows
+    fit, else the decoding span eagerly, else newest requests preempted until the rest fits (a
+    request alone always runs)."""
+    view, held = list(slots), list(held)
+    victims: list[int] = []
+    while True:
+        running = [s for s, r in enumerate(view) if r is not None]
+        if limits.buckets:
+            rows = step_rows(view, limits, padded=True)
+            if need_bytes(rows, held, commit_bytes) <= limits.budget:
+                return Fit(rows, True, victims)
+        rows = step_rows(view, limits, padded=False)
+        if need_bytes(rows, held, commit_bytes) <= limits.budget or len(running) <= 1:
+            fallback = bool(limits.buckets) and decode_span(view, False, limits) is not None
+            return Fit(rows, False, victims, fallback)
+        victim = max(running, key=lambda s: view[s].arrival)
+        view[victim] = None
+        held[victim] = min(held[victim], 1)  # the engine releases it keeping row 0
+        victims.append(victim)

@@ -1,0 +1,85 @@
+"""The engine's scheduling rules (ort_kvlayout.serve.scheduler), with numbers alone: no model,
+session or cache. A cache here commits whole granules of GRANULE rows per slot, ROW bytes a row."""
+
+from __future__ import annotations
+
+from ort_kvlayout.serve.scheduler import (
+    Limits,
+    Running,
+    admissions,
+    decode_span,
+    fit_budget,
+    need_bytes,
+    prefill_chunks,
+    step_rows,
+)
+
+GRANULE, ROW = 16, 10
+
+
+def commit_bytes(tokens: list[int]) -> int:
+    return sum(-(-t // GRANULE) * GRANULE for t in tokens) * ROW
+
+
+def decoding(arrival: int, rows: int) -> Running:
+    return Running(arrival, rows, rows + 1)
+
+
+def prefilling(arrival: int, cached: int, length: int) -> Running:
+    return Running(arrival, cached, length)
+
+
+def test_prefill_chunks_go_oldest_first_until_the_budget():
+    slots = [prefilling(3, 0, 50), decoding(1, 10), prefilling(2, 4, 14), None]
+    assert prefill_chunks(slots, 20) == [(2, 10), (0, 10)]  # arrival 2 first, 3 gets the rest
+    assert prefill_chunks(slots, 10) == [(2, 10)]
+    assert prefill_chunks(slots, 100) == [(2, 10), (0, 50)]
+
+
+def test_step_rows_cover_chunks_slack_decode_rows_and_scratch_rows():
+    slots = [decoding(1, 20), None, prefilling(2, 0, 30), decoding(3, 5)]
+    limits = Limits(budget=10**9, capacity=64, prefill_chunk=8, slack=4, buckets=(2, 4))
+    eager = step_rows(slots, limits, padded=False)
+    assert eager == {0: 21, 1: 1, 2: 12, 3: 6}  # the span [0, 4) holds the free slot 1: scratch
+    assert step_rows([decoding(1, 20), None], limits, padded=True) == {0: 21, 1: 1}  # bucket 2
+    assert step_rows([decoding(1, 20), None], limits, padded=False) == {0: 21}
+    # A chunk's rows never pass the capacity, slack included.
+    assert step_rows([prefilling(1, 60, 70)], limits, padded=False) == {0: 64}
+    assert decode_span(slots, False, limits) == (0, 4)
+    assert decode_span([None, prefilling(1, 0, 9)], True, limits) is None
+
+
+def test_need_bytes_never_shrinks_what_a_slot_holds():
+    assert need_bytes({0: 5}, [40, 0], commit_bytes) == 48 * ROW
+    assert need_bytes({1: 17}, [0, 3], commit_bytes) == 32 * ROW
+
+
+def test_admission_takes_the_lowest_free_slots_while_the_budget_holds():
+    limits = Limits(budget=64 * ROW, capacity=256, prefill_chunk=256)
+    slots = [decoding(1, 10), None, None]
+    held = [11, 0, 0]
+    # 16 rows (slot 0) + 16 + 16 fit; a third request of 40 rows would need 48 more.
+    assert admissions(slots, [(5, 12), (6, 3), (7, 40)], held, limits, commit_bytes) == [1, 2]
+    assert admissions(slots, [(5, 60)], held, limits, commit_bytes) == []  # 16 + 64 > 64
+    # Alone, a request is always admitted (submit refused what could never fit).
+    assert admissions([None, None], [(5, 500)], [0, 0], limits, commit_bytes) == [0]
+
+
+def test_the_budget_pads_then_runs_eagerly_then_preempts_the_newest():
+    # Buckets (4,): slots [0, 4) padded; slots 2 and 3 are free: two scratch granules.
+    slots = [decoding(1, 30), decoding(2, 14), None, None]
+    held = [31, 15, 0, 0]
+    padded = Limits(budget=96 * ROW, capacity=256, prefill_chunk=8, buckets=(4,))
+    fit = fit_budget(slots, held, padded, commit_bytes)
+    assert fit.padded and not fit.victims and fit.rows == {0: 31, 1: 15, 2: 1, 3: 1}
+    # Without room for the scratch rows, the decoding span [0, 2) runs eagerly.
+    tight = Limits(budget=48 * ROW, capacity=256, prefill_chunk=8, buckets=(4,))
+    fit = fit_budget(slots, held, tight, commit_bytes)
+    assert not fit.padded and fit.eager_fallback and fit.rows == {0: 31, 1: 15}
+    # Without room for both, the request that arrived last goes (its row-0 granule kept).
+    tighter = Limits(budget=40 * ROW, capacity=256, prefill_chunk=8, buckets=())
+    fit = fit_budget([decoding(1, 31), decoding(2, 15)], [32, 16], tighter, commit_bytes)
+    assert fit.victims == [1] and fit.rows == {0: 32}
+    # A request alone runs whatever the budget says.
+    fit = fit_budget([decoding(1, 100)], [100], tighter, commit_bytes)
+    assert fit.victims == [] and fit.rows == {0: 101}
