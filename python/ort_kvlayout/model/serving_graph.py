@@ -15,13 +15,15 @@ folder is never written):
    mask feeds nothing but those two values; otherwise the graph is refused (ServingGraphError).
 2. **Logits only where sampled** (vLLM's `logits_indices`). The LM head (the MatMul that ends in
    `logits`, through position-wise Cast/Add/Mul/Div/Tanh) reads the hidden state of one position
-   per row, `logits_positions` (int64, (B,)): the last token of a prefill chunk, 0 in a decode
-   row. `logits` becomes (B, 1, vocab): a 4,096-token chunk of a 128k vocabulary computes and
-   holds 256 KB of logits instead of 1 GB.
-3. **Sampling on the device.** `ai.kvlayout::SampleTokens` turns the logits into `kvl_next_token_ids`
-   (int64, (B, 1)) from per-row `kvl_temperature`, `kvl_top_k`, `kvl_top_p` and `kvl_uniform` (docs/CONTRACT.md): greedy rows are np.argmax of the logits, sampled rows
-   are reproducible from the uniform numbers the host draws from each request's seeded generator.
-   Only the ids cross to the host; `logits` stays an output, bound to the device.
+   per row, `kvl_logits_positions` (int64, (B,)): the last token of a prefill chunk, 0 in a
+   decode row. `logits` becomes (B, 1, vocab): a 4,096-token chunk of a 128k vocabulary
+   computes and holds 256 KB of logits instead of 1 GB.
+3. **Sampling on the device.** `ai.kvlayout::SampleTokens` turns the logits into
+   `kvl_next_token_ids` (int64, (B, 1)) from per-row `kvl_temperature`, `kvl_top_k`,
+   `kvl_top_p` and `kvl_uniform` (docs/CONTRACT.md): greedy rows are np.argmax of the logits,
+   sampled rows are reproducible from the uniform numbers the host draws from each request's
+   seeded generator. Only the ids cross to the host; `logits` stays an output, bound to the
+   device.
 
 Position ids (a model with that input) are still fed by the caller.
 """

@@ -22,9 +22,9 @@ False or the graph does not allow it. Each step:
    moved). Padded (the default on CUDA, where each call is a CUDA graph): slots [0, bucket)
    with the smallest bucket (1, 2, 4, then multiples of 8, and max_batch) that holds the
    highest decoding slot, total_sequence_length = the cache's capacity, one fixed binding and
-   one graph per bucket, captured once and replayed across growth and slot reuse (the cache's addresses
-   never move; the lengths are read on the device). Eager (the CPU default): the span [lo, hi]
-   of the decoding slots. A slot in the range that is not decoding writes one scratch row: a
+   one graph per bucket, captured once and replayed across growth and slot reuse (the cache's
+   addresses never move; the lengths are read on the device). Eager (the CPU default): the
+   span [lo, hi] of the decoding slots. A slot in the range that is not decoding writes one scratch row: a
    prefilling request's next row (its next chunk overwrites it) or row 0 of a free slot (one
    granule per buffer, released when the slot leaves the range or the engine goes idle).
    Scratch rows count against the budget; where a bucket's do not fit but the span does, that
