@@ -1,13 +1,13 @@
 """The engine's executor: runs the model calls a step plans, and returns a token per sampled row.
 
-    executor = Executor(runtime, cache, sample_on_device=True)
+    executor = Executor(runtime, cache, graphs=True, served=served_graph.inputs)  # or None
     tokens = executor.run(first_slot, ids, totals, last, rows)    # an eager call: (B, S) ids
     tokens = executor.run_bucket(bucket, ids, totals, rows)      # a padded decode call (graphs)
 
 It owns the session's bindings, the fixed per-bucket decode bindings (one CUDA graph each) and
 how tokens are chosen. Two graphs:
 
-* **Served** (`sample_on_device`, model/serving_graph.py): lengths in place of the attention mask,
+* **Served** (`served`, model/serving_graph.py): lengths in place of the attention mask,
   logits only at the sampled position of each row, and ai.kvlayout::SampleTokens at the end.
   A call uploads the ids, one length per row and, when a row samples, its parameters and a
   uniform number; it reads back one int64 per row. On CUDA the logits never leave the device.
@@ -15,8 +15,8 @@ how tokens are chosen. Two graphs:
   call), logits of every position copied to the host, sampled there with each request's
   Sampler (greedy rows together, one argmax).
 
-`Row` says what a row samples with: None for a row whose token is not used (padding, a prefill
-chunk that does not end its prompt), else the request's Sampler (its params and seeded
+`rows` says what each row samples with: None for a row whose token is not used (padding, a
+prefill chunk that does not end its prompt), else the request's Sampler (its params and seeded
 generator). A served call draws one uniform number from the generator of each sampling row it
 runs, so a seeded request gets the same tokens whatever shares its calls.
 
