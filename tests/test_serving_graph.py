@@ -150,3 +150,16 @@ def test_an_unknown_mask_name_is_refused():
 
     with pytest.raises(ServingGraphError, match="no input 'mask'"):
         serving_graph(_tiny(), "mask", "logits")
+
+
+def test_lengths_not_computed_from_the_mask_are_refused():
+    from ort_kvlayout.model.serving_graph import ServingGraphError, serving_graph
+
+    model = _tiny()
+    gqa = next(n for n in model.graph.node if n.op_type == "GroupQueryAttention")
+    gqa.input[5] = "other_seqlens"
+    model.graph.input.append(
+        helper.make_tensor_value_info("other_seqlens", TensorProto.INT32, ["batch"])
+    )
+    with pytest.raises(ServingGraphError, match="input 5 .'other_seqlens'. is not computed"):
+        serving_graph(model, "attention_mask", "logits")

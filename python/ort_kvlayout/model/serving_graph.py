@@ -138,10 +138,17 @@ def _lengths_not_mask(graph: onnx.GraphProto, mask: str, names: ServedInputs) ->
                         f"{node_label(user)} ({user.op_type}) uses {value!r}, computed from the "
                         "attention mask: only GQA's seqlens_k and total_sequence_length may be"
                     )
+    from_mask = {mask} | {o for n in derived for o in n.output if o}
     for node in gqa:
         for index in (SEQLENS_INPUT, TOTAL_INPUT):
             if len(node.input) <= index or not node.input[index]:
                 raise ServingGraphError(f"{node_label(node)} has no input {index}")
+            if node.input[index] not in from_mask:
+                # Fed otherwise (another input, a constant): its meaning is not the mask's.
+                raise ServingGraphError(
+                    f"{node_label(node)} input {index} ({node.input[index]!r}) is not computed "
+                    "from the attention mask"
+                )
     dead = {id(n) for n in derived}
     kept = [n for n in graph.node if id(n) not in dead]
     for node in kept:
