@@ -2,30 +2,20 @@
 
 #include <cstdint>
 #include <limits>
-#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "core/messages.h"
 
 namespace kvl {
 namespace {
 
 constexpr const char* kOp = "ai.kvlayout::SampleTokens: ";
 
-std::string ShapeString(const std::vector<int64_t>& shape) {
-  std::ostringstream out;
-  out << "(";
-  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
-  out << (shape.size() == 1 ? ",)" : ")");
-  return out.str();
-}
-
 template <typename... Args>
 Status Fail(Args&&... args) {
-  std::ostringstream out;
-  out << kOp;
-  (out << ... << args);
-  return Status::Error(out.str());
+  return OpError(kOp, std::forward<Args>(args)...);
 }
 
 // A per-row input: its element type and one element per row.

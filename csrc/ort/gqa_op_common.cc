@@ -248,23 +248,9 @@ Status ReadGqaAttributes(const OrtApi& api, const OrtKernelInfo* info, GqaAttrib
   return Status::Ok();
 }
 
-GqaInputInfos DescribeInputs(Ort::KernelContext& ctx) {
-  GqaInputInfos infos;
-  const size_t count = std::min<size_t>(ctx.GetInputCount(), kGqaInputCount);
-  for (size_t i = 0; i < count; ++i) {
-    Ort::ConstValue value = ctx.GetInput(i);
-    if (!value) continue;
-    auto type_shape = value.GetTensorTypeAndShapeInfo();
-    infos[i].exists = true;
-    infos[i].dtype = FromOrtType(type_shape.GetElementType());
-    infos[i].shape = type_shape.GetShape();
-  }
-  return infos;
-}
-
 Status ReadAndCheckInputs(Ort::KernelContext& ctx, const GqaAttributes& attrs, GqaShape* shape,
                           const GqaKernelCaps& caps) {
-  const GqaInputInfos inputs = DescribeInputs(ctx);
+  const GqaInputInfos inputs = DescribeInputs<kGqaInputCount>(ctx);
   const int32_t* total = InputData<int32_t>(ctx, GqaInput::kTotalSequenceLength);
   const bool one = inputs[static_cast<int>(GqaInput::kTotalSequenceLength)].NumElements() == 1;
   // A malformed total_sequence_length reaches CheckGqaInputs, which names it.

@@ -7,6 +7,9 @@
 #include <onnxruntime_cxx_api.h>
 #undef ORT_API_MANUAL_INIT
 
+#include <algorithm>
+#include <array>
+#include <cstddef>
 #include <cstdint>
 #include <exception>
 #include <vector>
@@ -30,8 +33,22 @@ DType FromOrtType(ONNXTensorElementDataType type);
 Status ReadGqaAttributes(const OrtApi& api, const OrtKernelInfo* info, GqaAttributes* attrs,
                          const GqaKernelCaps& caps = {});
 
-// Shapes, types and presence of the node's inputs as the kernel sees them this call.
-GqaInputInfos DescribeInputs(Ort::KernelContext& ctx);
+// Shapes, types and presence of a node's first N inputs as the kernel sees them this call (an
+// absent optional input, or one past the node's count, stays `exists == false`); both ops' glue.
+template <size_t N>
+std::array<TensorInfo, N> DescribeInputs(Ort::KernelContext& ctx) {
+  std::array<TensorInfo, N> infos;
+  const size_t count = std::min<size_t>(ctx.GetInputCount(), N);
+  for (size_t i = 0; i < count; ++i) {
+    Ort::ConstValue value = ctx.GetInput(i);
+    if (!value) continue;
+    auto type_shape = value.GetTensorTypeAndShapeInfo();
+    infos[i].exists = true;
+    infos[i].dtype = FromOrtType(type_shape.GetElementType());
+    infos[i].shape = type_shape.GetShape();
+  }
+  return infos;
+}
 
 // Describes the inputs, reads total_sequence_length (host memory for both ops) and runs
 // CheckGqaInputs: the first step of both ops' Compute.

@@ -1,13 +1,12 @@
 #include "ort/sample_op.h"
 
-#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "core/sample_check.h"
 #include "cpu/sample_tokens.h"
-#include "ort/gqa_op_common.h"  // FromOrtType, GuardedCompute, ToOrtStatus, kDomain
+#include "ort/gqa_op_common.h"  // DescribeInputs, GuardedCompute, ToOrtStatus, kDomain
 #include "ort/ort_parallel.h"
 #include "ort/shape_infer.h"
 #if defined(KVL_WITH_CUDA)
@@ -17,23 +16,9 @@
 namespace kvl {
 namespace {
 
-SampleInputInfos DescribeSampleInputs(Ort::KernelContext& ctx) {
-  SampleInputInfos infos;
-  const size_t count = std::min<size_t>(ctx.GetInputCount(), kSampleInputCount);
-  for (size_t i = 0; i < count; ++i) {
-    Ort::ConstValue value = ctx.GetInput(i);
-    if (!value) continue;
-    auto type_shape = value.GetTensorTypeAndShapeInfo();
-    infos[i].exists = true;
-    infos[i].dtype = FromOrtType(type_shape.GetElementType());
-    infos[i].shape = type_shape.GetShape();
-  }
-  return infos;
-}
-
 // What both ops' Compute start with: the inputs checked, the output allocated, the pointers.
 Status Prepare(Ort::KernelContext& ctx, SampleShape* shape, SampleBuffers* buf) {
-  KVL_RETURN_IF_ERROR(CheckSampleInputs(DescribeSampleInputs(ctx), shape));
+  KVL_RETURN_IF_ERROR(CheckSampleInputs(DescribeInputs<kSampleInputCount>(ctx), shape));
   auto in = [&ctx](SampleInput which) {
     return ctx.GetInput(static_cast<size_t>(which)).GetTensorRawData();
   };
