@@ -9,20 +9,16 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-from serve_util import library_or_skip
-from synthetic_models import VOCAB, Variant, build_model, make_model_dir
+from serve_util import library_or_skip, make_served_model
+from synthetic_models import VOCAB, Variant, build_model
 
 CAPACITY = 48
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from ort_kvlayout.tools.patch import patch_model_dir
-
     library_or_skip()
-    root = tmp_path_factory.mktemp("served")
-    src = make_model_dir(root / "original", Variant(layers=2))
-    return patch_model_dir(src, root / "seq", layout="seq-major").out_dir
+    return make_served_model(tmp_path_factory.mktemp("served"))
 
 
 def _session(model: onnx.ModelProto | str, folder) -> ort.InferenceSession:
