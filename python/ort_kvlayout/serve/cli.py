@@ -2,6 +2,7 @@
 
     ort-kvlayout serve                      # the default model (SmolLM2-135M, seq-major) below
     ort-kvlayout serve MODEL_DIR --port 8000 --max-batch 8 --kv-budget 1GiB
+    ORT_KVLAYOUT_API_KEY=... ort-kvlayout serve MODEL_DIR --host 0.0.0.0   # /v1/* need the key
 
 MODEL_DIR defaults to the SmolLM2-135M seq-major model that `python scripts/main_job.py` builds
 and patches into $ORT_KVLAYOUT_CACHE (default ~/.cache/ort_kvlayout)/models. Exit status: 0
@@ -20,6 +21,8 @@ import re
 import signal
 import sys
 from pathlib import Path
+
+from .auth import API_KEY_ENV, exposed_without_key
 
 DEFAULT_MODEL = "smollm2-135m-fp32-cpu-seq-major"
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
@@ -75,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("serve", help="the OpenAI-compatible server on a model directory")
     p.add_argument("model_dir", nargs="?", help=f"model directory (default: {default_model_dir()})")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (any but loopback without a key: a warning)")  # fmt: skip
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-id", help="the served model id (default: the directory's name)")
     p.add_argument("--provider", choices=["cpu", "cuda"], default="cpu")
@@ -99,9 +103,39 @@ def build_parser() -> argparse.ArgumentParser:
                    help="queued requests before new ones get 503")  # fmt: skip
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds running requests may finish after SIGINT/SIGTERM")  # fmt: skip
+    p.add_argument("--api-key",
+                   help="every /v1/* route requires 'Authorization: Bearer KEY' (default: "
+                        f"${API_KEY_ENV}, which keeps the key out of `ps`; unset: no key)")  # fmt: skip
+    p.add_argument("--metrics-auth", action="store_true",
+                   help="/metrics requires the key too (default: open, like /health)")  # fmt: skip
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])  # fmt: skip
     return parser
+
+
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else $ORT_KVLAYOUT_API_KEY, else None. An empty key is refused rather than
+    taken for "no key" (an unset secret must not open the server)."""
+    if args.api_key is not None:
+        if not args.api_key.strip():
+            raise ValueError("--api-key is empty")
+        return args.api_key
+    key = os.environ.get(API_KEY_ENV)
+    if key is not None and not key.strip():
+        raise ValueError(f"${API_KEY_ENV} is set but empty (unset it to serve without a key)")
+    if args.metrics_auth and key is None:
+        raise ValueError(f"--metrics-auth needs a key (--api-key or ${API_KEY_ENV})")
+    return key
+
+
+def warn_if_exposed(host: str, key: str | None) -> None:
+    if exposed_without_key(host, key):
+        print(
+            f"warning: serving on {host} without an API key: anyone who reaches this port can "
+            f"use the model (set ${API_KEY_ENV} or --api-key)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _fail(message: str) -> int:
@@ -143,6 +177,10 @@ def serve(args: argparse.Namespace) -> int:
             return _fail("MODEL_DIR is empty")
         model_dir = Path(args.model_dir).expanduser()
     model_dir = model_dir.resolve()  # a library the config names is loaded from here, never PATH
+    try:
+        api_key = resolve_api_key(args)
+    except ValueError as exc:
+        return _fail(exc)
     if not (model_dir / "genai_config.json").is_file():
         return _fail(f"{model_dir}: no genai_config.json (not an onnxruntime-genai model folder)")
     budget_bytes, budget_fraction = args.kv_budget
@@ -181,8 +219,9 @@ def serve(args: argparse.Namespace) -> int:
         return _fail(f"{type(exc).__name__}: {exc}")
     model_id = args.model_id or model_dir.name
     app = build_app(
-        engine, model_id, tokenizer, template, on_shutdown=lambda: engine.close(drain=False)
-    )
+        engine, model_id, tokenizer, template, on_shutdown=lambda: engine.close(drain=False),
+        api_key=api_key, metrics_key=args.metrics_auth,
+    )  # fmt: skip
     server = uvicorn.Server(
         uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.log_level,
@@ -196,6 +235,7 @@ def serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    warn_if_exposed(args.host, api_key)
     # uvicorn handles SIGINT/SIGTERM while it serves (stop accepting, drain, shut down) and
     # raises the signal again on its way out, to the handlers installed before it: after a
     # clean shutdown that is no error, so those do nothing and the exit status is 0.

@@ -6,8 +6,9 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (stream: SSE frames `data: {...}`
 separated by a blank line, ending with `data: [DONE]`), GET /v1/models, /v1/models/{id},
 /health, /metrics (Prometheus text). Errors are OpenAI's JSON shape: 400 bad request or
-malformed JSON, 404 unknown model or route, 413 prompt (+ max_tokens) longer than the context
-or the KV budget, 503 when the engine's queue is full or it is shutting down. A client that
+malformed JSON, 401 a missing or wrong key (with `api_key`: every /v1/* route, and /metrics
+with `metrics_key`; auth.py), 404 unknown model or route, 413 prompt (+ max_tokens) longer
+than the context or the KV budget, 503 when the engine's queue is full or it is shutting down. A client that
 disconnects cancels its request, which frees its slot and pages at the next engine step.
 """
 
@@ -22,10 +23,12 @@ from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .auth import RequireApiKey
 from .engine import Engine, EngineClosed, EngineOverloaded, RequestTooLarge
 from .openai_api import (
     ApiError,
@@ -95,7 +98,13 @@ def build_app(
     tokenizer=None,
     chat_template: Callable | None = None,
     on_shutdown: Callable[[], None] | None = None,
+    api_key: str | None = None,
+    metrics_key: bool = False,
 ) -> Starlette:
+    """The app over `engine`. api_key: every /v1/* route needs `Authorization: Bearer KEY`
+    (and /metrics with metrics_key); /health stays open."""
+    if metrics_key and not api_key:
+        raise ValueError("metrics_key needs an api_key")
     context = engine.capacity
     created = int(time.time())
     started = time.time()
@@ -250,6 +259,7 @@ def build_app(
         ],
         exception_handlers={HTTPException: not_found},
         lifespan=lifespan,
+        middleware=[Middleware(RequireApiKey, key=api_key, metrics=metrics_key)] if api_key else [],
     )
 
 
