@@ -24,7 +24,7 @@ from gqa_case import (
     run_session,
     with_attribute,
 )
-from ort_kvlayout.model.graph import gqa_attribute_types
+from ort_kvlayout.model.gqa_schema import gqa_attribute_types
 from ort_kvlayout.tools.patch import UnsupportedNodeError, rewrite_model
 
 pytestmark = pytest.mark.skipif(not op_available()[0], reason=f"op: {op_available()[1]}")

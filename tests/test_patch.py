@@ -11,14 +11,10 @@ import numpy as np
 import onnx
 import pytest
 from ort_kvlayout.model.config import load_metadata
+from ort_kvlayout.model.graph import iter_gqa_nodes
 from ort_kvlayout.tools import patch as patch_mod
 from ort_kvlayout.tools.cli import patch_main
-from ort_kvlayout.tools.patch import (
-    PatchError,
-    UnsupportedNodeError,
-    iter_gqa_nodes,
-    patch_model_dir,
-)
+from ort_kvlayout.tools.patch import PatchError, UnsupportedNodeError, patch_model_dir
 from synthetic_models import Variant, make_model_dir, snapshot
 
 DOMAIN = "ai.kvlayout"
@@ -257,7 +253,7 @@ def test_failure_mid_patch_leaves_nothing(tmp_path, fake_library, monkeypatch, s
 
         monkeypatch.setattr(patch_mod, "_copy_file", copy_then_fail)
     elif stage == "metadata":
-        monkeypatch.setattr("ort_kvlayout.tools.metadata.write_metadata", boom)
+        monkeypatch.setattr(patch_mod, "write_metadata", boom)
     else:
         monkeypatch.setattr(patch_mod, "_commit", boom)
 

@@ -119,7 +119,7 @@ def test_model_dir_untouched(patched):
 
 
 def test_all_nodes_rewritten(model_dir, patched):
-    from ort_kvlayout.tools.patch import iter_gqa_nodes
+    from ort_kvlayout.model.graph import iter_gqa_nodes
 
     original = list(
         iter_gqa_nodes(onnx.load(str(model_dir / "model.onnx"), load_external_data=False))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from ort_kvlayout.model.config import MetadataError
-from ort_kvlayout.model.graph import gqa_attribute_types
+from ort_kvlayout.model.gqa_schema import gqa_attribute_types
 from ort_kvlayout.tools.cli import metadata_main, patch_main
 from ort_kvlayout.tools.metadata import build_metadata
 from synthetic_models import Variant, make_model_dir, snapshot
@@ -107,10 +107,8 @@ def test_without_compiled_module_the_tools_fail_clearly(tmp_path, monkeypatch, c
     """The table lives in ort_kvlayout._C: without it the tools stop with one line, exit 2."""
     import sys
 
-    from ort_kvlayout.model import graph
-
     src = make_model_dir(tmp_path / "model")
-    graph.gqa_attribute_types.cache_clear()
+    gqa_attribute_types.cache_clear()
     import ort_kvlayout
 
     monkeypatch.setitem(sys.modules, "ort_kvlayout._C", None)  # import raises ImportError
@@ -122,4 +120,4 @@ def test_without_compiled_module_the_tools_fail_clearly(tmp_path, monkeypatch, c
         assert patch_main([str(src), "-o", str(tmp_path / "out"), "--library", str(src)]) == 2
         assert not (tmp_path / "out").exists()
     finally:
-        graph.gqa_attribute_types.cache_clear()
+        gqa_attribute_types.cache_clear()

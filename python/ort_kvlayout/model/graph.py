@@ -1,12 +1,12 @@
 """Reading GroupQueryAttention nodes out of ONNX graphs (shared by the tools and the runtime).
 
 Graphs are loaded without their external data (a 14B model's weights are never read): only the
-protobuf with the nodes, the opset imports and the graph's input/output names.
+protobuf with the nodes, the opset imports and the graph's input/output names. The op's schema
+(input/output indices, attribute table) is gqa_schema's.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +15,7 @@ import onnx
 
 from ..op.layout import layout_id
 from ..op.library import DOMAIN, OP_TYPE
+from .gqa_schema import gqa_attribute_types
 
 MS_DOMAIN = "com.microsoft"
 GQA_DOMAINS = (MS_DOMAIN, DOMAIN)
@@ -55,34 +56,17 @@ class GraphError(ValueError):
     """A GQA node's attributes do not fit the op's table (the message names the node)."""
 
 
-class MissingModuleError(RuntimeError):
-    """The compiled module ort_kvlayout._C cannot be imported (a broken install)."""
-
-
-@functools.cache
-def gqa_attribute_types() -> dict[str, str]:
-    """The op's attribute table, {name: "INT" | "FLOAT" | "STRING"}, read from the compiled
-    module (csrc/core/gqa_attributes.h owns it): the tools check nodes with the op's strictness."""
-    try:
-        from .. import _C
-    except ImportError as exc:
-        raise MissingModuleError(
-            f"ort_kvlayout._C (the compiled module holding the op's attribute table) cannot be "
-            f"imported ({exc}); reinstall ort-kvlayout with pip"
-        ) from exc
-    return dict(_C.gqa_attribute_types())
-
-
 def attr_type_name(attr: onnx.AttributeProto) -> str:
     """ "INT", "FLOAT", "STRING", "INTS", ... (the names the op's errors use)."""
     return onnx.AttributeProto.AttributeType.Name(attr.type)
 
 
 def attribute_problems(node: onnx.NodeProto) -> list[str]:
-    """What the op would refuse or ignore in this node's attributes, read as the op reads them:
-    an attribute outside its table (a custom op cannot list a node's attributes, so the op
-    itself cannot see one: CONTRACT.md section 11), one of the wrong type, kv_layout other than
-    INT 0 or 1, or kv_layout on a com.microsoft node."""
+    """What the op would refuse or ignore in this node's attributes, read as the op reads them
+    (with its attribute table, gqa_schema.gqa_attribute_types): an attribute outside its table
+    (a custom op cannot list a node's attributes, so the op itself cannot see one: CONTRACT.md
+    section 11), one of the wrong type, kv_layout other than INT 0 or 1, or kv_layout on a
+    com.microsoft node."""
     table = gqa_attribute_types()
     problems = []
     for attr in node.attribute:

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ..model.graph import MissingModuleError
+from ..model.gqa_schema import MissingModuleError
 from ..op.layout import LAYOUT_NAMES, layout_id
 
 # Exit codes (docs/TOOLS.md): distinct for each kind of outcome.

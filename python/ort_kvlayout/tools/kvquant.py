@@ -23,17 +23,24 @@ from __future__ import annotations
 
 import onnx
 
-from ..model.graph import is_gqa, iter_gqa_nodes, iter_graphs, node_attrs, node_label
-from .patch import (
+from ..model.config import expand_kv
+from ..model.gqa_schema import (
     GQA_INPUTS,
     GQA_OUTPUTS,
     K_SCALE,
     OUTPUT_QK,
     PAST_K_SCALE,
+    PAST_KEY,
+    PAST_VALUE,
     PRESENT_K_SCALE,
+    PRESENT_KEY,
+    PRESENT_VALUE,
+    QUANT_TYPE_ATTRS,
     V_SCALE,
     is_quantized,
+    quant_type,
 )
+from ..model.graph import is_gqa, iter_gqa_nodes, iter_graphs, node_attrs, node_label
 
 T = onnx.TensorProto
 # --kv-quant value -> (kv_cache_bit_width, cache element type)
@@ -49,7 +56,7 @@ OTHER_ATTENTION = (
     "DecoderMaskedMultiHeadAttention", "DecoderMaskedSelfAttention", "PackedAttention",
     "PackedMultiHeadAttention", "LongformerAttention", "QAttention",
 )  # fmt: skip
-_QUANT_ATTRS = ("k_quant_type", "v_quant_type", "kv_cache_bit_width")
+_QUANT_ATTRS = (*QUANT_TYPE_ATTRS, "kv_cache_bit_width")
 
 # (past input, present output) -> (past scale input, present scale output), for K and for V.
 ScaleNames = dict[str, str]
@@ -87,13 +94,13 @@ def _node_problems(
     reasons = []
     if is_quantized(node):
         attrs = node_attrs(node)
-        kq = attrs.get("k_quant_type", b"NONE").decode(errors="replace")  # type: ignore[union-attr]
+        kq = quant_type(attrs, "k_quant_type")
         reasons.append(f"already quantized (k_quant_type={kq}): --kv-quant converts plain caches")
     scales = [GQA_INPUTS[i] for i in (K_SCALE, V_SCALE) if len(node.input) > i and node.input[i]]
     if scales:
         reasons.append(f"has {'/'.join(scales)}: --kv-quant converts plain caches")
-    ports = [(node.input, 3, "past_key"), (node.input, 4, "past_value")]
-    ports += [(node.output, 1, "present_key"), (node.output, 2, "present_value")]
+    ports = [(node.input, i, GQA_INPUTS[i]) for i in (PAST_KEY, PAST_VALUE)]
+    ports += [(node.output, i, GQA_OUTPUTS[i]) for i in (PRESENT_KEY, PRESENT_VALUE)]
     inputs = {v.name for v in graph.input}
     outputs = {v.name for v in graph.output}
     for names_of, index, what in ports:
@@ -192,7 +199,10 @@ def convert_model(
             onnx.helper.make_attribute("v_quant_type", "PER_TOKEN"),
             onnx.helper.make_attribute("kv_cache_bit_width", bits),
         ])  # fmt: skip
-        caches = [node.input[3], node.input[4], node.output[1], node.output[2]]
+        caches = [
+            node.input[PAST_KEY], node.input[PAST_VALUE],
+            node.output[PRESENT_KEY], node.output[PRESENT_VALUE],
+        ]  # fmt: skip
         for name in caches:
             for info in _value_infos(g, name):
                 _narrow(info, elem, bits)
@@ -214,8 +224,6 @@ def convert_model(
 def scale_names_for(decoder: dict, layers: int, templates: dict[str, str]) -> ScaleNames:
     """Every past/present KV name of genai_config's decoder -> its scale cache's name, from the
     *_scale_names templates (SCALE_KEYS)."""
-    from ..model.config import expand_kv
-
     inputs, outputs = decoder["inputs"], decoder["outputs"]
     pairs = [
         (inputs["past_key_names"], templates["past_key_scale_names"]),

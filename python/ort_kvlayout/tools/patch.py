@@ -35,15 +35,38 @@ from pathlib import Path
 
 import onnx
 
-from ..model.config import GENAI_CONFIG, METADATA_FILE, json_type
-from ..model.graph import (  # noqa: F401 -- iter_gqa_nodes, is_gqa: part of this module's API
+from ..model.config import (
+    GENAI_CONFIG,
+    METADATA_FILE,
+    SCALE_KEYS,
+    MetadataError,
+    config_int,
+    json_type,
+    load_genai_config,
+)
+from ..model.gqa_schema import (
+    GQA_INPUTS,
+    GQA_OUTPUTS,
+    K_NORM,
+    K_SCALE,
+    OUTPUT_QK,
+    PAST_K_SCALE,
+    PAST_KEY,
+    PAST_V_SCALE,
+    PRESENT_K_SCALE,
+    PRESENT_KEY,
+    PRESENT_V_SCALE,
+    Q_NORM,
+    QUANT_TYPES,
+    V_SCALE,
+    quant_type,
+)
+from ..model.graph import (
     KV_LAYOUT_ATTR,
     GraphError,
     attribute_problems,
     check_external_data,
-    gqa_attribute_types,
     graph_facts,
-    is_gqa,
     iter_gqa_nodes,
     load_model,
     node_attrs,
@@ -52,29 +75,10 @@ from ..model.graph import (  # noqa: F401 -- iter_gqa_nodes, is_gqa: part of thi
 )
 from ..op.layout import LAYOUT_NAMES, SEQ_MAJOR, layout_id
 from ..op.library import DOMAIN, LIBRARY_NAME, library_path
+from .kvquant import KvQuantError, check_scheme, convert_model, scale_names_for
+from .metadata import build_metadata, write_metadata
 
 OPSET_VERSION = 1
-
-# Input/output names of the contract (ORT 1.32's com.microsoft::GroupQueryAttention), by index.
-GQA_INPUTS = (
-    "query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length",
-    "cos_cache", "sin_cache", "position_ids", "attention_bias", "head_sink", "k_scale", "v_scale",
-    "q_norm_weight", "k_norm_weight", "query_seqlens",
-    "past_key_scale", "past_value_scale",  # ai.kvlayout only: PER_TOKEN scale caches
-)  # fmt: skip
-GQA_OUTPUTS = (
-    "output", "present_key", "present_value", "output_qk",
-    "present_key_scale", "present_value_scale",  # ai.kvlayout only: PER_TOKEN
-)  # fmt: skip
-K_SCALE, V_SCALE = GQA_INPUTS.index("k_scale"), GQA_INPUTS.index("v_scale")
-PAST_K_SCALE, PAST_V_SCALE = (
-    GQA_INPUTS.index("past_key_scale"),
-    GQA_INPUTS.index("past_value_scale"),
-)
-PRESENT_K_SCALE = GQA_OUTPUTS.index("present_key_scale")
-PRESENT_V_SCALE = GQA_OUTPUTS.index("present_value_scale")
-OUTPUT_QK = GQA_OUTPUTS.index("output_qk")
-Q_NORM, K_NORM = GQA_INPUTS.index("q_norm_weight"), GQA_INPUTS.index("k_norm_weight")
 
 # Files at least this large are hard-linked rather than copied (weights, never written by a runtime).
 LINK_MIN_BYTES = 16 << 20
@@ -165,23 +169,11 @@ def norm_epsilon_problems(attrs: dict[str, object]) -> list[str]:
     return problems
 
 
-QUANT_TYPES = ("PER_TENSOR", "PER_CHANNEL", "PER_TOKEN")
 # The cache element types each kv_cache_bit_width takes (CONTRACT section 13 and PER_TOKEN).
 _BITS_CACHE = {
     8: (onnx.TensorProto.INT8, onnx.TensorProto.FLOAT8E4M3FN),
     4: (onnx.TensorProto.UINT8,),
 }
-
-
-def quant_type(attrs: dict[str, object], name: str) -> str:
-    """k_quant_type / v_quant_type as the op reads it (case-insensitive), upper case."""
-    return attrs.get(name, b"NONE").decode(errors="replace").upper()  # type: ignore[union-attr]
-
-
-def is_quantized(node: onnx.NodeProto) -> bool:
-    """A GQA node with a quantized KV cache (k_quant_type or v_quant_type not NONE)."""
-    attrs = node_attrs(node)
-    return any(quant_type(attrs, n) != "NONE" for n in ("k_quant_type", "v_quant_type"))
 
 
 def quant_problems(node: onnx.NodeProto, attrs: dict[str, object], cache_type: int) -> list[str]:
@@ -255,7 +247,7 @@ def quant_problems(node: onnx.NodeProto, attrs: dict[str, object], cache_type: i
             GQA_OUTPUTS[i] for i in (PRESENT_K_SCALE, PRESENT_V_SCALE)
             if not _present(node.output, i)
         ]  # fmt: skip
-        if _present(node.input, 3) and missing:
+        if _present(node.input, PAST_KEY) and missing:
             reasons.append(
                 f"PER_TOKEN quantized KV cache without its scale cache(s) {'/'.join(missing)}"
             )
@@ -304,9 +296,9 @@ def cache_element_types(model: onnx.ModelProto) -> dict[str, int]:
 
 def node_cache_name(node: onnx.NodeProto) -> str:
     """The name that types a GQA node's KV cache: its past_key input, else its present_key."""
-    if _present(node.input, 3):
-        return node.input[3]
-    return node.output[1] if _present(node.output, 1) else ""
+    if _present(node.input, PAST_KEY):
+        return node.input[PAST_KEY]
+    return node.output[PRESENT_KEY] if _present(node.output, PRESENT_KEY) else ""
 
 
 def check_model(model: onnx.ModelProto) -> list[tuple[str, str]]:
@@ -571,9 +563,6 @@ def patch_model_dir(
         raise PatchError(f"no GroupQueryAttention node in {src} ({len(onnx_files)} .onnx file(s))")
 
     # genai_config.json and the metadata, from the rewritten graphs, still before any write.
-    from ..model.config import MetadataError, load_genai_config
-    from .metadata import build_metadata, write_metadata
-
     config = None
     if (src / GENAI_CONFIG).is_file():
         try:
@@ -656,8 +645,6 @@ class _KvQuantPlan:
     names: dict[str, str]
 
     def convert(self, model: onnx.ModelProto, prefix: str) -> list[tuple[str, str]]:
-        from .kvquant import convert_model
-
         return convert_model(model, self.scheme, self.names, prefix)
 
     def record(self, config: dict) -> None:
@@ -668,9 +655,6 @@ class _KvQuantPlan:
 
 
 def _kv_quant_plan(src: Path, scheme: str) -> _KvQuantPlan:
-    from ..model.config import SCALE_KEYS, MetadataError, config_int, load_genai_config
-    from .kvquant import KvQuantError, check_scheme, scale_names_for
-
     try:
         check_scheme(scheme)
         config = load_genai_config(src)
