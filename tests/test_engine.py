@@ -49,6 +49,19 @@ def alone(model) -> list[list[int]]:
         return [rt.generate(p, n, eos_token_ids=[]).tokens[0] for p, n in zip(PROMPTS, LENGTHS)]
 
 
+@pytest.fixture(autouse=True, params=[False, True], ids=["serial", "overlap"])
+def overlap(request, monkeypatch):
+    """Every engine test runs both ways: the step's calls on the engine thread, and on a worker
+    while the engine thread hands over the previous step's events (the CUDA default)."""
+    from ort_kvlayout.serve.engine import EngineConfig
+
+    monkeypatch.setattr(
+        EngineConfig, "overlapped",
+        property(lambda self: request.param if self.overlap is None else self.overlap),
+    )  # fmt: skip
+    return request.param
+
+
 @pytest.fixture(autouse=True)
 def no_leaks():
     before = allocator_stats()["cpu"]
@@ -391,7 +404,7 @@ def test_a_long_prompt_never_stalls_a_running_request_more_than_one_chunk(model,
     prompt tokens: the running request's gap is one decode call plus one chunk."""
     steps: list[dict] = []
     with engine(model, max_batch=2, prefill_chunk=4) as eng:
-        real_decode, real_prefill, real_step = eng._decode_step, eng._prefill_chunk, eng._step
+        real_decode, real_prefill, real_step = eng._decode_call, eng._prefill_call, eng._step
 
         def step():
             steps.append({"decode": 0, "prefill": 0})
@@ -399,13 +412,13 @@ def test_a_long_prompt_never_stalls_a_running_request_more_than_one_chunk(model,
 
         def decode(lo, hi, **kwargs):
             steps[-1]["decode"] += 1
-            real_decode(lo, hi, **kwargs)
+            return real_decode(lo, hi, **kwargs)
 
         def prefill(r, take):
             steps[-1]["prefill"] += take
-            real_prefill(r, take)
+            return real_prefill(r, take)
 
-        eng._step, eng._decode_step, eng._prefill_chunk = step, decode, prefill
+        eng._step, eng._decode_call, eng._prefill_call = step, decode, prefill
         # a (4 prompt tokens: the first step's whole chunk) decodes while b prefills.
         a = eng.submit(PROMPTS[1], params(240))
         b = eng.submit(PROMPTS[5], params(LENGTHS[5]))  # 30 prompt tokens: 8 chunks
@@ -556,6 +569,7 @@ def test_step_profile_counts_every_step(model):
         "readback",
         "sample",
         "emit",
+        "wait",
     }
     assert profile["total_ms"]["run"] > 0
 

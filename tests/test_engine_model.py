@@ -42,14 +42,16 @@ def tok(model):
     return load_tokenizer(model)
 
 
-def test_engine_equals_runtime_alone_on_smollm2(model, tok):
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_engine_equals_runtime_alone_on_smollm2(model, tok, overlap):
     from ort_kvlayout.runtime.generation import Runtime
     from ort_kvlayout.serve.engine import Engine, EngineConfig, RequestParams
 
     prompts = [tok.encode(p) for p in PROMPTS]
     with Runtime(model) as rt:
         alone = [rt.generate(p, TOKENS, eos_token_ids=[]).tokens[0] for p in prompts]
-    config = EngineConfig(max_batch=2, prefill_chunk=4)  # chunked prompts, a reused slot
+    # chunked prompts, a reused slot; text decoded as its token comes, or a step later
+    config = EngineConfig(max_batch=2, prefill_chunk=4, overlap=overlap)
     with Engine(model, config, tokenizer=tok) as engine:
         handles = [
             engine.submit(p, RequestParams(max_tokens=TOKENS, ignore_eos=True)) for p in prompts
@@ -60,6 +62,35 @@ def test_engine_equals_runtime_alone_on_smollm2(model, tok):
     assert texts[0].startswith(" Paris.")
     assert texts == [tok.decode(a) for a in alone]
     assert stats["kv_bytes_moved"] == 0 and stats["kv_committed_bytes"] == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_a_stop_string_ends_the_request_at_its_token(model, tok, overlap):
+    """A request with a stop string has its text decoded as each token comes, overlapped or
+    not: it ends at the token that completes the string, its text cut before it, while a
+    request beside it without stop strings runs on."""
+    from ort_kvlayout.runtime.generation import Runtime
+    from ort_kvlayout.serve.engine import Engine, EngineConfig, RequestParams
+
+    prompts = [tok.encode(p) for p in PROMPTS]
+    with Runtime(model) as rt:
+        alone = [rt.generate(p, TOKENS, eos_token_ids=[]).tokens[0] for p in prompts]
+    full = tok.decode(alone[0])
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    cut = full.find(stop)
+    config = EngineConfig(max_batch=2, prefill_chunk=4, overlap=overlap)
+    with Engine(model, config, tokenizer=tok) as engine:
+        stopped = engine.submit(
+            prompts[0], RequestParams(max_tokens=TOKENS, ignore_eos=True, stop=(stop,))
+        )
+        beside = engine.submit(prompts[1], RequestParams(max_tokens=TOKENS, ignore_eos=True))
+        text = "".join(e.text for e in stopped)
+        other = "".join(e.text for e in beside)
+    assert stopped.finish_reason == "stop" and text == full[:cut]
+    n = len(stopped.tokens)
+    assert stopped.tokens == alone[0][:n] and stop in tok.decode(alone[0][:n])
+    assert stop not in tok.decode(alone[0][: n - 1])  # not a step past the stop
+    assert beside.tokens == alone[1] and other == tok.decode(alone[1])
 
 
 def test_server_chat_stream_on_smollm2(model, tok):

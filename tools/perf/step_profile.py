@@ -2,25 +2,33 @@
 """Where a serving step's time goes: the engine's host phases against the GPU's busy time.
 
     python tools/perf/step_profile.py MODEL_DIR --provider cuda --batch 64 --prompt 256 \\
-        --output 128 --modes device,host [--no-cuda-graph] [--json out.json]
+        --output 128 --modes device,host [--overlap on,off] [--no-cuda-graph] [--cprofile 25] \\
+        [--json out.json]
 
 `--batch` requests of `--prompt` random tokens each arrive at once and generate `--output`
 tokens (EOS ignored), with `--max-batch` = batch slots, one mode after the other in one process:
 `device` is the served graph (tokens sampled on the device, only ids copied back), `host` the
-model's own graph (all logits copied back and sampled on the host). A warm-up request runs
-first in each mode (CUDA graphs captured, cuDNN plans built).
+model's own graph (all logits copied back and sampled on the host); `--overlap` runs each mode
+with the engine's overlap on and off (EngineConfig.overlap; default: the engine's choice). A
+warm-up request runs first in each mode (CUDA graphs captured, cuDNN plans built).
 
-Per mode it prints the engine's step profile (StepProfile in serve/executor.py: schedule, inputs,
-run, readback, sample, emit; ms per step, from perf_counter), the wall time per step and, when
-torch with CUDA is importable (its profiler sees ORT's kernels in the same process through
-CUPTI), the GPU's kernel time per step: what a step would cost if the host never made the GPU
-wait. `host share` = 1 - GPU / wall: the part of a step the host adds.
+Per mode it prints the engine's step profile (StepProfile in serve/executor.py: schedule, kv,
+inputs, run, readback, sample, emit, wait; ms per step, from perf_counter) and the wall time per
+step of a clean pass, then, when torch with CUDA is importable (its profiler sees ORT's kernels
+in the same process through CUPTI), runs the same requests again under the profiler for the
+GPU's kernel time per step: what a step would cost if the host never made the GPU wait. CUPTI
+slows the host's CUDA calls, so the wall time comes from the clean pass. `host share` = 1 - GPU
+/ wall: the part of a step the host adds. `--cprofile N` prints the engine thread's N costliest
+Python functions (cProfile over the profiled pass's steps).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import sys
 import threading
 import time
@@ -50,14 +58,59 @@ def kernel_ms(prof) -> float:
     return total_us / 1000
 
 
-def run_mode(args, mode: str) -> dict:
+def burst(engine, prompts, params) -> float:
+    """Submits every prompt at once; seconds until the last one finished."""
+    left = threading.Semaphore(0)
+    start = time.perf_counter()
+    for p in prompts:
+        engine.submit(p, params, on_event=lambda e: e.finished and left.release())
+    for _ in prompts:
+        left.acquire()
+    return time.perf_counter() - start
+
+
+def profiled_burst(engine, prompts, params, args) -> tuple[float | None, str | None]:
+    """The burst again under CUPTI (GPU ms per step) and, with --cprofile, cProfile on the
+    engine thread's steps; (GPU ms per step or None, cProfile's table or None)."""
+    prof = gpu_profiler() if args.provider == "cuda" else None
+    cprof = cProfile.Profile() if args.cprofile else None
+    if prof is None and cprof is None:
+        return None, None
+    step = engine._step
+
+    def profiled_step():
+        cprof.enable()
+        try:
+            step()
+        finally:
+            cprof.disable()
+
+    if cprof is not None:
+        engine._step = profiled_step
+    steps = engine.stats()["steps"]
+    if prof is not None:
+        prof.__enter__()
+    burst(engine, prompts, params)
+    if prof is not None:
+        prof.__exit__(None, None, None)
+    engine._step = step
+    steps = max(engine.stats()["steps"] - steps, 1)
+    table = None
+    if cprof is not None:
+        out = io.StringIO()
+        pstats.Stats(cprof, stream=out).sort_stats("tottime").print_stats(args.cprofile)
+        table = out.getvalue()
+    return (kernel_ms(prof) / steps if prof is not None else None), table
+
+
+def run_mode(args, mode: str, overlap: bool | None) -> dict:
     from ort_kvlayout.serve.engine import Engine, EngineConfig, RequestParams
 
     config = EngineConfig(
         max_batch=args.max_batch or args.batch, provider=args.provider,
         prefill_chunk=args.prefill_chunk, capacity=args.capacity, kv_budget_bytes=args.kv_budget,
         max_waiting=args.batch + 1, cuda_graph=False if args.no_cuda_graph else None,
-        sample_on_device=mode == "device",
+        sample_on_device=mode == "device", overlap=overlap,
     )  # fmt: skip
     rng = np.random.default_rng(args.seed)
     with Engine(args.model, config) as engine:
@@ -67,20 +120,10 @@ def run_mode(args, mode: str) -> dict:
         )
         before = engine.stats()
         prompts = [rng.integers(16, vocab, args.prompt).tolist() for _ in range(args.batch)]
-        left = threading.Semaphore(0)
         params = RequestParams(max_tokens=args.output, ignore_eos=True)
-        prof = gpu_profiler() if args.provider == "cuda" else None
-        if prof is not None:
-            prof.__enter__()
-        start = time.perf_counter()
-        for p in prompts:
-            engine.submit(p, params, on_event=lambda e: e.finished and left.release())
-        for _ in prompts:
-            left.acquire()
-        wall = time.perf_counter() - start
-        if prof is not None:
-            prof.__exit__(None, None, None)
+        wall = burst(engine, prompts, params)
         after = engine.stats()
+        gpu, cprofile_table = profiled_burst(engine, prompts, params, args)
     steps = after["steps"] - before["steps"]
     phases = {
         p: after["step_profile"]["total_ms"][p] - before["step_profile"]["total_ms"][p]
@@ -88,6 +131,7 @@ def run_mode(args, mode: str) -> dict:
     }
     out = {
         "mode": mode,
+        "overlap": config.overlapped,
         "sample_on_device": after["sample_on_device"],
         "steps": steps,
         "wall_s": wall,
@@ -98,20 +142,23 @@ def run_mode(args, mode: str) -> dict:
         "prefill_calls": after["prefill_calls"] - before["prefill_calls"],
         "graph_replays": after["graph_replays"] - before["graph_replays"],
     }
-    if prof is not None:
-        gpu = kernel_ms(prof)
-        out["gpu_ms_per_step"] = gpu / max(steps, 1)
-        out["host_share"] = 1 - gpu / (wall * 1000)
+    if gpu is not None:
+        out["gpu_ms_per_step"] = gpu
+        out["host_share"] = 1 - gpu / out["wall_ms_per_step"]
+    if cprofile_table is not None:
+        out["cprofile"] = cprofile_table
     return out
 
 
 def table(results: list[dict]) -> str:
     phases = list(results[0]["phase_ms_per_step"])
-    head = ["mode", "steps", "wall ms/step", *phases, "GPU ms/step", "host share", "tok/s"]
+    head = ["mode", "overlap", "steps", "wall ms/step", *phases, "GPU ms/step", "host share",
+            "tok/s"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         gpu = r.get("gpu_ms_per_step")
-        cells = [r["mode"], str(r["steps"]), f"{r['wall_ms_per_step']:.2f}",
+        cells = [r["mode"], "on" if r.get("overlap") else "off", str(r["steps"]),
+                 f"{r['wall_ms_per_step']:.2f}",
                  *(f"{r['phase_ms_per_step'][p]:.2f}" for p in phases),
                  f"{gpu:.2f}" if gpu is not None else "-",
                  f"{r['host_share']:.0%}" if gpu is not None else "-",
@@ -132,16 +179,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity", type=int)
     p.add_argument("--kv-budget", type=int)
     p.add_argument("--modes", default="device,host")
+    p.add_argument(
+        "--overlap", default="", help="on,off: each mode both ways (default: the engine's choice)"
+    )
+    p.add_argument(
+        "--cprofile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print the engine thread's N costliest functions (cProfile)",
+    )
     p.add_argument("--no-cuda-graph", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    overlaps = {"": None, "on": True, "off": False}
+    settings = [s.strip() for s in args.overlap.split(",")] if args.overlap else [""]
+    if any(s not in overlaps for s in settings):
+        p.error(f"--overlap {args.overlap!r}: expected on, off or on,off")
     results = []
     for mode in args.modes.split(","):
         if mode not in ("device", "host"):
             p.error(f"mode {mode!r}: expected device or host")
-        results.append(run_mode(args, mode))
-        print(json.dumps(results[-1]), file=sys.stderr)
+        for setting in settings:
+            results.append(run_mode(args, mode, overlaps[setting]))
+            table_text = results[-1].pop("cprofile", None)
+            print(json.dumps(results[-1]), file=sys.stderr)
+            if table_text:
+                print(table_text, file=sys.stderr)
+                results[-1]["cprofile"] = table_text
     print(table(results))
     if args.json:
         args.json.write_text(json.dumps({"argv": sys.argv, "results": results}, indent=1))

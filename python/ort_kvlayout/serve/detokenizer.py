@@ -31,24 +31,26 @@ class IncrementalText:
         self._prefix = max(prompt_len - _CONTEXT, 0)  # seq[_prefix:_read]: the next context
         self._read = prompt_len
 
-    def _decoded(self, seq: list[int], final: bool) -> str:
-        if self._read >= len(seq):
+    def _decoded(self, seq: list[int], end: int, final: bool) -> str:
+        if self._read >= end:
             return self.text
         decode = self.tokenizer.decode
         prefix = decode(seq[self._prefix : self._read])
-        full = decode(seq[self._prefix :])
+        full = decode(seq[self._prefix : end])
         if not full.startswith(prefix):  # a tokenizer whose decode is not incremental
-            self.text = decode(seq[self.prompt_len :])
-            self._prefix = self._read = len(seq)
+            self.text = decode(seq[self.prompt_len : end])
+            self._prefix = self._read = end
         elif final or (len(full) > len(prefix) and not full.endswith("\ufffd")):
             self.text += full[len(prefix) :]
-            self._prefix, self._read = self._read, len(seq)
+            self._prefix, self._read = self._read, end
         return self.text
 
-    def delta(self, seq: list[int], final: bool) -> tuple[str, bool]:
-        """The new text to send after seq's last token, and whether a stop string was found
-        (the text then ends before it)."""
-        text = self._decoded(seq, final)
+    def delta(self, seq: list[int], final: bool, upto: int | None = None) -> tuple[str, bool]:
+        """The new text to send after seq[:upto] (default: all of seq), and whether a stop
+        string was found (the text then ends before it). `upto` lets a caller that grew seq
+        since ask for the text as of an earlier token (the engine hands events over after the
+        next step's calls started); the calls come in order of `upto`."""
+        text = self._decoded(seq, len(seq) if upto is None else upto, final)
         stops = self.stops
         if stops:
             lo = max(0, self.emitted - max(len(s) for s in stops))

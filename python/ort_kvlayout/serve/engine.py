@@ -37,8 +37,12 @@ False or the graph does not allow it. Each step:
 
 A request's slot and pages go back to the pool the moment it finishes or is cancelled, but for
 the granule under its row 0, kept until the next step for its next request or scratch row; a
-waiting request reuses the slot in place (0 bytes moved). Events reach their readers once the
-step is done and its counters are published.
+waiting request reuses the slot in place (0 bytes moved). Events reach their readers after the
+step's counters are published. With `overlap` (the CUDA default) that happens while the next
+step's calls run on a worker thread: the engine thread plans a step, launches its calls, then
+decodes the previous step's text, hands its events over and publishes its stats, and only then
+waits for the calls; a stop string is still checked as its token comes (a request with stop
+strings has its text decoded at once), so no request runs a step past its end.
 
 Why not one mixed call with `query_seqlens` (GQA input 16): a right-padded call computes every
 row of its (batch, longest chunk) shape in the dense layers, so padding the decode rows to a
@@ -50,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import functools
 import itertools
 import os
@@ -115,7 +120,11 @@ class EngineConfig:
     sample_on_device: run the served graph (model/serving_graph.py: lengths in place of the
     mask, logits only at sampled positions, tokens chosen by ai.kvlayout::SampleTokens, only ids
     copied back; None: when the graph allows it, True: an error otherwise) or, False, the
-    model's own graph with every position's logits sampled on the host."""
+    model's own graph with every position's logits sampled on the host; overlap: a step's model
+    calls run on a worker thread while the engine thread hands the previous step's events to
+    their readers (text decoded there) and publishes its stats (None: on with provider "cuda",
+    where Run waits on the GPU with the GIL released; off on the CPU, where ORT's threads want
+    the cores)."""
 
     max_batch: int = 8
     capacity: int | None = None
@@ -130,6 +139,12 @@ class EngineConfig:
     cuda_graph: bool | None = None
     decode_buckets: tuple[int, ...] | None = None
     sample_on_device: bool | None = None
+    overlap: bool | None = None
+
+    @property
+    def overlapped(self) -> bool:
+        """Whether the host work of a step overlaps its model calls."""
+        return self.provider == "cuda" if self.overlap is None else bool(self.overlap)
 
     @property
     def graphs(self) -> bool:
@@ -210,6 +225,7 @@ class Event:
 
 
 _DONE = object()
+_LATER = object()  # an event's text, decoded when the event is handed over (_flush)
 
 
 class RequestHandle:
@@ -327,7 +343,13 @@ class Engine:
         self._inbox: list[tuple[str, object]] = []
         self._cond = threading.Condition()
         self._ids = itertools.count(1)
-        self._outbox: list[tuple[_Request, Event]] = []  # events of this step (_deliver)
+        self._outbox: list[tuple] = []  # events of this step (_deliver)
+        self._failed: set[int] = set()  # requests whose callback raised: cancelled, events dropped
+        self._calls = (
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ort-kvlayout-calls")
+            if config.overlapped
+            else None
+        )
         self.executor = Executor(
             self.runtime, self.cache, config.graphs, served.inputs if served is not None else None
         )
@@ -523,6 +545,8 @@ class Engine:
             if self._thread.is_alive():
                 return  # still draining: the caller chose a timeout
             self._thread = None
+        if self._calls is not None:
+            self._calls.shutdown()
         self.executor.close()
         self.cache.close()
         self.runtime.close()
@@ -554,13 +578,11 @@ class Engine:
             if closing and not drain:
                 for r in [*self._running(), *self._waiting]:
                     self._finish(r, "cancelled")
-                self._update_snapshot()
-                self._flush()
+                self._publish()
                 return
             if not self._has_work():
                 self._release_scratch({})  # a cancel may have left a freed slot's row 0
-                self._update_snapshot()
-                self._flush()
+                self._publish()
                 if closing:
                     return
                 continue
@@ -573,8 +595,14 @@ class Engine:
                 message = f"{type(exc).__name__}: {exc}"
                 for r in self._running():
                     self._finish(r, "error", error=message)
-            self._update_snapshot()
-            self._flush()
+            if self._calls is None or not self._has_work():
+                self._publish()  # else during the next step's calls
+
+    def _publish(self) -> None:
+        """The stats as of now, then the queued events (so a reader that sees its last event
+        also sees stats() without its request)."""
+        self._update_snapshot()
+        self._flush()
 
     def _has_work(self) -> bool:
         return bool(self._waiting) or any(r is not None for r in self._slots)
@@ -617,35 +645,44 @@ class Engine:
             self._waiting.remove(r)
         self._counters[f"finished_{reason}"] += 1
         if flush and r.text is not None:
-            text = r.text.delta(r.seq, final=True)[0] if r.generated else ""
-        self._deliver(r, Event(r.id, token, text, reason, r.prompt_len, r.generated, error))
+            text = _LATER if r.generated else ""
+            if text is _LATER and r.text.stops:
+                text = r.text.delta(r.seq, final=True)[0]
+        self._deliver(r, token, text, reason, error)
 
-    def _deliver(self, r: _Request, event: Event) -> None:
-        """Queues an event for r's reader: the loop hands them over once the step is done and
-        its counters are published (_flush), so a reader that sees its last event also sees
-        stats() without its request."""
-        self._outbox.append((r, event))
+    def _deliver(
+        self, r: _Request, token: int | None, text, reason: str | None = None,
+        error: str | None = None,
+    ) -> None:  # fmt: skip
+        """Queues an event for r's reader (text _LATER: decoded when handed over, as of r's
+        tokens now): the loop hands them over after the step's counters are published
+        (_publish)."""
+        self._outbox.append((r, token, text, reason, error, r.generated, len(r.seq)))
 
     def _flush(self) -> None:
-        """Hands the queued events over; a callback that raises is that request's problem only:
-        it is cancelled (its slot freed, its later events dropped), the other requests go on."""
+        """Decodes the queued events' text and hands them over, in order; a callback that
+        raises is that request's problem only: it is cancelled at the next step (its later
+        events dropped), the other requests go on."""
         outbox, self._outbox = self._outbox, []
         if not outbox:
             return
         t = time.perf_counter_ns()
-        failed: set[int] = set()
-        for r, event in outbox:
-            if r.id in failed:
+        for r, token, text, reason, error, generated, upto in outbox:
+            if r.id in self._failed:
+                if reason is not None:
+                    self._failed.discard(r.id)
                 continue
+            if text is _LATER:
+                text = r.text.delta(r.seq, final=reason is not None, upto=upto)[0]
             try:
-                r.handle._push(event)
+                r.handle._push(Event(r.id, token, text, reason, r.prompt_len, generated, error))
             except Exception:  # noqa: BLE001 -- the caller's code, not the engine's
                 self._counters["callback_errors"] += 1
-                failed.add(r.id)
-                if not event.finished and r.slot >= 0:
-                    self._release_slot(r)
-                    self._counters["finished_cancelled"] += 1
-        self.executor.profile.add("emit", t)  # the readers' time: queues, callbacks
+                if reason is None:
+                    self._failed.add(r.id)
+                    with self._cond:  # the calls may be running: the slot is freed between steps
+                        self._inbox.append(("cancel", r.id))
+        self.executor.profile.add("emit", t)  # decoding and the readers' time: queues, callbacks
 
     # --- memory ------------------------------------------------------------------------------
     def _view(self) -> list[Running | None]:
@@ -721,14 +758,31 @@ class Engine:
             (self._slots[s], take) for s, take in prefill_chunks(view, self._limits.prefill_chunk)
         ]
         profile.add("schedule", t)
+        calls = []
         if span is not None:
-            self._decode_step(*span, padded=padded)
-        for r, take in chunks:
-            self._prefill_chunk(r, take)
+            calls.append(self._decode_call(*span, padded=padded))
+        calls += [self._prefill_call(r, take) for r, take in chunks]
+        if self._calls is None:  # one after the other on this thread
+            for run, commit in calls:
+                commit(run())
+            return
+        # On the worker, in order (one stream); meanwhile the last step's events go out.
+        futures = [self._calls.submit(run) for run, _ in calls]
+        try:
+            self._publish()
+        finally:
+            t = time.perf_counter_ns()
+            concurrent.futures.wait(futures)  # none may still run when the loop frees a slot
+            profile.add("wait", t)
+        for future, (_, commit) in zip(futures, calls):
+            commit(future.result())
 
-    def _decode_step(self, lo: int, hi: int, padded: bool = False) -> None:
+    def _decode_call(self, lo: int, hi: int, padded: bool):
+        """The decode call of slots [lo, hi): what runs it (any thread) and what applies its
+        tokens (the engine thread)."""
+        requests = self._slots[lo:hi]
         slots, samplers = [], []
-        for r in self._slots[lo:hi]:
+        for r in requests:
             if r is None:
                 slots.append(None)
                 samplers.append(None)
@@ -737,34 +791,47 @@ class Engine:
                 samplers.append(r.sampler if r.decoding else None)
         ids, totals = decode_rows(slots, self.spec.pad_token_id)
         if padded:
-            tokens = self.executor.run_bucket(hi, ids, totals, samplers)
+            run = functools.partial(self.executor.run_bucket, hi, ids, totals, samplers)
         else:
             ids_array = np.array(ids, np.int64)[:, None]
-            tokens = self.executor.run(lo, ids_array, totals, [0] * (hi - lo), samplers)
-        self._counters["decode_calls"] += 1
-        self._counters["decode_rows"] += hi - lo
-        t = time.perf_counter_ns()
-        running = [(r, token) for r, token in zip(self._slots[lo:hi], tokens) if token is not None]
-        self._counters["decode_padded_rows"] += hi - lo - len(running)
-        for r, token in running:
-            r.cached += 1
-            self._emit(r, token)
-        self.executor.profile.add("emit", t)
+            run = functools.partial(
+                self.executor.run, lo, ids_array, totals, [0] * (hi - lo), samplers
+            )
 
-    def _prefill_chunk(self, r: _Request, take: int) -> None:
+        def commit(tokens: list[int | None]) -> None:
+            self._counters["decode_calls"] += 1
+            self._counters["decode_rows"] += hi - lo
+            t = time.perf_counter_ns()
+            running = [(r, token) for r, token in zip(requests, tokens) if token is not None]
+            self._counters["decode_padded_rows"] += hi - lo - len(running)
+            for r, token in running:
+                r.cached += 1
+                self._emit(r, token)
+            self.executor.profile.add("emit", t)
+
+        return run, commit
+
+    def _prefill_call(self, r: _Request, take: int):
+        """The call prefilling r's next `take` prompt tokens, as _decode_call's."""
         start = r.cached
         ids = np.array([r.seq[start : start + take]], np.int64)
         # The whole sequence in: its last row gives the next token (else no row is sampled).
         completes = start + take == len(r.seq)
         sampler = r.sampler if completes else None
-        tokens = self.executor.run(r.slot, ids, [start + take], [take - 1], [sampler])
-        self._counters["prefill_calls"] += 1
-        self._counters["prefill_tokens"] += take
-        r.cached = start + take
-        if completes:
-            t = time.perf_counter_ns()
-            self._emit(r, tokens[0])
-            self.executor.profile.add("emit", t)
+        run = functools.partial(
+            self.executor.run, r.slot, ids, [start + take], [take - 1], [sampler]
+        )
+
+        def commit(tokens: list[int | None]) -> None:
+            self._counters["prefill_calls"] += 1
+            self._counters["prefill_tokens"] += take
+            r.cached = start + take
+            if completes:
+                t = time.perf_counter_ns()
+                self._emit(r, tokens[0])
+                self.executor.profile.add("emit", t)
+
+        return run, commit
 
     def _emit(self, r: _Request, token: int) -> None:
         """Streams r's next token, or finishes r (a negative token: the sampler refused the row,
@@ -787,13 +854,15 @@ class Engine:
             reason = "length"
         text = None
         if r.text is not None:
-            text, hit = r.text.delta(r.seq, final=reason is not None)
-            if hit and reason is None:
-                reason = "stop"  # the text ends before the stop string
+            text = _LATER  # decoded when handed over, off the step's critical path
+            if r.text.stops:  # now: a stop string ends the request before its next step
+                text, hit = r.text.delta(r.seq, final=reason is not None)
+                if hit and reason is None:
+                    reason = "stop"  # the text ends before the stop string
         if reason is not None:
             self._finish(r, reason, token=token, text=text, flush=False)
         else:
-            self._deliver(r, Event(r.id, token, text, None, r.prompt_len, r.generated))
+            self._deliver(r, token, text)
 
     def _update_snapshot(self) -> None:
         st = self.cache.stats if not self.cache.closed else None

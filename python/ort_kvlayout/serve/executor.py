@@ -49,14 +49,19 @@ _BELOW_ONE = np.nextafter(np.float32(1), np.float32(0))
 class StepProfile:
     """Host time per phase of the engine's steps (perf_counter_ns sums): where a step's
     milliseconds go. `schedule` is the engine's own bookkeeping (admission, the budget, the step
-    plan); `kv` the cache's commits and releases (on CUDA the driver's map and unmap calls); `run`
-    is ORT's Run, which returns when the step's kernels are done (the GPU's time and the launch
-    overhead both land there)."""
+    plan); `kv` the cache's commits and releases (on CUDA the driver's map and unmap calls);
+    `inputs`, `run`, `readback` and `sample` are the calls' (on the worker thread when the
+    engine overlaps them): `run` is ORT's Run, which returns when the step's kernels are done
+    (the GPU's time and the launch overhead both land there); `emit` applies the tokens, decodes
+    text and hands events over; `wait` is the engine thread waiting for overlapped calls once its
+    own work is done. Without overlap the phases add up to the step; with it, emit's hand-over
+    part runs during `run`, and a step costs schedule + kv + wait + the rest of emit."""
 
-    PHASES = ("schedule", "kv", "inputs", "run", "readback", "sample", "emit")
+    PHASES = ("schedule", "kv", "inputs", "run", "readback", "sample", "emit", "wait")
 
     def __init__(self) -> None:
-        self.ns = collections.Counter()
+        # every key present: two threads add to disjoint phases, never inserting a key
+        self.ns = collections.Counter(dict.fromkeys(self.PHASES, 0))
         self.steps = 0
 
     def add(self, phase: str, start_ns: int) -> int:
@@ -112,7 +117,8 @@ class _Sampling:
 
 
 class Executor:
-    """See the module docstring. One thread (the engine loop) calls it."""
+    """See the module docstring. One thread at a time calls it: the engine loop's, or its
+    worker when the engine overlaps calls with host work."""
 
     def __init__(self, runtime: Runtime, cache: KvCache, graphs: bool, served: ServedInputs | None):
         self.runtime, self.cache, self.graphs = runtime, cache, graphs
