@@ -88,6 +88,26 @@ def test_growable_commits_follow_live_tokens(layout):
         assert cache.stats.bytes_moved == 0
 
 
+@pytest.mark.parametrize("layout", [0, 1])
+def test_covers_says_whether_ensure_would_commit(layout):
+    """covers() is ensure()'s "nothing to commit": true up to the end of the granules an
+    entry's rows committed, false past them, and false again once the entry is released."""
+    s = spec(layout)
+    with KvCache.create(s, "growable", batch=2) as cache:
+        assert cache.covers([0, 0]) and not cache.covers([1, 0])
+        cache.ensure([3, 1])
+        committed = cache.stats.committed_bytes
+        # a 4 KiB page holds 4 rows of 4 heads x 64 floats (seq-major), or 16 rows of a head
+        per_page = PAGE // (4 * 64 * 4) if layout == 1 else PAGE // (64 * 4)
+        assert cache.covers([per_page, 1]) and not cache.covers([per_page + 1, 1])
+        for tokens in ([per_page, 1], [2, 1]):
+            assert not cache.ensure(tokens)  # covered: nothing committed
+        assert cache.stats.committed_bytes == committed
+        assert cache.ensure([per_page + 1, 1])
+        cache.release(0)
+        assert not cache.covers([1, 1]) and cache.covers([0, 1])
+
+
 def test_seq_major_commits_a_kv_heads_fraction_of_head_major():
     s_seq, s_head = spec(1, kv_heads=8, head_dim=128), spec(0, kv_heads=8, head_dim=128)
     with KvCache.create(s_seq, "growable") as seq, KvCache.create(s_head, "growable") as head:

@@ -381,6 +381,15 @@ class KvCache:
         if self._closed:
             raise ValueError("the KV cache is closed")
 
+    def covers(self, tokens_per_entry: list[int]) -> bool:
+        """Whether rows 0..t_b-1 of every entry b lie in memory committed now: ensure() would
+        commit nothing, and commit_bytes() of them is at most the committed bytes (a serving
+        engine asks every step; the answer is one comparison per entry)."""
+        if any(t > c for t, c in zip(tokens_per_entry, self._covered)):
+            return False
+        scales = self._scales
+        return scales is None or not any(t > c for t, c in zip(tokens_per_entry, scales._covered))
+
     # -----------------------------------------------------------------------------------------
     def ensure(self, tokens_per_entry: list[int] | int) -> bool:
         """Makes rows 0..t_b-1 of every entry b writable; returns True when memory was committed
@@ -394,15 +403,16 @@ class KvCache:
         )
         if len(tokens) != self.batch:
             raise ValueError(f"{len(tokens)} token counts for a batch of {self.batch}")
-        for b, t in enumerate(tokens):
-            if t < 0:
-                raise ValueError(f"batch entry {b}: negative token count {t}")
-            if t > self.max_capacity:
-                raise KvCapacityError(
-                    f"batch entry {b} needs {t} tokens; the KV cache holds {self.max_capacity} "
-                    f"per entry (model context {self.spec.context_length})"
-                )
-        tokens = [max(t, e) for t, e in zip(tokens, self._ensured)]
+        if min(tokens) < 0 or max(tokens) > self.max_capacity:  # once a step: min/max first
+            for b, t in enumerate(tokens):
+                if t < 0:
+                    raise ValueError(f"batch entry {b}: negative token count {t}")
+                if t > self.max_capacity:
+                    raise KvCapacityError(
+                        f"batch entry {b} needs {t} tokens; the KV cache holds "
+                        f"{self.max_capacity} per entry (model context {self.spec.context_length})"
+                    )
+        tokens = list(map(max, tokens, self._ensured))
         grew = False
         scales = self._scales
         if any(t > c for t, c in zip(tokens, self._covered)) or (

@@ -691,12 +691,23 @@ class Engine:
             None if r is None else Running(r.arrival, r.cached, len(r.seq)) for r in self._slots
         ]
 
+    def _need_bytes(self, tokens: list[int]) -> int:
+        """The scheduler's commit_bytes: the bytes committed now when they already hold these
+        rows and fit the budget (then so do the rows' own bytes: the same answer to "does it
+        fit?", without the granule arithmetic in the common step that commits nothing), else
+        the cache's count."""
+        if self.cache.covers(tokens):
+            committed = self.cache.stats.committed_bytes
+            if committed <= self.budget:
+                return committed
+        return self.cache.commit_bytes(tokens)
+
     def _admit(self) -> None:
         if not self._waiting or None not in self._slots:
             return
         waiting = [(r.arrival, len(r.seq)) for r in self._waiting]
         for slot in admissions(
-            self._view(), waiting, self.cache.tokens, self._limits, self.cache.commit_bytes
+            self._view(), waiting, self.cache.tokens, self._limits, self._need_bytes
         ):
             r = self._waiting.popleft()
             r.slot = slot
@@ -707,7 +718,7 @@ class Engine:
     def _preempt_to_fit(self) -> tuple[dict[int, int], bool]:
         """This step's rows per slot, and whether its decode call is padded to a bucket
         (scheduler.fit_budget decides; the victims are preempted here)."""
-        fit = fit_budget(self._view(), self.cache.tokens, self._limits, self.cache.commit_bytes)
+        fit = fit_budget(self._view(), self.cache.tokens, self._limits, self._need_bytes)
         for slot in fit.victims:
             self._preempt(self._slots[slot])
         if fit.eager_fallback:
@@ -725,8 +736,9 @@ class Engine:
         """Scratch rows of free slots outside `rows` (this step's) go back (the docstring)."""
         if self.cache.closed:
             return
+        held = self.cache.tokens
         for s, r in enumerate(self._slots):
-            if r is None and s not in rows and self.cache.tokens[s]:
+            if r is None and s not in rows and held[s]:
                 self.cache.release(s)
 
     # --- a step ------------------------------------------------------------------------------

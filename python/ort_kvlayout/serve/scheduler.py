@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .batching import decode_range
 
@@ -42,10 +43,10 @@ __all__ = [
 CommitBytes = Callable[[list[int]], int]  # rows per slot -> bytes the cache commits for them
 
 
-@dataclass(frozen=True)
-class Running:
+class Running(NamedTuple):
     """A running request as the scheduler sees it: its arrival order, the rows its slot holds,
-    and its sequence length (prompt + generated); decoding when one token is left to feed."""
+    and its sequence length (prompt + generated); decoding when one token is left to feed. (A
+    tuple: the engine builds one per slot, several times a step.)"""
 
     arrival: int
     cached: int
