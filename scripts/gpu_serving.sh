@@ -4,6 +4,7 @@
 #   bash scripts/gpu_serving.sh setup      # onnxruntime-gpu wheels, the package (CUDA), 1B models
 #   bash scripts/gpu_serving.sh tests      # the GPU tests of the op's sampler and the engine
 #   bash scripts/gpu_serving.sh profile    # tools/perf/step_profile.py, served against host
+#                                          (MODES=device PROFILE_ARGS="--overlap on,off")
 #   bash scripts/gpu_serving.sh chat       # bench_serving chat: engine (both graphs), og paged
 #                                          (SYSTEMS= another list)
 #   bash scripts/gpu_serving.sh long       # bench_serving long mix: engine, og paged
@@ -50,7 +51,7 @@ case "${1:-}" in
   profile)
     python3 tools/perf/step_profile.py "$BASE-seq-major" --provider cuda --batch "$MAX_BATCH" \
       --prompt 256 --output 128 --capacity "$CAPACITY" --kv-budget "$BUDGET" \
-      --modes device,host --json "$OUT/step-profile.json"
+      --modes "${MODES:-device,host}" ${PROFILE_ARGS:-} --json "$OUT/step-profile.json"
     ;;
   chat)
     python3 bench/bench_serving.py "${COMMON[@]}" --dataset chat --num-requests 256 \
