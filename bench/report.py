@@ -59,8 +59,8 @@ CUDA_QUANT_COLD_COMMAND = (
     "--json bench/results/cuda-quant-h100-cold.json"
 )
 CPU_QUANT = ("cpu-quant-int8-xeon.json",)
-# Issue 46's CUDA targets, for int8 and fp8 caches at L >= 16k: ours quantized / ours fp16 at
-# most 0.55 (time), ORT's quantized time / ours at least 1.5; on CPU, ours / ORT at least 1.0.
+# The CUDA targets, for int8 and fp8 caches at L >= 16k: ours quantized / ours fp16 at most 0.55
+# (time), ORT's quantized time / ours at least 1.5; on CPU, ours / ORT at least 1.0.
 QUANT_TARGET_LENGTH = 16384
 QUANT_VS_FP16 = 0.55
 QUANT_VS_ORT = 1.5
@@ -457,7 +457,7 @@ def _targeted(row: dict) -> bool:
 
 def cuda_quant(data: dict, name: str) -> list[str]:
     """bench_cuda.py --kv-quant: kernel times of ORT fp16 and quantized, ours fp16 and quantized,
-    the two ratios against issue 46's targets, and how far ours is from ORT's quantized output."""
+    the two ratios against their targets, and how far ours is from ORT's quantized output."""
     flush = "each Run after an L2 flush" if data.get("flush_l2") else "warm (no L2 flush)"
     device_copy = data.get("git_reported_on_device")
     commit = f"commit `{data.get('git', 'unknown')}`" + (
@@ -494,8 +494,8 @@ def cuda_quant(data: dict, name: str) -> list[str]:
             'Times in us. "quant / fp16" is ours quantized over ours fp16 in the same layout '
             '(lower: the quantized cache is faster); "ORT quant / ours quant" is ORT\'s '
             'quantized time over ours (higher: ours is faster); "max diff" is the largest '
-            "|ours quantized - ORT quantized| over the output, either layout. Targets (issue 46, "
-            f"int8 and fp8 at L >= {_length(QUANT_TARGET_LENGTH)}; none for int4): quant / fp16 "
+            "|ours quantized - ORT quantized| over the output, either layout. Targets (int8 and "
+            f"fp8 at L >= {_length(QUANT_TARGET_LENGTH)}; none for int4): quant / fp16 "
             f"<= {QUANT_VS_FP16} and ORT quant / ours quant >= {QUANT_VS_ORT}x. Of the "
             f"{len(targeted)} rows with a target: {'; '.join(counts)}."
         ),
