@@ -224,8 +224,13 @@ class Event:
         return self.finish_reason is not None
 
 
-_DONE = object()
 _LATER = object()  # an event's text, decoded when the event is handed over (_flush)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Event]]) -> None:
+    """On a reader's event loop: one step's events for its handles (one wake-up a step)."""
+    for q, event in items:
+        q.put_nowait(event)
 
 
 class RequestHandle:
@@ -667,6 +672,7 @@ class Engine:
         if not outbox:
             return
         t = time.perf_counter_ns()
+        loops: dict[asyncio.AbstractEventLoop, list] = {}  # async readers: one call per loop
         for r, token, text, reason, error, generated, upto in outbox:
             if r.id in self._failed:
                 if reason is not None:
@@ -674,14 +680,24 @@ class Engine:
                 continue
             if text is _LATER:
                 text = r.text.delta(r.seq, final=reason is not None, upto=upto)[0]
+            event = Event(r.id, token, text, reason, r.prompt_len, generated, error)
+            handle = r.handle
+            if handle._async is not None and handle._loop is not None:
+                loops.setdefault(handle._loop, []).append((handle._async, event))
+                continue
             try:
-                r.handle._push(Event(r.id, token, text, reason, r.prompt_len, generated, error))
+                handle._push(event)
             except Exception:  # noqa: BLE001 -- the caller's code, not the engine's
                 self._counters["callback_errors"] += 1
                 if reason is None:
                     self._failed.add(r.id)
                     with self._cond:  # the calls may be running: the slot is freed between steps
                         self._inbox.append(("cancel", r.id))
+        for loop, items in loops.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the loop is closed: nobody listens any more
+                pass
         self.executor.profile.add("emit", t)  # decoding and the readers' time: queues, callbacks
 
     # --- memory ------------------------------------------------------------------------------
