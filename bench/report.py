@@ -5,7 +5,8 @@
     python bench/report.py --check    # exit 1 where a document differs from what this writes
 
 Each table lies between `<!-- report:NAME -->` and `<!-- /report:NAME -->` in its document; the
-text outside the markers is left alone. A table names its date, device, commit and command, all
+text outside the markers is left alone; a table whose JSON bench/results/ lacks (the cold
+grids, the stacks) leaves its markers empty. A table names its date, device, commit and command, all
 read from its JSON, and every ratio against ORT is ORT's built-in
 com.microsoft::GroupQueryAttention time over ours (or our GB/s over its), both measured in the
 same run (higher is faster for us); docs/QUANTIZATION.md's CUDA table also gives ours quantized
@@ -36,12 +37,7 @@ IMG = ROOT / "docs" / "img"
 
 CUDA = "cuda-h200.json"
 CUDA_COLD = "cuda-h200-cold.json"
-COLD_COMMAND = (
-    "python bench/bench_cuda.py --flush-l2 --prefill= --heads 32/8/128,28/4/128,9/3/64,4/1/256 "
-    "--decode 1x1024,1x4096,1x16384,1x32768,8x4096,8x16384 --json bench/results/cuda-h200-cold.json"
-)
 STACKS = "stack-*.json"
-STACK_COMMAND = "python bench/bench_stack.py --json bench/results/stack-32-8-128.json"
 SERVING = "serving-*.json"  # each in the block named by its stem, in docs/SERVING.md
 STEP_PROFILES = "step-profile-*.json"  # tools/perf/step_profile.py's, in docs/SERVING.md
 PERPLEXITY = "perplexity-*.json"  # each in the block named by its stem, in docs/QUANTIZATION.md
@@ -53,11 +49,6 @@ CUDA_QUANT = ("cuda-quant-h200.json", "cuda-quant-h100.json")
 # The same with every timed Run after an L2 flush: B=1 caches that fit in the L2 (9/3/64 at 16k:
 # 12.6 MB fp16) are read from it in the warm tables, unlike a model's layers.
 CUDA_QUANT_COLD = "cuda-quant-h100-cold.json"
-CUDA_QUANT_COLD_COMMAND = (
-    "python bench/bench_cuda.py --flush-l2 --kv-quant int8-per-channel,int4-per-channel "
-    '--heads 32/8/128,9/3/64 --decode 1x16384,1x32768,8x16384 --prefill "" '
-    "--json bench/results/cuda-quant-h100-cold.json"
-)
 CPU_QUANT = ("cpu-quant-int8-xeon.json",)
 # The CUDA targets, for int8 and fp8 caches at L >= 16k: ours quantized / ours fp16 at most 0.55
 # (time), ORT's quantized time / ours at least 1.5; on CPU, ours / ORT at least 1.0.
@@ -229,17 +220,14 @@ def cpu_block(title: str, files: list[tuple[str, dict]]) -> list[str]:
     return lines
 
 
-def cuda_cold(data: dict | None, name: str) -> list[str]:
-    """The decode grid with every timed Run after an L2 flush, or the command that makes it."""
-    if data is None:
-        return [f"No cold grid is committed yet. Command: `{COLD_COMMAND}`."]
+def cuda_cold(data: dict, name: str) -> list[str]:
+    """The decode grid with every timed Run after an L2 flush."""
     return [*cuda_meta(data, name), "", *cuda_table(data, "decode")]
 
 
 def stacks(files: list[tuple[str, dict]]) -> list[str]:
-    """One table per bench_stack.py JSON: ms per decode step under CUDA graph replay."""
-    if not files:
-        return [f"No stack result is committed yet. Command: `{STACK_COMMAND}`."]
+    """One table per bench_stack.py JSON: ms per decode step under CUDA graph replay; none
+    without a JSON."""
     lines: list[str] = []
     for name, d in files:
         mlp = f", MatMuls {d['mlp']} wide between the layers" if d["mlp"] else ""
@@ -643,7 +631,7 @@ def blocks(results: Path = RESULTS) -> dict[str, dict[str, str]]:
     out["cuda-decode"] = cuda_table(cuda, "decode")
     out["cuda-prefill"] = cuda_table(cuda, "prefill")
     cold = results / CUDA_COLD
-    out["cuda-cold"] = cuda_cold(json.loads(cold.read_text()) if cold.exists() else None, CUDA_COLD)
+    out["cuda-cold"] = cuda_cold(json.loads(cold.read_text()), CUDA_COLD) if cold.exists() else []
     out["stacks"] = stacks(
         [(f.name, json.loads(f.read_text())) for f in sorted(results.glob(STACKS))]
     )
@@ -668,7 +656,7 @@ def blocks(results: Path = RESULTS) -> dict[str, dict[str, str]]:
     quant[Path(CUDA_QUANT_COLD).stem] = (
         cuda_quant(json.loads(cold_quant.read_text()), CUDA_QUANT_COLD)
         if cold_quant.exists()
-        else [f"No cold quantized table is committed yet. Command: `{CUDA_QUANT_COLD_COMMAND}`."]
+        else []
     )
     for n in CPU_QUANT:
         quant[Path(n).stem] = cpu_quant(json.loads((results / n).read_text()), n)
@@ -686,8 +674,9 @@ MARK = re.compile(
 
 
 def splice(text: str, new: dict[str, str]) -> str:
-    """`text` with each marked block's body replaced by new[name]; a block the document lacks,
-    or a marker without a block, is an error."""
+    """`text` with each marked block's body replaced by new[name] (an empty body leaves the
+    markers on adjacent lines); a block the document lacks, or a marker without a block, is an
+    error."""
     seen = set()
 
     def sub(m: re.Match) -> str:
@@ -695,7 +684,8 @@ def splice(text: str, new: dict[str, str]) -> str:
         if name not in new:
             raise KeyError(f"docs marker report:{name} has no block in bench/report.py")
         seen.add(name)
-        return f"{m.group(1)}{new[name]}\n{m.group(4)}"
+        body = f"{new[name]}\n" if new[name] else ""
+        return f"{m.group(1)}{body}{m.group(4)}"
 
     out = MARK.sub(sub, text)
     missing = sorted(set(new) - seen)
