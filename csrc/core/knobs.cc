@@ -39,6 +39,17 @@ void ReadBool(KnobValues* k, const char* name, bool* out) {
   }
 }
 
+// A knob of two named values: `yes` sets *out, `no` clears it.
+void ReadChoice(KnobValues* k, const char* name, const char* yes, const char* no, bool* out) {
+  const char* v = Get(name);
+  if (v == nullptr) return;
+  if (std::strcmp(v, yes) == 0 || std::strcmp(v, no) == 0) {
+    *out = std::strcmp(v, yes) == 0;
+  } else {
+    Bad(k, name, v, std::string(yes) + " or " + no);
+  }
+}
+
 void ReadInt(KnobValues* k, const char* name, int64_t lo, int64_t hi, int64_t* out) {
   const char* v = Get(name);
   if (v == nullptr) return;
@@ -76,6 +87,7 @@ KnobValues ReadKnobs() {
   ReadBool(&k, "ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS", &k.decode_group_clusters);
   ReadBool(&k, "ORT_KVLAYOUT_DECODE_WIDE", &k.decode_wide);
   ReadInt(&k, "ORT_KVLAYOUT_DECODE_PACKED", 0, 2, &k.decode_packed);
+  ReadChoice(&k, "ORT_KVLAYOUT_DECODE_QUANT_PLAN", "bytes", "fp16", &k.decode_quant_bytes);
   for (KnobRead once : {KnobRead::kCpuOnce, KnobRead::kCudaOnce}) {
     const std::string e = k.ErrorFor(once);
     if (!e.empty()) k.error += (k.error.empty() ? "" : "; ") + e;

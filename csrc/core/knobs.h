@@ -67,6 +67,10 @@ inline constexpr KnobSpec kKnobSpecs[] = {
     {"ORT_KVLAYOUT_DECODE_PACKED", "1", KnobClass::kDiagnostic, KnobRead::kCudaOnce, "0 | 1 | 2",
      "packed heads (one CTA reads whole token rows of all kv heads): 0 never, 1 where the plan's "
      "rule says, 2 wherever they can serve"},
+    {"ORT_KVLAYOUT_DECODE_QUANT_PLAN", "bytes", KnobClass::kTuning, KnobRead::kCudaOnce,
+     "bytes | fp16",
+     "the quantized decode's plan: bytes (its own, from the bytes it reads: codes and static "
+     "scales) or fp16 (a cache of T's plan, for comparison)"},
 };
 inline constexpr size_t kKnobCount = sizeof(kKnobSpecs) / sizeof(kKnobSpecs[0]);
 
@@ -85,6 +89,7 @@ struct KnobValues {
   bool decode_group_clusters = true;  // ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS
   bool decode_wide = true;            // ORT_KVLAYOUT_DECODE_WIDE
   int64_t decode_packed = 1;          // ORT_KVLAYOUT_DECODE_PACKED
+  bool decode_quant_bytes = true;     // ORT_KVLAYOUT_DECODE_QUANT_PLAN: bytes (or fp16)
 
   // The bad knobs among those read once per process, each "environment variable NAME must be
   // RULE, got 'v'", joined by "; "; "" when all are good. (A knob read at op creation is checked

@@ -44,6 +44,9 @@ py::object ValueOf(const KnobValues& k, const char* name) {
   if (n == "ORT_KVLAYOUT_DECODE_GROUP_CLUSTERS") return py::bool_(k.decode_group_clusters);
   if (n == "ORT_KVLAYOUT_DECODE_WIDE") return py::bool_(k.decode_wide);
   if (n == "ORT_KVLAYOUT_DECODE_PACKED") return py::int_(k.decode_packed);
+  if (n == "ORT_KVLAYOUT_DECODE_QUANT_PLAN") {
+    return py::str(k.decode_quant_bytes ? "bytes" : "fp16");
+  }
   throw std::logic_error(n + " has no value in bind_knobs.cc");  // tests/test_knobs.py
 }
 
