@@ -36,6 +36,7 @@ from ..model.config import (
     load_metadata,
     model_kv_layout,
 )
+from ..model.gqa_schema import QUANT_TYPE_ATTRS, quant_type
 from ..model.graph import iter_gqa_nodes, node_attrs, node_label
 from ..op.layout import layout_id
 from ..op.library import DOMAIN
@@ -291,10 +292,7 @@ def _cache_quant(file: str, nodes: list[onnx.NodeProto], kv_type: int) -> tuple[
     formats: dict[tuple[int, str], list[str]] = {}
     for i, node in enumerate(nodes):
         attrs = node_attrs(node)
-        kq, vq = (
-            attrs.get(n, b"NONE").decode(errors="replace").lower()  # type: ignore[union-attr]
-            for n in ("k_quant_type", "v_quant_type")
-        )
+        kq, vq = (quant_type(attrs, n).lower() for n in QUANT_TYPE_ATTRS)
         scheme = kq if kq == vq else f"k_{kq}_v_{vq}"
         bits = int(attrs.get("kv_cache_bit_width", 0)) if scheme != "none" else 0  # type: ignore[call-overload]
         formats.setdefault((bits, scheme), []).append(node_label(node, i))

@@ -59,7 +59,15 @@ from ..model.config import (
     model_kv_layout,
     read_graph_checked,
 )
-from ..model.graph import GraphError, PortTypes, external_tensors, load_model, node_label
+from ..model.gqa_schema import PAST_KEY, PRESENT_KEY, QUANT_TYPE_ATTRS, quant_type
+from ..model.graph import (
+    GraphError,
+    PortTypes,
+    external_tensors,
+    load_model,
+    node_attrs,
+    node_label,
+)
 from ..op.layout import LAYOUT_NAMES
 
 ATTENTION_TYPE = "group_query_attention"
@@ -120,19 +128,15 @@ def _node_cache(
 ) -> tuple[str | None, int | None, str]:
     """(kv_dtype, bits, scheme) of one GQA node: the quant attributes, else its cache port's type.
     An fp8 or unknown cache type is reported by its ONNX name; an untyped one as None."""
-    attrs = {a.name: a for a in node.attribute}
-    quant = {
-        n: attrs[n].s.decode(errors="replace").upper() if n in attrs else "NONE"
-        for n in ("k_quant_type", "v_quant_type")
-    }
-    kq, vq = quant["k_quant_type"], quant["v_quant_type"]
-    port = node.input[3] if len(node.input) > 3 and node.input[3] else ""
+    attrs = node_attrs(node)  # build_metadata's model_kv_layout checked their types first
+    kq, vq = (quant_type(attrs, n) for n in QUANT_TYPE_ATTRS)
+    port = node.input[PAST_KEY] if len(node.input) > PAST_KEY else ""
     elem = inputs.get(port, 0) if port else 0
-    if not elem and len(node.output) > 1 and node.output[1]:
-        elem = outputs.get(node.output[1], 0)
+    if not elem and len(node.output) > PRESENT_KEY and node.output[PRESENT_KEY]:
+        elem = outputs.get(node.output[PRESENT_KEY], 0)
     if kq != "NONE" or vq != "NONE":
         scheme = kq.lower() if kq == vq else f"k_{kq.lower()}_v_{vq.lower()}"
-        bits = attrs["kv_cache_bit_width"].i if "kv_cache_bit_width" in attrs else 0
+        bits = int(attrs.get("kv_cache_bit_width", 0))  # type: ignore[call-overload]
         if elem == onnx.TensorProto.FLOAT8E4M3FN:
             return "float8e4m3fn", 8, scheme
         return _QUANT_CACHES.get(bits, f"kv_cache_bit_width={bits}"), bits, scheme
