@@ -46,6 +46,10 @@ Methods and metric names follow vLLM's `bench serve` and SGLang's bench_serving:
   the stall, and its throughputs (and `duration_s`) run to its last event, not to the moment
   it was given up on. og.Engine events whose request is None or not one of ours are counted
   (`stray_events`) and skipped. A table with a stalled run gets a `stalled` column.
+* `--kv-quant none,int8-per-token,...`: the engine systems once per KV cache scheme, on the
+  seq-major patch of `--genai-model` with that quantized cache (tools/kvquant.py; `none` is
+  `--model`'s own cache), built beside the other models; at the same `--kv-budget`, the results
+  show what each scheme holds (KV bytes, preemptions, `max_concurrency`).
 * `--host-sampling`: the engine system with EngineConfig(sample_on_device=False) (the system
   `engine-host` is that engine beside the default one in the same run); the engine
   result records `sample_on_device` (None where EngineConfig has no such field) and the engine's
@@ -58,6 +62,7 @@ with the device, commit, command and workload.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -327,11 +332,43 @@ def engine_config(args, n: int):
         raise
 
 
+def variant_model(args) -> Path:
+    """The model of this engine variant: a --kv-quant scheme's patch, or --model."""
+    return args.variant[3] if len(args.variant) > 3 else args.model
+
+
+def kv_quant_models(args, schemes: list[str]) -> dict[str, Path]:
+    """Per --kv-quant scheme, its seq-major patch of --genai-model (built once, beside the
+    other models, weights hard-linked); `none` is --model itself."""
+    from ort_kvlayout.tools.kvquant import KV_QUANT_SCHEMES
+
+    models = {}
+    for scheme in schemes:
+        if scheme == "none":
+            models[scheme] = args.model
+            continue
+        if scheme not in KV_QUANT_SCHEMES:
+            raise SystemExit(
+                f"--kv-quant {scheme!r}: expected none or one of {', '.join(KV_QUANT_SCHEMES)}"
+            )
+        root = args.build_dir or default_build_dir()
+        out = root / f"{args.genai_model.name}-seq-major-{scheme}"
+        if not (out / ".complete").is_file():
+            from ort_kvlayout.tools.patch import patch_model_dir
+
+            print(f"patching {out} (seq-major, {scheme} KV cache)", file=sys.stderr)
+            patch_model_dir(args.genai_model, out, layout="seq-major", kv_quant=scheme,
+                            force=True, link=True)  # fmt: skip
+            (out / ".complete").write_text(f"{args.genai_model.name}: {scheme}\n")
+        models[scheme] = out
+    return models
+
+
 def run_engine(args, items: list[Item]) -> dict:
     from ort_kvlayout.serve.engine import Engine
 
     config = engine_config(args, len(items))
-    engine = Engine(args.model, config)
+    engine = Engine(variant_model(args), config)
     try:
         result = _run_engine(engine, items, args.deadline, args.stall_timeout)
     finally:
@@ -339,6 +376,7 @@ def run_engine(args, items: list[Item]) -> dict:
         # daemon; the cache is then left to the process's end).
         engine.close(timeout=CLOSE_GRACE_S)
     result["sample_on_device"] = getattr(config, "sample_on_device", None)
+    result["model"] = variant_model(args).name
     return result
 
 
@@ -415,7 +453,7 @@ def run_server(args, items: list[Item]) -> dict:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     chunk, cache = args.variant[:2]
-    cmd = [sys.executable, "-m", "ort_kvlayout.serve.cli", "serve", str(args.model),
+    cmd = [sys.executable, "-m", "ort_kvlayout.serve.cli", "serve", str(variant_model(args)),
            "--port", str(port), "--max-batch", str(args.max_batch), "--prefill-chunk",
            str(chunk), "--cache", cache, "--provider", args.provider,
            "--max-waiting", str(len(items) + 1), "--model-id", "bench"]  # fmt: skip
@@ -995,6 +1033,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stall-timeout", type=float, default=STALL_TIMEOUT_S,
                    help="a run also stalls after this many seconds without an event while "
                         "requests are unfinished; default %(default)s")  # fmt: skip
+    p.add_argument("--kv-quant", default="", metavar="SCHEMES",
+                   help="engine runs per KV cache scheme: none,int8-per-token,...")  # fmt: skip
     p.add_argument("--host-sampling", action="store_true",
                    help="the engine system samples on the host (EngineConfig "
                         "sample_on_device=False)")  # fmt: skip
@@ -1045,18 +1085,22 @@ def main(argv: list[str] | None = None) -> int:
     # Each system (and each engine prefill chunk) runs --repeat times, in turn, so that a
     # shared machine's load changes hit them alike; the run of median output throughput counts.
     systems = []
+    schemes = args.kv_quant.split(",") if args.kv_quant else ["none"]
+    quant_models = kv_quant_models(args, schemes)
     for name in args.systems.split(","):
         if name in ("engine", "engine-host", "server"):
             fn = run_server if name == "server" else run_engine
             sampling = "host" if name == "engine-host" else "device"
-            for cache in args.cache.split(","):
-                for chunk in args.prefill_chunk.split(","):
-                    notes = [f"chunk {chunk}"] if "," in args.prefill_chunk else []
-                    notes += [cache] if "," in args.cache else []
-                    base = "engine" if name == "engine-host" else name
-                    notes += ["host sampling"] if name == "engine-host" else []
-                    label = f"{base} ({', '.join(notes)})" if notes else base
-                    systems.append((label, fn, (int(chunk), cache, sampling)))
+            for scheme, cache, chunk in itertools.product(
+                schemes, args.cache.split(","), args.prefill_chunk.split(",")
+            ):
+                notes = [f"chunk {chunk}"] if "," in args.prefill_chunk else []
+                notes += [cache] if "," in args.cache else []
+                notes += [f"{scheme} KV"] if args.kv_quant and scheme != "none" else []
+                base = "engine" if name == "engine-host" else name
+                notes += ["host sampling"] if name == "engine-host" else []
+                label = f"{base} ({', '.join(notes)})" if notes else base
+                systems.append((label, fn, (int(chunk), cache, sampling, quant_models[scheme])))
         elif name in ("genai", "genai-paged"):
             paged = name == "genai-paged"
             systems.append((name, lambda a, i, paged=paged: run_genai(a, i, paged), None))

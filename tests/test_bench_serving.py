@@ -110,6 +110,34 @@ def test_end_to_end_on_a_tiny_random_llama(tmp_path, capsys):
     assert record["results"]["engine"]["output_throughput_vs_genai"] > 0
 
 
+def test_kv_quant_runs_the_engine_once_per_cache_scheme(tmp_path):
+    """--kv-quant: the engine on the model's own cache and on its int8 PER_TOKEN patch, built
+    beside the others; the same budget holds more requests with the smaller cache."""
+    pytest.importorskip("onnxruntime_genai")
+    pytest.importorskip("transformers")
+    from serve_util import library_or_skip
+
+    library_or_skip()
+    out = tmp_path / "result.json"
+    argv = ["--model-shape", "tiny-llama", "--build-dir", str(tmp_path / "models"),
+            "--dataset", "long", "--input-range", "200,240", "--output-range", "4,6",
+            "--num-requests", "6", "--max-batch", "6", "--systems", "engine",
+            "--kv-quant", "none,int8-per-token", "--capacity", "256",
+            "--kv-budget", str(3 * 256 * 2 * 2 * 2 * 16 * 4), "--json", str(out)]  # fmt: skip
+    assert bench.main(argv) == 0
+    results = json.loads(out.read_text())["results"]
+    plain, quant = results["engine"], results["engine (int8-per-token KV)"]
+    assert plain["model"].endswith("-seq-major")
+    assert quant["model"].endswith("-seq-major-int8-per-token")
+    assert plain["completed"] == quant["completed"] == 6
+    # 3 whole fp32 sequences fit the budget, so the engine preempts; int8 codes plus a scale
+    # per row hold all 6 in fewer bytes
+    assert quant["preemptions"] == 0 < plain["preemptions"]
+    assert quant["peak_committed_kv_bytes"] < plain["peak_committed_kv_bytes"]
+    with pytest.raises(SystemExit, match="--kv-quant 'int9'"):
+        bench.main([*argv, "--kv-quant", "int9"])
+
+
 # --- Stalls: every run ends by its deadline or stall timeout, and strays never crash it -------
 
 
