@@ -9,6 +9,7 @@
 #                                          (SYSTEMS= another list)
 #   bash scripts/gpu_serving.sh long       # bench_serving long mix: engine, og paged
 #   bash scripts/gpu_serving.sh prealloc   # long mix: growable against preallocated slots
+#   bash scripts/gpu_serving.sh quant      # long mix: fp16 against quantized KV caches (KV_QUANT=)
 #
 # setup needs the wheel chunks in .device/wheels0..5 (shared/tools/stage-device-wheels) and the
 # ORT and cuDNN-frontend headers in .device/hdr/{ort,cudnn_frontend/include}. Results go to $OUT (or
@@ -63,13 +64,19 @@ case "${1:-}" in
       --request-rate 2 --prefill-chunk "${CHUNK:-4096}" --systems engine,genai-paged \
       --json "$OUT/serving-long.json"
     ;;
+  quant)
+    python3 bench/bench_serving.py "${COMMON[@]}" --dataset long --num-requests 64 \
+      --request-rate "${RATE:-2}" --prefill-chunk "${CHUNK:-4096}" --systems engine \
+      --kv-quant "${KV_QUANT:-none,int8-per-token,fp8-per-token}" \
+      --json "$OUT/serving-long-kvquant.json"
+    ;;
   prealloc)
     python3 bench/bench_serving.py "${COMMON[@]}" --dataset long --num-requests 64 \
       --request-rate 2 --prefill-chunk "${CHUNK:-4096}" --cache growable,preallocated \
       --systems engine --json "$OUT/serving-long-prealloc.json"
     ;;
   *)
-    sed -n 2,16p "$0"
+    sed -n 2,18p "$0"
     exit 2
     ;;
 esac
