@@ -87,6 +87,8 @@ class _Sampling:
     top_p: np.ndarray
     uniform: np.ndarray
 
+    last: list | None = None  # the rows of the last fill, when all of them were greedy
+
     @classmethod
     def zeros(cls, rows: int) -> _Sampling:
         return cls(np.zeros(rows, np.float32), np.zeros(rows, np.int32),
@@ -94,6 +96,8 @@ class _Sampling:
 
     def fill(self, rows: list[Sampler | None]) -> bool:
         """Sets every row (greedy for None); True when a value changed."""
+        if rows == self.last:  # the same samplers (params are frozen), none drawing: no change
+            return False
         t, k, p, u = self.temperature.copy(), self.top_k.copy(), self.top_p.copy(), self.uniform
         u_changed = False
         for i, sampler in enumerate(rows):
@@ -109,6 +113,7 @@ class _Sampling:
             and np.array_equal(p, self.top_p)
         )  # fmt: skip
         self.temperature, self.top_k, self.top_p = t, k, p
+        self.last = None if u_changed else list(rows)
         return changed
 
     def feeds(self, names: ServedInputs) -> dict[str, np.ndarray]:
