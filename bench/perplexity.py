@@ -75,7 +75,7 @@ TEXT = {
 WINDOW = 2048
 PRECISION, EP = "fp32", "cpu"
 DEFAULT_JSON = ROOT / "bench" / "results" / "perplexity-cpu-smollm2.json"
-# (issue 46) the largest perplexity increase over the unquantized cache each row may show, in %
+# The accuracy targets: the most a row's perplexity may exceed the unquantized cache's, in %
 TARGETS = {"int8-per-token": 0.5, "fp8-per-token": 1.0, "fp8-per-channel": 1.0,
            "fp8-per-tensor": 1.0}  # fmt: skip
 

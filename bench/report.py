@@ -5,9 +5,10 @@
     python bench/report.py --check    # exit 1 where a document differs from what this writes
 
 Each table lies between `<!-- report:NAME -->` and `<!-- /report:NAME -->` in its document; the
-text outside the markers is left alone; a table whose JSON bench/results/ lacks (the cold
-grids, the stacks) leaves its markers empty. A table names its date, device, commit and command, all
-read from its JSON, and every ratio against ORT is ORT's built-in
+text outside the markers is left alone. A table whose JSON bench/results/ may lack (the cold
+grids, the stacks) carries its heading and introduction inside its block, and without its JSON
+leaves its markers empty, so no text introduces a missing table. A table names its date, device,
+commit and command, all read from its JSON, and every ratio against ORT is ORT's built-in
 com.microsoft::GroupQueryAttention time over ours (or our GB/s over its), both measured in the
 same run (higher is faster for us); docs/QUANTIZATION.md's CUDA table also gives ours quantized
 over ours fp16 (lower is faster for the quantized cache). A serving table
@@ -218,6 +219,26 @@ def cpu_block(title: str, files: list[tuple[str, dict]]) -> list[str]:
                     f"| {r['ratio']['kv1']:.2f}x |"
                 )
     return lines
+
+
+def _introduced(intro: list[str], table: list[str]) -> list[str]:
+    """`intro` (paragraphs, a heading) and a blank line before `table`; nothing where `table` is
+    empty (its JSON not committed), so no sentence introduces a missing table."""
+    return [line for p in intro for line in (p, "")] + table if table else []
+
+
+# docs/PERFORMANCE.md's optional sections, each its block's heading and first paragraph.
+CUDA_COLD_INTRO = [
+    "### Cold caches",
+    (
+        "Decode with every timed Run after an L2 flush (`--flush-l2`): what a call costs inside "
+        "a model, whose other layers evict the cache, the kernel's code and the op's state."
+    ),
+]
+STACKS_INTRO = [
+    "### Whole stacks",
+    "One decode step of a stack of GQA layers under CUDA graph replay (`bench_stack.py`):",
+]
 
 
 def cuda_cold(data: dict, name: str) -> list[str]:
@@ -443,6 +464,15 @@ def _targeted(row: dict) -> bool:
     return scheme.startswith(("int8", "fp8")) and row["length"] >= QUANT_TARGET_LENGTH
 
 
+# docs/QUANTIZATION.md's sentence before the cold quantized table.
+CUDA_QUANT_COLD_INTRO = [
+    (
+        "With the L2 flushed before each timed Run, as in a model whose layers' caches together "
+        "exceed the L2 (the case of the B=1 rows above whose caches fit in it):"
+    ),
+]
+
+
 def cuda_quant(data: dict, name: str) -> list[str]:
     """bench_cuda.py --kv-quant: kernel times of ORT fp16 and quantized, ours fp16 and quantized,
     the two ratios against their targets, and how far ours is from ORT's quantized output."""
@@ -631,9 +661,12 @@ def blocks(results: Path = RESULTS) -> dict[str, dict[str, str]]:
     out["cuda-decode"] = cuda_table(cuda, "decode")
     out["cuda-prefill"] = cuda_table(cuda, "prefill")
     cold = results / CUDA_COLD
-    out["cuda-cold"] = cuda_cold(json.loads(cold.read_text()), CUDA_COLD) if cold.exists() else []
-    out["stacks"] = stacks(
-        [(f.name, json.loads(f.read_text())) for f in sorted(results.glob(STACKS))]
+    out["cuda-cold"] = _introduced(
+        CUDA_COLD_INTRO, cuda_cold(json.loads(cold.read_text()), CUDA_COLD) if cold.exists() else []
+    )
+    out["stacks"] = _introduced(
+        STACKS_INTRO,
+        stacks([(f.name, json.loads(f.read_text())) for f in sorted(results.glob(STACKS))]),
     )
     kv = json.loads((results / KV_MEMORY).read_text())
     out["kv-memory"] = kv_memory(kv, KV_MEMORY)
@@ -653,10 +686,11 @@ def blocks(results: Path = RESULTS) -> dict[str, dict[str, str]]:
     for n in CUDA_QUANT:
         quant[Path(n).stem] = cuda_quant(json.loads((results / n).read_text()), n)
     cold_quant = results / CUDA_QUANT_COLD
-    quant[Path(CUDA_QUANT_COLD).stem] = (
+    quant[Path(CUDA_QUANT_COLD).stem] = _introduced(
+        CUDA_QUANT_COLD_INTRO,
         cuda_quant(json.loads(cold_quant.read_text()), CUDA_QUANT_COLD)
         if cold_quant.exists()
-        else []
+        else [],
     )
     for n in CPU_QUANT:
         quant[Path(n).stem] = cpu_quant(json.loads((results / n).read_text()), n)

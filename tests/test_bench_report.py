@@ -123,27 +123,61 @@ def test_ratios_are_ort_time_over_ours():
     assert "at 0 of 1 points" in summary and "9/3/64 B=1 L=1024 kv_layout=1" in summary
 
 
-def test_a_table_without_its_json_leaves_its_markers_empty(tmp_path):
+STACK = {"layers": 30, "heads": "9/3/64", "mlp": 1536, "date": "2026-12-06 01:00 UTC",
+         "device": "NVIDIA H200", "onnxruntime": "1.31.1", "git": "abc1234", "steps": 50,
+         "rounds": 1, "command": "python bench/bench_stack.py --json x.json",
+         "rows": [{"batch": 1, "length": 4096, "ort_ms": 0.33, "kv0_ms": 0.30, "kv1_ms": 0.333}]}  # fmt: skip
+
+# The blocks whose JSON may be missing, each with the heading and sentences it carries.
+OPTIONAL = {
+    ("doc", "cuda-cold"): report.CUDA_COLD_INTRO,
+    ("doc", "stacks"): report.STACKS_INTRO,
+    ("quant", Path(report.CUDA_QUANT_COLD).stem): report.CUDA_QUANT_COLD_INTRO,
+}
+
+
+def _results_without_optional(tmp_path: Path) -> Path:
     optional = {report.CUDA_COLD, report.CUDA_QUANT_COLD}
     for f in report.RESULTS.glob("*.json"):
         if f.name not in optional and not fnmatch.fnmatch(f.name, report.STACKS):
             (tmp_path / f.name).write_bytes(f.read_bytes())
-    blocks = report.blocks(tmp_path)
-    assert blocks["doc"]["cuda-cold"] == "" and blocks["doc"]["stacks"] == ""
-    assert blocks["quant"][Path(report.CUDA_QUANT_COLD).stem] == ""
-    for key in ("doc", "quant"):  # the documents keep the markers, with nothing between them
+    return tmp_path
+
+
+def test_a_table_without_its_json_leaves_its_markers_empty_and_no_prose_about_it(tmp_path):
+    blocks = report.blocks(_results_without_optional(tmp_path))
+    for (key, name), intro in OPTIONAL.items():
+        assert blocks[key][name] == "", name
+        # The document keeps the markers, with nothing between them, and no heading or sentence
+        # outside them that introduces the missing table.
         text = report.splice(report.DOCUMENTS[key].read_text(), blocks[key])
-        for name, body in blocks[key].items():
-            if not body:
-                assert f"<!-- report:{name} -->\n<!-- /report:{name} -->" in text
+        assert f"<!-- report:{name} -->\n<!-- /report:{name} -->" in text
+        for paragraph in intro:
+            assert paragraph not in text, paragraph
+        before = text[: text.index(f"<!-- report:{name} -->")].rstrip().splitlines()[-1]
+        assert not before.startswith("#") and not before.endswith(":"), (name, before)
+
+
+def test_a_table_with_its_json_follows_its_heading_and_introduction(tmp_path):
+    results = _results_without_optional(tmp_path)
+    for n in (report.CUDA, report.CUDA_QUANT[1]):  # their cold runs, as the same JSON flushed
+        data = json.loads((report.RESULTS / n).read_text())
+        cold = report.CUDA_COLD if n == report.CUDA else report.CUDA_QUANT_COLD
+        (results / cold).write_text(json.dumps({**data, "flush_l2": True}))
+    (results / "stack-9-3-64.json").write_text(json.dumps(STACK))
+    blocks = report.blocks(results)
+    for (key, name), intro in OPTIONAL.items():
+        body = blocks[key][name]
+        head = "".join(f"{p}\n\n" for p in intro)
+        assert body.startswith(head), name
+        assert body[len(head) :].startswith(("Measured ", "Decode, ", "30 layers of ")), name
+        text = report.splice(report.DOCUMENTS[key].read_text(), blocks[key])
+        assert f"<!-- report:{name} -->\n{head}" in text
+        assert all(text.count(p) == 1 for p in intro), name
 
 
 def test_a_stack_table_gives_ratios_and_the_time_saved_per_layer():
-    stack = {"layers": 30, "heads": "9/3/64", "mlp": 1536, "date": "2026-12-06 01:00 UTC",
-             "device": "NVIDIA H200", "onnxruntime": "1.31.1", "git": "abc1234", "steps": 50,
-             "rounds": 1, "command": "python bench/bench_stack.py --json x.json",
-             "rows": [{"batch": 1, "length": 4096, "ort_ms": 0.33, "kv0_ms": 0.30, "kv1_ms": 0.333}]}  # fmt: skip
-    lines = report.stacks([("stack-9-3-64.json", stack)])
+    lines = report.stacks([("stack-9-3-64.json", STACK)])
     assert "30 layers of 9/3/64, MatMuls 1536 wide" in lines[0] and "`abc1234`" in lines[0]
     assert lines[-1] == "| 1 | 4096 | 0.330 | 0.300 | 0.333 | 1.10x | 0.99x | 1.0 / -0.1 |"
 

@@ -1,4 +1,5 @@
-"""The builder's quantized-KV-cache SmolLM2-135M models, patched to kv_layout=1 (issue 46, item 4).
+"""The builder's quantized-KV-cache SmolLM2-135M models, patched to kv_layout=1, against
+the same models through ORT's own op.
 
 Each model is onnxruntime-genai's builder output with `kv_cache_quant_scheme` (fp32 weights, CPU,
 scales calibrated by onnxruntime-genai's kv_cache_calibration), made once by
