@@ -31,4 +31,18 @@ Status OpError(const char* op, Args&&... parts) {
   return Status::Error(out.str());
 }
 
+// How each op's messages start, and its errors.
+constexpr const char* kGqaOp = "ai.kvlayout::GroupQueryAttention: ";
+constexpr const char* kSampleOp = "ai.kvlayout::SampleTokens: ";
+
+template <typename... Args>
+Status GqaError(Args&&... parts) {
+  return OpError(kGqaOp, std::forward<Args>(parts)...);
+}
+
+template <typename... Args>
+Status SampleError(Args&&... parts) {
+  return OpError(kSampleOp, std::forward<Args>(parts)...);
+}
+
 }  // namespace kvl

@@ -11,26 +11,20 @@
 namespace kvl {
 namespace {
 
-constexpr const char* kOp = "ai.kvlayout::SampleTokens: ";
-
-template <typename... Args>
-Status Fail(Args&&... args) {
-  return OpError(kOp, std::forward<Args>(args)...);
-}
-
 // A per-row input: its element type and one element per row.
 Status CheckPerRow(const SampleInputInfos& inputs, SampleInput which, DType dtype,
                    const SampleShape& s, const std::vector<int64_t>& logits_shape) {
   const TensorInfo& t = inputs[static_cast<int>(which)];
   if (t.dtype != dtype) {
-    return Fail("input '", SampleInputName(which), "' must be ", DTypeName(dtype), ", got ",
-                DTypeName(t.dtype));
+    return SampleError("input '", SampleInputName(which), "' must be ", DTypeName(dtype), ", got ",
+                       DTypeName(t.dtype));
   }
   if (t.NumElements() != s.rows) {
-    return Fail("input '", SampleInputName(which), "' must hold one value per row of 'logits' (",
-                s.rows, " rows: logits has shape ", ShapeString(logits_shape),
-                ", rows = numel / vocab), got shape ", ShapeString(t.shape), " with ",
-                t.NumElements(), " elements");
+    return SampleError("input '", SampleInputName(which),
+                       "' must hold one value per row of 'logits' (", s.rows,
+                       " rows: logits has shape ", ShapeString(logits_shape),
+                       ", rows = numel / vocab), got shape ", ShapeString(t.shape), " with ",
+                       t.NumElements(), " elements");
   }
   return Status::Ok();
 }
@@ -46,25 +40,26 @@ const char* SampleInputName(SampleInput input) {
 Status CheckSampleInputs(const SampleInputInfos& inputs, SampleShape* shape) {
   for (int i = 0; i < kSampleInputCount; ++i) {
     if (!inputs[i].exists) {
-      return Fail("input '", SampleInputName(static_cast<SampleInput>(i)), "' is required");
+      return SampleError("input '", SampleInputName(static_cast<SampleInput>(i)), "' is required");
     }
   }
   const TensorInfo& logits = inputs[static_cast<int>(SampleInput::kLogits)];
   SampleShape s;
   s.dtype = logits.dtype;
   if (s.dtype != DType::kFloat32 && s.dtype != DType::kFloat16 && s.dtype != DType::kBFloat16) {
-    return Fail("input 'logits' must be float32, float16 or bfloat16, got ",
-                DTypeName(logits.dtype));
+    return SampleError("input 'logits' must be float32, float16 or bfloat16, got ",
+                       DTypeName(logits.dtype));
   }
   if (logits.shape.size() < 2) {
-    return Fail("input 'logits' must have rank >= 2, (..., vocab): one token per row of the ",
-                "last dimension; got shape ", ShapeString(logits.shape));
+    return SampleError(
+        "input 'logits' must have rank >= 2, (..., vocab): one token per row of the ",
+        "last dimension; got shape ", ShapeString(logits.shape));
   }
   s.vocab = logits.shape.back();
   if (s.vocab < 1 || s.vocab > std::numeric_limits<int32_t>::max()) {
-    return Fail("input 'logits' must have a last dimension (the vocabulary) in [1, ",
-                std::numeric_limits<int32_t>::max(), "] (token ids are int32 inside the ",
-                "kernels), got shape ", ShapeString(logits.shape));
+    return SampleError("input 'logits' must have a last dimension (the vocabulary) in [1, ",
+                       std::numeric_limits<int32_t>::max(), "] (token ids are int32 inside the ",
+                       "kernels), got shape ", ShapeString(logits.shape));
   }
   s.output_shape.assign(logits.shape.begin(), logits.shape.end() - 1);
   s.rows = 1;
