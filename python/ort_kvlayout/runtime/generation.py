@@ -56,6 +56,7 @@ import onnx
 import onnxruntime as ort
 
 from ..op.length_errors import check_length_error
+from .fixed_binding import FixedBinding
 from .kv_cache import (
     BUCKET_TOKENS,
     CACHE_MODES,
@@ -479,58 +480,30 @@ class Runtime:
 
 
 class _DecodeBinding:
-    """The fixed decode binding: every input and output at one address with one shape, as a CUDA
-    graph needs (device OrtValues on CUDA, host arrays bound by pointer on the CPU)."""
+    """The fixed decode binding (runtime/fixed_binding.py): ids, mask and positions in, the
+    logits out, every one at one address with one shape, as a CUDA graph needs."""
 
     def __init__(self, rt: Runtime, cache: KvCache):
         spec = rt.spec
         self.cache, self.generation = cache, cache.generation
         batch, width = cache.batch, cache.capacity
-        self.device = "cuda" if rt.provider == "cuda" else "cpu"
         self.mask = np.zeros((batch, width), spec.mask_dtype)
-        host = {
-            spec.input_ids: np.zeros((batch, 1), np.int64),
-            spec.attention_mask: self.mask,
-        }
+        inputs = {spec.input_ids: np.zeros((batch, 1), np.int64), spec.attention_mask: self.mask}
         if spec.position_ids:
-            host[spec.position_ids] = np.zeros((batch, 1), np.int64)
+            inputs[spec.position_ids] = np.zeros((batch, 1), np.int64)
         self._names = spec
-        self._host_logits = np.zeros((batch, 1, spec.vocab_size), rt.logits_dtype)
-        self.binding = rt.session.io_binding()
-        rt._bind_kv(self.binding, cache)
-        if self.device == "cpu":
-            self._host = host
-            for name, array in host.items():
-                self.binding.bind_input(
-                    name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data
-                )
-            self.binding.bind_output(
-                spec.logits, "cpu", 0, rt.logits_dtype, list(self._host_logits.shape),
-                self._host_logits.ctypes.data,
-            )  # fmt: skip
-            self._device: dict[str, ort.OrtValue] = {}
-        else:
-            self._host = host
-            self._device = {
-                name: ort.OrtValue.ortvalue_from_numpy(array, "cuda", rt.device_id)
-                for name, array in host.items()
-            }
-            for name, value in self._device.items():
-                self.binding.bind_ortvalue_input(name, value)
-            self._device_logits = ort.OrtValue.ortvalue_from_numpy(
-                self._host_logits, "cuda", rt.device_id
-            )
-            self.binding.bind_ortvalue_output(spec.logits, self._device_logits)
+        self._fixed = FixedBinding(
+            rt.session, "cuda" if rt.provider == "cuda" else "cpu", rt.device_id, cache.buffers,
+            inputs, {spec.logits: np.zeros((batch, 1, spec.vocab_size), rt.logits_dtype)},
+        )  # fmt: skip
+        self.binding = self._fixed.binding
 
     def set_inputs(self, feed: np.ndarray, positions: np.ndarray) -> None:
-        spec = self._names
-        self._host[spec.input_ids][:] = feed
+        spec, host = self._names, self._fixed.host
+        host[spec.input_ids][:] = feed
         if spec.position_ids:
-            self._host[spec.position_ids][:] = positions
-        for name, value in self._device.items():  # same device address: update in place
-            value.update_inplace(self._host[name])
+            host[spec.position_ids][:] = positions
+        self._fixed.upload(host)  # the mask too: it was edited in place
 
     def logits(self) -> np.ndarray:
-        if self.device == "cpu":
-            return self._host_logits
-        return self._device_logits.numpy()
+        return self._fixed.read(self._names.logits)

@@ -35,6 +35,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..model.serving_graph import ServedInputs
+from ..runtime.fixed_binding import FixedBinding
 from ..runtime.generation import CUDA_GRAPH_WARMUP_RUNS, Runtime
 from ..runtime.kv_cache import KvCache, bind_in_place
 from ..runtime.sampling import GREEDY, Sampler
@@ -264,50 +265,35 @@ class _BucketCall:
     def __init__(self, executor: Executor, bucket: int):
         rt, spec, served = executor.runtime, executor.spec, executor.served
         self.bucket, self.served, self.spec = bucket, served, spec
-        self.device = executor.device
         capacity = executor.cache.capacity
         self._lengths = np.zeros(bucket, np.int64)  # rows of each mask row / length now
-        self._host: dict[str, np.ndarray] = {spec.input_ids: np.zeros((bucket, 1), np.int64)}
+        inputs: dict[str, np.ndarray] = {spec.input_ids: np.zeros((bucket, 1), np.int64)}
         if spec.position_ids:
-            self._host[spec.position_ids] = np.zeros((bucket, 1), np.int64)
+            inputs[spec.position_ids] = np.zeros((bucket, 1), np.int64)
+        outputs = {spec.logits: np.zeros((bucket, 1, spec.vocab_size), rt.logits_dtype)}
+        host_inputs = {}
         if served is not None:
             self._sampling = _Sampling.zeros(bucket)
-            self._host[served.seqlens] = np.zeros(bucket, np.int32)
-            self._host[served.logits_positions] = np.zeros(bucket, np.int64)
-            self._host.update(self._sampling.feeds(served))
-            self._total = np.array(capacity, np.int32)  # in CPU memory (the op's input 6)
-            outputs = {
-                spec.logits: np.zeros((bucket, 1, spec.vocab_size), rt.logits_dtype),
-                served.token_ids: np.zeros((bucket, 1), np.int64),
-            }
+            inputs[served.seqlens] = np.zeros(bucket, np.int32)
+            inputs[served.logits_positions] = np.zeros(bucket, np.int64)
+            inputs.update(self._sampling.feeds(served))
+            # in CPU memory (the op's input 6); the logits stay on the device
+            host_inputs[served.total] = np.array(capacity, np.int32)
+            outputs[served.token_ids] = np.zeros((bucket, 1), np.int64)
             self._read = served.token_ids
         else:
             self.mask = np.zeros((bucket, capacity), spec.mask_dtype)
-            self._host[spec.attention_mask] = self.mask
-            outputs = {spec.logits: np.zeros((bucket, 1, spec.vocab_size), rt.logits_dtype)}
+            inputs[spec.attention_mask] = self.mask
             self._read = spec.logits
-        self._outputs = outputs
-        self.binding = rt.session.io_binding()
-        bind_in_place(self.binding, executor.cache.entry_buffers(0, bucket))
-        if served is not None:
-            self.binding.bind_input(served.total, "cpu", 0, np.int32, [], self._total.ctypes.data)
-        self._device: dict[str, ort.OrtValue] = {}
-        if self.device == "cpu":
-            for name, array in (*self._host.items(), *outputs.items()):
-                bind = self.binding.bind_input if name in self._host else self.binding.bind_output
-                bind(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
-        else:
-            for name, array in (*self._host.items(), *outputs.items()):
-                value = ort.OrtValue.ortvalue_from_numpy(array, "cuda", executor.device_id)
-                self._device[name] = value
-                if name in self._host:
-                    self.binding.bind_ortvalue_input(name, value)
-                else:
-                    self.binding.bind_ortvalue_output(name, value)
-        self._dirty = set(self._host)  # every input is uploaded before the first call
+        self._fixed = FixedBinding(
+            rt.session, executor.device, executor.device_id,
+            executor.cache.entry_buffers(0, bucket), inputs, outputs, host_inputs,
+        )  # fmt: skip
+        self.binding = self._fixed.binding
+        self._dirty = set(inputs)  # every input is uploaded before the first call
 
     def set_inputs(self, ids: list[int], totals: list[int], rows: list[Sampler | None]) -> None:
-        spec, host = self.spec, self._host
+        spec, host = self.spec, self._fixed.host
         host[spec.input_ids][:, 0] = ids
         self._dirty.add(spec.input_ids)
         if spec.position_ids:
@@ -332,14 +318,10 @@ class _BucketCall:
                     self.mask[i, t:held] = 0
                 self._lengths[i] = t
             self._dirty.add(spec.attention_mask)
-        if self._device:  # the same device addresses: updated in place
-            for name in self._dirty:
-                self._device[name].update_inplace(host[name])
+        self._fixed.upload(self._dirty)  # the same device addresses: updated in place
         self._dirty.clear()
 
     def output(self) -> np.ndarray:
         """Token ids (bucket, 1), or the logits (bucket, 1, vocab) of the model's own graph; on
         the CPU the bound buffer itself, valid until the next call."""
-        if self.device == "cpu":
-            return self._outputs[self._read]
-        return self._device[self._read].numpy()
+        return self._fixed.read(self._read)
