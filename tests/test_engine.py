@@ -51,8 +51,8 @@ def alone(model) -> list[list[int]]:
 
 @pytest.fixture(autouse=True, params=[False, True], ids=["serial", "overlap"])
 def overlap(request, monkeypatch):
-    """Every engine test runs both ways: the step's calls on the engine thread, and on a worker
-    while the engine thread hands over the previous step's events (the CUDA default)."""
+    """Every engine test runs both ways: events handed over by the engine thread after each
+    step, and by a publisher thread during the next step's calls (the CUDA default)."""
     from ort_kvlayout.serve.engine import EngineConfig
 
     monkeypatch.setattr(
@@ -569,7 +569,7 @@ def test_step_profile_counts_every_step(model):
         "readback",
         "sample",
         "emit",
-        "wait",
+        "publish",
     }
     assert profile["total_ms"]["run"] > 0
 

@@ -13,7 +13,7 @@ with the engine's overlap on and off (EngineConfig.overlap; default: the engine'
 warm-up request runs first in each mode (CUDA graphs captured, cuDNN plans built).
 
 Per mode it prints the engine's step profile (StepProfile in serve/executor.py: schedule, kv,
-inputs, run, readback, sample, emit, wait; ms per step, from perf_counter) and the wall time per
+inputs, run, readback, sample, emit, publish; ms per step, from perf_counter) and the wall time per
 step of a clean pass, then, when torch with CUDA is importable (its profiler sees ORT's kernels
 in the same process through CUPTI), runs the same requests again under the profiler for the
 GPU's kernel time per step: what a step would cost if the host never made the GPU wait. CUPTI

@@ -38,11 +38,12 @@ False or the graph does not allow it. Each step:
 A request's slot and pages go back to the pool the moment it finishes or is cancelled, but for
 the granule under its row 0, kept until the next step for its next request or scratch row; a
 waiting request reuses the slot in place (0 bytes moved). Events reach their readers after the
-step's counters are published. With `overlap` (the CUDA default) that happens while the next
-step's calls run on a worker thread: the engine thread plans a step, launches its calls, then
-decodes the previous step's text, hands its events over and publishes its stats, and only then
-waits for the calls; a stop string is still checked as its token comes (a request with stop
-strings has its text decoded at once), so no request runs a step past its end.
+step's counters are published. With `overlap` (the CUDA default) that work leaves the step's
+critical path: the engine thread plans a step, passes the previous step's stats and events to a
+publisher thread, and runs the step's calls, during which (ORT's Run releases the GIL) the
+publisher decodes the events' text and hands them over. A stop string is still checked as its
+token comes (a request with stop strings has its text decoded at once), so no request runs a
+step past its end.
 
 Why not one mixed call with `query_seqlens` (GQA input 16): a right-padded call computes every
 row of its (batch, longest chunk) shape in the dense layers, so padding the decode rows to a
@@ -54,7 +55,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import functools
 import itertools
 import os
@@ -350,11 +350,9 @@ class Engine:
         self._ids = itertools.count(1)
         self._outbox: list[tuple] = []  # events of this step (_deliver)
         self._failed: set[int] = set()  # requests whose callback raised: cancelled, events dropped
-        self._calls = (
-            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ort-kvlayout-calls")
-            if config.overlapped
-            else None
-        )
+        # overlap: (snapshot, events) of each step, published by a thread of their own
+        self._handoff: queue.SimpleQueue | None = queue.SimpleQueue() if config.overlapped else None
+        self._publisher: threading.Thread | None = None
         self.executor = Executor(
             self.runtime, self.cache, config.graphs, served.inputs if served is not None else None
         )
@@ -364,7 +362,7 @@ class Engine:
         self._drain = False
         self._thread: threading.Thread | None = None
         self._snapshot: dict = {}
-        self._update_snapshot()
+        self._snapshot = self._make_snapshot()
         if start:
             self.start()
 
@@ -440,6 +438,11 @@ class Engine:
     # Any thread
 
     def start(self) -> None:
+        if self._handoff is not None and self._publisher is None:
+            self._publisher = threading.Thread(
+                target=self._publish_loop, name="ort-kvlayout-publisher", daemon=True
+            )
+            self._publisher.start()
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="ort-kvlayout-engine")
             self._thread.daemon = True
@@ -550,8 +553,10 @@ class Engine:
             if self._thread.is_alive():
                 return  # still draining: the caller chose a timeout
             self._thread = None
-        if self._calls is not None:
-            self._calls.shutdown()
+        if self._publisher is not None:  # every event handed over before close returns
+            self._handoff.put(None)
+            self._publisher.join(timeout)
+            self._publisher = None
         self.executor.close()
         self.cache.close()
         self.runtime.close()
@@ -600,14 +605,28 @@ class Engine:
                 message = f"{type(exc).__name__}: {exc}"
                 for r in self._running():
                     self._finish(r, "error", error=message)
-            if self._calls is None or not self._has_work():
-                self._publish()  # else during the next step's calls
+            if self._handoff is None or not self._has_work():
+                self._publish()  # else before the next step's calls
 
     def _publish(self) -> None:
         """The stats as of now, then the queued events (so a reader that sees its last event
-        also sees stats() without its request)."""
-        self._update_snapshot()
-        self._flush()
+        also sees stats() without its request): here, or with overlap on the publisher."""
+        snapshot = self._make_snapshot()
+        outbox, self._outbox = self._outbox, []
+        if self._handoff is not None:
+            self._handoff.put((snapshot, outbox))
+            return
+        with self._cond:
+            self._snapshot = snapshot
+        self._flush(outbox)
+
+    def _publish_loop(self) -> None:
+        """The publisher thread (overlap): each step's stats, then its events, in step order."""
+        while (item := self._handoff.get()) is not None:
+            snapshot, outbox = item
+            with self._cond:
+                self._snapshot = snapshot
+            self._flush(outbox)
 
     def _has_work(self) -> bool:
         return bool(self._waiting) or any(r is not None for r in self._slots)
@@ -664,11 +683,11 @@ class Engine:
         (_publish)."""
         self._outbox.append((r, token, text, reason, error, r.generated, len(r.seq)))
 
-    def _flush(self) -> None:
-        """Decodes the queued events' text and hands them over, in order; a callback that
-        raises is that request's problem only: it is cancelled at the next step (its later
-        events dropped), the other requests go on."""
-        outbox, self._outbox = self._outbox, []
+    def _flush(self, outbox: list[tuple]) -> None:
+        """Decodes the events' text and hands them over, in order; a callback that raises is
+        that request's problem only: it is cancelled at the next step (its later events
+        dropped), the other requests go on. On the engine thread, or on the publisher (which
+        alone then touches the text of requests without stop strings, and _failed)."""
         if not outbox:
             return
         t = time.perf_counter_ns()
@@ -698,7 +717,7 @@ class Engine:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # the loop is closed: nobody listens any more
                 pass
-        self.executor.profile.add("emit", t)  # decoding and the readers' time: queues, callbacks
+        self.executor.profile.add("publish", t)  # decoding, the readers' queues and callbacks
 
     # --- memory ------------------------------------------------------------------------------
     def _view(self) -> list[Running | None]:
@@ -790,20 +809,10 @@ class Engine:
         if span is not None:
             calls.append(self._decode_call(*span, padded=padded))
         calls += [self._prefill_call(r, take) for r, take in chunks]
-        if self._calls is None:  # one after the other on this thread
-            for run, commit in calls:
-                commit(run())
-            return
-        # On the worker, in order (one stream); meanwhile the last step's events go out.
-        futures = [self._calls.submit(run) for run, _ in calls]
-        try:
-            self._publish()
-        finally:
-            t = time.perf_counter_ns()
-            concurrent.futures.wait(futures)  # none may still run when the loop frees a slot
-            profile.add("wait", t)
-        for future, (_, commit) in zip(futures, calls):
-            commit(future.result())
+        if self._handoff is not None:
+            self._publish()  # the last step's events go out while these calls run
+        for run, commit in calls:
+            commit(run())
 
     def _decode_call(self, lo: int, hi: int, padded: bool):
         """The decode call of slots [lo, hi): what runs it (any thread) and what applies its
@@ -892,7 +901,7 @@ class Engine:
         else:
             self._deliver(r, token, text)
 
-    def _update_snapshot(self) -> None:
+    def _make_snapshot(self) -> dict:
         st = self.cache.stats if not self.cache.closed else None
         running = sum(1 for r in self._slots if r is not None)
         self._peak_running = max(self._peak_running, running)
@@ -926,5 +935,4 @@ class Engine:
             "finished_error",
         ):  # fmt: skip
             snap[key] = self._counters[key]
-        with self._cond:
-            self._snapshot = snap
+        return snap

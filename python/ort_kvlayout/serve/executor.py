@@ -51,14 +51,12 @@ class StepProfile:
     """Host time per phase of the engine's steps (perf_counter_ns sums): where a step's
     milliseconds go. `schedule` is the engine's own bookkeeping (admission, the budget, the step
     plan); `kv` the cache's commits and releases (on CUDA the driver's map and unmap calls);
-    `inputs`, `run`, `readback` and `sample` are the calls' (on the worker thread when the
-    engine overlaps them): `run` is ORT's Run, which returns when the step's kernels are done
-    (the GPU's time and the launch overhead both land there); `emit` applies the tokens, decodes
-    text and hands events over; `wait` is the engine thread waiting for overlapped calls once its
-    own work is done. Without overlap the phases add up to the step; with it, emit's hand-over
-    part runs during `run`, and a step costs schedule + kv + wait + the rest of emit."""
+    `run` is ORT's Run, which returns when the step's kernels are done (the GPU's time and the
+    launch overhead both land there); `emit` applies the tokens; `publish` decodes text and
+    hands events over. Without overlap the phases add up to the step; with it, `publish` runs on
+    the publisher thread during the next step's `run`, off the step's critical path."""
 
-    PHASES = ("schedule", "kv", "inputs", "run", "readback", "sample", "emit", "wait")
+    PHASES = ("schedule", "kv", "inputs", "run", "readback", "sample", "emit", "publish")
 
     def __init__(self) -> None:
         # every key present: two threads add to disjoint phases, never inserting a key
@@ -123,8 +121,7 @@ class _Sampling:
 
 
 class Executor:
-    """See the module docstring. One thread at a time calls it: the engine loop's, or its
-    worker when the engine overlaps calls with host work."""
+    """See the module docstring. One thread (the engine loop) calls it."""
 
     def __init__(self, runtime: Runtime, cache: KvCache, graphs: bool, served: ServedInputs | None):
         self.runtime, self.cache, self.graphs = runtime, cache, graphs
