@@ -193,7 +193,7 @@ class Executor:
         self.runtime.check_length_record("engine step")
         t = self.profile.add("readback", t)
         if self.served is not None:
-            tokens = [int(out[i, 0]) if r is not None else None for i, r in enumerate(rows)]
+            tokens = [t if r is not None else None for t, r in zip(out[:, 0].tolist(), rows)]
         else:
             tokens = self._host_sample(out[np.arange(len(last)), last], rows)
         self.profile.add("sample", t)
@@ -226,7 +226,7 @@ class Executor:
         self.runtime.check_length_record("engine decode step")
         t = self.profile.add("readback", t)
         if self.served is not None:
-            tokens = [int(out[i, 0]) if r is not None else None for i, r in enumerate(rows)]
+            tokens = [t if r is not None else None for t, r in zip(out[:, 0].tolist(), rows)]
         else:
             tokens = self._host_sample(out[:, -1], rows)
         self.profile.add("sample", t)
