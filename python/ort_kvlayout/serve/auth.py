@@ -18,13 +18,21 @@ import hmac
 import ipaddress
 import json
 
-__all__ = ["API_KEY_ENV", "RequireApiKey", "exposed_without_key", "protected_path"]
+__all__ = ["API_KEY_ENV", "RequireApiKey", "exposed_without_key", "key_digest", "protected_path"]
 
 API_KEY_ENV = "ORT_KVLAYOUT_API_KEY"
 
 
 def _digest(key: bytes) -> bytes:
     return hashlib.sha256(key).digest()
+
+
+def key_digest(key: str) -> bytes:
+    """The SHA-256 digest RequireApiKey compares with: what a process that must check the key
+    but not hold it (a cluster's ingress) is given."""
+    if not key:
+        raise ValueError("the API key is empty")
+    return _digest(key.encode())
 
 
 def protected_path(path: str, metrics: bool) -> bool:
@@ -48,11 +56,15 @@ class RequireApiKey:
     """ASGI middleware (pure ASGI, so streamed responses pass through untouched) that answers
     401 to a request for a protected path (see protected_path) without the key."""
 
-    def __init__(self, app, key: str, metrics: bool = False):
-        if not key:
-            raise ValueError("the API key is empty")
+    def __init__(
+        self, app, key: str | None = None, metrics: bool = False, digest: bytes | None = None
+    ):
+        if (key is None) == (digest is None):
+            raise ValueError("give the API key or its digest (key_digest), one of them")
+        if digest is not None and len(digest) != hashlib.sha256().digest_size:
+            raise ValueError(f"a key digest is SHA-256's 32 bytes, got {len(digest)}")
         self.app = app
-        self._digest = _digest(key.encode())
+        self._digest = key_digest(key) if key is not None else bytes(digest)
         self.metrics = metrics
 
     def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:

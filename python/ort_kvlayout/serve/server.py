@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import time
 from collections.abc import Callable
@@ -100,10 +101,16 @@ def build_app(
     on_shutdown: Callable[[], None] | None = None,
     api_key: str | None = None,
     metrics_key: bool = False,
+    api_key_digest: bytes | None = None,
 ) -> Starlette:
-    """The app over `engine`. api_key: every /v1/* route needs `Authorization: Bearer KEY`
-    (and /metrics with metrics_key); /health stays open."""
-    if metrics_key and not api_key:
+    """The app over `engine`: an Engine, or an object with its capacity, closing, submit and
+    stats (serve/cluster's ClusterEngine: submit is a coroutine, its handles may end with
+    EngineClosed when their replica is lost, and replica_stats() stands for stats(): one
+    labelled series per replica in /metrics). api_key (or its SHA-256 api_key_digest): every
+    /v1/* route needs `Authorization: Bearer KEY` (and /metrics with metrics_key); /health
+    stays open."""
+    keyed = bool(api_key) or api_key_digest is not None
+    if metrics_key and not keyed:
         raise ValueError("metrics_key needs an api_key")
     context = engine.capacity
     created = int(time.time())
@@ -115,9 +122,10 @@ def build_app(
             raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
         return load_body(raw)
 
-    def submit(req: ParsedRequest):
+    async def submit(req: ParsedRequest):
         try:
-            return engine.submit(req.prompt, req.params)
+            handle = engine.submit(req.prompt, req.params)
+            return await handle if inspect.isawaitable(handle) else handle
         except RequestTooLarge as exc:
             raise ApiError(413, str(exc), code="context_length_exceeded") from exc
         except EngineOverloaded as exc:
@@ -126,6 +134,8 @@ def build_app(
             raise ApiError(503, str(exc), "server_error") from exc
         except ValueError as exc:
             raise ApiError(400, str(exc)) from exc
+        except Exception as exc:  # a remote engine (serve/cluster) may fail in any way
+            raise ApiError(500, f"the request failed: {exc}", "server_error") from exc
 
     async def generate(request: Request, chat: bool) -> Response:
         try:
@@ -134,7 +144,7 @@ def build_app(
                 req = parse_chat(body, tokenizer, chat_template, model_id, context)
             else:
                 req = parse_completion(body, tokenizer, model_id, context)
-            handle = submit(req)
+            handle = await submit(req)
         except ApiError as exc:
             return _error(exc)
         rid = new_id(chat)
@@ -160,6 +170,8 @@ def build_app(
                 if event.text:
                     texts.append(event.text)
                 last = event
+        except EngineClosed as exc:  # its replica was lost (a cluster's engine)
+            return _error(ApiError(503, str(exc), "server_error"))
         finally:
             watcher.cancel()
             if handle.finish_reason is None:  # this task was cancelled: so is the request
@@ -175,24 +187,40 @@ def build_app(
 
     async def _stream(req: ParsedRequest, rid: str, handle):
         now = int(time.time())
+        ids = tokenizer is None or req.return_token_ids
+
+        def abort(error: ApiError) -> list[bytes]:
+            # finish_reason "abort" (vLLM's), then the error: a client reading either knows.
+            end = None if req.chat else ""
+            return [sse(chunk(req, rid, now, end, "error")), sse(error.body())]
+
+        def frames(event) -> list[bytes]:
+            if event.finish_reason == "error":
+                return abort(ApiError(500, f"generation failed: {event.error}", "server_error"))
+            out = []
+            text = event.text if event.text is not None else ""
+            if text or event.token_id is not None:
+                body = chunk(req, rid, now, text, None)
+                if ids and event.token_id is not None:
+                    body["choices"][0]["token_ids"] = [event.token_id]
+                out.append(sse(body))
+            if event.finished:
+                out.append(sse(chunk(req, rid, now, None if req.chat else "", event.finish_reason)))
+            return out
+
         last = None
         try:
             if req.chat:
                 yield sse(chunk(req, rid, now, "", None, first=True))
-            async for event in handle:
-                last = event
-                if event.finish_reason == "error":
-                    error = ApiError(500, f"generation failed: {event.error}", "server_error")
-                    yield sse(error.body())
-                    break
-                text = event.text if event.text is not None else ""
-                if text or event.token_id is not None:
-                    body = chunk(req, rid, now, text, None)
-                    if (tokenizer is None or req.return_token_ids) and event.token_id is not None:
-                        body["choices"][0]["token_ids"] = [event.token_id]
-                    yield sse(body)
-                if event.finished:
-                    yield sse(chunk(req, rid, now, None if req.chat else "", event.finish_reason))
+            try:
+                async for event in handle:
+                    last = event
+                    for frame in frames(event):
+                        yield frame
+            except EngineClosed as exc:  # its replica was lost (a cluster's engine)
+                for frame in abort(ApiError(503, str(exc), "server_error")):
+                    yield frame
+                last = None  # no usage to report: the counts stopped with the replica
             if req.include_usage and last is not None:
                 u = usage(last.prompt_tokens, last.completion_tokens)
                 yield sse(usage_chunk(req, rid, now, u))
@@ -232,8 +260,12 @@ def build_app(
         return JSONResponse({"status": "ok"})
 
     async def metrics(request: Request) -> Response:
-        return PlainTextResponse(prometheus(engine.stats(), model_id, time.time() - started),
-                                 media_type="text/plain; version=0.0.4")  # fmt: skip
+        uptime = time.time() - started
+        if hasattr(engine, "replica_stats"):
+            text = prometheus_replicas(engine.replica_stats(), model_id, uptime)
+        else:
+            text = prometheus(engine.stats(), model_id, uptime)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def not_found(request: Request, exc: HTTPException) -> Response:
         if exc.status_code == 405:
@@ -241,6 +273,11 @@ def build_app(
                 ApiError(405, f"method {request.method} not allowed on {request.url.path}")
             )
         return _error(ApiError(exc.status_code, f"no route {request.url.path}", code="not_found"))
+
+    middleware = []
+    if keyed:
+        key = Middleware(RequireApiKey, key=api_key, metrics=metrics_key, digest=api_key_digest)
+        middleware.append(key)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -259,7 +296,7 @@ def build_app(
         ],
         exception_handlers={HTTPException: not_found},
         lifespan=lifespan,
-        middleware=[Middleware(RequireApiKey, key=api_key, metrics=metrics_key)] if api_key else [],
+        middleware=middleware,
     )
 
 
@@ -294,18 +331,50 @@ _METRICS = [
 ]  # fmt: skip
 
 
-def prometheus(stats: dict, model_id: str, uptime: float) -> str:
-    label = '{model="' + model_id.replace("\\", "\\\\").replace('"', '\\"') + '"}'
+def _labels(**labels) -> str:
+    def escape(value) -> str:
+        return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+    return "{" + ",".join(f'{k}="{escape(v)}"' for k, v in labels.items()) + "}"
+
+
+def _series(series: list[tuple[str, dict]]) -> list[str]:
+    """Each metric of _METRICS, one line per (labels, stats) of `series`."""
     lines = []
     for key, name, kind, text in _METRICS:
-        lines += [
-            f"# HELP ort_kvlayout_{name} {text}",
-            f"# TYPE ort_kvlayout_{name} {kind}",
-            f"ort_kvlayout_{name}{label} {stats.get(key, 0)}",
-        ]
-    lines += [
+        lines += [f"# HELP ort_kvlayout_{name} {text}", f"# TYPE ort_kvlayout_{name} {kind}"]
+        lines += [f"ort_kvlayout_{name}{label} {stats.get(key, 0)}" for label, stats in series]
+    return lines
+
+
+def _uptime(label: str, uptime: float) -> list[str]:
+    return [
         "# HELP ort_kvlayout_uptime_seconds Seconds since the server started",
         "# TYPE ort_kvlayout_uptime_seconds gauge",
         f"ort_kvlayout_uptime_seconds{label} {uptime:.3f}",
     ]
-    return "\n".join(lines) + "\n"
+
+
+def prometheus(stats: dict, model_id: str, uptime: float) -> str:
+    label = _labels(model=model_id)
+    return "\n".join(_series([(label, stats)]) + _uptime(label, uptime)) + "\n"
+
+
+def prometheus_replicas(replicas: dict[str, dict], model_id: str, uptime: float) -> str:
+    """The metrics of several engines (a cluster's replicas, by replica id, as they last
+    reported), one series per replica labelled `replica`; ort_kvlayout_replicas counts them
+    and ort_kvlayout_replica_info names each one's process (pid, host)."""
+    series = [(_labels(model=model_id, replica=r), stats) for r, stats in sorted(replicas.items())]
+    lines = _series(series)
+    lines += [
+        "# HELP ort_kvlayout_replicas Engine replicas running",
+        "# TYPE ort_kvlayout_replicas gauge",
+        f"ort_kvlayout_replicas{_labels(model=model_id)} {len(replicas)}",
+        "# HELP ort_kvlayout_replica_info A replica's process",
+        "# TYPE ort_kvlayout_replica_info gauge",
+    ]
+    for r, stats in sorted(replicas.items()):
+        info = _labels(model=model_id, replica=r, pid=stats.get("pid", ""),
+                       host=stats.get("host", ""))  # fmt: skip
+        lines.append(f"ort_kvlayout_replica_info{info} 1")
+    return "\n".join(lines + _uptime(_labels(model=model_id), uptime)) + "\n"
