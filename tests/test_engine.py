@@ -442,6 +442,35 @@ def test_a_raising_callback_cancels_only_its_own_request(model, alone):
     assert stats["finished_cancelled"] == 1 and stats["step_errors"] == 0
 
 
+def test_a_tokenizer_that_raises_ends_only_its_own_request(model, alone):
+    """Text is decoded off the step (overlap: on the publisher thread): a decode that raises
+    ends that request with an error, and the others stream on."""
+    poison = PROMPTS[2][-1]
+    assert poison not in PROMPTS[1] + alone[1]
+
+    class Tokenizer:
+        def encode(self, text):
+            return [int(t) for t in text.split()]
+
+        def decode(self, ids):
+            if poison in ids:
+                raise ValueError(f"cannot decode {poison}")
+            return "".join(f" {i}" for i in ids)
+
+    from ort_kvlayout.serve.engine import Engine, EngineConfig
+
+    with Engine(model, EngineConfig(max_batch=2), tokenizer=Tokenizer()) as eng:
+        bad = eng.submit(PROMPTS[2], params(LENGTHS[2]))
+        good = eng.submit(PROMPTS[1], params(LENGTHS[1]))
+        bad_events, good_events = list(bad), list(good)
+        stats = eng.stats()
+    assert bad.finish_reason == "error" and "cannot decode" in bad_events[-1].error
+    assert bad.tokens == alone[2][: len(bad.tokens)] and len(bad.tokens) < LENGTHS[2]
+    assert good.tokens == alone[1]
+    assert "".join(e.text for e in good_events) == "".join(f" {i}" for i in alone[1])
+    assert stats["detokenize_errors"] == 1 and stats["step_errors"] == 0
+
+
 def test_generate_blocks_inside_an_event_loop(model, alone):
     async def main(eng):
         return eng.generate(PROMPTS[3], params(LENGTHS[3]))

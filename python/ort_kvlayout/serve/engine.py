@@ -57,6 +57,7 @@ import asyncio
 import collections
 import functools
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -120,11 +121,10 @@ class EngineConfig:
     sample_on_device: run the served graph (model/serving_graph.py: lengths in place of the
     mask, logits only at sampled positions, tokens chosen by ai.kvlayout::SampleTokens, only ids
     copied back; None: when the graph allows it, True: an error otherwise) or, False, the
-    model's own graph with every position's logits sampled on the host; overlap: a step's model
-    calls run on a worker thread while the engine thread hands the previous step's events to
-    their readers (text decoded there) and publishes its stats (None: on with provider "cuda",
-    where Run waits on the GPU with the GIL released; off on the CPU, where ORT's threads want
-    the cores)."""
+    model's own graph with every position's logits sampled on the host; overlap: a publisher
+    thread decodes the events' text and hands them to their readers while the next step's
+    calls run (None: on with provider "cuda", where Run waits on the GPU with the GIL released;
+    off on the CPU, where ORT's threads want the cores)."""
 
     max_batch: int = 8
     capacity: int | None = None
@@ -225,6 +225,7 @@ class Event:
 
 
 _LATER = object()  # an event's text, decoded when the event is handed over (_flush)
+_log = logging.getLogger(__name__)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, Event]]) -> None:
@@ -350,6 +351,7 @@ class Engine:
         self._ids = itertools.count(1)
         self._outbox: list[tuple] = []  # events of this step (_deliver)
         self._failed: set[int] = set()  # requests whose callback raised: cancelled, events dropped
+        self._broken: set[int] = set()  # requests whose text failed to decode: ended, no text
         # overlap: (snapshot, events) of each step, published by a thread of their own
         self._handoff: queue.SimpleQueue | None = queue.SimpleQueue() if config.overlapped else None
         self._publisher: threading.Thread | None = None
@@ -583,6 +585,8 @@ class Engine:
             for kind, item in inbox:
                 if kind == "submit":
                     self._waiting.append(item)  # type: ignore[arg-type]
+                elif kind == "fail":
+                    self._cancel(*item, reason="error")  # type: ignore[misc]
                 else:
                     self._cancel(item)  # type: ignore[arg-type]
             if closing and not drain:
@@ -626,7 +630,11 @@ class Engine:
             snapshot, outbox = item
             with self._cond:
                 self._snapshot = snapshot
-            self._flush(outbox)
+            try:
+                self._flush(outbox)
+            except Exception:  # noqa: BLE001 -- a bug; the publisher must outlive it
+                self._counters["publish_errors"] += 1
+                _log.exception("ort-kvlayout engine: handing events over failed")
 
     def _has_work(self) -> bool:
         return bool(self._waiting) or any(r is not None for r in self._slots)
@@ -634,14 +642,10 @@ class Engine:
     def _running(self) -> list[_Request]:
         return [r for r in self._slots if r is not None]
 
-    def _cancel(self, request_id: int) -> None:
-        for r in self._running():
+    def _cancel(self, request_id: int, error: str | None = None, reason: str = "cancelled") -> None:
+        for r in [*self._running(), *self._waiting]:
             if r.id == request_id:
-                self._finish(r, "cancelled")
-                return
-        for r in list(self._waiting):
-            if r.id == request_id:
-                self._finish(r, "cancelled")
+                self._finish(r, reason, error=error)
                 return
 
     def _release_slot(self, r: _Request) -> None:
@@ -698,7 +702,9 @@ class Engine:
                     self._failed.discard(r.id)
                 continue
             if text is _LATER:
-                text = r.text.delta(r.seq, final=reason is not None, upto=upto)[0]
+                text = self._decode_text(r, reason is not None, upto)
+            if reason is not None:
+                self._broken.discard(r.id)
             event = Event(r.id, token, text, reason, r.prompt_len, generated, error)
             handle = r.handle
             if handle._async is not None and handle._loop is not None:
@@ -712,12 +718,30 @@ class Engine:
                     self._failed.add(r.id)
                     with self._cond:  # the calls may be running: the slot is freed between steps
                         self._inbox.append(("cancel", r.id))
+                        self._cond.notify()
         for loop, items in loops.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # the loop is closed: nobody listens any more
                 pass
         self.executor.profile.add("publish", t)  # decoding, the readers' queues and callbacks
+
+    def _decode_text(self, r: _Request, final: bool, upto: int) -> str | None:
+        """r's new text as of token upto - 1; a tokenizer that raises ends r with an error (its
+        events from then on carry no text), not the thread that hands events over."""
+        if r.id in self._broken:
+            return None
+        try:
+            return r.text.delta(r.seq, final=final, upto=upto)[0]
+        except Exception as exc:  # noqa: BLE001 -- the tokenizer's code, one request's problem
+            self._broken.add(r.id)
+            self._counters["detokenize_errors"] += 1
+            if not final:
+                with self._cond:
+                    message = f"decoding the text failed: {type(exc).__name__}: {exc}"
+                    self._inbox.append(("fail", (r.id, message)))
+                    self._cond.notify()
+            return None
 
     # --- memory ------------------------------------------------------------------------------
     def _view(self) -> list[Running | None]:
@@ -815,8 +839,8 @@ class Engine:
             commit(run())
 
     def _decode_call(self, lo: int, hi: int, padded: bool):
-        """The decode call of slots [lo, hi): what runs it (any thread) and what applies its
-        tokens (the engine thread)."""
+        """The decode call of slots [lo, hi), planned now: what runs it and what applies its
+        tokens."""
         requests = self._slots[lo:hi]
         slots, samplers = [], []
         for r in requests:
@@ -931,8 +955,8 @@ class Engine:
         for key in (
             "steps", "decode_calls", "decode_rows", "decode_padded_rows", "decode_eager_fallbacks",
             "prefill_calls", "prefill_tokens", "tokens", "admitted", "rejected", "step_errors",
-            "callback_errors", "finished_stop", "finished_length", "finished_cancelled",
-            "finished_error",
+            "callback_errors", "detokenize_errors", "publish_errors", "finished_stop",
+            "finished_length", "finished_cancelled", "finished_error",
         ):  # fmt: skip
             snap[key] = self._counters[key]
         return snap
