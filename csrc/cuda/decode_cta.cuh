@@ -1,8 +1,9 @@
-// One decode CTA: its sizes, its state across the kernel's phases and the small index helpers
-// they share. The phases are members defined one concern per header: decode_prologue.cuh (the
-// lengths, the partition, appends and the first loads), decode_keyloop.cuh (the key loop) and
-// decode_merge.cuh (the warps' and the splits' merges); decode_kernel.cuh wires them. Every
-// member is inlined into the one kernel: the split is for the reader, the code is one function.
+// One decode CTA: its sizes (DecodeCtaTile), its state across the kernel's phases and the small
+// index helpers they share. The phases are members defined one concern per header:
+// decode_prologue.cuh (the lengths, the partition, appends and the first loads),
+// decode_keyloop.cuh (the key loop) and decode_merge.cuh (the warps' and the splits' merges);
+// decode_kernel.cuh wires them. Every member is inlined into the one kernel: the split is for the
+// reader, the code is one function.
 #pragma once
 
 #include <cstdint>
@@ -23,35 +24,11 @@ namespace cu {
 // merges' partials and weights (decode_geometry.h lays it out).
 extern __shared__ __align__(128) unsigned char dec_smem[];
 
-// T: fp16 or bf16; HD: the head tile (decode_geometry.h); kForm: the instance's form; W: warps,
-// four or eight (the wide instance, and packed heads at tile 192).
-//
-// Packed heads (kPack): a CTA serves every kv head of batch entry blockIdx.y. Seq-major rows of
-// one token's kv heads lie side by side, so its stage tiles hold whole token rows of HD = Nkv x
-// SH columns (SH = 64, the head size), read contiguously, where the per-head CTAs read 128-byte
-// rows Nkv x 128 bytes apart at different times. Its CTA rows are the Nkv x G query heads, row r
-// of kv head r / G; Q K^T and P V run once per kv head over that head's SH columns, each row
-// keeping its own head's scores and its own head's P V products (the others are computed and
-// dropped, never added), so the accumulators are SH wide and every row gets the per-head
-// kernel's arithmetic, in its order.
-//
-// C: the cache's element type: T, or the codes of a quantized cache (int8_t, PackedInt4;
-// DecodeQuantServes says where; the int8_t instances also read float8e4m3fn bytes, and both
-// PER_TOKEN scales: uniform runtime branches on s.fp8_cache() and s.per_token(), no instances of
-// their own). Then the stages hold the raw codes as cp.async lands them (no
-// tile of T), and the key loop converts each lane's codes to T in registers right before the MMA
-// (StepQuant): K's codes as they are, its scales folded into the query (q . (k o s) =
-// (q o s) . k), V's codes as they are, its scales applied to the output columns at the end (P V
-// is linear in each column). Codes are small integers, exact in T; the MMA sums over the head
-// dimension (Q K^T) and the keys (P V) in any order of the k index, so each lane reads whole
-// vectors of its codes and the query's columns follow the same order (QuantKDim); P V's output
-// columns come out in a lane order of their own (QuantVDim), undone where they are stored.
-// PER_TOKEN scales are per key: each step's K and V scales land by cp.async beside its codes
-// (the stage slot's padding, QuantScaleAt), K's multiply the score columns after Q K^T (float32)
-// and V's the value fragments (pairs of keys, in T) before P V; a NaN scale (a non-finite row)
-// reaches the rows that attend the key through their P (NaN for p != 0), never the others.
+// The compile-time geometry of a decode CTA (DecodeCta's parameters, which it takes through
+// using-declarations): its tiles, steps and fragments, a quantized cache's bytes, and its
+// static shared memory.
 template <typename T, int HD, DecodeForm kForm, int W, typename C = T>
-struct DecodeCta {
+struct DecodeCtaTile {
   static constexpr bool kPack = kForm == DecodeForm::kPackedHeads;
   static constexpr int SH = kPack ? 64 : HD;  // columns of one head in the stage tiles
   static_assert(!kPack || (HD % SH == 0 && HD / SH <= kDecodeRows), "whole heads per tile");
@@ -91,6 +68,14 @@ struct DecodeCta {
   // (docs/DECISIONS.md, "biased int8 operands").
   static constexpr bool kBiased = kQuant && QBITS == 8 && std::is_same<T, __half>::value;
   static constexpr int kOBias = kBiased ? 1 : 0;
+  // A quantized step's shared reads at lane offsets set once (QLaneAt: DecodeCta::qk_at), where
+  // a row octet holds whole 128-byte lines (QCR >= 4); QLS bytes per octet.
+  static constexpr bool QLaneAt = kQuant && QCR >= 4;
+  static constexpr int QLS = 8 * QRB;
+  // PER_TOKEN: byte offset of key j's scale in a K (or V) stage tile: after the KS rows of
+  // codes (2 x KST x HD bytes), inside the tile's pitch padding (2 x KST x 8 x sizeof(T) bytes).
+  static constexpr int kQuantScaleAt = KS * QRB;
+  static_assert(!kQuant || KS * 4 <= KST * (P - HD) * int(sizeof(T)), "scales fit the padding");
 
   // The CTA's static shared memory: the warps' maxima, sums and weights, the rows' merged
   // maxima, sums and scales, and whether this CTA merges the splits.
@@ -104,6 +89,44 @@ struct DecodeCta {
     __shared__ Shared sh;
     return sh;
   }
+};
+
+// T: fp16 or bf16; HD: the head tile (decode_geometry.h); kForm: the instance's form; W: warps,
+// four or eight (the wide instance, and packed heads at tile 192).
+//
+// Packed heads (kPack): a CTA serves every kv head of batch entry blockIdx.y. Seq-major rows of
+// one token's kv heads lie side by side, so its stage tiles hold whole token rows of HD = Nkv x
+// SH columns (SH = 64, the head size), read contiguously, where the per-head CTAs read 128-byte
+// rows Nkv x 128 bytes apart at different times. Its CTA rows are the Nkv x G query heads, row r
+// of kv head r / G; Q K^T and P V run once per kv head over that head's SH columns, each row
+// keeping its own head's scores and its own head's P V products (the others are computed and
+// dropped, never added), so the accumulators are SH wide and every row gets the per-head
+// kernel's arithmetic, in its order.
+//
+// C: the cache's element type: T, or the codes of a quantized cache (int8_t, PackedInt4;
+// DecodeQuantServes says where; the int8_t instances also read float8e4m3fn bytes, and both
+// PER_TOKEN scales: uniform runtime branches on s.fp8_cache() and s.per_token(), no instances of
+// their own). Then the stages hold the raw codes as cp.async lands them (no
+// tile of T), and the key loop converts each lane's codes to T in registers right before the MMA
+// (StepQuant): K's codes as they are, its scales folded into the query (q . (k o s) =
+// (q o s) . k), V's codes as they are, its scales applied to the output columns at the end (P V
+// is linear in each column). Codes are small integers, exact in T; the MMA sums over the head
+// dimension (Q K^T) and the keys (P V) in any order of the k index, so each lane reads whole
+// vectors of its codes and the query's columns follow the same order (QuantKDim); P V's output
+// columns come out in a lane order of their own (QuantVDim), undone where they are stored.
+// PER_TOKEN scales are per key: each step's K and V scales land by cp.async beside its codes
+// (the stage slot's padding, QuantScaleAt), K's multiply the score columns after Q K^T (float32)
+// and V's the value fragments (pairs of keys, in T) before P V; a NaN scale (a non-finite row)
+// reaches the rows that attend the key through their P (NaN for p != 0), never the others.
+template <typename T, int HD, DecodeForm kForm, int W, typename C = T>
+struct DecodeCta : DecodeCtaTile<T, HD, kForm, W, C> {
+  using Tile = DecodeCtaTile<T, HD, kForm, W, C>;
+  using Tile::kPack, Tile::SH, Tile::kDecWarps, Tile::kDecThreads, Tile::kQuant, Tile::QBITS,
+        Tile::KST, Tile::KS, Tile::ST, Tile::P, Tile::NT, Tile::KT, Tile::DTO, Tile::KTQ, Tile::NH,
+        Tile::QR, Tile::QE, Tile::CPR, Tile::kCopies, Tile::KE, Tile::RP, Tile::HD4, Tile::QRB,
+        Tile::QCR, Tile::QKB, Tile::QKV, Tile::QVB, Tile::kBiased, Tile::kOBias, Tile::QLaneAt,
+        Tile::QLS, Tile::kQuantScaleAt, Tile::Sh;
+  using typename Tile::Shared;
 
   // The call. The shape, buffers and strides by reference: the kernel's parameters are read
   // where they are used (a copy here kept every field live in registers from the start).
@@ -174,8 +197,6 @@ struct DecodeCta {
   // 128-byte lines (QCR >= 4), so its QLS bytes add per octet (QLaneAt). Computed per step
   // (with the copies' offsets, qc_at), the swizzle arithmetic was about 60 instructions of the
   // static int8 step's loop at head size 128 (sm_90).
-  static constexpr bool QLaneAt = kQuant && QCR >= 4;
-  static constexpr int QLS = 8 * QRB;
   int qk_at[kQuant ? QKB / QKV : 1], qv_at[2];
   // IssueQuant's copies: copy iteration it's shared offset (it / IPO) QLS + qc_at[it % IPO],
   // IPO = QCR / 4 iterations per row octet (32 / QCR rows each).
@@ -195,38 +216,15 @@ struct DecodeCta {
       : s(shape), buf(buffers), present_st(st), splits(n_splits), split_target(target),
         cluster(cluster_size), part_o(po), part_m(pm), part_l(pl), counters(cnt) {}
 
-  // CTA row r (< kDecodeRows): token r / G, query head g * G + r % G (packed: one token, and row
-  // r is query head r). r / G by a float reciprocal, not an integer division per row (about 17
-  // instructions each, on the path to the query loads): exact for r < kDecodeRows, since
-  // (r + 0.5) / G lies at least 1 / (2 G) from an integer and the product is off by less than
-  // 2e-6.
-  // (CTA rows in 32 bits: their float conversion is then a 32-bit one.)
-  __device__ __forceinline__ int64_t RowTok(int r) const {
-    if constexpr (kPack) return 0;
-    return static_cast<int>((static_cast<float>(r) + 0.5f) * inv_g);
-  }
-  __device__ __forceinline__ int64_t RowHead(int r) const {
-    if constexpr (kPack) return r;
-    return g * G + r - static_cast<int>(RowTok(r)) * Gi;
-  }
-  __device__ __forceinline__ KeyRange RowKeys(int r) const {
-    return r < rows ? QueryKeyRange(s, geo, RowTok(r)) : KeyRange{0, 0};
-  }
-  __device__ __forceinline__ T* OutRow(int r) const {  // output row of CTA row r
-    return static_cast<T*>(buf.output) + ((b * s.seq_len + RowTok(r)) * N + RowHead(r)) * H;
-  }
-  __device__ __forceinline__ float RowSink(int r) const {
-    return s.has_head_sink ? ToF(static_cast<const T*>(buf.head_sink)[RowHead(r)]) : 0.0f;
-  }
-  // This warp's i-th step: its stage slot (in 32 bits: a warp's steps number below 2^27, and a
-  // 64-bit modulo by the stage count was eight instructions on every step's path) and its first
-  // key.
-  __device__ __forceinline__ T* StepSlot(int64_t i) const {
-    return wsm + (static_cast<int>(i) % ST) * DecSlotElems(HD);
-  }
-  __device__ __forceinline__ int64_t StepKey(int64_t i) const {
-    return k_begin + (warp + i * kDecWarps) * KS;
-  }
+  // CTA row r's token, query head, key range, output row and sink; warp step i's stage slot and
+  // first key (defined below the struct).
+  __device__ __forceinline__ int64_t RowTok(int r) const;
+  __device__ __forceinline__ int64_t RowHead(int r) const;
+  __device__ __forceinline__ KeyRange RowKeys(int r) const;
+  __device__ __forceinline__ T* OutRow(int r) const;
+  __device__ __forceinline__ float RowSink(int r) const;
+  __device__ __forceinline__ T* StepSlot(int64_t i) const;
+  __device__ __forceinline__ int64_t StepKey(int64_t i) const;
 
   __device__ __forceinline__ void Begin();
   __device__ __forceinline__ bool Partition();
@@ -244,12 +242,13 @@ struct DecodeCta {
   // the step's conversions hold no branch (KeyLoop picks the variant once).
   template <bool kFp8, bool kToken>
   __device__ __forceinline__ void StepQuant(int64_t i);
+  template <bool kFp8, bool kBiasK>
+  __device__ __forceinline__ void QuantScores(float (&sc)[NT][4], const unsigned char* kt);
+  template <bool kFp8, bool kToken, bool kBiasV>
+  __device__ __forceinline__ void QuantPV(const float (&sc)[NT][4], const unsigned char* vt,
+                                          const float* vsc);
   __device__ __forceinline__ int QuantKDim(int kk, int reg, int half) const;
   __device__ __forceinline__ int QuantVDim(int n, int col) const { return col * DTO + n; }
-  // PER_TOKEN: byte offset of key j's scale in a K (or V) stage tile: after the KS rows of
-  // codes (2 x KST x HD bytes), inside the tile's pitch padding (2 x KST x 8 x sizeof(T) bytes).
-  static constexpr int kQuantScaleAt = KS * QRB;
-  static_assert(!kQuant || KS * 4 <= KST * (P - HD) * int(sizeof(T)), "scales fit the padding");
   __device__ __forceinline__ void PV(float (&acc)[DTO][4], int n0, const float (&sc)[NT][4],
                                      const T* vs, unsigned v_lane);
   __device__ __forceinline__ bool MergeWarps();
@@ -263,6 +262,46 @@ struct DecodeCta {
   __device__ __forceinline__ void MergeFewItems(int nn, int64_t row0, int64_t dst);
   __device__ __forceinline__ bool LastToFinish(unsigned* counter, int64_t count);
 };
+
+// CTA row r (< kDecodeRows): token r / G, query head g * G + r % G (packed: one token, and row
+// r is query head r). r / G by a float reciprocal, not an integer division per row (about 17
+// instructions each, on the path to the query loads): exact for r < kDecodeRows, since
+// (r + 0.5) / G lies at least 1 / (2 G) from an integer and the product is off by less than
+// 2e-6.
+// (CTA rows in 32 bits: their float conversion is then a 32-bit one.)
+template <typename T, int HD, DecodeForm kForm, int W, typename C>
+__device__ __forceinline__ int64_t DecodeCta<T, HD, kForm, W, C>::RowTok(int r) const {
+  if constexpr (kPack) return 0;
+  return static_cast<int>((static_cast<float>(r) + 0.5f) * inv_g);
+}
+template <typename T, int HD, DecodeForm kForm, int W, typename C>
+__device__ __forceinline__ int64_t DecodeCta<T, HD, kForm, W, C>::RowHead(int r) const {
+  if constexpr (kPack) return r;
+  return g * G + r - static_cast<int>(RowTok(r)) * Gi;
+}
+template <typename T, int HD, DecodeForm kForm, int W, typename C>
+__device__ __forceinline__ KeyRange DecodeCta<T, HD, kForm, W, C>::RowKeys(int r) const {
+  return r < rows ? QueryKeyRange(s, geo, RowTok(r)) : KeyRange{0, 0};
+}
+template <typename T, int HD, DecodeForm kForm, int W, typename C>  // the output row of CTA row r
+__device__ __forceinline__ T* DecodeCta<T, HD, kForm, W, C>::OutRow(int r) const {
+  return static_cast<T*>(buf.output) + ((b * s.seq_len + RowTok(r)) * N + RowHead(r)) * H;
+}
+template <typename T, int HD, DecodeForm kForm, int W, typename C>
+__device__ __forceinline__ float DecodeCta<T, HD, kForm, W, C>::RowSink(int r) const {
+  return s.has_head_sink ? ToF(static_cast<const T*>(buf.head_sink)[RowHead(r)]) : 0.0f;
+}
+// This warp's i-th step: its stage slot (in 32 bits: a warp's steps number below 2^27, and a
+// 64-bit modulo by the stage count was eight instructions on every step's path) and its first
+// key.
+template <typename T, int HD, DecodeForm kForm, int W, typename C>
+__device__ __forceinline__ T* DecodeCta<T, HD, kForm, W, C>::StepSlot(int64_t i) const {
+  return wsm + (static_cast<int>(i) % ST) * DecSlotElems(HD);
+}
+template <typename T, int HD, DecodeForm kForm, int W, typename C>
+__device__ __forceinline__ int64_t DecodeCta<T, HD, kForm, W, C>::StepKey(int64_t i) const {
+  return k_begin + (warp + i * kDecWarps) * KS;
+}
 
 // Element offset of (row j, column d) in a K or V stage tile of head dim HD (DecSwizzled says
 // why the swizzle). The swizzled tiles' copies and ldmatrix take a cheaper form: one XOR plus

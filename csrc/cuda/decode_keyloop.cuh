@@ -278,12 +278,7 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::Step(int64_t i) {
 }
 
 // Step i of a quantized cache (Step's order: issue, wait, scores, softmax, P V), the operands
-// converted from the raw codes in registers. Q K^T: n-tile n's B fragments are key n 8 + gq's
-// codes, each lane of the quad reading its QKB bytes as whole vectors (QuantKDim gives the
-// columns, in which order the query fragments were built). P V: the lane reads QVB bytes (its
-// eight-quad share of the columns, gq DTO .. gq DTO + DTO - 1) of its four keys 2 tq, 2 tq + 1,
-// 2 tq + 8, 2 tq + 9 of each k-step and pairs them per column with byte permutes, so n-tile n's
-// column gq is head column gq DTO + n (QuantVDim; MergeWarps stores them back in order).
+// converted from the raw codes in registers (QuantScores, QuantPV).
 template <typename T, int HD, DecodeForm kForm, int W, typename C>
 template <bool kFp8, bool kToken>
 __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::StepQuant(int64_t i) {
@@ -300,6 +295,37 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::StepQuant(int64_t
   const float* vsc = reinterpret_cast<const float*>(vt + kQuantScaleAt);
 
   float sc[NT][4];
+  QuantScores<kFp8, kBiasK>(sc, kt);
+  if constexpr (kToken) {  // each score column times its key's K scale (keys n 8 + 2 tq, + 1)
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[n][e] *= ksc[n * 8 + 2 * tq + (e & 1)];
+    }
+  }
+  SoftmaxStep<kBiasV>(sc, k0);
+  // A NaN V scale (non-finite row) reaches the rows attending its key: P = NaN.
+  if constexpr (kToken) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float v = vsc[n * 8 + 2 * tq + (e & 1)];
+        if (v != v && sc[n][e] != 0.0f) sc[n][e] = __int_as_float(0x7fc00000);
+      }
+    }
+  }
+
+  QuantPV<kFp8, kToken, kBiasV>(sc, vt, vsc);
+}
+
+// Q K^T of a quantized step into sc: n-tile n's B fragments are key n 8 + gq's codes, each lane
+// of the quad reading its QKB bytes as whole vectors (QuantKDim gives the columns, in which order
+// the query fragments were built). kBiasK: biased int8 K operands (the scores start at k_bias).
+template <typename T, int HD, DecodeForm kForm, int W, typename C>
+template <bool kFp8, bool kBiasK>
+__device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::QuantScores(float (&sc)[NT][4],
+                                                                        const unsigned char* kt) {
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
 #pragma unroll
@@ -348,26 +374,18 @@ __device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::StepQuant(int64_t
 #pragma unroll
     for (int kk = 0; kk < KT; ++kk) ptx::Mma16816<T>(sc[n], qa[kk], kb[kk][0], kb[kk][1]);
   }
-  if constexpr (kToken) {  // each score column times its key's K scale (keys n 8 + 2 tq, + 1)
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sc[n][e] *= ksc[n * 8 + 2 * tq + (e & 1)];
-    }
-  }
-  SoftmaxStep<kBiasV>(sc, k0);
-  // A NaN V scale (non-finite row) reaches the rows attending its key: P = NaN.
-  if constexpr (kToken) {
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float v = vsc[n * 8 + 2 * tq + (e & 1)];
-        if (v != v && sc[n][e] != 0.0f) sc[n][e] = __int_as_float(0x7fc00000);
-      }
-    }
-  }
+}
 
+// O += P V of a quantized step: the lane reads QVB bytes (its eight-quad share of the columns,
+// gq DTO .. gq DTO + DTO - 1) of its four keys 2 tq, 2 tq + 1, 2 tq + 8, 2 tq + 9 of each k-step
+// and pairs them per column with byte permutes, so n-tile n's column gq is head column gq DTO + n
+// (QuantVDim; MergeWarps stores them back in order). vsc: PER_TOKEN's V scales of the step;
+// kBiasV: biased int8 V operands (o[DTO] sums 1152 x P).
+template <typename T, int HD, DecodeForm kForm, int W, typename C>
+template <bool kFp8, bool kToken, bool kBiasV>
+__device__ __forceinline__ void DecodeCta<T, HD, kForm, W, C>::QuantPV(const float (&sc)[NT][4],
+                                                                    const unsigned char* vt,
+                                                                    const float* vsc) {
 #pragma unroll
   for (int kk = 0; kk < KS / 16; ++kk) {
     uint32_t a[4];
