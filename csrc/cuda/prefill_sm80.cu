@@ -48,6 +48,125 @@ __device__ __forceinline__ uint4 DequantPiece(const C* row, int c, const float* 
   return out;
 }
 
+// The keys any row of a CTA of query tokens [tok0, tok0 + tpc) needs (lo = INT64_MAX: none).
+__device__ __forceinline__ KeyRange CtaKeys(const GqaShape& s, const BatchGeometry& geo,
+                                            int64_t tok0, int64_t tpc) {
+  int64_t key_lo = INT64_MAX, key_hi = 0;
+  for (int64_t tok = tok0; tok < min(tok0 + tpc, s.seq_len); ++tok) {
+    const KeyRange kr = QueryKeyRange(s, geo, tok);
+    if (kr.lo < kr.hi) {
+      key_lo = min(key_lo, kr.lo);
+      key_hi = max(key_hi, kr.hi);
+    }
+  }
+  return {key_lo, key_hi};
+}
+
+// The K and V tiles of a CTA's keys [key_lo, key_hi): tile t into stage t % 2 of `kvs`
+// ([stage][K, V][BC][P]), by cp.async, or dequantized as it is loaded (C: codes). Columns
+// [0, H) only; zero rows past key_hi.
+template <typename T, int HD, typename C>
+struct TcTileCopy {
+  static constexpr int BC = TcKeys(HD), P = TcPitch(HD);
+  static constexpr int CPR = HD / 8;  // chunk slots per row; those >= chunks are padding
+  static constexpr int kThreads = kWarp * kWarps;
+  const GqaShape& s;
+  const GqaCudaBuffers& buf;
+  const KvStrides& present_st;
+  int64_t H, b, g, key_lo, key_hi, cache_base;
+  T* kvs;
+  // Rows of this (batch, kv head): key j at base + (j - cache_base) * seq stride, in either
+  // layout (cache_base: 0 unless a sliding window cache stages the rows, sliding.cu).
+  const T* pk = static_cast<const T*>(buf.present_key) + present_st.Offset(b, g, 0);
+  const T* pv = static_cast<const T*>(buf.present_value) + present_st.Offset(b, g, 0);
+  int64_t seq_stride = present_st.seq;
+  int chunks = static_cast<int>(H / 8);  // 16-byte chunks of a row (H % 8 == 0)
+
+  __device__ __forceinline__ void Issue(int64_t tile) const {
+    T* ks = kvs + (tile % 2) * 2 * BC * P;
+    T* vs = ks + BC * P;
+    const int64_t k0 = key_lo + tile * BC;
+    if constexpr (kQuantCache<C>) {  // codes -> T tiles (H == HD: no padding columns)
+      const C* ck = static_cast<const C*>(buf.present_key) + present_st.Offset(b, g, 0);
+      const C* cv = static_cast<const C*>(buf.present_value) + present_st.Offset(b, g, 0);
+#pragma unroll
+      for (int it = 0; it < (BC * CPR + kThreads - 1) / kThreads; ++it) {
+        const int idx = threadIdx.x + it * kThreads, j = idx / CPR, c = idx % CPR;
+        if (idx >= BC * CPR || c >= chunks) continue;
+        uint4 kq = make_uint4(0, 0, 0, 0), vq = kq;
+        if (k0 + j < key_hi) {  // past the end: zero rows
+          const int64_t off = (k0 + j - cache_base) * seq_stride;
+          kq = DequantPiece<T>(ck + off, c, buf.k_scale, s.k_quant, H, g);
+          vq = DequantPiece<T>(cv + off, c, buf.v_scale, s.v_quant, H, g);
+        }
+        *reinterpret_cast<uint4*>(ks + j * P + c * 8) = kq;
+        *reinterpret_cast<uint4*>(vs + j * P + c * 8) = vq;
+      }
+    } else {
+#pragma unroll
+      for (int it = 0; it < (BC * CPR + kThreads - 1) / kThreads; ++it) {
+        const int idx = threadIdx.x + it * kThreads, j = idx / CPR, c = idx % CPR;
+        if (idx >= BC * CPR || c >= chunks) continue;
+        const bool valid = k0 + j < key_hi;  // past the end: zero rows
+        const int64_t off = valid ? (k0 + j - cache_base) * seq_stride + c * 8 : 0;
+        ptx::CpAsync16(ks + j * P + c * 8, pk + off, valid);
+        ptx::CpAsync16(vs + j * P + c * 8, pv + off, valid);
+      }
+    }
+  }
+};
+
+// S = Q K^T of a key tile: warp `warp`'s 16 rows of the query tile qs x the BC keys of ks.
+template <typename T, int HD>
+__device__ __forceinline__ void TcTileScores(float (&sc)[TcKeys(HD) / 8][4], const T* qs,
+                                             const T* ks, int warp, int lane) {
+  constexpr int NT = TcKeys(HD) / 8, P = TcPitch(HD);
+#pragma unroll
+  for (int n = 0; n < NT; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk) {
+    uint32_t a[4];
+    ptx::LdMatrixX4(a, qs + (warp * 16 + lane % 16) * P + kk * 16 + (lane / 16) * 8);
+#pragma unroll
+    for (int n = 0; n < NT; n += 2) {  // two key n-tiles per ldmatrix.x4
+      uint32_t kb[4];
+      const int mi = lane / 8;  // matrices: (keys n, d lo) (keys n, d hi) (n+8, lo) (n+8, hi)
+      ptx::LdMatrixX4(kb, ks + (n * 8 + (mi / 2) * 8 + lane % 8) * P + kk * 16 + (mi % 2) * 8);
+      ptx::Mma16816<T>(sc[n], a, kb[0], kb[1]);
+      ptx::Mma16816<T>(sc[n + 1], a, kb[2], kb[3]);
+    }
+  }
+}
+
+// The output of this thread's rows row0 and row0 + 8 (m, l, o as the key loop left them),
+// scaled by their sums; rows past the last token are not written.
+template <typename T, int DT, typename RowTok, typename RowHead>
+__device__ __forceinline__ void TcStoreRows(const GqaShape& s, const GqaCudaBuffers& buf,
+                                            int64_t b, int64_t N, int row0, int tq,
+                                            const float (&m)[2], const float (&l)[2],
+                                            const float (&o)[DT][4], RowTok row_tok,
+                                            RowHead row_head) {
+  const int64_t H = s.head_size;
+  const bool extra = s.has_head_sink || s.smooth_softmax;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const float lt = QuadSum(l[hr]);
+    const int64_t r = row0 + hr * 8, tok = row_tok(r), h = row_head(r);
+    if (tok >= s.seq_len) continue;
+    const float sink = s.has_head_sink ? ToF(static_cast<const T*>(buf.head_sink)[h]) : 0.0f;
+    const float scale = OutputScale(m[hr], lt, extra, sink);
+    T* out = static_cast<T*>(buf.output) + ((b * s.seq_len + tok) * N + h) * H;
+#pragma unroll
+    for (int n = 0; n < DT; ++n) {
+      const int64_t d = n * 8 + 2 * tq;
+      if (d < H) {
+        *reinterpret_cast<uint32_t*>(out + d) =
+            ptx::PackPair<T>(o[n][2 * hr] * scale, o[n][2 * hr + 1] * scale);
+      }
+    }
+  }
+}
+
 // C: the cache's element type (T, or int8_t / PackedInt4 codes).
 template <typename T, int HD, typename C = T>
 __global__ void __launch_bounds__(kWarp* kWarps)
@@ -75,58 +194,12 @@ __global__ void __launch_bounds__(kWarp* kWarps)
     return tok < s.seq_len ? QueryKeyRange(s, geo, tok) : KeyRange{0, 0};
   };
 
-  // Keys any row of the CTA needs.
-  int64_t key_lo = INT64_MAX, key_hi = 0;
-  for (int64_t tok = tok0; tok < min(tok0 + tpc, s.seq_len); ++tok) {
-    const KeyRange kr = QueryKeyRange(s, geo, tok);
-    if (kr.lo < kr.hi) {
-      key_lo = min(key_lo, kr.lo);
-      key_hi = max(key_hi, kr.hi);
-    }
-  }
+  const KeyRange keys = CtaKeys(s, geo, tok0, tpc);
+  const int64_t key_lo = keys.lo, key_hi = keys.hi;
   const int64_t tiles = key_lo < key_hi ? (key_hi - key_lo + BC - 1) / BC : 0;
-
-  // Rows of this (batch, kv head): key j at base + (j - cache_base) * seq stride, in either
-  // layout (cache_base: 0 unless a sliding window cache stages the rows, sliding.cu).
-  const T* pk = static_cast<const T*>(buf.present_key) + present_st.Offset(b, g, 0);
-  const T* pv = static_cast<const T*>(buf.present_value) + present_st.Offset(b, g, 0);
-  const int64_t seq_stride = present_st.seq;
-  const int chunks = static_cast<int>(H / 8);  // 16-byte chunks of a row (H % 8 == 0)
-  constexpr int CPR = HD / 8;                  // chunk slots per row; those >= chunks are padding
-  constexpr int kThreads = kWarp * kWarps;
-  auto issue = [&](int64_t tile) {
-    T* ks = kvs + (tile % 2) * 2 * BC * P;
-    T* vs = ks + BC * P;
-    const int64_t k0 = key_lo + tile * BC;
-    if constexpr (kQuantCache<C>) {  // codes -> T tiles (H == HD: no padding columns)
-      const C* ck = static_cast<const C*>(buf.present_key) + present_st.Offset(b, g, 0);
-      const C* cv = static_cast<const C*>(buf.present_value) + present_st.Offset(b, g, 0);
-#pragma unroll
-      for (int it = 0; it < (BC * CPR + kThreads - 1) / kThreads; ++it) {
-        const int idx = threadIdx.x + it * kThreads, j = idx / CPR, c = idx % CPR;
-        if (idx >= BC * CPR || c >= chunks) continue;
-        uint4 kq = make_uint4(0, 0, 0, 0), vq = kq;
-        if (k0 + j < key_hi) {  // past the end: zero rows
-          const int64_t off = (k0 + j - geo.cache_base) * seq_stride;
-          kq = DequantPiece<T>(ck + off, c, buf.k_scale, s.k_quant, H, g);
-          vq = DequantPiece<T>(cv + off, c, buf.v_scale, s.v_quant, H, g);
-        }
-        *reinterpret_cast<uint4*>(ks + j * P + c * 8) = kq;
-        *reinterpret_cast<uint4*>(vs + j * P + c * 8) = vq;
-      }
-    } else {
-#pragma unroll
-      for (int it = 0; it < (BC * CPR + kThreads - 1) / kThreads; ++it) {
-        const int idx = threadIdx.x + it * kThreads, j = idx / CPR, c = idx % CPR;
-        if (idx >= BC * CPR || c >= chunks) continue;
-        const bool valid = k0 + j < key_hi;  // past the end: zero rows
-        const int64_t off = valid ? (k0 + j - geo.cache_base) * seq_stride + c * 8 : 0;
-        ptx::CpAsync16(ks + j * P + c * 8, pk + off, valid);
-        ptx::CpAsync16(vs + j * P + c * 8, pv + off, valid);
-      }
-    }
-  };
-  if (tiles > 0) issue(0);
+  const TcTileCopy<T, HD, C> copy{s, buf, present_st, H, b, g, key_lo, key_hi, geo.cache_base,
+                                  kvs};
+  if (tiles > 0) copy.Issue(0);
   ptx::CpAsyncCommit();
 
   // Q (rounded to T once) and the zero padding columns of every tile; the loads above write
@@ -167,31 +240,15 @@ __global__ void __launch_bounds__(kWarp* kWarps)
   const float inv_softcap = s.softcap > 0.0f ? SoftcapInverse(s.softcap) : 0.0f;
 
   for (int64_t tile = 0; tile < tiles; ++tile) {
-    if (tile + 1 < tiles) issue(tile + 1);  // the other stage: consumed before the last barrier
+    if (tile + 1 < tiles) copy.Issue(tile + 1);  // the other stage, read before the last barrier
     ptx::CpAsyncCommit();
     ptx::CpAsyncWait<1>();
     __syncthreads();  // every thread's copies of this tile (and Q, on the first) are visible
     const T* ks = kvs + (tile % 2) * 2 * BC * P;
     const T* vs = ks + BC * P;
     const int64_t k0 = key_lo + tile * BC;
-
-    // S = Q K^T: 16 rows x BC keys per warp.
     float sc[NT][4];
-#pragma unroll
-    for (int n = 0; n < NT; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
-      uint32_t a[4];
-      ptx::LdMatrixX4(a, qs + (warp * 16 + lane % 16) * P + kk * 16 + (lane / 16) * 8);
-#pragma unroll
-      for (int n = 0; n < NT; n += 2) {  // two key n-tiles per ldmatrix.x4
-        uint32_t kb[4];
-        const int mi = lane / 8;  // matrices: (keys n, d lo) (keys n, d hi) (n+8, lo) (n+8, hi)
-        ptx::LdMatrixX4(kb, ks + (n * 8 + (mi / 2) * 8 + lane % 8) * P + kk * 16 + (mi % 2) * 8);
-        ptx::Mma16816<T>(sc[n], a, kb[0], kb[1]);
-        ptx::Mma16816<T>(sc[n + 1], a, kb[2], kb[3]);
-      }
-    }
+    TcTileScores<T, HD>(sc, qs, ks, warp, lane);
 
     // Masks, softcap, bias; the online softmax of rows row0 (e = 0, 1) and row0 + 8 (e = 2, 3).
     const bool whole =
@@ -210,24 +267,7 @@ __global__ void __launch_bounds__(kWarp* kWarps)
   }
   ptx::CpAsyncWait<0>();
 
-  const bool extra = s.has_head_sink || s.smooth_softmax;
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const float lt = QuadSum(l[hr]);
-    const int64_t r = row0 + hr * 8, tok = row_tok(r), h = row_head(r);
-    if (tok >= s.seq_len) continue;
-    const float sink = s.has_head_sink ? ToF(static_cast<const T*>(buf.head_sink)[h]) : 0.0f;
-    const float scale = OutputScale(m[hr], lt, extra, sink);
-    T* out = static_cast<T*>(buf.output) + ((b * s.seq_len + tok) * N + h) * H;
-#pragma unroll
-    for (int n = 0; n < DT; ++n) {
-      const int64_t d = n * 8 + 2 * tq;
-      if (d < H) {
-        *reinterpret_cast<uint32_t*>(out + d) =
-            ptx::PackPair<T>(o[n][2 * hr] * scale, o[n][2 * hr + 1] * scale);
-      }
-    }
-  }
+  TcStoreRows<T, DT>(s, buf, b, N, row0, tq, m, l, o, row_tok, row_head);
 }
 
 template <typename T, int HD, typename C = T>
