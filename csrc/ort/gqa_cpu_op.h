@@ -2,6 +2,7 @@
 #pragma once
 
 #include "ort/gqa_op_common.h"
+#include "ort/gqa_schema.h"
 
 namespace kvl {
 

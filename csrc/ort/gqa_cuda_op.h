@@ -7,6 +7,7 @@
 
 #include "cuda/gqa_cuda.h"
 #include "ort/gqa_op_common.h"
+#include "ort/gqa_schema.h"
 #include "ort/length_errors.h"
 
 namespace kvl {

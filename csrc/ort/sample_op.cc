@@ -6,7 +6,7 @@
 
 #include "core/sample_check.h"
 #include "cpu/sample_tokens.h"
-#include "ort/gqa_op_common.h"  // DescribeInputs, GuardedCompute, ToOrtStatus, kDomain
+#include "ort/op_glue.h"
 #include "ort/ort_parallel.h"
 #include "ort/shape_infer.h"
 #if defined(KVL_WITH_CUDA)
@@ -78,20 +78,9 @@ OrtStatusPtr SampleCpuKernel::ComputeV2(OrtKernelContext* context) {
   return GuardedCompute(context, [](Ort::KernelContext& ctx) { return ComputeCpu(ctx); });
 }
 
-OrtStatusPtr SampleCpuOp::CreateKernelV2(const OrtApi&, const OrtKernelInfo*, void** kernel) const {
-  *kernel = new SampleCpuKernel();
-  return nullptr;
-}
-
 #if defined(KVL_WITH_CUDA)
 OrtStatusPtr SampleCudaKernel::ComputeV2(OrtKernelContext* context) {
   return GuardedCompute(context, [](Ort::KernelContext& ctx) { return ComputeCuda(ctx); });
-}
-
-OrtStatusPtr SampleCudaOp::CreateKernelV2(const OrtApi&, const OrtKernelInfo*,
-                                          void** kernel) const {
-  *kernel = new SampleCudaKernel();
-  return nullptr;
 }
 #endif
 
