@@ -25,25 +25,17 @@ namespace sample {
 constexpr int64_t kNonFiniteRow = -1;   // a NaN or an infinity among the row's logits
 constexpr int64_t kInvalidParams = -2;  // the row's temperature, top_k, top_p or uniform
 
-KVL_SAMPLE_HD uint32_t Bits(float f) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(f);
-#else
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-#endif
+// The bits of a float32 and the float32 of bits, exact on both sides (memcpy is nvcc's device
+// builtin too, a register move there as __float_as_uint is).
+template <typename To, typename From>
+KVL_SAMPLE_HD To BitCast(From x) {
+  static_assert(sizeof(To) == sizeof(From), "a bit cast keeps the size");
+  To y;
+  memcpy(&y, &x, sizeof y);
+  return y;
 }
-
-KVL_SAMPLE_HD float FromBits(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-#endif
-}
+KVL_SAMPLE_HD uint32_t Bits(float f) { return BitCast<uint32_t>(f); }
+KVL_SAMPLE_HD float FromBits(uint32_t u) { return BitCast<float>(u); }
 
 // IEEE float32 operations, rounded to nearest, that no compiler may fuse or approximate: the
 // library's CUDA flags (--use_fast_math) make `/` approximate and fuse a * b + c into an FMA, so

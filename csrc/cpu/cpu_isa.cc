@@ -86,12 +86,9 @@ CpuIsaChoice Choose() {
 }  // namespace
 
 const char* CpuIsaName(CpuIsa isa) {
-  switch (isa) {
-    case CpuIsa::kPortable: return "portable";
-    case CpuIsa::kAvx2: return "avx2";
-    case CpuIsa::kAvx512: return "avx512";
-  }
-  return "?";
+  static constexpr const char* kNames[] = {"portable", "avx2", "avx512"};  // by CpuIsa's value
+  const int i = static_cast<int>(isa);
+  return i >= 0 && i < 3 ? kNames[i] : "?";
 }
 
 std::vector<CpuIsa> BuiltCpuIsas() {
