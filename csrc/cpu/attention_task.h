@@ -134,7 +134,8 @@ KeyRange MapTaskRows(const Call<T>& c, const TaskPlan& p, Scratch& t) {
     if (!row.valid) continue;
     t.head[r] = row.head;
     t.token[r] = row.token;
-    t.q_rows[r] = c.q_scaled.data() + ((p.blk.b * s.num_heads + row.head) * s.seq_len + row.token) * hp;
+    t.q_rows[r] =
+        c.q_scaled.data() + ((p.blk.b * s.num_heads + row.head) * s.seq_len + row.token) * hp;
     // Right padding of a first prompt, rows beyond query_seqlens: no keys, output 0.
     const KeyRange keys = QueryKeyRange(s, p.geo, row.token);
     if (keys.lo >= keys.hi) continue;

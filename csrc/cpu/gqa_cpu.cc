@@ -95,7 +95,8 @@ int64_t PlanAttention(Call<T>& c, CallBuffers& cb, const Parallel& parallel) {
   c.num_groups = s.kv_num_heads / c.group_heads;
   const int64_t base_tasks = s.batch * c.num_groups * c.num_q_blocks;
   const int64_t max_splits = std::max<int64_t>(1, s.total_seq_len / (4 * kTileKeys));
-  c.num_splits = base_tasks >= want ? 1 : std::min(max_splits, (want + base_tasks - 1) / base_tasks);
+  c.num_splits =
+      base_tasks >= want ? 1 : std::min(max_splits, (want + base_tasks - 1) / base_tasks);
   c.split_keys = RoundUp((s.total_seq_len + c.num_splits - 1) / c.num_splits, kTileKeys);
   if (c.num_splits > 1) {
     const int64_t slots = base_tasks * c.num_splits * c.rows_per_task();

@@ -36,12 +36,12 @@
 #define KVL_ISA_TARGET_PUSH
 #define KVL_ISA_TARGET_POP
 #elif KVL_ISA_LEVEL == 1 && defined(__clang__)
-#define KVL_ISA_TARGET_PUSH \
-  _Pragma("clang attribute push(__attribute__((target(\"avx,avx2,fma,f16c\"))), apply_to = function)")
+// clang-format off
+#define KVL_ISA_TARGET_PUSH _Pragma("clang attribute push(__attribute__((target(\"avx,avx2,fma,f16c\"))), apply_to = function)")
+// clang-format on
 #define KVL_ISA_TARGET_POP _Pragma("clang attribute pop")
 #elif KVL_ISA_LEVEL == 1
-#define KVL_ISA_TARGET_PUSH \
-  _Pragma("GCC push_options") _Pragma("GCC target(\"avx,avx2,fma,f16c\")")
+#define KVL_ISA_TARGET_PUSH _Pragma("GCC push_options") _Pragma("GCC target(\"avx,avx2,fma,f16c\")")
 #define KVL_ISA_TARGET_POP _Pragma("GCC pop_options")
 #elif KVL_ISA_LEVEL == 2 && defined(__clang__)
 // clang-format off
@@ -49,17 +49,17 @@
 // clang-format on
 #define KVL_ISA_TARGET_POP _Pragma("clang attribute pop")
 #elif KVL_ISA_LEVEL == 2
-#define KVL_ISA_TARGET_PUSH \
-  _Pragma("GCC push_options")  \
+#define KVL_ISA_TARGET_PUSH   \
+  _Pragma("GCC push_options") \
       _Pragma("GCC target(\"avx,avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq\")")
 #define KVL_ISA_TARGET_POP _Pragma("GCC pop_options")
 #else
 #error "KVL_ISA_LEVEL must be 0, 1 or 2"
 #endif
 
-#define KVL_ISA_BEGIN  \
-  KVL_ISA_TARGET_PUSH  \
-  namespace kvl {      \
+#define KVL_ISA_BEGIN    \
+  KVL_ISA_TARGET_PUSH    \
+  namespace kvl {        \
   namespace KVL_ISA_NS { \
   namespace {
 #define KVL_ISA_END \

@@ -44,7 +44,8 @@ template <typename T>
 void PrepareToken(void* state, size_t task) {
   const Call<T>& c = *static_cast<const Call<T>*>(state);
   const GqaShape& s = c.s;
-  const int64_t b = static_cast<int64_t>(task) / s.seq_len, i = static_cast<int64_t>(task) % s.seq_len;
+  const int64_t b = static_cast<int64_t>(task) / s.seq_len;
+  const int64_t i = static_cast<int64_t>(task) % s.seq_len;
   const int64_t H = s.head_size, N = s.num_heads, Nkv = s.kv_num_heads;
   const BatchGeometry geo = c.geo(b);
   const bool writes_kv = i < c.written_rows(geo);
