@@ -36,7 +36,7 @@ case "${1:-}" in
     t0=$SECONDS
     ORT_INCLUDE_DIR="$PWD/.device/hdr/ort" \
     CUDNN_FRONTEND_INCLUDE_DIR="$PWD/.device/hdr/cudnn_frontend/include" \
-    CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90-real" \
+    CMAKE_ARGS="-DORT_KVLAYOUT_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real" \
       python3 -m pip install -q --no-deps --no-build-isolation --upgrade --target /opt/kvl . \
       >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
     echo "package built in $((SECONDS - t0)) s"
