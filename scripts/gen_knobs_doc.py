@@ -21,13 +21,15 @@ DOC = ROOT / "docs" / "KNOBS.md"
 # CMake cache options, set through CMAKE_ARGS="-DNAME=VALUE" for pip (or -D for cmake).
 # (name, values, default, class, doc)
 BUILD_KNOBS = [
-    ("ORT_KVLAYOUT_CUDA", "ON | OFF | AUTO", "AUTO", "product",
-     "build the CUDA kernels; AUTO when nvcc is found"),
+    ("ORT_KVLAYOUT_CUDA", "AUTO | ON | OFF", "AUTO", "product",
+     ("build the CUDA kernels; AUTO when nvcc is found and nvidia-smi lists a GPU, ON also "
+      "without a GPU (cmake/visible_gpus.cmake)")),
     ("ORT_KVLAYOUT_CUDNN", "ON | OFF | AUTO", "AUTO", "product",
      ("CUDA builds: prefill through cuDNN; AUTO when cudnn.h, nvrtc.h and the cuDNN frontend are "
      "found")),
-    ("CMAKE_CUDA_ARCHITECTURES", "a CMake list", "80-real;90-real;90-virtual", "product",
-     "GPU code built (e.g. 90a-real for one H100/H200 build, faster to compile)"),
+    ("CMAKE_CUDA_ARCHITECTURES", "a CMake list",
+     "the visible GPUs' (e.g. 90-real), else 80-real;90-real", "product",
+     "GPU code built; PTX only where named (e.g. 90-virtual)"),
     ("ORT_INCLUDE_DIR", "a path", "$ORT_INCLUDE_DIR, else the system, else fetched", "product",
      "directory holding onnxruntime_cxx_api.h (fetched: Debian's 1.21 headers, into the cache)"),
     ("CUDNN_INCLUDE_DIR", "a path", "$CUDNN_INCLUDE_DIR, else nvidia-cudnn-cu13, else CUDA's",
