@@ -3,6 +3,7 @@
     ort-kvlayout serve                      # the default model (SmolLM2-135M, seq-major) below
     ort-kvlayout serve MODEL_DIR --port 8000 --max-batch 8 --kv-budget 1GiB
     ORT_KVLAYOUT_API_KEY=... ort-kvlayout serve MODEL_DIR --host 0.0.0.0   # /v1/* need the key
+    ort-kvlayout serve MODEL_DIR --replicas 2     # two engines behind one endpoint (Ray Serve)
 
 MODEL_DIR defaults to the SmolLM2-135M seq-major model that `python scripts/main_job.py` builds
 and patches into $ORT_KVLAYOUT_CACHE (default ~/.cache/ort_kvlayout)/models. Exit status: 0
@@ -110,7 +111,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="/metrics requires the key too (default: open, like /health)")  # fmt: skip
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])  # fmt: skip
+    c = p.add_argument_group(
+        "cluster",
+        "engine replicas behind one endpoint on Ray Serve (the cluster extra: pip "
+        "install 'ort-kvlayout[cluster]'); any of these options runs the cluster",
+    )
+    c.add_argument("--replicas", type=int, help="engine replicas (a fixed count)")
+    c.add_argument("--min-replicas", type=int,
+                   help="autoscaling on ongoing requests: the fewest replicas (default 1)")  # fmt: skip
+    c.add_argument("--max-replicas", type=int,
+                   help="autoscaling: the most replicas (default: --min-replicas)")  # fmt: skip
+    c.add_argument("--target-ongoing-requests", type=float,
+                   help="autoscaling: requests per replica it aims at (default: --max-batch)")  # fmt: skip
+    c.add_argument("--address",
+                   help="join this Ray cluster (e.g. auto, or HOST:6379) instead of starting one")  # fmt: skip
+    c.add_argument("--threads", type=int,
+                   help="CPU: intra-op threads per replica (default: cores // replicas)")  # fmt: skip
+    c.add_argument("--gpus-per-replica", type=float, default=1.0,
+                   help="CUDA: GPUs per replica (1: one per GPU; 0.5: two share one, with "
+                        "--kv-budget in bytes)")  # fmt: skip
     return parser
+
+
+_CLUSTER_FLAGS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests",
+                  "address", "threads")  # fmt: skip
 
 
 def resolve_api_key(args: argparse.Namespace) -> str | None:
@@ -192,6 +216,8 @@ def serve(args: argparse.Namespace) -> int:
             memory.resolve_kv_budget(budget_bytes, None, free, total, "cpu")
         except ValueError as exc:
             return _fail(f"--kv-budget: {exc}")
+    if any(getattr(args, name) is not None for name in _CLUSTER_FLAGS):
+        return serve_cluster(args, model_dir, api_key)
     try:
         import uvicorn
 
@@ -246,6 +272,39 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         engine.close(drain=False)
     return 0
+
+
+def serve_cluster(args: argparse.Namespace, model_dir: Path, api_key: str | None) -> int:
+    """The cluster side of `serve` (serve/cluster/run.py), from the same arguments."""
+    try:
+        from .cluster.app import ClusterOptions
+        from .cluster.run import serve_cluster as run
+    except ImportError as exc:
+        return _fail(
+            f"--replicas needs the cluster extra (pip install 'ort-kvlayout[cluster]'): {exc}"
+        )
+    budget_bytes, budget_fraction = args.kv_budget
+    budget = budget_bytes if budget_bytes is not None else budget_fraction
+    buckets = args.decode_buckets
+    try:
+        opts = ClusterOptions(
+            str(model_dir), model_id=args.model_id, provider=args.provider,
+            max_batch=args.max_batch, capacity=args.capacity,
+            kv_budget=None if budget is None else str(budget), cache=args.cache,
+            prefill_chunk=args.prefill_chunk, cuda_graph=args.cuda_graph,
+            decode_buckets=None if buckets is None else ",".join(map(str, buckets)),
+            max_waiting=args.max_waiting, replicas=args.replicas or 1,
+            min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+            target_ongoing_requests=args.target_ongoing_requests, threads=args.threads,
+            gpus_per_replica=args.gpus_per_replica, drain_timeout=args.drain_timeout,
+            metrics_auth=args.metrics_auth,
+        )  # fmt: skip
+        if args.replicas is not None and opts.autoscaling:
+            raise ValueError("--replicas is a fixed count: give it or --min/--max-replicas")
+        warn_if_exposed(args.host, api_key)
+        return run(opts, args.host, args.port, args.address, api_key, args.log_level)
+    except ValueError as exc:
+        return _fail(exc)
 
 
 if __name__ == "__main__":
