@@ -137,6 +137,7 @@ struct DecodeCta : DecodeCtaTile<T, HD, kForm, W, C> {
   int cluster;
   float *part_o, *part_m, *part_l;
   unsigned* counters;
+  bool scales_early;  // GqaCudaPlan::decode_scales_early
   DecTrace trace, prologue_trace;  // the merge's marks; the prologue's (split 0, the appender)
 
   // Indices (Begin). Head and row indices in 32 bits (a 64-bit division is a called routine of
@@ -212,9 +213,10 @@ struct DecodeCta : DecodeCtaTile<T, HD, kForm, W, C> {
   __device__ __forceinline__ DecodeCta(const GqaShape& shape, const GqaCudaBuffers& buffers,
                                        KvStrides st, int64_t n_splits, int64_t target,
                                        int cluster_size, float* po, float* pm, float* pl,
-                                       unsigned* cnt)
+                                       unsigned* cnt, bool early)
       : s(shape), buf(buffers), present_st(st), splits(n_splits), split_target(target),
-        cluster(cluster_size), part_o(po), part_m(pm), part_l(pl), counters(cnt) {}
+        cluster(cluster_size), part_o(po), part_m(pm), part_l(pl), counters(cnt),
+        scales_early(early) {}
 
   // CTA row r's token, query head, key range, output row and sink; warp step i's stage slot and
   // first key (defined below the struct).

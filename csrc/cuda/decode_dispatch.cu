@@ -77,11 +77,12 @@ Status LaunchDecodeTc(const GqaShape& s, const GqaCudaBuffers& buf, KvStrides pr
     const ClusterLaunch launch(grid, dim3(threads), smem, stream, cluster);
     return CudaCheck(cudaLaunchKernelEx(&launch.config, fn, s, buf, present_st, plan.splits,
                                         plan.split_target, cluster, ws.part_o, ws.part_m,
-                                        ws.part_l, ws.counters),
+                                        ws.part_l, ws.counters, plan.decode_scales_early),
                      "decode launch (clusters)");
   }
   fn<<<grid, threads, smem, stream>>>(s, buf, present_st, plan.splits, plan.split_target, 0,
-                                      ws.part_o, ws.part_m, ws.part_l, ws.counters);
+                                      ws.part_o, ws.part_m, ws.part_l, ws.counters,
+                                      plan.decode_scales_early);
   return CudaCheck(cudaGetLastError(), "decode launch");
 }
 

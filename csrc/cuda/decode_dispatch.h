@@ -14,8 +14,10 @@
 namespace kvl {
 namespace cu {
 
+// (shape, buffers, present strides, splits, split target, cluster, partials o / m / l,
+// counters, scales early: GqaCudaPlan's fields of the same names, DecodeTcKernel's parameters)
 using DecodeFn = void (*)(GqaShape, GqaBuffers, KvStrides, int64_t, int64_t, int, float*,
-                          float*, float*, unsigned*);
+                          float*, float*, unsigned*, bool);
 
 // The instance of tile HD for (form, warps), or null where it is not compiled.
 template <typename T, int HD>

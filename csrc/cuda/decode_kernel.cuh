@@ -74,7 +74,7 @@ template <typename T, int HD, DecodeForm kForm, int W, typename C = T>
 __global__ void __launch_bounds__(W * kWarp)
     DecodeTcKernel(GqaShape s_arg, GqaCudaBuffers buf, KvStrides present_st, int64_t splits,
                    int64_t split_target, int cluster, float* part_o, float* part_m, float* part_l,
-                   unsigned* counters) {
+                   unsigned* counters, bool scales_early) {
   using Cta = DecodeCta<T, HD, kForm, W, C>;
   const GqaShape s = kForm == DecodeForm::kFull
                          ? s_arg
@@ -85,7 +85,8 @@ __global__ void __launch_bounds__(W * kWarp)
     CheckLengthsRow<Cta::kDecThreads>(s, buf);
     return;
   }
-  Cta cta(s, buf, present_st, splits, split_target, cluster, part_o, part_m, part_l, counters);
+  Cta cta(s, buf, present_st, splits, split_target, cluster, part_o, part_m, part_l, counters,
+          scales_early);
   cta.Begin();
   if (!cta.Partition()) return;  // no live keys in this split
   if (!cta.Prologue()) return;

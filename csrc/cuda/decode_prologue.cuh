@@ -59,6 +59,9 @@ __device__ __forceinline__ bool DecodeCta<T, HD, kForm, W, C>::Partition() {
       qv[j][e] = r < rows && d < H ? src[d] : FromF<T>(0.0f);
     }
   }
+  if constexpr (kQuant) {  // the static scales on their way to L1 before the first steps' copies
+    if (scales_early) PrefetchKvScales<HD>(s, buf, static_cast<int>(g), threadIdx.x);
+  }
   geo = ClampedBatchGeometry(s, lengths.seqlens_k, lengths.query_len);
 
   // Keys any row needs (rows of one token share a range), then this split's share of them.

@@ -66,6 +66,9 @@ struct GqaCudaPlan {
   // Decode: one CTA row per batch entry serving all its kv heads (packed heads, kv_layout=1:
   // cuda/plan_rules.h), not one per (batch entry, kv head).
   bool decode_packed = false;
+  // Decode of a cache of codes with static scales (the bytes plan, cuda/plan_rules.h): each CTA
+  // asks for its kv head's K and V scales at its start, ahead of its first steps' copies.
+  bool decode_scales_early = false;
   size_t q_bytes = 0, part_o_bytes = 0, part_ml_bytes = 0, counter_bytes = 0;
   // A window-sized cache: K (and again V) staging rows the attention reads (csrc/cuda/sliding.cu).
   size_t stage_bytes = 0;

@@ -66,6 +66,7 @@ AttnPlan MakePlan(const GqaShape& s, const GqaCudaBuffers& buf, const CudaDevice
   knobs.decode_group_clusters = kv.decode_group_clusters;
   knobs.decode_wide = kv.decode_wide;
   knobs.decode_packed = kv.decode_packed;
+  knobs.decode_quant_bytes = kv.decode_quant_bytes;
   knobs.cudnn_min_rows = kv.cudnn_min_rows;
   if (TriesCudnn(s, ChooseKernel(s, pb, dev), pb, knobs)) {
     const KvStrides present_st =

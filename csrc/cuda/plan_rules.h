@@ -42,6 +42,7 @@ struct PlanKnobs {
   bool decode_group_clusters = true;   // group clusters where the merge takes two rounds
   bool decode_wide = true;             // eight warps where the wide rule says
   int64_t decode_packed = 1;  // packed heads: 0 never, 1 by the rule, 2 wherever they serve
+  bool decode_quant_bytes = true;  // a cache of codes: its own plan (DecodeQuantBytesPlan)
   int64_t cudnn_min_rows = 64;         // prefill of at least this many new rows tries cuDNN
 };
 
@@ -173,6 +174,19 @@ inline int DecodeWaveCtasPerSm(int64_t rows, int64_t sms, int fit) {
   return best;
 }
 
+// A cache of codes: the plan from the bytes a CTA reads (knobs.decode_quant_bytes; off: the plan
+// of a cache of T, for comparison). The codes: a step holds 16 / bits times T's keys, so a step
+// and a warp's loads in flight are T's bytes (DecodeCtaTile::KS), and DecodePlanRules' splits
+// and warps stand: at B = 1 every SM has a CTA, and past a fixed part the cold int8 reads ran at
+// the HBM's peak (32/8/128, L = 16k to 32k: 3.4 TB/s), so other splits of the same bytes would
+// empty SMs (fp16's bytes per CTA) or add merge work. The static scales (2 x H floats of the kv
+// head): every CTA reads them at three points of its path, the appending CTA one value per
+// dependent trip (StoreQuantRows stores between them), each trip to HBM after a flush of the L2,
+// behind the first steps' copies: each CTA asks for them at its start.
+inline void DecodeQuantBytesPlan(const GqaShape& s, const PlanKnobs& knobs, AttnPlan* p) {
+  p->decode_scales_early = knobs.decode_quant_bytes && s.quantized() && !s.per_token();
+}
+
 // The decode kernel's splits, warps, clusters and packed heads (p.kernel == kDecodeTc).
 // `allow_packed` false: the per-head plan (the packed rule's fallback). `attn_rows`: rows of the
 // buffer the attention reads. Returns false where the packed rule falls back to per-head CTAs.
@@ -263,6 +277,7 @@ inline bool DecodePlanRules(const GqaShape& s, const CudaDeviceInfo& dev,
     // way, so this choice may follow the capacity.
     p.cluster = p.splits;
   }
+  DecodeQuantBytesPlan(s, knobs, &p);
   // The packed rule's second half: its CTAs (B x the split target, never the capacity's splits)
   // fill their last round of one CTA per SM to 90% or more.
   if (packed && mode == 1) {

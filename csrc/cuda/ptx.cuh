@@ -36,6 +36,11 @@ __device__ __forceinline__ unsigned SharedAddress(const void* p) {
 #error "KVL_CP_ASYNC_L2_PREFETCH must be 0, 128 or 256"
 #endif
 
+// The 128-byte line holding `p` into this SM's L1 (and the L2), without a register or a wait.
+__device__ __forceinline__ void PrefetchL1(const void* p) {
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+}
+
 // 16 bytes global -> shared.
 __device__ __forceinline__ void CpAsync16(void* smem_dst, const void* gmem_src) {
   asm volatile(KVL_CP_ASYNC_CG " [%0], [%1], 16;\n" ::"r"(SharedAddress(smem_dst)), "l"(gmem_src)

@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "cuda/common.cuh"
+#include "cuda/ptx.cuh"
 
 namespace kvl {
 namespace cu {
@@ -68,6 +69,28 @@ __device__ __forceinline__ int QuantCode(float x, float inv, float lo, float hi)
 __device__ __forceinline__ float ChannelScale(const float* scale, KvQuant quant, int64_t H,
                                               int64_t h, int64_t d) {
   return quant == KvQuant::kPerChannel ? scale[h * H + d] : scale[0];
+}
+
+// Thread t of a CTA of kv head h asks for line t of the head's static K then V scales in its SM's
+// L1 (per channel: the 128-byte lines of its HD floats, H == HD in the quantized decode
+// instances; per tensor: the one; PER_TOKEN: none), where the plan says
+// (GqaCudaPlan::decode_scales_early). A CTA reads them at three points of its path, each a trip
+// to memory: the appended row's quantization (StoreQuantRows, one dependent trip per value a lane
+// stores), the query tile (K's) and the warps' merge (V's).
+template <int HD>
+__device__ __forceinline__ void PrefetchKvScales(const GqaShape& s, const GqaCudaBuffers& buf,
+                                                 int h, int t) {
+  constexpr int kLines = HD / 32;  // of one tensor's channel scales
+  if (t >= 2 * kLines) return;
+  const bool v = t >= kLines;
+  const KvQuant quant = v ? s.v_quant : s.k_quant;
+  const float* scale = v ? buf.v_scale : buf.k_scale;
+  const int line = v ? t - kLines : t;
+  if (quant == KvQuant::kPerChannel) {
+    ptx::PrefetchL1(scale + h * HD + 32 * line);
+  } else if (quant == KvQuant::kPerTensor && line == 0) {
+    ptx::PrefetchL1(scale);
+  }
 }
 
 // ---- float8 e4m3fn, bit for bit the CPU op's (core/dtype.h FloatToFp8E4M3 / Fp8E4M3ToFloat) ---

@@ -55,6 +55,7 @@ void BindPlan(py::module_& m) {
         get("decode_group_clusters", &k.decode_group_clusters);
         get("decode_wide", &k.decode_wide);
         get("decode_packed", &k.decode_packed);
+        get("decode_quant_bytes", &k.decode_quant_bytes);
         get("cudnn_min_rows", &k.cudnn_min_rows);
         const kvl::cu::ModelDecodeOccupancy occ(dev, device["smem_per_sm"].cast<int>());
         const kvl::GqaCudaPlan p = kvl::cu::PlanRules(s, kvl::cu::PlanBuffers{}, dev, occ, k);
@@ -67,6 +68,7 @@ void BindPlan(py::module_& m) {
         out["decode_ctas_per_sm"] = p.decode_ctas_per_sm;
         out["decode_threads"] = p.decode_threads;
         out["decode_packed"] = p.decode_packed;
+        out["decode_scales_early"] = p.decode_scales_early;
         out["row_blocks"] = p.row_blocks;
         out["workspace_bytes"] = p.WorkspaceBytes();
         out["counter_bytes"] = p.counter_bytes;
