@@ -40,6 +40,11 @@ Also fp8 (float8e4m3fn caches, static scales: ORT CUDA 1.31.1 may refuse them, r
 refused) and our PER_TOKEN schemes (int8 / int4 / fp8 -per-token: a float32 scale cache beside
 each KV cache, bound shared like the cache; ORT has no such mode, so ort_q is recorded as
 refused and the ratio that counts is q_vs_fp16).
+
+--quant-plan bytes|fp16 sets ORT_KVLAYOUT_DECODE_QUANT_PLAN for the run (our quantized decode's
+own plan, or the plan of a cache of T; read once per process, so one run per value, e.g.
+`--quant-plan fp16 --json a.json` then `--quant-plan bytes --json b.json`); the JSON records it
+and every ORT_KVLAYOUT_* variable of the run under "knobs".
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import os
 import statistics
 import sys
 import time
@@ -469,6 +475,13 @@ def parse_kv_quant(text: str) -> list[tuple[int, str, str]]:
 
 
 QUANT_VARIANTS = ("ort", "kv0", "kv1", "ort_q", "q0", "q1")
+QUANT_PLAN_KNOB = "ORT_KVLAYOUT_DECODE_QUANT_PLAN"
+
+
+def run_knobs() -> dict[str, str]:
+    """The library's knobs this run set (ORT_KVLAYOUT_* variables of the environment), by name;
+    an unset knob takes its default (docs/KNOBS.md)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("ORT_KVLAYOUT_")}
 
 
 def run_quant_case(
@@ -618,7 +631,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="the variants' order: sessions and caches made, turns taken")  # fmt: skip
     p.add_argument("--kv-quant", default="",
                    help="quantized decode schemes, e.g. int8-per-channel,int4-per-tensor")  # fmt: skip
+    p.add_argument("--quant-plan", choices=("bytes", "fp16"), default=None,
+                   help="set ORT_KVLAYOUT_DECODE_QUANT_PLAN for this run")  # fmt: skip
     args = p.parse_args(argv)
+    if args.quant_plan is not None:
+        held = os.environ.get(QUANT_PLAN_KNOB, "")
+        if held not in ("", args.quant_plan):
+            p.error(f"--quant-plan {args.quant_plan}, but {QUANT_PLAN_KNOB}={held} is set")
+        # Before the first session: the library reads its knobs once, at its first CUDA op.
+        os.environ[QUANT_PLAN_KNOB] = args.quant_plan
     try:
         kv_quant = parse_kv_quant(args.kv_quant)
     except ValueError as e:
@@ -654,6 +675,9 @@ def main(argv: list[str] | None = None) -> int:
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"# CUDA GQA benchmark, {date}, onnxruntime {ort.__version__}, fp16")
     print(f"command: python {' '.join(sys.argv)}")
+    knobs = run_knobs()
+    if knobs:
+        print("knobs: " + " ".join(f"{k}={v}" for k, v in knobs.items()))
     if LIBRARY:
         print(f"library: {LIBRARY}")
     if quant_rows:
@@ -685,7 +709,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = {"date": date, "onnxruntime": ort.__version__, "device": torch.cuda.get_device_name(),
                 "command": "python " + " ".join(sys.argv), "git": git_revision(), "runs": args.runs,
-                "rounds": ROUNDS, "flush_l2": FLUSH_L2, "order": list(ORDER)}  # fmt: skip
+                "rounds": ROUNDS, "flush_l2": FLUSH_L2, "order": list(ORDER),
+                "knobs": knobs}  # fmt: skip
         if quant_rows:
             meta["kv_quant"] = args.kv_quant
         args.json.write_text(json.dumps({**meta, "rows": rows + quant_rows}, indent=1))
