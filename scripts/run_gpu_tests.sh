@@ -34,11 +34,11 @@ mkdir -p "$LOG_DIR"
 SANITIZER="${SANITIZER:-none}"
 SUITE="${SUITE:-1}"
 PYTEST_ARGS="${PYTEST_ARGS:-}"
-# Every file with GPU tests: the op (and its quantized caches), graph capture, a quiet log, the KV cache and runtime on the
+# Every file with GPU tests: the op (and its quantized caches and their plan), graph capture, a quiet log, the KV cache and runtime on the
 # device, device-side length errors, a sliding-window model through onnxruntime-genai, SampleTokens. The
 # sanitizer passes take the op's own files (SAN_FILES): the others add runtime code
 # (CUDA virtual memory, sessions) but no kernel of ours that the op files do not reach.
-FILES="tests/test_gqa_cuda.py tests/test_gqa_cuda_quant.py tests/test_cuda_graph.py tests/test_quiet_log.py tests/test_kv_cache_gpu.py tests/test_cuda_length_errors.py tests/test_genai_sliding_window.py tests/test_gqa_nonfinite.py tests/test_engine_gpu.py tests/test_sample_op.py"
+FILES="tests/test_gqa_cuda.py tests/test_gqa_cuda_quant.py tests/test_cuda_graph.py tests/test_quiet_log.py tests/test_kv_cache_gpu.py tests/test_cuda_length_errors.py tests/test_genai_sliding_window.py tests/test_gqa_nonfinite.py tests/test_engine_gpu.py tests/test_sample_op.py tests/test_decode_plan_quant.py"
 SAN_FILES="tests/test_gqa_cuda.py tests/test_gqa_cuda_quant.py tests/test_cuda_graph.py tests/test_cuda_length_errors.py"
 
 echo "== preflight (GQA_GPU_SEED=$GQA_GPU_SEED, logs in $LOG_DIR)"
