@@ -15,12 +15,15 @@ import signal
 import sys
 import threading
 
+import ray
+from ray import serve
+
 from .app import APP_NAME, ClusterOptions, build_application
 
 __all__ = ["serve_cluster"]
 
 
-def _local_resources(ray, opts: ClusterOptions) -> None:
+def _local_resources(opts: ClusterOptions) -> None:
     """Refuses, before deploying, replicas this machine cannot place (Ray would wait forever)."""
     if opts.provider != "cuda":
         return
@@ -38,9 +41,6 @@ def serve_cluster(opts: ClusterOptions, host: str, port: int, address: str | Non
     """Runs the application until SIGINT/SIGTERM; 0 after a drained shutdown. Raises
     ValueError for options or a machine that cannot run it (the CLI prints it)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no reporting home from a server
-    import ray
-    from ray import serve
-
     app = build_application(opts, api_key)  # checks the options before Ray starts
     level = getattr(logging, log_level.upper())
     ray.init(
@@ -53,7 +53,7 @@ def serve_cluster(opts: ClusterOptions, host: str, port: int, address: str | Non
         signal.signal(sig, lambda *_: stop.set())
     try:
         if address is None:
-            _local_resources(ray, opts)
+            _local_resources(opts)
         serve.start(
             http_options={"host": host, "port": port},
             logging_config={"log_level": log_level.upper()},
@@ -73,10 +73,11 @@ def serve_cluster(opts: ClusterOptions, host: str, port: int, address: str | Non
         stop.wait()
         print("draining: running requests finish, new ones are refused", file=sys.stderr,
               flush=True)  # fmt: skip
+        # The application first, while the proxies still carry its streams: its replicas
+        # stop taking requests and finish theirs (graceful shutdown); then Serve itself.
+        serve.delete(APP_NAME)
         if address is None:
             serve.shutdown()
-        else:
-            serve.delete(APP_NAME)
     finally:
         ray.shutdown()
     return 0

@@ -1,0 +1,206 @@
+"""The cluster's options and its Serve config file: ClusterOptions' checks and the deployment
+options they give (no Ray needed), the CLI's word when the extra is missing, and
+docs/serve-cluster.yaml: valid for Ray Serve, built by the same builder as the CLI, and run
+for real with `serve run` on the tiny model (skipped without ray[serve])."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+
+from ort_kvlayout.serve.cluster.app import (
+    ClusterOptions,
+    ingress_options,
+    replica_options,
+)
+from serve_util import free_port, library_or_skip, make_served_model
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "docs" / "serve-cluster.yaml"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    library_or_skip()
+    return make_served_model(tmp_path_factory.mktemp("cluster-config"))
+
+
+def test_fixed_replicas_on_the_cpu():
+    opts = ClusterOptions("m", replicas=2, max_batch=4, max_waiting=10)
+    o = replica_options(opts, cores=8)
+    assert o["num_replicas"] == 2 and "autoscaling_config" not in o
+    assert o["max_ongoing_requests"] == 4 + 10 + 1  # the engine refuses the overflow, not Ray
+    assert o["ray_actor_options"] == {"num_cpus": 4}  # 8 cores over 2 replicas
+    assert opts.replica_threads(8) == 4
+    router = o["request_router_config"]
+    assert router["request_router_class"] == "ort_kvlayout.serve.cluster.router:KvLoadRouter"
+    assert router["request_routing_stats_period_s"] == 0.5
+    ingress = ingress_options(opts)
+    assert ingress["ray_actor_options"] == {"num_cpus": 0}
+    assert ingress["max_ongoing_requests"] >= 2 * (4 + 10 + 1)
+    # More replicas than cores: one thread each, a share of the cores each.
+    assert replica_options(ClusterOptions("m", replicas=4), cores=2)["ray_actor_options"] == {
+        "num_cpus": 0.5
+    }
+    assert replica_options(ClusterOptions("m", replicas=2, threads=3), cores=2)[
+        "ray_actor_options"
+    ] == {"num_cpus": 1.0}
+
+
+def test_autoscaling_options_and_defaults():
+    o = replica_options(ClusterOptions("m", max_replicas=4, max_batch=8), cores=4)
+    assert "num_replicas" not in o
+    assert o["autoscaling_config"] == {
+        "min_replicas": 1, "initial_replicas": 1, "max_replicas": 4,
+        "target_ongoing_requests": 8,  # a replica with every slot busy is at target
+    }  # fmt: skip
+    assert o["ray_actor_options"] == {"num_cpus": 1}  # threads for the most replicas
+    o = replica_options(ClusterOptions("m", min_replicas=2, target_ongoing_requests=3), cores=4)
+    assert o["autoscaling_config"]["min_replicas"] == o["autoscaling_config"]["max_replicas"] == 2
+    assert o["autoscaling_config"]["target_ongoing_requests"] == 3
+
+
+def test_one_replica_per_gpu_or_a_share_with_a_byte_budget():
+    o = replica_options(ClusterOptions("m", provider="cuda", replicas=2))
+    assert o["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 1.0}
+    shared = ClusterOptions("m", provider="cuda", replicas=2, gpus_per_replica=0.5,
+                            kv_budget="8GiB")  # fmt: skip
+    assert replica_options(shared)["ray_actor_options"]["num_gpus"] == 0.5
+    assert shared.engine_config()["kv_budget_bytes"] == 8 << 30
+    with pytest.raises(ValueError, match="sharing a GPU .* need kv_budget in bytes"):
+        ClusterOptions("m", provider="cuda", gpus_per_replica=0.5, kv_budget="0.45")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"replicas": 0}, "replicas must be >= 1"),
+        ({"min_replicas": 3, "max_replicas": 2}, "1 <= min_replicas <= max_replicas"),
+        ({"min_replicas": 0}, "1 <= min_replicas"),
+        ({"threads": 0}, "threads must be >= 1"),
+        ({"target_ongoing_requests": 0}, "target_ongoing_requests must be > 0"),
+        ({"kv_budget": "lots"}, "kv_budget 'lots': expected bytes"),
+        ({"decode_buckets": "1,0"}, "decode_buckets '1,0'"),
+        ({"max_batch": 0}, "max_batch must be >= 1"),  # EngineConfig's own check
+        ({"cuda_graph": True}, "cuda_graph=True needs provider='cuda'"),
+    ],
+)
+def test_options_refused_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ClusterOptions("m", **kwargs)
+
+
+def test_config_args_refused_by_name():
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['replica'\]"):
+        ClusterOptions.from_args({"model_dir": "m", "replica": 2})
+    with pytest.raises(ValueError, match="model_dir is required"):
+        ClusterOptions.from_args({"replicas": 2})
+
+
+def test_cli_without_the_cluster_extra(model):
+    # ray made unimportable: the CLI says which extra to install, before anything starts.
+    code = (
+        "import sys; sys.modules['ray'] = None; from ort_kvlayout.serve.cli import main; "
+        f"sys.exit(main(['serve', {str(model)!r}, '--replicas', '2']))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       check=False)  # fmt: skip
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: --replicas needs the cluster extra")
+    assert "pip install 'ort-kvlayout[cluster]'" in r.stderr
+
+
+def test_cli_refuses_bad_cluster_options_before_starting(model):
+    r = subprocess.run(
+        [sys.executable, "-m", "ort_kvlayout.serve.cli", "serve", str(model), "--replicas", "2",
+         "--max-replicas", "3"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert "--replicas is a fixed count" in r.stderr or "cluster extra" in r.stderr
+
+
+def config() -> dict:
+    return yaml.safe_load(CONFIG.read_text())
+
+
+def test_docs_config_is_a_serve_config_of_this_builder(model):
+    schema = pytest.importorskip("ray.serve.schema")
+    from ort_kvlayout.serve.cluster import app
+    from ray.serve import Application
+
+    cfg = config()
+    schema.ServeDeploySchema.model_validate(cfg)
+    (application,) = cfg["applications"]
+    assert application["import_path"] == "ort_kvlayout.serve.cluster.app:build"
+    opts = ClusterOptions.from_args(application["args"])
+    assert opts.replicas == 2 and not opts.autoscaling
+    args = {**application["args"], "model_dir": str(model)}
+    assert isinstance(app.build(args), Application)
+    with pytest.raises(ValueError, match="no genai_config.json"):
+        app.build({**args, "model_dir": str(model.parent)})
+
+
+def http(url: str, body: dict | None = None) -> tuple[int, dict]:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_serve_run_of_the_docs_config(model, tmp_path):
+    pytest.importorskip("ray.serve")
+    cfg = config()
+    port = free_port()
+    cfg["http_options"]["port"] = port
+    cfg["applications"][0]["args"].update(model_dir=str(model), max_batch=2, model_id="tiny")
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    serve = Path(sys.executable).parent / "serve"
+    env = {k: v for k, v in os.environ.items() if k != "ORT_KVLAYOUT_API_KEY"}
+    env.update(RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([str(serve), "run", str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if http(f"http://127.0.0.1:{port}/health")[0] == 200:
+                    break
+            except (OSError, ValueError):  # not listening yet, or Serve's own 404 page
+                pass
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "serve run did not become ready"
+            time.sleep(0.5)
+        status, out = http(
+            f"http://127.0.0.1:{port}/v1/completions",
+            {"model": "tiny", "prompt": "abc", "max_tokens": 4, "ignore_eos": True},
+        )
+        assert status == 200 and out["usage"]["completion_tokens"] == 4
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read()
+        deadline = time.monotonic() + 30
+        while b'ort_kvlayout_replicas{model="tiny"} 2' not in text:
+            assert time.monotonic() < deadline, text.decode()[-500:]
+            time.sleep(0.5)
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
