@@ -17,6 +17,8 @@ Methods and metric names follow vLLM's `bench serve` and SGLang's bench_serving:
 * Systems, on the same prompts: `engine` (ort_kvlayout.serve.engine on the patched model, in
   process: iteration-level scheduling over a growable seq-major cache), `server` (the same
   engine behind `ort-kvlayout serve`, started by the script, through streamed HTTP requests),
+  `cluster` (the same server with `--replicas N` for each N of `--replicas 1,2`: N engines
+  through Ray Serve, each with its share of the cores; the cluster extra),
   `genai` (onnxruntime-genai's og.Engine on `--genai-model`, the builder's plain GQA model:
   requests through begin_turn, events from run; it batches statically, up to its configured
   batch, and a late request waits for the batch in flight; all it does on CPU) and
@@ -459,6 +461,8 @@ def run_server(args, items: list[Item]) -> dict:
            "--max-waiting", str(len(items) + 1), "--model-id", "bench"]  # fmt: skip
     if args.kv_budget:
         cmd += ["--kv-budget", str(args.kv_budget)]
+    if len(args.variant) > 4:  # system cluster: that many replicas through Ray Serve
+        cmd += ["--replicas", str(args.variant[4])]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         _await_server(proc, port, items[0].prompt[:8])
@@ -571,11 +575,12 @@ def _server_metrics(port: int) -> dict[str, float]:
             text = r.read().decode()
     except OSError:
         return {}
-    return {
-        line.split("{")[0].removeprefix("ort_kvlayout_"): float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line and not line.startswith("#")
-    }
+    out: dict[str, float] = {}
+    for line in text.splitlines():  # a cluster's replicas each have a line: summed
+        if line and not line.startswith("#"):
+            name = line.split("{")[0].removeprefix("ort_kvlayout_")
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def genai_kv_token_bytes(model_dir: Path) -> int:
@@ -1001,8 +1006,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drop-hf", action="store_true",
                    help="with --model-shape: delete the Hugging Face folder once built from")  # fmt: skip
     p.add_argument("--systems", default="engine,genai",
-                   help="engine,engine-host,server,genai,genai-paged (comma separated; "
-                        "engine-host: sampled on the host; server: over HTTP)")  # fmt: skip
+                   help="engine,engine-host,server,cluster,genai,genai-paged (comma separated; "
+                        "engine-host: sampled on the host; server: over HTTP; cluster: the "
+                        "server's --replicas through Ray Serve)")  # fmt: skip
+    p.add_argument("--replicas", default="1",
+                   help="system cluster: engine replicas, one system per count (e.g. 1,2)")  # fmt: skip
     p.add_argument("--capacity", type=int, help="engine tokens per slot (default: the context)")
     p.add_argument("--no-cuda-graph", action="store_true",
                    help="the engine's decode calls uncaptured on CUDA")  # fmt: skip
@@ -1088,25 +1096,28 @@ def main(argv: list[str] | None = None) -> int:
     schemes = args.kv_quant.split(",") if args.kv_quant else ["none"]
     quant_models = kv_quant_models(args, schemes)
     for name in args.systems.split(","):
-        if name in ("engine", "engine-host", "server"):
-            fn = run_server if name == "server" else run_engine
+        if name in ("engine", "engine-host", "server", "cluster"):
+            fn = run_server if name in ("server", "cluster") else run_engine
             sampling = "host" if name == "engine-host" else "device"
-            for scheme, cache, chunk in itertools.product(
-                schemes, args.cache.split(","), args.prefill_chunk.split(",")
+            counts = args.replicas.split(",") if name == "cluster" else [None]
+            for scheme, cache, chunk, count in itertools.product(
+                schemes, args.cache.split(","), args.prefill_chunk.split(","), counts
             ):
                 notes = [f"chunk {chunk}"] if "," in args.prefill_chunk else []
                 notes += [cache] if "," in args.cache else []
                 notes += [f"{scheme} KV"] if args.kv_quant and scheme != "none" else []
                 base = "engine" if name == "engine-host" else name
                 notes += ["host sampling"] if name == "engine-host" else []
+                notes += [f"{count} replica{'s' * (count != '1')}"] if count else []
                 label = f"{base} ({', '.join(notes)})" if notes else base
-                systems.append((label, fn, (int(chunk), cache, sampling, quant_models[scheme])))
+                variant = (int(chunk), cache, sampling, quant_models[scheme])
+                systems.append((label, fn, variant + ((int(count),) if count else ())))
         elif name in ("genai", "genai-paged"):
             paged = name == "genai-paged"
             systems.append((name, lambda a, i, paged=paged: run_genai(a, i, paged), None))
         else:
             raise SystemExit(
-                f"unknown system {name!r}: engine, engine-host, server, genai, genai-paged"
+                f"unknown system {name!r}: engine, engine-host, server, cluster, genai, genai-paged"
             )
     runs: dict[str, list[dict]] = {label: [] for label, _, _ in systems}
     for rep in range(args.repeat):
