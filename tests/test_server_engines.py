@@ -61,6 +61,65 @@ class RemoteLikeEngine:
         }
 
 
+class BatchedHandle(LostHandle):
+    """Its events come in lists, like a cluster replica's: `ready` counts those in hand."""
+
+    def __init__(self, batches: list[list[int]]):
+        super().__init__([t for b in batches for t in b], lost=False)
+        self.batches = batches
+        self.ready = 0
+
+    async def __aiter__(self):
+        done = 0
+        for batch in self.batches:
+            self.ready = len(batch)
+            for _ in batch:
+                self.ready -= 1
+                done += 1
+                t = self.script[done - 1]
+                self.tokens.append(t)
+                last = done == len(self.script)
+                if last:
+                    self.finish_reason = "length"
+                yield Event(1, t, None, "length" if last else None, 3, done)
+
+
+def messages(app, path: str, body: dict) -> list[bytes]:
+    """The response's body messages, as the server sent them."""
+    sent = []
+    bodies = [json.dumps(body).encode()]
+
+    async def receive():
+        if bodies:
+            return {"type": "http.request", "body": bodies.pop(), "more_body": False}
+        await asyncio.sleep(3600)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {
+        "type": "http", "method": "POST", "path": path, "headers": [], "query_string": b"",
+        "http_version": "1.1", "scheme": "http", "server": ("127.0.0.1", 80), "root_path": "",
+    }  # fmt: skip
+    asyncio.run(app(scope, receive, send))
+    return [m["body"] for m in sent if m["type"] == "http.response.body" and m.get("body")]
+
+
+def test_a_list_of_events_is_one_write():
+    engine = RemoteLikeEngine()
+
+    async def submit(prompt, params):
+        return BatchedHandle([[5], [6, 7, 8], [9, 10]])
+
+    engine.submit = submit
+    out = messages(build_app(engine, "m"), "/v1/completions", BODY)
+    # [5]; [6, 7, 8]; [9, 10] and the finish chunk; [DONE]: one write each.
+    assert [m.count(b"data: ") for m in out] == [1, 3, 3, 1]
+    assert [f["choices"][0]["token_ids"] for f in frames(b"".join(out))[:6]] == [
+        [5], [6], [7], [8], [9], [10]
+    ]  # fmt: skip
+
+
 def call(app, method: str, path: str, body: dict | None = None) -> tuple[int, bytes]:
     sent = []
     bodies = [json.dumps(body).encode() if body is not None else b""]

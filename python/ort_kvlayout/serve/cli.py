@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="join this Ray cluster (e.g. auto, or HOST:6379) instead of starting one")  # fmt: skip
     c.add_argument("--threads", type=int,
                    help="CPU: intra-op threads per replica (default: cores // replicas)")  # fmt: skip
+    c.add_argument("--stream-interval", type=float, default=0.05,
+                   help="seconds a replica gathers a stream's tokens into one message after the "
+                        "first (Ray's cost is per message); 0: every step's alone")  # fmt: skip
     c.add_argument("--gpus-per-replica", type=float, default=1.0,
                    help="CUDA: GPUs per replica (1: one per GPU; 0.5: two share one, with "
                         "--kv-budget in bytes)")  # fmt: skip
@@ -297,6 +300,7 @@ def serve_cluster(args: argparse.Namespace, model_dir: Path, api_key: str | None
             min_replicas=args.min_replicas, max_replicas=args.max_replicas,
             target_ongoing_requests=args.target_ongoing_requests, threads=args.threads,
             gpus_per_replica=args.gpus_per_replica, drain_timeout=args.drain_timeout,
+            stream_interval=args.stream_interval,
             metrics_auth=args.metrics_auth,
         )  # fmt: skip
         if args.replicas is not None and opts.autoscaling:

@@ -212,14 +212,18 @@ def build_app(
         try:
             if req.chat:
                 yield sse(chunk(req, rid, now, "", None, first=True))
+            out: list[bytes] = []
             try:
                 async for event in handle:
                     last = event
-                    for frame in frames(event):
-                        yield frame
+                    out += frames(event)
+                    # A remote handle's events come in lists (`ready`: those still in hand):
+                    # one write per list, not per token.
+                    if not getattr(handle, "ready", 0):
+                        yield b"".join(out)
+                        out = []
             except EngineClosed as exc:  # its replica was lost (a cluster's engine)
-                for frame in abort(ApiError(503, str(exc), "server_error")):
-                    yield frame
+                yield b"".join(out + abort(ApiError(503, str(exc), "server_error")))
                 last = None  # no usage to report: the counts stopped with the replica
             if req.include_usage and last is not None:
                 u = usage(last.prompt_tokens, last.completion_tokens)

@@ -46,7 +46,9 @@ class ClusterOptions:
     min_replicas or max_replicas is given (autoscaling; min defaults to 1, max to min).
     threads: intra-op threads per CPU replica (None: cores // the most replicas, at least 1).
     drain_timeout: seconds a stopping replica's requests may run. stats_period: seconds
-    between a replica's stats reports (routing, /metrics)."""
+    between a replica's stats reports (routing, /metrics). stream_interval: seconds a replica
+    gathers a stream's tokens into one message after its first (replica.py says why; 0: each
+    step's alone)."""
 
     model_dir: str
     model_id: str | None = None
@@ -67,6 +69,7 @@ class ClusterOptions:
     gpus_per_replica: float = 1.0
     drain_timeout: float = 30.0
     stats_period: float = 0.5
+    stream_interval: float = 0.05
     metrics_auth: bool = False
 
     @classmethod
@@ -94,8 +97,8 @@ class ClusterOptions:
             )
         if not 0 < self.gpus_per_replica:
             raise ValueError(f"gpus_per_replica must be > 0, got {self.gpus_per_replica}")
-        if self.drain_timeout < 0 or self.stats_period <= 0:
-            raise ValueError("drain_timeout must be >= 0 and stats_period > 0")
+        if self.drain_timeout < 0 or self.stats_period <= 0 or self.stream_interval < 0:
+            raise ValueError("drain_timeout and stream_interval must be >= 0, stats_period > 0")
         if self.provider == "cuda" and self.gpus_per_replica < 1 and self.budget[0] is None:
             raise ValueError(
                 f"replicas sharing a GPU (gpus_per_replica {self.gpus_per_replica}) need "
@@ -218,7 +221,7 @@ def build_application(opts: ClusterOptions, api_key: str | None = None, cores: i
     if opts.metrics_auth and digest is None:
         raise ValueError(f"metrics_auth needs a key (${API_KEY_ENV})")
     return ingress.bind(
-        engine.bind(str(model_dir), opts.engine_config(), threads),
+        engine.bind(str(model_dir), opts.engine_config(), threads, opts.stream_interval),
         str(model_dir), opts.model_id or model_dir.name, digest, opts.metrics_auth,
     )  # fmt: skip
 

@@ -51,6 +51,11 @@ class RemoteHandle:
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
 
+    @property
+    def ready(self) -> int:
+        """Events received and not yet read (the server writes them out together)."""
+        return len(self._pending)
+
     def cancel(self) -> None:
         if self.finish_reason is None:
             self._stream.cancel()

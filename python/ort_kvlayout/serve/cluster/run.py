@@ -41,6 +41,9 @@ def serve_cluster(opts: ClusterOptions, host: str, port: int, address: str | Non
     """Runs the application until SIGINT/SIGTERM; 0 after a drained shutdown. Raises
     ValueError for options or a machine that cannot run it (the CLI prints it)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no reporting home from a server
+    # Ray starts its workers at nice 15 (its own processes first); here the workers are the
+    # server (the engines, the ingress): they run at the priority this command has.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     app = build_application(opts, api_key)  # checks the options before Ray starts
     level = getattr(logging, log_level.upper())
     ray.init(
