@@ -20,7 +20,7 @@
 
 KVL_ISA_BEGIN
 
-// Per-thread scratch, reused across calls (ORT's pool threads persist).
+// An attention task's working set (per thread: attention_task.h's ThreadScratch).
 struct Scratch {
   int v_nonfinite = -1;  // the current tile's V rows: -1 not checked yet, 0 finite, 1 not
   std::vector<float> kt, k, v, row, scores, o, m, l, zero_q;
@@ -72,9 +72,11 @@ inline bool TileValuesNonFinite(Scratch& t, const VS& v, int tile, int64_t head_
 // t.m[row], whose change rescales t.l[row] and the row's output. A row without keys in the tile
 // (or whose scores so far are all -inf or NaN) gets weights 0. Returns whether the row leaves out
 // a column of the tile that another row may use (a "partial" block, AccumulateRanges' case).
+// Inlined into AttentionRows' row loop; `ts` by value, so its fields stay in registers there.
 template <typename T>
-bool SoftmaxRow(const Call<T>& c, Scratch& t, const TileScores<T>& ts, int64_t row, float* sc,
-                int* range_lo, int* range_hi) {
+[[gnu::always_inline]] inline bool SoftmaxRow(const Call<T>& c, Scratch& t, TileScores<T> ts,
+                                              int64_t row, float* sc, int* range_lo,
+                                              int* range_hi) {
   const GqaShape& s = c.s;
   const int64_t jlo = std::max<int64_t>(t.lo[row] - ts.k0, 0);
   const int64_t jhi = std::min<int64_t>(t.hi[row] - ts.k0, ts.tile);
@@ -144,8 +146,8 @@ bool SoftmaxRow(const Call<T>& c, Scratch& t, const TileScores<T>& ts, int64_t r
 // folded in), PER_TOKEN scores are multiplied by the keys' scales and weights by the values'
 // scales (t.k_scale, t.v_scale); per-channel V scales are applied to the output at the task's end.
 template <typename T, int RB, typename KS, typename VS>
-void AttentionRows(const Call<T>& c, Scratch& t, const TileScores<T>& ts, int64_t r_begin,
-                   int64_t r_end, bool dot_scores, const KS& ks, const VS& vs) {
+void AttentionRows(const Call<T>& c, Scratch& t, TileScores<T> ts, int64_t r_begin, int64_t r_end,
+                   bool dot_scores, const KS& ks, const VS& vs) {
   constexpr bool codes = std::is_same<VS, Int8Rows>::value;
   const bool token_scales = codes && c.s.per_token();
   const int64_t hp = c.head_pad;
@@ -172,8 +174,8 @@ void AttentionRows(const Call<T>& c, Scratch& t, const TileScores<T>& ts, int64_
     int range_lo[RB], range_hi[RB];
     bool partial = false;
     for (int r = 0; r < RB; ++r) {
-      partial |= SoftmaxRow(c, t, ts, r0 + r, t.scores.data() + r * kTileKeys, &range_lo[r],
-                            &range_hi[r]);
+      partial |=
+          SoftmaxRow(c, t, ts, r0 + r, t.scores.data() + r * kTileKeys, &range_lo[r], &range_hi[r]);
     }
     // A masked column has weight 0, but 0 * (NaN or Inf) in its value row is NaN: in a partial
     // block whose tile holds a non-finite value, each row sums its own columns only (rare: the

@@ -93,6 +93,15 @@ TaskPlan PlanTask(const Call<T>& c, size_t task_index) {
   return p;
 }
 
+// The calling thread's scratch, reused across calls (ORT's pool threads persist). A reference
+// to it, taken once per task: each use of a thread_local itself may look its address up again
+// (__tls_get_addr in a shared library).
+template <typename T>
+Scratch& ThreadScratch() {
+  thread_local Scratch t;
+  return t;
+}
+
 // Sizes the per-thread scratch for the task and resets its softmax state (no keys yet).
 template <typename T>
 void ResetScratch(const Call<T>& c, const TaskPlan& p, Scratch& t) {
@@ -256,8 +265,8 @@ void LoadTile(const Call<T>& c, const TaskPlan& p, Scratch& t, int64_t g, int64_
 
 // AttentionRows at the call's row block (c.row_block, a compile-time RB for the micro-kernels).
 template <typename T, typename KS, typename VS>
-void AttentionRowsAt(const Call<T>& c, Scratch& t, const TileScores<T>& ts, int64_t r_begin,
-                     int64_t r_end, bool dot_scores, const KS& ks, const VS& vs) {
+void AttentionRowsAt(const Call<T>& c, Scratch& t, TileScores<T> ts, int64_t r_begin, int64_t r_end,
+                     bool dot_scores, const KS& ks, const VS& vs) {
   if (c.row_block == kRowBlock) {
     AttentionRows<T, kRowBlock>(c, t, ts, r_begin, r_end, dot_scores, ks, vs);
   } else if (c.row_block == 1) {
@@ -303,7 +312,7 @@ template <typename T>
 void AttentionTask(void* state, size_t task_index) {
   const Call<T>& c = *static_cast<const Call<T>*>(state);
   const TaskPlan p = PlanTask(c, task_index);
-  thread_local Scratch t;
+  Scratch& t = ThreadScratch<T>();
   ResetScratch(c, p, t);
   const KeyRange keys = MapTaskRows(c, p, t);
   if (p.codes) FoldKeyScales(c, p, t);
