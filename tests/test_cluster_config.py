@@ -131,6 +131,24 @@ def test_cli_refuses_bad_cluster_options_before_starting(model):
     assert "--replicas is a fixed count" in r.stderr or "cluster extra" in r.stderr
 
 
+def test_cli_checks_the_model_before_ray_starts(model, tmp_path):
+    pytest.importorskip("ray.serve")
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(model, broken)
+    cfg = json.loads((broken / "genai_config.json").read_text())
+    cfg["model"]["decoder"]["num_hidden_layers"] = 10**9
+    (broken / "genai_config.json").write_text(json.dumps(cfg))
+    start = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "ort_kvlayout.serve.cli", "serve", str(broken), "--replicas", "2"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert r.returncode == 2 and "num_hidden_layers = 1000000000 is out of range" in r.stderr
+    assert "Traceback" not in r.stderr and time.monotonic() - start < 60
+
+
 def config() -> dict:
     return yaml.safe_load(CONFIG.read_text())
 

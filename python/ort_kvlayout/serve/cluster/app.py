@@ -206,6 +206,7 @@ def build_application(opts: ClusterOptions, api_key: str | None = None, cores: i
     """The Serve application (not yet running): serve.run(it, name=APP_NAME, route_prefix="/")."""
     from ray import serve
 
+    from ...runtime.model_spec import ModelSpec
     from .ingress import OpenAIIngress
     from .replica import EngineReplica
 
@@ -214,6 +215,9 @@ def build_application(opts: ClusterOptions, api_key: str | None = None, cores: i
         raise ValueError(
             f"{model_dir}: no genai_config.json (not an onnxruntime-genai model folder)"
         )
+    # The model's metadata checked here, once, not by each replica as Ray retries it: a
+    # MetadataError (a ValueError) names the key and its rule.
+    ModelSpec.from_dir(model_dir)
     engine = serve.deployment(EngineReplica).options(**replica_options(opts, cores))
     ingress = serve.deployment(OpenAIIngress).options(**ingress_options(opts))
     threads = opts.replica_threads(cores)

@@ -82,8 +82,9 @@ class RemoteHandle:
 
 
 class ClusterEngine:
-    """Engine's surface for server.build_app (capacity, closing, submit, stats), over the
-    replicas of one EngineReplica deployment. `info`: a replica's info() (capacity)."""
+    """Engine's surface for server.build_app (capacity, closing, submit; replica_stats in place
+    of stats), over the replicas of one EngineReplica deployment. `info`: a replica's info()
+    (capacity)."""
 
     def __init__(self, handle, info: dict):
         self._handle = handle.options(stream=True)
@@ -112,13 +113,14 @@ class ClusterEngine:
         router = router_for(self._app, self._deployment)
         if router is None:
             return {}
-        return {
-            rid.unique_id: dict(r.routing_stats or {}) for rid, r in router.curr_replicas.items()
-        }
-
-    def stats(self) -> dict:
-        """The replicas' numeric stats, summed."""
-        total: collections.Counter = collections.Counter()
-        for stats in self.replica_stats().values():
-            total.update({k: v for k, v in stats.items() if isinstance(v, (int, float))})
-        return dict(total)
+        # The router's own thread replaces its replica table as replicas come and go: a copy
+        # taken while it changes is taken again.
+        for _ in range(5):
+            try:
+                replicas = list(router.curr_replicas.items())
+                break
+            except RuntimeError:  # changed size during iteration
+                continue
+        else:
+            return {}
+        return {rid.unique_id: dict(r.routing_stats or {}) for rid, r in replicas}

@@ -61,9 +61,14 @@ def serve_cluster(opts: ClusterOptions, host: str, port: int, address: str | Non
             http_options={"host": host, "port": port},
             logging_config={"log_level": log_level.upper()},
         )  # fmt: skip
-        serve.run(
-            app, name=APP_NAME, route_prefix="/", logging_config={"log_level": log_level.upper()}
-        )
+        try:
+            serve.run(app, name=APP_NAME, route_prefix="/",
+                      logging_config={"log_level": log_level.upper()})  # fmt: skip
+        except RuntimeError as exc:  # a replica that cannot start: Ray gave up on it
+            raise ValueError(
+                f"{exc} (the replicas' logs: the Ray session's logs/serve folder, "
+                "/tmp/ray/session_latest/logs/serve on a local cluster)"
+            ) from None
         lo, hi = opts.replica_range
         count = f"{lo}" if lo == hi else f"{lo}-{hi} (autoscaled)"
         print(
