@@ -18,16 +18,16 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import signal
 import sys
 from pathlib import Path
 
+from .arguments import parse_buckets, parse_budget, parse_bytes
 from .auth import API_KEY_ENV, exposed_without_key
 
+__all__ = ["build_parser", "main", "parse_buckets", "parse_budget", "parse_bytes"]
+
 DEFAULT_MODEL = "smollm2-135m-fp32-cpu-seq-major"
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
-          "g": 1 << 30, "gib": 1 << 30, "kb": 1000, "mb": 10**6, "gb": 10**9}  # fmt: skip
 
 
 def default_model_dir() -> Path:
@@ -38,38 +38,6 @@ def default_model_dir() -> Path:
         xdg = os.environ.get("XDG_CACHE_HOME")
         base = (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "ort_kvlayout"
     return base / "models" / DEFAULT_MODEL
-
-
-def parse_bytes(text: str) -> int:
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:[eE]\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected bytes such as 512MiB, 2GiB, 1e9")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
-def parse_budget(text: str) -> tuple[int | None, float | None]:
-    """--kv-budget: (bytes, None) for 512MiB, 2GiB, 1e9; (None, fraction) for a number in
-    (0, 1] or a percentage (0.9, 90%): that share of the memory free at start."""
-    t = text.strip()
-    try:
-        value = float(t[:-1]) / 100 if t.endswith("%") else float(t)
-    except ValueError:
-        return parse_bytes(text), None
-    if t.endswith("%") or value <= 1:
-        if not 0 < value <= 1:
-            raise argparse.ArgumentTypeError(f"{text!r}: a fraction of free memory is in (0, 1]")
-        return None, value
-    return parse_bytes(text), None
-
-
-def parse_buckets(text: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(b) for b in text.split(",") if b.strip())
-    except ValueError:
-        sizes = (0,)
-    if any(b < 1 for b in sizes):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected batch sizes such as 1,2,4,8")
-    return sizes
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -29,8 +29,8 @@ from argparse import ArgumentTypeError
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..arguments import parse_buckets, parse_budget
 from ..auth import API_KEY_ENV, key_digest
-from ..cli import parse_buckets, parse_budget
 from ..engine import EngineConfig
 
 __all__ = ["ClusterOptions", "build", "build_application"]

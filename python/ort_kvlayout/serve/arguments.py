@@ -1,0 +1,44 @@
+"""The serving options' values as text: bytes (2GiB, 1e9), a KV budget (bytes or a share of free
+memory), decode buckets (1,2,4,8). Shared by the CLI and the cluster's Serve config."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+__all__ = ["parse_buckets", "parse_budget", "parse_bytes"]
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
+          "g": 1 << 30, "gib": 1 << 30, "kb": 1000, "mb": 10**6, "gb": 10**9}  # fmt: skip
+
+
+def parse_bytes(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:[eE]\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected bytes such as 512MiB, 2GiB, 1e9")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def parse_budget(text: str) -> tuple[int | None, float | None]:
+    """--kv-budget: (bytes, None) for 512MiB, 2GiB, 1e9; (None, fraction) for a number in
+    (0, 1] or a percentage (0.9, 90%): that share of the memory free at start."""
+    t = text.strip()
+    try:
+        value = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        return parse_bytes(text), None
+    if t.endswith("%") or value <= 1:
+        if not 0 < value <= 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: a fraction of free memory is in (0, 1]")
+        return None, value
+    return parse_bytes(text), None
+
+
+def parse_buckets(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(b) for b in text.split(",") if b.strip())
+    except ValueError:
+        sizes = (0,)
+    if any(b < 1 for b in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected batch sizes such as 1,2,4,8")
+    return sizes
