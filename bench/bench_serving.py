@@ -463,6 +463,8 @@ def run_server(args, items: list[Item]) -> dict:
         cmd += ["--kv-budget", str(args.kv_budget)]
     if len(args.variant) > 4:  # system cluster: that many replicas through Ray Serve
         cmd += ["--replicas", str(args.variant[4])]
+        if args.gpus_per_replica:  # replicas sharing a GPU (with --kv-budget in bytes)
+            cmd += ["--gpus-per-replica", str(args.gpus_per_replica)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         _await_server(proc, port, items[0].prompt[:8])
@@ -1011,6 +1013,8 @@ def main(argv: list[str] | None = None) -> int:
                         "server's --replicas through Ray Serve)")  # fmt: skip
     p.add_argument("--replicas", default="1",
                    help="system cluster: engine replicas, one system per count (e.g. 1,2)")  # fmt: skip
+    p.add_argument("--gpus-per-replica", type=float,
+                   help="system cluster on CUDA: GPUs per replica (0.5: two share one)")  # fmt: skip
     p.add_argument("--capacity", type=int, help="engine tokens per slot (default: the context)")
     p.add_argument("--no-cuda-graph", action="store_true",
                    help="the engine's decode calls uncaptured on CUDA")  # fmt: skip
