@@ -79,6 +79,8 @@ BUILD_ENV = [
      "or $XDG_CACHE_HOME/ort_kvlayout)")),
     ("ORT_KVLAYOUT_GGUF", "scripts/build_test_model.py",
      "the test model's GGUF file, on a machine without PyPI"),
+    ("ORT_KVLAYOUT_API_KEY", "ort-kvlayout serve (serve/auth.py)",
+     "the API key every /v1/* route requires (as --api-key, kept out of ps); unset: no key"),
 ]
 
 
@@ -147,7 +149,7 @@ def render(knobs: list[dict] | None = None) -> str:
         out.append(_row([_code(name), values, _code(default), cls, doc]))
     out += [
         "",
-        "## Environment of the build and the scripts",
+        "## Environment of the build, the scripts and the server",
         "",
         _row(["Name", "Read by", "What it does"]),
         _row(["---"] * 3),
