@@ -46,8 +46,9 @@ case "${1:-}" in
     df -h / | tail -1
     ;;
   tests)
-    python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/test_sample_op.py \
-      tests/test_engine_gpu.py tests/test_cuda_graph.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+    python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/op/test_sample_op.py \
+      tests/serve/test_engine_gpu.py tests/op/test_cuda_graph.py 2>&1 |
+      tee "$OUT/gpu_tests.log" | tail -30
     ;;
   profile)
     python3 tools/perf/step_profile.py "$BASE-seq-major" --provider cuda --batch "$MAX_BATCH" \

@@ -38,8 +38,12 @@ PYTEST_ARGS="${PYTEST_ARGS:-}"
 # device, device-side length errors, a sliding-window model through onnxruntime-genai, SampleTokens. The
 # sanitizer passes take the op's own files (SAN_FILES): the others add runtime code
 # (CUDA virtual memory, sessions) but no kernel of ours that the op files do not reach.
-FILES="tests/test_gqa_cuda.py tests/test_gqa_cuda_quant.py tests/test_cuda_graph.py tests/test_quiet_log.py tests/test_kv_cache_gpu.py tests/test_cuda_length_errors.py tests/test_genai_sliding_window.py tests/test_gqa_nonfinite.py tests/test_engine_gpu.py tests/test_sample_op.py tests/test_decode_plan_quant.py"
-SAN_FILES="tests/test_gqa_cuda.py tests/test_gqa_cuda_quant.py tests/test_cuda_graph.py tests/test_cuda_length_errors.py"
+FILES="tests/op/test_gqa_cuda.py tests/op/test_gqa_cuda_quant.py tests/op/test_cuda_graph.py
+  tests/op/test_quiet_log.py tests/runtime/test_kv_cache_gpu.py tests/op/test_cuda_length_errors.py
+  tests/tools/test_genai_sliding_window.py tests/op/test_gqa_nonfinite.py
+  tests/serve/test_engine_gpu.py tests/op/test_sample_op.py tests/op/test_decode_plan_quant.py"
+SAN_FILES="tests/op/test_gqa_cuda.py tests/op/test_gqa_cuda_quant.py tests/op/test_cuda_graph.py
+  tests/op/test_cuda_length_errors.py"
 
 echo "== preflight (GQA_GPU_SEED=$GQA_GPU_SEED, logs in $LOG_DIR)"
 python3 - <<'EOF'

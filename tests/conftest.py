@@ -1,6 +1,11 @@
-"""Test setup: the tests directory on sys.path (for ``reference`` and ``gqa_case``), and a skip
-for every test of our op (test_gqa_*.py) while ``ort_kvlayout`` cannot be imported or cannot
-register its library.  test_reference.py needs only onnxruntime and always runs."""
+"""Test setup: tests/helpers on sys.path (the shared builders and oracles, imported by name:
+``reference``, ``gqa_case``, ``serve_util``...), and a skip for the op's CPU suites
+(_NEEDS_OP, in op/) while ``ort_kvlayout`` cannot be imported or cannot register its
+library. op/test_reference.py needs only onnxruntime and always runs.
+
+The folders mirror the source: op/ (the op library: csrc, ort_kvlayout.op, its build), model/,
+tools/, runtime/, serve/ (the package's subpackages), bench/ (bench/ and tools/perf/); tests of
+the package as a whole and of the GPU test script stay here."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))
 
 from gqa_case import op_available
 

@@ -58,9 +58,9 @@ def _run(
 def _collected() -> tuple[str, ...]:
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-         "--collect-only", "tests/test_gqa_cuda.py", "tests/test_gqa_cuda_quant.py",
-        "tests/test_cuda_graph.py",
-         "tests/test_cuda_length_errors.py", "-k",
+         "--collect-only", "tests/op/test_gqa_cuda.py", "tests/op/test_gqa_cuda_quant.py",
+        "tests/op/test_cuda_graph.py",
+         "tests/op/test_cuda_length_errors.py", "-k",
          "not vs_ort_cuda and not ort_builtin and not deterministic and (graph)"],
         env=dict(os.environ, GQA_GPU_QUICK="1"), cwd=ROOT, capture_output=True, text=True,
         check=True,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "perf" / "ab_builds.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "perf" / "ab_builds.sh"
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 

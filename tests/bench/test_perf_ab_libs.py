@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "perf" / "ab_libs.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "perf" / "ab_libs.sh"
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 

@@ -1,4 +1,4 @@
-"""Helpers of the GPU tests (tests/test_gqa_cuda.py, tests/test_cuda_graph.py).
+"""Helpers of the GPU tests (tests/op/test_gqa_cuda.py, tests/op/test_cuda_graph.py).
 
 * ``SKIP_REASON``: None when onnxruntime offers CUDAExecutionProvider and ort_kvlayout was built
   with CUDA (``cuda_available()``); else why the GPU tests skip (``GPU_MARKS``, a module's marks).

@@ -1,6 +1,6 @@
 """One run of a quantized-cache GQA case through IO binding, on the CPU op or on the CUDA op: the
-harness of tests/test_gqa_quant.py and tests/test_gqa_pertoken.py (``device="cpu"``) and of
-tests/test_gqa_cuda_quant.py (``device="cuda"``).
+harness of tests/op/test_gqa_quant.py and tests/op/test_gqa_pertoken.py (``device="cpu"``) and of
+tests/op/test_gqa_cuda_quant.py (``device="cuda"``).
 
 Every run binds the inputs the session takes (total_sequence_length in CPU memory, as
 onnxruntime-genai binds it), preallocates the outputs (output NaN-filled, separate presents
@@ -10,7 +10,7 @@ where the buffers live differs, and that is the placement's:
 
 * ``HostPlace`` ("cpu"): host numpy arrays with OrtValues over their memory, a fresh session on
   the CPU EP per run.
-* ``DevicePlace`` ("cuda"): device OrtValues (tests/gpu_util.py: ``to_device``,
+* ``DevicePlace`` ("cuda"): device OrtValues (tests/helpers/gpu_util.py: ``to_device``,
   ``from_device``, ``device_filled``; CPU OrtValues under GQA_GPU_EMULATE_CPU), a cached session
   on the CUDA EP with CPU fallback disabled (``gpu_util.cuda_session``).
 """
@@ -67,7 +67,7 @@ class HostPlace:
 
 
 class DevicePlace:
-    """Device OrtValues and a cached session on the CUDA EP (tests/gpu_util.py)."""
+    """Device OrtValues and a cached session on the CUDA EP (tests/helpers/gpu_util.py)."""
 
     def session(self, model: bytes, domain: str) -> ort.InferenceSession:
         return cuda_session(model, domain)

@@ -19,6 +19,7 @@ import pytest
 LEVELS = ("portable", "avx2", "avx512")
 ENV = "ORT_KVLAYOUT_CPU_ISA"
 TESTS = Path(__file__).resolve().parent
+HELPERS = TESTS.parent / "helpers"
 
 
 def _info() -> dict:
@@ -38,7 +39,12 @@ def _child(code: str, level: str | None, timeout: float = 300) -> subprocess.Com
     if level is not None:
         env[ENV] = level
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(ort_kvlayout.__file__).parent.parent), str(TESTS), env.get("PYTHONPATH", "")]
+        [
+            str(Path(ort_kvlayout.__file__).parent.parent),
+            str(TESTS),
+            str(HELPERS),
+            env.get("PYTHONPATH", ""),
+        ]
     )
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],

@@ -21,6 +21,7 @@ if not hasattr(_C, "plan_gqa_cuda"):
     pytest.skip("_C without plan_gqa_cuda", allow_module_level=True)
 
 TESTS = Path(__file__).resolve().parent
+HELPERS = TESTS.parent / "helpers"
 H200 = {"sm_count": 132, "cc_major": 9, "max_smem_optin": 227 * 1024, "smem_per_sm": 228 * 1024}
 A100 = {"sm_count": 108, "cc_major": 8, "max_smem_optin": 163 * 1024, "smem_per_sm": 164 * 1024}
 LAUNCH = ("splits", "split_target", "cluster", "decode_ctas_per_sm", "decode_threads",
@@ -117,7 +118,7 @@ for i, spec in enumerate(json.loads(sys.argv[1])):
 def _gpu_child(value: str) -> tuple[int, list[str], str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ORT_KVLAYOUT_DECODE_")}
     env["ORT_KVLAYOUT_DECODE_QUANT_PLAN"] = value
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(HELPERS), env.get("PYTHONPATH", "")])
     p = subprocess.run([sys.executable, "-c", textwrap.dedent(_GPU_CHILD), json.dumps(GPU_CASES)],
                        env=env, capture_output=True, text=True, timeout=900, check=False)  # fmt: skip
     recs = [json.loads(line[7:]) for line in p.stdout.splitlines() if line.startswith("RESULT ")]

@@ -1,8 +1,8 @@
 """Quantized KV caches (ORT 1.32's contract: int8 / packed int4, PER_TENSOR / PER_CHANNEL) on the
 CUDA op, both layouts: the present cache bytes equal our CPU op's (which equal ORT 1.32 CPU's,
-tests/test_gqa_quant.py) on the same inputs, and ORT CUDA's com.microsoft kernel's where it runs
+tests/op/test_gqa_quant.py) on the same inputs, and ORT CUDA's com.microsoft kernel's where it runs
 the case; the output is within fp16 / bf16 tolerance of the float64 oracle
-(tests/reference_quant.py), of our CPU op and of ORT CUDA. Every serving kernel is reached: the
+(tests/helpers/reference_quant.py), of our CPU op and of ORT CUDA. Every serving kernel is reached: the
 decode kernel's quantized instances (head sizes 64 and 128, one token and chunks), the portable
 kernel (prompts, other head sizes, fp32), a sliding window cache; plus a CUDA graph capture of
 quantized decode steps and a long (4096-key) decode. Then PER_TOKEN scales (int8, int4, fp8) and
@@ -51,7 +51,7 @@ pytestmark = GPU_MARKS
 # --------------------------------------------------------------------------------------------
 def run_cuda_quant(qc: QuantCase, domain: str = KV_DOMAIN, sess=None):
     """(output, present_key, present_value) as host arrays after one run on the CUDA EP
-    (test_gqa_quant.run on tests/quant_harness.py's device placement: inputs on the device,
+    (test_gqa_quant.run on tests/helpers/quant_harness.py's device placement: inputs on the device,
     total_sequence_length in CPU memory, outputs preallocated, past bound as present when
     shared). ``sess``: this session instead of the cached one of the case's model."""
     return run_quant(qc, domain, device="cuda", sess=sess)
@@ -452,7 +452,7 @@ def test_bad_scale_values(name, index, value, match):
 # PER_TOKEN scales (int8, packed int4, fp8) and fp8 caches with static scales (ours,
 # docs/CONTRACT.md sections 13 and 14): the present bytes and the scale caches' bits equal our
 # CPU op's on the same inputs, the output within tolerance of the float64 oracle (its `check`,
-# tests/test_gqa_pertoken.py), shared equal to separate, both layouts; a 4096-key decode and a
+# tests/op/test_gqa_pertoken.py), shared equal to separate, both layouts; a 4096-key decode and a
 # CUDA graph capture of PER_TOKEN decode steps.
 # --------------------------------------------------------------------------------------------
 _FP8 = TensorProto.FLOAT8E4M3FN
@@ -463,7 +463,7 @@ PT_IDS = ["-".join(s).lower() for s in PT_SCHEMES]
 
 def run_cuda_pt(pc: PtCase, sess=None, shared: bool | None = None):
     """(output, present_key, present_value, present_key_scale, present_value_scale) as host
-    arrays after one run on the CUDA EP (test_gqa_pertoken.run on tests/quant_harness.py's
+    arrays after one run on the CUDA EP (test_gqa_pertoken.run on tests/helpers/quant_harness.py's
     device placement), in the case's layout (fp8 caches as uint8; scales None without
     PER_TOKEN)."""
     return run_pt(pc, shared=shared, device="cuda", sess=sess)

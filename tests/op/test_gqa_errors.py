@@ -170,8 +170,8 @@ def test_shared_huge_seqlens_does_not_crash_process():
     )
     import os
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = code.replace(repr(sys.path[0]), repr(here))
+    helpers = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
+    code = code.replace(repr(sys.path[0]), repr(helpers))
     p = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
     )

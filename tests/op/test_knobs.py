@@ -17,8 +17,8 @@ import pytest
 ort_kvlayout = pytest.importorskip("ort_kvlayout", reason="ort_kvlayout is not installed")
 from ort_kvlayout import _C
 
-ROOT = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]
+HELPERS = ROOT / "tests" / "helpers"
 # A knob name, not a family written as ORT_KVLAYOUT_DECODE_*.
 NAME = r"\bORT_KVLAYOUT_[A-Z0-9_]*[A-Z0-9](?![A-Z0-9_]*\*)"
 
@@ -35,7 +35,7 @@ def _gen():
 def _child(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("ORT_KVLAYOUT_")}
     clean["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(ort_kvlayout.__file__).parent.parent), str(TESTS), clean.get("PYTHONPATH", "")]
+        [str(Path(ort_kvlayout.__file__).parent.parent), str(HELPERS), clean.get("PYTHONPATH", "")]
     )
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env={**clean, **env},
                           capture_output=True, text=True, timeout=300, check=False)  # fmt: skip

@@ -1,7 +1,7 @@
 """The Python surface: register(), library_path(), build_info(), layout names and arithmetic.
 
 The package's layout helpers are checked against the oracle's independent copy in
-tests/reference.py, so a stride bug in either shows up here.
+tests/helpers/reference.py, so a stride bug in either shows up here.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def test_cuda_kernels_are_built_where_a_gpu_is_visible_or_asked():
 def test_visible_gpus_rule(tmp_path, smi, found, archs):
     """cmake/visible_gpus.cmake against a stand-in nvidia-smi: a GPU is visible only when
     `nvidia-smi -L` lists one; its sm_80+ architectures are built, without PTX."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     if smi is not None:
@@ -191,7 +191,7 @@ def test_build_backend_keeps_the_build_dir_across_isolated_environments(tmp_path
     import json
 
     skbuild = pytest.importorskip("scikit_build_core")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     spec = importlib.util.spec_from_file_location(
         "ort_kvlayout_backend", root / "cmake" / "ort_kvlayout_backend.py"
     )

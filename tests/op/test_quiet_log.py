@@ -19,7 +19,7 @@ import sys
 import pytest
 from gqa_case import op_available
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HELPERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
 
 _CHILD = r"""
 import json, sys
@@ -84,7 +84,7 @@ def run_child(provider: str, variants: list[dict]) -> str:
     env = dict(os.environ)
     env.pop("ORT_LOGGING_LEVEL", None)
     p = subprocess.run(
-        [sys.executable, "-c", _CHILD, HERE, provider, json.dumps(variants)],
+        [sys.executable, "-c", _CHILD, HELPERS, provider, json.dumps(variants)],
         capture_output=True, text=True, timeout=300, check=False, env=env,
     )  # fmt: skip
     assert p.returncode == 0, f"child failed (rc {p.returncode}):\n{p.stderr[-3000:]}"

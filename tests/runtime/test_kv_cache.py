@@ -223,7 +223,7 @@ def test_device_cache_without_a_usable_gpu_is_a_clear_error():
     from gpu_util import SKIP_REASON
 
     if SKIP_REASON is None:
-        pytest.skip("a GPU is usable here: tests/test_kv_cache_gpu.py covers the device")
+        pytest.skip("a GPU is usable here: tests/runtime/test_kv_cache_gpu.py covers the device")
     # Without CUDA in _C: "built without CUDA"; with it but no driver: "cannot load the CUDA
     # driver libcuda.so.1"; onnxruntime without the CUDA EP refuses the allocation by name.
     with pytest.raises(KvMemoryError, match="CUDA|cuda"):

@@ -276,12 +276,12 @@ def test_fp16_prefill_near_a_granule_end_does_not_fault(tmp_path):
     import textwrap
     from pathlib import Path
 
-    here = Path(__file__).resolve().parent
+    helpers = Path(__file__).resolve().parents[1] / "helpers"
     code = textwrap.dedent(
         f"""
         import sys
         from pathlib import Path
-        sys.path.insert(0, {str(here)!r})
+        sys.path.insert(0, {str(helpers)!r})
         import synthetic_models
         from ort_kvlayout.runtime.generation import Runtime
         from ort_kvlayout.tools.patch import patch_model_dir

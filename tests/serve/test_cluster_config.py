@@ -26,7 +26,7 @@ from ort_kvlayout.serve.cluster.app import (
 )
 from serve_util import free_port, library_or_skip, make_served_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "docs" / "serve-cluster.yaml"
 
 

@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village"]
 TOKENS = 12
 

@@ -20,7 +20,7 @@ from genai_util import genai_greedy
 
 pytestmark = pytest.mark.model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The capital of France is"
 TOKENS = 32
 TIE_GAP = {"cpu": 1e-4, "cuda": 1e-2}  # a top-2 gap below this in the original run is a tie

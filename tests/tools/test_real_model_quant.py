@@ -13,7 +13,7 @@ weights into a temporary folder. Greedy 32 tokens of a fixed prompt, unpatched (
 com.microsoft op) against patched (ours, seq-major), through onnxruntime-genai 0.18 and through
 the plain ORT loop.
 
-The two ops write the same codes from the same inputs (tests/test_gqa_quant.py), but a model's
+The two ops write the same codes from the same inputs (tests/op/test_gqa_quant.py), but a model's
 layer inputs differ by fp32 rounding between them (5.7e-6 at layer 1 of SmolLM2, measured),
 and a value at a rounding edge then gets the next code: a full quantization step, which later
 layers carry on. With int8 caches the logits differ by up to 0.26 over these 32 steps and the
@@ -34,7 +34,7 @@ from genai_util import genai_greedy
 
 pytestmark = pytest.mark.model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The capital of France is"
 TOKENS = 32
 SCHEMES = {  # builder scheme -> (kv_dtype, kv_cache_bit_width, kv_quant_scheme) in the metadata
