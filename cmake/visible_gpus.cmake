@@ -6,8 +6,8 @@
 # nothing (CI and the development machines have nvcc and no GPU). The architectures come from
 # `nvidia-smi --query-gpu=compute_cap`; a driver too old for that query gives "native" (nvcc asks
 # the driver). GPUs below sm_80 are left out: found is TRUE and archs empty when only those are
-# visible. Kept apart from CMakeLists.txt so that tests/test_package.py can run the rule against a
-# stand-in nvidia-smi (cmake -P).
+# visible. Kept apart from CMakeLists.txt so that tests/op/test_package.py can run the rule
+# against a stand-in nvidia-smi (cmake -P).
 function(kvl_visible_gpus found_var archs_var)
   set(found FALSE)
   set(archs "")

@@ -40,7 +40,7 @@ Status CheckHeadAndScoreAttributes(const GqaAttributes& a) {
   if (!std::isfinite(a.scale)) return GqaError("attribute 'scale' must be finite, got ", a.scale);
   // smooth_softmax, do_rotary, rotary_interleaved, sliding_window_cache: as in ORT, 1 is on and
   // every other value off (ORT 1.32 runs smooth_softmax=2 or do_rotary=-1 as off), so any value is
-  // accepted and CheckGqaInputs reads `== 1`. [tests/test_attribute_values.py]
+  // accepted and CheckGqaInputs reads `== 1`. [tests/op/test_attribute_values.py]
   if (a.causal != 0 && a.causal != 1) {
     return GqaError("attribute 'causal' must be 0 or 1, got ", a.causal);
   }

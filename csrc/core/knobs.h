@@ -1,7 +1,7 @@
 // The one registry of the library's environment knobs: each has a name, a default, a class, the
 // values it takes, who reads it and when, and a line of doc, and is parsed in one place
 // (knobs.cc). docs/KNOBS.md is generated from this table (scripts/gen_knobs_doc.py, through
-// ort_kvlayout._C.knobs()) with the build knobs beside it, and tests/test_knobs.py keeps the two
+// ort_kvlayout._C.knobs()) with the build knobs beside it, and tests/op/test_knobs.py keeps the two
 // equal.
 #pragma once
 

@@ -1,7 +1,7 @@
 // The decode kernel's sizes as pure constexpr arithmetic: rows, threads, tiles, stages, shared
 // memory, the split merge tree and which instances are compiled. Shared by the kernel
 // (decode_*.cuh), its dispatch (decode_dispatch.cu) and the plan rules (plan_rules.h); plain
-// C++, so the plan rules and their unit tests (tests/test_decode_plan.py) build without CUDA.
+// C++, so the plan rules and their unit tests (tests/op/test_decode_plan.py) build without CUDA.
 // docs/DECISIONS.md holds the measurements behind the numbers.
 #pragma once
 

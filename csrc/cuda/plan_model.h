@@ -1,5 +1,5 @@
 // A model of the occupancy calculator for the plan rules' host tests (_C.plan_decode,
-// tests/test_decode_plan.py): CTAs per SM from shared memory, threads and an assumed register
+// tests/op/test_decode_plan.py): CTAs per SM from shared memory, threads and an assumed register
 // count, clusters from whole clusters of SMs. Plain C++; the library itself asks the device
 // (plan.cu). The model only has to be the same on both sides of a test: it pins the rules, not
 // the device.

@@ -1,7 +1,7 @@
 // The plan's rules as pure functions of (shape, buffer alignment, device facts, knobs): which
 // kernel serves a call, its splits, clusters, warps, packed heads and workspace. Plain C++ (no
 // CUDA headers): plan.cu feeds them the device's answers, and _C's plan_decode feeds them a
-// model of the device for the CPU tests (tests/test_decode_plan.py). A plan never depends on the
+// model of the device for the CPU tests (tests/op/test_decode_plan.py). A plan never depends on the
 // current lengths, and its splits never on the capacity (GqaCudaPlan says why).
 // docs/DECISIONS.md holds the measurements behind each rule.
 #pragma once

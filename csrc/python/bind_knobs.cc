@@ -47,7 +47,7 @@ py::object ValueOf(const KnobValues& k, const char* name) {
   if (n == "ORT_KVLAYOUT_DECODE_QUANT_PLAN") {
     return py::str(k.decode_quant_bytes ? "bytes" : "fp16");
   }
-  throw std::logic_error(n + " has no value in bind_knobs.cc");  // tests/test_knobs.py
+  throw std::logic_error(n + " has no value in bind_knobs.cc");  // tests/op/test_knobs.py
 }
 
 }  // namespace

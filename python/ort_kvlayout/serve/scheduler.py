@@ -7,7 +7,7 @@
 
 No session, cache or request object: the engine (engine.py) passes a view of its slots, the rows
 each slot holds now (`held`, the cache's tokens) and the cache's byte count of a set of rows
-(`commit_bytes`), and applies what comes back; tests/test_scheduler.py checks the rules with
+(`commit_bytes`), and applies what comes back; tests/serve/test_scheduler.py checks the rules with
 numbers alone. The rules (docs/SERVING.md, "One step"):
 
 * rows: a prefilling request writes up to its next chunk (plus the rows a CUDA prefill may read

@@ -42,7 +42,7 @@ def _present(names, index: int) -> bool:
 
 
 # Attribute values ORT's com.microsoft op runs but the v1 op cannot run with the same meaning
-# (tests/test_attribute_values.py checks every value class against ORT's CPU op): refused up
+# (tests/op/test_attribute_values.py checks every value class against ORT's CPU op): refused up
 # front, so the patcher never writes a model that fails at load or runs differently. Values the
 # op runs as ORT does (e.g. smooth_softmax=2 or softcap=-1: off in both) are not listed.
 _VALUE_RULES: tuple[tuple[str, Callable[[object], bool], str], ...] = (
