@@ -2,8 +2,8 @@
 CUDA op, both layouts: the present cache bytes equal our CPU op's (which equal ORT 1.32 CPU's,
 tests/op/test_gqa_quant.py) on the same inputs, and ORT CUDA's com.microsoft kernel's where it runs
 the case; the output is within fp16 / bf16 tolerance of the float64 oracle
-(tests/helpers/reference_quant.py), of our CPU op and of ORT CUDA. Every serving kernel is reached: the
-decode kernel's quantized instances (head sizes 64 and 128, one token and chunks), the portable
+(tests/helpers/reference_quant.py), of our CPU op and of ORT CUDA. Every serving kernel is reached:
+the decode kernel's quantized instances (head sizes 64 and 128, one token and chunks), the portable
 kernel (prompts, other head sizes, fp32), a sliding window cache; plus a CUDA graph capture of
 quantized decode steps and a long (4096-key) decode. Then PER_TOKEN scales (int8, int4, fp8) and
 fp8 caches with static scales (ours, sections 13 and 14 of docs/CONTRACT.md): bytes and scale

@@ -4,8 +4,8 @@ PER_CHANNEL, section 13), on the CPU op in both layouts.
 
 ORT 1.32's CPU has no PER_TOKEN mode and no fp8 kernel (its schema allows an fp8 cache, but
 session creation fails with "Failed to find kernel"), so the oracle alone judges these cases:
-tests/helpers/reference_quant.py, written from the contract (numpy, float64 attention; fp8 encoded from
-the e4m3fn definition and cross-checked here against ml_dtypes). Checked: the present cache
+tests/helpers/reference_quant.py, written from the contract (numpy, float64 attention; fp8 encoded
+from the e4m3fn definition and cross-checked here against ml_dtypes). Checked: the present cache
 and scale cache bytes equal the oracle's (codes within one step where rotary or the q/k norm,
 float32 in the kernel and float64 in the oracle, moves a value across a rounding edge), the
 output within the dtype's tolerance of the oracle, layout 1 equal to layout 0 after permuting,
@@ -158,8 +158,8 @@ def run(
     sess=None,
 ):
     """(output, present_key, present_value, present_key_scale, present_value_scale) as host
-    arrays after one run on ``device`` ("cpu" or "cuda", tests/helpers/quant_harness.py), in the case's
-    layout (fp8 caches as uint8; scales None without PER_TOKEN). Outputs preallocated (output
+    arrays after one run on ``device`` ("cpu" or "cuda", tests/helpers/quant_harness.py), in the
+    case's layout (fp8 caches as uint8; scales None without PER_TOKEN). Outputs preallocated (output
     NaN-filled, separate presents filled with 0x5A bytes and their scale caches with NaN);
     shared: the past buffers (and scale caches) are the presents. ``sess``: this session
     instead of one of the case's model."""

@@ -1,8 +1,8 @@
 """Quantized KV caches (ORT 1.32's contract: int8 / packed int4, PER_TENSOR / PER_CHANNEL) on
 the CPU op, both layouts: the present cache bytes equal ORT's com.microsoft kernel on the same
 inputs (layout 1 compared after transposing it to BNSH), the output is within fp16 tolerance of
-ORT and of the float64 oracle (tests/helpers/reference_quant.py), and bad quantization inputs get errors
-that name the input and the rule (docs/CONTRACT.md section 13)."""
+ORT and of the float64 oracle (tests/helpers/reference_quant.py), and bad quantization inputs get
+errors that name the input and the rule (docs/CONTRACT.md section 13)."""
 
 from __future__ import annotations
 
@@ -134,8 +134,8 @@ def run(
     sess=None,
 ):
     """(output, present_key, present_value) as host arrays after one run on ``device`` ("cpu":
-    our CPU op or ORT's; "cuda": the CUDA EP, tests/helpers/quant_harness.py): presents in the case's
-    layout for ai.kvlayout, BNSH for com.microsoft. Outputs preallocated (output NaN-filled,
+    our CPU op or ORT's; "cuda": the CUDA EP, tests/helpers/quant_harness.py): presents in the
+    case's layout for ai.kvlayout, BNSH for com.microsoft. Outputs preallocated (output NaN-filled,
     separate presents filled with 0x5A bytes); shared: past buffers are the presents.
     ``feeds``: instead of the case's (caches in the byte order of ``domain``); ``sess``: this
     session instead of one of the case's model."""

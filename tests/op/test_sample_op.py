@@ -1,5 +1,5 @@
-"""ai.kvlayout::SampleTokens against the numpy oracle (tests/helpers/reference_sampling.py), on the CPU
-op and, where onnxruntime-gpu and a CUDA build exist, the CUDA op (every input on the device,
+"""ai.kvlayout::SampleTokens against the numpy oracle (tests/helpers/reference_sampling.py), on the
+CPU op and, where onnxruntime-gpu and a CUDA build exist, the CUDA op (every input on the device,
 CPU fallback disabled: gpu_util's conventions; GQA_GPU_EMULATE_CPU=1 runs the CUDA tests on the
 CPU op to check the harness).
 

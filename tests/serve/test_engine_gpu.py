@@ -1,7 +1,7 @@
 """The serving engine on CUDA (fp16 synthetic model, growable VMM cache): the same tokens as
 `Runtime.generate` alone, slot ranges bound at an offset in device memory, pages unmapped when
-requests end. Skips without a GPU (tests/helpers/gpu_util.py says why); GQA_GPU_EMULATE_CPU=1 runs it
-on the CPU (a check of the test, not of CUDA)."""
+requests end. Skips without a GPU (tests/helpers/gpu_util.py says why); GQA_GPU_EMULATE_CPU=1 runs
+it on the CPU (a check of the test, not of CUDA)."""
 
 from __future__ import annotations
 

@@ -3,11 +3,11 @@ onnxruntime-genai builder emits for Gemma 2/3 layers) through onnxruntime-genai 
 original directory (ORT's com.microsoft GQA) and its patched copies (tools/patch_kv_layout.py,
 both layouts) give the same greedy tokens, on the CPU and on CUDA.
 
-The model is tests/helpers/synthetic_models.py's random decoder with a genai_config.json `sliding_window`
-section (window_size, slide_key_value_cache false, every layer). onnxruntime-genai allocates the
-shared past/present buffers with max_length rows on the CPU and CUDA (window-sized buffers only
-on TensorRT-RTX), so the window moves over a 12-token prompt and 20 new tokens while the cache
-does not shift; the shifting cache is covered op by op (test_gqa_cpu.py, test_gqa_cuda.py,
+The model is tests/helpers/synthetic_models.py's random decoder with a genai_config.json
+`sliding_window` section (window_size, slide_key_value_cache false, every layer). onnxruntime-genai
+allocates the shared past/present buffers with max_length rows on the CPU and CUDA (window-sized
+buffers only on TensorRT-RTX), so the window moves over a 12-token prompt and 20 new tokens while
+the cache does not shift; the shifting cache is covered op by op (test_gqa_cpu.py, test_gqa_cuda.py,
 test_cuda_graph.py).
 """
 

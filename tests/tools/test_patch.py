@@ -1,4 +1,5 @@
-"""The model patcher on synthetic onnxruntime-genai-style directories (tests/helpers/synthetic_models.py)."""
+"""The model patcher on synthetic onnxruntime-genai-style directories
+(tests/helpers/synthetic_models.py)."""
 
 from __future__ import annotations
 
