@@ -599,6 +599,7 @@ def test_step_profile_counts_every_step(model):
         "sample",
         "emit",
         "publish",
+        "wait",
     }
     assert profile["total_ms"]["run"] > 0
 

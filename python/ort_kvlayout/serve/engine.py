@@ -352,8 +352,11 @@ class Engine:
         self._outbox: list[tuple] = []  # events of this step (_deliver)
         self._failed: set[int] = set()  # requests whose callback raised: cancelled, events dropped
         self._broken: set[int] = set()  # requests whose text failed to decode: ended, no text
-        # overlap: (snapshot, events) of each step, published by a thread of their own
+        # overlap: (snapshot, events) of each step, published by a thread of their own, at most
+        # one step behind (the engine waits for the last hand-over before the next: a publisher
+        # starved of the CPU must not let events, and a raising callback's cancel, lag for long)
         self._handoff: queue.SimpleQueue | None = queue.SimpleQueue() if config.overlapped else None
+        self._handoff_free = threading.Semaphore(1)
         self._publisher: threading.Thread | None = None
         self.executor = Executor(
             self.runtime, self.cache, config.graphs, served.inputs if served is not None else None
@@ -618,6 +621,9 @@ class Engine:
         snapshot = self._make_snapshot()
         outbox, self._outbox = self._outbox, []
         if self._handoff is not None:
+            t = time.perf_counter_ns()
+            self._handoff_free.acquire()  # the last hand-over is done
+            self.executor.profile.add("wait", t)
             self._handoff.put((snapshot, outbox))
             return
         with self._cond:
@@ -635,6 +641,8 @@ class Engine:
             except Exception:  # noqa: BLE001 -- a bug; the publisher must outlive it
                 self._counters["publish_errors"] += 1
                 _log.exception("ort-kvlayout engine: handing events over failed")
+            finally:
+                self._handoff_free.release()
 
     def _has_work(self) -> bool:
         return bool(self._waiting) or any(r is not None for r in self._slots)

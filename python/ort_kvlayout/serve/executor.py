@@ -54,9 +54,10 @@ class StepProfile:
     `run` is ORT's Run, which returns when the step's kernels are done (the GPU's time and the
     launch overhead both land there); `emit` applies the tokens; `publish` decodes text and
     hands events over. Without overlap the phases add up to the step; with it, `publish` runs on
-    the publisher thread during the next step's `run`, off the step's critical path."""
+    the publisher thread during the next step's `run`, off the step's critical path, and `wait`
+    is the engine thread waiting for the publisher to finish the last step's hand-over."""
 
-    PHASES = ("schedule", "kv", "inputs", "run", "readback", "sample", "emit", "publish")
+    PHASES = ("schedule", "kv", "inputs", "run", "readback", "sample", "emit", "publish", "wait")
 
     def __init__(self) -> None:
         # every key present: two threads add to disjoint phases, never inserting a key
