@@ -585,6 +585,16 @@ def test_a_graph_that_cannot_be_served_falls_back_or_is_refused(model, alone, mo
         engine(model, sample_on_device=True)
 
 
+def test_stats_give_the_kv_bytes_of_a_token(model):
+    """kv_bytes_per_token: what one token of one slot commits over every buffer (a router's
+    estimate of a request's need): the reservation is max_batch x capacity of them."""
+    with engine(model, max_batch=2, cache="preallocated") as eng:
+        stats = eng.stats()
+    per_token = stats["kv_bytes_per_token"]
+    assert per_token == eng.spec.kv.entry_bytes(1) > 0
+    assert stats["kv_reserved_bytes"] == 2 * eng.capacity * per_token
+
+
 def test_step_profile_counts_every_step(model):
     with engine(model, max_batch=2) as eng:
         eng.generate(PROMPTS[1], params(6))

@@ -421,6 +421,7 @@ class Engine:
             device_id=config.device_id,
             granule=config.granule,
         )
+        self._bytes_per_token = self.spec.kv.entry_bytes(1)
         # Bytes per entry of n rows: the same for every slot, asked several times a step.
         self._commit_bytes = functools.lru_cache(maxsize=1 << 16)(self.cache.entry_commit_bytes)
         reserved = self.cache.stats.reserved_bytes
@@ -944,6 +945,7 @@ class Engine:
             "peak_running": self._peak_running,
             "preemptions": self._counters["preemptions"],
             "kv_budget_bytes": self.budget,
+            "kv_bytes_per_token": self._bytes_per_token,  # every buffer, scales included
             "kv_committed_bytes": st.committed_bytes if st else 0,
             "kv_peak_committed_bytes": st.peak_committed_bytes if st else 0,
             "kv_reserved_bytes": st.reserved_bytes if st else 0,

@@ -74,12 +74,9 @@ class EngineReplica:
         self.threads = threads
         self.stream_interval = stream_interval
         self.identity = {"pid": os.getpid(), "host": socket.gethostname()}
-        kv = self.engine.stats()
-        # Bytes one token takes in a slot (all layers, K and V): the router's estimate of a
-        # request's need.
-        self.kv_bytes_per_token = kv["kv_reserved_bytes"] / (
-            self.engine.max_batch * self.engine.capacity
-        )
+        # Bytes one token takes in a slot (all layers, K and V, PER_TOKEN scales): the router's
+        # estimate of a request's need.
+        self.kv_bytes_per_token = self.engine.stats()["kv_bytes_per_token"]
 
     def info(self) -> dict:
         """What the ingress needs to validate requests before routing them."""
