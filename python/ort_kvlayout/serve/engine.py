@@ -366,8 +366,7 @@ class Engine:
         self._closing = False
         self._drain = False
         self._thread: threading.Thread | None = None
-        self._snapshot: dict = {}
-        self._snapshot = self._make_snapshot()
+        self._snapshot: dict = self._make_snapshot()
         if start:
             self.start()
 

@@ -121,6 +121,11 @@ class _Sampling:
                 names.top_p: self.top_p, names.uniform: self.uniform}  # fmt: skip
 
 
+def _used(tokens: list[int], rows: list[Sampler | None]) -> list[int | None]:
+    """The served graph's token of each row whose token is used (None for the others)."""
+    return [t if r is not None else None for t, r in zip(tokens, rows)]
+
+
 class Executor:
     """See the module docstring. One thread (the engine loop) calls it."""
 
@@ -194,7 +199,7 @@ class Executor:
         self.runtime.check_length_record("engine step")
         t = self.profile.add("readback", t)
         if self.served is not None:
-            tokens = [t if r is not None else None for t, r in zip(out[:, 0].tolist(), rows)]
+            tokens = _used(out[:, 0].tolist(), rows)
         else:
             tokens = self._host_sample(out[np.arange(len(last)), last], rows)
         self.profile.add("sample", t)
@@ -227,7 +232,7 @@ class Executor:
         self.runtime.check_length_record("engine decode step")
         t = self.profile.add("readback", t)
         if self.served is not None:
-            tokens = [t if r is not None else None for t, r in zip(out[:, 0].tolist(), rows)]
+            tokens = _used(out[:, 0].tolist(), rows)
         else:
             tokens = self._host_sample(out[:, -1], rows)
         self.profile.add("sample", t)
