@@ -159,3 +159,96 @@ def test_lengths_not_computed_from_the_mask_are_refused():
     )
     with pytest.raises(ServingGraphError, match="input 5 .'other_seqlens'. is not computed"):
         serving_graph(model, "attention_mask", "logits")
+
+
+# --- packed tokens (rewrite 4) ------------------------------------------------------------------
+def _packed(model_dir):
+    from ort_kvlayout.model.serving_graph import serving_graph
+
+    proto = onnx.load(str(model_dir / "model.onnx"), load_external_data=False)
+    return serving_graph(proto, "attention_mask", "logits", sample=False, packed=True)
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [(7, 0), (5, 0)],  # two first chunks of different lengths
+        [(4, 8), (0, 0), (1, 19), (3, 0)],  # a chunk after 8 rows, an idle row, a decode row
+        [(1, 5), (1, 30), (1, 0)],  # decode rows only: S = 1
+    ],
+)
+def test_packed_rows_equal_each_row_run_alone(model_dir, rows):
+    """Oracle: the model's own graph, each row alone at batch 1 (a first prompt, a chunk or a
+    decode step): the logits of its last token and its present cache."""
+    from ort_kvlayout.serve.packing import pack_rows
+
+    served = _packed(model_dir)
+    names = served.inputs
+    own, new = _session(str(model_dir / "model.onnx"), None), _session(served.model, model_dir)
+    rng = np.random.default_rng(2)
+    tokens = [list(rng.integers(4, VOCAB, count)) for count, _ in rows]
+    caches = _caches(own, len(rows), rng)
+    call = pack_rows([(t, cached) for t, (_, cached) in zip(tokens, rows)])
+    got = new.run(None, {
+        "input_ids": call.ids, **caches,
+        names.seqlens: call.seqlens_k, names.total: np.array(call.total, np.int32),
+        names.logits_positions: call.last, names.unpack_index: call.unpack,
+        names.pack_index: call.pack, names.query_seqlens: call.query_seqlens,
+    })  # fmt: skip
+    assert got[0].shape == (len(rows), 1, VOCAB)
+    for b, (count, cached) in enumerate(rows):
+        if count == 0:
+            continue
+        alone = {k: v[b : b + 1] for k, v in caches.items()}
+        mask = np.ones((1, cached + count), np.int64)
+        ids = np.array([tokens[b]], np.int64)
+        want = own.run(None, {"input_ids": ids, "attention_mask": mask, **alone})
+        np.testing.assert_array_equal(got[0][b, 0], want[0][0, -1], err_msg=f"row {b}")
+        for g, w in zip(got[1:], want[1:]):  # the present caches
+            np.testing.assert_array_equal(g[b], w[0], err_msg=f"row {b}")
+
+
+def test_the_packed_graph_has_its_inputs_and_query_seqlens(model_dir):
+    served = _packed(model_dir)
+    names = served.inputs
+    inputs = {i.name: i for i in served.model.graph.input}
+    assert served.packed
+    for name in (names.unpack_index, names.pack_index, names.query_seqlens):
+        assert name in inputs
+    ids = inputs["input_ids"].type.tensor_type.shape.dim
+    assert (ids[0].dim_value, ids[1].dim_param) == (1, "packed_tokens")
+    gqa = [n for n in served.model.graph.node if n.op_type == "GroupQueryAttention"]
+    assert gqa and all(n.input[16] == names.query_seqlens for n in gqa)
+
+
+def test_a_node_that_mixes_tokens_refuses_packing():
+    from ort_kvlayout.model.serving_graph import ServingGraphError, serving_graph
+
+    model = _tiny()
+    graph = model.graph
+    head = next(n for n in graph.node if n.output and n.output[0] == "logits")
+    # a cumulative sum over the tokens before the LM head: each token then reads the others
+    graph.initializer.append(numpy_helper.from_array(np.array(1, np.int64), "token_axis"))
+    graph.node.insert(
+        list(graph.node).index(head),
+        helper.make_node("CumSum", [head.input[0], "token_axis"], ["mixed"], name="/mix"),
+    )
+    head.input[0] = "mixed"
+    serving_graph(model, "attention_mask", "logits")  # unpacked: fine
+    with pytest.raises(ServingGraphError, match=r"/mix \(CumSum\) may mix tokens"):
+        serving_graph(model, "attention_mask", "logits", packed=True)
+
+
+def test_a_gqa_node_with_position_ids_refuses_packing():
+    from ort_kvlayout.model.serving_graph import ServingGraphError, serving_graph
+
+    model = _tiny()
+    gqa = next(n for n in model.graph.node if n.op_type == "GroupQueryAttention")
+    while len(gqa.input) < 10:
+        gqa.input.append("")
+    gqa.input[9] = "position_ids"
+    model.graph.input.append(
+        helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"])
+    )
+    with pytest.raises(ServingGraphError, match=r"position_ids \(input 9\)"):
+        serving_graph(model, "attention_mask", "logits", packed=True)

@@ -81,17 +81,32 @@ def params(n, **kwargs):
     return RequestParams(max_tokens=n, ignore_eos=True, **kwargs)
 
 
-@pytest.mark.parametrize("on_device", [True, False], ids=["served", "own-graph"])
+GRAPHS = {  # the graphs a step can run, as EngineConfig arguments
+    "packed": {},
+    "packed-mixed": {"mixed": True},
+    "served": {"packed": False},
+    "own-graph": {"sample_on_device": False},
+}
+
+
+@pytest.mark.parametrize("graph", list(GRAPHS))
 @pytest.mark.parametrize("chunk", [4, 256])
-def test_concurrent_requests_equal_generate_alone(model, alone, chunk, on_device):
-    """The served graph (lengths, logits at the sampled rows, SampleTokens) and the model's own
-    graph sampled on the host give every request the greedy tokens it gets alone."""
-    with engine(model, max_batch=4, prefill_chunk=chunk, sample_on_device=on_device) as eng:
+def test_concurrent_requests_equal_generate_alone(model, alone, chunk, graph):
+    """The served graph (lengths, logits at the sampled rows, SampleTokens), packed (a step's
+    chunks in one call; mixed: its decode rows too) or not, and the model's own graph sampled
+    on the host give every request the greedy tokens it gets alone."""
+    with engine(model, max_batch=4, prefill_chunk=chunk, **GRAPHS[graph]) as eng:
         handles = [eng.submit(p, params(n)) for p, n in zip(PROMPTS, LENGTHS)]
         got = [h.result() for h in handles]
         stats = eng.stats()
     assert got == alone
-    assert stats["sample_on_device"] is on_device
+    assert stats["sample_on_device"] is (graph != "own-graph")
+    assert stats["packed"] is graph.startswith("packed")
+    assert stats["mixed"] is (graph == "packed-mixed")
+    if graph.startswith("packed") and chunk == 256:  # the first step prefills 4 prompts at once
+        assert stats["prefill_chunks"] > stats["prefill_calls"]
+    if graph == "packed-mixed":
+        assert stats["mixed_calls"] > 0
     assert all(h.finish_reason == "length" for h in handles)
     assert stats["peak_running"] == 4  # 6 requests through 4 slots: slots were reused
     assert stats["kv_bytes_moved"] == 0
@@ -405,6 +420,7 @@ def test_a_long_prompt_never_stalls_a_running_request_more_than_one_chunk(model,
     steps: list[dict] = []
     with engine(model, max_batch=2, prefill_chunk=4) as eng:
         real_decode, real_prefill, real_step = eng._decode_call, eng._prefill_call, eng._step
+        real_packed = eng._packed_call
 
         def step():
             steps.append({"decode": 0, "prefill": 0})
@@ -418,7 +434,12 @@ def test_a_long_prompt_never_stalls_a_running_request_more_than_one_chunk(model,
             steps[-1]["prefill"] += take
             return real_prefill(r, take)
 
+        def packed(chunks):
+            steps[-1]["prefill"] += sum(take for _, take in chunks)
+            return real_packed(chunks)
+
         eng._step, eng._decode_call, eng._prefill_call = step, decode, prefill
+        eng._packed_call = packed
         # a (4 prompt tokens: the first step's whole chunk) decodes while b prefills.
         a = eng.submit(PROMPTS[1], params(240))
         b = eng.submit(PROMPTS[5], params(LENGTHS[5]))  # 30 prompt tokens: 8 chunks

@@ -26,6 +26,19 @@ folder is never written):
    device.
 
 Position ids (a model with that input) are still fed by the caller.
+
+4. **Packed tokens** (`packed=True`; vLLM's flattened batch). Every node outside attention acts
+   on each token alone, so the dense layers need no padding: `input_ids` is (1, T), the T new
+   tokens of all rows one after the other, and only attention sees rows. Around each GQA node
+   the token inputs (query, key, value) are gathered into the right-padded (B, S) shape by
+   `kvl_unpack_index` ((B, S) int64: the packed index of row b's token s; any valid index past
+   the row's tokens), the node reads `kvl_query_seqlens` ((B,) int32, its input 16: the tokens
+   of each row, 0 for a row with none, whose cache stays untouched), and its output is gathered
+   back by `kvl_pack_index` ((1, T) int64: b * S + s of each packed token). The logits
+   positions are then packed indices. One call prefills the chunks of several requests (and
+   may carry decode rows) while its MatMuls compute T rows, not B x S. Refused (naming the
+   node) when a node outside attention could mix tokens, or a GQA node reads position_ids or
+   an attention bias (shaped by rows) or has query_seqlens already.
 """
 
 from __future__ import annotations
@@ -65,12 +78,16 @@ class ServedInputs:
     top_p: str = "kvl_top_p"
     uniform: str = "kvl_uniform"
     token_ids: str = "kvl_next_token_ids"
+    unpack_index: str = "kvl_unpack_index"
+    pack_index: str = "kvl_pack_index"
+    query_seqlens: str = "kvl_query_seqlens"
 
 
 @dataclass(frozen=True)
 class ServingGraph:
     model: onnx.ModelProto
     inputs: ServedInputs
+    packed: bool = False
 
 
 def serving_graph(
@@ -79,10 +96,13 @@ def serving_graph(
     logits: str,
     names: ServedInputs | None = None,
     sample: bool = True,
+    packed: bool = False,
+    input_ids: str = "input_ids",
 ) -> ServingGraph:
     """The served form of `model` (a copy; the argument is not changed); without `sample`, the
-    first two rewrites only (the host samples from `logits`). Raises ServingGraphError naming
-    what does not fit."""
+    first two rewrites only (the host samples from `logits`); with `packed`, the fourth too
+    (`input_ids` names the ids input, whose shape becomes (1, T)). Raises ServingGraphError
+    naming what does not fit."""
     names = names or ServedInputs()
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -92,13 +112,15 @@ def serving_graph(
     if clash:
         raise ServingGraphError(f"the graph already has values named {clash}: cannot add them")
     _lengths_not_mask(graph, attention_mask, names)
-    _logits_at_positions(graph, logits, names)
+    if packed:
+        _packed_tokens(graph, names, input_ids)
+    _logits_at_positions(graph, logits, names, packed)
     if sample:
         _sample_on_device(graph, logits, names)
     if not any(o.domain == DOMAIN for o in out.opset_import):
         out.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     _drop_unused_initializers(graph)
-    return ServingGraph(out, names)
+    return ServingGraph(out, names, packed)
 
 
 # --- 1. lengths ------------------------------------------------------------------------------
@@ -166,7 +188,9 @@ def _lengths_not_mask(graph: onnx.GraphProto, mask: str, names: ServedInputs) ->
 
 
 # --- 2. logits at sampled positions -----------------------------------------------------------
-def _logits_at_positions(graph: onnx.GraphProto, logits: str, names: ServedInputs) -> None:
+def _logits_at_positions(
+    graph: onnx.GraphProto, logits: str, names: ServedInputs, packed: bool
+) -> None:
     producers = {o: n for n in graph.node for o in n.output if o}
     constant = _constant_values(graph)
     node = producers.get(logits)
@@ -184,15 +208,24 @@ def _logits_at_positions(graph: onnx.GraphProto, logits: str, names: ServedInput
             + (f": {node_label(node)} is {node.op_type}" if node is not None else "")
         )
     hidden = node.input[0]
-    shape, index, picked = (f"{names.logits_positions}/{s}" for s in ("shape", "index", "hidden"))
-    graph.initializer.append(helper.make_tensor(shape, TensorProto.INT64, [3], [-1, 1, 1]))
-    gather = [
-        helper.make_node("Reshape", [names.logits_positions, shape], [index],
-                         name=f"/{names.logits_positions}/Reshape"),
-        # (B, S, hidden) at one S index per row -> (B, 1, hidden)
-        helper.make_node("GatherND", [hidden, index], [picked], batch_dims=1,
-                         name=f"/{names.logits_positions}/GatherND"),
-    ]  # fmt: skip
+    base = names.logits_positions
+    shape, index, picked, flat = (f"{base}/{s}" for s in ("shape", "index", "hidden", "flat"))
+    if packed:
+        graph.initializer.append(helper.make_tensor(shape, TensorProto.INT64, [2], [-1, 1]))
+        gather = [
+            helper.make_node("Reshape", [base, shape], [index], name=f"/{base}/Reshape"),
+            # (1, T, hidden) -> (T, hidden), at one packed index per row -> (B, 1, hidden)
+            helper.make_node("Flatten", [hidden], [flat], axis=2, name=f"/{base}/Flatten"),
+            helper.make_node("Gather", [flat, index], [picked], axis=0, name=f"/{base}/Gather"),
+        ]  # fmt: skip
+    else:
+        graph.initializer.append(helper.make_tensor(shape, TensorProto.INT64, [3], [-1, 1, 1]))
+        gather = [
+            helper.make_node("Reshape", [base, shape], [index], name=f"/{base}/Reshape"),
+            # (B, S, hidden) at one S index per row -> (B, 1, hidden)
+            helper.make_node("GatherND", [hidden, index], [picked], batch_dims=1,
+                             name=f"/{base}/GatherND"),
+        ]  # fmt: skip
     node.input[0] = picked
     nodes = list(graph.node)
     at = next(i for i, n in enumerate(nodes) if n is node)
@@ -224,6 +257,103 @@ def _sample_on_device(graph: onnx.GraphProto, logits: str, names: ServedInputs) 
     graph.output.append(
         helper.make_tensor_value_info(names.token_ids, TensorProto.INT64, ["batch_size", 1])
     )
+
+
+# --- 4. packed tokens --------------------------------------------------------------------------
+# Ops that compute each token's values from that token's alone (with constant weights): the
+# dense layers of a decoder. A graph with any other op outside attention is refused.
+_TOKENWISE = {
+    "Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Reciprocal", "Neg", "Cast", "Identity",
+    "Sigmoid", "Tanh", "Relu", "Erf", "Gelu", "FastGelu", "QuickGelu", "BiasGelu", "Softplus",
+    "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "LayerNormalization",
+    "SkipLayerNormalization", "RMSNormalization", "MatMul", "MatMulNBits",
+}  # fmt: skip
+_EMBEDDINGS = {"Gather", "GatherBlockQuantized"}  # a constant table at computed ids, axis 0
+_GQA_TOKEN_INPUTS = (0, 1, 2)  # query, key, value: (B, S, width)
+_GQA_ROW_INPUTS = {9: "position_ids", 10: "attention_bias", 16: "query_seqlens"}
+QUERY_SEQLENS_INPUT = 16
+
+
+def _packed_tokens(graph: onnx.GraphProto, names: ServedInputs, input_ids: str) -> None:
+    _check_tokenwise(graph)
+    if input_ids not in {i.name for i in graph.input}:
+        raise ServingGraphError(f"the graph has no input {input_ids!r} (the token ids)")
+    nodes: list[onnx.NodeProto] = []
+    for at, node in enumerate(graph.node):
+        if not is_gqa(node):
+            nodes.append(node)
+            continue
+        base = f"/kvl_packed/{at}"
+        for index in _GQA_TOKEN_INPUTS:
+            if len(node.input) > index and node.input[index]:
+                flat, rows = f"{base}/in{index}/flat", f"{base}/in{index}/rows"
+                nodes += [
+                    # (1, T, width) -> (T, width) -> (B, S, width)
+                    helper.make_node("Flatten", [node.input[index]], [flat], axis=2,
+                                     name=f"{base}/in{index}/Flatten"),
+                    helper.make_node("Gather", [flat, names.unpack_index], [rows], axis=0,
+                                     name=f"{base}/in{index}/Gather"),
+                ]  # fmt: skip
+                node.input[index] = rows
+        while len(node.input) <= QUERY_SEQLENS_INPUT:
+            node.input.append("")
+        node.input[QUERY_SEQLENS_INPUT] = names.query_seqlens
+        packed_out, padded, flat = node.output[0], f"{base}/out/rows", f"{base}/out/flat"
+        node.output[0] = padded
+        nodes += [
+            node,
+            # (B, S, width) -> (B * S, width) -> (1, T, width)
+            helper.make_node("Flatten", [padded], [flat], axis=2, name=f"{base}/out/Flatten"),
+            helper.make_node("Gather", [flat, names.pack_index], [packed_out], axis=0,
+                             name=f"{base}/out/Gather"),
+        ]  # fmt: skip
+    _replace_nodes(graph, nodes)
+    for value in graph.input:
+        if value.name == input_ids:
+            dims = value.type.tensor_type.shape.dim
+            if len(dims) != 2:
+                raise ServingGraphError(f"input {input_ids!r} has rank {len(dims)}; expected 2")
+            dims[0].Clear()
+            dims[0].dim_value = 1
+            dims[1].Clear()
+            dims[1].dim_param = "packed_tokens"
+    graph.input.extend([
+        helper.make_tensor_value_info(names.unpack_index, TensorProto.INT64,
+                                      ["batch_size", "sequence_length"]),
+        helper.make_tensor_value_info(names.pack_index, TensorProto.INT64, [1, "packed_tokens"]),
+        helper.make_tensor_value_info(names.query_seqlens, TensorProto.INT32, ["batch_size"]),
+    ])  # fmt: skip
+
+
+def _check_tokenwise(graph: onnx.GraphProto) -> None:
+    """Raises unless every node that reads a computed value acts on each token alone (or is GQA
+    without inputs shaped by rows)."""
+    constant = _constant_values(graph)
+    for node in graph.node:
+        computed = [i for i in node.input if i and i not in constant]
+        if not computed:
+            constant.update(o for o in node.output if o)  # folded: weights, a tied LM head
+            continue
+        if is_gqa(node):
+            for index, what in _GQA_ROW_INPUTS.items():
+                if len(node.input) > index and node.input[index]:
+                    raise ServingGraphError(
+                        f"{node_label(node)} reads {what} (input {index}): packed tokens cannot "
+                        "feed an input shaped by rows"
+                    )
+            continue
+        if node.op_type in _EMBEDDINGS:
+            axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+            if node.input[0] in constant and axis == 0:
+                continue
+        elif node.op_type in _TOKENWISE and (
+            node.op_type not in {"MatMul", "MatMulNBits"} or node.input[1] in constant
+        ):
+            continue
+        raise ServingGraphError(
+            f"{node_label(node)} ({node.op_type}) may mix tokens: packed tokens need every node "
+            "outside attention to act on each token alone"
+        )
 
 
 # --- helpers -----------------------------------------------------------------------------------

@@ -30,10 +30,14 @@ False or the graph does not allow it. Each step:
    Scratch rows count against the budget; where a bucket's do not fit but the span does, that
    step's decode runs the span eagerly (serve/batching.py has the rules).
 4. Prefill. Prefilling requests, oldest first, get chunks of their remaining prompt until
-   `prefill_chunk` tokens were scheduled in this step; each chunk is one call of batch 1 bound at
-   the request's slot (a first prompt, then GQA's chunk case: rows written at [P, P+S)). A
-   running request therefore waits at most one decode call plus `prefill_chunk` prompt tokens
-   per step, however long the new prompts are (chunked prefill, Sarathi/vLLM-style).
+   `prefill_chunk` tokens were scheduled in this step. Packed (`packed`, the served graph's
+   rewrite 4): the step's chunks are one call over the slots from the lowest to the highest
+   that prefills (the slots between idle: query_seqlens 0), whose dense layers compute the
+   chunks' tokens alone; with `mixed`, that call carries the step's decode rows too (one Run a
+   step, uncaptured). Otherwise each chunk is one call of batch 1 bound at the request's slot
+   (a first prompt, then GQA's chunk case: rows written at [P, P+S)). A running request
+   therefore waits at most one decode call plus `prefill_chunk` prompt tokens per step, however
+   long the new prompts are (chunked prefill, Sarathi/vLLM-style).
 
 A request's slot and pages go back to the pool the moment it finishes or is cancelled, but for
 the granule under its row 0, kept until the next step for its next request or scratch row; a
@@ -45,10 +49,9 @@ publisher decodes the events' text and hands them over. A stop string is still c
 token comes (a request with stop strings has its text decoded at once), so no request runs a
 step past its end.
 
-Why not one mixed call with `query_seqlens` (GQA input 16): a right-padded call computes every
-row of its (batch, longest chunk) shape in the dense layers, so padding the decode rows to a
-prefill chunk multiplies their cost by the chunk length; separate calls cost one more Run. The
-builder's models also lack that input (docs/SERVING.md).
+A mixed or multi-request call needs the packed graph: the model's own graph is right-padded,
+and its dense layers would compute every row of the (batch, longest chunk) shape, multiplying a
+decode row's cost by the chunk length (docs/SERVING.md).
 """
 
 from __future__ import annotations
@@ -121,7 +124,11 @@ class EngineConfig:
     sample_on_device: run the served graph (model/serving_graph.py: lengths in place of the
     mask, logits only at sampled positions, tokens chosen by ai.kvlayout::SampleTokens, only ids
     copied back; None: when the graph allows it, True: an error otherwise) or, False, the
-    model's own graph with every position's logits sampled on the host; overlap: a publisher
+    model's own graph with every position's logits sampled on the host; packed: the served graph
+    with packed tokens (its rewrite 4; None: where the graph allows it, True: an error
+    otherwise): a step's prefill chunks run as one call that computes only their tokens;
+    mixed: with packed, a step that prefills carries its decode rows in that call too (one
+    uncaptured Run a step; off: the decode rows keep their own call, a CUDA graph); overlap: a publisher
     thread decodes the events' text and hands them to their readers while the next step's
     calls run (None: on with provider "cuda", where Run waits on the GPU with the GIL released;
     off on the CPU, where ORT's threads want the cores)."""
@@ -139,6 +146,8 @@ class EngineConfig:
     cuda_graph: bool | None = None
     decode_buckets: tuple[int, ...] | None = None
     sample_on_device: bool | None = None
+    packed: bool | None = None
+    mixed: bool = False
     overlap: bool | None = None
 
     @property
@@ -178,6 +187,10 @@ class EngineConfig:
                 "cuda_graph=True needs provider='cuda': CUDA graphs capture CUDA kernels (on "
                 "the CPU, decode_buckets runs the same padded decode calls uncaptured)"
             )
+        if self.packed and self.sample_on_device is False:
+            raise ValueError("packed=True needs the served graph (sample_on_device not False)")
+        if self.mixed and self.packed is False:
+            raise ValueError("mixed=True needs packed calls (packed not False)")
         if self.graphs and self.decode_buckets is not None and not self.decode_buckets:
             raise ValueError("CUDA graphs need decode buckets (a fixed batch per graph)")
         if self.decode_buckets is not None:
@@ -320,7 +333,7 @@ class Engine:
     ):
         self.config = config = config or EngineConfig()
         spec = ModelSpec.from_dir(model_dir)
-        served, self.served_refusal = self._served_graph(spec, config.sample_on_device)
+        served, self.served_refusal, self.packed_refusal = self._served_graph(spec, config)
         # The served graph runs this package's own library: SampleTokens is ours whatever runs
         # the attention, and the copy a patched folder holds (for onnxruntime-genai) may predate
         # it. One library per session: the same domain twice would clash.
@@ -339,6 +352,7 @@ class Engine:
         )
         self.spec = self.runtime.spec
         self.tokenizer = tokenizer
+        self.packed = served is not None and served.packed
         try:
             self._allocate(config)
         except BaseException:
@@ -359,8 +373,9 @@ class Engine:
         self._handoff_free = threading.Semaphore(1)
         self._publisher: threading.Thread | None = None
         self.executor = Executor(
-            self.runtime, self.cache, config.graphs, served.inputs if served is not None else None
-        )
+            self.runtime, self.cache, config.graphs,
+            served.inputs if served is not None else None, self.packed,
+        )  # fmt: skip
         self._counters = collections.Counter()
         self._peak_running = 0
         self._closing = False
@@ -371,18 +386,33 @@ class Engine:
             self.start()
 
     @staticmethod
-    def _served_graph(spec: ModelSpec, want: bool | None):
-        """The served graph of the model (None with want False, or when it does not apply and
-        want is None: then also the reason), read without the weights."""
+    def _served_graph(spec: ModelSpec, config: EngineConfig):
+        """The served graph of the model, packed where asked and allowed (None with
+        sample_on_device False, or when it does not apply and was not asked for), read without
+        the weights; and why it is not served, and why not packed (None where it is)."""
+        want, want_packed = config.sample_on_device, config.packed
         if want is False:
-            return None, "sample_on_device=False"
+            return None, "sample_on_device=False", "sample_on_device=False"
+        model = onnx.load(str(spec.onnx_path), load_external_data=False)
+        packed_refusal = "packed=False" if want_packed is False else None
+        if packed_refusal is None and spec.position_ids:
+            # the engine feeds position ids by row: a packed call has none to feed
+            packed_refusal = f"the model has a {spec.position_ids!r} input"
+        if packed_refusal is None:
+            try:
+                served = serving_graph(model, spec.attention_mask, spec.logits, packed=True,
+                                       input_ids=spec.input_ids)  # fmt: skip
+                return served, None, None
+            except ServingGraphError as exc:
+                packed_refusal = str(exc)
+        if want_packed:
+            raise ValueError(f"packed=True, but the graph cannot be packed: {packed_refusal}")
         try:
-            model = onnx.load(str(spec.onnx_path), load_external_data=False)
-            return serving_graph(model, spec.attention_mask, spec.logits), None
+            return serving_graph(model, spec.attention_mask, spec.logits), None, packed_refusal
         except ServingGraphError as exc:
             if want:
                 raise ValueError(f"sample_on_device=True, but the graph cannot be served: {exc}")
-            return None, str(exc)
+            return None, str(exc), packed_refusal
 
     def _allocate(self, config: EngineConfig) -> None:
         """The KV budget (resolved once, from the memory free now that the model is loaded),
@@ -436,7 +466,7 @@ class Engine:
         # key tiles); 0 on the CPU.
         self._limits = Limits(
             self.budget, self.capacity, config.prefill_chunk, self.runtime.prefill_read_slack(),
-            self.buckets,
+            self.buckets, packed=self.packed,
         )  # fmt: skip
 
     # ---------------------------------------------------------------------------------------
@@ -838,9 +868,16 @@ class Engine:
         ]
         profile.add("schedule", t)
         calls = []
-        if span is not None:
-            calls.append(self._decode_call(*span, padded=padded))
-        calls += [self._prefill_call(r, take) for r, take in chunks]
+        packed = self.executor.packed
+        if packed and chunks and self.config.mixed and span is not None:
+            calls.append(self._packed_call(chunks, range(*span)))
+        else:
+            if span is not None:
+                calls.append(self._decode_call(*span, padded=padded))
+            if packed and chunks:
+                calls.append(self._packed_call(chunks))
+            else:
+                calls += [self._prefill_call(r, take) for r, take in chunks]
         if self._handoff is not None:
             self._publish()  # the last step's events go out while these calls run
         for run, commit in calls:
@@ -861,6 +898,12 @@ class Engine:
         ids, totals = decode_rows(slots, self.spec.pad_token_id)
         if padded:
             run = functools.partial(self.executor.run_bucket, hi, ids, totals, samplers)
+        elif self.executor.packed:  # the slots that decode nothing idle
+            rows = [
+                ([r.seq[r.cached]], r.cached) if r is not None and r.decoding else ((), 0)
+                for r in requests
+            ]
+            run = functools.partial(self.executor.run_packed, lo, rows, samplers)
         else:
             ids_array = np.array(ids, np.int64)[:, None]
             run = functools.partial(
@@ -893,12 +936,63 @@ class Engine:
 
         def commit(tokens: list[int | None]) -> None:
             self._counters["prefill_calls"] += 1
+            self._counters["prefill_chunks"] += 1
             self._counters["prefill_tokens"] += take
             r.cached = start + take
             if completes:
                 t = time.perf_counter_ns()
                 self._emit(r, tokens[0])
                 self.executor.profile.add("emit", t)
+
+        return run, commit
+
+    def _packed_call(self, chunks: list[tuple[_Request, int]], decode: range = range(0)):
+        """One packed call, as _decode_call's: the prefill chunks (request, tokens) and, mixed,
+        the decoding requests of the slots `decode`, over the slots from the lowest to the
+        highest they use (the slots between idle)."""
+        prefill = {r.slot: (r, r.cached, take) for r, take in chunks}
+        decoding = {s: self._slots[s] for s in decode if self._slots[s] is not None}
+        decoding = {s: r for s, r in decoding.items() if r.decoding}
+        used = sorted(prefill.keys() | decoding.keys())
+        lo, hi = used[0], used[-1] + 1
+        rows: list[tuple[list[int], int]] = []
+        samplers: list[Sampler | None] = []
+        for s in range(lo, hi):
+            if s in prefill:
+                r, start, take = prefill[s]
+                rows.append((r.seq[start : start + take], start))
+                # the whole sequence in: its last row gives the next token
+                samplers.append(r.sampler if start + take == len(r.seq) else None)
+            elif s in decoding:
+                r = decoding[s]
+                rows.append(([r.seq[r.cached]], r.cached))
+                samplers.append(r.sampler)
+            else:
+                rows.append(((), 0))
+                samplers.append(None)
+        run = functools.partial(self.executor.run_packed, lo, rows, samplers)
+
+        def commit(tokens: list[int | None]) -> None:
+            counters = self._counters
+            counters["prefill_calls"] += 1
+            counters["prefill_chunks"] += len(prefill)
+            if decoding:
+                counters["mixed_calls"] += 1
+                counters["decode_rows"] += len(decoding)
+            t = time.perf_counter_ns()
+            for s, token in zip(range(lo, hi), tokens):
+                if s in prefill:
+                    r, start, take = prefill[s]
+                    counters["prefill_tokens"] += take
+                    r.cached = start + take
+                elif s in decoding:
+                    r = decoding[s]
+                    r.cached += 1
+                else:
+                    continue
+                if token is not None:
+                    self._emit(r, token)
+            self.executor.profile.add("emit", t)
 
         return run, commit
 
@@ -959,11 +1053,13 @@ class Engine:
             "decode_buckets_used": self.executor.buckets_used,
             "decode_bucket_calls": dict(self.executor.bucket_calls),  # bucket -> decode calls
             "sample_on_device": self.executor.served is not None,
+            "packed": self.executor.packed,
+            "mixed": self.executor.packed and self.config.mixed,
             "step_profile": self.executor.profile.summary(),
         }
         for key in (
             "steps", "decode_calls", "decode_rows", "decode_padded_rows", "decode_eager_fallbacks",
-            "prefill_calls", "prefill_tokens", "tokens", "admitted", "rejected", "step_errors",
+            "prefill_calls", "prefill_chunks", "prefill_tokens", "mixed_calls", "tokens", "admitted", "rejected", "step_errors",
             "callback_errors", "detokenize_errors", "publish_errors", "finished_stop",
             "finished_length", "finished_cancelled", "finished_error",
         ):  # fmt: skip

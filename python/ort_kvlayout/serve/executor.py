@@ -15,6 +15,11 @@ how tokens are chosen. Two graphs:
   call), logits of every position copied to the host, sampled there with each request's
   Sampler (greedy rows together, one argmax).
 
+* **Packed** (`packed`, the served graph's rewrite 4): the dense layers take the call's new
+  tokens packed as (1, T) and only attention sees rows (serve/packing.py), so one call prefills
+  the chunks of several requests, and may carry decode rows, at the cost of its real tokens.
+  `run_packed` makes such a call; a bucket's decode call is the packed form of one token a row.
+
 `rows` says what each row samples with: None for a row whose token is not used (padding, a
 prefill chunk that does not end its prompt), else the request's Sampler (its params and seeded
 generator). A served call draws one uniform number from the generator of each sampling row it
@@ -39,6 +44,7 @@ from ..runtime.fixed_binding import FixedBinding
 from ..runtime.generation import CUDA_GRAPH_WARMUP_RUNS, Runtime
 from ..runtime.kv_cache import KvCache, bind_in_place
 from ..runtime.sampling import GREEDY, Sampler
+from .packing import pack_rows
 
 __all__ = ["BAD_SAMPLING", "NONFINITE_LOGITS", "Executor", "StepProfile"]
 
@@ -129,10 +135,15 @@ def _used(tokens: list[int], rows: list[Sampler | None]) -> list[int | None]:
 class Executor:
     """See the module docstring. One thread (the engine loop) calls it."""
 
-    def __init__(self, runtime: Runtime, cache: KvCache, graphs: bool, served: ServedInputs | None):
+    def __init__(
+        self, runtime: Runtime, cache: KvCache, graphs: bool, served: ServedInputs | None,
+        packed: bool = False,
+    ):  # fmt: skip
+        if packed and served is None:
+            raise ValueError("packed calls need the served graph")
         self.runtime, self.cache, self.graphs = runtime, cache, graphs
         self.spec = runtime.spec
-        self.served = served
+        self.served, self.packed = served, packed
         self.device = "cuda" if runtime.provider == "cuda" else "cpu"
         self.device_id = runtime.device_id
         self.profile = StepProfile()
@@ -166,6 +177,8 @@ class Executor:
         """One uncaptured call over slots [first, first + B): ids (B, S), each row's total rows
         after the call, the index in S of the token each row samples at (`last`), and who
         samples (None: the row's token is not used). A token per row (None where not used)."""
+        if self.packed:
+            raise RuntimeError("the packed graph runs run_packed")
         t = time.perf_counter_ns()
         spec, binding = self.spec, self._binding(first, ids.shape[0])
         binding.bind_cpu_input(spec.input_ids, ids)
@@ -179,18 +192,48 @@ class Executor:
             binding.bind_cpu_input(names.seqlens, np.asarray(totals, np.int32) - 1)
             binding.bind_cpu_input(names.total, np.array(max(totals), np.int32))
             binding.bind_cpu_input(names.logits_positions, np.asarray(last, np.int64))
-            sampling = _Sampling.zeros(len(rows))
-            sampling.fill(rows)
-            for name, array in sampling.feeds(names).items():
-                binding.bind_cpu_input(name, array)
-            binding.bind_output(spec.logits, self.device, self.device_id)  # stays there
-            binding.bind_output(names.token_ids, "cpu")
+            self._bind_sampling(binding, rows)
         else:
             mask = np.zeros((ids.shape[0], max(totals)), spec.mask_dtype)
             for i, n in enumerate(totals):
                 mask[i, :n] = 1
             binding.bind_cpu_input(spec.attention_mask, mask)
             binding.bind_output(spec.logits, "cpu")
+        return self._run_eager(binding, rows, last, t)
+
+    def run_packed(
+        self, first: int, rows: list[tuple[list[int], int]], samplers: list[Sampler | None]
+    ) -> list[int | None]:
+        """One packed call over slots [first, first + B): each row's new tokens and the rows its
+        slot holds before the call (no tokens: the slot idles, its cache untouched), sampled at
+        its last token by its Sampler (None: not used). A token per row (None where not used)."""
+        t = time.perf_counter_ns()
+        call = pack_rows(rows)
+        names, binding = self.served, self._binding(first, len(rows))
+        binding.bind_cpu_input(self.spec.input_ids, call.ids)
+        binding.bind_cpu_input(names.unpack_index, call.unpack)
+        binding.bind_cpu_input(names.pack_index, call.pack)
+        binding.bind_cpu_input(names.query_seqlens, call.query_seqlens)
+        binding.bind_cpu_input(names.seqlens, call.seqlens_k)
+        binding.bind_cpu_input(names.total, np.array(call.total, np.int32))
+        binding.bind_cpu_input(names.logits_positions, call.last)
+        self._bind_sampling(binding, samplers)
+        return self._run_eager(binding, samplers, None, t)
+
+    def _bind_sampling(self, binding: ort.IOBinding, rows: list[Sampler | None]) -> None:
+        """The served graph's sampling inputs and outputs (the logits stay on the device)."""
+        sampling = _Sampling.zeros(len(rows))
+        sampling.fill(rows)
+        for name, array in sampling.feeds(self.served).items():
+            binding.bind_cpu_input(name, array)
+        binding.bind_output(self.spec.logits, self.device, self.device_id)
+        binding.bind_output(self.served.token_ids, "cpu")
+
+    def _run_eager(
+        self, binding: ort.IOBinding, rows: list[Sampler | None], last: list[int] | None, t: int
+    ) -> list[int | None]:
+        """Runs a bound eager call and returns its tokens (`last`: the host-sampled position of
+        each row in the model's own graph)."""
         t = self.profile.add("inputs", t)
         # gpu_graph_id -1 with CUDA graphs on: never captured (ORT's default id 0 would be)
         self.runtime.session.run_with_iobinding(binding, self.runtime.run_options(None))
@@ -262,15 +305,23 @@ class _BucketCall:
 
     Served graph: ids, lengths (int32 a row), zero logits positions, the sampling inputs (sent
     only when they change) and total_sequence_length = the capacity in CPU memory; out come the
-    token ids (the logits stay on the device). The model's own graph: ids and a mask as wide as
+    token ids (the logits stay on the device). Packed, the ids are (1, bucket), the packing is
+    fixed (the identity, one token a row) and the logits positions are the rows' indices. The model's own graph: ids and a mask as wide as
     the cache (only the rows whose length changed are rewritten); out come the logits."""
 
     def __init__(self, executor: Executor, bucket: int):
         rt, spec, served = executor.runtime, executor.spec, executor.served
         self.bucket, self.served, self.spec = bucket, served, spec
+        self.packed = executor.packed
         capacity = executor.cache.capacity
         self._lengths = np.zeros(bucket, np.int64)  # rows of each mask row / length now
-        inputs: dict[str, np.ndarray] = {spec.input_ids: np.zeros((bucket, 1), np.int64)}
+        ids_shape = (1, bucket) if self.packed else (bucket, 1)
+        inputs: dict[str, np.ndarray] = {spec.input_ids: np.zeros(ids_shape, np.int64)}
+        if self.packed:  # one token a row, in row order: the packing is the identity
+            rows = np.arange(bucket, dtype=np.int64)
+            inputs[served.unpack_index] = rows[:, None].copy()
+            inputs[served.pack_index] = rows[None, :].copy()
+            inputs[served.query_seqlens] = np.ones(bucket, np.int32)
         if spec.position_ids:
             inputs[spec.position_ids] = np.zeros((bucket, 1), np.int64)
         outputs = {spec.logits: np.zeros((bucket, 1, spec.vocab_size), rt.logits_dtype)}
@@ -278,7 +329,9 @@ class _BucketCall:
         if served is not None:
             self._sampling = _Sampling.zeros(bucket)
             inputs[served.seqlens] = np.zeros(bucket, np.int32)
-            inputs[served.logits_positions] = np.zeros(bucket, np.int64)
+            # the row's token: index 0 of its row, or its packed index
+            positions = np.arange(bucket) if self.packed else np.zeros(bucket)
+            inputs[served.logits_positions] = positions.astype(np.int64)
             inputs.update(self._sampling.feeds(served))
             # in CPU memory (the op's input 6); the logits stay on the device
             host_inputs[served.total] = np.array(capacity, np.int32)
@@ -297,7 +350,10 @@ class _BucketCall:
 
     def set_inputs(self, ids: list[int], totals: list[int], rows: list[Sampler | None]) -> None:
         spec, host = self.spec, self._fixed.host
-        host[spec.input_ids][:, 0] = ids
+        if self.packed:
+            host[spec.input_ids][0, :] = ids
+        else:
+            host[spec.input_ids][:, 0] = ids
         self._dirty.add(spec.input_ids)
         if spec.position_ids:
             host[spec.position_ids][:, 0] = np.asarray(totals, np.int64) - 1

@@ -12,7 +12,10 @@ numbers alone. The rules (docs/SERVING.md, "One step"):
 
 * rows: a prefilling request writes up to its next chunk (plus the rows a CUDA prefill may read
   past it, `slack`), a decoding one its next row; a slot of the decode range that decodes
-  nothing writes one scratch row (serve/batching.py);
+  nothing writes one scratch row (serve/batching.py); packed (one call for the step's chunks),
+  a free slot between the lowest and the highest slot that prefills holds `1 + slack` rows
+  where slack > 0 (it idles, but a CUDA prefill's key tiles may be read wherever the call has
+  rows: the same guard as a chunk's slack);
 * admission: waiting requests, oldest first, take the lowest free slot while the step's rows
   with their whole sequence fit the budget (a request alone is always admitted);
 * the budget: when the step's rows do not fit, the decode call runs its span eagerly if that
@@ -60,13 +63,15 @@ class Running(NamedTuple):
 @dataclass(frozen=True)
 class Limits:
     """budget: KV bytes; capacity: rows a slot holds at most; prefill_chunk: prompt tokens a step
-    prefills; slack: rows a prefill may read past its chunk; buckets: padded decode sizes (())."""
+    prefills; slack: rows a prefill may read past its chunk; buckets: padded decode sizes (());
+    packed: a step's prefill chunks run as one call over the slots between them."""
 
     budget: int
     capacity: int
     prefill_chunk: int
     slack: int = 0
     buckets: tuple[int, ...] = ()
+    packed: bool = False
 
 
 @dataclass
@@ -106,6 +111,7 @@ def prefill_chunks(slots: Sequence[Running | None], chunk: int) -> list[tuple[in
 def step_rows(slots: Sequence[Running | None], limits: Limits, padded: bool) -> dict[int, int]:
     """Rows per slot this step writes up to (scratch rows too), the decode call padded or not."""
     rows: dict[int, int] = {}
+    prefilled: list[int] = []
     budget = limits.prefill_chunk
     for s, r in sorted(
         ((s, r) for s, r in enumerate(slots) if r is not None and not r.decoding),
@@ -114,6 +120,13 @@ def step_rows(slots: Sequence[Running | None], limits: Limits, padded: bool) -> 
         take = min(r.length - r.cached, budget)
         budget -= take
         rows[s] = min(r.cached + max(take, 1) + (limits.slack if take else 0), limits.capacity)
+        if take:
+            prefilled.append(s)
+    if limits.packed and limits.slack and prefilled:
+        scratch = min(1 + limits.slack, limits.capacity)
+        for s in range(min(prefilled), max(prefilled) + 1):
+            if slots[s] is None:
+                rows[s] = scratch
     span = decode_span(slots, padded, limits)
     if span is not None:
         for s in range(*span):

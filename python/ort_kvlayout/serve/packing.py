@@ -1,0 +1,63 @@
+"""The inputs of one packed call (model/serving_graph.py, rewrite 4) from the rows it runs.
+
+    call = pack_rows([(prompt[0:256], 0), ([], 0), ([next_token], 41)])
+    call.ids             # (1, T): every row's new tokens, one row after the other
+    call.unpack          # (B, S): the packed index of row b's token s (0 past its tokens)
+    call.pack            # (1, T): b * S + s of each packed token
+    call.query_seqlens   # (B,) int32: new tokens per row; 0: an idle row (its cache untouched)
+    call.seqlens_k       # (B,) int32: rows after the call - 1 (0 for an idle row)
+    call.total           # max rows after the call
+    call.last            # (B,) int64: the packed index of each row's last token (0 when idle)
+
+A row is (its new tokens, the rows its slot holds before the call). The call runs slots
+[first, first + B) in order; a slot that runs nothing this call is ([], anything).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["PackedCall", "pack_rows"]
+
+
+@dataclass(frozen=True)
+class PackedCall:
+    ids: np.ndarray
+    unpack: np.ndarray
+    pack: np.ndarray
+    query_seqlens: np.ndarray
+    seqlens_k: np.ndarray
+    total: int
+    last: np.ndarray
+
+    @property
+    def tokens(self) -> int:
+        return self.ids.shape[1]
+
+
+def pack_rows(rows: Sequence[tuple[Sequence[int], int]]) -> PackedCall:
+    """The packed inputs of `rows` (see the module docstring); at least one row has tokens."""
+    counts = np.array([len(tokens) for tokens, _ in rows], np.int64)
+    if not rows or counts.sum() == 0:
+        raise ValueError("a packed call needs at least one row with tokens")
+    cached = np.array([c for _, c in rows], np.int64)
+    width = int(counts.max())
+    offsets = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    ids = np.fromiter((t for tokens, _ in rows for t in tokens), np.int64, int(counts.sum()))
+    s = np.arange(width)
+    live = s[None, :] < counts[:, None]  # (B, S): row b's token s exists
+    unpack = np.where(live, offsets[:, None] + s[None, :], 0)
+    pack = (np.arange(len(rows))[:, None] * width + s[None, :])[live]
+    ends = cached + counts
+    return PackedCall(
+        ids=ids[None, :],
+        unpack=unpack.astype(np.int64),
+        pack=pack[None, :].astype(np.int64),
+        query_seqlens=counts.astype(np.int32),
+        seqlens_k=np.where(counts > 0, ends - 1, 0).astype(np.int32),
+        total=int(ends[counts > 0].max()),
+        last=np.where(counts > 0, offsets + counts - 1, 0).astype(np.int64),
+    )
