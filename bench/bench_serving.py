@@ -314,29 +314,46 @@ class Run:
         return result
 
 
+@dataclass(frozen=True)
+class EngineVariant:
+    """One engine system of a run: its prefill chunk, cache, sampling ("device" or "host"),
+    model, replicas (the cluster system) and --packing value."""
+
+    chunk: int
+    cache: str
+    sampling: str
+    model: Path
+    replicas: int | None = None
+    packing: str = "auto"
+
+
 def engine_config(args, n: int):
     from ort_kvlayout.serve.engine import EngineConfig
 
     kwargs = {}
-    if args.host_sampling or (len(args.variant) > 2 and args.variant[2] == "host"):
+    if args.host_sampling or args.variant.sampling == "host":
         # Only when asked: EngineConfigs older than the field would refuse the keyword.
         kwargs["sample_on_device"] = False
+    if args.variant.packing != "auto":  # likewise: older engines have no packed calls
+        from ort_kvlayout.serve.arguments import packing_fields
+
+        kwargs.update(packing_fields(args.variant.packing))
     try:
         return EngineConfig(
-            max_batch=args.max_batch, prefill_chunk=args.variant[0], cache=args.variant[1],
+            max_batch=args.max_batch, prefill_chunk=args.variant.chunk, cache=args.variant.cache,
             provider=args.provider, kv_budget_bytes=args.kv_budget, max_waiting=n + 1,
             cuda_graph=False if args.no_cuda_graph else None,
             capacity=args.capacity, **kwargs,
         )  # fmt: skip
     except TypeError as exc:
         if kwargs:
-            raise SystemExit(f"--host-sampling: this engine has no sample_on_device ({exc})")
+            raise SystemExit(f"this engine has no {sorted(kwargs)} ({exc})")
         raise
 
 
 def variant_model(args) -> Path:
     """The model of this engine variant: a --kv-quant scheme's patch, or --model."""
-    return args.variant[3] if len(args.variant) > 3 else args.model
+    return args.variant.model
 
 
 def kv_quant_models(args, schemes: list[str]) -> dict[str, Path]:
@@ -454,15 +471,17 @@ def run_server(args, items: list[Item]) -> dict:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    chunk, cache = args.variant[:2]
+    chunk, cache = args.variant.chunk, args.variant.cache
     cmd = [sys.executable, "-m", "ort_kvlayout.serve.cli", "serve", str(variant_model(args)),
            "--port", str(port), "--max-batch", str(args.max_batch), "--prefill-chunk",
            str(chunk), "--cache", cache, "--provider", args.provider,
            "--max-waiting", str(len(items) + 1), "--model-id", "bench"]  # fmt: skip
     if args.kv_budget:
         cmd += ["--kv-budget", str(args.kv_budget)]
-    if len(args.variant) > 4:  # system cluster: that many replicas through Ray Serve
-        cmd += ["--replicas", str(args.variant[4])]
+    if args.variant.packing != "auto":
+        cmd += ["--packing", args.variant.packing]
+    if args.variant.replicas:  # system cluster: that many replicas through Ray Serve
+        cmd += ["--replicas", str(args.variant.replicas)]
         if args.gpus_per_replica:  # replicas sharing a GPU (with --kv-budget in bytes)
             cmd += ["--gpus-per-replica", str(args.gpus_per_replica)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -1037,6 +1056,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-chunk", default="256", help="engine chunk(s), e.g. 64,4096")
     p.add_argument("--provider", choices=["cpu", "cuda"], default="cpu", help="the engine's")
     p.add_argument("--cache", default="growable", help="engine cache(s): growable,preallocated")
+    p.add_argument("--packing", default="auto",
+                   help="engine packing(s) (EngineConfig packed, mixed): auto, off, on, mixed; "
+                        "e.g. off,on")  # fmt: skip
     p.add_argument("--repeat", type=int, default=1, help="runs per system, in turn (median)")
     p.add_argument("--kv-budget", type=int, default=None, help="engine KV budget in bytes")
     p.add_argument("--deadline", type=float, default=DEADLINE_S,
@@ -1104,18 +1126,21 @@ def main(argv: list[str] | None = None) -> int:
             fn = run_server if name in ("server", "cluster") else run_engine
             sampling = "host" if name == "engine-host" else "device"
             counts = args.replicas.split(",") if name == "cluster" else [None]
-            for scheme, cache, chunk, count in itertools.product(
-                schemes, args.cache.split(","), args.prefill_chunk.split(","), counts
-            ):
+            for scheme, cache, chunk, count, packing in itertools.product(
+                schemes, args.cache.split(","), args.prefill_chunk.split(","), counts,
+                args.packing.split(","),
+            ):  # fmt: skip
                 notes = [f"chunk {chunk}"] if "," in args.prefill_chunk else []
+                notes += [f"packing {packing}"] if "," in args.packing else []
                 notes += [cache] if "," in args.cache else []
                 notes += [f"{scheme} KV"] if args.kv_quant and scheme != "none" else []
                 base = "engine" if name == "engine-host" else name
                 notes += ["host sampling"] if name == "engine-host" else []
                 notes += [f"{count} replica{'s' * (count != '1')}"] if count else []
                 label = f"{base} ({', '.join(notes)})" if notes else base
-                variant = (int(chunk), cache, sampling, quant_models[scheme])
-                systems.append((label, fn, variant + ((int(count),) if count else ())))
+                variant = EngineVariant(int(chunk), cache, sampling, quant_models[scheme],
+                                        int(count) if count else None, packing)  # fmt: skip
+                systems.append((label, fn, variant))
         elif name in ("genai", "genai-paged"):
             paged = name == "genai-paged"
             systems.append((name, lambda a, i, paged=paged: run_genai(a, i, paged), None))

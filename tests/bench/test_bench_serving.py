@@ -10,6 +10,7 @@ import http.server
 import json
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -364,7 +365,8 @@ def test_the_engine_run_cancels_what_a_stall_left_unfinished():
 
 
 @pytest.mark.parametrize("host", [False, True])
-def test_host_sampling_asks_the_config_only_when_given(monkeypatch, host):
+@pytest.mark.parametrize("packing", ["auto", "mixed"])
+def test_host_sampling_and_packing_ask_the_config_only_when_given(monkeypatch, host, packing):
     engine_module = pytest.importorskip("ort_kvlayout.serve.engine")
     seen = {}
 
@@ -373,12 +375,16 @@ def test_host_sampling_asks_the_config_only_when_given(monkeypatch, host):
         return SimpleNamespace(**kwargs)
 
     monkeypatch.setattr(engine_module, "EngineConfig", config)
+    variant = bench.EngineVariant(64, "growable", "device", Path("m"), packing=packing)
     args = argparse.Namespace(
-        host_sampling=host, max_batch=2, variant=(64, "growable"), provider="cpu",
+        host_sampling=host, max_batch=2, variant=variant, provider="cpu",
         kv_budget=None, no_cuda_graph=False, capacity=None,
     )  # fmt: skip
     bench.engine_config(args, 4)
     assert ("sample_on_device" in seen) == host and seen.get("sample_on_device", False) is False
+    assert ("packed" in seen) == (packing != "auto")
+    if packing == "mixed":
+        assert seen["packed"] is True and seen["mixed"] is True
 
 
 def test_the_engine_deadline_on_a_tiny_model(tmp_path):

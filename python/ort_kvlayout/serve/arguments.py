@@ -1,12 +1,22 @@
 """The serving options' values as text: bytes (2GiB, 1e9), a KV budget (bytes or a share of free
-memory), decode buckets (1,2,4,8). Shared by the CLI and the cluster's Serve config."""
+memory), decode buckets (1,2,4,8), the packing of a step's calls (auto, off, on, mixed). Shared
+by the CLI and the cluster's Serve config."""
 
 from __future__ import annotations
 
 import argparse
 import re
 
-__all__ = ["parse_buckets", "parse_budget", "parse_bytes"]
+__all__ = ["PACKING", "packing_fields", "parse_buckets", "parse_budget", "parse_bytes"]
+
+# --packing: EngineConfig's (packed, mixed). auto: packed where the graph allows it; off: one
+# call per prefill chunk; on: packed or an error; mixed: packed, decode rows in the prefill call.
+PACKING = {
+    "auto": {"packed": None, "mixed": False},
+    "off": {"packed": False, "mixed": False},
+    "on": {"packed": True, "mixed": False},
+    "mixed": {"packed": True, "mixed": True},
+}
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
           "g": 1 << 30, "gib": 1 << 30, "kb": 1000, "mb": 10**6, "gb": 10**9}  # fmt: skip
@@ -32,6 +42,14 @@ def parse_budget(text: str) -> tuple[int | None, float | None]:
             raise argparse.ArgumentTypeError(f"{text!r}: a fraction of free memory is in (0, 1]")
         return None, value
     return parse_bytes(text), None
+
+
+def packing_fields(text: str) -> dict:
+    """EngineConfig's packed and mixed for a --packing value."""
+    try:
+        return dict(PACKING[text])
+    except KeyError:
+        raise ValueError(f"packing {text!r}: expected one of {', '.join(PACKING)}") from None
 
 
 def parse_buckets(text: str) -> tuple[int, ...]:

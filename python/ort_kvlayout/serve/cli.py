@@ -22,7 +22,7 @@ import signal
 import sys
 from pathlib import Path
 
-from .arguments import parse_buckets, parse_budget, parse_bytes
+from .arguments import PACKING, packing_fields, parse_buckets, parse_budget, parse_bytes
 from .auth import API_KEY_ENV, exposed_without_key
 
 __all__ = ["build_parser", "main", "parse_buckets", "parse_budget", "parse_bytes"]
@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="preallocated: every slot committed whole (the budget buys whole slots)")  # fmt: skip
     p.add_argument("--prefill-chunk", type=int, default=256,
                    help="prompt tokens prefilled per step (bounds the decode stall)")  # fmt: skip
+    p.add_argument("--packing", choices=list(PACKING), default="auto",
+                   help="a step's prefill chunks in one call computing only their tokens: auto "
+                        "(where the graph allows it), off (a call per chunk), on (or an error), "
+                        "mixed (the decode rows in that call too)")  # fmt: skip
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="decode steps as CUDA graphs, one per batch bucket (default: on with "
                         "--provider cuda)")  # fmt: skip
@@ -201,6 +205,7 @@ def serve(args: argparse.Namespace) -> int:
             kv_budget_fraction=budget_fraction, prefill_chunk=args.prefill_chunk,
             max_waiting=args.max_waiting, provider=args.provider, cache=args.cache,
             cuda_graph=args.cuda_graph, decode_buckets=args.decode_buckets,
+            **packing_fields(args.packing),
         )  # fmt: skip
         tokenizer = None
         if (model_dir / "tokenizer.json").is_file():
@@ -264,6 +269,7 @@ def serve_cluster(args: argparse.Namespace, model_dir: Path, api_key: str | None
             kv_budget=None if budget is None else str(budget), cache=args.cache,
             prefill_chunk=args.prefill_chunk, cuda_graph=args.cuda_graph,
             decode_buckets=None if buckets is None else ",".join(map(str, buckets)),
+            packing=args.packing,
             max_waiting=args.max_waiting, replicas=args.replicas or 1,
             min_replicas=args.min_replicas, max_replicas=args.max_replicas,
             target_ongoing_requests=args.target_ongoing_requests, threads=args.threads,

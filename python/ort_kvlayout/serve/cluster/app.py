@@ -29,7 +29,7 @@ from argparse import ArgumentTypeError
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..arguments import parse_buckets, parse_budget
+from ..arguments import packing_fields, parse_buckets, parse_budget
 from ..auth import API_KEY_ENV, key_digest
 from ..engine import EngineConfig
 
@@ -60,6 +60,7 @@ class ClusterOptions:
     prefill_chunk: int = 256
     cuda_graph: bool | None = None
     decode_buckets: str | None = None
+    packing: str = "auto"
     max_waiting: int = 256
     replicas: int = 1
     min_replicas: int | None = None
@@ -141,7 +142,7 @@ class ClusterOptions:
             "kv_budget_bytes": budget_bytes, "kv_budget_fraction": budget_fraction,
             "prefill_chunk": self.prefill_chunk, "max_waiting": self.max_waiting,
             "provider": self.provider, "cache": self.cache, "cuda_graph": self.cuda_graph,
-            "decode_buckets": buckets,
+            "decode_buckets": buckets, **packing_fields(self.packing),
         }  # fmt: skip
         EngineConfig(**fields)
         return fields
