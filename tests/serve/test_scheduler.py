@@ -49,6 +49,18 @@ def test_step_rows_cover_chunks_slack_decode_rows_and_scratch_rows():
     assert decode_span([None, prefilling(1, 0, 9)], True, limits) is None
 
 
+def test_packed_chunks_give_the_free_slots_between_them_the_slack():
+    """One packed call runs every slot between the lowest and the highest that prefills: a free
+    slot there idles, but holds 1 + slack rows where a CUDA prefill may read past its rows."""
+    slots = [prefilling(1, 0, 30), None, decoding(2, 5), None, prefilling(3, 0, 9), None]
+    packed = Limits(budget=10**9, capacity=64, prefill_chunk=40, slack=4, packed=True)
+    assert step_rows(slots, packed, padded=False) == {0: 34, 1: 5, 2: 6, 3: 5, 4: 13}
+    # Without slack (the CPU, bf16/fp32, a preallocated cache) an idle slot needs no rows; not
+    # packed, each chunk is its own call.
+    assert step_rows(slots, Limits(10**9, 64, 40, packed=True), padded=False) == {0: 30, 2: 6, 4: 9}
+    assert step_rows(slots, Limits(10**9, 64, 40, slack=4), padded=False) == {0: 34, 2: 6, 4: 13}
+
+
 def test_need_bytes_never_shrinks_what_a_slot_holds():
     assert need_bytes({0: 5}, [40, 0], commit_bytes) == 48 * ROW
     assert need_bytes({1: 17}, [0, 3], commit_bytes) == 32 * ROW

@@ -1,0 +1,49 @@
+"""The inputs of a packed call (ort_kvlayout.serve.packing), against the rule written out: the
+packed tokens gathered by `unpack` give each row's tokens in place, and `pack` inverts it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from ort_kvlayout.serve.packing import pack_rows
+
+rows_strategy = st.lists(
+    st.tuples(st.lists(st.integers(0, 1000), max_size=6), st.integers(0, 50)), min_size=1,
+    max_size=6,
+).filter(lambda rows: any(tokens for tokens, _ in rows))  # fmt: skip
+
+
+@given(rows_strategy)
+def test_unpack_and_pack_place_every_row_token(rows):
+    call = pack_rows(rows)
+    width = max(len(t) for t, _ in rows)
+    assert call.unpack.shape == (len(rows), width)
+    assert call.tokens == sum(len(t) for t, _ in rows)
+    padded = call.ids[0][call.unpack]  # what attention sees: (B, S)
+    for b, (tokens, cached) in enumerate(rows):
+        assert list(padded[b, : len(tokens)]) == list(tokens)
+        assert call.query_seqlens[b] == len(tokens)
+        if tokens:
+            assert call.seqlens_k[b] == cached + len(tokens) - 1
+            assert call.ids[0][call.last[b]] == tokens[-1]
+        else:
+            assert call.seqlens_k[b] == 0 and call.last[b] == 0
+    # the output gather takes each packed token back from its (row, position)
+    assert np.array_equal(padded.reshape(-1)[call.pack[0]], call.ids[0])
+    assert call.total == max(c + len(t) for t, c in rows if t)
+
+
+def test_types_are_the_graphs():
+    call = pack_rows([([1, 2], 3), ([], 0)])
+    assert (call.ids.dtype, call.unpack.dtype, call.pack.dtype) == (np.int64,) * 3
+    assert (call.query_seqlens.dtype, call.seqlens_k.dtype) == (np.int32, np.int32)
+    assert call.last.dtype == np.int64 and call.ids.shape == (1, 2) and call.pack.shape == (1, 2)
+
+
+def test_a_call_without_tokens_is_refused():
+    with pytest.raises(ValueError, match="at least one row with tokens"):
+        pack_rows([([], 4), ([], 0)])
+    with pytest.raises(ValueError, match="at least one row with tokens"):
+        pack_rows([])
