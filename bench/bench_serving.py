@@ -754,34 +754,61 @@ def _genai_loop(og, engine, buffer, run: Run, requests: list) -> None:
 
 
 def mixed_cost(args) -> dict:
-    """What one right-padded mixed call would cost against separate calls: a decode row for
-    each of --max-batch slots beside one prefill chunk of --mixed-chunk tokens, run as one
-    (batch, chunk) call (what GQA's query_seqlens allows) and as a (batch, 1) decode call plus a
-    (1, chunk) prefill call (what the engine does). Medians of --mixed-repeat runs, ms."""
+    """What a mixed call costs against separate calls: a decode row for each of --max-batch
+    slots beside one prefill chunk of --mixed-chunk tokens, run as one right-padded (batch,
+    chunk) call (GQA's query_seqlens shape, the model's own layout), as a (batch, 1) decode call
+    plus a (1, chunk) prefill call (the engine unmixed), and as one packed call of batch + chunk
+    tokens (the served graph's packed tokens: `--packing mixed`). Medians of --mixed-repeat
+    runs, ms. The padded call is a first prompt of its shape (no past); the packed call's decode
+    rows attend a past of one chunk, as the separate decode call's do."""
     from ort_kvlayout.serve.engine import Engine, EngineConfig
 
     b, chunk = args.max_batch, args.mixed_chunk
-    engine = Engine(args.model, EngineConfig(max_batch=b, provider=args.provider), start=False)
+    plain = Engine(args.model, EngineConfig(max_batch=b + 1, provider=args.provider,
+                                            packed=False), start=False)  # fmt: skip
+    packed = None
     try:
-        engine.cache.ensure([chunk] * b)
+        packed = Engine(args.model, EngineConfig(max_batch=b + 1, provider=args.provider,
+                                                 packed=True), start=False)  # fmt: skip
+    except ValueError as exc:  # a graph that cannot be packed: that row is left out
+        print(f"--mixed-cost: no packed call ({exc})", file=sys.stderr)
+    try:
+        for engine in (plain, packed):
+            if engine is not None:
+                engine.cache.ensure([chunk + 1] * (b + 1))
         rng = np.random.default_rng(args.seed)
 
-        def call(batch: int, width: int) -> None:
-            ids = rng.integers(16, engine.spec.vocab_size, (batch, width))
-            # a first prompt of `width` tokens in every row (no past), its last token sampled
-            engine.executor.run(0, ids, [width] * batch, [width - 1] * batch, [None] * batch)
+        def ids(n: int) -> list[int]:
+            return rng.integers(16, plain.spec.vocab_size, n).tolist()
 
-        shapes = {"mixed_padded": [(b, chunk)], "separate": [(b, 1), (1, chunk)]}
-        times: dict[str, list[float]] = {name: [] for name in shapes}
+        def padded(batch: int, width: int) -> None:
+            tokens = np.array([ids(width) for _ in range(batch)], np.int64)
+            # a first prompt of `width` tokens in every row (no past), its last token sampled
+            plain.executor.run(0, tokens, [width] * batch, [width - 1] * batch, [None] * batch)
+
+        def separate() -> None:
+            decode = np.array([ids(1) for _ in range(b)], np.int64)
+            plain.executor.run(0, decode, [chunk + 1] * b, [0] * b, [None] * b)
+            padded(1, chunk)
+
+        def mixed_packed() -> None:
+            rows = [(ids(1), chunk) for _ in range(b)] + [(ids(chunk), 0)]
+            packed.executor.run_packed(0, rows, [None] * (b + 1))
+
+        calls = {"mixed_padded": lambda: padded(b, chunk), "separate": separate}
+        if packed is not None:
+            calls["mixed_packed"] = mixed_packed
+        times: dict[str, list[float]] = {name: [] for name in calls}
         for rep in range(args.mixed_repeat + 1):  # the first round warms up
-            for name, calls in shapes.items():
+            for name, fn in calls.items():
                 start = time.perf_counter()
-                for batch, width in calls:
-                    call(batch, width)
+                fn()
                 if rep:
                     times[name].append((time.perf_counter() - start) * 1000)
     finally:
-        engine.close()
+        plain.close()
+        if packed is not None:
+            packed.close()
     return {name: float(np.median(t)) for name, t in times.items()} | {"runs_ms": times}
 
 
@@ -1098,7 +1125,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"batch {args.max_batch} decode rows + one {args.mixed_chunk}-token chunk: one padded "
             f"call {result['mixed_padded']:.1f} ms, separate calls {result['separate']:.1f} ms"
-        )
+            + (f", one packed call {result['mixed_packed']:.1f} ms" if "mixed_packed" in result
+               else "")
+        )  # fmt: skip
         if args.json:
             record = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                       "device": device_name(args.provider), "commit": git_revision(mark_dirty=False),

@@ -396,7 +396,8 @@ def _flag(command: str, flag: str) -> str:
 
 
 def serving_mixed(data: dict, name: str) -> list[str]:
-    """--mixed-cost: one right-padded mixed call against separate decode and prefill calls."""
+    """--mixed-cost: one right-padded mixed call against separate decode and prefill calls and
+    one packed call."""
     runs = data["mixed_cost"]["runs_ms"]
     n = len(next(iter(runs.values())))
     command = data.get("command", "")
@@ -411,7 +412,10 @@ def serving_mixed(data: dict, name: str) -> list[str]:
     for key, calls in (
         ("mixed_padded", "one right-padded (B, S) call"),
         ("separate", "a (B, 1) decode call + a (1, S) prefill call"),
+        ("mixed_packed", "one packed call of B + S tokens"),
     ):
+        if key not in runs:  # a run from before packed calls
+            continue
         each = ", ".join(f"{t:.1f}" for t in runs[key])
         lines.append(f"| {calls} | {data['mixed_cost'][key]:.1f} | {each} |")
     return [*serving_meta(data, name, what), *lines]

@@ -86,6 +86,10 @@ def test_a_serving_json_without_a_field_says_so():
     assert "B = bench_serving.py's default --max-batch decode rows" in lines[0]
     assert lines[-2:] == ["| one right-padded (B, S) call | 9.0 | 9.0 |",
                           "| a (B, 1) decode call + a (1, S) prefill call | 4.0 | 4.0 |"]  # fmt: skip
+    mixed["mixed_cost"] |= {"mixed_packed": 3.0}
+    mixed["mixed_cost"]["runs_ms"] |= {"mixed_packed": [3.0, 3.5]}
+    lines = report.serving(mixed, "serving-y.json")
+    assert lines[-1] == "| one packed call of B + S tokens | 3.0 | 3.0, 3.5 |"
 
 
 def test_a_serving_table_shows_a_stalled_run():

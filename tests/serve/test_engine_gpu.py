@@ -68,12 +68,21 @@ def _idle_stats(engine, timeout: float = 30.0) -> dict:
         time.sleep(0.01)
 
 
-@pytest.mark.parametrize("on_device", [True, False], ids=["served", "own-graph"])
+GRAPHS = {  # as EngineConfig arguments
+    "packed": {},
+    "packed-mixed": {"mixed": True},
+    "served": {"packed": False},
+    "own-graph": {"sample_on_device": False},
+}
+
+
+@pytest.mark.parametrize("graph", list(GRAPHS))
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("chunk", [8, 256])
-def test_engine_on_cuda_equals_runtime_alone(model, chunk, graphs, on_device):
-    """Both graphs: the served one (lengths, logits at the sampled rows, SampleTokens inside the
-    captured decode graph) and the model's own (logits copied back, sampled on the host)."""
+def test_engine_on_cuda_equals_runtime_alone(model, chunk, graphs, graph):
+    """The graphs: the served one (lengths, logits at the sampled rows, SampleTokens inside the
+    captured decode graph), packed (a step's chunks in one call; mixed: its decode rows too) or
+    not, and the model's own (logits copied back, sampled on the host)."""
     from ort_kvlayout.runtime.kv_memory import allocator_stats
     from ort_kvlayout.serve.engine import Engine, EngineConfig, RequestParams
 
@@ -83,7 +92,7 @@ def test_engine_on_cuda_equals_runtime_alone(model, chunk, graphs, on_device):
     granule = 2 << 20 if DEVICE == "cpu" else None
     config = EngineConfig(
         max_batch=3, prefill_chunk=chunk, provider=DEVICE, granule=granule,
-        sample_on_device=on_device, **_graph_config(graphs),
+        **GRAPHS[graph], **_graph_config(graphs),
     )  # fmt: skip
     # Every request is queued before the loop's first step, so the first step admits three
     # (however fast the device) and none can finish in it: peak_running is 3 by construction
@@ -100,7 +109,8 @@ def test_engine_on_cuda_equals_runtime_alone(model, chunk, graphs, on_device):
         stats = _idle_stats(engine)
     for g, (tokens, logits) in zip(got, alone):
         _same_or_tie(g, tokens, logits)
-    assert stats["sample_on_device"] is on_device
+    assert stats["sample_on_device"] is (graph != "own-graph")
+    assert stats["packed"] is graph.startswith("packed")
     assert stats["kv_bytes_moved"] == 0
     assert stats["kv_committed_bytes"] == 0  # every slot's granules unmapped
     assert stats["peak_running"] == 3
