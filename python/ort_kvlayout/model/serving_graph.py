@@ -4,8 +4,8 @@
     served.model            # the rewritten ModelProto (weights still external)
     served.inputs.seqlens   # names of the graph inputs the engine binds
 
-Three rewrites, each applied to the graph alone (external weights are never read; the model
-folder is never written):
+Four rewrites (the fourth where asked), each applied to the graph alone (external weights are
+never read; the model folder is never written):
 
 1. **Lengths, not a mask.** The builder derives GQA's seqlens_k from ReduceSum(attention_mask) - 1
    and total_sequence_length from its width. A served step feeds both directly: `kvl_seqlens_k`

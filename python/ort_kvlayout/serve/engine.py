@@ -77,11 +77,21 @@ from ..op.library import library_path
 from ..runtime.generation import Runtime
 from ..runtime.kv_cache import KvCache, KvMemoryError
 from ..runtime.model_spec import ModelSpec
-from ..runtime.sampling import GREEDY, Sampler, SamplingParams
+from ..runtime.sampling import Sampler
 from . import memory
 from .batching import decode_rows, resolve_buckets
 from .detokenizer import IncrementalText
+from .engine_config import EngineConfig
 from .executor import NONFINITE_LOGITS, Executor
+from .requests import (
+    EngineClosed,
+    EngineOverloaded,
+    Event,
+    RequestHandle,
+    RequestParams,
+    RequestTooLarge,
+    put_all,
+)
 from .scheduler import Limits, Running, admissions, decode_span, fit_budget, prefill_chunks
 
 __all__ = [
@@ -96,206 +106,8 @@ __all__ = [
 ]
 
 
-class EngineOverloaded(RuntimeError):
-    """The waiting queue is full (a server answers 503)."""
-
-
-class RequestTooLarge(ValueError):
-    """The prompt plus max_tokens cannot fit the context, the cache or the KV budget (413)."""
-
-
-class EngineClosed(RuntimeError):
-    """The engine is shutting down or closed."""
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """max_batch: slots (concurrent requests); capacity: tokens per slot (default: the model's
-    context); kv_budget_bytes: KV bytes the engine may commit, refused when more than the
-    device has; kv_budget_fraction (instead): that share of the memory free when the engine
-    starts (after the model loaded); neither: on CUDA 0.9 of the free memory (at most the whole
-    reservation), on the CPU the whole reservation; prefill_chunk: prompt tokens prefilled per
-    step (bounds the decode stall); max_waiting: queued requests before submit raises
-    EngineOverloaded; cache: "growable" or "preallocated" (the baseline: every slot committed
-    whole); cuda_graph: decode calls captured as CUDA graphs, one per bucket (None: on with
-    provider "cuda"; True on the CPU is an error); decode_buckets: the batch sizes a decode call
-    is padded to, over slots [0, bucket) (None: 1, 2, 4, then multiples of 8, and max_batch;
-    graphs need them; () runs each step's decoding range as it is, uncaptured);
-    sample_on_device: run the served graph (model/serving_graph.py: lengths in place of the
-    mask, logits only at sampled positions, tokens chosen by ai.kvlayout::SampleTokens, only ids
-    copied back; None: when the graph allows it, True: an error otherwise) or, False, the
-    model's own graph with every position's logits sampled on the host; packed: the served graph
-    with packed tokens (its rewrite 4; None: where the graph allows it, True: an error
-    otherwise): a step's prefill chunks run as one call that computes only their tokens;
-    mixed: with packed, a step that prefills carries its decode rows in that call too (one
-    uncaptured Run a step; off: the decode rows keep their own call, a CUDA graph); overlap: a publisher
-    thread decodes the events' text and hands them to their readers while the next step's
-    calls run (None: on with provider "cuda", where Run waits on the GPU with the GIL released;
-    off on the CPU, where ORT's threads want the cores)."""
-
-    max_batch: int = 8
-    capacity: int | None = None
-    kv_budget_bytes: int | None = None
-    kv_budget_fraction: float | None = None
-    prefill_chunk: int = 256
-    max_waiting: int = 256
-    cache: str = "growable"
-    provider: str = "cpu"
-    device_id: int = 0
-    granule: int | None = None
-    cuda_graph: bool | None = None
-    decode_buckets: tuple[int, ...] | None = None
-    sample_on_device: bool | None = None
-    packed: bool | None = None
-    mixed: bool = False
-    overlap: bool | None = None
-
-    @property
-    def overlapped(self) -> bool:
-        """Whether the host work of a step overlaps its model calls."""
-        return self.provider == "cuda" if self.overlap is None else bool(self.overlap)
-
-    @property
-    def graphs(self) -> bool:
-        """Whether decode calls run as CUDA graphs."""
-        return self.provider == "cuda" if self.cuda_graph is None else bool(self.cuda_graph)
-
-    @property
-    def padded_decode(self) -> bool:
-        """Whether decode calls are padded to buckets (with graphs, or asked for on the CPU)."""
-        return self.graphs if self.decode_buckets is None else bool(self.decode_buckets)
-
-    def __post_init__(self) -> None:
-        if self.max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
-        if self.prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
-        if self.max_waiting < 0:
-            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
-        if self.kv_budget_bytes is not None and self.kv_budget_bytes < 1:
-            raise ValueError(f"kv_budget_bytes must be >= 1, got {self.kv_budget_bytes}")
-        if self.cache not in ("growable", "preallocated"):
-            raise ValueError(f"cache {self.cache!r}: the engine runs 'growable' or 'preallocated'")
-        if self.provider not in ("cpu", "cuda"):
-            raise ValueError(f"provider {self.provider!r}: expected 'cpu' or 'cuda'")
-        if self.kv_budget_bytes is not None and self.kv_budget_fraction is not None:
-            raise ValueError("give kv_budget_bytes or kv_budget_fraction, not both")
-        if self.kv_budget_fraction is not None and not 0 < self.kv_budget_fraction <= 1:
-            raise ValueError(f"kv_budget_fraction must be in (0, 1], got {self.kv_budget_fraction}")
-        if self.cuda_graph and self.provider != "cuda":
-            raise ValueError(
-                "cuda_graph=True needs provider='cuda': CUDA graphs capture CUDA kernels (on "
-                "the CPU, decode_buckets runs the same padded decode calls uncaptured)"
-            )
-        if self.packed and self.sample_on_device is False:
-            raise ValueError("packed=True needs the served graph (sample_on_device not False)")
-        if self.mixed and self.packed is False:
-            raise ValueError("mixed=True needs packed calls (packed not False)")
-        if self.graphs and self.decode_buckets is not None and not self.decode_buckets:
-            raise ValueError("CUDA graphs need decode buckets (a fixed batch per graph)")
-        if self.decode_buckets is not None:
-            bad = [b for b in self.decode_buckets if int(b) < 1]
-            if bad:
-                raise ValueError(f"decode bucket sizes must be >= 1, got {bad}")
-
-
-@dataclass(frozen=True)
-class RequestParams:
-    """max_tokens: tokens to generate at most; stop_token_ids: extra ids that end the request
-    (the model's EOS ids end it unless ignore_eos); stop: strings that end it (needs a
-    tokenizer; the text is cut before the stop string)."""
-
-    max_tokens: int = 16
-    sampling: SamplingParams = GREEDY
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must not be empty")
-
-
-@dataclass(frozen=True)
-class Event:
-    """One step's output of a request: a token (None on a final event without one), the text it
-    adds (None without a tokenizer), and on the last event finish_reason: "stop" (EOS, a stop
-    id or string), "length" (max_tokens), "cancelled" or "error" (error says why)."""
-
-    request_id: int
-    token_id: int | None
-    text: str | None
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
 _LATER = object()  # an event's text, decoded when the event is handed over (_flush)
 _log = logging.getLogger(__name__)
-
-
-def _put_all(items: list[tuple[asyncio.Queue, Event]]) -> None:
-    """On a reader's event loop: one step's events for its handles (one wake-up a step)."""
-    for q, event in items:
-        q.put_nowait(event)
-
-
-class RequestHandle:
-    """What submit returns: iterate it (blocking) or `async for` it (the loop it was submitted
-    from) to receive its events; cancel() ends it and frees its slot at the next step."""
-
-    def __init__(self, engine: Engine, request_id: int, loop: asyncio.AbstractEventLoop | None):
-        self.id = request_id
-        self._engine = engine
-        self._loop = loop
-        self._sync: queue.SimpleQueue = queue.SimpleQueue()
-        self._async: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
-        self.tokens: list[int] = []
-        self.finish_reason: str | None = None
-
-    def _push(self, event: Event) -> None:  # the engine thread
-        if self._async is not None and self._loop is not None:
-            try:
-                self._loop.call_soon_threadsafe(self._async.put_nowait, event)
-            except RuntimeError:  # the loop is closed: nobody listens any more
-                pass
-        else:
-            self._sync.put(event)
-
-    def cancel(self) -> None:
-        self._engine.cancel(self.id)
-
-    def _take(self, event: Event) -> Event:
-        if event.token_id is not None:
-            self.tokens.append(event.token_id)
-        if event.finished:
-            self.finish_reason = event.finish_reason
-        return event
-
-    def __iter__(self):
-        if self._async is not None:
-            raise TypeError("a request submitted from an event loop is read with `async for`")
-        while self.finish_reason is None:
-            yield self._take(self._sync.get())
-
-    async def __aiter__(self):
-        if self._async is None:
-            raise TypeError("submit from a running event loop to read with `async for`")
-        while self.finish_reason is None:
-            yield self._take(await self._async.get())
-
-    def result(self) -> list[int]:
-        """Blocks until the request ends; its generated tokens."""
-        for _ in self:
-            pass
-        return self.tokens
 
 
 @dataclass(eq=False)
@@ -524,7 +336,7 @@ class Engine:
         except RuntimeError:
             loop = None
         rid = next(self._ids)
-        handle = RequestHandle(self, rid, loop)
+        handle = RequestHandle(self.cancel, rid, loop)
         if on_event is not None:
             # tokens and finish_reason kept on the handle for callback users too
             handle._push = lambda event: on_event(handle._take(event))  # type: ignore[method-assign]
@@ -759,7 +571,7 @@ class Engine:
                         self._cond.notify()
         for loop, items in loops.items():
             try:
-                loop.call_soon_threadsafe(_put_all, items)
+                loop.call_soon_threadsafe(put_all, items)
             except RuntimeError:  # the loop is closed: nobody listens any more
                 pass
         self.executor.profile.add("publish", t)  # decoding, the readers' queues and callbacks

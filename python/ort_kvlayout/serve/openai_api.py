@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..runtime.sampling import SamplingParams
-from .engine import RequestParams
+from .requests import RequestParams
 
 __all__ = ["ApiError", "ParsedRequest", "parse_chat", "parse_completion"]
 

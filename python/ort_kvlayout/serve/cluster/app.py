@@ -31,7 +31,7 @@ from pathlib import Path
 
 from ..arguments import packing_fields, parse_buckets, parse_budget
 from ..auth import API_KEY_ENV, key_digest
-from ..engine import EngineConfig
+from ..engine_config import EngineConfig
 
 __all__ = ["ClusterOptions", "build", "build_application"]
 

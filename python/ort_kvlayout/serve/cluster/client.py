@@ -23,7 +23,7 @@ from ray.serve.exceptions import (
     RequestCancelledError,
 )
 
-from ..engine import EngineClosed, EngineOverloaded, Event, RequestParams
+from ..requests import EngineClosed, EngineOverloaded, Event, RequestParams
 from .registry import router_for
 
 __all__ = ["ClusterEngine", "RemoteHandle", "ReplicaLost"]

@@ -1,0 +1,98 @@
+"""EngineConfig: the serving engine's knobs, checked when made (serve/engine.py runs them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["EngineConfig"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """max_batch: slots (concurrent requests); capacity: tokens per slot (default: the model's
+    context); kv_budget_bytes: KV bytes the engine may commit, refused when more than the
+    device has; kv_budget_fraction (instead): that share of the memory free when the engine
+    starts (after the model loaded); neither: on CUDA 0.9 of the free memory (at most the whole
+    reservation), on the CPU the whole reservation; prefill_chunk: prompt tokens prefilled per
+    step (bounds the decode stall); max_waiting: queued requests before submit raises
+    EngineOverloaded; cache: "growable" or "preallocated" (the baseline: every slot committed
+    whole); cuda_graph: decode calls captured as CUDA graphs, one per bucket (None: on with
+    provider "cuda"; True on the CPU is an error); decode_buckets: the batch sizes a decode call
+    is padded to, over slots [0, bucket) (None: 1, 2, 4, then multiples of 8, and max_batch;
+    graphs need them; () runs each step's decoding range as it is, uncaptured);
+    sample_on_device: run the served graph (model/serving_graph.py: lengths in place of the
+    mask, logits only at sampled positions, tokens chosen by ai.kvlayout::SampleTokens, only ids
+    copied back; None: when the graph allows it, True: an error otherwise) or, False, the
+    model's own graph with every position's logits sampled on the host; packed: the served graph
+    with packed tokens (its rewrite 4; None: where the graph allows it, True: an error
+    otherwise): a step's prefill chunks run as one call that computes only their tokens;
+    mixed: with packed, a step that prefills carries its decode rows in that call too (one
+    uncaptured Run a step; off: the decode rows keep their own call, a CUDA graph); overlap: a publisher
+    thread decodes the events' text and hands them to their readers while the next step's
+    calls run (None: on with provider "cuda", where Run waits on the GPU with the GIL released;
+    off on the CPU, where ORT's threads want the cores)."""
+
+    max_batch: int = 8
+    capacity: int | None = None
+    kv_budget_bytes: int | None = None
+    kv_budget_fraction: float | None = None
+    prefill_chunk: int = 256
+    max_waiting: int = 256
+    cache: str = "growable"
+    provider: str = "cpu"
+    device_id: int = 0
+    granule: int | None = None
+    cuda_graph: bool | None = None
+    decode_buckets: tuple[int, ...] | None = None
+    sample_on_device: bool | None = None
+    packed: bool | None = None
+    mixed: bool = False
+    overlap: bool | None = None
+
+    @property
+    def overlapped(self) -> bool:
+        """Whether the host work of a step overlaps its model calls."""
+        return self.provider == "cuda" if self.overlap is None else bool(self.overlap)
+
+    @property
+    def graphs(self) -> bool:
+        """Whether decode calls run as CUDA graphs."""
+        return self.provider == "cuda" if self.cuda_graph is None else bool(self.cuda_graph)
+
+    @property
+    def padded_decode(self) -> bool:
+        """Whether decode calls are padded to buckets (with graphs, or asked for on the CPU)."""
+        return self.graphs if self.decode_buckets is None else bool(self.decode_buckets)
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.kv_budget_bytes is not None and self.kv_budget_bytes < 1:
+            raise ValueError(f"kv_budget_bytes must be >= 1, got {self.kv_budget_bytes}")
+        if self.cache not in ("growable", "preallocated"):
+            raise ValueError(f"cache {self.cache!r}: the engine runs 'growable' or 'preallocated'")
+        if self.provider not in ("cpu", "cuda"):
+            raise ValueError(f"provider {self.provider!r}: expected 'cpu' or 'cuda'")
+        if self.kv_budget_bytes is not None and self.kv_budget_fraction is not None:
+            raise ValueError("give kv_budget_bytes or kv_budget_fraction, not both")
+        if self.kv_budget_fraction is not None and not 0 < self.kv_budget_fraction <= 1:
+            raise ValueError(f"kv_budget_fraction must be in (0, 1], got {self.kv_budget_fraction}")
+        if self.cuda_graph and self.provider != "cuda":
+            raise ValueError(
+                "cuda_graph=True needs provider='cuda': CUDA graphs capture CUDA kernels (on "
+                "the CPU, decode_buckets runs the same padded decode calls uncaptured)"
+            )
+        if self.packed and self.sample_on_device is False:
+            raise ValueError("packed=True needs the served graph (sample_on_device not False)")
+        if self.mixed and self.packed is False:
+            raise ValueError("mixed=True needs packed calls (packed not False)")
+        if self.graphs and self.decode_buckets is not None and not self.decode_buckets:
+            raise ValueError("CUDA graphs need decode buckets (a fixed batch per graph)")
+        if self.decode_buckets is not None:
+            bad = [b for b in self.decode_buckets if int(b) < 1]
+            if bad:
+                raise ValueError(f"decode bucket sizes must be >= 1, got {bad}")

@@ -1,0 +1,131 @@
+"""What a request is and what comes back: RequestParams, the Event stream read through a
+RequestHandle, and the errors submit raises (serve/engine.py makes and feeds them)."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..runtime.sampling import GREEDY, SamplingParams
+
+__all__ = [
+    "EngineClosed",
+    "EngineOverloaded",
+    "Event",
+    "RequestHandle",
+    "RequestParams",
+    "RequestTooLarge",
+    "put_all",
+]
+
+
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full (a server answers 503)."""
+
+
+class RequestTooLarge(ValueError):
+    """The prompt plus max_tokens cannot fit the context, the cache or the KV budget (413)."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine is shutting down or closed."""
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    """max_tokens: tokens to generate at most; stop_token_ids: extra ids that end the request
+    (the model's EOS ids end it unless ignore_eos); stop: strings that end it (needs a
+    tokenizer; the text is cut before the stop string)."""
+
+    max_tokens: int = 16
+    sampling: SamplingParams = GREEDY
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+
+
+@dataclass(frozen=True)
+class Event:
+    """One step's output of a request: a token (None on a final event without one), the text it
+    adds (None without a tokenizer), and on the last event finish_reason: "stop" (EOS, a stop
+    id or string), "length" (max_tokens), "cancelled" or "error" (error says why)."""
+
+    request_id: int
+    token_id: int | None
+    text: str | None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def put_all(items: list[tuple[asyncio.Queue, Event]]) -> None:
+    """On a reader's event loop: one step's events for its handles (one wake-up a step)."""
+    for q, event in items:
+        q.put_nowait(event)
+
+
+class RequestHandle:
+    """What submit returns: iterate it (blocking) or `async for` it (the loop it was submitted
+    from) to receive its events; cancel() ends it and frees its slot at the next step."""
+
+    def __init__(
+        self, cancel: Callable[[int], None], request_id: int,
+        loop: asyncio.AbstractEventLoop | None,
+    ):  # fmt: skip
+        self.id = request_id
+        self._cancel = cancel  # the engine's cancel
+        self._loop = loop
+        self._sync: queue.SimpleQueue = queue.SimpleQueue()
+        self._async: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+
+    def _push(self, event: Event) -> None:  # the engine thread
+        if self._async is not None and self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._async.put_nowait, event)
+            except RuntimeError:  # the loop is closed: nobody listens any more
+                pass
+        else:
+            self._sync.put(event)
+
+    def cancel(self) -> None:
+        self._cancel(self.id)
+
+    def _take(self, event: Event) -> Event:
+        if event.token_id is not None:
+            self.tokens.append(event.token_id)
+        if event.finished:
+            self.finish_reason = event.finish_reason
+        return event
+
+    def __iter__(self):
+        if self._async is not None:
+            raise TypeError("a request submitted from an event loop is read with `async for`")
+        while self.finish_reason is None:
+            yield self._take(self._sync.get())
+
+    async def __aiter__(self):
+        if self._async is None:
+            raise TypeError("submit from a running event loop to read with `async for`")
+        while self.finish_reason is None:
+            yield self._take(await self._async.get())
+
+    def result(self) -> list[int]:
+        """Blocks until the request ends; its generated tokens."""
+        for _ in self:
+            pass
+        return self.tokens
