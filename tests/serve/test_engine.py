@@ -606,6 +606,38 @@ def test_a_graph_that_cannot_be_served_falls_back_or_is_refused(model, alone, mo
         engine(model, sample_on_device=True)
 
 
+def test_a_graph_that_cannot_be_packed_is_served_unpacked_or_refused(model, alone, monkeypatch):
+    from ort_kvlayout.model import serving_graph as sg
+    from ort_kvlayout.serve import engine as engine_module
+
+    def unpackable(*args, packed=False, **kwargs):
+        if packed:
+            raise sg.ServingGraphError("/mix (CumSum) may mix tokens")
+        return sg.serving_graph(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "serving_graph", unpackable)
+    with engine(model, max_batch=2) as eng:  # None: served, not packed, and why
+        assert eng.generate(PROMPTS[0], params(LENGTHS[0])) == alone[0]
+        assert eng.stats()["sample_on_device"] is True and eng.stats()["packed"] is False
+        assert "CumSum" in eng.packed_refusal
+    for config in ({"packed": True}, {"mixed": True}):
+        with pytest.raises(ValueError, match="packed=True, but .*CumSum"):
+            engine(model, **config)
+
+
+def test_packing_defaults_and_refusals():
+    from ort_kvlayout.serve.engine import EngineConfig
+
+    assert EngineConfig().packing is None  # the CPU: where the graph allows it
+    assert EngineConfig(provider="cuda").packing is False  # the decode kernels' plain instances
+    assert EngineConfig(provider="cuda", mixed=True).packing is True
+    assert EngineConfig(provider="cuda", packed=True).packing is True
+    with pytest.raises(ValueError, match="packed=True needs the served graph"):
+        EngineConfig(packed=True, sample_on_device=False)
+    with pytest.raises(ValueError, match="mixed=True needs packed calls"):
+        EngineConfig(mixed=True, packed=False)
+
+
 def test_stats_give_the_kv_bytes_of_a_token(model):
     """kv_bytes_per_token: what one token of one slot commits over every buffer (a router's
     estimate of a request's need): the reservation is max_batch x capacity of them."""

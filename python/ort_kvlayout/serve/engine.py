@@ -202,11 +202,13 @@ class Engine:
         """The served graph of the model, packed where asked and allowed (None with
         sample_on_device False, or when it does not apply and was not asked for), read without
         the weights; and why it is not served, and why not packed (None where it is)."""
-        want, want_packed = config.sample_on_device, config.packed
+        want, want_packed = config.sample_on_device, config.packing
         if want is False:
             return None, "sample_on_device=False", "sample_on_device=False"
         model = onnx.load(str(spec.onnx_path), load_external_data=False)
-        packed_refusal = "packed=False" if want_packed is False else None
+        packed_refusal = None
+        if want_packed is False:
+            packed_refusal = "packed=False" if config.packed is False else "packed=None on CUDA"
         if packed_refusal is None and spec.position_ids:
             # the engine feeds position ids by row: a packed call has none to feed
             packed_refusal = f"the model has a {spec.position_ids!r} input"
