@@ -14,7 +14,8 @@
 # setup needs the wheel chunks in .device/wheels0..5 (shared/tools/stage-device-wheels) and the
 # ORT and cuDNN-frontend headers in .device/hdr/{ort,cudnn_frontend/include}. Results go to $OUT (or
 # /tmp/gpu_serving); bench JSON to bench/results/ there too. SHAPE (default llama-3.2-1b),
-# BUDGET (KV bytes, default 40 GiB), CAPACITY (33792) and MAX_BATCH (64) are the run's settings.
+# BUDGET (KV bytes, default 40 GiB), CAPACITY (33792), MAX_BATCH (64), PACKING (the engine's
+# --packing list, default auto) and DEADLINE (seconds a system may run, 420) are the run's settings.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu_serving}"
@@ -28,7 +29,8 @@ export PYTHONPATH="/opt/kvl:/opt/devwheels${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 BASE="$MODELS/$SHAPE-random-fp16-cuda"
 COMMON=(--model-shape "$SHAPE" --build-dir "$MODELS" --provider cuda --kv-budget "$BUDGET"
-        --capacity "$CAPACITY" --max-batch "$MAX_BATCH" --stall-timeout 60 --deadline 420)
+        --capacity "$CAPACITY" --max-batch "$MAX_BATCH" --stall-timeout 60
+        --deadline "${DEADLINE:-420}" --packing "${PACKING:-auto}")
 
 case "${1:-}" in
   setup)

@@ -7,8 +7,10 @@
 
 `--batch` requests of `--prompt` random tokens each arrive at once and generate `--output`
 tokens (EOS ignored), with `--max-batch` = batch slots, one mode after the other in one process:
-`device` is the served graph (tokens sampled on the device, only ids copied back), `host` the
-model's own graph (all logits copied back and sampled on the host); `--overlap` runs each mode
+`device` is the served graph (tokens sampled on the device, only ids copied back; a call per
+prefill chunk), `packed` the same with packed tokens (a step's chunks in one call), `mixed` with
+the decode rows in that call too, `host` the model's own graph (all logits copied back and
+sampled on the host); `--overlap` runs each mode
 with the engine's overlap on and off (EngineConfig.overlap; default: the engine's choice). A
 warm-up request runs first in each mode (CUDA graphs captured, cuDNN plans built).
 
@@ -103,6 +105,15 @@ def profiled_burst(engine, prompts, params, args) -> tuple[float | None, str | N
     return (kernel_ms(prof) / steps if prof is not None else None), table
 
 
+# --modes: the graph a step runs, as EngineConfig arguments
+MODES = {
+    "device": {"sample_on_device": True, "packed": False},  # served, a call per prefill chunk
+    "packed": {"sample_on_device": True, "packed": True},  # a step's chunks in one call
+    "mixed": {"sample_on_device": True, "packed": True, "mixed": True},  # decode rows too
+    "host": {"sample_on_device": False},  # the model's own graph, sampled on the host
+}
+
+
 def run_mode(args, mode: str, overlap: bool | None) -> dict:
     from ort_kvlayout.serve.engine import Engine, EngineConfig, RequestParams
 
@@ -110,7 +121,7 @@ def run_mode(args, mode: str, overlap: bool | None) -> dict:
         max_batch=args.max_batch or args.batch, provider=args.provider,
         prefill_chunk=args.prefill_chunk, capacity=args.capacity, kv_budget_bytes=args.kv_budget,
         max_waiting=args.batch + 1, cuda_graph=False if args.no_cuda_graph else None,
-        sample_on_device=mode == "device", overlap=overlap,
+        overlap=overlap, **MODES[mode],
     )  # fmt: skip
     rng = np.random.default_rng(args.seed)
     with Engine(args.model, config) as engine:
@@ -140,6 +151,7 @@ def run_mode(args, mode: str, overlap: bool | None) -> dict:
         "output_tok_s": args.batch * args.output / wall,
         "decode_calls": after["decode_calls"] - before["decode_calls"],
         "prefill_calls": after["prefill_calls"] - before["prefill_calls"],
+        "packed": after.get("packed", False),
         "graph_replays": after["graph_replays"] - before["graph_replays"],
     }
     if gpu is not None:
@@ -178,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-chunk", type=int, default=256)
     p.add_argument("--capacity", type=int)
     p.add_argument("--kv-budget", type=int)
-    p.add_argument("--modes", default="device,host")
+    p.add_argument("--modes", default="device,host", help=f"of {', '.join(MODES)}")
     p.add_argument(
         "--overlap", default="", help="on,off: each mode both ways (default: the engine's choice)"
     )
@@ -199,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--overlap {args.overlap!r}: expected on, off or on,off")
     results = []
     for mode in args.modes.split(","):
-        if mode not in ("device", "host"):
-            p.error(f"mode {mode!r}: expected device or host")
+        if mode not in MODES:
+            p.error(f"mode {mode!r}: expected one of {', '.join(MODES)}")
         for setting in settings:
             results.append(run_mode(args, mode, overlaps[setting]))
             table_text = results[-1].pop("cprofile", None)
