@@ -370,6 +370,14 @@ def serving_results(data: dict, name: str) -> list[str]:
     return [*serving_meta(data, name, what), bench_serving.table(results)]
 
 
+_STEP_GRAPHS = {  # step_profile.py's modes
+    "device": "served (device sampling)",
+    "packed": "served, packed",
+    "mixed": "served, packed and mixed",
+    "host": "model's own (host)",
+}
+
+
 def step_profile(data: dict, name: str) -> list[str]:
     """tools/perf/step_profile.py's JSON: host ms per phase of a step against the GPU's."""
     what = "the engine's host phases per step (perf_counter) and the GPU's kernel time (CUPTI)"
@@ -378,8 +386,11 @@ def step_profile(data: dict, name: str) -> list[str]:
     phases = list(results[0]["phase_ms_per_step"])
     head = ["graph", "steps", "wall ms/step", *phases, "GPU ms/step", "host share", "out tok/s"]
     lines += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    overlaps = {r.get("overlap") for r in results}
     for r in results:
-        graph = "served (device sampling)" if r["sample_on_device"] else "model's own (host)"
+        graph = _STEP_GRAPHS.get(r.get("mode", "device" if r["sample_on_device"] else "host"))
+        if len(overlaps) > 1:  # runs both ways: say which
+            graph += ", overlap " + ("on" if r.get("overlap") else "off")
         gpu = r.get("gpu_ms_per_step")
         cells = [graph, str(r["steps"]), f"{r['wall_ms_per_step']:.2f}",
                  *(f"{r['phase_ms_per_step'][p]:.2f}" for p in phases),

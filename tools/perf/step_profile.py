@@ -30,7 +30,11 @@ import argparse
 import cProfile
 import io
 import json
+import os
+import platform
 import pstats
+import shlex
+import subprocess
 import sys
 import threading
 import time
@@ -222,8 +226,36 @@ def main(argv: list[str] | None = None) -> int:
                 results[-1]["cprofile"] = table_text
     print(table(results))
     if args.json:
-        args.json.write_text(json.dumps({"argv": sys.argv, "results": results}, indent=1))
+        args.json.write_text(json.dumps(record(args, argv, results), indent=1) + "\n")
     return 0
+
+
+def record(args, argv: list[str] | None, results: list[dict]) -> dict:
+    """The JSON bench/report.py renders: when, where, which commit and command, the results."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from revision import git_revision  # bench/revision.py
+
+    host = f"{platform.machine()}, {os.cpu_count()} cores"
+    device = f"cpu ({host})"
+    if args.provider == "cuda":
+        try:
+            gpu = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.splitlines()[0]
+        except (OSError, subprocess.CalledProcessError, IndexError):
+            gpu = "unknown GPU"
+        device = f"cuda ({gpu}; host {host})"
+    words = argv if argv is not None else sys.argv[1:]
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "device": device,
+        "commit": git_revision(mark_dirty=False),
+        "command": "python tools/perf/step_profile.py " + shlex.join(words),
+        "results": results,
+    }
 
 
 if __name__ == "__main__":
