@@ -3,9 +3,10 @@
     executor = Executor(runtime, cache, graphs=True, served=served_graph.inputs)  # or None
     tokens = executor.run(first_slot, ids, totals, last, rows)    # an eager call: (B, S) ids
     tokens = executor.run_bucket(bucket, ids, totals, rows)      # a padded decode call (graphs)
+    tokens = executor.run_packed(first_slot, [(new_ids, cached), ...], rows)  # packed graph
 
 It owns the session's bindings, the fixed per-bucket decode bindings (one CUDA graph each) and
-how tokens are chosen. Two graphs:
+how tokens are chosen. Two graphs, the served one packed or not:
 
 * **Served** (`served`, model/serving_graph.py): lengths in place of the attention mask,
   logits only at the sampled position of each row, and ai.kvlayout::SampleTokens at the end.
@@ -14,7 +15,6 @@ how tokens are chosen. Two graphs:
 * **The model's own** (host sampling): the attention mask (as wide as the cache in a padded
   call), logits of every position copied to the host, sampled there with each request's
   Sampler (greedy rows together, one argmax).
-
 * **Packed** (`packed`, the served graph's rewrite 4): the dense layers take the call's new
   tokens packed as (1, T) and only attention sees rows (serve/packing.py), so one call prefills
   the chunks of several requests, and may carry decode rows, at the cost of its real tokens.
@@ -306,8 +306,9 @@ class _BucketCall:
     Served graph: ids, lengths (int32 a row), zero logits positions, the sampling inputs (sent
     only when they change) and total_sequence_length = the capacity in CPU memory; out come the
     token ids (the logits stay on the device). Packed, the ids are (1, bucket), the packing is
-    fixed (the identity, one token a row) and the logits positions are the rows' indices. The model's own graph: ids and a mask as wide as
-    the cache (only the rows whose length changed are rewritten); out come the logits."""
+    fixed (the identity, one token a row) and the logits positions are the rows' indices. The
+    model's own graph: ids and a mask as wide as the cache (only the rows whose length changed
+    are rewritten); out come the logits."""
 
     def __init__(self, executor: Executor, bucket: int):
         rt, spec, served = executor.runtime, executor.spec, executor.served
