@@ -6,6 +6,7 @@ where logical element (b, h, s, d) lives in it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 HEAD_MAJOR = 0
@@ -87,17 +88,46 @@ def prefix_spans(
     """(entry, start, end) element spans of rows 0..t_b-1 of every (entry b, kv head), in (b, h)
     order, entries without tokens skipped. Head-major: each span is dense; seq-major: the heads'
     spans interleave (row stride Nkv*H) and together cover one dense prefix per entry."""
-    s = kv_strides(layout, kv_heads, capacity, head_dim)
-    spans = []
     for b, tokens in enumerate(tokens_per_entry):
         if not 0 <= tokens <= capacity:
             raise ValueError(f"batch entry {b}: {tokens} tokens, capacity is {capacity}")
-        if tokens == 0:
-            continue
-        for h in range(kv_heads):
-            start = b * s.batch + h * s.head
-            spans.append((b, start, start + (tokens - 1) * s.seq + head_dim))
-    return spans
+    return entry_spans(layout, kv_heads, capacity, head_dim, enumerate(tokens_per_entry))
+
+
+def entry_spans(
+    layout: int | str,
+    kv_heads: int,
+    capacity: int,
+    head_dim: int,
+    entry_tokens: Iterable[tuple[int, int]],
+) -> list[tuple[int, int, int]]:
+    """prefix_spans of the given (entry, tokens) pairs alone, in their order (token counts not
+    checked): every span lies in its entry's block (entry_blocks), so a cache can work on the
+    entries a change touches rather than on the whole batch."""
+    s = kv_strides(layout, kv_heads, capacity, head_dim)
+    return [
+        (b, b * s.batch + h * s.head, b * s.batch + h * s.head + (t - 1) * s.seq + head_dim)
+        for b, t in entry_tokens
+        if t
+        for h in range(kv_heads)
+    ]
+
+
+def entry_blocks(
+    layout: int | str,
+    kv_heads: int,
+    capacity: int,
+    head_dim: int,
+    batch: int,
+    start: int,
+    end: int,
+) -> range:
+    """The batch entries whose blocks meet elements [start, end): the only entries with rows
+    there. In both layouts entry b's elements lie in [b * B, (b + 1) * B), B the batch stride
+    (Nkv * C * H): heads and rows stride inside it (head-major H, then C * H; seq-major H, then
+    Nkv * H). A granule shared by entries is shared by neighbours whose blocks it meets."""
+    block = kv_strides(layout, kv_heads, capacity, head_dim).batch
+    return range(max(0, start // block), min(batch, -(-end // block)))
 
 
 def prefix_tokens(

@@ -35,14 +35,24 @@ they include the scale caches, also counted apart (`scale_committed_bytes`).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..op.layout import from_layout, kv_strides, live_ranges, prefix_spans, prefix_tokens
+from ..op.layout import (
+    entry_blocks,
+    entry_spans,
+    from_layout,
+    kv_strides,
+    live_ranges,
+    prefix_spans,
+    prefix_tokens,
+)
 from .kv_memory import (
     DeviceReservation,
     HostReservation,
@@ -114,34 +124,61 @@ def bind_in_place(binding, buffers) -> None:
             bind(name, buf.device, buf.device_id, buf.element_type, list(buf.shape), buf.ptr)
 
 
+# Runs are (offset, size) lists, sorted and merged (no two overlap or touch): one list per set
+# of bytes, so two computations of the same set compare equal. `held` and `runs` below may be a
+# whole buffer's committed runs (one or more per entry): each change bisects to the runs it meets.
+
+
+def _first_meeting(runs: list[tuple[int, int]], start: int, touching: bool) -> int:
+    """The index of the first run ending after `start` (or at it, when `touching`)."""
+    i = bisect.bisect_right(runs, (start, math.inf)) - 1  # the last run starting at or before
+    if i < 0:
+        return 0
+    end = runs[i][0] + runs[i][1]
+    return i if end > start or (touching and end == start) else i + 1
+
+
 def _subtract(runs: list[tuple[int, int]], held: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """(offset, size) runs minus the (offset, size) runs `held` (both sorted, merged)."""
+    """(offset, size) runs minus the runs `held` (both sorted, merged), as a new list."""
     out = []
     for offset, size in runs:
         start, end = offset, offset + size
-        for h_offset, h_size in held:
-            h_end = h_offset + h_size
-            if h_end <= start or h_offset >= end:
-                continue
+        i = _first_meeting(held, start, touching=False)
+        while i < len(held) and held[i][0] < end and start < end:
+            h_offset, h_size = held[i]
             if h_offset > start:
                 out.append((start, h_offset - start))
-            start = max(start, h_end)
-            if start >= end:
-                break
+            start = max(start, h_offset + h_size)
+            i += 1
         if start < end:
             out.append((start, end - start))
     return out
 
 
-def _union(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    merged: list[tuple[int, int]] = []
-    for offset, size in sorted(a + b):
-        if merged and offset <= merged[-1][0] + merged[-1][1]:
-            end = max(merged[-1][0] + merged[-1][1], offset + size)
-            merged[-1] = (merged[-1][0], end - merged[-1][0])
-        else:
-            merged.append((offset, size))
-    return merged
+def _remove_runs(runs: list[tuple[int, int]], removed: list[tuple[int, int]]) -> None:
+    """runs -= removed, in place."""
+    for offset, size in removed:
+        start, end = offset, offset + size
+        i = _first_meeting(runs, start, touching=False)
+        j = bisect.bisect_left(runs, (end,))  # the first run starting at or past the end
+        if i < j:
+            first, (last, last_size) = runs[i][0], runs[j - 1]
+            pieces = [(first, start - first)] if first < start else []
+            if last + last_size > end:
+                pieces.append((end, last + last_size - end))
+            runs[i:j] = pieces
+
+
+def _add_runs(runs: list[tuple[int, int]], added: list[tuple[int, int]]) -> None:
+    """runs |= added, in place (touching runs merge, as granule_runs merges them)."""
+    for offset, size in added:
+        start, end = offset, offset + size
+        i = _first_meeting(runs, start, touching=True)
+        j = bisect.bisect_right(runs, (end, math.inf))  # the first run starting past the end
+        if i < j:
+            start = min(start, runs[i][0])
+            end = max(end, runs[j - 1][0] + runs[j - 1][1])
+        runs[i:j] = [(start, end - start)]
 
 
 def _new_reservation(
@@ -183,6 +220,11 @@ class KvCache:
         self._ensured = [0] * batch  # tokens per entry the last ensure() asked for (monotonic)
         self._covered = [0] * batch  # tokens per entry whose rows are committed for sure
         self._committed_runs: list[tuple[int, int]] = []  # (offset, size), in every buffer
+        # _covered[b] is what entry b's rows covered when last committed or released, and so
+        # also what its rows cover now while they stay below it. reset() and a failed ensure()
+        # break that (covers kept or committed for rows the entries do not hold), so the next
+        # commit recomputes every entry's cover from its rows, as it did before.
+        self._covered_stale = False
         self._closed = False
         if bucket_tokens < 1:
             raise ValueError(f"bucket_tokens must be >= 1, got {bucket_tokens}")
@@ -346,31 +388,35 @@ class KvCache:
         keep = min(max(int(keep), 0), self._ensured[entry])
         released = 0
         if self.mode == "growable" and self._ensured[entry] > keep:
-            alone = [0] * self.batch
-            alone[entry] = self._ensured[entry]
-            mine = granule_runs(self._byte_ranges(alone, self.capacity), self.granule)
-            others = list(self._ensured)
-            others[entry] = keep
-            kept = granule_runs(self._byte_ranges(others, self.capacity), self.granule)
-            free = _subtract(mine, kept)
+            free = self._freed_runs(entry, keep)
             try:
                 for res in self._reservations:
                     for offset, size in free:
                         released += res.decommit(offset, size)
             finally:
-                self._committed_runs = _subtract(self._committed_runs, free)
+                _remove_runs(self._committed_runs, free)
                 self._covered[entry] = 0
                 self._update_bytes()
         if self.mode == "growable":
-            alone = [0] * self.batch
-            alone[entry] = keep
-            self._covered[entry] = self._covered_tokens(alone)[entry] if keep else 0
+            self._covered[entry] = self._entry_covered(entry, keep)
         self._ensured[entry] = keep
         if self._scales is not None:
             released += self._scales.release(entry, keep)
             self._update_bytes()
         self._update_live_bytes()
         return released
+
+    def _freed_runs(self, entry: int, keep: int) -> list[tuple[int, int]]:
+        """The granules that entry's rows hold beyond its first `keep` and that no other entry's
+        live rows touch: only the neighbours whose blocks meet those granules can share one."""
+        s, es = self.spec, self._itemsize
+        mine = self._entry_runs([(entry, self._ensured[entry])])
+        start, end = mine[0][0], mine[-1][0] + mine[-1][1]
+        near = entry_blocks(
+            s.layout, s.kv_heads, self.capacity, s.row, self.batch, start // es, -(-end // es)
+        )
+        kept = self._entry_runs([(b, keep if b == entry else self._ensured[b]) for b in near])
+        return _subtract(mine, kept)
 
     @property
     def tokens(self) -> list[int]:
@@ -427,6 +473,9 @@ class KvCache:
                     )  # fmt: skip
                 if scales is not None:  # grown alike (bucket: to the same capacity)
                     grew = scales.ensure(tokens) or grew
+            except BaseException:  # covers may have been committed for rows not ensured
+                self._covered_stale = True
+                raise
             finally:  # a failed commit may have committed some buffers: count what is held
                 if scales is not None:
                     self.stats.bytes_moved += scales.stats.bytes_moved - moved
@@ -444,6 +493,7 @@ class KvCache:
         """A new sequence: no live tokens. Committed memory and pointers stay (reuse)."""
         self._check_open()
         self._ensured = [0] * self.batch
+        self._covered_stale = True
         if self._scales is not None:
             self._scales.reset()
         self._update_bytes()
@@ -454,7 +504,15 @@ class KvCache:
         return [(a * self._itemsize, b * self._itemsize) for a, b in ranges]
 
     def _commit(self, tokens: list[int]) -> bool:
-        runs = granule_runs(self._byte_ranges(tokens, self.capacity), self.granule)
+        """Commits the granules under rows 0..t_b-1 of the entries past what they cover. An
+        entry within its cover needs nothing: its rows lie in the granules its covered rows
+        committed (still held: a neighbour's release keeps granules under its rows), and its
+        cover is unchanged (the granule holding its last row is the same)."""
+        if self._covered_stale:
+            grown = list(range(self.batch))
+        else:
+            grown = [b for b, (t, c) in enumerate(zip(tokens, self._covered)) if t > c]
+        runs = self._entry_runs([(b, tokens[b]) for b in grown])
         # Only the runs not yet committed in every buffer (usually a granule per prefix): the
         # reservations skip granules they hold, so a retry after a failure is cheap and exact.
         new = _subtract(runs, self._committed_runs)
@@ -462,25 +520,32 @@ class KvCache:
         for res in self._reservations:
             for offset, size in new:
                 added += res.commit(offset, size)
-        self._committed_runs = _union(self._committed_runs, runs)
-        self._covered = self._covered_tokens(tokens)
+        _add_runs(self._committed_runs, runs)
+        for b in grown:
+            self._covered[b] = self._entry_covered(b, tokens[b])
+        self._covered_stale = False
         return added > 0
 
-    def _covered_tokens(self, tokens: list[int]) -> list[int]:
-        """Per entry, the most tokens whose rows lie in the granules committed for `tokens`
-        (so ensure() returns at once until a row would cross into an uncommitted granule)."""
+    def _entry_runs(self, entry_tokens: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The granule runs under rows 0..t-1 of each (entry, t): granule_runs of _byte_ranges
+        for a batch where only these entries hold rows."""
+        s, es = self.spec, self._itemsize
+        spans = entry_spans(s.layout, s.kv_heads, self.capacity, s.row, entry_tokens)
+        return granule_runs([(start * es, end * es) for _, start, end in spans], self.granule)
+
+    def _entry_covered(self, entry: int, tokens: int) -> int:
+        """The most tokens of `entry` whose rows lie in the granules its first `tokens` rows
+        commit (so ensure() returns at once until a row would cross into an uncommitted
+        granule); 0 without tokens."""
         s, es, g = self.spec, self._itemsize, self.granule
-        covered = [0] * self.batch
-        fits: dict[int, int] = {}
-        for b, start, end in prefix_spans(s.layout, s.kv_heads, self.capacity, s.row, tokens):
+        covered = []
+        for _, start, end in entry_spans(
+            s.layout, s.kv_heads, self.capacity, s.row, [(entry, tokens)]
+        ):
             granule_end = -(-(end * es) // g) * g  # the end of the granule holding the last row
-            rows = prefix_tokens(
-                s.layout, s.kv_heads, self.capacity, s.row, granule_end // es - start
-            )
-            fits[b] = min(fits.get(b, rows), rows)
-        for b, rows in fits.items():
-            covered[b] = rows
-        return covered
+            elements = granule_end // es - start
+            covered.append(prefix_tokens(s.layout, s.kv_heads, self.capacity, s.row, elements))
+        return min(covered, default=0)
 
     def _grow_bucket(self, tokens: list[int]) -> bool:
         need = max(tokens)
