@@ -38,7 +38,9 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import itertools
 import math
+import operator
 import time
 from dataclasses import dataclass
 
@@ -179,6 +181,11 @@ def _add_runs(runs: list[tuple[int, int]], added: list[tuple[int, int]]) -> None
             start = min(start, runs[i][0])
             end = max(end, runs[j - 1][0] + runs[j - 1][1])
         runs[i:j] = [(start, end - start)]
+
+
+def _any_past(tokens: list[int], covered: list[int]) -> bool:
+    """Whether some entry's tokens pass its cover (once a step per call: the loop in C)."""
+    return any(map(operator.gt, tokens, covered))
 
 
 def _new_reservation(
@@ -431,10 +438,10 @@ class KvCache:
         """Whether rows 0..t_b-1 of every entry b lie in memory committed now: ensure() would
         commit nothing, and commit_bytes() of them is at most the committed bytes (a serving
         engine asks every step; the answer is one comparison per entry)."""
-        if any(t > c for t, c in zip(tokens_per_entry, self._covered)):
+        if _any_past(tokens_per_entry, self._covered):
             return False
         scales = self._scales
-        return scales is None or not any(t > c for t, c in zip(tokens_per_entry, scales._covered))
+        return scales is None or not _any_past(tokens_per_entry, scales._covered)
 
     # -----------------------------------------------------------------------------------------
     def ensure(self, tokens_per_entry: list[int] | int) -> bool:
@@ -445,7 +452,7 @@ class KvCache:
         tokens = (
             [int(tokens_per_entry)] * self.batch
             if isinstance(tokens_per_entry, (int, np.integer))
-            else [int(t) for t in tokens_per_entry]
+            else list(map(int, tokens_per_entry))
         )
         if len(tokens) != self.batch:
             raise ValueError(f"{len(tokens)} token counts for a batch of {self.batch}")
@@ -461,13 +468,13 @@ class KvCache:
         tokens = list(map(max, tokens, self._ensured))
         grew = False
         scales = self._scales
-        if any(t > c for t, c in zip(tokens, self._covered)) or (
-            scales is not None and any(t > c for t, c in zip(tokens, scales._covered))
+        if _any_past(tokens, self._covered) or (
+            scales is not None and _any_past(tokens, scales._covered)
         ):
             start = time.perf_counter()
             moved = scales.stats.bytes_moved if scales is not None else 0
             try:
-                if any(t > c for t, c in zip(tokens, self._covered)):
+                if _any_past(tokens, self._covered):
                     grew = self._grow_bucket(tokens) if self.mode == "bucket" else (
                         self._commit(tokens)
                     )  # fmt: skip
@@ -511,7 +518,9 @@ class KvCache:
         if self._covered_stale:
             grown = list(range(self.batch))
         else:
-            grown = [b for b, (t, c) in enumerate(zip(tokens, self._covered)) if t > c]
+            grown = list(
+                itertools.compress(range(self.batch), map(operator.gt, tokens, self._covered))
+            )
         runs = self._entry_runs([(b, tokens[b]) for b in grown])
         # Only the runs not yet committed in every buffer (usually a granule per prefix): the
         # reservations skip granules they hold, so a retry after a failure is cheap and exact.
