@@ -139,6 +139,17 @@ def state(cache: KvCache) -> list:
     return own + (state(cache._scales) if cache._scales is not None else [])
 
 
+def assert_covers_committed(cache: KvCache) -> None:
+    """Every entry's cover lies in committed granules: ensure() commits nothing for rows within
+    it, so a cover past the committed memory would have rows written to unmapped pages."""
+    for b, covered in enumerate(cache._covered):
+        if covered:
+            runs = cache._entry_runs([(b, covered)])
+            assert not _subtract(runs, cache._committed_runs), (b, covered, cache._committed_runs)
+    if cache._scales is not None:
+        assert_covers_committed(cache._scales)
+
+
 def run(cache: KvCache, op: tuple):
     """One op; its result, or the type of the error it raised (a failed commit included)."""
     kind, *args = op
@@ -176,6 +187,11 @@ ops = st.lists(
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@example(  # a reset, then a neighbour's release: the first entry's old cover must not survive
+    layout=1, kv_heads=1, head_dim=4, capacity=8, batch=2, granule_pages=1, per_token=False,
+    ops=[("grow", [(0, 8), (1, 8)], None), ("reset",), ("grow", [(1, 1)], None),
+         ("release", 1, 0), ("grow", [(0, 8)], None)],
+)  # fmt: skip
 @example(  # the KV rows commit, their scales fail: covers held for rows not ensured
     layout=0, kv_heads=1, head_dim=4, capacity=8, batch=2, granule_pages=1, per_token=True,
     ops=[("grow", [(0, 1)], 2), ("grow", [(1, 1)], None)],
@@ -210,6 +226,7 @@ def test_release_and_ensure_match_the_all_entries_reference(
             assert state(fast) == state(ref), op
             probe = [min(t + 1, capacity) for t in fast.tokens]
             assert fast.covers(probe) == ref.covers(probe)
+            assert_covers_committed(fast)
     assert allocator_stats()["cpu"] == before
 
 

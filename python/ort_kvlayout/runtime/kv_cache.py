@@ -227,11 +227,10 @@ class KvCache:
         self._ensured = [0] * batch  # tokens per entry the last ensure() asked for (monotonic)
         self._covered = [0] * batch  # tokens per entry whose rows are committed for sure
         self._committed_runs: list[tuple[int, int]] = []  # (offset, size), in every buffer
-        # _covered[b] is what entry b's rows covered when last committed or released, and so
-        # also what its rows cover now while they stay below it. reset() and a failed ensure()
-        # break that (covers kept or committed for rows the entries do not hold), so the next
-        # commit recomputes every entry's cover from its rows, as it did before.
-        self._covered_stale = False
+        # _covered[b] never exceeds the cover of entry b's ensured rows: a neighbour's release
+        # keeps only the granules under ensured rows, so a cover past them could name freed
+        # memory as committed (ensure() would then commit nothing and the rows would be written
+        # to unmapped memory). reset() zeroes the covers; a failed ensure() clamps them.
         self._closed = False
         if bucket_tokens < 1:
             raise ValueError(f"bucket_tokens must be >= 1, got {bucket_tokens}")
@@ -481,7 +480,7 @@ class KvCache:
                 if scales is not None:  # grown alike (bucket: to the same capacity)
                     grew = scales.ensure(tokens) or grew
             except BaseException:  # covers may have been committed for rows not ensured
-                self._covered_stale = True
+                self._clamp_covers()
                 raise
             finally:  # a failed commit may have committed some buffers: count what is held
                 if scales is not None:
@@ -500,7 +499,7 @@ class KvCache:
         """A new sequence: no live tokens. Committed memory and pointers stay (reuse)."""
         self._check_open()
         self._ensured = [0] * self.batch
-        self._covered_stale = True
+        self._covered = [0] * self.batch  # the granules stay; the next ensure finds them held
         if self._scales is not None:
             self._scales.reset()
         self._update_bytes()
@@ -515,12 +514,7 @@ class KvCache:
         entry within its cover needs nothing: its rows lie in the granules its covered rows
         committed (still held: a neighbour's release keeps granules under its rows), and its
         cover is unchanged (the granule holding its last row is the same)."""
-        if self._covered_stale:
-            grown = list(range(self.batch))
-        else:
-            grown = list(
-                itertools.compress(range(self.batch), map(operator.gt, tokens, self._covered))
-            )
+        grown = list(itertools.compress(range(self.batch), map(operator.gt, tokens, self._covered)))
         runs = self._entry_runs([(b, tokens[b]) for b in grown])
         # Only the runs not yet committed in every buffer (usually a granule per prefix): the
         # reservations skip granules they hold, so a retry after a failure is cheap and exact.
@@ -532,8 +526,13 @@ class KvCache:
         _add_runs(self._committed_runs, runs)
         for b in grown:
             self._covered[b] = self._entry_covered(b, tokens[b])
-        self._covered_stale = False
         return added > 0
+
+    def _clamp_covers(self) -> None:
+        """Each cover at most that of the entry's ensured rows (the invariant in __init__),
+        after an ensure() that failed part way (its covers may name rows it did not ensure)."""
+        for b, t in enumerate(self._ensured):
+            self._covered[b] = min(self._covered[b], self._entry_covered(b, t) if t else 0)
 
     def _entry_runs(self, entry_tokens: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """The granule runs under rows 0..t-1 of each (entry, t): granule_runs of _byte_ranges
