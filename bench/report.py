@@ -37,7 +37,7 @@ DOCUMENTS = {"doc": DOC, "readme": README, "serving": SERVING_DOC, "quant": QUAN
 IMG = ROOT / "docs" / "img"
 
 CUDA = "cuda-h200.json"
-CUDA_COLD = "cuda-h200-cold.json"
+CUDA_COLD = "cuda-h100-cold.json"  # the H100: the device lent when it was measured
 STACKS = "stack-*.json"
 SERVING = "serving-*.json"  # each in the block named by its stem, in docs/SERVING.md
 STEP_PROFILES = "step-profile-*.json"  # tools/perf/step_profile.py's, in docs/SERVING.md
@@ -122,7 +122,9 @@ def cuda_meta(data: dict, name: str) -> list[str]:
     return [
         (
             f"Measured {data['date']} on {data['device']}, onnxruntime {data['onnxruntime']}, "
-            f"commit `{data.get('git', 'unknown')}`; median of {data['runs']} timed Runs per variant "
+            f"commit `{data.get('git', 'unknown')}`"
+            + (f" ({data['git_note']})" if data.get("git_note") else "")
+            + f"; median of {data['runs']} timed Runs per variant "
             f"in {data.get('rounds', 1)} round(s), {flush}, variants made in the order {order}. "
             f"Command: `{data['command']}` (JSON: `bench/results/{name}`)."
         ),
@@ -343,7 +345,9 @@ def serving_meta(data: dict, name: str, what: str) -> list[str]:
         (
             f"Measured {data.get('date', 'at a date not recorded')} on "
             f"{data.get('device', 'a device not recorded')}, commit "
-            f"`{data.get('commit', 'not recorded')}`; {what}."
+            f"`{data.get('commit', 'not recorded')}`"
+            + (f" ({data['commit_note']})" if data.get("commit_note") else "")
+            + f"; {what}."
             + (f" Not recorded in the JSON: {', '.join(missing)}." if missing else "")
             + f" Command (JSON: `bench/results/{name}`):"
         ),

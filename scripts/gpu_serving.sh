@@ -64,7 +64,7 @@ case "${1:-}" in
     ;;
   long)
     python3 bench/bench_serving.py "${COMMON[@]}" --dataset long --num-requests 64 \
-      --request-rate 2 --prefill-chunk "${CHUNK:-4096}" --systems engine,genai-paged \
+      --request-rate 2 --prefill-chunk "${CHUNK:-4096}" --systems "${SYSTEMS:-engine,genai-paged}" \
       --json "$OUT/serving-long.json"
     ;;
   quant)

@@ -628,8 +628,8 @@ def test_a_graph_that_cannot_be_packed_is_served_unpacked_or_refused(model, alon
 def test_packing_defaults_and_refusals():
     from ort_kvlayout.serve.engine import EngineConfig
 
-    assert EngineConfig().packing is None  # the CPU: where the graph allows it
-    assert EngineConfig(provider="cuda").packing is False  # the decode kernels' plain instances
+    assert EngineConfig().packing is None  # where the graph allows it
+    assert EngineConfig(provider="cuda").packing is None
     assert EngineConfig(provider="cuda", mixed=True).packing is True
     assert EngineConfig(provider="cuda", packed=True).packing is True
     with pytest.raises(ValueError, match="packed=True needs the served graph"):

@@ -208,7 +208,7 @@ class Engine:
         model = onnx.load(str(spec.onnx_path), load_external_data=False)
         packed_refusal = None
         if want_packed is False:
-            packed_refusal = "packed=False" if config.packed is False else "packed=None on CUDA"
+            packed_refusal = "packed=False"
         if packed_refusal is None and spec.position_ids:
             # the engine feeds position ids by row: a packed call has none to feed
             packed_refusal = f"the model has a {spec.position_ids!r} input"

@@ -24,10 +24,8 @@ class EngineConfig:
     mask, logits only at sampled positions, tokens chosen by ai.kvlayout::SampleTokens, only ids
     copied back; None: when the graph allows it, True: an error otherwise) or, False, the
     model's own graph with every position's logits sampled on the host; packed: the served graph
-    with packed tokens (its rewrite 4; True: an error where the graph does not allow it; None:
-    where it allows it on the CPU, and off on CUDA, where every decode call would then read
-    query_seqlens and lose the decode kernel's plain instances, docs/SERVING.md): a step's
-    prefill chunks run as one call that computes only their tokens; mixed: with packed, a step
+    with packed tokens (its rewrite 4; None: where the graph allows it, True: an error
+    otherwise): a step's prefill chunks run as one call that computes only their tokens; mixed: with packed, a step
     that prefills carries its decode rows in that call too (one uncaptured Run a step; off: the
     decode rows keep their own call, a CUDA graph; with packed None, mixed asks for packing:
     an error where the graph does not allow it); overlap: a publisher thread decodes the events' text and hands them to their readers while the next step's
@@ -61,9 +59,7 @@ class EngineConfig:
         """Packed calls: True (or an error), None (where the graph allows them) or False."""
         if self.packed is not None:
             return self.packed
-        if self.mixed:
-            return True
-        return None if self.provider == "cpu" else False
+        return True if self.mixed else None
 
     @property
     def graphs(self) -> bool:
