@@ -50,6 +50,9 @@ CUDA_QUANT = ("cuda-quant-h200.json", "cuda-quant-h100.json")
 # The same with every timed Run after an L2 flush: B=1 caches that fit in the L2 (9/3/64 at 16k:
 # 12.6 MB fp16) are read from it in the warm tables, unlike a model's layers.
 CUDA_QUANT_COLD = "cuda-quant-h100-cold.json"
+# The same cases in the same sitting with the quantized decode on fp16's plan (--quant-plan fp16):
+# what the quantized decode's own plan changes.
+CUDA_QUANT_COLD_PLANS = "cuda-quant-h100-cold-fp16.json"
 CPU_QUANT = ("cpu-quant-int8-xeon.json",)
 # The CUDA targets, for int8 and fp8 caches at L >= 16k: ours quantized / ours fp16 at most 0.55
 # (time), ORT's quantized time / ours at least 1.5; on CPU, ours / ORT at least 1.0.
@@ -492,6 +495,15 @@ CUDA_QUANT_COLD_INTRO = [
 ]
 
 
+CUDA_QUANT_COLD_PLANS_INTRO = [
+    (
+        "The same cases in the same sitting with the quantized decode on fp16's plan "
+        "(`--quant-plan fp16`, `ORT_KVLAYOUT_DECODE_QUANT_PLAN=fp16`): what its own plan changes "
+        '(docs/DECISIONS.md, "quantized decode plan").'
+    ),
+]
+
+
 def cuda_quant(data: dict, name: str) -> list[str]:
     """bench_cuda.py --kv-quant: kernel times of ORT fp16 and quantized, ours fp16 and quantized,
     the two ratios against their targets, and how far ours is from ORT's quantized output."""
@@ -500,6 +512,8 @@ def cuda_quant(data: dict, name: str) -> list[str]:
     commit = f"commit `{data.get('git', 'unknown')}`" + (
         f" (the copy on the device reported `{device_copy}`)" if device_copy else ""
     )
+    if data.get("git_note"):
+        commit += f" ({data['git_note']})"
     rows = data["rows"]
     caps = sorted({r["capacity"] for r in rows if r["capacity"] != r["length"]})
     capacity = "L" if not caps else f"max(L, {', '.join(map(str, caps))})"
@@ -710,6 +724,11 @@ def blocks(results: Path = RESULTS) -> dict[str, dict[str, str]]:
         cuda_quant(json.loads(cold_quant.read_text()), CUDA_QUANT_COLD)
         if cold_quant.exists()
         else [],
+    )
+    plans = results / CUDA_QUANT_COLD_PLANS
+    quant[Path(CUDA_QUANT_COLD_PLANS).stem] = _introduced(
+        CUDA_QUANT_COLD_PLANS_INTRO,
+        cuda_quant(json.loads(plans.read_text()), CUDA_QUANT_COLD_PLANS) if plans.exists() else [],
     )
     for n in CPU_QUANT:
         quant[Path(n).stem] = cpu_quant(json.loads((results / n).read_text()), n)

@@ -36,7 +36,9 @@ def test_every_committed_result_has_a_table():
     fixed = {report.CUDA, report.KV_MEMORY, *report.CUDA_QUANT, *report.CPU_QUANT}
     fixed |= {n for *_, names in report.CPU_GROUPS for n in names}
     assert fixed <= committed
-    rest = committed - fixed - {report.CUDA_COLD, report.CUDA_QUANT_COLD}
+    rest = (
+        committed - fixed - {report.CUDA_COLD, report.CUDA_QUANT_COLD, report.CUDA_QUANT_COLD_PLANS}
+    )
     assert all(fnmatch.fnmatch(n, report.STACKS) or fnmatch.fnmatch(n, report.SERVING)
                or fnmatch.fnmatch(n, report.PERPLEXITY) or fnmatch.fnmatch(n, report.STEP_PROFILES)
                for n in rest), rest  # fmt: skip
@@ -139,11 +141,12 @@ OPTIONAL = {
     ("doc", "cuda-cold"): report.CUDA_COLD_INTRO,
     ("doc", "stacks"): report.STACKS_INTRO,
     ("quant", Path(report.CUDA_QUANT_COLD).stem): report.CUDA_QUANT_COLD_INTRO,
+    ("quant", Path(report.CUDA_QUANT_COLD_PLANS).stem): report.CUDA_QUANT_COLD_PLANS_INTRO,
 }
 
 
 def _results_without_optional(tmp_path: Path) -> Path:
-    optional = {report.CUDA_COLD, report.CUDA_QUANT_COLD}
+    optional = {report.CUDA_COLD, report.CUDA_QUANT_COLD, report.CUDA_QUANT_COLD_PLANS}
     for f in report.RESULTS.glob("*.json"):
         if f.name not in optional and not fnmatch.fnmatch(f.name, report.STACKS):
             (tmp_path / f.name).write_bytes(f.read_bytes())
@@ -168,8 +171,13 @@ def test_a_table_with_its_json_follows_its_heading_and_introduction(tmp_path):
     results = _results_without_optional(tmp_path)
     for n in (report.CUDA, report.CUDA_QUANT[1]):  # their cold runs, as the same JSON flushed
         data = json.loads((report.RESULTS / n).read_text())
-        cold = report.CUDA_COLD if n == report.CUDA else report.CUDA_QUANT_COLD
-        (results / cold).write_text(json.dumps({**data, "flush_l2": True}))
+        colds = (
+            [report.CUDA_COLD]
+            if n == report.CUDA
+            else [report.CUDA_QUANT_COLD, report.CUDA_QUANT_COLD_PLANS]
+        )
+        for cold in colds:
+            (results / cold).write_text(json.dumps({**data, "flush_l2": True}))
     (results / "stack-9-3-64.json").write_text(json.dumps(STACK))
     blocks = report.blocks(results)
     for (key, name), intro in OPTIONAL.items():
@@ -213,7 +221,15 @@ def test_a_marker_without_a_block_and_a_block_without_a_marker_are_refused():
 def test_each_perplexity_table_names_its_text_method_commit_and_command():
     blocks = report.blocks()["quant"]
     ppl = {p.stem for p in report.RESULTS.glob(report.PERPLEXITY)}
-    speed = {Path(n).stem for n in (*report.CUDA_QUANT, report.CUDA_QUANT_COLD, *report.CPU_QUANT)}
+    speed = {
+        Path(n).stem
+        for n in (
+            *report.CUDA_QUANT,
+            report.CUDA_QUANT_COLD,
+            report.CUDA_QUANT_COLD_PLANS,
+            *report.CPU_QUANT,
+        )
+    }
     assert set(blocks) == ppl | speed
     for name in ppl:
         block = blocks[name]
