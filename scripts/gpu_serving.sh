@@ -15,7 +15,8 @@
 # ORT and cuDNN-frontend headers in .device/hdr/{ort,cudnn_frontend/include}. Results go to $OUT (or
 # /tmp/gpu_serving); bench JSON to bench/results/ there too. SHAPE (default llama-3.2-1b),
 # BUDGET (KV bytes, default 40 GiB), CAPACITY (33792), MAX_BATCH (64), PACKING (the engine's
-# --packing list, default auto) and DEADLINE (seconds a system may run, 420) are the run's settings.
+# --packing list, default auto), CHUNK (prefill tokens a step: 256 for chat, 4096 for the long mix;
+# a list runs each) and DEADLINE (seconds a system may run, 420) are the run's settings.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu_serving}"
@@ -59,7 +60,8 @@ case "${1:-}" in
     ;;
   chat)
     python3 bench/bench_serving.py "${COMMON[@]}" --dataset chat --num-requests 256 \
-      --request-rate inf --systems "${SYSTEMS:-engine,engine-host,genai-paged}" \
+      --request-rate inf --prefill-chunk "${CHUNK:-256}" \
+      --systems "${SYSTEMS:-engine,engine-host,genai-paged}" \
       --json "$OUT/serving-chat.json"
     ;;
   long)
