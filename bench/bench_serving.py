@@ -52,6 +52,9 @@ Methods and metric names follow vLLM's `bench serve` and SGLang's bench_serving:
   seq-major patch of `--genai-model` with that quantized cache (tools/kvquant.py; `none` is
   `--model`'s own cache), built beside the other models; at the same `--kv-budget`, the results
   show what each scheme holds (KV bytes, preemptions, `max_concurrency`).
+* `--packing auto,off,on,mixed` and `--overlap auto,on,off`: the engine systems once per value
+  (EngineConfig packed/mixed, and the engine system's overlap; `auto` leaves the engine's
+  default), each row labelled with it when a list gives several.
 * `--host-sampling`: the engine system with EngineConfig(sample_on_device=False) (the system
   `engine-host` is that engine beside the default one in the same run); the engine
   result records `sample_on_device` (None where EngineConfig has no such field) and the engine's
@@ -317,7 +320,8 @@ class Run:
 @dataclass(frozen=True)
 class EngineVariant:
     """One engine system of a run: its prefill chunk, cache, sampling ("device" or "host"),
-    model, replicas (the cluster system) and --packing value."""
+    model, replicas (the cluster system), --packing value and --overlap value (the engine
+    system only: auto, on or off)."""
 
     chunk: int
     cache: str
@@ -325,6 +329,7 @@ class EngineVariant:
     model: Path
     replicas: int | None = None
     packing: str = "auto"
+    overlap: str = "auto"
 
 
 def engine_config(args, n: int):
@@ -338,6 +343,8 @@ def engine_config(args, n: int):
         from ort_kvlayout.serve.arguments import packing_fields
 
         kwargs.update(packing_fields(args.variant.packing))
+    if args.variant.overlap != "auto":
+        kwargs["overlap"] = args.variant.overlap == "on"
     try:
         return EngineConfig(
             max_batch=args.max_batch, prefill_chunk=args.variant.chunk, cache=args.variant.cache,
@@ -1083,6 +1090,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-chunk", default="256", help="engine chunk(s), e.g. 64,4096")
     p.add_argument("--provider", choices=["cpu", "cuda"], default="cpu", help="the engine's")
     p.add_argument("--cache", default="growable", help="engine cache(s): growable,preallocated")
+    p.add_argument("--overlap", default="auto",
+                   help="the engine system's overlap(s) (EngineConfig.overlap): auto, on, off; "
+                        "e.g. on,off")  # fmt: skip
     p.add_argument("--packing", default="auto",
                    help="engine packing(s) (EngineConfig packed, mixed): auto, off, on, mixed; "
                         "e.g. off,on")  # fmt: skip
@@ -1108,6 +1118,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixed-chunk", type=int, default=64)
     p.add_argument("--mixed-repeat", type=int, default=5)
     args = p.parse_args(argv)
+    for flag, allowed in (("overlap", ("auto", "on", "off")),
+                          ("packing", ("auto", "off", "on", "mixed"))):  # fmt: skip
+        bad = [v for v in getattr(args, flag).split(",") if v not in allowed]
+        if bad:
+            p.error(f"--{flag} {bad}: expected {', '.join(allowed)}")
     if args.model_shape:
         built = build_shape(args.model_shape, args.provider, args.build_dir or default_build_dir(),
                             drop_hf=args.drop_hf)  # fmt: skip
@@ -1155,12 +1170,14 @@ def main(argv: list[str] | None = None) -> int:
             fn = run_server if name in ("server", "cluster") else run_engine
             sampling = "host" if name == "engine-host" else "device"
             counts = args.replicas.split(",") if name == "cluster" else [None]
-            for scheme, cache, chunk, count, packing in itertools.product(
+            overlaps = args.overlap.split(",") if name == "engine" else ["auto"]
+            for scheme, cache, chunk, count, packing, overlap in itertools.product(
                 schemes, args.cache.split(","), args.prefill_chunk.split(","), counts,
-                args.packing.split(","),
+                args.packing.split(","), overlaps,
             ):  # fmt: skip
                 notes = [f"chunk {chunk}"] if "," in args.prefill_chunk else []
                 notes += [f"packing {packing}"] if "," in args.packing else []
+                notes += [f"overlap {overlap}"] if len(overlaps) > 1 else []
                 notes += [cache] if "," in args.cache else []
                 notes += [f"{scheme} KV"] if args.kv_quant and scheme != "none" else []
                 base = "engine" if name == "engine-host" else name
@@ -1168,7 +1185,8 @@ def main(argv: list[str] | None = None) -> int:
                 notes += [f"{count} replica{'s' * (count != '1')}"] if count else []
                 label = f"{base} ({', '.join(notes)})" if notes else base
                 variant = EngineVariant(int(chunk), cache, sampling, quant_models[scheme],
-                                        int(count) if count else None, packing)  # fmt: skip
+                                        int(count) if count else None, packing,
+                                        overlap)  # fmt: skip
                 systems.append((label, fn, variant))
         elif name in ("genai", "genai-paged"):
             paged = name == "genai-paged"

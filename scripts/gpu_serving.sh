@@ -15,7 +15,7 @@
 # ORT and cuDNN-frontend headers in .device/hdr/{ort,cudnn_frontend/include}. Results go to $OUT (or
 # /tmp/gpu_serving); bench JSON to bench/results/ there too. SHAPE (default llama-3.2-1b),
 # BUDGET (KV bytes, default 40 GiB), CAPACITY (33792), MAX_BATCH (64), PACKING (the engine's
-# --packing list, default auto), CHUNK (prefill tokens a step: 256 for chat, 4096 for the long mix;
+# --packing list, default auto), OVERLAP (--overlap list, default auto), CHUNK (prefill tokens a step: 256 for chat, 4096 for the long mix;
 # a list runs each) and DEADLINE (seconds a system may run, 420) are the run's settings.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +31,7 @@ export PYTHONUNBUFFERED=1
 BASE="$MODELS/$SHAPE-random-fp16-cuda"
 COMMON=(--model-shape "$SHAPE" --build-dir "$MODELS" --provider cuda --kv-budget "$BUDGET"
         --capacity "$CAPACITY" --max-batch "$MAX_BATCH" --stall-timeout 60
-        --deadline "${DEADLINE:-420}" --packing "${PACKING:-auto}")
+        --deadline "${DEADLINE:-420}" --packing "${PACKING:-auto}" --overlap "${OVERLAP:-auto}")
 
 case "${1:-}" in
   setup)
