@@ -366,7 +366,10 @@ def test_the_engine_run_cancels_what_a_stall_left_unfinished():
 
 @pytest.mark.parametrize("host", [False, True])
 @pytest.mark.parametrize("packing", ["auto", "mixed"])
-def test_host_sampling_and_packing_ask_the_config_only_when_given(monkeypatch, host, packing):
+@pytest.mark.parametrize("overlap", ["auto", "off"])
+def test_host_sampling_packing_and_overlap_ask_the_config_only_when_given(
+    monkeypatch, host, packing, overlap
+):
     engine_module = pytest.importorskip("ort_kvlayout.serve.engine")
     seen = {}
 
@@ -375,7 +378,9 @@ def test_host_sampling_and_packing_ask_the_config_only_when_given(monkeypatch, h
         return SimpleNamespace(**kwargs)
 
     monkeypatch.setattr(engine_module, "EngineConfig", config)
-    variant = bench.EngineVariant(64, "growable", "device", Path("m"), packing=packing)
+    variant = bench.EngineVariant(
+        64, "growable", "device", Path("m"), packing=packing, overlap=overlap
+    )
     args = argparse.Namespace(
         host_sampling=host, max_batch=2, variant=variant, provider="cpu",
         kv_budget=None, no_cuda_graph=False, capacity=None,
@@ -385,6 +390,7 @@ def test_host_sampling_and_packing_ask_the_config_only_when_given(monkeypatch, h
     assert ("packed" in seen) == (packing != "auto")
     if packing == "mixed":
         assert seen["packed"] is True and seen["mixed"] is True
+    assert seen.get("overlap", "unset") == ("unset" if overlap == "auto" else False)
 
 
 def test_the_engine_deadline_on_a_tiny_model(tmp_path):
