@@ -9,6 +9,9 @@
 #   LIBRARY=/tmp/bv/libort_kvlayout.so bash tools/perf/ncu_decode.sh 28/4/128 64x16384   # a build
 #   L2=1 bash tools/perf/ncu_decode.sh 28/4/128 64x16384   # what the L2 serves (clock left free)
 #   SKIP=13 KERNELS=DecodeTc bash tools/perf/ncu_decode.sh 9/3/64 64x16384  # kv_layout=1's launch
+#   BENCH_ARGS="--kv-quant int8-per-channel" KERNELS=DecodeTc bash tools/perf/ncu_decode.sh \
+#       32/8/128 1x16384   # more bench_cuda.py flags (quantized variants launch too: count SKIP
+#                          # from the report's launch list)
 #
 # L2=1 measures instead the traffic between the SMs, the L2 and DRAM (bytes, requests, sectors,
 # hits), with the SM clock left free
@@ -41,7 +44,7 @@ for kernel in ${KERNELS:-DecodeTc flash}; do
   ncu "${SECTIONS[@]}" --cache-control "${CACHE:-all}" -k "regex:$kernel" \
     --launch-skip "${SKIP:-4}" --launch-count 1 \
     python3 bench/bench_cuda.py --runs 2 --heads "$heads" --decode "$case" --prefill= \
-    ${LIBRARY:+--library "$LIBRARY"} >"$report" 2>&1 || true
+    ${LIBRARY:+--library "$LIBRARY"} ${BENCH_ARGS:-} >"$report" 2>&1 || true
   echo "== $heads $case kernel ~ $kernel ($report)"
   grep -E "^  [a-z_].*\(|^    [a-z0-9_]+__[a-z0-9_.]+ |Duration|DRAM Throughput|L2 Hit Rate|Registers Per|Grid Size|Block Size|Dynamic Shared|Issued Warp|Achieved Active Warps|Theoretical Occupancy" \
     "$report" | awk '!seen[$0]++' | cut -c1-120 || echo "   no profile (see $report)"
