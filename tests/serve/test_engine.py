@@ -634,6 +634,8 @@ def test_packing_defaults_and_refusals():
     assert EngineConfig(provider="cuda", packed=True).packing is True
     with pytest.raises(ValueError, match="packed=True needs the served graph"):
         EngineConfig(packed=True, sample_on_device=False)
+    with pytest.raises(ValueError, match="mixed=True needs the served graph"):
+        EngineConfig(mixed=True, sample_on_device=False)
     with pytest.raises(ValueError, match="mixed=True needs packed calls"):
         EngineConfig(mixed=True, packed=False)
 

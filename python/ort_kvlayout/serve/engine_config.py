@@ -93,8 +93,9 @@ class EngineConfig:
                 "cuda_graph=True needs provider='cuda': CUDA graphs capture CUDA kernels (on "
                 "the CPU, decode_buckets runs the same padded decode calls uncaptured)"
             )
-        if self.packed and self.sample_on_device is False:
-            raise ValueError("packed=True needs the served graph (sample_on_device not False)")
+        if (self.packed or self.mixed) and self.sample_on_device is False:
+            what = "packed=True" if self.packed else "mixed=True"
+            raise ValueError(f"{what} needs the served graph (sample_on_device not False)")
         if self.mixed and self.packed is False:
             raise ValueError("mixed=True needs packed calls (packed not False)")
         if self.graphs and self.decode_buckets is not None and not self.decode_buckets:
