@@ -25,12 +25,13 @@ class EngineConfig:
     copied back; None: when the graph allows it, True: an error otherwise) or, False, the
     model's own graph with every position's logits sampled on the host; packed: the served graph
     with packed tokens (its rewrite 4; None: where the graph allows it, True: an error
-    otherwise): a step's prefill chunks run as one call that computes only their tokens; mixed: with packed, a step
-    that prefills carries its decode rows in that call too (one uncaptured Run a step; off: the
-    decode rows keep their own call, a CUDA graph; with packed None, mixed asks for packing:
-    an error where the graph does not allow it); overlap: a publisher thread decodes the events' text and hands them to their readers while the next step's
-    calls run (None: on with provider "cuda", where Run waits on the GPU with the GIL released;
-    off on the CPU, where ORT's threads want the cores)."""
+    otherwise): a step's prefill chunks run as one call that computes only their tokens;
+    mixed: with packed, a step that prefills carries its decode rows in that call too (one
+    uncaptured Run a step; off: the decode rows keep their own call, a CUDA graph; with packed
+    None, mixed asks for packing: an error where the graph does not allow it); overlap: a
+    publisher thread decodes the events' text and hands them to their readers while the next
+    step's calls run (None: on with provider "cuda", where Run waits on the GPU with the GIL
+    released; off on the CPU, where ORT's threads want the cores)."""
 
     max_batch: int = 8
     capacity: int | None = None
