@@ -873,8 +873,8 @@ class Engine:
         }
         for key in (
             "steps", "decode_calls", "decode_rows", "decode_padded_rows", "decode_eager_fallbacks",
-            "prefill_calls", "prefill_chunks", "prefill_tokens", "mixed_calls", "tokens", "admitted", "rejected", "step_errors",
-            "callback_errors", "detokenize_errors", "publish_errors", "finished_stop",
+            "prefill_calls", "prefill_chunks", "prefill_tokens", "mixed_calls", "tokens",
+            "admitted", "rejected", "step_errors", "callback_errors", "detokenize_errors", "publish_errors", "finished_stop",
             "finished_length", "finished_cancelled", "finished_error",
         ):  # fmt: skip
             snap[key] = self._counters[key]
