@@ -1106,8 +1106,25 @@ def test_generation_loop_on_device(layout, dtype):
     _loop_on_device(base, 96, 96 + 8, np.array([13, 6]), plan, rng, chunk_may_be_refused=True)
 
 
+@pytest.mark.parametrize("layout", [0, 1])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_decode_rows_idle_through_query_seqlens(layout, dtype):
+    """One-token steps where query_seqlens idles an entry (0 rows: its cache and length stay;
+    the serving engine's packed calls feed them): each step against the oracle, whose present
+    mask covers the idle entry's rows, so a write to them fails the step."""
+    base = GqaCase(batch=3, num_heads=8, kv_num_heads=2, head_size=128, dtype=dtype,
+                   kv_layout=layout, do_rotary=True, shared=True, packed=True)  # fmt: skip
+    plan = [("prompt", 13)] + [("decode", 1)] * 2 + [
+        ("decode", 1, [1, 0, 1]), ("decode", 1, [0, 1, 1]), ("decode", 1, [0, 0, 1]),
+        ("decode", 1, [1, 1, 1]), ("decode", 1),
+    ]  # fmt: skip
+    rng = np.random.default_rng(case_seed(82_000 + layout))
+    _loop_on_device(base, 64, 64 + 8, np.array([13, 6, 9]), plan, rng, chunk_may_be_refused=False)
+
+
 def _loop_on_device(base: GqaCase, capacity, positions, T, plan, rng, chunk_may_be_refused):
-    """Runs ``plan`` ((kind, S) steps; a chunk is ragged through query_seqlens 3 and 5) with
+    """Runs ``plan`` ((kind, S) steps, or ("decode", 1, query_seqlens); a chunk is ragged
+    through query_seqlens 3 and 5) with
     ``base``'s sizes and attributes on one shared cache of ``capacity`` rows (random at first)
     that never leaves the device, the entries at lengths ``T`` after the prompt; each step
     against the oracle fed a host copy of the cache before the step. A chunk the op refuses by
@@ -1118,10 +1135,13 @@ def _loop_on_device(base: GqaCase, capacity, positions, T, plan, rng, chunk_may_
     kbuf = to_device(ref.to_layout(rng.standard_normal((B, Nkv, capacity, H)).astype(dt), layout))
     vbuf = to_device(ref.to_layout(rng.standard_normal((B, Nkv, capacity, H)).astype(dt), layout))
     sessions = {}
-    for step, (kind, S) in enumerate(plan):
+    for step, (kind, S, *given) in enumerate(plan):
         qsl = None
         if kind == "prompt":
             newT = T
+        elif kind == "decode" and given:  # entries with 0 rows idle at their length
+            qsl = np.array(given[0], np.int32)
+            newT = T + qsl
         elif kind == "decode":
             newT = T + 1
         else:
