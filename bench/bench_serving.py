@@ -70,7 +70,6 @@ import argparse
 import itertools
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -81,7 +80,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from revision import git_revision  # a sibling: bench/revision.py
+from revision import device_name, git_revision  # a sibling: bench/revision.py
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -817,20 +816,6 @@ def mixed_cost(args) -> dict:
         if packed is not None:
             packed.close()
     return {name: float(np.median(t)) for name, t in times.items()} | {"runs_ms": times}
-
-
-def device_name(provider: str) -> str:
-    host = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    if provider == "cuda":
-        try:
-            gpu = subprocess.run(
-                ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                capture_output=True, text=True, check=True,
-            ).stdout.splitlines()[0]  # fmt: skip
-        except (OSError, subprocess.CalledProcessError, IndexError):
-            gpu = "unknown GPU"
-        return f"cuda ({gpu}; host {host})"
-    return f"cpu ({host})"
 
 
 def table(results: dict) -> str:

@@ -1,8 +1,11 @@
-"""The checkout's commit, recorded with every benchmark result so its table names its code.
-Imported by the bench/ scripts as a sibling module."""
+"""The checkout's commit and the machine, recorded with every benchmark result so its table
+names its code and device. Imported by the bench/ scripts as a sibling module (and by
+tools/perf/step_profile.py)."""
 
 from __future__ import annotations
 
+import os
+import platform
 import subprocess
 from pathlib import Path
 
@@ -23,3 +26,19 @@ def git_revision(mark_dirty: bool = True) -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
+
+
+def device_name(provider: str) -> str:
+    """ "cpu (<arch>, N cores)", or with provider "cuda" "cuda (<GPU>; host <arch>, N cores)"
+    (the GPU as nvidia-smi names it; "unknown GPU" without it)."""
+    host = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    if provider == "cuda":
+        try:
+            gpu = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                capture_output=True, text=True, check=True,
+            ).stdout.splitlines()[0]  # fmt: skip
+        except (OSError, subprocess.CalledProcessError, IndexError):
+            gpu = "unknown GPU"
+        return f"cuda ({gpu}; host {host})"
+    return f"cpu ({host})"

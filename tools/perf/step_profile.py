@@ -30,11 +30,8 @@ import argparse
 import cProfile
 import io
 import json
-import os
-import platform
 import pstats
 import shlex
-import subprocess
 import sys
 import threading
 import time
@@ -233,25 +230,12 @@ def main(argv: list[str] | None = None) -> int:
 def record(args, argv: list[str] | None, results: list[dict]) -> dict:
     """The JSON bench/report.py renders: when, where, which commit and command, the results."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    from revision import git_revision  # bench/revision.py
+    from revision import device_name, git_revision  # bench/revision.py
 
-    host = f"{platform.machine()}, {os.cpu_count()} cores"
-    device = f"cpu ({host})"
-    if args.provider == "cuda":
-        try:
-            gpu = subprocess.run(
-                ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout.splitlines()[0]
-        except (OSError, subprocess.CalledProcessError, IndexError):
-            gpu = "unknown GPU"
-        device = f"cuda ({gpu}; host {host})"
     words = argv if argv is not None else sys.argv[1:]
     return {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "device": device,
+        "device": device_name(args.provider),
         "commit": git_revision(mark_dirty=False),
         "command": "python tools/perf/step_profile.py " + shlex.join(words),
         "results": results,
