@@ -18,6 +18,14 @@ from synthetic_models import VOCAB, Variant, make_model_dir
 SPECIALS = ["<pad>", "<s>", "</s>", "<eos>"]  # ids 0-3: pad, bos and the two EOS ids
 CHARS = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ .,!?:\n'")
 TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+# The graphs an engine step can run, as EngineConfig arguments: the served graph packed (the
+# default), packed with mixed calls, the served graph unpacked, the model's own graph.
+ENGINE_GRAPHS = {
+    "packed": {},
+    "packed-mixed": {"mixed": True},
+    "served": {"packed": False},
+    "own-graph": {"sample_on_device": False},
+}
 assert len(SPECIALS) + len(CHARS) == VOCAB
 
 

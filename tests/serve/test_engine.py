@@ -17,7 +17,7 @@ from ort_kvlayout.runtime.kv_cache import KvCache
 from ort_kvlayout.runtime.kv_memory import allocator_stats
 from ort_kvlayout.runtime.model_spec import KvSpec
 from ort_kvlayout.runtime.sampling import SamplingParams
-from serve_util import library_or_skip
+from serve_util import ENGINE_GRAPHS, library_or_skip
 from synthetic_models import VOCAB, Variant, make_model_dir
 
 PROMPTS = [
@@ -81,21 +81,13 @@ def params(n, **kwargs):
     return RequestParams(max_tokens=n, ignore_eos=True, **kwargs)
 
 
-GRAPHS = {  # the graphs a step can run, as EngineConfig arguments
-    "packed": {},
-    "packed-mixed": {"mixed": True},
-    "served": {"packed": False},
-    "own-graph": {"sample_on_device": False},
-}
-
-
-@pytest.mark.parametrize("graph", list(GRAPHS))
+@pytest.mark.parametrize("graph", list(ENGINE_GRAPHS))
 @pytest.mark.parametrize("chunk", [4, 256])
 def test_concurrent_requests_equal_generate_alone(model, alone, chunk, graph):
     """The served graph (lengths, logits at the sampled rows, SampleTokens), packed (a step's
     chunks in one call; mixed: its decode rows too) or not, and the model's own graph sampled
     on the host give every request the greedy tokens it gets alone."""
-    with engine(model, max_batch=4, prefill_chunk=chunk, **GRAPHS[graph]) as eng:
+    with engine(model, max_batch=4, prefill_chunk=chunk, **ENGINE_GRAPHS[graph]) as eng:
         handles = [eng.submit(p, params(n)) for p, n in zip(PROMPTS, LENGTHS)]
         got = [h.result() for h in handles]
         stats = eng.stats()

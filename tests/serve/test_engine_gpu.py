@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 from gpu_util import DEVICE, SKIP_REASON
+from serve_util import ENGINE_GRAPHS
 from synthetic_models import Variant, make_model_dir
 
 pytestmark = [
@@ -68,15 +69,7 @@ def _idle_stats(engine, timeout: float = 30.0) -> dict:
         time.sleep(0.01)
 
 
-GRAPHS = {  # as EngineConfig arguments
-    "packed": {},
-    "packed-mixed": {"mixed": True},
-    "served": {"packed": False},
-    "own-graph": {"sample_on_device": False},
-}
-
-
-@pytest.mark.parametrize("graph", list(GRAPHS))
+@pytest.mark.parametrize("graph", list(ENGINE_GRAPHS))
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("chunk", [8, 256])
 def test_engine_on_cuda_equals_runtime_alone(model, chunk, graphs, graph):
@@ -92,7 +85,7 @@ def test_engine_on_cuda_equals_runtime_alone(model, chunk, graphs, graph):
     granule = 2 << 20 if DEVICE == "cpu" else None
     config = EngineConfig(
         max_batch=3, prefill_chunk=chunk, provider=DEVICE, granule=granule,
-        **GRAPHS[graph], **_graph_config(graphs),
+        **ENGINE_GRAPHS[graph], **_graph_config(graphs),
     )  # fmt: skip
     # Every request is queued before the loop's first step, so the first step admits three
     # (however fast the device) and none can finish in it: peak_running is 3 by construction
