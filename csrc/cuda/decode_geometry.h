@@ -231,11 +231,13 @@ constexpr size_t DecSmemBytes(int hd, size_t elem, int warps) {
 // as constants (PlainShape), so every test of a feature folds away and the code on a CTA's path
 // is shorter (a B=1 call is a prologue and a merge run once per CTA, whose code is fetched cold:
 // docs/DECISIONS.md, "plain instances"). A one-token call (S = 1, every decode step) takes the
-// instance whose shape also says S = 1, where the per-row token arithmetic folds away.
+// instance whose shape also says S = 1, where the per-row token arithmetic folds away. That
+// form also serves query_seqlens (0 or 1 rows an entry: a served graph with packed tokens feeds
+// it to every decode step), read at run time.
 KVL_DEC_HD inline bool DecodePlain(const GqaShape& s) {
   return !s.has_attention_bias && !(s.softcap > 0.0f) && s.local_window < 0 &&
          !s.sliding_window_cache && !s.has_head_sink && !s.smooth_softmax && !s.has_q_norm &&
-         !s.has_k_norm && !s.has_query_seqlens && s.causal;
+         !s.has_k_norm && (!s.has_query_seqlens || s.seq_len == 1) && s.causal;
 }
 // Which instance serves a call: the full one, the plain one, or the plain one for one token;
 // or, where the plan packs heads (GqaCudaPlan::decode_packed), the plain one for one token with

@@ -64,7 +64,7 @@ __device__ __forceinline__ GqaShape PlainShape(GqaShape s, bool one_token) {
   s.smooth_softmax = false;
   s.has_q_norm = false;
   s.has_k_norm = false;
-  s.has_query_seqlens = false;
+  if (!one_token) s.has_query_seqlens = false;  // one token: 0 or 1 rows, read at run time
   s.causal = true;
   return s;
 }
