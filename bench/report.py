@@ -398,13 +398,26 @@ def step_profile(data: dict, name: str) -> list[str]:
         graph = _STEP_GRAPHS.get(r.get("mode", "device" if r["sample_on_device"] else "host"))
         if len(overlaps) > 1:  # runs both ways: say which
             graph += ", overlap " + ("on" if r.get("overlap") else "off")
-        gpu = r.get("gpu_ms_per_step")
-        cells = [graph, str(r["steps"]), f"{r['wall_ms_per_step']:.2f}",
-                 *(f"{r['phase_ms_per_step'][p]:.2f}" for p in phases),
-                 f"{gpu:.2f}" if gpu is not None else "-",
-                 f"{r['host_share']:.0%}" if gpu is not None else "-",
-                 f"{r['output_tok_s']:.0f}"]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
+        kinds = [(graph, r)] + [
+            (f"{graph}: {name}", r["by_kind"][kind])
+            for kind, name in (("decode", "decode steps"), ("prefill", "prefill steps"))
+            if kind in r.get("by_kind", {})
+        ]
+        for label, row in kinds:
+            gpu = row.get("gpu_ms_per_step")
+            cells = [label, str(row["steps"]), f"{row['wall_ms_per_step']:.2f}",
+                     *(f"{row['phase_ms_per_step'].get(p, 0.0):.2f}" for p in phases),
+                     f"{gpu:.2f}" if gpu is not None else "-",
+                     f"{row['host_share']:.0%}" if gpu is not None else "-",
+                     f"{r['output_tok_s']:.0f}" if row is r else "-"]  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
+    if any("by_kind" in r for r in results):
+        lines += ["", ("A step's kind: prefill steps ran a prefill call (eager, every kernel "
+                  "launched by ORT), decode steps decode rows alone (a CUDA graph's replay where "
+                  "graphs are on). Their wall times are the engine loop's step alone; the GPU "
+                  "time of decode steps comes from a pass profiling only the steps where every "
+                  "request decodes, that of prefill steps is the rest of the profiled kernel "
+                  "time.")]  # fmt: skip
     return lines
 
 

@@ -34,3 +34,58 @@ def test_each_mode_profiles_its_graph_and_the_json_renders(tmp_path):
     block = "\n".join(report.step_profile(data, out.name))
     for label in ("served (device sampling)", "served, packed", "model's own (host)"):
         assert f"| {label} |" in block
+
+
+def test_steps_split_by_kind(tmp_path):
+    """by_kind: the steps that ran a prefill call and those that decoded alone, which add up to
+    the run's steps; their rows render under the mode's."""
+    library_or_skip()
+    model = make_served_model(tmp_path / "model")
+    out = tmp_path / "step-profile-cpu.json"
+    args = [str(model), "--batch", "3", "--prompt", "6", "--output", "5", "--capacity", "64",
+            "--modes", "device", "--json", str(out)]  # fmt: skip
+    assert step_profile.main(args) == 0
+    data = json.loads(out.read_text())
+    (r,) = data["results"]
+    kinds = r["by_kind"]
+    assert set(kinds) == {"decode", "prefill"}
+    # one prefill call a prompt (a call per chunk), the rest decode steps
+    assert kinds["prefill"]["steps"] >= 1 and kinds["decode"]["steps"] >= 4 - 1
+    assert kinds["decode"]["steps"] + kinds["prefill"]["steps"] == r["steps"]
+    assert kinds["decode"]["phase_ms_per_step"]["run"] > 0
+    assert "gpu_ms_per_step" not in kinds["decode"]  # no CUDA here
+    block = "\n".join(report.step_profile(data, out.name))
+    assert "| served (device sampling): decode steps |" in block
+    assert "| served (device sampling): prefill steps |" in block
+
+
+class _FakeProfiler:
+    def __init__(self):
+        self.calls = []
+
+    def start(self):
+        self.calls.append("start")
+
+    def stop(self):
+        self.calls.append("stop")
+
+
+def test_the_decode_profiler_covers_the_steps_where_every_request_decodes(tmp_path):
+    """StepKinds with a profiler (the GPU pass's, faked here): started once, at the first step
+    where the whole burst decodes, stopped once after the step that ends it."""
+    library_or_skip()
+    from ort_kvlayout.serve.engine import Engine, EngineConfig, RequestParams
+
+    model = make_served_model(tmp_path / "model")
+    with Engine(model, EngineConfig(max_batch=3, capacity=64, sample_on_device=True)) as engine:
+        params = RequestParams(max_tokens=5, ignore_eos=True)
+        prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+        fake = _FakeProfiler()
+        kinds = step_profile.StepKinds(engine, fake)
+        step_profile.wrapped_burst(engine, prompts, params, kinds)
+    assert fake.calls == ["start", "stop"]
+    # the three prompts prefilled in the first step (within its chunk budget) before the
+    # profiler starts; 5 tokens: the first from the prefill, then 4 decode steps, all profiled
+    assert kinds.steps["prefill"] == 1
+    assert kinds.profiled_steps == 4 == kinds.steps["decode"]
+    assert engine._step is not kinds  # unwrapped

@@ -22,11 +22,18 @@ GPU's kernel time per step: what a step would cost if the host never made the GP
 slows the host's CUDA calls, so the wall time comes from the clean pass. `host share` = 1 - GPU
 / wall: the part of a step the host adds. `--cprofile N` prints the engine thread's N costliest
 Python functions (cProfile over the profiled pass's steps).
+
+Steps are also split by kind (`by_kind`): `prefill`, a step that ran a prefill call (eager: ORT
+launches every kernel), and `decode`, a step of decode rows alone (a CUDA graph's replay). The
+decode steps' GPU time comes from a third pass whose profiler runs only while every request of
+the burst is decoding; a prefill step's GPU time is the rest of the profiled pass's kernel time
+over its prefill steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import io
 import json
@@ -70,6 +77,94 @@ def burst(engine, prompts, params) -> float:
     for _ in prompts:
         left.acquire()
     return time.perf_counter() - start
+
+
+class StepKinds:
+    """Wraps engine._step: each step's wall time and phases (the engine's StepProfile), summed
+    by kind: "prefill" when the step ran a prefill call, else "decode". With `profiler`, starts
+    it at the first step where every request is decoding (none waiting or prefilling) and stops
+    it after the step that ends the last request, both on the engine thread that launches the
+    kernels."""
+
+    KINDS = ("decode", "prefill")
+
+    def __init__(self, engine, profiler=None):
+        self.engine, self.profiler = engine, profiler
+        self.step = engine._step
+        self.steps = dict.fromkeys(self.KINDS, 0)
+        self.wall_ns = dict.fromkeys(self.KINDS, 0)
+        self.phase_ns = {k: collections.Counter() for k in self.KINDS}
+        self.armed = False  # set once every request of the burst was submitted
+        self.profiling = False
+        self.profiled_steps = 0
+
+    def _all_decoding(self) -> bool:
+        e = self.engine
+        slots = [r for r in e._slots if r is not None]
+        return bool(slots) and not e._waiting and not e._inbox and all(r.decoding for r in slots)
+
+    def __call__(self) -> None:
+        e = self.engine
+        start = self.profiler is not None and self.armed and not self.profiling
+        if start and self._all_decoding():
+            self.profiler.start()
+            self.profiling = True
+        calls = e._counters["prefill_calls"]
+        phases = dict(e.executor.profile.ns)
+        t = time.perf_counter_ns()
+        try:
+            self.step()
+        finally:
+            wall = time.perf_counter_ns() - t
+            kind = "prefill" if e._counters["prefill_calls"] > calls else "decode"
+            self.steps[kind] += 1
+            self.wall_ns[kind] += wall
+            now = e.executor.profile.ns
+            self.phase_ns[kind].update({p: now[p] - phases.get(p, 0) for p in now})
+            if self.profiling:
+                self.profiled_steps += 1
+                if not any(r is not None for r in e._slots) and not e._waiting:
+                    self.profiler.stop()
+                    self.profiler = None  # once
+
+    def summary(self) -> dict:
+        out = {}
+        for kind in self.KINDS:
+            n = self.steps[kind]
+            if n:
+                out[kind] = {
+                    "steps": n,
+                    "wall_ms_per_step": self.wall_ns[kind] / 1e6 / n,
+                    "phase_ms_per_step": {p: v / 1e6 / n for p, v in self.phase_ns[kind].items()},
+                }
+        return out
+
+
+def wrapped_burst(engine, prompts, params, kinds: StepKinds) -> float:
+    """burst() with engine._step wrapped by `kinds`."""
+    engine._step = kinds
+    try:
+        # armed before the first submission is seen by a step: _all_decoding also asks for an
+        # empty inbox, and the burst's requests are prefilling until their prompts are in
+        kinds.armed = True
+        return burst(engine, prompts, params)
+    finally:
+        engine._step = kinds.step
+
+
+def decode_gpu(engine, prompts, params, args) -> tuple[float, int] | None:
+    """GPU ms per decode-only step (a pass whose profiler covers only the steps where every
+    request decodes) and how many such steps it saw; None without torch/CUDA."""
+    prof = gpu_profiler() if args.provider == "cuda" else None
+    if prof is None:
+        return None
+    kinds = StepKinds(engine, prof)
+    wrapped_burst(engine, prompts, params, kinds)
+    if not kinds.profiled_steps:
+        return None
+    if kinds.profiler is not None:  # the last step did not end the burst's last request
+        prof.stop()
+    return kernel_ms(prof) / kinds.profiled_steps, kinds.profiled_steps
 
 
 def profiled_burst(engine, prompts, params, args) -> tuple[float | None, str | None]:
@@ -133,9 +228,11 @@ def run_mode(args, mode: str, overlap: bool | None) -> dict:
         before = engine.stats()
         prompts = [rng.integers(16, vocab, args.prompt).tolist() for _ in range(args.batch)]
         params = RequestParams(max_tokens=args.output, ignore_eos=True)
-        wall = burst(engine, prompts, params)
+        kinds = StepKinds(engine)
+        wall = wrapped_burst(engine, prompts, params, kinds)
         after = engine.stats()
         gpu, cprofile_table = profiled_burst(engine, prompts, params, args)
+        decode = decode_gpu(engine, prompts, params, args)
     steps = after["steps"] - before["steps"]
     phases = {
         p: after["step_profile"]["total_ms"][p] - before["step_profile"]["total_ms"][p]
@@ -158,6 +255,16 @@ def run_mode(args, mode: str, overlap: bool | None) -> dict:
     if gpu is not None:
         out["gpu_ms_per_step"] = gpu
         out["host_share"] = 1 - gpu / out["wall_ms_per_step"]
+    out["by_kind"] = by_kind = kinds.summary()
+    if decode is not None and "decode" in by_kind:
+        row = by_kind["decode"]
+        row["gpu_ms_per_step"], row["gpu_steps"] = decode
+        row["host_share"] = 1 - decode[0] / row["wall_ms_per_step"]
+        if gpu is not None and "prefill" in by_kind:  # the rest of the kernel time
+            rest = gpu * steps - decode[0] * row["steps"]
+            prefill = by_kind["prefill"]
+            prefill["gpu_ms_per_step"] = max(rest, 0.0) / prefill["steps"]
+            prefill["host_share"] = 1 - prefill["gpu_ms_per_step"] / prefill["wall_ms_per_step"]
     if cprofile_table is not None:
         out["cprofile"] = cprofile_table
     return out
@@ -169,15 +276,25 @@ def table(results: list[dict]) -> str:
             "tok/s"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
-        gpu = r.get("gpu_ms_per_step")
-        cells = [r["mode"], "on" if r.get("overlap") else "off", str(r["steps"]),
-                 f"{r['wall_ms_per_step']:.2f}",
-                 *(f"{r['phase_ms_per_step'][p]:.2f}" for p in phases),
-                 f"{gpu:.2f}" if gpu is not None else "-",
-                 f"{r['host_share']:.0%}" if gpu is not None else "-",
-                 f"{r['output_tok_s']:.0f}"]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
+        for label, row in rows_by_kind(r, r["mode"]):
+            gpu = row.get("gpu_ms_per_step")
+            cells = [label, "on" if r.get("overlap") else "off", str(row["steps"]),
+                     f"{row['wall_ms_per_step']:.2f}",
+                     *(f"{row['phase_ms_per_step'].get(p, 0.0):.2f}" for p in phases),
+                     f"{gpu:.2f}" if gpu is not None else "-",
+                     f"{row['host_share']:.0%}" if gpu is not None else "-",
+                     f"{r['output_tok_s']:.0f}" if row is r else "-"]  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def rows_by_kind(result: dict, label: str) -> list[tuple[str, dict]]:
+    """A mode's row, then its decode-only and prefill steps' rows (where recorded)."""
+    rows = [(label, result)]
+    for kind, name in (("decode", "decode steps"), ("prefill", "prefill steps")):
+        if kind in result.get("by_kind", {}):
+            rows.append((f"{label}: {name}", result["by_kind"][kind]))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
