@@ -16,7 +16,8 @@
 # /tmp/gpu_serving); bench JSON to bench/results/ there too. SHAPE (default llama-3.2-1b),
 # BUDGET (KV bytes, default 40 GiB), CAPACITY (33792), MAX_BATCH (64), PACKING (the engine's
 # --packing list, default auto), OVERLAP (--overlap list, default auto), CHUNK (prefill tokens a step: 256 for chat, 4096 for the long mix;
-# a list runs each) and DEADLINE (seconds a system may run, 420) are the run's settings.
+# a list runs each), RATE (the long mix's requests a second, 2; inf: all at once) and DEADLINE
+# (seconds a system may run, 420) are the run's settings.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu_serving}"
@@ -66,7 +67,8 @@ case "${1:-}" in
     ;;
   long)
     python3 bench/bench_serving.py "${COMMON[@]}" --dataset long --num-requests 64 \
-      --request-rate 2 --prefill-chunk "${CHUNK:-4096}" --systems "${SYSTEMS:-engine,genai-paged}" \
+      --request-rate "${RATE:-2}" --prefill-chunk "${CHUNK:-4096}" \
+      --systems "${SYSTEMS:-engine,genai-paged}" \
       --json "$OUT/serving-long.json"
     ;;
   quant)
@@ -77,7 +79,7 @@ case "${1:-}" in
     ;;
   prealloc)
     python3 bench/bench_serving.py "${COMMON[@]}" --dataset long --num-requests 64 \
-      --request-rate 2 --prefill-chunk "${CHUNK:-4096}" --cache growable,preallocated \
+      --request-rate "${RATE:-2}" --prefill-chunk "${CHUNK:-4096}" --cache growable,preallocated \
       --systems engine --json "$OUT/serving-long-prealloc.json"
     ;;
   *)
