@@ -962,18 +962,20 @@ def _write_tokenizer(folder: Path, vocab: int) -> None:
 
 
 def build_shape(
-    shape: str, provider: str, root: Path, log=print, drop_hf: bool = False
-) -> dict[str, Path]:
+    shape: str, provider: str, root: Path, log=print, drop_hf: bool = False,
+    paged: bool = True,
+) -> dict[str, Path]:  # fmt: skip
     """Random-weight models of `shape` under root (each step skipped when its `.complete`
-    marker exists, so an interrupted build resumes): {"hf", "gqa", "seq-major"} and, on CUDA,
-    "paged". fp16 on CUDA, fp32 on the CPU (the builder's paged model is CUDA-only). The
-    seq-major patch hard-links the weights; drop_hf removes the Hugging Face folder once the
-    builder's models exist (the 8B shape then takes two 16 GB copies, not four)."""
+    marker exists, so an interrupted build resumes): {"hf", "gqa", "seq-major"} and, on CUDA
+    with `paged`, "paged" (og.Engine's peer model). fp16 on CUDA, fp32 on the CPU (the
+    builder's paged model is CUDA-only). The seq-major patch hard-links the weights; drop_hf
+    removes the Hugging Face folder once the builder's models exist (the 8B shape then takes
+    two 16 GB copies, not four; one without the paged model)."""
     precision, ep = ("fp16", "cuda") if provider == "cuda" else ("fp32", "cpu")
     base = root / f"{shape}-random-{precision}-{ep}"
     out = {"hf": base.with_name(base.name + "-hf"), "gqa": base,
            "seq-major": base.with_name(base.name + "-seq-major")}  # fmt: skip
-    if provider == "cuda":
+    if provider == "cuda" and paged:
         out["paged"] = base.with_name(base.name + "-paged")
 
     def done(path: Path) -> bool:
@@ -1045,6 +1047,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--build-only", action="store_true", help="with --model-shape: build, stop")
     p.add_argument("--drop-hf", action="store_true",
                    help="with --model-shape: delete the Hugging Face folder once built from")  # fmt: skip
+    p.add_argument("--no-paged", action="store_true",
+                   help="with --model-shape on CUDA: skip the builder's paged model (the "
+                        "genai-paged system's), for runs of the engine alone")  # fmt: skip
     p.add_argument("--systems", default="engine,genai",
                    help="engine,engine-host,server,cluster,genai,genai-paged (comma separated; "
                         "engine-host: sampled on the host; server: over HTTP; cluster: the "
@@ -1110,7 +1115,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{flag} {bad}: expected {', '.join(allowed)}")
     if args.model_shape:
         built = build_shape(args.model_shape, args.provider, args.build_dir or default_build_dir(),
-                            drop_hf=args.drop_hf)  # fmt: skip
+                            drop_hf=args.drop_hf, paged=not args.no_paged)  # fmt: skip
         args.model = args.model or built["seq-major"]
         args.genai_model = args.genai_model or built["gqa"]
         args.genai_paged_model = args.genai_paged_model or built.get("paged")

@@ -2,6 +2,7 @@
 # The serving runs on the GPU machine (shared/GPU.md), stage by stage, from the checkout's root:
 #
 #   bash scripts/gpu_serving.sh setup      # onnxruntime-gpu wheels, the package (CUDA), 1B models
+#   bash scripts/gpu_serving.sh models     # the SHAPE's models alone (SHAPE=llama-3.1-8b DROP_HF=1)
 #   bash scripts/gpu_serving.sh tests      # the GPU tests of the op's sampler and the engine
 #   bash scripts/gpu_serving.sh profile    # tools/perf/step_profile.py, served against host
 #                                          (MODES=device PROFILE_ARGS="--overlap on,off")
@@ -45,8 +46,13 @@ case "${1:-}" in
       >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
     echo "package built in $((SECONDS - t0)) s"
     python3 -c "import ort_kvlayout as k; print(k.__file__, k.build_info())"
-    # the 8B shape: DROP_HF=1 deletes the Hugging Face folder once the builder's models exist
-    python3 bench/bench_serving.py "${COMMON[@]}" --build-only ${DROP_HF:+--drop-hf}
+    exec bash "$0" models
+    ;;
+  models)
+    # the 8B shape: DROP_HF=1 deletes the Hugging Face folder once the builder's models exist,
+    # NO_PAGED=1 skips og.Engine's paged model (for the engine's own stages: prealloc, quant)
+    python3 bench/bench_serving.py "${COMMON[@]}" --build-only ${DROP_HF:+--drop-hf} \
+      ${NO_PAGED:+--no-paged}
     df -h / | tail -1
     ;;
   tests)
