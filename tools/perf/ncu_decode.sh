@@ -11,7 +11,7 @@
 #   SKIP=13 KERNELS=DecodeTc bash tools/perf/ncu_decode.sh 9/3/64 64x16384  # kv_layout=1's launch
 #   BENCH_ARGS="--kv-quant int8-per-channel" KERNELS=DecodeTc bash tools/perf/ncu_decode.sh \
 #       32/8/128 1x16384   # more bench_cuda.py flags (quantized variants launch too: count SKIP
-#                          # from the report's launch list)
+#                          # from the report's launch list, or profile them all: SKIP=0 COUNT=64)
 #
 # L2=1 measures instead the traffic between the SMs, the L2 and DRAM (bytes, requests, sectors,
 # hits), with the SM clock left free
@@ -42,7 +42,7 @@ for kernel in ${KERNELS:-DecodeTc flash}; do
   # runs in the profiler, which sees no CUPTI records, then 2 wall-time runs), kv0 first: SKIP=13
   # is kv1's fifth.
   ncu "${SECTIONS[@]}" --cache-control "${CACHE:-all}" -k "regex:$kernel" \
-    --launch-skip "${SKIP:-4}" --launch-count 1 \
+    --launch-skip "${SKIP:-4}" --launch-count "${COUNT:-1}" \
     python3 bench/bench_cuda.py --runs 2 --heads "$heads" --decode "$case" --prefill= \
     ${LIBRARY:+--library "$LIBRARY"} ${BENCH_ARGS:-} >"$report" 2>&1 || true
   echo "== $heads $case kernel ~ $kernel ($report)"
