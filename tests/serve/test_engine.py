@@ -8,6 +8,7 @@ request must still get the tokens it gets alone.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 
@@ -521,6 +522,58 @@ def test_padded_decode_buckets_equal_generate_alone(model, alone, chunk, on_devi
     assert stats["decode_padded_rows"] > 0  # free and prefilling slots padded the calls
     assert stats["graph_captures"] == stats["graph_replays"] == 0  # no CUDA: nothing captured
     assert stats["kv_bytes_moved"] == 0 and stats["kv_committed_bytes"] == 0
+
+
+def test_a_padded_decode_call_before_a_prefill_call_is_deferred(model, alone):
+    """A step's padded decode call followed by a prefill call: the prefill call runs before
+    the decode call's tokens are read (on CUDA its launches overlap the graph), and the tokens
+    are those of each request alone."""
+    with engine(model, max_batch=4, prefill_chunk=4, decode_buckets=(1, 2)) as eng:
+        order = []
+        bucket_tokens, run_packed = eng.executor._bucket_tokens, eng.executor.run_packed
+
+        def tokens(*args):
+            order.append("decode tokens")
+            return bucket_tokens(*args)
+
+        def packed(*args):
+            order.append("prefill call")
+            return run_packed(*args)
+
+        eng.executor._bucket_tokens, eng.executor.run_packed = tokens, packed
+        handles = [eng.submit(p, params(n)) for p, n in zip(PROMPTS, LENGTHS)]
+        got = [h.result() for h in handles]
+        stats = idle_stats(eng)
+    assert got == alone
+    assert stats["packed"] and stats["decode_deferred"] > 0
+    pairs = list(itertools.pairwise(order))
+    assert pairs.count(("prefill call", "decode tokens")) >= stats["decode_deferred"]
+
+
+def test_a_failing_call_after_a_deferred_decode_call(model):
+    """The call after a deferred decode call raises: the decode call is still waited for and
+    its tokens applied, then the step's failure ends the running requests with an error; the
+    engine serves on."""
+    with engine(model, max_batch=4, prefill_chunk=4, decode_buckets=(1, 2)) as eng:
+        run_packed, failed = eng.executor.run_packed, []
+
+        def packed(*args):
+            if eng.stats()["decode_calls"] and not failed:
+                failed.append(True)
+                raise RuntimeError("injected")
+            return run_packed(*args)
+
+        eng.executor.run_packed = packed
+        first = eng.submit(PROMPTS[0], params(40))
+        while not eng.stats()["decode_calls"]:  # decoding: the next chunk joins its decode call
+            time.sleep(0.001)
+        second = eng.submit(PROMPTS[1], params(3))
+        first.result(), second.result()
+        stats = idle_stats(eng)
+        assert failed and stats["step_errors"] == 1 and stats["decode_deferred"] >= 1
+        assert first.finish_reason == "error" and len(first.tokens) >= 2  # the deferred token
+        again = eng.submit(PROMPTS[2], params(3))
+        assert len(again.result()) == 3 and again.finish_reason == "length"
 
 
 def test_padded_decode_keeps_one_binding_per_bucket(model, alone):
