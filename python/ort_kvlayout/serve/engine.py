@@ -45,7 +45,9 @@ waiting request reuses the slot in place (0 bytes moved). Events reach their rea
 step's counters are published. With `overlap` (the CUDA default) that work leaves the step's
 critical path: the engine thread plans a step, passes the previous step's stats and events to a
 publisher thread, and runs the step's calls, during which (ORT's Run releases the GIL) the
-publisher decodes the events' text and hands them over. A stop string is still checked as its
+publisher decodes the events' text and hands them over; and a step's padded decode call is
+read after the step's next call was launched (on CUDA the graph runs while ORT launches the
+eager prefill call's kernels: Executor.run_bucket). A stop string is still checked as its
 token comes (a request with stop strings has its text decoded at once), so no request runs a
 step past its end.
 
@@ -697,14 +699,15 @@ class Engine:
         self._run_calls(calls)
 
     def _run_calls(self, calls: list) -> None:
-        """Runs the step's calls in order and applies each one's tokens. A padded decode call
-        followed by another call is deferred (Executor.run_bucket): the next call is launched
-        before the decode call's tokens are read, then both are applied in call order. Should
+        """Runs the step's calls in order and applies each one's tokens. With overlap, a padded
+        decode call followed by another call is deferred (Executor.run_bucket): the next call
+        is launched before the decode call's tokens are read, then both are applied in call
+        order. Should
         the next call fail, the deferred one is still waited for and applied (as when it ran
         first) before the failure ends the step, so no request's pages are released under it."""
-        deferred = None
+        deferred, overlap = None, self._handoff is not None
         for i, (run, commit) in enumerate(calls):
-            if getattr(run, "deferrable", False) and i + 1 < len(calls):
+            if overlap and getattr(run, "deferrable", False) and i + 1 < len(calls):
                 deferred = (run(defer=True), commit)
                 self._counters["decode_deferred"] += 1
                 continue
