@@ -84,8 +84,9 @@ def test_the_decode_profiler_covers_the_steps_where_every_request_decodes(tmp_pa
         kinds = step_profile.StepKinds(engine, fake)
         step_profile.wrapped_burst(engine, prompts, params, kinds)
     assert fake.calls == ["start", "stop"]
-    # the three prompts prefilled in the first step (within its chunk budget) before the
-    # profiler starts; 5 tokens: the first from the prefill, then 4 decode steps, all profiled
-    assert kinds.steps["prefill"] == 1
-    assert kinds.profiled_steps == 4 == kinds.steps["decode"]
+    # every prompt prefilled (their first token) before the profiler starts, then 4 decode
+    # steps: the last request to be prefilled decodes its other 4 tokens in steps of decode
+    # rows alone, all profiled (earlier requests may decode beside its prefill call)
+    assert kinds.steps["prefill"] >= 1
+    assert kinds.profiled_steps == 4 <= kinds.steps["decode"]
     assert engine._step is not kinds  # unwrapped

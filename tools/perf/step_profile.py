@@ -68,12 +68,15 @@ def kernel_ms(prof) -> float:
     return total_us / 1000
 
 
-def burst(engine, prompts, params) -> float:
-    """Submits every prompt at once; seconds until the last one finished."""
+def burst(engine, prompts, params, submitted=None) -> float:
+    """Submits every prompt at once; seconds until the last one finished. `submitted` (optional)
+    is called once every prompt was submitted."""
     left = threading.Semaphore(0)
     start = time.perf_counter()
     for p in prompts:
         engine.submit(p, params, on_event=lambda e: e.finished and left.release())
+    if submitted is not None:
+        submitted()
     for _ in prompts:
         left.acquire()
     return time.perf_counter() - start
@@ -144,10 +147,9 @@ def wrapped_burst(engine, prompts, params, kinds: StepKinds) -> float:
     """burst() with engine._step wrapped by `kinds`."""
     engine._step = kinds
     try:
-        # armed before the first submission is seen by a step: _all_decoding also asks for an
-        # empty inbox, and the burst's requests are prefilling until their prompts are in
-        kinds.armed = True
-        return burst(engine, prompts, params)
+        # armed once every request was submitted: a step before that may see the first
+        # requests decode while later ones are yet to come
+        return burst(engine, prompts, params, submitted=lambda: setattr(kinds, "armed", True))
     finally:
         engine._step = kinds.step
 
