@@ -388,19 +388,11 @@ class Runtime:
         )
 
     # -----------------------------------------------------------------------------------------
-    def run_options(self, graph_id: int | None, sync: bool = True) -> ort.RunOptions | None:
-        """The Run options of a call with CUDA graphs on (None without): graph `graph_id` (None:
-        never captured); sync=False lets Run return before the call's kernels are done (ORT's
-        disable_synchronize_execution_providers; a graph's replay honours it in the releases
-        with microsoft/onnxruntime#28686, 2026, and synchronizes in older ones): only where a
-        later synchronizing call on the session's one stream (graphs on: every Run shares it),
-        or IOBinding.synchronize_outputs, comes before the outputs are read."""
+    def run_options(self, graph_id: int | None) -> ort.RunOptions | None:
         if not self.cuda_graph:
             return None
         options = ort.RunOptions()
         options.add_run_config_entry("gpu_graph_id", str(-1 if graph_id is None else graph_id))
-        if not sync:
-            options.add_run_config_entry("disable_synchronize_execution_providers", "1")
         return options
 
     def _run_prefill(self, cache: KvCache, ids, mask, positions) -> np.ndarray:

@@ -45,9 +45,7 @@ waiting request reuses the slot in place (0 bytes moved). Events reach their rea
 step's counters are published. With `overlap` (the CUDA default) that work leaves the step's
 critical path: the engine thread plans a step, passes the previous step's stats and events to a
 publisher thread, and runs the step's calls, during which (ORT's Run releases the GIL) the
-publisher decodes the events' text and hands them over; and a step's padded decode call is
-read after the step's next call was launched (on CUDA the graph runs while ORT launches the
-eager prefill call's kernels: Executor.run_bucket). A stop string is still checked as its
+publisher decodes the events' text and hands them over. A stop string is still checked as its
 token comes (a request with stop strings has its text decoded at once), so no request runs a
 step past its end.
 
@@ -696,29 +694,8 @@ class Engine:
                 calls += [self._prefill_call(r, take) for r, take in chunks]
         if self._handoff is not None:
             self._publish()  # the last step's events go out while these calls run
-        self._run_calls(calls)
-
-    def _run_calls(self, calls: list) -> None:
-        """Runs the step's calls in order and applies each one's tokens. With overlap, a padded
-        decode call followed by another call is deferred (Executor.run_bucket): the next call
-        is launched before the decode call's tokens are read, then both are applied in call
-        order. Should
-        the next call fail, the deferred one is still waited for and applied (as when it ran
-        first) before the failure ends the step, so no request's pages are released under it."""
-        deferred, overlap = None, self._handoff is not None
-        for i, (run, commit) in enumerate(calls):
-            if overlap and getattr(run, "deferrable", False) and i + 1 < len(calls):
-                deferred = (run(defer=True), commit)
-                self._counters["decode_deferred"] += 1
-                continue
-            try:
-                tokens = run()
-            finally:
-                if deferred is not None:
-                    wait, commit_deferred = deferred
-                    deferred = None
-                    commit_deferred(wait())
-            commit(tokens)
+        for run, commit in calls:
+            commit(run())
 
     def _decode_call(self, lo: int, hi: int, padded: bool):
         """The decode call of slots [lo, hi), planned now: what runs it and what applies its
@@ -735,8 +712,6 @@ class Engine:
         ids, totals = decode_rows(slots, self.spec.pad_token_id)
         if padded:
             run = functools.partial(self.executor.run_bucket, hi, ids, totals, samplers)
-            # _run_calls: a call after it is launched before its tokens are read
-            run.deferrable = True
         elif self.executor.packed:  # the slots that decode nothing idle
             rows = [
                 ([r.seq[r.cached]], r.cached) if r is not None and r.decoding else ((), 0)
@@ -898,7 +873,6 @@ class Engine:
         }
         for key in (
             "steps", "decode_calls", "decode_rows", "decode_padded_rows", "decode_eager_fallbacks",
-            "decode_deferred",
             "prefill_calls", "prefill_chunks", "prefill_tokens", "mixed_calls", "tokens",
             "admitted", "rejected", "step_errors", "callback_errors", "detokenize_errors", "publish_errors", "finished_stop",
             "finished_length", "finished_cancelled", "finished_error",

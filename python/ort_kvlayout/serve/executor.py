@@ -33,9 +33,7 @@ an error.
 from __future__ import annotations
 
 import collections
-import functools
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -252,18 +250,11 @@ class Executor:
 
     # --- padded decode calls -------------------------------------------------------------------
     def run_bucket(
-        self, bucket: int, ids: list[int], totals: list[int], rows: list[Sampler | None],
-        defer: bool = False,
-    ) -> list[int | None] | Callable[[], list[int | None]]:  # fmt: skip
+        self, bucket: int, ids: list[int], totals: list[int], rows: list[Sampler | None]
+    ) -> list[int | None]:
         """The decode call of slots [0, bucket) through its fixed binding; with CUDA graphs,
         graph id `bucket`: ORT runs it CUDA_GRAPH_WARMUP_RUNS times, captures it on the next
-        run and replays it from then on (the cache's counters follow that rule). Its tokens,
-        or with `defer` a function that returns them: the caller runs the step's next call
-        first, and with CUDA graphs this Run returns once the graph is launched (where ORT
-        honours it: Runtime.run_options), so the next call's host work (an eager call's
-        launches) overlaps the graph on the GPU. The session's calls share one stream then,
-        so the next call's kernels, and its reuse of the graph's freed memory, follow the
-        graph's; the function waits for the device before it reads."""
+        run and replays it from then on (the cache's counters follow that rule)."""
         t = time.perf_counter_ns()
         call = self._buckets.get(bucket)
         if call is None:
@@ -272,26 +263,15 @@ class Executor:
         t = self.profile.add("inputs", t)
         runs = self.bucket_calls[bucket]
         graph_id = bucket if self.graphs else None
-        options = self.runtime.run_options(graph_id, sync=not defer)
-        self.runtime.session.run_with_iobinding(call.binding, options)
-        self.profile.add("run", t)
+        self.runtime.session.run_with_iobinding(call.binding, self.runtime.run_options(graph_id))
+        t = self.profile.add("run", t)
         self.bucket_calls[bucket] = runs + 1
         if self.graphs:
             if runs == CUDA_GRAPH_WARMUP_RUNS:
                 self.cache.stats.graph_captures += 1
             elif runs > CUDA_GRAPH_WARMUP_RUNS:
                 self.cache.stats.replays += 1
-        tokens = functools.partial(self._bucket_tokens, call, rows, defer)
-        return tokens if defer else tokens()
-
-    def _bucket_tokens(self, call: _BucketCall, rows: list[Sampler | None], wait: bool):
-        """A bucket call's tokens, once its kernels are done (`wait`: its Run may have returned
-        before: synchronize first)."""
-        t = time.perf_counter_ns()
-        if wait:
-            call.binding.synchronize_outputs()
-            t = self.profile.add("run", t)
-        out = call.output()  # on the host: the call's kernels are done
+        out = call.output()  # on the host: the step's kernels are done
         self.runtime.check_length_record("engine decode step")
         t = self.profile.add("readback", t)
         if self.served is not None:
