@@ -322,7 +322,7 @@ class EngineVariant:
     model, replicas (the cluster system), --packing value and --overlap value (the engine
     system only: auto, on or off)."""
 
-    chunk: int
+    chunk: int | None  # None: the engine's default for the provider
     cache: str
     sampling: str
     model: Path
@@ -479,9 +479,11 @@ def run_server(args, items: list[Item]) -> dict:
         port = sock.getsockname()[1]
     chunk, cache = args.variant.chunk, args.variant.cache
     cmd = [sys.executable, "-m", "ort_kvlayout.serve.cli", "serve", str(variant_model(args)),
-           "--port", str(port), "--max-batch", str(args.max_batch), "--prefill-chunk",
-           str(chunk), "--cache", cache, "--provider", args.provider,
+           "--port", str(port), "--max-batch", str(args.max_batch),
+           "--cache", cache, "--provider", args.provider,
            "--max-waiting", str(len(items) + 1), "--model-id", "bench"]  # fmt: skip
+    if chunk is not None:
+        cmd += ["--prefill-chunk", str(chunk)]
     if args.kv_budget:
         cmd += ["--kv-budget", str(args.kv_budget)]
     if args.variant.packing != "auto":
@@ -1077,7 +1079,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-batch", type=int, default=4, help="engine slots (og.Engine CPU: 4)")
-    p.add_argument("--prefill-chunk", default="256", help="engine chunk(s), e.g. 64,4096")
+    p.add_argument("--prefill-chunk", default="auto",
+                   help="engine chunk(s), e.g. 64,4096 (auto: the engine's default for the "
+                        "provider)")  # fmt: skip
     p.add_argument("--provider", choices=["cpu", "cuda"], default="cpu", help="the engine's")
     p.add_argument("--cache", default="growable", help="engine cache(s): growable,preallocated")
     p.add_argument("--overlap", default="auto",
@@ -1174,7 +1178,8 @@ def main(argv: list[str] | None = None) -> int:
                 notes += ["host sampling"] if name == "engine-host" else []
                 notes += [f"{count} replica{'s' * (count != '1')}"] if count else []
                 label = f"{base} ({', '.join(notes)})" if notes else base
-                variant = EngineVariant(int(chunk), cache, sampling, quant_models[scheme],
+                chunk = None if chunk == "auto" else int(chunk)
+                variant = EngineVariant(chunk, cache, sampling, quant_models[scheme],
                                         int(count) if count else None, packing,
                                         overlap)  # fmt: skip
                 systems.append((label, fn, variant))

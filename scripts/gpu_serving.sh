@@ -16,7 +16,8 @@
 # ORT and cuDNN-frontend headers in .device/hdr/{ort,cudnn_frontend/include}. Results go to $OUT (or
 # /tmp/gpu_serving); bench JSON to bench/results/ there too. SHAPE (default llama-3.2-1b),
 # BUDGET (KV bytes, default 40 GiB), CAPACITY (33792), MAX_BATCH (64), PACKING (the engine's
-# --packing list, default auto), OVERLAP (--overlap list, default auto), CHUNK (prefill tokens a step: 256 for chat, 4096 for the long mix;
+# --packing list, default auto), OVERLAP (--overlap list, default auto), CHUNK (prefill tokens a
+# step: the engine's default (auto) for chat, 4096 for the long mix;
 # a list runs each), RATE (the long mix's requests a second, 2; inf: all at once) and DEADLINE
 # (seconds a system may run, 420) are the run's settings.
 set -uo pipefail
@@ -67,7 +68,7 @@ case "${1:-}" in
     ;;
   chat)
     python3 bench/bench_serving.py "${COMMON[@]}" --dataset chat --num-requests 256 \
-      --request-rate inf --prefill-chunk "${CHUNK:-256}" \
+      --request-rate inf --prefill-chunk "${CHUNK:-auto}" \
       --systems "${SYSTEMS:-engine,engine-host,genai-paged}" \
       --json "$OUT/serving-chat.json"
     ;;

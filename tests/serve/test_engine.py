@@ -632,6 +632,20 @@ def test_packing_defaults_and_refusals():
         EngineConfig(mixed=True, packed=False)
 
 
+def test_prefill_chunk_defaults_by_provider():
+    """No prefill_chunk: 1,024 prompt tokens a step with CUDA (eager prefill calls bound by
+    kernel launches below that), 256 on the CPU; a given one is kept, and checked."""
+    from ort_kvlayout.serve.engine import EngineConfig
+    from ort_kvlayout.serve.engine_config import CPU_PREFILL_CHUNK, CUDA_PREFILL_CHUNK
+
+    assert (CPU_PREFILL_CHUNK, CUDA_PREFILL_CHUNK) == (256, 1024)
+    assert EngineConfig().chunk == CPU_PREFILL_CHUNK
+    assert EngineConfig(provider="cuda").chunk == CUDA_PREFILL_CHUNK
+    assert EngineConfig(provider="cuda", prefill_chunk=64).chunk == 64
+    with pytest.raises(ValueError, match="prefill_chunk must be >= 1, got 0"):
+        EngineConfig(prefill_chunk=0)
+
+
 def test_stats_give_the_kv_bytes_of_a_token(model):
     """kv_bytes_per_token: what one token of one slot commits over every buffer (a router's
     estimate of a request's need): the reservation is max_batch x capacity of them."""

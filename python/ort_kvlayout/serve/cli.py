@@ -24,6 +24,7 @@ from pathlib import Path
 
 from .arguments import PACKING, packing_fields, parse_buckets, parse_budget, parse_bytes
 from .auth import API_KEY_ENV, exposed_without_key
+from .engine_config import CPU_PREFILL_CHUNK, CUDA_PREFILL_CHUNK
 
 __all__ = ["build_parser", "main", "parse_buckets", "parse_budget", "parse_bytes"]
 
@@ -60,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "whole on the CPU")  # fmt: skip
     p.add_argument("--cache", choices=["growable", "preallocated"], default="growable",
                    help="preallocated: every slot committed whole (the budget buys whole slots)")  # fmt: skip
-    p.add_argument("--prefill-chunk", type=int, default=256,
-                   help="prompt tokens prefilled per step (bounds the decode stall)")  # fmt: skip
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt tokens prefilled per step (bounds the decode stall; default: "
+                        f"{CUDA_PREFILL_CHUNK} with CUDA, {CPU_PREFILL_CHUNK} on the CPU)")  # fmt: skip
     p.add_argument("--packing", choices=list(PACKING), default="auto",
                    help="a step's prefill chunks in one call computing only their tokens: auto "
                         "(where the graph allows it), off (a call per chunk), on (or an error), "

@@ -279,7 +279,7 @@ class Engine:
         # Rows a CUDA fp16 prefill may read past its chunk (Runtime.prefill_read_slack: cuDNN's
         # key tiles); 0 on the CPU.
         self._limits = Limits(
-            self.budget, self.capacity, config.prefill_chunk, self.runtime.prefill_read_slack(),
+            self.budget, self.capacity, config.chunk, self.runtime.prefill_read_slack(),
             self.buckets, packed=self.packed,
         )  # fmt: skip
 

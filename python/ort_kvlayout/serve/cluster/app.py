@@ -57,7 +57,7 @@ class ClusterOptions:
     capacity: int | None = None
     kv_budget: str | None = None
     cache: str = "growable"
-    prefill_chunk: int = 256
+    prefill_chunk: int | None = None  # None: EngineConfig's default for the provider
     cuda_graph: bool | None = None
     decode_buckets: str | None = None
     packing: str = "auto"
