@@ -67,8 +67,12 @@ def test_the_step_profile_table_shows_each_graph_and_the_gpu_share():
     for path in report.RESULTS.glob(report.STEP_PROFILES):
         data = json.loads(path.read_text())
         block = "\n".join(report.step_profile(data, path.name))
+        both_ways = len({r.get("overlap") for r in data["results"]}) > 1
         for r in data["results"]:  # a row per mode, named as step_profile.py's --modes
-            assert f"| {report._STEP_GRAPHS[r['mode']]} |" in block
+            label = report._STEP_GRAPHS[r["mode"]]
+            if both_ways:  # a run of --overlap on,off says which
+                label += ", overlap " + ("on" if r["overlap"] else "off")
+            assert f"| {label} |" in block
         assert "GPU ms/step" in block and "host share" in block
 
 
