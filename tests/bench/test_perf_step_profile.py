@@ -12,14 +12,20 @@ step_profile = load_perf("step_profile")
 report = load_bench("report")
 
 
-def test_each_mode_profiles_its_graph_and_the_json_renders(tmp_path):
+def profile(tmp_path, output: int, modes: str) -> tuple[dict, str]:
+    """step_profile.py on a synthetic served model, 3 requests of 6 prompt tokens: its JSON and
+    the file's name."""
     library_or_skip()
     model = make_served_model(tmp_path / "model")
     out = tmp_path / "step-profile-cpu.json"
-    args = [str(model), "--batch", "3", "--prompt", "6", "--output", "4", "--capacity", "64",
-            "--modes", "device,packed,host", "--json", str(out)]  # fmt: skip
+    args = [str(model), "--batch", "3", "--prompt", "6", "--output", str(output), "--capacity",
+            "64", "--modes", modes, "--json", str(out)]  # fmt: skip
     assert step_profile.main(args) == 0
-    data = json.loads(out.read_text())
+    return json.loads(out.read_text()), out.name
+
+
+def test_each_mode_profiles_its_graph_and_the_json_renders(tmp_path):
+    data, name = profile(tmp_path, output=4, modes="device,packed,host")
     assert {"date", "device", "commit", "command"} <= set(data)
     assert data["command"].startswith("python tools/perf/step_profile.py ")
     modes = {r["mode"]: r for r in data["results"]}
@@ -31,7 +37,7 @@ def test_each_mode_profiles_its_graph_and_the_json_renders(tmp_path):
         assert "gpu_ms_per_step" not in r  # no CUDA here: no GPU column to claim
     # packed: the three prompts of the first step in one call
     assert modes["packed"]["prefill_calls"] < modes["device"]["prefill_calls"]
-    block = "\n".join(report.step_profile(data, out.name))
+    block = "\n".join(report.step_profile(data, name))
     for label in ("served (device sampling)", "served, packed", "model's own (host)"):
         assert f"| {label} |" in block
 
@@ -39,13 +45,7 @@ def test_each_mode_profiles_its_graph_and_the_json_renders(tmp_path):
 def test_steps_split_by_kind(tmp_path):
     """by_kind: the steps that ran a prefill call and those that decoded alone, which add up to
     the run's steps; their rows render under the mode's."""
-    library_or_skip()
-    model = make_served_model(tmp_path / "model")
-    out = tmp_path / "step-profile-cpu.json"
-    args = [str(model), "--batch", "3", "--prompt", "6", "--output", "5", "--capacity", "64",
-            "--modes", "device", "--json", str(out)]  # fmt: skip
-    assert step_profile.main(args) == 0
-    data = json.loads(out.read_text())
+    data, name = profile(tmp_path, output=5, modes="device")
     (r,) = data["results"]
     kinds = r["by_kind"]
     assert set(kinds) == {"decode", "prefill"}
@@ -54,7 +54,7 @@ def test_steps_split_by_kind(tmp_path):
     assert kinds["decode"]["steps"] + kinds["prefill"]["steps"] == r["steps"]
     assert kinds["decode"]["phase_ms_per_step"]["run"] > 0
     assert "gpu_ms_per_step" not in kinds["decode"]  # no CUDA here
-    block = "\n".join(report.step_profile(data, out.name))
+    block = "\n".join(report.step_profile(data, name))
     assert "| served (device sampling): decode steps |" in block
     assert "| served (device sampling): prefill steps |" in block
 
