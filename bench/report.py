@@ -411,6 +411,16 @@ def step_profile(data: dict, name: str) -> list[str]:
                      f"{row['host_share']:.0%}" if gpu is not None else "-",
                      f"{r['output_tok_s']:.0f}" if row is r else "-"]  # fmt: skip
             lines.append("| " + " | ".join(cells) + " |")
+    for r in results:
+        if r.get("driver"):
+            graph = _STEP_GRAPHS.get(r.get("mode", "device" if r["sample_on_device"] else "host"))
+            if len(overlaps) > 1:
+                graph += ", overlap " + ("on" if r.get("overlap") else "off")
+            calls = "; ".join(
+                f"{name} {t['calls']} x {t['us_per_call']:.0f} us ({t['ms_per_step']:.2f} ms/step)"
+                for name, t in r["driver"].items()
+            )
+            lines += ["", f"The KV cache's CUDA driver calls, {graph}: {calls}."]
     if any("by_kind" in r for r in results):
         lines += ["", ("A step's kind: prefill steps ran a prefill call (eager, every kernel "
                   "launched by ORT), decode steps decode rows alone (a CUDA graph's replay where "

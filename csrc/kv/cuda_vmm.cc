@@ -5,7 +5,9 @@
 #include <cuda.h>
 #include <dlfcn.h>
 
+#include <array>
 #include <atomic>
+#include <chrono>
 #include <mutex>
 #include <string>
 
@@ -146,6 +148,24 @@ void AddStats(int64_t reservations, int64_t reserved, int64_t mapped, int64_t ha
   g_stats.handles += handles;
 }
 
+constexpr size_t kDriverCalls = static_cast<size_t>(DriverCall::kCount);
+std::array<std::atomic<int64_t>, kDriverCalls> g_driver_calls{};
+std::array<std::atomic<int64_t>, kDriverCalls> g_driver_ns{};
+
+// Runs one driver call and adds its wall time to `call`'s totals.
+template <typename F>
+CUresult Timed(DriverCall call, F&& fn) {
+  const auto start = std::chrono::steady_clock::now();
+  const CUresult rc = fn();
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::steady_clock::now() - start)
+                      .count();
+  const size_t i = static_cast<size_t>(call);
+  g_driver_calls[i].fetch_add(1, std::memory_order_relaxed);
+  g_driver_ns[i].fetch_add(static_cast<int64_t>(ns), std::memory_order_relaxed);
+  return rc;
+}
+
 // Consumes the failure hook: true when this cuMemCreate must fail.
 bool SimulatedCreateFailure() {
   int current = g_fail_after.load();
@@ -168,6 +188,26 @@ CUmemAllocationProp DeviceProp(int device) {
 Stats GetStats() {
   std::lock_guard<std::mutex> lock(g_stats_mutex);
   return g_stats;
+}
+
+const char* DriverCallName(DriverCall call) {
+  switch (call) {
+    case DriverCall::kCreate: return "cuMemCreate";
+    case DriverCall::kMap: return "cuMemMap";
+    case DriverCall::kSetAccess: return "cuMemSetAccess";
+    case DriverCall::kUnmap: return "cuMemUnmap";
+    case DriverCall::kRelease: return "cuMemRelease";
+    case DriverCall::kSynchronize: return "cuCtxSynchronize";
+    case DriverCall::kCount: break;
+  }
+  return "unknown";
+}
+
+DriverTime GetDriverTime(DriverCall call) {
+  const size_t i = static_cast<size_t>(call);
+  if (i >= kDriverCalls) return {};
+  return {g_driver_calls[i].load(std::memory_order_relaxed),
+          g_driver_ns[i].load(std::memory_order_relaxed)};
 }
 
 void FailCreateAfter(int after) { g_fail_after.store(after < 0 ? -1 : after); }
@@ -261,11 +301,16 @@ Status Reservation::Map(size_t offset, size_t size, size_t* added) {
     if (SimulatedCreateFailure()) {
       return CudaStatus(CUDA_ERROR_OUT_OF_MEMORY, "cuMemCreate(" + what + " [simulated]");
     }
-    KVL_CU(d->Create(&handle, granularity_, &prop, 0), "cuMemCreate(" + what);
+    KVL_CU(Timed(DriverCall::kCreate, [&] { return d->Create(&handle, granularity_, &prop, 0); }),
+           "cuMemCreate(" + what);
     const CUdeviceptr at = static_cast<CUdeviceptr>(ptr_ + g * granularity_);
-    Status st = CudaStatus(d->Map(at, granularity_, 0, handle, 0), "cuMemMap(" + what);
+    Status st = CudaStatus(
+        Timed(DriverCall::kMap, [&] { return d->Map(at, granularity_, 0, handle, 0); }),
+        "cuMemMap(" + what);
     if (st.ok()) {
-      st = CudaStatus(d->SetAccess(at, granularity_, &access, 1), "cuMemSetAccess(" + what);
+      st = CudaStatus(
+          Timed(DriverCall::kSetAccess, [&] { return d->SetAccess(at, granularity_, &access, 1); }),
+          "cuMemSetAccess(" + what);
       if (!st.ok()) d->Unmap(at, granularity_);
     }
     if (!st.ok()) {
@@ -289,16 +334,17 @@ Status Reservation::Unmap(size_t offset, size_t size) {
   KVL_RETURN_IF_ERROR(DriverOrError(&d));
   ScopedContext scope(*d, context_);
   KVL_RETURN_IF_ERROR(scope.status());
-  KVL_CU(d->CtxSynchronize(), "cuCtxSynchronize");  // no kernel may still use these pages
+  // no kernel may still use these pages
+  KVL_CU(Timed(DriverCall::kSynchronize, [&] { return d->CtxSynchronize(); }), "cuCtxSynchronize");
   for (size_t g = offset / granularity_; g < (offset + size) / granularity_; ++g) {
     if (handles_[g] == 0) continue;
     const CUdeviceptr at = static_cast<CUdeviceptr>(ptr_ + g * granularity_);
-    KVL_CU(d->Unmap(at, granularity_), "cuMemUnmap");
+    KVL_CU(Timed(DriverCall::kUnmap, [&] { return d->Unmap(at, granularity_); }), "cuMemUnmap");
     const CUmemGenericAllocationHandle handle = handles_[g];
     handles_[g] = 0;
     mapped_bytes_ -= granularity_;
     AddStats(0, 0, -static_cast<int64_t>(granularity_), -1);
-    KVL_CU(d->Release(handle), "cuMemRelease");
+    KVL_CU(Timed(DriverCall::kRelease, [&] { return d->Release(handle); }), "cuMemRelease");
   }
   return Status::Ok();
 }

@@ -25,6 +25,17 @@ struct Stats {
 };
 Stats GetStats();
 
+// Process-wide time spent in the driver's memory calls since the process began (cumulative,
+// never reset): what committing and releasing granules costs the host, call by call. Read twice
+// and subtract to time a span of work.
+enum class DriverCall { kCreate, kMap, kSetAccess, kUnmap, kRelease, kSynchronize, kCount };
+const char* DriverCallName(DriverCall call);
+struct DriverTime {
+  int64_t calls = 0;
+  int64_t ns = 0;
+};
+DriverTime GetDriverTime(DriverCall call);
+
 // Test hook: the (after+1)-th next cuMemCreate fails as CUDA_ERROR_OUT_OF_MEMORY would;
 // after < 0 disarms it.
 void FailCreateAfter(int after);

@@ -229,6 +229,22 @@ void BindCudaVmm(py::module_& m) {
     d["handles"] = s.handles;
     return d;
   });
+  m.def(
+      "vmm_driver_times",
+      [] {
+        py::dict d;
+        for (int i = 0; i < static_cast<int>(kvl::vmm::DriverCall::kCount); ++i) {
+          const auto call = static_cast<kvl::vmm::DriverCall>(i);
+          const kvl::vmm::DriverTime t = kvl::vmm::GetDriverTime(call);
+          py::dict entry;
+          entry["calls"] = t.calls;
+          entry["ns"] = t.ns;
+          d[kvl::vmm::DriverCallName(call)] = entry;
+        }
+        return d;
+      },
+      "Cumulative calls and wall ns of the driver's memory calls (cuMemCreate, cuMemMap, "
+      "cuMemSetAccess, cuMemUnmap, cuMemRelease, cuCtxSynchronize) since the process began");
   m.def("vmm_fail_after", &kvl::vmm::FailCreateAfter, py::arg("after"),
         "Test hook: the (after+1)-th next cuMemCreate fails (CUDA_ERROR_OUT_OF_MEMORY); "
         "after < 0 disarms it");

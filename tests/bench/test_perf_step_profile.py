@@ -90,3 +90,19 @@ def test_the_decode_profiler_covers_the_steps_where_every_request_decodes(tmp_pa
     assert kinds.steps["prefill"] >= 1
     assert kinds.profiled_steps == 4 <= kinds.steps["decode"]
     assert engine._step is not kinds  # unwrapped
+
+
+def test_driver_calls_are_counted_per_pass_and_rendered():
+    """driver_delta keeps the calls made between two readings; a result's `driver` renders as
+    one line under the table (CPU builds have none: the key is absent)."""
+    before = {"cuMemCreate": {"calls": 2, "ns": 100}, "cuMemUnmap": {"calls": 1, "ns": 50}}
+    after = {"cuMemCreate": {"calls": 34, "ns": 3300}, "cuMemUnmap": {"calls": 1, "ns": 50}}
+    assert step_profile.driver_delta(before, after) == {"cuMemCreate": {"calls": 32, "ns": 3200}}
+    assert step_profile.driver_delta({}, after)["cuMemUnmap"] == {"calls": 1, "ns": 50}
+    result = {"mode": "packed", "overlap": True, "sample_on_device": True, "steps": 4,
+              "wall_ms_per_step": 2.0, "phase_ms_per_step": {"kv": 0.5}, "output_tok_s": 10.0,
+              "driver": {"cuMemCreate": {"calls": 32, "ns": 3200, "us_per_call": 0.1,
+                                         "ms_per_step": 0.0008}}}  # fmt: skip
+    data = {"date": "d", "device": "cpu", "commit": "c", "command": "python x", "results": [result]}
+    block = "\n".join(report.step_profile(data, "step-profile-x.json"))
+    assert "The KV cache's CUDA driver calls, served, packed: cuMemCreate 32 x 0 us" in block

@@ -59,6 +59,30 @@ def test_reservation_maps_granules_on_demand():
     res.close()
 
 
+def test_driver_times_count_each_granule_mapped_and_unmapped():
+    """kv_memory.driver_times(): one cuMemCreate, cuMemMap and cuMemSetAccess a granule mapped,
+    one cuMemUnmap and cuMemRelease a granule unmapped, each with its time."""
+    from ort_kvlayout.runtime.kv_memory import DeviceReservation, driver_times
+
+    def delta(before, after):
+        return {n: after[n]["calls"] - before[n]["calls"] for n in after}
+
+    res = DeviceReservation(8 << 20)
+    g = res.granule
+    before = driver_times()
+    res.commit(0, 3 * g)
+    mapped = driver_times()
+    calls = delta(before, mapped)
+    assert calls["cuMemCreate"] == calls["cuMemMap"] == calls["cuMemSetAccess"] == 3
+    assert calls["cuMemUnmap"] == calls["cuMemRelease"] == 0
+    assert all(mapped[n]["ns"] > before[n]["ns"] for n in ("cuMemCreate", "cuMemMap"))
+    res.decommit(0, 2 * g)
+    calls = delta(mapped, driver_times())
+    assert calls["cuMemUnmap"] == calls["cuMemRelease"] == 2 and calls["cuMemCreate"] == 0
+    assert calls["cuCtxSynchronize"] == 1
+    res.close()
+
+
 def test_failed_physical_allocation_names_the_cuda_error():
     from ort_kvlayout.runtime.kv_memory import (
         DeviceReservation,

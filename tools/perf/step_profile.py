@@ -23,6 +23,10 @@ slows the host's CUDA calls, so the wall time comes from the clean pass. `host s
 / wall: the part of a step the host adds. `--cprofile N` prints the engine thread's N costliest
 Python functions (cProfile over the profiled pass's steps).
 
+With a CUDA build, `driver` gives the KV cache's CUDA driver calls of the clean pass
+(cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap, cuMemRelease, the cuCtxSynchronize before an
+unmap): calls, µs a call and ms a step, what the `kv` phase is made of.
+
 Steps are also split by kind (`by_kind`): `prefill`, a step that ran a prefill call (eager: ORT
 launches every kernel), and `decode`, a step of decode rows alone (a CUDA graph's replay). The
 decode steps' GPU time comes from a third pass whose profiler runs only while every request of
@@ -212,7 +216,19 @@ MODES = {
 }
 
 
+def driver_delta(before: dict, after: dict) -> dict:
+    """The driver calls made between two kv_memory.driver_times() readings (those called)."""
+    out = {}
+    for name, t in after.items():
+        was = before.get(name, {"calls": 0, "ns": 0})
+        calls = t["calls"] - was["calls"]
+        if calls:
+            out[name] = {"calls": calls, "ns": t["ns"] - was["ns"]}
+    return out
+
+
 def run_mode(args, mode: str, overlap: bool | None) -> dict:
+    from ort_kvlayout.runtime.kv_memory import driver_times
     from ort_kvlayout.serve.engine import Engine, EngineConfig, RequestParams
 
     config = EngineConfig(
@@ -231,8 +247,10 @@ def run_mode(args, mode: str, overlap: bool | None) -> dict:
         prompts = [rng.integers(16, vocab, args.prompt).tolist() for _ in range(args.batch)]
         params = RequestParams(max_tokens=args.output, ignore_eos=True)
         kinds = StepKinds(engine)
+        driver_before = driver_times()
         wall = wrapped_burst(engine, prompts, params, kinds)
         after = engine.stats()
+        driver = driver_delta(driver_before, driver_times())
         gpu, cprofile_table = profiled_burst(engine, prompts, params, args)
         decode = decode_gpu(engine, prompts, params, args)
     steps = after["steps"] - before["steps"]
@@ -254,6 +272,11 @@ def run_mode(args, mode: str, overlap: bool | None) -> dict:
         "packed": after.get("packed", False),
         "graph_replays": after["graph_replays"] - before["graph_replays"],
     }
+    if driver:
+        out["driver"] = {
+            name: {**t, "us_per_call": t["ns"] / 1e3 / t["calls"], "ms_per_step": t["ns"] / 1e6 / max(steps, 1)}
+            for name, t in driver.items()
+        }  # fmt: skip
     if gpu is not None:
         out["gpu_ms_per_step"] = gpu
         out["host_share"] = 1 - gpu / out["wall_ms_per_step"]
@@ -307,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch", type=int, help="engine slots (default: --batch)")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--output", type=int, default=64)
-    p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--prefill-chunk", type=int, help="prompt tokens a step (default: the engine's)")
     p.add_argument("--capacity", type=int)
     p.add_argument("--kv-budget", type=int)
     p.add_argument("--modes", default="device,host", help=f"of {', '.join(MODES)}")
