@@ -82,7 +82,7 @@ def test_the_decode_profiler_covers_the_steps_where_every_request_decodes(tmp_pa
         prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
         fake = _FakeProfiler()
         kinds = step_profile.StepKinds(engine, fake)
-        step_profile.wrapped_burst(engine, prompts, params, kinds)
+        step_profile.wrapped_burst(engine, prompts, [params] * len(prompts), kinds)
     assert fake.calls == ["start", "stop"]
     # every prompt prefilled (their first token) before the profiler starts, then 4 decode
     # steps: the last request to be prefilled decodes its other 4 tokens in steps of decode
@@ -106,3 +106,30 @@ def test_driver_calls_are_counted_per_pass_and_rendered():
     data = {"date": "d", "device": "cpu", "commit": "c", "command": "python x", "results": [result]}
     block = "\n".join(report.step_profile(data, "step-profile-x.json"))
     assert "The KV cache's CUDA driver calls, served, packed: cuMemCreate 32 x 0 us" in block
+
+
+def test_more_requests_than_slots_turn_the_slots_over(tmp_path):
+    """--requests above the slots, lengths drawn from ranges: every request runs (its output
+    tokens count), the kinds get wall times, and no decode-only GPU pass is claimed."""
+    library_or_skip()
+    model = make_served_model(tmp_path / "model")
+    out = tmp_path / "step-profile-cpu.json"
+    args = [str(model), "--batch", "2", "--requests", "5", "--prompt", "3:6", "--output",
+            "2:4", "--capacity", "64", "--modes", "packed", "--json", str(out)]  # fmt: skip
+    assert step_profile.main(args) == 0
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["requests"] == 5
+    assert r["by_kind"]["prefill"]["steps"] >= 3  # five prompts through two slots
+    assert sum(k["steps"] for k in r["by_kind"].values()) == r["steps"]
+    assert "gpu_ms_per_step" not in r["by_kind"]["decode"]
+
+
+def test_length_ranges_are_checked():
+    assert step_profile.length_range("7") == (7, 7)
+    assert step_profile.length_range("64:512") == (64, 512)
+    for bad in ("0", "5:4", "x"):
+        try:
+            step_profile.length_range(bad)
+        except (step_profile.argparse.ArgumentTypeError, ValueError):
+            continue
+        raise AssertionError(f"{bad!r} accepted")

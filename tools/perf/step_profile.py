@@ -6,7 +6,11 @@
         [--json out.json]
 
 `--batch` requests of `--prompt` random tokens each arrive at once and generate `--output`
-tokens (EOS ignored), with `--max-batch` = batch slots, one mode after the other in one process:
+tokens (EOS ignored), with `--max-batch` = batch slots, one mode after the other in one process.
+`--requests N` sends N requests at once instead (more than the slots: slots turn over, as in a
+serving burst), and `--prompt A:B` / `--output A:B` draw each request's lengths uniformly, e.g.
+the chat burst of docs/SERVING.md: `--batch 64 --requests 256 --prompt 64:512 --output 64:512`.
+The modes:
 `device` is the served graph (tokens sampled on the device, only ids copied back; a call per
 prefill chunk), `packed` the same with packed tokens (a step's chunks in one call), `mixed` with
 the decode rows in that call too, `host` the model's own graph (all logits copied back and
@@ -31,7 +35,8 @@ Steps are also split by kind (`by_kind`): `prefill`, a step that ran a prefill c
 launches every kernel), and `decode`, a step of decode rows alone (a CUDA graph's replay). The
 decode steps' GPU time comes from a third pass whose profiler runs only while every request of
 the burst is decoding; a prefill step's GPU time is the rest of the profiled pass's kernel time
-over its prefill steps.
+over its prefill steps. With more requests than slots, the steps that decode alone come
+between prefill steps, and the kinds get wall times and phases but no GPU split.
 """
 
 from __future__ import annotations
@@ -73,12 +78,12 @@ def kernel_ms(prof) -> float:
 
 
 def burst(engine, prompts, params, submitted=None) -> float:
-    """Submits every prompt at once; seconds until the last one finished. `submitted` (optional)
-    is called once every prompt was submitted."""
+    """Submits every prompt at once (params: one RequestParams a prompt); seconds until the last
+    one finished. `submitted` (optional) is called once every prompt was submitted."""
     left = threading.Semaphore(0)
     start = time.perf_counter()
-    for p in prompts:
-        engine.submit(p, params, on_event=lambda e: e.finished and left.release())
+    for p, param in zip(prompts, params, strict=True):
+        engine.submit(p, param, on_event=lambda e: e.finished and left.release())
     if submitted is not None:
         submitted()
     for _ in prompts:
@@ -227,6 +232,20 @@ def driver_delta(before: dict, after: dict) -> dict:
     return out
 
 
+def length_range(text: str) -> tuple[int, int]:
+    """--prompt / --output: "N", or "A:B" for lengths uniform in [A, B]."""
+    lo, _, hi = text.partition(":")
+    bounds = (int(lo), int(hi or lo))
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected N or A:B with 1 <= A <= B")
+    return bounds
+
+
+def draw(rng, bounds: tuple[int, int], n: int) -> list[int]:
+    """n lengths uniform in [lo, hi] (all lo when lo == hi)."""
+    return rng.integers(bounds[0], bounds[1] + 1, n).tolist()
+
+
 def run_mode(args, mode: str, overlap: bool | None) -> dict:
     from ort_kvlayout.runtime.kv_memory import driver_times
     from ort_kvlayout.serve.engine import Engine, EngineConfig, RequestParams
@@ -234,7 +253,7 @@ def run_mode(args, mode: str, overlap: bool | None) -> dict:
     config = EngineConfig(
         max_batch=args.max_batch or args.batch, provider=args.provider,
         prefill_chunk=args.prefill_chunk, capacity=args.capacity, kv_budget_bytes=args.kv_budget,
-        max_waiting=args.batch + 1, cuda_graph=False if args.no_cuda_graph else None,
+        max_waiting=max(args.requests or 0, args.batch) + 1, cuda_graph=False if args.no_cuda_graph else None,
         overlap=overlap, **MODES[mode],
     )  # fmt: skip
     rng = np.random.default_rng(args.seed)
@@ -244,15 +263,22 @@ def run_mode(args, mode: str, overlap: bool | None) -> dict:
             rng.integers(16, vocab, 8).tolist(), RequestParams(max_tokens=4, ignore_eos=True)
         )
         before = engine.stats()
-        prompts = [rng.integers(16, vocab, args.prompt).tolist() for _ in range(args.batch)]
-        params = RequestParams(max_tokens=args.output, ignore_eos=True)
+        requests = args.requests or args.batch
+        lengths = draw(rng, args.prompt, requests)
+        prompts = [rng.integers(16, vocab, n).tolist() for n in lengths]
+        params = [
+            RequestParams(max_tokens=n, ignore_eos=True) for n in draw(rng, args.output, requests)
+        ]
         kinds = StepKinds(engine)
         driver_before = driver_times()
         wall = wrapped_burst(engine, prompts, params, kinds)
         after = engine.stats()
         driver = driver_delta(driver_before, driver_times())
         gpu, cprofile_table = profiled_burst(engine, prompts, params, args)
-        decode = decode_gpu(engine, prompts, params, args)
+        # with more requests than slots, steps that decode alone come between prefill steps:
+        # the decode-only pass (which profiles from the first all-decoding step on) would time
+        # only the tail, so the kinds get no GPU split then
+        decode = decode_gpu(engine, prompts, params, args) if requests <= config.max_batch else None
     steps = after["steps"] - before["steps"]
     phases = {
         p: after["step_profile"]["total_ms"][p] - before["step_profile"]["total_ms"][p]
@@ -266,7 +292,8 @@ def run_mode(args, mode: str, overlap: bool | None) -> dict:
         "wall_s": wall,
         "wall_ms_per_step": wall * 1000 / max(steps, 1),
         "phase_ms_per_step": {p: v / max(steps, 1) for p, v in phases.items()},
-        "output_tok_s": args.batch * args.output / wall,
+        "requests": requests,
+        "output_tok_s": sum(p.max_tokens for p in params) / wall,
         "decode_calls": after["decode_calls"] - before["decode_calls"],
         "prefill_calls": after["prefill_calls"] - before["prefill_calls"],
         "packed": after.get("packed", False),
@@ -328,8 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--provider", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--batch", type=int, default=8, help="requests, all at once")
     p.add_argument("--max-batch", type=int, help="engine slots (default: --batch)")
-    p.add_argument("--prompt", type=int, default=128)
-    p.add_argument("--output", type=int, default=64)
+    p.add_argument(
+        "--requests", type=int, help="requests of the burst (default: --batch); more than the "
+        "slots: requests wait and slots turn over, as in a serving burst"
+    )  # fmt: skip
+    p.add_argument("--prompt", type=length_range, default="128", help="N or A:B (uniform)")
+    p.add_argument("--output", type=length_range, default="64", help="N or A:B (uniform)")
     p.add_argument("--prefill-chunk", type=int, help="prompt tokens a step (default: the engine's)")
     p.add_argument("--capacity", type=int)
     p.add_argument("--kv-budget", type=int)
