@@ -394,10 +394,18 @@ def step_profile(data: dict, name: str) -> list[str]:
     head = ["graph", "steps", "wall ms/step", *phases, "GPU ms/step", "host share", "out tok/s"]
     lines += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     overlaps = {r.get("overlap") for r in results}
-    for r in results:
+    aheads = {bool(r.get("commit_ahead")) for r in results}
+
+    def graph_of(r: dict) -> str:
         graph = _STEP_GRAPHS.get(r.get("mode", "device" if r["sample_on_device"] else "host"))
         if len(overlaps) > 1:  # runs both ways: say which
             graph += ", overlap " + ("on" if r.get("overlap") else "off")
+        if len(aheads) > 1:
+            graph += ", commit ahead " + ("on" if r.get("commit_ahead") else "off")
+        return graph
+
+    for r in results:
+        graph = graph_of(r)
         kinds = [(graph, r)] + [
             (f"{graph}: {name}", r["by_kind"][kind])
             for kind, name in (("decode", "decode steps"), ("prefill", "prefill steps"))
@@ -413,9 +421,7 @@ def step_profile(data: dict, name: str) -> list[str]:
             lines.append("| " + " | ".join(cells) + " |")
     for r in results:
         if r.get("driver"):
-            graph = _STEP_GRAPHS.get(r.get("mode", "device" if r["sample_on_device"] else "host"))
-            if len(overlaps) > 1:
-                graph += ", overlap " + ("on" if r.get("overlap") else "off")
+            graph = graph_of(r)
             calls = "; ".join(
                 f"{name} {t['calls']} x {t['us_per_call']:.0f} us ({t['ms_per_step']:.2f} ms/step)"
                 for name, t in r["driver"].items()

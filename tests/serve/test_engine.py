@@ -378,6 +378,54 @@ def test_a_failed_commit_preempts_instead_of_crashing(model, alone):
     assert stats["preemptions"] >= 1 and stats["step_errors"] == 0
 
 
+@pytest.mark.parametrize("graph", ["served", "packed"])
+def test_commit_ahead_commits_the_next_chunks_during_the_calls(model, alone, graph):
+    """EngineConfig.commit_ahead: the next step's prefill rows are committed on a worker while a
+    step's calls run; the tokens are those of every request alone, the budget holds, and a
+    commit that fails there leaves the next step to meet the error (preempting, not crashing)."""
+    from ort_kvlayout.runtime.kv_memory import simulate_commit_failure
+    from ort_kvlayout.serve.engine import Engine, EngineConfig
+
+    with engine(
+        model, max_batch=4, prefill_chunk=8, commit_ahead=True, **ENGINE_GRAPHS[graph]
+    ) as eng:
+        handles = [eng.submit(p, params(n)) for p, n in zip(PROMPTS, LENGTHS)]
+        got = [h.result() for h in handles]
+        stats = eng.stats()
+    assert got == alone
+    assert stats["kv_ahead_commits"] > 0 and stats["kv_ahead_failures"] == 0
+    assert stats["step_profile"]["total_ms"]["kv_ahead"] > 0
+    with engine(model, max_batch=4, prefill_chunk=8) as eng:
+        assert eng.stats()["kv_ahead_commits"] == 0  # off by default
+    budget = None
+    with engine(model, max_batch=1) as probe:  # one request's longest sequence, and a half
+        budget = max(probe.cache.entry_commit_bytes(len(p) + n) for p, n in zip(PROMPTS, LENGTHS))
+    budget += budget // 2
+    with engine(
+        model, max_batch=4, prefill_chunk=8, kv_budget_bytes=budget, commit_ahead=True
+    ) as eng:
+        handles = [eng.submit(p, params(n)) for p, n in zip(PROMPTS, LENGTHS)]
+        got = [h.result() for h in handles]
+        stats = eng.stats()
+    assert got == alone
+    assert stats["kv_peak_committed_bytes"] <= budget
+    failed = 0
+    config = EngineConfig(max_batch=3, prefill_chunk=8, commit_ahead=True)
+    for after in range(16):  # the (after+1)-th granule commit fails, on the worker or not
+        with Engine(model, config, start=False) as eng:
+            handles = [eng.submit(p, params(n)) for p, n in zip(PROMPTS[:3], LENGTHS[:3])]
+            simulate_commit_failure("cpu", after=after)
+            try:
+                eng.start()
+                got = [h.result() for h in handles]
+            finally:
+                simulate_commit_failure("cpu", -1)
+            stats = eng.stats()
+        assert got == alone[:3] and stats["step_errors"] == 0
+        failed += stats["kv_ahead_failures"]
+    assert failed > 0  # some failure hit the worker, not only a step's own commit
+
+
 def test_a_relative_model_dir_registers_the_library_by_absolute_path(model, monkeypatch):
     from pathlib import Path
 
@@ -671,8 +719,10 @@ def test_step_profile_counts_every_step(model):
         "emit",
         "publish",
         "wait",
+        "kv_ahead",
     }
     assert profile["total_ms"]["run"] > 0
+    assert profile["total_ms"]["kv_ahead"] == 0  # commit_ahead off
 
 
 @pytest.mark.parametrize("quant", ["int8-per-channel", "int8-per-token"])

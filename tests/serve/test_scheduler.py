@@ -10,6 +10,7 @@ from ort_kvlayout.serve.scheduler import (
     decode_span,
     fit_budget,
     need_bytes,
+    next_prefill_rows,
     prefill_chunks,
     step_rows,
 )
@@ -59,6 +60,23 @@ def test_packed_chunks_give_the_free_slots_between_them_the_slack():
     # packed, each chunk is its own call.
     assert step_rows(slots, Limits(10**9, 64, 40, packed=True), padded=False) == {0: 30, 2: 6, 4: 9}
     assert step_rows(slots, Limits(10**9, 64, 40, slack=4), padded=False) == {0: 34, 2: 6, 4: 13}
+
+
+def test_next_prefill_rows_are_the_next_steps_chunks_once_this_ones_are_done():
+    """What the cache may commit while a step runs: the chunks the next step would give out were
+    this step's done (oldest first, the chunk budget, slack, the capacity); a prompt this step
+    completes decodes next and is not among them."""
+    limits = Limits(budget=10**9, capacity=64, prefill_chunk=20, slack=4)
+    slots = [prefilling(1, 0, 30), decoding(2, 5), prefilling(3, 0, 50), prefilling(4, 0, 10)]
+    now = prefill_chunks(slots, 20)
+    assert now == [(0, 20)]
+    # next: slot 0's last 10 tokens, then 10 of slot 2's; slack on both
+    assert next_prefill_rows(slots, now, limits) == {0: 34, 2: 14}
+    # slot 0 completed (30 of 30 after a 30-token chunk): slot 2 and slot 3 share the budget
+    wide = Limits(budget=10**9, capacity=64, prefill_chunk=30)
+    assert next_prefill_rows(slots, prefill_chunks(slots, 30), wide) == {2: 30}
+    assert next_prefill_rows([prefilling(1, 50, 70)], [(0, 10)], limits) == {0: 64}  # capacity
+    assert next_prefill_rows([decoding(1, 5), None], [], limits) == {}
 
 
 def test_need_bytes_never_shrinks_what_a_slot_holds():

@@ -15,7 +15,8 @@ The modes:
 prefill chunk), `packed` the same with packed tokens (a step's chunks in one call), `mixed` with
 the decode rows in that call too, `host` the model's own graph (all logits copied back and
 sampled on the host); `--overlap` runs each mode
-with the engine's overlap on and off (EngineConfig.overlap; default: the engine's choice). A
+with the engine's overlap on and off (EngineConfig.overlap; default: the engine's choice), and
+`--commit-ahead` with EngineConfig.commit_ahead on, off or both. A
 warm-up request runs first in each mode (CUDA graphs captured, cuDNN plans built).
 
 Per mode it prints the engine's step profile (StepProfile in serve/executor.py: schedule, kv,
@@ -45,6 +46,7 @@ import argparse
 import collections
 import cProfile
 import io
+import itertools
 import json
 import pstats
 import shlex
@@ -246,7 +248,7 @@ def draw(rng, bounds: tuple[int, int], n: int) -> list[int]:
     return rng.integers(bounds[0], bounds[1] + 1, n).tolist()
 
 
-def run_mode(args, mode: str, overlap: bool | None) -> dict:
+def run_mode(args, mode: str, overlap: bool | None, ahead: bool = False) -> dict:
     from ort_kvlayout.runtime.kv_memory import driver_times
     from ort_kvlayout.serve.engine import Engine, EngineConfig, RequestParams
 
@@ -254,7 +256,7 @@ def run_mode(args, mode: str, overlap: bool | None) -> dict:
         max_batch=args.max_batch or args.batch, provider=args.provider,
         prefill_chunk=args.prefill_chunk, capacity=args.capacity, kv_budget_bytes=args.kv_budget,
         max_waiting=max(args.requests or 0, args.batch) + 1, cuda_graph=False if args.no_cuda_graph else None,
-        overlap=overlap, **MODES[mode],
+        overlap=overlap, commit_ahead=ahead, **MODES[mode],
     )  # fmt: skip
     rng = np.random.default_rng(args.seed)
     with Engine(args.model, config) as engine:
@@ -287,6 +289,7 @@ def run_mode(args, mode: str, overlap: bool | None) -> dict:
     out = {
         "mode": mode,
         "overlap": config.overlapped,
+        "commit_ahead": ahead,
         "sample_on_device": after["sample_on_device"],
         "steps": steps,
         "wall_s": wall,
@@ -369,6 +372,11 @@ def main(argv: list[str] | None = None) -> int:
         "--overlap", default="", help="on,off: each mode both ways (default: the engine's choice)"
     )
     p.add_argument(
+        "--commit-ahead", default="off",
+        help="on, off or on,off: EngineConfig.commit_ahead (the next step's KV rows committed "
+        "during a step's calls)",
+    )  # fmt: skip
+    p.add_argument(
         "--cprofile",
         type=int,
         default=0,
@@ -383,12 +391,15 @@ def main(argv: list[str] | None = None) -> int:
     settings = [s.strip() for s in args.overlap.split(",")] if args.overlap else [""]
     if any(s not in overlaps for s in settings):
         p.error(f"--overlap {args.overlap!r}: expected on, off or on,off")
+    aheads = [s.strip() for s in args.commit_ahead.split(",")]
+    if any(s not in ("on", "off") for s in aheads):
+        p.error(f"--commit-ahead {args.commit_ahead!r}: expected on, off or on,off")
     results = []
     for mode in args.modes.split(","):
         if mode not in MODES:
             p.error(f"mode {mode!r}: expected one of {', '.join(MODES)}")
-        for setting in settings:
-            results.append(run_mode(args, mode, overlaps[setting]))
+        for setting, ahead in itertools.product(settings, aheads):
+            results.append(run_mode(args, mode, overlaps[setting], ahead == "on"))
             table_text = results[-1].pop("cprofile", None)
             print(json.dumps(results[-1]), file=sys.stderr)
             if table_text:

@@ -66,6 +66,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -92,7 +93,15 @@ from .requests import (
     RequestTooLarge,
     put_all,
 )
-from .scheduler import Limits, Running, admissions, decode_span, fit_budget, prefill_chunks
+from .scheduler import (
+    Limits,
+    Running,
+    admissions,
+    decode_span,
+    fit_budget,
+    next_prefill_rows,
+    prefill_chunks,
+)
 
 __all__ = [
     "Engine",
@@ -188,6 +197,12 @@ class Engine:
             self.runtime, self.cache, config.graphs,
             served.inputs if served is not None else None, self.packed,
         )  # fmt: skip
+        # commit_ahead: one worker, joined before the step that ran it goes on
+        self._ahead = (
+            ThreadPoolExecutor(1, thread_name_prefix="ort-kvlayout-kv-ahead")
+            if config.commit_ahead
+            else None
+        )
         self._counters = collections.Counter()
         self._peak_running = 0
         self._closing = False
@@ -406,6 +421,8 @@ class Engine:
             self._handoff.put(None)
             self._publisher.join(timeout)
             self._publisher = None
+        if self._ahead is not None:
+            self._ahead.shutdown(wait=True)
         self.executor.close()
         self.cache.close()
         self.runtime.close()
@@ -692,10 +709,45 @@ class Engine:
                 calls.append(self._packed_call(chunks))
             else:
                 calls += [self._prefill_call(r, take) for r, take in chunks]
+        ahead = self._commit_ahead(view, chunks) if self._ahead is not None else None
         if self._handoff is not None:
             self._publish()  # the last step's events go out while these calls run
-        for run, commit in calls:
-            commit(run())
+        try:
+            results = [run() for run, _ in calls]
+        finally:
+            if ahead is not None:  # the cache is the engine thread's again
+                t = time.perf_counter_ns()
+                ahead.result()
+                profile.add("kv", t)
+        for (_, commit), tokens in zip(calls, results):
+            commit(tokens)
+
+    def _commit_ahead(
+        self, view: list[Running | None], chunks: list[tuple[_Request, int]]
+    ) -> Future | None:
+        """Commits the next step's prefill rows on the worker while this step's calls run
+        (EngineConfig.commit_ahead), where they fit the budget beside what is held; the future
+        to join, or None when nothing is to commit."""
+        rows = next_prefill_rows(view, [(r.slot, take) for r, take in chunks], self._limits)
+        held = self.cache.tokens
+        if not any(n > held[s] for s, n in rows.items()):
+            return None
+        tokens = [max(h, rows.get(s, 0)) for s, h in enumerate(held)]
+        if self.cache.covers(tokens) or self._need_bytes(tokens) > self.budget:
+            return None  # nothing to map, or the next step's scheduler decides
+        return self._ahead.submit(self._ensure_ahead, tokens)
+
+    def _ensure_ahead(self, tokens: list[int]) -> None:
+        """On the worker: the ensure of the next step's rows. A commit that fails leaves the
+        cache as it was (KvCache.ensure), and the next step's own ensure meets the error."""
+        t = time.perf_counter_ns()
+        try:
+            self.cache.ensure(tokens)
+            self._counters["kv_ahead_commits"] += 1
+        except KvMemoryError:
+            self._counters["kv_ahead_failures"] += 1
+        finally:
+            self.executor.profile.add("kv_ahead", t)
 
     def _decode_call(self, lo: int, hi: int, padded: bool):
         """The decode call of slots [lo, hi), planned now: what runs it and what applies its
@@ -874,7 +926,7 @@ class Engine:
         for key in (
             "steps", "decode_calls", "decode_rows", "decode_padded_rows", "decode_eager_fallbacks",
             "prefill_calls", "prefill_chunks", "prefill_tokens", "mixed_calls", "tokens",
-            "admitted", "rejected", "step_errors", "callback_errors", "detokenize_errors", "publish_errors", "finished_stop",
+            "admitted", "rejected", "kv_ahead_commits", "kv_ahead_failures", "step_errors", "callback_errors", "detokenize_errors", "publish_errors", "finished_stop",
             "finished_length", "finished_cancelled", "finished_error",
         ):  # fmt: skip
             snap[key] = self._counters[key]

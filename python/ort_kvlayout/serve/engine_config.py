@@ -39,7 +39,10 @@ class EngineConfig:
     None, mixed asks for packing: an error where the graph does not allow it); overlap: a
     publisher thread decodes the events' text and hands them to their readers while the next
     step's calls run (None: on with provider "cuda", where Run waits on the GPU with the GIL
-    released; off on the CPU, where ORT's threads want the cores)."""
+    released; off on the CPU, where ORT's threads want the cores); commit_ahead: while a step's
+    calls run, a worker thread commits the KV rows of the next step's prefill chunks
+    (scheduler.next_prefill_rows; on CUDA the driver's map calls), so that the next step finds
+    them committed (off by default: its effect on a GPU step is not measured yet)."""
 
     max_batch: int = 8
     capacity: int | None = None
@@ -57,6 +60,7 @@ class EngineConfig:
     packed: bool | None = None
     mixed: bool = False
     overlap: bool | None = None
+    commit_ahead: bool = False
 
     @property
     def overlapped(self) -> bool:

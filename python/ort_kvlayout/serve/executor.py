@@ -61,9 +61,14 @@ class StepProfile:
     launch overhead both land there); `emit` applies the tokens; `publish` decodes text and
     hands events over. Without overlap the phases add up to the step; with it, `publish` runs on
     the publisher thread during the next step's `run`, off the step's critical path, and `wait`
-    is the engine thread waiting for the publisher to finish the last step's hand-over."""
+    is the engine thread waiting for the publisher to finish the last step's hand-over. With
+    EngineConfig.commit_ahead, `kv_ahead` is the worker's commits of the next step's rows
+    during the calls (off the critical path) and `kv` includes waiting for it to finish."""
 
-    PHASES = ("schedule", "kv", "inputs", "run", "readback", "sample", "emit", "publish", "wait")
+    PHASES = (
+        "schedule", "kv", "inputs", "run", "readback", "sample", "emit", "publish", "wait",
+        "kv_ahead",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         # every key present: two threads add to disjoint phases, never inserting a key

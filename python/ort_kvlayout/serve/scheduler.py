@@ -39,6 +39,7 @@ __all__ = [
     "decode_span",
     "fit_budget",
     "need_bytes",
+    "next_prefill_rows",
     "prefill_chunks",
     "step_rows",
 ]
@@ -106,6 +107,25 @@ def prefill_chunks(slots: Sequence[Running | None], chunk: int) -> list[tuple[in
         chunk -= take
         out.append((s, take))
     return out
+
+
+def next_prefill_rows(
+    slots: Sequence[Running | None], chunks: Sequence[tuple[int, int]], limits: Limits
+) -> dict[int, int]:
+    """The rows the next step's prefill chunks write up to (their read slack included), were
+    this step's `chunks` ((slot, tokens)) done and nothing else changed: what the cache may
+    commit while this step's calls run. A prompt this step completes decodes next (not here);
+    requests admitted or preempted next step may change the order, and then the rows committed
+    ahead wait for their request's own chunk."""
+    after = list(slots)
+    for s, take in chunks:
+        r = after[s]
+        after[s] = r._replace(cached=r.cached + take)
+    rows: dict[int, int] = {}
+    for s, take in prefill_chunks(after, limits.prefill_chunk):
+        if take:
+            rows[s] = min(after[s].cached + take + limits.slack, limits.capacity)
+    return rows
 
 
 def step_rows(slots: Sequence[Running | None], limits: Limits, padded: bool) -> dict[int, int]:
