@@ -295,32 +295,60 @@ Status Reservation::Map(size_t offset, size_t size, size_t* added) {
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   const std::string what =
       std::to_string(granularity_) + " bytes, device " + std::to_string(device_) + ")";
-  for (size_t g = offset / granularity_; g < (offset + size) / granularity_; ++g) {
-    if (handles_[g] != 0) continue;
-    CUmemGenericAllocationHandle handle = 0;
-    if (SimulatedCreateFailure()) {
-      return CudaStatus(CUDA_ERROR_OUT_OF_MEMORY, "cuMemCreate(" + what + " [simulated]");
+  // Each run of unmapped granules: created and mapped granule by granule, then one
+  // cuMemSetAccess over the run (the access call is per range, and the costliest of the three).
+  const size_t last = (offset + size) / granularity_;
+  std::vector<CUmemGenericAllocationHandle> pending;
+  for (size_t g = offset / granularity_; g < last;) {
+    if (handles_[g] != 0) {
+      ++g;
+      continue;
     }
-    KVL_CU(Timed(DriverCall::kCreate, [&] { return d->Create(&handle, granularity_, &prop, 0); }),
-           "cuMemCreate(" + what);
-    const CUdeviceptr at = static_cast<CUdeviceptr>(ptr_ + g * granularity_);
-    Status st = CudaStatus(
-        Timed(DriverCall::kMap, [&] { return d->Map(at, granularity_, 0, handle, 0); }),
-        "cuMemMap(" + what);
-    if (st.ok()) {
+    const size_t first = g;
+    pending.clear();
+    Status st;
+    for (; g < last && handles_[g] == 0; ++g) {
+      CUmemGenericAllocationHandle handle = 0;
+      if (SimulatedCreateFailure()) {
+        st = CudaStatus(CUDA_ERROR_OUT_OF_MEMORY, "cuMemCreate(" + what + " [simulated]");
+        break;
+      }
       st = CudaStatus(
-          Timed(DriverCall::kSetAccess, [&] { return d->SetAccess(at, granularity_, &access, 1); }),
-          "cuMemSetAccess(" + what);
-      if (!st.ok()) d->Unmap(at, granularity_);
+          Timed(DriverCall::kCreate, [&] { return d->Create(&handle, granularity_, &prop, 0); }),
+          "cuMemCreate(" + what);
+      if (!st.ok()) break;
+      const CUdeviceptr at = static_cast<CUdeviceptr>(ptr_ + g * granularity_);
+      st = CudaStatus(
+          Timed(DriverCall::kMap, [&] { return d->Map(at, granularity_, 0, handle, 0); }),
+          "cuMemMap(" + what);
+      if (!st.ok()) {
+        d->Release(handle);
+        break;
+      }
+      pending.push_back(handle);
     }
-    if (!st.ok()) {
-      d->Release(handle);
-      return st;
+    // The granules mapped before an error stay mapped (the contract), so they get access too.
+    if (!pending.empty()) {
+      const CUdeviceptr at = static_cast<CUdeviceptr>(ptr_ + first * granularity_);
+      const size_t bytes = pending.size() * granularity_;
+      const Status access_st = CudaStatus(
+          Timed(DriverCall::kSetAccess, [&] { return d->SetAccess(at, bytes, &access, 1); }),
+          "cuMemSetAccess(" + std::to_string(bytes) + " bytes, device " +
+              std::to_string(device_) + ")");
+      if (!access_st.ok()) {
+        for (size_t i = 0; i < pending.size(); ++i) {
+          d->Unmap(at + i * granularity_, granularity_);
+          d->Release(pending[i]);
+        }
+        return access_st;
+      }
+      for (size_t i = 0; i < pending.size(); ++i) handles_[first + i] = pending[i];
+      const size_t added_now = pending.size() * granularity_;
+      mapped_bytes_ += added_now;
+      *added += added_now;
+      AddStats(0, 0, static_cast<int64_t>(added_now), static_cast<int64_t>(pending.size()));
     }
-    handles_[g] = handle;
-    mapped_bytes_ += granularity_;
-    *added += granularity_;
-    AddStats(0, 0, static_cast<int64_t>(granularity_), 1);
+    if (!st.ok()) return st;
   }
   return Status::Ok();
 }

@@ -58,8 +58,9 @@ class Reservation {
   size_t mapped_bytes() const { return mapped_bytes_; }
   bool closed() const { return ptr_ == 0; }
 
-  // Creates and maps every unmapped granule of [offset, offset+size) (granule aligned). On an
-  // error the granules mapped before it stay mapped (and counted); *added = new bytes mapped.
+  // Creates and maps every unmapped granule of [offset, offset+size) (granule aligned): a
+  // cuMemCreate and cuMemMap per granule, one cuMemSetAccess per run of them. On an error the
+  // granules mapped before it stay mapped (and counted); *added = new bytes mapped.
   Status Map(size_t offset, size_t size, size_t* added);
   // Unmaps and releases the mapped granules of [offset, offset+size) (granule aligned).
   Status Unmap(size_t offset, size_t size);

@@ -60,8 +60,9 @@ def test_reservation_maps_granules_on_demand():
 
 
 def test_driver_times_count_each_granule_mapped_and_unmapped():
-    """kv_memory.driver_times(): one cuMemCreate, cuMemMap and cuMemSetAccess a granule mapped,
-    one cuMemUnmap and cuMemRelease a granule unmapped, each with its time."""
+    """kv_memory.driver_times(): one cuMemCreate and cuMemMap a granule mapped and one
+    cuMemSetAccess a run of them, one cuMemUnmap and cuMemRelease a granule unmapped, each
+    with its time."""
     from ort_kvlayout.runtime.kv_memory import DeviceReservation, driver_times
 
     def delta(before, after):
@@ -73,13 +74,19 @@ def test_driver_times_count_each_granule_mapped_and_unmapped():
     res.commit(0, 3 * g)
     mapped = driver_times()
     calls = delta(before, mapped)
-    assert calls["cuMemCreate"] == calls["cuMemMap"] == calls["cuMemSetAccess"] == 3
+    assert calls["cuMemCreate"] == calls["cuMemMap"] == 3 and calls["cuMemSetAccess"] == 1
     assert calls["cuMemUnmap"] == calls["cuMemRelease"] == 0
     assert all(mapped[n]["ns"] > before[n]["ns"] for n in ("cuMemCreate", "cuMemMap"))
     res.decommit(0, 2 * g)
     calls = delta(mapped, driver_times())
     assert calls["cuMemUnmap"] == calls["cuMemRelease"] == 2 and calls["cuMemCreate"] == 0
     assert calls["cuCtxSynchronize"] == 1
+    unmapped = driver_times()
+    res.commit(0, 3 * g)  # granules 0 and 1 again: one run
+    calls = delta(unmapped, driver_times())
+    assert calls["cuMemCreate"] == 2 and calls["cuMemSetAccess"] == 1
+    res.write(0, b"mapped")
+    assert res.read(0, 6) == b"mapped"
     res.close()
 
 

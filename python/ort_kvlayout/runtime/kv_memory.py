@@ -7,8 +7,9 @@ Two backends with one interface (`Reservation`):
   write per page on kernels without it). `resident_bytes()` measures what the kernel has really
   committed (mincore), independently of the accounting kept here.
 * `DeviceReservation`: CUDA virtual memory through the native module (`_C.VmmReservation`:
-  cuMemAddressReserve, then per granule cuMemCreate + cuMemMap + cuMemSetAccess). The address
-  range is fixed for the reservation's life: committing more never moves a byte.
+  cuMemAddressReserve, then per granule cuMemCreate + cuMemMap, and one cuMemSetAccess per run
+  of consecutive granules). The address range is fixed for the reservation's life: committing
+  more never moves a byte.
 
 Both round committed ranges to their granule, skip granules already committed, count what they
 hold in process-wide totals (`allocator_stats()`; back to zero once every reservation is closed)
