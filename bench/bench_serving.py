@@ -52,9 +52,10 @@ Methods and metric names follow vLLM's `bench serve` and SGLang's bench_serving:
   seq-major patch of `--genai-model` with that quantized cache (tools/kvquant.py; `none` is
   `--model`'s own cache), built beside the other models; at the same `--kv-budget`, the results
   show what each scheme holds (KV bytes, preemptions, `max_concurrency`).
-* `--packing auto,off,on,mixed` and `--overlap auto,on,off`: the engine systems once per value
-  (EngineConfig packed/mixed, and the engine system's overlap; `auto` leaves the engine's
-  default), each row labelled with it when a list gives several.
+* `--packing auto,off,on,mixed`, `--overlap auto,on,off` and `--commit-ahead auto,on,off`: the
+  engine systems once per value (EngineConfig packed/mixed, and the engine system's overlap and
+  commit_ahead; `auto` leaves the engine's default), each row labelled with it when a list
+  gives several.
 * `--host-sampling`: the engine system with EngineConfig(sample_on_device=False) (the system
   `engine-host` is that engine beside the default one in the same run); the engine
   result records `sample_on_device` (None where EngineConfig has no such field) and the engine's
@@ -329,6 +330,7 @@ class EngineVariant:
     replicas: int | None = None
     packing: str = "auto"
     overlap: str = "auto"
+    commit_ahead: str = "auto"
 
 
 def engine_config(args, n: int):
@@ -344,6 +346,8 @@ def engine_config(args, n: int):
         kwargs.update(packing_fields(args.variant.packing))
     if args.variant.overlap != "auto":
         kwargs["overlap"] = args.variant.overlap == "on"
+    if args.variant.commit_ahead != "auto":  # older engines have no such field
+        kwargs["commit_ahead"] = args.variant.commit_ahead == "on"
     try:
         return EngineConfig(
             max_batch=args.max_batch, prefill_chunk=args.variant.chunk, cache=args.variant.cache,
@@ -1087,6 +1091,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overlap", default="auto",
                    help="the engine system's overlap(s) (EngineConfig.overlap): auto, on, off; "
                         "e.g. on,off")  # fmt: skip
+    p.add_argument("--commit-ahead", default="auto",
+                   help="the engine system's commit_ahead(s) (EngineConfig.commit_ahead): auto, "
+                        "on, off; e.g. on,off")  # fmt: skip
     p.add_argument("--packing", default="auto",
                    help="engine packing(s) (EngineConfig packed, mixed): auto, off, on, mixed; "
                         "e.g. off,on")  # fmt: skip
@@ -1113,6 +1120,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixed-repeat", type=int, default=5)
     args = p.parse_args(argv)
     for flag, allowed in (("overlap", ("auto", "on", "off")),
+                          ("commit_ahead", ("auto", "on", "off")),
                           ("packing", ("auto", "off", "on", "mixed"))):  # fmt: skip
         bad = [v for v in getattr(args, flag).split(",") if v not in allowed]
         if bad:
@@ -1165,13 +1173,15 @@ def main(argv: list[str] | None = None) -> int:
             sampling = "host" if name == "engine-host" else "device"
             counts = args.replicas.split(",") if name == "cluster" else [None]
             overlaps = args.overlap.split(",") if name == "engine" else ["auto"]
-            for scheme, cache, chunk, count, packing, overlap in itertools.product(
+            aheads = args.commit_ahead.split(",") if name == "engine" else ["auto"]
+            for scheme, cache, chunk, count, packing, overlap, ahead in itertools.product(
                 schemes, args.cache.split(","), args.prefill_chunk.split(","), counts,
-                args.packing.split(","), overlaps,
+                args.packing.split(","), overlaps, aheads,
             ):  # fmt: skip
                 notes = [f"chunk {chunk}"] if "," in args.prefill_chunk else []
                 notes += [f"packing {packing}"] if "," in args.packing else []
                 notes += [f"overlap {overlap}"] if len(overlaps) > 1 else []
+                notes += [f"commit ahead {ahead}"] if len(aheads) > 1 else []
                 notes += [cache] if "," in args.cache else []
                 notes += [f"{scheme} KV"] if args.kv_quant and scheme != "none" else []
                 base = "engine" if name == "engine-host" else name
@@ -1181,7 +1191,7 @@ def main(argv: list[str] | None = None) -> int:
                 chunk = None if chunk == "auto" else int(chunk)
                 variant = EngineVariant(chunk, cache, sampling, quant_models[scheme],
                                         int(count) if count else None, packing,
-                                        overlap)  # fmt: skip
+                                        overlap, ahead)  # fmt: skip
                 systems.append((label, fn, variant))
         elif name in ("genai", "genai-paged"):
             paged = name == "genai-paged"

@@ -367,8 +367,9 @@ def test_the_engine_run_cancels_what_a_stall_left_unfinished():
 @pytest.mark.parametrize("host", [False, True])
 @pytest.mark.parametrize("packing", ["auto", "mixed"])
 @pytest.mark.parametrize("overlap", ["auto", "off"])
+@pytest.mark.parametrize("ahead", ["auto", "on"])
 def test_host_sampling_packing_and_overlap_ask_the_config_only_when_given(
-    monkeypatch, host, packing, overlap
+    monkeypatch, host, packing, overlap, ahead
 ):
     engine_module = pytest.importorskip("ort_kvlayout.serve.engine")
     seen = {}
@@ -379,7 +380,7 @@ def test_host_sampling_packing_and_overlap_ask_the_config_only_when_given(
 
     monkeypatch.setattr(engine_module, "EngineConfig", config)
     variant = bench.EngineVariant(
-        64, "growable", "device", Path("m"), packing=packing, overlap=overlap
+        64, "growable", "device", Path("m"), packing=packing, overlap=overlap, commit_ahead=ahead
     )
     args = argparse.Namespace(
         host_sampling=host, max_batch=2, variant=variant, provider="cpu",
@@ -391,6 +392,7 @@ def test_host_sampling_packing_and_overlap_ask_the_config_only_when_given(
     if packing == "mixed":
         assert seen["packed"] is True and seen["mixed"] is True
     assert seen.get("overlap", "unset") == ("unset" if overlap == "auto" else False)
+    assert seen.get("commit_ahead", "unset") == ("unset" if ahead == "auto" else True)
 
 
 def test_the_engine_deadline_on_a_tiny_model(tmp_path):
