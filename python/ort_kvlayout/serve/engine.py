@@ -643,15 +643,18 @@ class Engine:
             self._slots[slot] = r
             self._counters["admitted"] += 1
 
-    def _preempt_to_fit(self) -> tuple[dict[int, int], bool]:
-        """This step's rows per slot, and whether its decode call is padded to a bucket
-        (scheduler.fit_budget decides; the victims are preempted here)."""
-        fit = fit_budget(self._view(), self.cache.tokens, self._limits, self._need_bytes)
+    def _preempt_to_fit(self) -> tuple[dict[int, int], bool, list[Running | None]]:
+        """This step's rows per slot, whether its decode call is padded to a bucket
+        (scheduler.fit_budget decides; the victims are preempted here), and the slots as the
+        scheduler sees them afterwards."""
+        view = self._view()
+        fit = fit_budget(view, self.cache.tokens, self._limits, self._need_bytes)
         for slot in fit.victims:
             self._preempt(self._slots[slot])
+            view[slot] = None
         if fit.eager_fallback:
             self._counters["decode_eager_fallbacks"] += 1
-        return fit.rows, fit.padded
+        return fit.rows, fit.padded, view
 
     def _preempt(self, victim: _Request) -> None:
         self._release_slot(victim)
@@ -674,11 +677,12 @@ class Engine:
         profile = self.executor.profile
         t = time.perf_counter_ns()
         self._admit()
-        rows, padded = self._preempt_to_fit()
+        rows, padded, view = self._preempt_to_fit()
         t = profile.add("schedule", t)
         self._release_scratch(rows)
         try:
-            self.cache.ensure([rows.get(s, self.cache.tokens[s]) for s in range(len(self._slots))])
+            held = self.cache.tokens  # a copy: once, not once a slot
+            self.cache.ensure([rows.get(s, n) for s, n in enumerate(held)])
             t = profile.add("kv", t)
         except KvMemoryError as exc:
             # The device had less memory than the budget assumed: the newest request makes room
@@ -692,7 +696,6 @@ class Engine:
             return
         self._counters["steps"] += 1
         profile.steps += 1
-        view = self._view()
         span = decode_span(view, padded, self._limits)
         chunks = [
             (self._slots[s], take) for s, take in prefill_chunks(view, self._limits.prefill_chunk)

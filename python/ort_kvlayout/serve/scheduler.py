@@ -87,20 +87,29 @@ class Fit:
     eager_fallback: bool = False
 
 
+# The rules below run every step over every slot (64 and more): Running.decoding is spelled
+# out inline there (length - cached == 1), a property call per slot being most of their cost.
+
+
 def decode_span(slots: Sequence[Running | None], padded: bool, limits: Limits):
     """The decode call's slot range [lo, hi) (None without a decoding request)."""
-    decoding = [s for s, r in enumerate(slots) if r is not None and r.decoding]
+    decoding = [s for s, r in enumerate(slots) if r is not None and r.length - r.cached == 1]
     return decode_range(decoding, limits.buckets if padded else ())
+
+
+def _prefilling(slots: Sequence[Running | None]) -> list[tuple[int, Running]]:
+    """(slot, request) of the prefilling requests, oldest first."""
+    out = [(s, r) for s, r in enumerate(slots) if r is not None and r.length - r.cached != 1]
+    if len(out) > 1:
+        out.sort(key=lambda sr: sr[1].arrival)
+    return out
 
 
 def prefill_chunks(slots: Sequence[Running | None], chunk: int) -> list[tuple[int, int]]:
     """(slot, tokens) of this step's prefill calls: the prefilling requests, oldest first, until
     `chunk` tokens were given out (a request past the budget gets nothing this step)."""
     out = []
-    for s, r in sorted(
-        ((s, r) for s, r in enumerate(slots) if r is not None and not r.decoding),
-        key=lambda sr: sr[1].arrival,
-    ):
+    for s, r in _prefilling(slots):
         if chunk <= 0:
             break
         take = min(r.length - r.cached, chunk)
@@ -133,10 +142,7 @@ def step_rows(slots: Sequence[Running | None], limits: Limits, padded: bool) -> 
     rows: dict[int, int] = {}
     prefilled: list[int] = []
     budget = limits.prefill_chunk
-    for s, r in sorted(
-        ((s, r) for s, r in enumerate(slots) if r is not None and not r.decoding),
-        key=lambda sr: sr[1].arrival,
-    ):
+    for s, r in _prefilling(slots):
         take = min(r.length - r.cached, budget)
         budget -= take
         rows[s] = min(r.cached + max(take, 1) + (limits.slack if take else 0), limits.capacity)
@@ -149,9 +155,12 @@ def step_rows(slots: Sequence[Running | None], limits: Limits, padded: bool) -> 
                 rows[s] = scratch
     span = decode_span(slots, padded, limits)
     if span is not None:
+        get = rows.get
         for s in range(*span):
             r = slots[s]
-            rows[s] = max(rows.get(s, 0), (r.cached + 1) if r is not None else 1)
+            n = r.cached + 1 if r is not None else 1
+            held = get(s)
+            rows[s] = n if held is None or n > held else held
     return rows
 
 
