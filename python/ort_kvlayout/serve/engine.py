@@ -66,7 +66,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -712,9 +712,11 @@ class Engine:
                 calls.append(self._packed_call(chunks))
             else:
                 calls += [self._prefill_call(r, take) for r, take in chunks]
-        ahead = self._commit_ahead(view, chunks) if self._ahead is not None else None
+        ahead = self._rows_ahead(view, chunks) if self._ahead is not None else None
         if self._handoff is not None:
             self._publish()  # the last step's events go out while these calls run
+        if ahead is not None:  # after the snapshot (_publish reads the cache's counters)
+            ahead = self._ahead.submit(self._ensure_ahead, ahead)
         try:
             results = [run() for run, _ in calls]
         finally:
@@ -725,12 +727,12 @@ class Engine:
         for (_, commit), tokens in zip(calls, results):
             commit(tokens)
 
-    def _commit_ahead(
+    def _rows_ahead(
         self, view: list[Running | None], chunks: list[tuple[_Request, int]]
-    ) -> Future | None:
-        """Commits the next step's prefill rows on the worker while this step's calls run
-        (EngineConfig.commit_ahead), where they fit the budget beside what is held; the future
-        to join, or None when nothing is to commit."""
+    ) -> list[int] | None:
+        """The rows per slot the worker commits while this step's calls run
+        (EngineConfig.commit_ahead): the next step's prefill rows beside what is held, where
+        they need a commit and fit the budget; None otherwise."""
         rows = next_prefill_rows(view, [(r.slot, take) for r, take in chunks], self._limits)
         held = self.cache.tokens
         if not any(n > held[s] for s, n in rows.items()):
@@ -738,7 +740,7 @@ class Engine:
         tokens = [max(h, rows.get(s, 0)) for s, h in enumerate(held)]
         if self.cache.covers(tokens) or self._need_bytes(tokens) > self.budget:
             return None  # nothing to map, or the next step's scheduler decides
-        return self._ahead.submit(self._ensure_ahead, tokens)
+        return tokens
 
     def _ensure_ahead(self, tokens: list[int]) -> None:
         """On the worker: the ensure of the next step's rows. A commit that fails leaves the
