@@ -34,6 +34,7 @@ STAGES=(
   "tests-quick|90|setup|python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_kv_cache_gpu.py tests/serve/test_engine_gpu.py"
   "profile-cold|150|setup|${PROFILE[*]} --prompt 256 --output 128 --commit-ahead on,off --json $OUT/step-profile-h100-1b.json"
   "profile-chat|90|setup|${PROFILE[*]} --requests 256 --prompt 64:512 --output 64:512 --json $OUT/step-profile-h100-1b-chat.json"
+  "profile-nograph|120|setup|${PROFILE[*]} --prompt 256 --output 128 --no-cuda-graph --json $OUT/step-profile-h100-1b-nograph.json"
   "cold-decode|90|setup|python3 bench/bench_cuda.py ${COLD[*]} --json $OUT/cuda-h100-cold.json"
   "long-1b|330|setup|RATE=inf CHUNK=1024,4096 SYSTEMS=engine,genai-paged DEADLINE=120 bash scripts/gpu_serving.sh long"
   "suite|240|setup|bash scripts/run_gpu_tests.sh"
