@@ -36,6 +36,8 @@ STAGES=(
   "profile-chat|90|setup|${PROFILE[*]} --requests 256 --prompt 64:512 --output 64:512 --json $OUT/step-profile-h100-1b-chat.json"
   "profile-nograph|120|setup|${PROFILE[*]} --prompt 256 --output 128 --no-cuda-graph --json $OUT/step-profile-h100-1b-nograph.json"
   "cold-decode|90|setup|python3 bench/bench_cuda.py ${COLD[*]} --json $OUT/cuda-h100-cold.json"
+  "chat|200|setup|SYSTEMS=engine,genai-paged DEADLINE=60 bash scripts/gpu_serving.sh chat"
+  "long-ahead|300|setup|RATE=inf COMMIT_AHEAD=off,on SYSTEMS=engine DEADLINE=120 bash scripts/gpu_serving.sh long"
   "long-1b|330|setup|RATE=inf CHUNK=1024,4096 SYSTEMS=engine,genai-paged DEADLINE=120 bash scripts/gpu_serving.sh long"
   "suite|240|setup|bash scripts/run_gpu_tests.sh"
   "sanitizer|150|setup|SANITIZER=memcheck SUITE=0 SAN_EXTRA_K=query_seqlens bash scripts/run_gpu_tests.sh"
@@ -64,7 +66,7 @@ selected() {  # a stage ONLY names (all without ONLY)
 if [ "${1:-}" = "--list" ]; then
   for stage in "${STAGES[@]}"; do
     IFS='|' read -r name estimate needs command <<<"$stage"
-    printf '%-13s %4s s  %-8s %s\n' "$name" "$estimate" "$(state_of "$name")" "$command"
+    printf '%-16s %4s s  %-8s %s\n' "$name" "$estimate" "$(state_of "$name")" "$command"
   done
   exit 0
 fi
