@@ -320,8 +320,8 @@ class Run:
 @dataclass(frozen=True)
 class EngineVariant:
     """One engine system of a run: its prefill chunk, cache, sampling ("device" or "host"),
-    model, replicas (the cluster system), --packing value and --overlap value (the engine
-    system only: auto, on or off)."""
+    model, replicas (the cluster system), --packing value, and --overlap and --commit-ahead
+    values (the engine system only: auto, on or off)."""
 
     chunk: int | None  # None: the engine's default for the provider
     cache: str

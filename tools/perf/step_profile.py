@@ -327,13 +327,14 @@ def run_mode(args, mode: str, overlap: bool | None, ahead: bool = False) -> dict
 
 def table(results: list[dict]) -> str:
     phases = list(results[0]["phase_ms_per_step"])
-    head = ["mode", "overlap", "steps", "wall ms/step", *phases, "GPU ms/step", "host share",
-            "tok/s"]  # fmt: skip
+    head = ["mode", "overlap", "commit ahead", "steps", "wall ms/step", *phases, "GPU ms/step",
+            "host share", "tok/s"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         for label, row in rows_by_kind(r, r["mode"]):
             gpu = row.get("gpu_ms_per_step")
-            cells = [label, "on" if r.get("overlap") else "off", str(row["steps"]),
+            cells = [label, "on" if r.get("overlap") else "off",
+                     "on" if r.get("commit_ahead") else "off", str(row["steps"]),
                      f"{row['wall_ms_per_step']:.2f}",
                      *(f"{row['phase_ms_per_step'].get(p, 0.0):.2f}" for p in phases),
                      f"{gpu:.2f}" if gpu is not None else "-",

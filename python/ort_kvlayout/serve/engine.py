@@ -734,12 +734,11 @@ class Engine:
         (EngineConfig.commit_ahead): the next step's prefill rows beside what is held, where
         they need a commit and fit the budget; None otherwise."""
         rows = next_prefill_rows(view, [(r.slot, take) for r, take in chunks], self._limits)
-        held = self.cache.tokens
-        if not any(n > held[s] for s, n in rows.items()):
+        if not rows:
             return None
-        tokens = [max(h, rows.get(s, 0)) for s, h in enumerate(held)]
+        tokens = [max(h, rows.get(s, 0)) for s, h in enumerate(self.cache.tokens)]
         if self.cache.covers(tokens) or self._need_bytes(tokens) > self.budget:
-            return None  # nothing to map, or the next step's scheduler decides
+            return None  # nothing to map (the rows held are covered), or the scheduler decides
         return tokens
 
     def _ensure_ahead(self, tokens: list[int]) -> None:
