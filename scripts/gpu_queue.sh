@@ -12,7 +12,7 @@
 # A stage that succeeds is marked done and never runs again (FORCE=1 runs it anyway); one that
 # fails or times out is marked failed and the queue goes on (the next call retries it last).
 # State: $STATE (default /tmp/gpu_queue), kept while the machine stays warm; logs and results:
-# $OUT (default /tmp/gpu_queue/out). DRY_RUN=1 prints what would run, running nothing.
+# $OUT (default /tmp/gpu_queue/out), a folder per stage. DRY_RUN=1 prints what would run, running nothing.
 # GPU_QUEUE_STAGES (lines of "name|seconds|needs|command") replaces the queue (for tests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +20,9 @@ STATE="${STATE:-/tmp/gpu_queue}"
 export OUT="${OUT:-$STATE/out}"
 BUDGET="${BUDGET:-540}"
 mkdir -p "$STATE" "$OUT"
+# the card's short name (h100, h200) for result files; "gpu" where nvidia-smi is absent
+GPU="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE 'h[0-9]{3}' | tr 'H' 'h')"
+export GPU="${GPU:-gpu}"
 export PYTHONPATH="/opt/kvl:/opt/devwheels${PYTHONPATH:+:$PYTHONPATH}"
 M1=/opt/models/llama-3.2-1b-random-fp16-cuda-seq-major
 PROFILE=(python3 tools/perf/step_profile.py "$M1" --provider cuda --batch 64 --capacity 33792
@@ -32,10 +35,10 @@ COLD=(--flush-l2 --prefill= --heads 32/8/128,28/4/128,9/3/64,4/1/256
 STAGES=(
   "setup|240||bash scripts/gpu_serving.sh setup"
   "tests-quick|90|setup|python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_kv_cache_gpu.py tests/serve/test_engine_gpu.py"
-  "profile-cold|150|setup|${PROFILE[*]} --prompt 256 --output 128 --commit-ahead on,off --json $OUT/step-profile-h100-1b.json"
-  "profile-chat|90|setup|${PROFILE[*]} --requests 256 --prompt 64:512 --output 64:512 --json $OUT/step-profile-h100-1b-chat.json"
-  "profile-nograph|120|setup|${PROFILE[*]} --prompt 256 --output 128 --no-cuda-graph --json $OUT/step-profile-h100-1b-nograph.json"
-  "cold-decode|90|setup|python3 bench/bench_cuda.py ${COLD[*]} --json $OUT/cuda-h100-cold.json"
+  "profile-cold|150|setup|${PROFILE[*]} --prompt 256 --output 128 --commit-ahead on,off --json \$OUT/step-profile-\$GPU-1b.json"
+  "profile-chat|90|setup|${PROFILE[*]} --requests 256 --prompt 64:512 --output 64:512 --json \$OUT/step-profile-\$GPU-1b-chat.json"
+  "profile-nograph|120|setup|${PROFILE[*]} --prompt 256 --output 128 --no-cuda-graph --json \$OUT/step-profile-\$GPU-1b-nograph.json"
+  "cold-decode|90|setup|python3 bench/bench_cuda.py ${COLD[*]} --json \$OUT/cuda-\$GPU-cold.json"
   "chat|200|setup|SYSTEMS=engine,genai-paged DEADLINE=60 bash scripts/gpu_serving.sh chat"
   "long-ahead|300|setup|RATE=inf COMMIT_AHEAD=off,on SYSTEMS=engine DEADLINE=120 bash scripts/gpu_serving.sh long"
   "long-1b|330|setup|RATE=inf CHUNK=1024,4096 SYSTEMS=engine,genai-paged DEADLINE=120 bash scripts/gpu_serving.sh long"
@@ -100,7 +103,9 @@ for stage in "${order[@]}"; do
   ran=$((ran + 1))
   [ "${DRY_RUN:-0}" = 1 ] && { start=$((start - estimate)); continue; }
   t0=$SECONDS
-  timeout --signal=INT --kill-after=10 "$left" bash -c "$command" >"$OUT/$name.log" 2>&1
+  # each stage writes under its own folder, so stages that name the same file keep both
+  mkdir -p "$OUT/$name"
+  OUT="$OUT/$name" timeout --signal=INT --kill-after=10 "$left" bash -c "$command" >"$OUT/$name.log" 2>&1
   rc=$?
   tail -15 "$OUT/$name.log"
   if [ "$rc" -eq 0 ]; then
