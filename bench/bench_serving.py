@@ -52,10 +52,10 @@ Methods and metric names follow vLLM's `bench serve` and SGLang's bench_serving:
   seq-major patch of `--genai-model` with that quantized cache (tools/kvquant.py; `none` is
   `--model`'s own cache), built beside the other models; at the same `--kv-budget`, the results
   show what each scheme holds (KV bytes, preemptions, `max_concurrency`).
-* `--packing auto,off,on,mixed`, `--overlap auto,on,off` and `--commit-ahead auto,on,off`: the
-  engine systems once per value (EngineConfig packed/mixed, and the engine system's overlap and
-  commit_ahead; `auto` leaves the engine's default), each row labelled with it when a list
-  gives several.
+* `--packing auto,off,on,mixed`, `--overlap auto,on,off`, `--commit-ahead auto,on,off` and
+  `--prefill-wait auto,0,16`: the engine systems once per value (EngineConfig packed/mixed, and
+  the engine system's overlap, commit_ahead and prefill_wait; `auto` leaves the engine's
+  default), each row labelled with it when a list gives several.
 * `--host-sampling`: the engine system with EngineConfig(sample_on_device=False) (the system
   `engine-host` is that engine beside the default one in the same run); the engine
   result records `sample_on_device` (None where EngineConfig has no such field) and the engine's
@@ -321,7 +321,7 @@ class Run:
 class EngineVariant:
     """One engine system of a run: its prefill chunk, cache, sampling ("device" or "host"),
     model, replicas (the cluster system), --packing value, and --overlap and --commit-ahead
-    values (the engine system only: auto, on or off)."""
+    values (the engine system only: auto, on or off) and --prefill-wait (auto or steps)."""
 
     chunk: int | None  # None: the engine's default for the provider
     cache: str
@@ -331,6 +331,7 @@ class EngineVariant:
     packing: str = "auto"
     overlap: str = "auto"
     commit_ahead: str = "auto"
+    prefill_wait: str = "auto"
 
 
 def engine_config(args, n: int):
@@ -348,6 +349,8 @@ def engine_config(args, n: int):
         kwargs["overlap"] = args.variant.overlap == "on"
     if args.variant.commit_ahead != "auto":  # older engines have no such field
         kwargs["commit_ahead"] = args.variant.commit_ahead == "on"
+    if args.variant.prefill_wait != "auto":  # likewise
+        kwargs["prefill_wait"] = int(args.variant.prefill_wait)
     try:
         return EngineConfig(
             max_batch=args.max_batch, prefill_chunk=args.variant.chunk, cache=args.variant.cache,
@@ -463,6 +466,8 @@ def _run_engine(engine, items: list[Item], deadline: float, stall_timeout: float
         decode_eager_fallbacks=stats["decode_eager_fallbacks"],
         kv_budget_bytes=stats["kv_budget_bytes"],
         engine_steps=stats["steps"] - warm["steps"],
+        prefill_calls=stats["prefill_calls"] - warm["prefill_calls"],
+        admission_holds=stats.get("admission_holds", 0) - warm.get("admission_holds", 0),
     )
     # Per-phase step times, where the engine keeps them, copied as they are: counted since the
     # engine started, so the warm-up request's steps are in them.
@@ -1094,6 +1099,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--commit-ahead", default="auto",
                    help="the engine system's commit_ahead(s) (EngineConfig.commit_ahead): auto, "
                         "on, off; e.g. on,off")  # fmt: skip
+    p.add_argument("--prefill-wait", default="auto",
+                   help="the engine system's prefill_wait(s) (EngineConfig.prefill_wait: steps a "
+                        "waiting prompt may be held for company): auto or steps; e.g. 0,16")  # fmt: skip
     p.add_argument("--packing", default="auto",
                    help="engine packing(s) (EngineConfig packed, mixed): auto, off, on, mixed; "
                         "e.g. off,on")  # fmt: skip
@@ -1125,6 +1133,9 @@ def main(argv: list[str] | None = None) -> int:
         bad = [v for v in getattr(args, flag).split(",") if v not in allowed]
         if bad:
             p.error(f"--{flag} {bad}: expected {', '.join(allowed)}")
+    bad = [v for v in args.prefill_wait.split(",") if v != "auto" and not v.isdigit()]
+    if bad:
+        p.error(f"--prefill-wait {bad}: expected auto or a number of steps (0 or more)")
     if args.model_shape:
         built = build_shape(args.model_shape, args.provider, args.build_dir or default_build_dir(),
                             drop_hf=args.drop_hf, paged=not args.no_paged)  # fmt: skip
@@ -1174,14 +1185,16 @@ def main(argv: list[str] | None = None) -> int:
             counts = args.replicas.split(",") if name == "cluster" else [None]
             overlaps = args.overlap.split(",") if name == "engine" else ["auto"]
             aheads = args.commit_ahead.split(",") if name == "engine" else ["auto"]
-            for scheme, cache, chunk, count, packing, overlap, ahead in itertools.product(
+            waits = args.prefill_wait.split(",") if name == "engine" else ["auto"]
+            for scheme, cache, chunk, count, packing, overlap, ahead, wait in itertools.product(
                 schemes, args.cache.split(","), args.prefill_chunk.split(","), counts,
-                args.packing.split(","), overlaps, aheads,
+                args.packing.split(","), overlaps, aheads, waits,
             ):  # fmt: skip
                 notes = [f"chunk {chunk}"] if "," in args.prefill_chunk else []
                 notes += [f"packing {packing}"] if "," in args.packing else []
                 notes += [f"overlap {overlap}"] if len(overlaps) > 1 else []
                 notes += [f"commit ahead {ahead}"] if len(aheads) > 1 else []
+                notes += [f"prefill wait {wait}"] if len(waits) > 1 else []
                 notes += [cache] if "," in args.cache else []
                 notes += [f"{scheme} KV"] if args.kv_quant and scheme != "none" else []
                 base = "engine" if name == "engine-host" else name
@@ -1191,7 +1204,7 @@ def main(argv: list[str] | None = None) -> int:
                 chunk = None if chunk == "auto" else int(chunk)
                 variant = EngineVariant(chunk, cache, sampling, quant_models[scheme],
                                         int(count) if count else None, packing,
-                                        overlap, ahead)  # fmt: skip
+                                        overlap, ahead, wait)  # fmt: skip
                 systems.append((label, fn, variant))
         elif name in ("genai", "genai-paged"):
             paged = name == "genai-paged"

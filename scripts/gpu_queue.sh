@@ -35,8 +35,10 @@ COLD=(--flush-l2 --prefill= --heads 32/8/128,28/4/128,9/3/64,4/1/256
 STAGES=(
   "setup|240||bash scripts/gpu_serving.sh setup"
   "tests-quick|90|setup|python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_kv_cache_gpu.py tests/serve/test_engine_gpu.py"
-  "profile-cold|150|setup|${PROFILE[*]} --prompt 256 --output 128 --commit-ahead on,off --json \$OUT/step-profile-\$GPU-1b.json"
+  "chat-wait|150|setup|PREFILL_WAIT=0,8,16 SYSTEMS=engine DEADLINE=60 bash scripts/gpu_serving.sh chat"
   "profile-chat|90|setup|${PROFILE[*]} --requests 256 --prompt 64:512 --output 64:512 --json \$OUT/step-profile-\$GPU-1b-chat.json"
+  "profile-chat-wait|90|setup|${PROFILE[*]} --requests 256 --prompt 64:512 --output 64:512 --prefill-wait 16 --json \$OUT/step-profile-\$GPU-1b-chat-wait.json"
+  "profile-cold|150|setup|${PROFILE[*]} --prompt 256 --output 128 --commit-ahead on,off --json \$OUT/step-profile-\$GPU-1b.json"
   "profile-nograph|120|setup|${PROFILE[*]} --prompt 256 --output 128 --no-cuda-graph --json \$OUT/step-profile-\$GPU-1b-nograph.json"
   "cold-decode|90|setup|python3 bench/bench_cuda.py ${COLD[*]} --json \$OUT/cuda-\$GPU-cold.json"
   "chat|200|setup|SYSTEMS=engine,genai-paged DEADLINE=60 bash scripts/gpu_serving.sh chat"

@@ -17,7 +17,7 @@
 # /tmp/gpu_serving); bench JSON to bench/results/ there too. SHAPE (default llama-3.2-1b),
 # BUDGET (KV bytes, default 40 GiB), CAPACITY (33792), MAX_BATCH (64), PACKING (the engine's
 # --packing list, default auto), OVERLAP (--overlap list, default auto), COMMIT_AHEAD
-# (--commit-ahead list, default auto), CHUNK (prefill tokens a
+# (--commit-ahead list, default auto), PREFILL_WAIT (--prefill-wait list, default auto), CHUNK (prefill tokens a
 # step: the engine's default (auto) for chat, 4096 for the long mix;
 # a list runs each), RATE (the long mix's requests a second, 2; inf: all at once) and DEADLINE
 # (seconds a system may run, 420) are the run's settings.
@@ -36,7 +36,7 @@ BASE="$MODELS/$SHAPE-random-fp16-cuda"
 COMMON=(--model-shape "$SHAPE" --build-dir "$MODELS" --provider cuda --kv-budget "$BUDGET"
         --capacity "$CAPACITY" --max-batch "$MAX_BATCH" --stall-timeout 60
         --deadline "${DEADLINE:-420}" --packing "${PACKING:-auto}" --overlap "${OVERLAP:-auto}"
-        --commit-ahead "${COMMIT_AHEAD:-auto}")
+        --commit-ahead "${COMMIT_AHEAD:-auto}" --prefill-wait "${PREFILL_WAIT:-auto}")
 
 case "${1:-}" in
   setup)

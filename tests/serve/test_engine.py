@@ -426,6 +426,31 @@ def test_commit_ahead_commits_the_next_chunks_during_the_calls(model, alone, gra
     assert failed > 0  # some failure hit the worker, not only a step's own commit
 
 
+@pytest.mark.parametrize("graph", ["served", "packed"])
+def test_prefill_wait_holds_prompts_that_arrive_one_by_one(model, alone, graph):
+    """EngineConfig.prefill_wait: prompts arriving while others decode are held up to that many
+    steps (scheduler.hold_admissions), then start; every request still gets its tokens alone,
+    and no slot's granule goes back while it is held for them."""
+    with engine(
+        model, max_batch=16, prefill_chunk=64, prefill_wait=4, **ENGINE_GRAPHS[graph]
+    ) as eng:
+        first = iter(eng.submit(PROMPTS[4], params(LENGTHS[4])))
+        next(first)  # its first token: it decodes from now on
+        handles = []
+        for p, n in zip(PROMPTS[:4], LENGTHS[:4]):  # one by one, each after a token of the first
+            handles.append(eng.submit(p, params(n)))
+            next(first)
+        got = [h.result() for h in handles]
+        list(first)
+        stats = idle_stats(eng)
+    assert got == alone[:4]
+    assert stats["admission_holds"] > 0
+    assert stats["kv_committed_bytes"] == 0  # idle: every granule back
+    with engine(model, max_batch=16, prefill_chunk=64) as eng:  # off by default
+        eng.submit(PROMPTS[0], params(LENGTHS[0])).result()
+        assert eng.stats()["admission_holds"] == 0
+
+
 def test_a_relative_model_dir_registers_the_library_by_absolute_path(model, monkeypatch):
     from pathlib import Path
 

@@ -9,6 +9,7 @@ from ort_kvlayout.serve.scheduler import (
     admissions,
     decode_span,
     fit_budget,
+    hold_admissions,
     need_bytes,
     next_prefill_rows,
     prefill_chunks,
@@ -93,6 +94,33 @@ def test_admission_takes_the_lowest_free_slots_while_the_budget_holds():
     assert admissions(slots, [(5, 60)], held, limits, commit_bytes) == []  # 16 + 64 > 64
     # Alone, a request is always admitted (submit refused what could never fit).
     assert admissions([None, None], [(5, 500)], [0, 0], limits, commit_bytes) == [0]
+
+
+def test_admissions_are_held_while_requests_decode_until_company_or_the_wait_is_up():
+    # 16 slots: an eighth is 2; the chunk is 100 tokens; up to 3 steps held.
+    limits = Limits(budget=1 << 30, capacity=256, prefill_chunk=100, prefill_wait=3)
+    slots = [decoding(i, 10) for i in range(14)] + [None, None]
+    one = [(20, 30)]
+    assert hold_admissions(slots, one, limits, waited=0)
+    assert hold_admissions(slots, one, limits, waited=2)
+    assert not hold_admissions(slots, one, limits, waited=3)  # the wait is up
+    # Company: two prompts fill an eighth of the slots; one of a chunk's tokens fills a call.
+    assert not hold_admissions(slots, [(20, 30), (21, 5)], limits, waited=0)
+    assert not hold_admissions(slots, [(20, 100)], limits, waited=0)
+    # Only the prompts the free slots would take count: one slot free, the second waits anyway.
+    one_free = slots[:14] + [decoding(14, 10), None]
+    assert hold_admissions(one_free, [(20, 30), (21, 5)], limits, waited=0)
+    # A prompt already prefilling: its call runs this step, the waiting join it.
+    busy = slots[:13] + [prefilling(13, 0, 40), None, None]
+    assert not hold_admissions(busy, one, limits, waited=0)
+    # Nothing decodes (the GPU would idle), no slot is free, nothing waits, or no wait asked.
+    assert not hold_admissions([None] * 16, one, limits, waited=0)
+    assert not hold_admissions([decoding(i, 10) for i in range(16)], one, limits, waited=0)
+    assert not hold_admissions(slots, [], limits, waited=0)
+    no_wait = Limits(budget=1 << 30, capacity=256, prefill_chunk=100)
+    assert not hold_admissions(slots, one, no_wait, waited=0)
+    # Below 8 slots an eighth rounds to one request: never held.
+    assert not hold_admissions(slots[:3] + [None], one, limits, waited=0)
 
 
 def test_the_budget_pads_then_runs_eagerly_then_preempts_the_newest():

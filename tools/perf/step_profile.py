@@ -256,7 +256,7 @@ def run_mode(args, mode: str, overlap: bool | None, ahead: bool = False) -> dict
         max_batch=args.max_batch or args.batch, provider=args.provider,
         prefill_chunk=args.prefill_chunk, capacity=args.capacity, kv_budget_bytes=args.kv_budget,
         max_waiting=max(args.requests or 0, args.batch) + 1, cuda_graph=False if args.no_cuda_graph else None,
-        overlap=overlap, commit_ahead=ahead, **MODES[mode],
+        overlap=overlap, commit_ahead=ahead, prefill_wait=args.prefill_wait, **MODES[mode],
     )  # fmt: skip
     rng = np.random.default_rng(args.seed)
     with Engine(args.model, config) as engine:
@@ -290,6 +290,7 @@ def run_mode(args, mode: str, overlap: bool | None, ahead: bool = False) -> dict
         "mode": mode,
         "overlap": config.overlapped,
         "commit_ahead": ahead,
+        "prefill_wait": args.prefill_wait,
         "sample_on_device": after["sample_on_device"],
         "steps": steps,
         "wall_s": wall,
@@ -385,6 +386,10 @@ def main(argv: list[str] | None = None) -> int:
         help="print the engine thread's N costliest functions (cProfile)",
     )
     p.add_argument("--no-cuda-graph", action="store_true")
+    p.add_argument(
+        "--prefill-wait", type=int, default=0, metavar="STEPS",
+        help="EngineConfig.prefill_wait: steps a waiting prompt may be held for company",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)

@@ -99,6 +99,7 @@ from .scheduler import (
     admissions,
     decode_span,
     fit_budget,
+    hold_admissions,
     next_prefill_rows,
     prefill_chunks,
 )
@@ -295,8 +296,9 @@ class Engine:
         # key tiles); 0 on the CPU.
         self._limits = Limits(
             self.budget, self.capacity, config.chunk, self.runtime.prefill_read_slack(),
-            self.buckets, packed=self.packed,
+            self.buckets, packed=self.packed, prefill_wait=config.prefill_wait,
         )  # fmt: skip
+        self._held = 0  # steps the waiting requests were held (scheduler.hold_admissions)
 
     # ---------------------------------------------------------------------------------------
     # Any thread
@@ -632,11 +634,16 @@ class Engine:
 
     def _admit(self) -> None:
         if not self._waiting or None not in self._slots:
+            self._held = 0
             return
         waiting = [(r.arrival, len(r.seq)) for r in self._waiting]
-        for slot in admissions(
-            self._view(), waiting, self.cache.tokens, self._limits, self._need_bytes
-        ):
+        view = self._view()
+        if hold_admissions(view, waiting, self._limits, self._held):
+            self._held += 1
+            self._counters["admission_holds"] += 1
+            return
+        self._held = 0
+        for slot in admissions(view, waiting, self.cache.tokens, self._limits, self._need_bytes):
             r = self._waiting.popleft()
             r.slot = slot
             r.cached = 0
@@ -664,8 +671,9 @@ class Engine:
         self._waiting.insert(position, victim)
 
     def _release_scratch(self, rows: dict[int, int]) -> None:
-        """Scratch rows of free slots outside `rows` (this step's) go back (the docstring)."""
-        if self.cache.closed:
+        """Scratch rows of free slots outside `rows` (this step's) go back (the docstring),
+        except while admissions are held: the requests held take those slots soon."""
+        if self.cache.closed or (self._held and self._waiting):
             return
         held = self.cache.tokens
         for s, r in enumerate(self._slots):
@@ -930,7 +938,7 @@ class Engine:
         for key in (
             "steps", "decode_calls", "decode_rows", "decode_padded_rows", "decode_eager_fallbacks",
             "prefill_calls", "prefill_chunks", "prefill_tokens", "mixed_calls", "tokens",
-            "admitted", "rejected", "kv_ahead_commits", "kv_ahead_failures", "step_errors", "callback_errors", "detokenize_errors", "publish_errors", "finished_stop",
+            "admitted", "admission_holds", "rejected", "kv_ahead_commits", "kv_ahead_failures", "step_errors", "callback_errors", "detokenize_errors", "publish_errors", "finished_stop",
             "finished_length", "finished_cancelled", "finished_error",
         ):  # fmt: skip
             snap[key] = self._counters[key]

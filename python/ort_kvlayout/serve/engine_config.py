@@ -42,7 +42,10 @@ class EngineConfig:
     released; off on the CPU, where ORT's threads want the cores); commit_ahead: while a step's
     calls run, a worker thread commits the KV rows of the next step's prefill chunks
     (scheduler.next_prefill_rows; on CUDA the driver's map calls), so that the next step finds
-    them committed (off by default: its effect on a GPU step is not measured yet)."""
+    them committed (off by default: its effect on a GPU step is not measured yet); prefill_wait:
+    steps a waiting request may be held while the running ones decode, so that prompts arriving
+    one by one start together in one prefill call (scheduler.hold_admissions: until they fill
+    a chunk or an eighth of the slots; 0, the default: admitted at once)."""
 
     max_batch: int = 8
     capacity: int | None = None
@@ -61,6 +64,7 @@ class EngineConfig:
     mixed: bool = False
     overlap: bool | None = None
     commit_ahead: bool = False
+    prefill_wait: int = 0
 
     @property
     def overlapped(self) -> bool:
@@ -96,6 +100,8 @@ class EngineConfig:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.prefill_wait < 0:
+            raise ValueError(f"prefill_wait must be >= 0 steps, got {self.prefill_wait}")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
         if self.kv_budget_bytes is not None and self.kv_budget_bytes < 1:

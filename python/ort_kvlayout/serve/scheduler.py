@@ -1,6 +1,7 @@
 """The engine's decisions for one step, as pure functions of what the slots hold.
 
     view = [Running(arrival, cached, length) or None for each slot]
+    hold = hold_admissions(view, waiting, limits, waited)           # admit nobody this step?
     slots = admissions(view, waiting, held, limits, commit_bytes)   # where the waiting go
     fit = fit_budget(view, held, limits, commit_bytes)              # rows, padding, victims
     chunks = prefill_chunks(view, limits.prefill_chunk)             # (slot, tokens), oldest first
@@ -17,7 +18,10 @@ numbers alone. The rules (docs/SERVING.md, "One step"):
   where slack > 0 (it idles, but a CUDA prefill's key tiles may be read wherever the call has
   rows: the same guard as a chunk's slack);
 * admission: waiting requests, oldest first, take the lowest free slot while the step's rows
-  with their whole sequence fit the budget (a request alone is always admitted);
+  with their whole sequence fit the budget (a request alone is always admitted); with
+  `prefill_wait`, a step where requests decode and none prefills admits nobody, for up to that
+  many steps, until the prompts the free slots would take fill a chunk or an eighth of the
+  slots: they then share one prefill call instead of one call each (hold_admissions);
 * the budget: when the step's rows do not fit, the decode call runs its span eagerly if that
   fits (no scratch rows past it), else the running request that arrived last is preempted, and
   so on; a preempted slot keeps its row-0 granule until the next step (KvCache.release keep=1).
@@ -38,6 +42,7 @@ __all__ = [
     "admissions",
     "decode_span",
     "fit_budget",
+    "hold_admissions",
     "need_bytes",
     "next_prefill_rows",
     "prefill_chunks",
@@ -65,7 +70,9 @@ class Running(NamedTuple):
 class Limits:
     """budget: KV bytes; capacity: rows a slot holds at most; prefill_chunk: prompt tokens a step
     prefills; slack: rows a prefill may read past its chunk; buckets: padded decode sizes (());
-    packed: a step's prefill chunks run as one call over the slots between them."""
+    packed: a step's prefill chunks run as one call over the slots between them; prefill_wait:
+    steps a waiting request may be held so that several prompts share a prefill call (0: none,
+    hold_admissions)."""
 
     budget: int
     capacity: int
@@ -73,6 +80,7 @@ class Limits:
     slack: int = 0
     buckets: tuple[int, ...] = ()
     packed: bool = False
+    prefill_wait: int = 0
 
 
 @dataclass
@@ -198,6 +206,39 @@ def admissions(
         view[slot] = Running(arrival, 0, length)
         taken.append(slot)
     return taken
+
+
+def hold_admissions(
+    slots: Sequence[Running | None],
+    waiting: Sequence[tuple[int, int]],
+    limits: Limits,
+    waited: int,
+) -> bool:
+    """Whether this step admits nobody (`waited`: the steps held so far), so that the prompts
+    waiting ((arrival, length), oldest first) start together, a few steps later, in one prefill
+    call rather than in a call each: a step that prefills is an eager call whose kernel
+    launches cost the host milliseconds however few its tokens (docs/SERVING.md, "Prefill
+    held for company"). Held only while requests decode, none prefills (else a prefill call
+    runs this step anyway), a slot is free, fewer than `limits.prefill_wait` steps were held,
+    and the prompts that the free slots would take hold fewer than a chunk's tokens and fill
+    fewer than an eighth of the slots (at least one)."""
+    if waited >= limits.prefill_wait or not waiting:
+        return False
+    free = 0
+    decoding = False
+    for r in slots:
+        if r is None:
+            free += 1
+        elif r.length - r.cached == 1:
+            decoding = True
+        else:
+            return False  # a prompt is prefilling: this step's prefill call runs anyway
+    if not decoding or not free:
+        return False
+    company = waiting[:free]
+    if len(company) >= max(1, len(slots) // 8):
+        return False
+    return sum(length for _, length in company) < limits.prefill_chunk
 
 
 def fit_budget(
