@@ -466,7 +466,7 @@ def _run_engine(engine, items: list[Item], deadline: float, stall_timeout: float
         decode_eager_fallbacks=stats["decode_eager_fallbacks"],
         kv_budget_bytes=stats["kv_budget_bytes"],
         engine_steps=stats["steps"] - warm["steps"],
-        prefill_calls=stats["prefill_calls"] - warm["prefill_calls"],
+        prefill_calls=stats.get("prefill_calls", 0) - warm.get("prefill_calls", 0),
         admission_holds=stats.get("admission_holds", 0) - warm.get("admission_holds", 0),
     )
     # Per-phase step times, where the engine keeps them, copied as they are: counted since the

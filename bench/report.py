@@ -26,6 +26,7 @@ from pathlib import Path
 
 import bench_serving  # a sibling: its Markdown table is the one a serving run prints
 import perplexity  # a sibling: its Markdown table is the one a perplexity run prints
+from step_table import KIND_NOTE, cells, rows_by_kind  # a sibling: step_profile.py's rows too
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -395,6 +396,7 @@ def step_profile(data: dict, name: str) -> list[str]:
     lines += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     overlaps = {r.get("overlap") for r in results}
     aheads = {bool(r.get("commit_ahead")) for r in results}
+    waits = {r.get("prefill_wait", 0) for r in results}
 
     def graph_of(r: dict) -> str:
         graph = _STEP_GRAPHS.get(r.get("mode", "device" if r["sample_on_device"] else "host"))
@@ -402,23 +404,13 @@ def step_profile(data: dict, name: str) -> list[str]:
             graph += ", overlap " + ("on" if r.get("overlap") else "off")
         if len(aheads) > 1:
             graph += ", commit ahead " + ("on" if r.get("commit_ahead") else "off")
+        if len(waits) > 1 or waits != {0}:
+            graph += f", prefill wait {r.get('prefill_wait', 0)}"
         return graph
 
     for r in results:
-        graph = graph_of(r)
-        kinds = [(graph, r)] + [
-            (f"{graph}: {name}", r["by_kind"][kind])
-            for kind, name in (("decode", "decode steps"), ("prefill", "prefill steps"))
-            if kind in r.get("by_kind", {})
-        ]
-        for label, row in kinds:
-            gpu = row.get("gpu_ms_per_step")
-            cells = [label, str(row["steps"]), f"{row['wall_ms_per_step']:.2f}",
-                     *(f"{row['phase_ms_per_step'].get(p, 0.0):.2f}" for p in phases),
-                     f"{gpu:.2f}" if gpu is not None else "-",
-                     f"{row['host_share']:.0%}" if gpu is not None else "-",
-                     f"{r['output_tok_s']:.0f}" if row is r else "-"]  # fmt: skip
-            lines.append("| " + " | ".join(cells) + " |")
+        for label, row in rows_by_kind(r, graph_of(r)):
+            lines.append("| " + " | ".join([label, *cells(r, row, phases)]) + " |")
     for r in results:
         if r.get("driver"):
             graph = graph_of(r)
@@ -428,12 +420,7 @@ def step_profile(data: dict, name: str) -> list[str]:
             )
             lines += ["", f"The KV cache's CUDA driver calls, {graph}: {calls}."]
     if any("by_kind" in r for r in results):
-        lines += ["", ("A step's kind: prefill steps ran a prefill call (eager, every kernel "
-                  "launched by ORT), decode steps decode rows alone (a CUDA graph's replay where "
-                  "graphs are on). Their wall times are the engine loop's step alone; the GPU "
-                  "time of decode steps comes from a pass profiling only the steps where every "
-                  "request decodes, that of prefill steps is the rest of the profiled kernel "
-                  "time.")]  # fmt: skip
+        lines += ["", KIND_NOTE]
     return lines
 
 

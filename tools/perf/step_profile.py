@@ -57,6 +57,10 @@ from pathlib import Path
 
 import numpy as np
 
+BENCH = Path(__file__).resolve().parents[2] / "bench"  # revision.py, step_table.py
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
 
 def gpu_profiler():
     """torch.profiler over CUDA kernels, or None without torch/CUDA."""
@@ -327,31 +331,18 @@ def run_mode(args, mode: str, overlap: bool | None, ahead: bool = False) -> dict
 
 
 def table(results: list[dict]) -> str:
+    from step_table import cells, rows_by_kind  # bench/step_table.py
+
     phases = list(results[0]["phase_ms_per_step"])
-    head = ["mode", "overlap", "commit ahead", "steps", "wall ms/step", *phases, "GPU ms/step",
-            "host share", "tok/s"]  # fmt: skip
+    head = ["mode", "overlap", "commit ahead", "prefill wait", "steps", "wall ms/step", *phases,
+            "GPU ms/step", "host share", "tok/s"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
+        settings = ["on" if r.get("overlap") else "off", "on" if r.get("commit_ahead") else "off",
+                    str(r.get("prefill_wait", 0))]  # fmt: skip
         for label, row in rows_by_kind(r, r["mode"]):
-            gpu = row.get("gpu_ms_per_step")
-            cells = [label, "on" if r.get("overlap") else "off",
-                     "on" if r.get("commit_ahead") else "off", str(row["steps"]),
-                     f"{row['wall_ms_per_step']:.2f}",
-                     *(f"{row['phase_ms_per_step'].get(p, 0.0):.2f}" for p in phases),
-                     f"{gpu:.2f}" if gpu is not None else "-",
-                     f"{row['host_share']:.0%}" if gpu is not None else "-",
-                     f"{r['output_tok_s']:.0f}" if row is r else "-"]  # fmt: skip
-            lines.append("| " + " | ".join(cells) + " |")
+            lines.append("| " + " | ".join([label, *settings, *cells(r, row, phases)]) + " |")
     return "\n".join(lines)
-
-
-def rows_by_kind(result: dict, label: str) -> list[tuple[str, dict]]:
-    """A mode's row, then its decode-only and prefill steps' rows (where recorded)."""
-    rows = [(label, result)]
-    for kind, name in (("decode", "decode steps"), ("prefill", "prefill steps")):
-        if kind in result.get("by_kind", {}):
-            rows.append((f"{label}: {name}", result["by_kind"][kind]))
-    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -419,7 +410,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def record(args, argv: list[str] | None, results: list[dict]) -> dict:
     """The JSON bench/report.py renders: when, where, which commit and command, the results."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from revision import device_name, git_revision  # bench/revision.py
 
     words = argv if argv is not None else sys.argv[1:]
