@@ -287,7 +287,7 @@ def _quant_cell(us: float) -> dict:
     return {"kernel_ms": us * 1e-3}
 
 
-def test_a_cuda_quant_table_says_which_targets_each_row_meets():
+def test_a_cuda_quant_table_says_which_goals_each_row_meets():
     rows = [
         {"kind": "decode", "batch": 8, "length": 16384, "capacity": 16384, "heads": "32/8/128",
          "kv_quant": "int8-per-channel", "ort": _quant_cell(130), "kv0": _quant_cell(125),
@@ -308,18 +308,19 @@ def test_a_cuda_quant_table_says_which_targets_each_row_meets():
             "command": "python bench/bench_cuda.py --kv-quant x --json y.json", "rows": rows}  # fmt: skip
     lines = report.cuda_quant(data, "cuda-quant-x.json")
     assert "commit `abc1234` (the copy on the device reported `def5678+dirty`)" in lines[0]
-    assert "Of the 1 rows with a target: " in lines[2]
-    assert "<= 0.55: met in both layouts by 0 of 1 rows, in one layout by 1 more" in lines[2]
-    assert ">= 1.5x: met in both layouts by 1 of 1 rows." in lines[2]
+    assert "<= 1.0 fp16: met in both layouts by 2 of 3 rows" in lines[2]
+    assert ">= 1.0x ORT: met in both layouts by 2 of 2 rows" in lines[2]  # int4: ORT refused
+    assert "<= 0.55 fp16: met in both layouts by 0 of 1 rows, in one layout by 1 more." in lines[2]
     assert lines[-3] == (
         "| B=8 L=16k | 32/8/128 | int8-per-channel | 130.0 | 120.0 | 126.0 | 70.0 | 80.0 "
-        "| 0.56 / 0.54 | 1.71x / 1.50x | 5.0e-04 | <= 0.55: L0 missed, L1 met; >= 1.5x: met |"
+        "| 0.56 / 0.54 | 1.71x / 1.50x | 5.0e-04 "
+        "| <= 1.0 fp16: met; >= 1.0x ORT: met; <= 0.55 fp16: L0 missed, L1 met |"
     )
     assert lines[-2] == (
         "| B=1 L=16k | 9/3/64 | int4-per-channel | 12.0 | refused | 11.0 | 14.0 | 14.0 "
-        "| 1.30 / 1.30 | - / - | - | no target |"
+        "| 1.30 / 1.30 | - / - | - | <= 1.0 fp16: missed |"
     )
-    assert lines[-1].endswith("| no target |")  # int8 below L = 16k
+    assert lines[-1].endswith("| <= 1.0 fp16: met; >= 1.0x ORT: met |")  # B=1: no 0.55 goal
 
 
 def test_a_cpu_quant_table_says_when_the_machine_was_shared():
