@@ -238,10 +238,11 @@ def _introduced(intro: list[str], table: list[str]) -> list[str]:
 
 # docs/PERFORMANCE.md's optional sections, each its block's heading and first paragraph.
 CUDA_COLD_INTRO = [
-    "### Cold caches",
+    "### Decode, cold caches",
     (
         "Decode with every timed Run after an L2 flush (`--flush-l2`): what a call costs inside "
-        "a model, whose other layers evict the cache, the kernel's code and the op's state."
+        "a model, whose other layers evict the cache, the kernel's code and the op's state. The "
+        "goals are measured so; the warm tables below keep the L2 between Runs."
     ),
 ]
 STACKS_INTRO = [
