@@ -2,6 +2,7 @@
 # The serving runs on the GPU machine (shared/GPU.md), stage by stage, from the checkout's root:
 #
 #   bash scripts/gpu_serving.sh setup      # onnxruntime-gpu wheels, the package (CUDA), 1B models
+#   bash scripts/gpu_serving.sh build      # the same without the models
 #   bash scripts/gpu_serving.sh models     # the SHAPE's models alone (SHAPE=llama-3.1-8b DROP_HF=1)
 #   bash scripts/gpu_serving.sh tests      # the GPU tests of the op's sampler and the engine
 #   bash scripts/gpu_serving.sh profile    # tools/perf/step_profile.py, served against host
@@ -39,7 +40,7 @@ COMMON=(--model-shape "$SHAPE" --build-dir "$MODELS" --provider cuda --kv-budget
         --commit-ahead "${COMMIT_AHEAD:-auto}" --prefill-wait "${PREFILL_WAIT:-auto}")
 
 case "${1:-}" in
-  setup)
+  setup|build)  # build: the wheels and the package alone (models: the next stage)
     bash .device/wheels0/install-device-wheels || exit
     t0=$SECONDS
     ORT_INCLUDE_DIR="$PWD/.device/hdr/ort" \
@@ -49,7 +50,7 @@ case "${1:-}" in
       >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
     echo "package built in $((SECONDS - t0)) s"
     python3 -c "import ort_kvlayout as k; print(k.__file__, k.build_info())"
-    exec bash "$0" models
+    [ "$1" = build ] || exec bash "$0" models
     ;;
   models)
     # the 8B shape: DROP_HF=1 deletes the Hugging Face folder once the builder's models exist,
