@@ -451,53 +451,6 @@ def test_prefill_wait_holds_prompts_that_arrive_one_by_one(model, alone, graph):
         assert eng.stats()["admission_holds"] == 0
 
 
-def test_a_padded_decode_call_is_read_after_the_steps_prefill_call(model, alone, monkeypatch):
-    """A step's padded decode call is launched without waiting for the device (RunOptions
-    disable_synchronize_execution_providers: on CUDA the Run returns once its graph is launched),
-    the step's prefill call runs next, and only then are the decode call's outputs synchronized
-    and read; every other call waits. Tokens are those of each request alone."""
-    import onnxruntime as ort
-
-    events: list[str] = []
-    real_sync = ort.IOBinding.synchronize_outputs
-
-    def sync(binding):
-        events.append("sync")
-        return real_sync(binding)
-
-    def nowait(options) -> bool:
-        try:
-            return options.get_run_config_entry("disable_synchronize_execution_providers") == "1"
-        except (AttributeError, RuntimeError):  # no options, or no such entry
-            return False
-
-    monkeypatch.setattr(ort.IOBinding, "synchronize_outputs", sync)
-    from ort_kvlayout.serve.engine import Engine, EngineConfig
-
-    config = EngineConfig(max_batch=4, prefill_chunk=8, decode_buckets=(4,))
-    with Engine(model, config, start=False) as eng:
-        session = eng.runtime.session
-        real_run = session.run_with_iobinding
-
-        def run(binding, options=None):
-            events.append("launch" if nowait(options) else "run")
-            return real_run(binding, options)
-
-        session.run_with_iobinding = run
-        handles = [eng.submit(p, params(n)) for p, n in zip(PROMPTS, LENGTHS)]
-        eng.start()
-        got = [h.result() for h in handles]
-    assert got == alone
-    trace = ",".join(events)
-    assert "launch,run,sync" in trace  # a decode call launched, a prefill call run, then read
-    assert "launch,sync" in trace  # a step that only decodes
-    launches = [i for i, e in enumerate(events) if e == "launch"]
-    syncs = [i for i, e in enumerate(events) if e == "sync"]
-    assert len(launches) == len(syncs)
-    assert all(a < b for a, b in zip(launches, syncs))  # each read after its own launch
-    assert all(b < a for a, b in zip(launches[1:], syncs))  # and before the next launch
-
-
 def test_a_relative_model_dir_registers_the_library_by_absolute_path(model, monkeypatch):
     from pathlib import Path
 

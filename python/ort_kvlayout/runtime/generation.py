@@ -388,19 +388,11 @@ class Runtime:
         )
 
     # -----------------------------------------------------------------------------------------
-    def run_options(self, graph_id: int | None, wait: bool = True) -> ort.RunOptions | None:
-        """A Run's options: its CUDA graph id (None: uncaptured) where graphs are on, and, with
-        `wait` False, a Run that returns once its work is launched on the device's stream
-        without waiting for it (ORT's disable_synchronize_execution_providers; a no-op on the
-        CPU): the caller waits (IOBinding.synchronize_outputs) before it reads an output or
-        writes an input of that call."""
-        if not self.cuda_graph and wait:
+    def run_options(self, graph_id: int | None) -> ort.RunOptions | None:
+        if not self.cuda_graph:
             return None
         options = ort.RunOptions()
-        if self.cuda_graph:
-            options.add_run_config_entry("gpu_graph_id", str(-1 if graph_id is None else graph_id))
-        if not wait:
-            options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+        options.add_run_config_entry("gpu_graph_id", str(-1 if graph_id is None else graph_id))
         return options
 
     def _run_prefill(self, cache: KvCache, ids, mask, positions) -> np.ndarray:

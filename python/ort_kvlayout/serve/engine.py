@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import functools
 import itertools
 import logging
@@ -140,17 +139,6 @@ class _Request:
     @property
     def decoding(self) -> bool:
         return self.slot >= 0 and len(self.seq) - self.cached == 1
-
-
-def _waited(run: Callable[[], list[int | None]]) -> Callable[[], Callable[[], list[int | None]]]:
-    """A call that waits for the device as it runs, as a launch (Engine._step): running it
-    returns the getter of its tokens."""
-
-    def launch() -> Callable[[], list[int | None]]:
-        tokens = run()
-        return lambda: tokens
-
-    return launch
 
 
 class Engine:
@@ -737,20 +725,8 @@ class Engine:
             self._publish()  # the last step's events go out while these calls run
         if ahead is not None:  # after the snapshot (_publish reads the cache's counters)
             ahead = self._ahead.submit(self._ensure_ahead, ahead)
-        # Every call is launched, then every call's tokens are read: a padded decode call
-        # (Executor.launch_bucket) does not wait for the device, so the step's prefill call is
-        # launched while the decode graph runs on the same stream.
-        finishes: list[Callable[[], list[int | None]]] = []
         try:
-            try:
-                for launch, _ in calls:
-                    finishes.append(launch())
-            except BaseException:
-                for finish in finishes:  # the device is done with what was launched
-                    with contextlib.suppress(Exception):
-                        finish()
-                raise
-            results = [finish() for finish in finishes]
+            results = [run() for run, _ in calls]
         finally:
             if ahead is not None:  # the cache is the engine thread's again
                 t = time.perf_counter_ns()
@@ -786,9 +762,8 @@ class Engine:
             self.executor.profile.add("kv_ahead", t)
 
     def _decode_call(self, lo: int, hi: int, padded: bool):
-        """The decode call of slots [lo, hi), planned now: what launches it (returning the getter
-        of its tokens; a padded call does not wait for the device, the others do: _waited) and
-        what applies its tokens."""
+        """The decode call of slots [lo, hi), planned now: what runs it and what applies its
+        tokens."""
         requests = self._slots[lo:hi]
         slots, samplers = [], []
         for r in requests:
@@ -800,19 +775,17 @@ class Engine:
                 samplers.append(r.sampler if r.decoding else None)
         ids, totals = decode_rows(slots, self.spec.pad_token_id)
         if padded:
-            launch = functools.partial(self.executor.launch_bucket, hi, ids, totals, samplers)
+            run = functools.partial(self.executor.run_bucket, hi, ids, totals, samplers)
         elif self.executor.packed:  # the slots that decode nothing idle
             rows = [
                 ([r.seq[r.cached]], r.cached) if r is not None and r.decoding else ((), 0)
                 for r in requests
             ]
-            launch = _waited(functools.partial(self.executor.run_packed, lo, rows, samplers))
+            run = functools.partial(self.executor.run_packed, lo, rows, samplers)
         else:
             ids_array = np.array(ids, np.int64)[:, None]
-            launch = _waited(
-                functools.partial(
-                    self.executor.run, lo, ids_array, totals, [0] * (hi - lo), samplers
-                )
+            run = functools.partial(
+                self.executor.run, lo, ids_array, totals, [0] * (hi - lo), samplers
             )
 
         def commit(tokens: list[int | None]) -> None:
@@ -826,7 +799,7 @@ class Engine:
                 self._emit(r, token)
             self.executor.profile.add("emit", t)
 
-        return launch, commit
+        return run, commit
 
     def _prefill_call(self, r: _Request, take: int):
         """The call prefilling r's next `take` prompt tokens, as _decode_call's."""
@@ -835,8 +808,8 @@ class Engine:
         # The whole sequence in: its last row gives the next token (else no row is sampled).
         completes = start + take == len(r.seq)
         sampler = r.sampler if completes else None
-        launch = _waited(
-            functools.partial(self.executor.run, r.slot, ids, [start + take], [take - 1], [sampler])
+        run = functools.partial(
+            self.executor.run, r.slot, ids, [start + take], [take - 1], [sampler]
         )
 
         def commit(tokens: list[int | None]) -> None:
@@ -849,7 +822,7 @@ class Engine:
                 self._emit(r, tokens[0])
                 self.executor.profile.add("emit", t)
 
-        return launch, commit
+        return run, commit
 
     def _packed_call(self, chunks: list[tuple[_Request, int]], decode: range = range(0)):
         """One packed call, as _decode_call's: the prefill chunks (request, tokens) and, mixed,
@@ -875,7 +848,7 @@ class Engine:
             else:
                 rows.append(((), 0))
                 samplers.append(None)
-        launch = _waited(functools.partial(self.executor.run_packed, lo, rows, samplers))
+        run = functools.partial(self.executor.run_packed, lo, rows, samplers)
 
         def commit(tokens: list[int | None]) -> None:
             counters = self._counters
@@ -899,7 +872,7 @@ class Engine:
                     self._emit(r, token)
             self.executor.profile.add("emit", t)
 
-        return launch, commit
+        return run, commit
 
     def _emit(self, r: _Request, token: int) -> None:
         """Streams r's next token, or finishes r (a negative token: the sampler refused the row,

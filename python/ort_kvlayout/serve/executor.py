@@ -3,8 +3,6 @@
     executor = Executor(runtime, cache, graphs=True, served=served_graph.inputs)  # or None
     tokens = executor.run(first_slot, ids, totals, last, rows)    # an eager call: (B, S) ids
     tokens = executor.run_bucket(bucket, ids, totals, rows)      # a padded decode call (graphs)
-    finish = executor.launch_bucket(bucket, ids, totals, rows)   # the same, not waited for
-    tokens = finish()                                            # (after the step's next call)
     tokens = executor.run_packed(first_slot, [(new_ids, cached), ...], rows)  # packed graph
 
 It owns the session's bindings, the fixed per-bucket decode bindings (one CUDA graph each) and
@@ -36,7 +34,6 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -263,16 +260,6 @@ class Executor:
         """The decode call of slots [0, bucket) through its fixed binding; with CUDA graphs,
         graph id `bucket`: ORT runs it CUDA_GRAPH_WARMUP_RUNS times, captures it on the next
         run and replays it from then on (the cache's counters follow that rule)."""
-        return self.launch_bucket(bucket, ids, totals, rows)()
-
-    def launch_bucket(
-        self, bucket: int, ids: list[int], totals: list[int], rows: list[Sampler | None]
-    ) -> Callable[[], list[int | None]]:
-        """run_bucket's call launched without waiting for the device (Runtime.run_options
-        wait=False: on CUDA the Run returns once the graph is launched), so that the host
-        launches the step's next call on the same stream while this one runs; the function
-        returned waits for the device and returns the tokens. Until it is called nothing may
-        read this call's outputs or write its inputs (the next set_inputs comes after it)."""
         t = time.perf_counter_ns()
         call = self._buckets.get(bucket)
         if call is None:
@@ -281,31 +268,23 @@ class Executor:
         t = self.profile.add("inputs", t)
         runs = self.bucket_calls[bucket]
         graph_id = bucket if self.graphs else None
-        options = self.runtime.run_options(graph_id, wait=False)
-        self.runtime.session.run_with_iobinding(call.binding, options)
-        self.profile.add("run", t)
+        self.runtime.session.run_with_iobinding(call.binding, self.runtime.run_options(graph_id))
+        t = self.profile.add("run", t)
         self.bucket_calls[bucket] = runs + 1
         if self.graphs:
             if runs == CUDA_GRAPH_WARMUP_RUNS:
                 self.cache.stats.graph_captures += 1
             elif runs > CUDA_GRAPH_WARMUP_RUNS:
                 self.cache.stats.replays += 1
-
-        def finish() -> list[int | None]:
-            t = time.perf_counter_ns()
-            call.binding.synchronize_outputs()  # the device is done with the call
-            t = self.profile.add("run", t)
-            out = call.output()
-            self.runtime.check_length_record("engine decode step")
-            t = self.profile.add("readback", t)
-            if self.served is not None:
-                tokens = _used(out[:, 0].tolist(), rows)
-            else:
-                tokens = self._host_sample(out[:, -1], rows)
-            self.profile.add("sample", t)
-            return tokens
-
-        return finish
+        out = call.output()  # on the host: the step's kernels are done
+        self.runtime.check_length_record("engine decode step")
+        t = self.profile.add("readback", t)
+        if self.served is not None:
+            tokens = _used(out[:, 0].tolist(), rows)
+        else:
+            tokens = self._host_sample(out[:, -1], rows)
+        self.profile.add("sample", t)
+        return tokens
 
     def _host_sample(self, logits: np.ndarray, rows: list[Sampler | None]) -> list[int | None]:
         """Tokens from host logits (B, V): greedy rows together (one argmax, the same tokens as
