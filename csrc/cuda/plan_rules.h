@@ -180,9 +180,9 @@ inline int DecodeWaveCtasPerSm(int64_t rows, int64_t sms, int fit) {
 // and warps stand: at B = 1 every SM has a CTA, and past a fixed part the cold int8 reads ran at
 // the HBM's peak (32/8/128, L = 16k to 32k: 3.4 TB/s), so other splits of the same bytes would
 // empty SMs (fp16's bytes per CTA) or add merge work. The static scales (2 x H floats of the kv
-// head): every CTA reads them at three points of its path (the appending CTA's quantization,
-// the query tile, the merge), each trip to HBM after a flush of the L2, behind the first steps'
-// copies: each CTA asks for them at its start.
+// head): every CTA reads them at three points of its path, the appending CTA one value per
+// dependent trip (StoreQuantRows stores between them), each trip to HBM after a flush of the L2,
+// behind the first steps' copies: each CTA asks for them at its start.
 inline void DecodeQuantBytesPlan(const GqaShape& s, const PlanKnobs& knobs, AttnPlan* p) {
   p->decode_scales_early = knobs.decode_quant_bytes && s.quantized() && !s.per_token();
 }

@@ -148,63 +148,19 @@ struct NewKvRow {
   }
 };
 
-// The channels a lane quantizes, slot n of N: 8-bit codes channel lane + 32 n (n < E); packed
-// int4 the channels 2p and 2p + 1 of byte p = lane + 32 (n / 2).
-template <typename C, int E>
-constexpr int kQuantSlots = kCacheBits<C> == 4 ? 2 * ((E + 1) / 2) : E;
-template <typename C>
-__device__ __forceinline__ int64_t SlotChannel(int lane, int n) {
-  if constexpr (kCacheBits<C> == 4) {
-    return 2 * (lane + int64_t{kWarp} * (n / 2)) + (n % 2);
-  } else {
-    return lane + int64_t{kWarp} * n;
-  }
-}
-
-// A lane's inverse static scales (per channel or per tensor) of the channels it quantizes, K's
-// and V's loaded together before the row's first store. Loaded in the store loops instead, each
-// scale would wait behind the previous value's store (the codes are char-sized: they may alias
-// the scales), one dependent trip to memory per value, 2 x E a row, on the appending CTA's path.
-template <typename C, int E>
-struct StaticInverses {
-  float k[kQuantSlots<C, E>], v[kQuantSlots<C, E>];
-  __device__ __forceinline__ void Load(const GqaShape& s, const GqaCudaBuffers& buf, int64_t hk,
-                                       int lane) {
-    const int64_t H = s.head_size;
-    float ks[kQuantSlots<C, E>], vs[kQuantSlots<C, E>];
-#pragma unroll
-    for (int n = 0; n < kQuantSlots<C, E>; ++n) {  // every load out before the first use
-      const int64_t d = SlotChannel<C>(lane, n);
-      const bool in = d < H;
-      ks[n] = in && s.k_quant != KvQuant::kPerToken ? ChannelScale(buf.k_scale, s.k_quant, H, hk, d)
-                                                    : 1.0f;
-      vs[n] = in && s.v_quant != KvQuant::kPerToken ? ChannelScale(buf.v_scale, s.v_quant, H, hk, d)
-                                                    : 1.0f;
-    }
-#pragma unroll
-    for (int n = 0; n < kQuantSlots<C, E>; ++n) {
-      k[n] = QuantInverse(ks[n]);
-      v[n] = QuantInverse(vs[n]);
-    }
-  }
-};
-
 // A quantized cache (C: int8_t, PackedInt4 or Fp8E4M3): the warp stores the codes of the key row
 // in x (normed, rotated, still float) and of the value row `row.v`, each value rounded to T first
 // (ORT holds them in T), at element offset `off` of present (codes or packed bytes). x is reused.
 // PER_TOKEN (a runtime branch, uniform per launch): each row's scale is computed first (a warp
 // reduction of |x| over the row, TokenScale) and stored in the scale cache at ScaleIndex(off),
 // then the row is quantized with its inverse; a non-finite row stores codes 0. Static scales:
-// QuantInverse of the channel's scale (StaticInverses, loaded first). One rule for every cache
-// type: dtype.h's, bit for bit.
+// QuantInverse of the channel's scale. One rule for every cache type: dtype.h's, bit for bit.
 template <typename T, typename C, int E>
 __device__ void StoreQuantRows(const GqaShape& s, const GqaCudaBuffers& buf, int64_t off,
                                int64_t hk, const NewKvRow<T, E>& row, float* x, int lane) {
   const int64_t H = s.head_size;
-  StaticInverses<C, E> statics;
-  statics.Load(s, buf, hk, lane);
   // x holds the row's values (rounded to T, synchronized by the warp): its codes into dst.
-  auto store = [&](C* dst, float* tokens, KvQuant quant, const float* channel_inv) {
+  auto store = [&](C* dst, const float* scale, float* tokens, KvQuant quant) {
     float token_inv = 0.0f;
     bool zero = false;
     if (quant == KvQuant::kPerToken) {
@@ -221,35 +177,29 @@ __device__ void StoreQuantRows(const GqaShape& s, const GqaCudaBuffers& buf, int
       zero = !finite;
       if (lane == 0) tokens[ScaleIndex(s, off)] = sc;
     }
-    const bool per_token = quant == KvQuant::kPerToken;
-    auto inv_of = [&](int n) { return per_token ? token_inv : channel_inv[n]; };
+    auto inv_of = [&](int64_t d) {
+      return quant == KvQuant::kPerToken ? token_inv
+                                         : QuantInverse(ChannelScale(scale, quant, H, hk, d));
+    };
     auto val = [&](int64_t d) { return zero ? 0.0f : x[d]; };
-    if constexpr (kCacheBits<C> == 4) {
-      // Byte p holds channels 2p (low nibble) and 2p + 1 (high; code 0 past an odd H).
-#pragma unroll
-      for (int n = 0; n < kQuantSlots<C, E>; n += 2) {
-        const int64_t d = SlotChannel<C>(lane, n);  // 2p
-        if (d >= H) continue;
-        const int q0 = QuantCode(val(d), inv_of(n), -8.0f, 7.0f);
-        const int q1 = d + 1 < H ? QuantCode(val(d + 1), inv_of(n + 1), -8.0f, 7.0f) : 0;
-        dst[d / 2].bits = static_cast<uint8_t>(((q0 + 8) & 15) | (((q1 + 8) & 15) << 4));
+    if constexpr (kFp8Cache<C>) {
+      for (int64_t d = lane; d < H; d += kWarp) dst[d].bits = FloatToFp8(__fmul_rn(val(d), inv_of(d)));
+    } else if constexpr (kCacheBits<C> == 8) {
+      for (int64_t d = lane; d < H; d += kWarp) {
+        dst[d] = static_cast<int8_t>(QuantCode(val(d), inv_of(d), -128.0f, 127.0f));
       }
     } else {
-#pragma unroll
-      for (int n = 0; n < kQuantSlots<C, E>; ++n) {
-        const int64_t d = SlotChannel<C>(lane, n);
-        if (d >= H) continue;
-        if constexpr (kFp8Cache<C>) {
-          dst[d].bits = FloatToFp8(__fmul_rn(val(d), inv_of(n)));
-        } else {
-          dst[d] = static_cast<int8_t>(QuantCode(val(d), inv_of(n), -128.0f, 127.0f));
-        }
+      // Byte p holds channels 2p (low nibble) and 2p + 1 (high; code 0 past an odd H).
+      for (int64_t p = lane; p < (H + 1) / 2; p += kWarp) {
+        const int q0 = QuantCode(val(2 * p), inv_of(2 * p), -8.0f, 7.0f);
+        const int q1 = 2 * p + 1 < H ? QuantCode(val(2 * p + 1), inv_of(2 * p + 1), -8.0f, 7.0f) : 0;
+        dst[p].bits = static_cast<uint8_t>(((q0 + 8) & 15) | (((q1 + 8) & 15) << 4));
       }
     }
   };
   for (int64_t d = lane; d < H; d += kWarp) x[d] = ToF(FromF<T>(x[d]));
   __syncwarp();
-  store(static_cast<C*>(buf.present_key) + off, buf.present_key_scale, s.k_quant, statics.k);
+  store(static_cast<C*>(buf.present_key) + off, buf.k_scale, buf.present_key_scale, s.k_quant);
   __syncwarp();
 #pragma unroll
   for (int e = 0; e < E; ++e) {
@@ -257,7 +207,8 @@ __device__ void StoreQuantRows(const GqaShape& s, const GqaCudaBuffers& buf, int
     if (d < H) x[d] = ToF(row.v[e]);
   }
   __syncwarp();
-  store(static_cast<C*>(buf.present_value) + off, buf.present_value_scale, s.v_quant, statics.v);
+  store(static_cast<C*>(buf.present_value) + off, buf.v_scale, buf.present_value_scale,
+        s.v_quant);
   __syncwarp();
 }
 

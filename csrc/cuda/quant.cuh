@@ -75,8 +75,8 @@ __device__ __forceinline__ float ChannelScale(const float* scale, KvQuant quant,
 // L1 (per channel: the 128-byte lines of its HD floats, H == HD in the quantized decode
 // instances; per tensor: the one; PER_TOKEN: none), where the plan says
 // (GqaCudaPlan::decode_scales_early). A CTA reads them at three points of its path, each a trip
-// to memory: the appended row's quantization (StoreQuantRows: a lane's K and V scales in one
-// trip, StaticInverses), the query tile (K's) and the warps' merge (V's).
+// to memory: the appended row's quantization (StoreQuantRows, one dependent trip per value a lane
+// stores), the query tile (K's) and the warps' merge (V's).
 template <int HD>
 __device__ __forceinline__ void PrefetchKvScales(const GqaShape& s, const GqaCudaBuffers& buf,
                                                  int h, int t) {
