@@ -34,10 +34,10 @@ COLD=(--flush-l2 --prefill= --heads 32/8/128,28/4/128,9/3/64,4/1/256
 # 54, then the 8B shape, which removes the 1B models to fit the disk)
 STAGES=(
   "setup|180||bash scripts/gpu_serving.sh build"
-  "quant-cold|100|setup|python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/op/test_gqa_cuda_quant.py && python3 bench/bench_cuda.py --flush-l2 --prefill= --kv-quant int8-per-channel,int4-per-channel,int8-per-token --heads 32/8/128,9/3/64 --decode 1x16384,1x32768,8x16384,1x65536 --json \$OUT/cuda-quant-\$GPU-cold.json"
   "models-1b|100|setup|bash scripts/gpu_serving.sh models"
   "chat-wait|100|models-1b|PREFILL_WAIT=0,16 SYSTEMS=engine DEADLINE=60 bash scripts/gpu_serving.sh chat"
   "tests-quick|90|setup|python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_kv_cache_gpu.py tests/serve/test_engine_gpu.py"
+  "quant-cold|100|setup|python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/op/test_gqa_cuda_quant.py && python3 bench/bench_cuda.py --flush-l2 --prefill= --kv-quant int8-per-channel,int4-per-channel,int8-per-token --heads 32/8/128,9/3/64 --decode 1x16384,1x32768,8x16384,1x65536 --json \$OUT/cuda-quant-\$GPU-cold.json"
   "profile-chat|90|models-1b|${PROFILE[*]} --requests 256 --prompt 64:512 --output 64:512 --json \$OUT/step-profile-\$GPU-1b-chat.json"
   "profile-chat-wait|90|models-1b|${PROFILE[*]} --requests 256 --prompt 64:512 --output 64:512 --prefill-wait 16 --json \$OUT/step-profile-\$GPU-1b-chat-wait.json"
   "profile-cold|150|models-1b|${PROFILE[*]} --prompt 256 --output 128 --commit-ahead on,off --json \$OUT/step-profile-\$GPU-1b.json"
