@@ -426,29 +426,55 @@ def test_commit_ahead_commits_the_next_chunks_during_the_calls(model, alone, gra
     assert failed > 0  # some failure hit the worker, not only a step's own commit
 
 
+def staggered(eng) -> list[list[int]]:
+    """PROMPTS[4] alone, then PROMPTS[0..3] submitted one by one at its 2nd, 4th, 6th and 8th
+    tokens (from the thread that hands its events over: each at a step of its own); the tokens
+    of the four."""
+    handles, done = [], threading.Event()
+
+    def on_event(event) -> None:
+        if event.completion_tokens in (2, 4, 6, 8) and not event.finished:
+            i = event.completion_tokens // 2 - 1
+            handles.append(eng.submit(PROMPTS[i], params(LENGTHS[i])))
+        if event.finished:
+            done.set()
+
+    eng.submit(PROMPTS[4], params(LENGTHS[4]), on_event=on_event)
+    assert done.wait(60)
+    return [h.result() for h in handles]
+
+
 @pytest.mark.parametrize("graph", ["served", "packed"])
 def test_prefill_wait_holds_prompts_that_arrive_one_by_one(model, alone, graph):
     """EngineConfig.prefill_wait: prompts arriving while others decode are held up to that many
-    steps (scheduler.hold_admissions), then start; every request still gets its tokens alone,
-    and no slot's granule goes back while it is held for them."""
+    steps (scheduler.hold_admissions), then start together; every request still gets its tokens
+    alone, and at a tight budget the budget holds (the rule that keeps freed granules for the
+    held within it: scheduler.keep_scratch, tests/serve/test_scheduler.py)."""
     with engine(
         model, max_batch=16, prefill_chunk=64, prefill_wait=4, **ENGINE_GRAPHS[graph]
     ) as eng:
-        first = iter(eng.submit(PROMPTS[4], params(LENGTHS[4])))
-        next(first)  # its first token: it decodes from now on
-        handles = []
-        for p, n in zip(PROMPTS[:4], LENGTHS[:4]):  # one by one, each after a token of the first
-            handles.append(eng.submit(p, params(n)))
-            next(first)
-        got = [h.result() for h in handles]
-        list(first)
+        got = staggered(eng)
         stats = idle_stats(eng)
     assert got == alone[:4]
     assert stats["admission_holds"] > 0
+    assert stats["admitted"] == 5
     assert stats["kv_committed_bytes"] == 0  # idle: every granule back
     with engine(model, max_batch=16, prefill_chunk=64) as eng:  # off by default
-        eng.submit(PROMPTS[0], params(LENGTHS[0])).result()
+        assert staggered(eng) == alone[:4]
         assert eng.stats()["admission_holds"] == 0
+    # At a budget of about three requests (preemptions may come), the budget holds.
+    with engine(model, max_batch=1) as probe:
+        budget = 3 * max(
+            probe.cache.entry_commit_bytes(len(p) + n) for p, n in zip(PROMPTS, LENGTHS)
+        )
+    with engine(
+        model, max_batch=16, prefill_chunk=64, prefill_wait=4, kv_budget_bytes=budget,
+        **ENGINE_GRAPHS[graph],
+    ) as eng:  # fmt: skip
+        got = staggered(eng)
+        stats = idle_stats(eng)
+    assert got == alone[:4]
+    assert stats["kv_peak_committed_bytes"] <= budget
 
 
 def test_a_relative_model_dir_registers_the_library_by_absolute_path(model, monkeypatch):

@@ -10,6 +10,7 @@ from ort_kvlayout.serve.scheduler import (
     decode_span,
     fit_budget,
     hold_admissions,
+    keep_scratch,
     need_bytes,
     next_prefill_rows,
     prefill_chunks,
@@ -121,6 +122,16 @@ def test_admissions_are_held_while_requests_decode_until_company_or_the_wait_is_
     assert not hold_admissions(slots, one, no_wait, waited=0)
     # Below 8 slots an eighth rounds to one request: never held.
     assert not hold_admissions(slots[:3] + [None], one, limits, waited=0)
+
+
+def test_held_admissions_keep_freed_granules_only_within_the_budget():
+    # Slot 0 decodes (20 rows: 2 granules), slot 1 was freed and holds its row-0 granule.
+    rows, held = {0: 21}, [20, 1, 0]
+    fits = Limits(budget=48 * ROW, capacity=256, prefill_chunk=64)
+    assert keep_scratch(rows, held, [1], fits, commit_bytes)  # 32 + 16 rows
+    tight = Limits(budget=47 * ROW, capacity=256, prefill_chunk=64)
+    assert not keep_scratch(rows, held, [1], tight, commit_bytes)
+    assert keep_scratch(rows, held, [], tight, commit_bytes) is (32 * ROW <= tight.budget)
 
 
 def test_the_budget_pads_then_runs_eagerly_then_preempts_the_newest():

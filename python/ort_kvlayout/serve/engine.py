@@ -100,6 +100,7 @@ from .scheduler import (
     decode_span,
     fit_budget,
     hold_admissions,
+    keep_scratch,
     next_prefill_rows,
     prefill_chunks,
 )
@@ -672,13 +673,19 @@ class Engine:
 
     def _release_scratch(self, rows: dict[int, int]) -> None:
         """Scratch rows of free slots outside `rows` (this step's) go back (the docstring),
-        except while admissions are held: the requests held take those slots soon."""
-        if self.cache.closed or (self._held and self._waiting):
+        except while admissions are held where they fit the budget beside this step's rows
+        (the fit counted them out): the requests held take those slots soon."""
+        if self.cache.closed:
             return
         held = self.cache.tokens
-        for s, r in enumerate(self._slots):
-            if r is None and s not in rows and held[s]:
-                self.cache.release(s)
+        free = [s for s, r in enumerate(self._slots) if r is None and s not in rows and held[s]]
+        if not free:
+            return
+        holding = self._held and self._waiting
+        if holding and keep_scratch(rows, held, free, self._limits, self._need_bytes):
+            return
+        for s in free:
+            self.cache.release(s)
 
     # --- a step ------------------------------------------------------------------------------
     def _step(self) -> None:

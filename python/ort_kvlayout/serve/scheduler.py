@@ -43,6 +43,7 @@ __all__ = [
     "decode_span",
     "fit_budget",
     "hold_admissions",
+    "keep_scratch",
     "need_bytes",
     "next_prefill_rows",
     "prefill_chunks",
@@ -239,6 +240,22 @@ def hold_admissions(
     if len(company) >= max(1, len(slots) // 8):
         return False
     return sum(length for _, length in company) < limits.prefill_chunk
+
+
+def keep_scratch(
+    rows: dict[int, int],
+    held: Sequence[int],
+    free: Sequence[int],
+    limits: Limits,
+    commit_bytes: CommitBytes,
+) -> bool:
+    """Whether the free slots `free` keep what they hold (a freed slot's row-0 granule) beside
+    this step's `rows` within the budget, which fit_budget counted without them: while
+    admissions are held (hold_admissions), the requests held take those slots soon."""
+    kept = dict(rows)
+    for s in free:
+        kept[s] = held[s]
+    return need_bytes(kept, held, commit_bytes) <= limits.budget
 
 
 def fit_budget(
