@@ -16,7 +16,9 @@ prefill chunk), `packed` the same with packed tokens (a step's chunks in one cal
 the decode rows in that call too, `host` the model's own graph (all logits copied back and
 sampled on the host); `--overlap` runs each mode
 with the engine's overlap on and off (EngineConfig.overlap; default: the engine's choice), and
-`--commit-ahead` with EngineConfig.commit_ahead on, off or both. A
+`--commit-ahead` with EngineConfig.commit_ahead on, off or both; `--prefill-wait N` sets
+EngineConfig.prefill_wait, and `--decode-buckets 1,2,4,8,16,32,64` pads the CPU's decode calls
+to buckets as the CUDA path does (uncaptured), to profile that path's host work here. A
 warm-up request runs first in each mode (CUDA graphs captured, cuDNN plans built).
 
 Per mode it prints the engine's step profile (StepProfile in serve/executor.py: schedule, kv,
@@ -238,6 +240,12 @@ def driver_delta(before: dict, after: dict) -> dict:
     return out
 
 
+def parse_buckets(text: str) -> tuple[int, ...]:
+    from ort_kvlayout.serve.arguments import parse_buckets as parse  # the serve CLI's rule
+
+    return parse(text)
+
+
 def length_range(text: str) -> tuple[int, int]:
     """--prompt / --output: "N", or "A:B" for lengths uniform in [A, B]."""
     lo, _, hi = text.partition(":")
@@ -260,7 +268,8 @@ def run_mode(args, mode: str, overlap: bool | None, ahead: bool = False) -> dict
         max_batch=args.max_batch or args.batch, provider=args.provider,
         prefill_chunk=args.prefill_chunk, capacity=args.capacity, kv_budget_bytes=args.kv_budget,
         max_waiting=max(args.requests or 0, args.batch) + 1, cuda_graph=False if args.no_cuda_graph else None,
-        overlap=overlap, commit_ahead=ahead, prefill_wait=args.prefill_wait, **MODES[mode],
+        overlap=overlap, commit_ahead=ahead, prefill_wait=args.prefill_wait,
+        decode_buckets=args.decode_buckets, **MODES[mode],
     )  # fmt: skip
     rng = np.random.default_rng(args.seed)
     with Engine(args.model, config) as engine:
@@ -377,6 +386,11 @@ def main(argv: list[str] | None = None) -> int:
         help="print the engine thread's N costliest functions (cProfile)",
     )
     p.add_argument("--no-cuda-graph", action="store_true")
+    p.add_argument(
+        "--decode-buckets", type=parse_buckets, metavar="SIZES",
+        help="EngineConfig.decode_buckets, e.g. 1,2,4,8,16,32,64: on the CPU the padded decode "
+        "calls of the CUDA path, uncaptured (default: the engine's)",
+    )  # fmt: skip
     p.add_argument(
         "--prefill-wait", type=int, default=0, metavar="STEPS",
         help="EngineConfig.prefill_wait: steps a waiting prompt may be held for company",
