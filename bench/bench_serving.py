@@ -940,6 +940,13 @@ SHAPES = {
         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     },
+    # SmolLM2-135M's shape (Llama architecture, its 8k context): issue 56's replicas sharing a GPU
+    "smollm2-135m": _LLAMA3 | {
+        "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152,
+        "bos_token_id": 0, "eos_token_id": 0, "max_position_embeddings": 8192,
+        "rope_theta": 100000.0, "tie_word_embeddings": True,
+    },
     # a 2-layer shape for the tests (vocab of the char tokenizer's size is not needed: ids only)
     "tiny-llama": _LLAMA3 | {
         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

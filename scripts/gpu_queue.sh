@@ -31,7 +31,8 @@ COLD=(--flush-l2 --prefill= --heads 32/8/128,28/4/128,9/3/64,4/1/256
       --decode 1x1024,1x4096,1x16384,1x32768,8x4096,8x16384)
 
 # name, estimated seconds, the stage it needs done, command (in priority order: issue 53, then
-# 54, then the 8B shape, which removes the 1B models to fit the disk)
+# 54, then 56 (its stage needs the chunks of scripts/stage_device_ray.sh carried: .device/ray0..),
+# then the 8B shape, which removes the 1B models to fit the disk)
 STAGES=(
   "setup|180||bash scripts/gpu_serving.sh build"
   "models-1b|100|setup|bash scripts/gpu_serving.sh models"
@@ -49,6 +50,7 @@ STAGES=(
   "suite|240|setup|bash scripts/run_gpu_tests.sh"
   "sanitizer|150|setup|SANITIZER=memcheck SUITE=0 SAN_EXTRA_K=query_seqlens bash scripts/run_gpu_tests.sh"
   "ncu-int8|150|setup|SKIP=0 COUNT=64 BENCH_ARGS='--kv-quant int8-per-channel' KERNELS=DecodeTc bash tools/perf/ncu_decode.sh 32/8/128 1x16384"
+  "cluster-1gpu|300|setup|bash .device/ray0/install-device-ray && python3 bench/bench_serving.py --model-shape smollm2-135m --build-dir /opt/models --provider cuda --systems server,cluster --replicas 1,2 --gpus-per-replica 0.5 --kv-budget 8589934592 --max-batch 32 --dataset chat --num-requests 256 --deadline 120 --repeat 2 --json \$OUT/serving-\$GPU-smollm2-cluster.json"
   "models-8b|500|setup|rm -rf /opt/models/llama-3.2-1b*; SHAPE=llama-3.1-8b DROP_HF=1 NO_PAGED=1 bash scripts/gpu_serving.sh models"
   "prealloc-8b|480|models-8b|SHAPE=llama-3.1-8b CAPACITY=131072 RATE=inf DEADLINE=200 bash scripts/gpu_serving.sh prealloc"
   "quant-8b|480|models-8b|SHAPE=llama-3.1-8b KV_QUANT=none,int8-per-token RATE=inf DEADLINE=200 bash scripts/gpu_serving.sh quant"
