@@ -132,7 +132,7 @@ def build_model(
 
 
 LIBRARY: str | None = None  # --library: a libort_kvlayout.so to load instead of the package's
-BREAKDOWN = False  # --breakdown: per-kernel device times on stderr
+BREAKDOWN = False  # --breakdown: per-kernel device times on stderr and in the JSON
 # --span: a Run's time from its first kernel's start to its last kernel's end, instead of the
 # sum of its kernels' times: the gaps between an op's kernels count (without a CUDA graph they
 # include the host's launches), and kernels that overlap are not counted twice.
@@ -437,6 +437,8 @@ def run_case(kind: str, b: int, length: int, heads: tuple[int, int, int], runs: 
                   + ", ".join(f"{name[:60]} {us:.1f} us" for name, us in top), file=sys.stderr)  # fmt: skip
         t = statistics.median(times[label])
         cell = {"kernel_ms": t, "kernel_ms_p10_p90": np.percentile(times[label], [10, 90]).tolist()}
+        if BREAKDOWN:  # the mean us per Run of each kernel, as printed above
+            cell["kernels_us"] = dict(top)
         if kind == "decode":
             cell["TB/s"] = kv_read_bytes(b, nkv, length, h) / (t * 1e-3) / 1e12
         else:
@@ -567,6 +569,8 @@ def run_quant_case(
         bytes_read = kv_read_bytes(b, nkv, length, h) * (1 if qv is None else bits / 16)
         row[label] = {"kernel_ms": med, "kernel_ms_p10_p90": np.percentile(t, [10, 90]).tolist(),
                       "TB/s": bytes_read / (med * 1e-3) / 1e12}  # fmt: skip
+        if BREAKDOWN:  # the mean us per Run of each kernel, as printed above
+            row[label]["kernels_us"] = dict(top6)
         del sess, io, keep, feeds
     ms = {v: row[v]["kernel_ms"] for v in QUANT_VARIANTS if "kernel_ms" in row.get(v, {})}
     row["q_vs_fp16"] = {f"q{x}": ms[f"q{x}"] / ms[f"kv{x}"] for x in (0, 1)
@@ -617,7 +621,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--library", default=None, help="load this libort_kvlayout.so instead")
-    p.add_argument("--breakdown", action="store_true", help="per-kernel times (stderr)")
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="per-kernel times (stderr, and each cell's kernels_us in the JSON)",
+    )
     p.add_argument(
         "--span", action="store_true", help="first kernel start to last kernel end per Run"
     )

@@ -27,7 +27,7 @@ export PYTHONPATH="/opt/kvl:/opt/devwheels${PYTHONPATH:+:$PYTHONPATH}"
 M1=/opt/models/llama-3.2-1b-random-fp16-cuda-seq-major
 PROFILE=(python3 tools/perf/step_profile.py "$M1" --provider cuda --batch 64 --capacity 33792
          --kv-budget 42949672960 --modes packed)
-COLD=(--flush-l2 --prefill= --heads 32/8/128,28/4/128,9/3/64,4/1/256
+COLD=(--flush-l2 --breakdown --prefill= --heads 32/8/128,28/4/128,9/3/64,4/1/256
       --decode 1x1024,1x4096,1x16384,1x32768,8x4096,8x16384)
 
 # name, estimated seconds, the stage it needs done, command (in priority order: issue 53, then
@@ -38,7 +38,7 @@ STAGES=(
   "models-1b|100|setup|bash scripts/gpu_serving.sh models"
   "chat-wait|100|models-1b|PREFILL_WAIT=0,16 SYSTEMS=engine DEADLINE=60 bash scripts/gpu_serving.sh chat"
   "tests-quick|90|setup|python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_kv_cache_gpu.py tests/serve/test_engine_gpu.py"
-  "quant-cold|100|setup|python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/op/test_gqa_cuda_quant.py && python3 bench/bench_cuda.py --flush-l2 --prefill= --kv-quant int8-per-channel,int4-per-channel,int8-per-token --heads 32/8/128,9/3/64 --decode 1x16384,1x32768,8x16384,1x65536 --json \$OUT/cuda-quant-\$GPU-cold.json"
+  "quant-cold|100|setup|python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/op/test_gqa_cuda_quant.py && python3 bench/bench_cuda.py --flush-l2 --breakdown --prefill= --kv-quant int8-per-channel,int4-per-channel,int8-per-token --heads 32/8/128,9/3/64 --decode 1x16384,1x32768,8x16384,1x65536 --json \$OUT/cuda-quant-\$GPU-cold.json"
   "profile-chat|90|models-1b|${PROFILE[*]} --requests 256 --prompt 64:512 --output 64:512 --json \$OUT/step-profile-\$GPU-1b-chat.json"
   "profile-chat-wait|90|models-1b|${PROFILE[*]} --requests 256 --prompt 64:512 --output 64:512 --prefill-wait 16 --json \$OUT/step-profile-\$GPU-1b-chat-wait.json"
   "profile-cold|150|models-1b|${PROFILE[*]} --prompt 256 --output 128 --commit-ahead on,off --json \$OUT/step-profile-\$GPU-1b.json"
@@ -50,6 +50,7 @@ STAGES=(
   "suite|240|setup|bash scripts/run_gpu_tests.sh"
   "sanitizer|150|setup|SANITIZER=memcheck SUITE=0 SAN_EXTRA_K=query_seqlens bash scripts/run_gpu_tests.sh"
   "ncu-int8|150|setup|SKIP=0 COUNT=64 BENCH_ARGS='--kv-quant int8-per-channel' KERNELS=DecodeTc bash tools/perf/ncu_decode.sh 32/8/128 1x16384"
+  "quant-splits|120|setup|for s in 0 4 8 16 32 64; do ORT_KVLAYOUT_DECODE_SPLITS=\$s python3 bench/bench_cuda.py --flush-l2 --breakdown --prefill= --kv-quant int8-per-channel --heads 32/8/128 --decode 1x16384,8x16384 --json \$OUT/cuda-quant-\$GPU-cold-splits\$s.json || exit 1; done"
   "cluster-1gpu|300|setup|bash .device/ray0/install-device-ray && python3 bench/bench_serving.py --model-shape smollm2-135m --build-dir /opt/models --provider cuda --systems server,cluster --replicas 1,2 --gpus-per-replica 0.5 --kv-budget 8589934592 --max-batch 32 --dataset chat --num-requests 256 --deadline 120 --repeat 2 --json \$OUT/serving-\$GPU-smollm2-cluster.json"
   "models-8b|500|setup|rm -rf /opt/models/llama-3.2-1b*; SHAPE=llama-3.1-8b DROP_HF=1 NO_PAGED=1 bash scripts/gpu_serving.sh models"
   "prealloc-8b|480|models-8b|SHAPE=llama-3.1-8b CAPACITY=131072 RATE=inf DEADLINE=200 bash scripts/gpu_serving.sh prealloc"
