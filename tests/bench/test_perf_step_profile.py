@@ -133,3 +133,31 @@ def test_length_ranges_are_checked():
         except (step_profile.argparse.ArgumentTypeError, ValueError):
             continue
         raise AssertionError(f"{bad!r} accepted")
+
+
+class _Event:
+    def __init__(self, key: str, count: int, us: float):
+        self.key, self.count, self.self_device_time_total = key, count, us
+
+
+class _KernelProfile:
+    def key_averages(self):
+        return [_Event("gemm", 64, 4000.0), _Event("gather", 128, 300.0), _Event("memcpy", 4, 0.0),
+                _Event("gqa_decode", 64, 1200.0)]  # fmt: skip
+
+
+def test_top_kernels_are_per_step_and_rendered():
+    """top_kernels: the kernels of most GPU time, per step (us and launches), none without
+    time; kernel_table prints each pass's."""
+    top = step_profile.top_kernels(_KernelProfile(), steps=4, n=2)
+    assert top == [
+        {"name": "gemm", "us_per_step": 1000.0, "launches_per_step": 16.0},
+        {"name": "gqa_decode", "us_per_step": 300.0, "launches_per_step": 16.0},
+    ]
+    result = {"mode": "packed", "overlap": True, "gpu_kernels": top,
+              "by_kind": {"decode": {"gpu_kernels": top[:1]}}}  # fmt: skip
+    lines = step_profile.kernel_table([result])
+    assert "GPU kernels per step, packed (overlap on), all steps:" in lines
+    assert "GPU kernels per step, packed (overlap on), decode-only steps:" in lines
+    assert "| gemm | 1000.0 | 16.0 |" in lines
+    assert step_profile.kernel_table([{"mode": "packed"}]) == []

@@ -85,6 +85,24 @@ def kernel_ms(prof) -> float:
     return total_us / 1000
 
 
+def top_kernels(prof, steps: int, n: int = 12) -> list[dict]:
+    """The n kernels of most GPU time in a profiled pass: name (cut at 90 characters), us and
+    launches per step; what a step's GPU time is made of (GEMMs, attention, gathers, sampling)."""
+    rows = []
+    for event in prof.key_averages():
+        us = getattr(event, "self_device_time_total", None) or getattr(
+            event, "self_cuda_time_total", 0.0
+        )
+        if us:
+            rows.append((us, event.count, event.key))
+    rows.sort(reverse=True)
+    per = max(steps, 1)
+    return [
+        {"name": name[:90], "us_per_step": us / per, "launches_per_step": count / per}
+        for us, count, name in rows[:n]
+    ]
+
+
 def burst(engine, prompts, params, submitted=None) -> float:
     """Submits every prompt at once (params: one RequestParams a prompt); seconds until the last
     one finished. `submitted` (optional) is called once every prompt was submitted."""
@@ -171,9 +189,10 @@ def wrapped_burst(engine, prompts, params, kinds: StepKinds) -> float:
         engine._step = kinds.step
 
 
-def decode_gpu(engine, prompts, params, args) -> tuple[float, int] | None:
+def decode_gpu(engine, prompts, params, args) -> tuple[float, int, list[dict]] | None:
     """GPU ms per decode-only step (a pass whose profiler covers only the steps where every
-    request decodes) and how many such steps it saw; None without torch/CUDA."""
+    request decodes), how many such steps it saw and their top kernels; None without
+    torch/CUDA."""
     prof = gpu_profiler() if args.provider == "cuda" else None
     if prof is None:
         return None
@@ -183,16 +202,18 @@ def decode_gpu(engine, prompts, params, args) -> tuple[float, int] | None:
         return None
     if kinds.profiler is not None:  # the last step did not end the burst's last request
         prof.stop()
-    return kernel_ms(prof) / kinds.profiled_steps, kinds.profiled_steps
+    steps = kinds.profiled_steps
+    return kernel_ms(prof) / steps, steps, top_kernels(prof, steps)
 
 
-def profiled_burst(engine, prompts, params, args) -> tuple[float | None, str | None]:
+def profiled_burst(engine, prompts, params, args) -> tuple[float | None, str | None, list]:
     """The burst again under CUPTI (GPU ms per step) and, with --cprofile, cProfile on the
-    engine thread's steps; (GPU ms per step or None, cProfile's table or None)."""
+    engine thread's steps; (GPU ms per step or None, cProfile's table or None, the top kernels
+    per step, empty without CUPTI)."""
     prof = gpu_profiler() if args.provider == "cuda" else None
     cprof = cProfile.Profile() if args.cprofile else None
     if prof is None and cprof is None:
-        return None, None
+        return None, None, []
     step = engine._step
 
     def profiled_step():
@@ -217,7 +238,9 @@ def profiled_burst(engine, prompts, params, args) -> tuple[float | None, str | N
         out = io.StringIO()
         pstats.Stats(cprof, stream=out).sort_stats("tottime").print_stats(args.cprofile)
         table = out.getvalue()
-    return (kernel_ms(prof) / steps if prof is not None else None), table
+    if prof is None:
+        return None, table, []
+    return kernel_ms(prof) / steps, table, top_kernels(prof, steps)
 
 
 # --modes: the graph a step runs, as EngineConfig arguments
@@ -289,7 +312,7 @@ def run_mode(args, mode: str, overlap: bool | None, ahead: bool = False) -> dict
         wall = wrapped_burst(engine, prompts, params, kinds)
         after = engine.stats()
         driver = driver_delta(driver_before, driver_times())
-        gpu, cprofile_table = profiled_burst(engine, prompts, params, args)
+        gpu, cprofile_table, kernels = profiled_burst(engine, prompts, params, args)
         # with more requests than slots, steps that decode alone come between prefill steps:
         # the decode-only pass (which profiles from the first all-decoding step on) would time
         # only the tail, so the kinds get no GPU split then
@@ -324,10 +347,11 @@ def run_mode(args, mode: str, overlap: bool | None, ahead: bool = False) -> dict
     if gpu is not None:
         out["gpu_ms_per_step"] = gpu
         out["host_share"] = 1 - gpu / out["wall_ms_per_step"]
+        out["gpu_kernels"] = kernels
     out["by_kind"] = by_kind = kinds.summary()
     if decode is not None and "decode" in by_kind:
         row = by_kind["decode"]
-        row["gpu_ms_per_step"], row["gpu_steps"] = decode
+        row["gpu_ms_per_step"], row["gpu_steps"], row["gpu_kernels"] = decode
         row["host_share"] = 1 - decode[0] / row["wall_ms_per_step"]
         if gpu is not None and "prefill" in by_kind:  # the rest of the kernel time
             rest = gpu * steps - decode[0] * row["steps"]
@@ -417,9 +441,34 @@ def main(argv: list[str] | None = None) -> int:
                 print(table_text, file=sys.stderr)
                 results[-1]["cprofile"] = table_text
     print(table(results))
+    kernel_lines = kernel_table(results)
+    if kernel_lines:
+        print("\n".join(kernel_lines))
     if args.json:
         args.json.write_text(json.dumps(record(args, argv, results), indent=1) + "\n")
     return 0
+
+
+def kernel_table(results: list[dict]) -> list[str]:
+    """The top kernels of each profiled pass (all steps, and decode-only steps where measured):
+    us and launches per step."""
+    lines = []
+    for r in results:
+        passes = [("all steps", r.get("gpu_kernels"))]
+        passes.append(
+            ("decode-only steps", r.get("by_kind", {}).get("decode", {}).get("gpu_kernels"))
+        )
+        for label, kernels in passes:
+            if not kernels:
+                continue
+            overlap = {True: "on", False: "off"}.get(r.get("overlap"), "-")
+            lines += ["", f"GPU kernels per step, {r['mode']} (overlap {overlap}), {label}:", "",
+                      "| kernel | us/step | launches/step |", "|---|---:|---:|"]  # fmt: skip
+            lines += [
+                f"| {k['name']} | {k['us_per_step']:.1f} | {k['launches_per_step']:.1f} |"
+                for k in kernels
+            ]
+    return lines
 
 
 def record(args, argv: list[str] | None, results: list[dict]) -> dict:
