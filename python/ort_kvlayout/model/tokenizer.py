@@ -51,7 +51,9 @@ class HfTokenizer:
         self._tok = _Tokenizer.from_file(str(model_dir / "tokenizer.json"))
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text).ids)
+        # encode_batch releases the GIL while it encodes (encode holds it): a server thread
+        # tokenizing a long prompt leaves the event loop and the engine thread running. Same ids.
+        return list(self._tok.encode_batch([text])[0].ids)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([int(t) for t in ids], skip_special_tokens=True)
