@@ -5,6 +5,7 @@ usage, cancellation by disconnect, bad requests, overload, and clean shutdown.""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import shutil
 import signal
@@ -227,6 +228,200 @@ def test_bad_requests(server, client):
     assert get(server.url + "/nowhere")[0] == 404
 
 
+def post_raw(server, path: str, text: str) -> tuple[int, dict]:
+    """POST a JSON text as written (escapes such as \\ud800 and NaN kept as the client sent them)."""
+    return post(server.url + path, text.encode())
+
+
+def test_lone_surrogates_are_a_400_naming_the_field(server):
+    for stream in ("false", "true"):
+        status, body = post_raw(
+            server, "/v1/completions", f'{{"prompt":"\\ud800abc","max_tokens":2,"stream":{stream}}}'
+        )
+        assert status == 400, body
+        assert body["error"]["param"] == "prompt"
+        assert "not valid Unicode text (a lone surrogate at index 0)" in body["error"]["message"]
+    status, body = post_raw(
+        server, "/v1/chat/completions",
+        '{"messages":[{"role":"user","content":"\\udfffhi"}],"max_tokens":2}',
+    )  # fmt: skip
+    assert status == 400 and body["error"]["param"] == "messages[0].content"
+    status, body = post_raw(
+        server, "/v1/completions", '{"prompt":"abc","max_tokens":2,"stop":["\\udc00"]}'
+    )
+    assert status == 400 and body["error"]["param"] == "stop"
+
+
+@pytest.mark.parametrize(
+    ("text", "param", "message"),
+    [
+        ('{"prompt":[1.5]}', "prompt", "token ids must be integers"),
+        ('{"prompt":[true]}', "prompt", "token ids must be integers"),
+        ('{"prompt":["a","b"]}', "prompt", "one prompt per request"),
+        ('{"prompt":[99999],"max_tokens":2}', "prompt", "outside the vocabulary"),
+        ('{"prompt":"abc","stop_token_ids":[99999999]}', "stop_token_ids", "outside the vocab"),
+        ('{"prompt":"abc","temperature":NaN}', "temperature", "must be a finite number"),
+        ('{"prompt":"abc","top_p":Infinity}', "top_p", "must be a finite number"),
+        ('{"prompt":"abc","max_tokens":0}', "max_tokens", "'max_tokens' must be >= 1, got 0"),
+        ('{"prompt":"abc","model":5}', "model", "'model' must be a string"),
+        ('{"prompt":"abc","response_format":{"type":"json_object"}}', "response_format", ""),
+        ('{"prompt":"abc","suffix":"end"}', "suffix", "not supported"),
+        ('{"prompt":"abc","logprobs":0}', "logprobs", "not supported"),
+    ],
+)
+def test_completion_refusals_name_the_field(server, text, param, message):
+    status, body = post_raw(server, "/v1/completions", text)
+    assert status == 400, body
+    assert body["error"]["param"] == param and message in body["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        ([{"role": "user"}], "messages[0].content"),
+        ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0].text"),
+        ([{"role": "user", "content": []}], "messages[0].content"),
+        (
+            [{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}],
+            "messages[1].role",
+        ),
+    ],
+)
+def test_chat_messages_are_checked(server, messages, param):
+    status, body = post(
+        server.url + "/v1/chat/completions",
+        json.dumps({"messages": messages, "max_tokens": 2}).encode(),
+    )
+    assert status == 400 and body["error"]["param"] == param, body
+
+
+def test_chat_developer_is_the_system_prompt(server, client, model, tok):
+    from ort_kvlayout.runtime.generation import Runtime
+
+    messages = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": None},
+    ]
+    out = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=5, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    prompt = tok.encode("system: Be brief.\nuser: Hi\nassistant: \nassistant:")
+    with Runtime(model) as rt:
+        expected = rt.generate(prompt, 5, eos_token_ids=[]).tokens[0]
+    assert out.usage.prompt_tokens == len(prompt)
+    assert out.choices[0].message.content == tok.decode(expected)
+
+
+def test_a_huge_prompt_does_not_stall_the_server(server):
+    """A 12 MB prompt (over the context): /health answers while it is read and refused."""
+    body = json.dumps({"prompt": "hello " * 2097152, "max_tokens": 2}).encode()
+    got = {}
+
+    def send():
+        got["status"], got["body"] = post(server.url + "/v1/completions", body)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    slowest = 0.0
+    while sender.is_alive():
+        start = time.monotonic()
+        assert get(server.url + "/health")[0] == 200
+        slowest = max(slowest, time.monotonic() - start)
+        time.sleep(0.01)
+    sender.join()
+    assert got["status"] == 413 and got["body"]["error"]["code"] == "context_length_exceeded"
+    assert slowest < 1.0  # the whole tokenization took seconds here (9 s for 12 MB)
+
+
+class BlockingTokenizer:
+    """Blocks in encode until released (or 5 s pass); says whether it is inside."""
+
+    def __init__(self):
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.inside = False
+
+    def encode(self, text: str) -> list[int]:
+        self.inside = True
+        self.entered.set()
+        self.release.wait(5)
+        self.inside = False
+        return [1, 2, 3]
+
+
+class RefusingEngine:
+    """An engine without a spec (as a cluster's): submit refuses with `error`."""
+
+    capacity = 1 << 16
+    closing = False
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def submit(self, prompt, params):
+        raise self.error
+
+
+async def asgi(app, method: str, path: str, body: bytes = b"") -> tuple[int, dict]:
+    """One request through the ASGI app: (status, JSON body)."""
+    sent, bodies = [], [body]
+
+    async def receive():
+        if bodies:
+            return {"type": "http.request", "body": bodies.pop(), "more_body": False}
+        await asyncio.sleep(3600)  # a client that stays
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {
+        "type": "http", "method": method, "path": path, "headers": [], "query_string": b"",
+        "http_version": "1.1", "scheme": "http", "server": ("127.0.0.1", 80), "root_path": "",
+    }  # fmt: skip
+    await app(scope, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    return start["status"], json.loads(b"".join(m.get("body", b"") for m in sent))
+
+
+def test_health_answers_while_a_large_body_is_parsed():
+    from ort_kvlayout.serve.engine import EngineOverloaded
+    from ort_kvlayout.serve.server import INLINE_PARSE_BYTES, build_app
+
+    tok = BlockingTokenizer()
+    app = build_app(RefusingEngine(EngineOverloaded("full")), "m", tokenizer=tok)
+    big = json.dumps({"prompt": "a" * (INLINE_PARSE_BYTES + 1)}).encode()
+
+    async def main():
+        request = asyncio.create_task(asgi(app, "POST", "/v1/completions", big))
+        # Waited for from a thread: a loop blocked in the tokenizer cannot see it otherwise.
+        assert await asyncio.to_thread(tok.entered.wait, 10)
+        start = time.monotonic()
+        health = await asgi(app, "GET", "/health")
+        answered_inside, elapsed = tok.inside, time.monotonic() - start
+        tok.release.set()
+        return health, answered_inside, elapsed, await request
+
+    health, answered_inside, elapsed, refused = asyncio.run(main())
+    assert health == (200, {"status": "ok"})
+    assert answered_inside  # while the tokenizer was still at work
+    assert elapsed < 2.0
+    assert refused[0] == 503  # the request went on to the engine
+
+
+def test_engine_refusals_name_the_field():
+    from ort_kvlayout.serve.server import build_app
+
+    for error, param in [
+        (ValueError("token ids [999] outside the vocabulary [0, 64)"), "prompt"),
+        (ValueError("stop strings need a tokenizer (the model directory has none)"), "stop"),
+    ]:
+        app = build_app(RefusingEngine(error), "m")
+        body = json.dumps({"prompt": [999], "max_tokens": 2}).encode()
+        status, got = asyncio.run(asgi(app, "POST", "/v1/completions", body))
+        assert status == 400 and got["error"]["param"] == param
+
+
 def test_disconnect_cancels_and_frees_pages(server):
     body = {"model": "tiny", "prompt": "abc", "max_tokens": 200, "stream": True,
             "ignore_eos": True}  # fmt: skip
@@ -306,6 +501,8 @@ def test_cli_faults(model, tmp_path):
     r = run_cli("")
     assert r.returncode == 2 and r.stderr.startswith("error: MODEL_DIR is empty")
     r = run_cli(str(tmp_path / "missing"))
+    assert r.returncode == 2 and "does not exist" in r.stderr
+    r = run_cli(str(tmp_path))
     assert r.returncode == 2 and "no genai_config.json" in r.stderr
     r = run_cli(str(model), "--kv-budget", "100000GiB")
     assert r.returncode == 2 and "more than this machine's memory" in r.stderr

@@ -2,13 +2,16 @@
 
 Pure functions, no web framework: server.py wires them to HTTP. Unknown request fields are
 ignored (clients and benchmark tools send extensions); fields whose non-default values the
-engine cannot honour (n > 1, echo, logprobs, penalties) are a 400 naming the field. Extensions
-honoured: ignore_eos, top_k, stop_token_ids, return_token_ids.
+engine cannot honour (n > 1, echo, logprobs, response_format, suffix, penalties) are a 400
+naming the field, as is text that is not valid Unicode (a lone surrogate). Extensions honoured:
+ignore_eos, top_k, stop_token_ids, return_token_ids. Chat roles: system, developer (rendered as
+system), user, assistant.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -62,30 +65,71 @@ def load_body(raw: bytes) -> dict:
     return body
 
 
+def _show(value) -> str:
+    """A client's value in a message: as JSON (NaN, null, "text"), cut short."""
+    return json.dumps(value)[:40]
+
+
+def _rule(low, high) -> str:
+    if low is not None and high is not None:
+        return f"in [{low}, {high}]"
+    return f">= {low}" if low is not None else f"<= {high}"
+
+
 def _number(body: dict, key: str, default, kind=float, low=None, high=None):
     value = body.get(key)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ApiError(400, f"'{key}' must be a number, got {json.dumps(value)[:40]}", param=key)
+        raise ApiError(400, f"'{key}' must be a number, got {_show(value)}", param=key)
+    if isinstance(value, float) and not math.isfinite(value):  # json.loads takes NaN, Infinity
+        raise ApiError(400, f"'{key}' must be a finite number, got {_show(value)}", param=key)
     if kind is int and value != int(value):
         raise ApiError(400, f"'{key}' must be an integer, got {value}", param=key)
-    value = kind(value)
+    try:
+        value = kind(value)
+    except OverflowError:  # an integer beyond a float's range
+        raise ApiError(400, f"'{key}' is too large, got {_show(value)}", param=key) from None
     if (low is not None and value < low) or (high is not None and value > high):
-        raise ApiError(400, f"'{key}' = {value} is out of range [{low}, {high}]", param=key)
+        raise ApiError(400, f"'{key}' must be {_rule(low, high)}, got {value}", param=key)
     return value
 
 
-def _unsupported(body: dict) -> None:
+def _text(text: str, name: str, param: str) -> str:
+    """text, refused if it is not valid Unicode: a JSON escape such as \\ud800 decodes to a lone
+    surrogate, which no tokenizer takes (the tokenizers package raises TypeError)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(
+            400, f"'{name}' is not valid Unicode text (a lone surrogate at index {exc.start})",
+            param=param,
+        ) from None  # fmt: skip
+    return text
+
+
+def _text_format(response_format) -> bool:
+    return response_format is None or (
+        isinstance(response_format, dict) and response_format.get("type") == "text"
+    )
+
+
+def _unsupported(body: dict, chat: bool) -> None:
     if _number(body, "n", 1, int) != 1:
         raise ApiError(400, "only n = 1 is supported", param="n")
+    logprobs = body.get("logprobs")
     refused = {
         "echo": bool(body.get("echo")),
-        "logprobs": body.get("logprobs") not in (None, False),
+        # Completions' logprobs is a count, where 0 still asks for the chosen token's logprob;
+        # chat's is a boolean, false the default.
+        "logprobs": logprobs is not None and (not chat or logprobs is not False),
         "top_logprobs": body.get("top_logprobs") not in (None, 0),
         "best_of": body.get("best_of") not in (None, 1),
         "logit_bias": bool(body.get("logit_bias")),
         "tools": bool(body.get("tools")),
+        "functions": bool(body.get("functions")),
+        "response_format": not _text_format(body.get("response_format")),
+        "suffix": not chat and bool(body.get("suffix")),
     }
     for key, bad in refused.items():
         if bad:
@@ -100,32 +144,51 @@ def _stop(body: dict) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
         return ()
-    if isinstance(stop, str):
+    single = isinstance(stop, str)
+    if single:
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise ApiError(400, "'stop' must be a non-empty string or a list of them", param="stop")
     if len(stop) > 16:
         raise ApiError(400, "'stop' takes at most 16 strings", param="stop")
-    return tuple(stop)
+    names = ["stop"] if single else [f"stop[{i}]" for i in range(len(stop))]
+    return tuple(_text(s, name, "stop") for s, name in zip(stop, names))
 
 
-def _token_ids(value, key: str) -> tuple[int, ...]:
+def _is_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _in_vocab(ids: list[int], key: str, vocab: int | None) -> None:
+    """Token ids inside [0, vocab); with vocab None (unknown here) the engine checks the prompt's
+    upper bound, and negative ids are refused all the same."""
+    bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
+    if bad:
+        bounds = f"[0, {vocab})" if vocab is not None else "(>= 0)"
+        raise ApiError(
+            400, f"'{key}' has token ids outside the vocabulary {bounds}: {bad[:5]}", param=key
+        )
+
+
+def _token_ids(value, key: str, vocab: int | None) -> tuple[int, ...]:
     if value is None:
         return ()
-    if not isinstance(value, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value
-    ):
+    if not isinstance(value, list) or not all(_is_id(t) for t in value):
         raise ApiError(400, f"'{key}' must be a list of integers", param=key)
+    _in_vocab(value, key, vocab)
     return tuple(value)
 
 
-def _params(body: dict, prompt_len: int, context: int, default_max: int | None) -> RequestParams:
-    _unsupported(body)
+def _params(
+    body: dict, prompt_len: int, context: int, default_max: int | None, chat: bool,
+    vocab: int | None,
+) -> RequestParams:  # fmt: skip
+    _unsupported(body, chat)
     if prompt_len >= context:
         raise ApiError(
             413,
             f"the prompt has {prompt_len} tokens; this model's context is {context} tokens",
-            param="messages" if "messages" in body else "prompt",
+            param="messages" if chat else "prompt",
             code="context_length_exceeded",
         )
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -157,7 +220,7 @@ def _params(body: dict, prompt_len: int, context: int, default_max: int | None) 
     return RequestParams(
         max_tokens=max_tokens,
         sampling=sampling,
-        stop_token_ids=_token_ids(body.get("stop_token_ids"), "stop_token_ids"),
+        stop_token_ids=_token_ids(body.get("stop_token_ids"), "stop_token_ids", vocab),
         stop=_stop(body),
         ignore_eos=ignore_eos,
     )
@@ -188,6 +251,8 @@ def _model(body: dict, served: str) -> str:
     model = body.get("model")
     if model is None:
         return served
+    if not isinstance(model, str):
+        raise ApiError(400, f"'model' must be a string, got {_show(model)}", param="model")
     if model != served:
         raise ApiError(
             404,
@@ -198,63 +263,124 @@ def _model(body: dict, served: str) -> str:
     return model
 
 
-def parse_completion(body: dict, tokenizer, served: str, context: int) -> ParsedRequest:
-    model = _model(body, served)
+def _encode(tokenizer, text: str, context: int, param: str) -> list[int]:
+    """text's token ids. A text far beyond the context costs seconds of a core to encode whole
+    (a 12 MB prompt), and some tokenizers hold the GIL while they encode, so a text longer than
+    16 characters a context token is first encoded by growing prefixes: one that already makes
+    twice the context in tokens is a 413 without the rest. Twice, as a cut can split a word into
+    more tokens than it makes whole."""
+    size = 16 * context
+    while size < len(text):
+        ids = tokenizer.encode(text[:size])
+        if len(ids) >= 2 * context:
+            raise ApiError(
+                413,
+                f"the prompt has over {context} tokens (its first {size} characters make "
+                f"{len(ids)}); this model's context is {context} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
+        size *= 4
+    return tokenizer.encode(text)
+
+
+def _prompt(body: dict, tokenizer, context: int, vocab: int | None) -> list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: send 'prompt' as token ids")
-        ids = tokenizer.encode(prompt)
-    elif isinstance(prompt, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
-    ):
-        ids = list(prompt)
-    elif isinstance(prompt, list):
-        raise ApiError(400, "one prompt per request is supported", param="prompt")
-    else:
+        return _encode(tokenizer, _text(prompt, "prompt", "prompt"), context, "prompt")
+    if not isinstance(prompt, list):
         raise ApiError(400, "'prompt' must be a string or a list of token ids", param="prompt")
+    if len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise ApiError(400, "one prompt per request is supported", param="prompt")
+    bad = [t for t in prompt if not _is_id(t)]
+    if bad:
+        raise ApiError(
+            400, f"'prompt' token ids must be integers, got {_show(bad[0])}", param="prompt"
+        )
+    _in_vocab(prompt, "prompt", vocab)
+    return list(prompt)
+
+
+def parse_completion(
+    body: dict, tokenizer, served: str, context: int, vocab: int | None = None
+) -> ParsedRequest:
+    """vocab: the model's vocabulary size, for the token ids' check (None: the engine's)."""
+    model = _model(body, served)
+    ids = _prompt(body, tokenizer, context, vocab)
     if not ids:
         raise ApiError(400, "the prompt is empty", param="prompt")
     stream, usage = _stream_flags(body)
-    params = _params(body, len(ids), context, 16)
+    params = _params(body, len(ids), context, 16, False, vocab)
     return ParsedRequest(ids, params, stream, usage, False, model, _flag(body, "return_token_ids"))
 
 
-def parse_chat(body: dict, tokenizer, template, served: str, context: int) -> ParsedRequest:
+# OpenAI's roles that a chat template can render; tool and function messages need tools.
+ROLES = ("system", "developer", "user", "assistant")
+
+
+def _text_part(part, name: str) -> str:
+    if not isinstance(part, dict) or part.get("type") != "text":
+        raise ApiError(
+            400, f"'{name}' must be a text part: only text content is supported", param=name
+        )
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise ApiError(400, f"'{name}.text' must be a string", param=f"{name}.text")
+    return _text(text, f"{name}.text", f"{name}.text")
+
+
+def _content(content, name: str, optional: bool) -> str:
+    """A message's text: a string, or text parts joined; null only where optional (an assistant
+    message, whose content OpenAI allows to be absent)."""
+    if content is None and optional:
+        return ""
+    if isinstance(content, list) and content:
+        return "".join(_text_part(part, f"{name}[{j}]") for j, part in enumerate(content))
+    if not isinstance(content, str):
+        rule = "a string or a non-empty list of text parts" + (", or null" if optional else "")
+        raise ApiError(400, f"'{name}' must be {rule}", param=name)
+    return _text(content, name, name)
+
+
+def _message(message, i: int) -> dict:
+    name = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise ApiError(400, f"'{name}' must be an object", param=name)
+    role = message.get("role")
+    if not isinstance(role, str) or role not in ROLES:
+        raise ApiError(
+            400, f"'{name}.role' must be one of {', '.join(ROLES)}, got {_show(role)}",
+            param=f"{name}.role",
+        )  # fmt: skip
+    content = _content(message.get("content"), f"{name}.content", role == "assistant")
+    # A developer message is the system prompt of OpenAI's newer models; templates know only
+    # "system" (and SmolLM2's adds its default system prompt beside any other role).
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def parse_chat(
+    body: dict, tokenizer, template, served: str, context: int, vocab: int | None = None
+) -> ParsedRequest:
     model = _model(body, served)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-    clean = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(400, f"messages[{i}] needs a 'role' string", param="messages")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    raise ApiError(400, "only text content parts are supported", param="messages")
-                texts.append(str(part.get("text", "")))
-            content = "".join(texts)
-        if content is None:
-            content = ""
-        if not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}].content must be a string", param="messages")
-        clean.append({"role": m["role"], "content": content})
+    clean = [_message(m, i) for i, m in enumerate(messages)]
     if tokenizer is None or template is None:
         raise ApiError(400, "this model has no tokenizer or chat template: use /v1/completions")
     try:
         text = template(clean)
     except Exception as exc:  # the template's own raise_exception, or a bug in it
         raise ApiError(400, f"the chat template refused the messages: {exc}") from exc
-    ids = tokenizer.encode(text)
+    ids = _encode(tokenizer, text, context, "messages")
     if not ids:
         raise ApiError(400, "the messages encode to no tokens", param="messages")
     stream, usage = _stream_flags(body)
-    params = _params(body, len(ids), context, None)
+    params = _params(body, len(ids), context, None, True, vocab)
     return ParsedRequest(ids, params, stream, usage, True, model, _flag(body, "return_token_ids"))
 
 

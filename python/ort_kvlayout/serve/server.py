@@ -48,6 +48,9 @@ from .openai_api import (
 __all__ = ["build_app", "load_chat_template"]
 
 MAX_BODY_BYTES = 32 << 20
+# Bodies above this are parsed (JSON, chat template, tokenizer) in a worker thread, off the event
+# loop; smaller ones inline, where a thread's hand-off would only add latency.
+INLINE_PARSE_BYTES = 64 << 10
 
 
 def load_chat_template(model_dir: Path, tokenizer_config: dict | None = None) -> Callable | None:
@@ -93,6 +96,22 @@ def _error(exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
+def _vocab_size(engine) -> int | None:
+    """The model's vocabulary size where the engine tells it (a local Engine's spec, a
+    cluster's vocab_size), for the request's token ids; None leaves the prompt's check to the
+    engine's submit."""
+    size = getattr(engine, "vocab_size", None)  # a cluster's engine: its replicas' info()
+    if size is None:
+        size = getattr(getattr(engine, "spec", None), "vocab_size", None)
+    return size if isinstance(size, int) else None
+
+
+def _refused_param(message: str) -> str:
+    """The field an engine's ValueError (its check_request) is about: stop strings without a
+    tokenizer, otherwise the prompt (empty, or ids outside the vocabulary)."""
+    return "stop" if "stop string" in message else "prompt"
+
+
 def build_app(
     engine: Engine,
     model_id: str,
@@ -113,14 +132,26 @@ def build_app(
     if metrics_key and not keyed:
         raise ValueError("metrics_key needs an api_key")
     context = engine.capacity
+    vocab = _vocab_size(engine)
     created = int(time.time())
     started = time.time()
 
-    async def read(request: Request) -> dict:
+    def parse(raw: bytes, chat: bool) -> ParsedRequest:
+        body = load_body(raw)
+        if chat:
+            return parse_chat(body, tokenizer, chat_template, model_id, context, vocab)
+        return parse_completion(body, tokenizer, model_id, context, vocab)
+
+    async def read(request: Request, chat: bool) -> ParsedRequest:
         raw = await request.body()
         if len(raw) > MAX_BODY_BYTES:
             raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
-        return load_body(raw)
+        if len(raw) <= INLINE_PARSE_BYTES:
+            return parse(raw, chat)
+        # A large prompt's JSON and tokens take long enough to stall every other request,
+        # /health and the running streams: a worker thread parses it (a tokenizer that holds
+        # the GIL is bounded by openai_api's prefix encoding instead).
+        return await asyncio.to_thread(parse, raw, chat)
 
     async def submit(req: ParsedRequest):
         try:
@@ -132,18 +163,14 @@ def build_app(
             raise ApiError(503, f"the server is overloaded: {exc}", "server_error") from exc
         except EngineClosed as exc:
             raise ApiError(503, str(exc), "server_error") from exc
-        except ValueError as exc:
-            raise ApiError(400, str(exc)) from exc
+        except ValueError as exc:  # the engine's check_request
+            raise ApiError(400, str(exc), param=_refused_param(str(exc))) from exc
         except Exception as exc:  # a remote engine (serve/cluster) may fail in any way
             raise ApiError(500, f"the request failed: {exc}", "server_error") from exc
 
     async def generate(request: Request, chat: bool) -> Response:
         try:
-            body = await read(request)
-            if chat:
-                req = parse_chat(body, tokenizer, chat_template, model_id, context)
-            else:
-                req = parse_completion(body, tokenizer, model_id, context)
+            req = await read(request, chat)
             handle = await submit(req)
         except ApiError as exc:
             return _error(exc)

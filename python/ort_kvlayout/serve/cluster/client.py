@@ -84,12 +84,14 @@ class RemoteHandle:
 class ClusterEngine:
     """Engine's surface for server.build_app (capacity, closing, submit; replica_stats in place
     of stats), over the replicas of one EngineReplica deployment. `info`: a replica's info()
-    (capacity)."""
+    (capacity, vocab_size)."""
 
     def __init__(self, handle, info: dict):
         self._handle = handle.options(stream=True)
         self._app, self._deployment = handle.app_name, handle.deployment_name
         self.capacity = int(info["capacity"])
+        vocab = info.get("vocab_size")
+        self.vocab_size = int(vocab) if vocab is not None else None  # requests' token ids
         self.closing = False
 
     async def submit(self, prompt: list[int], params: RequestParams) -> RemoteHandle:
