@@ -245,13 +245,19 @@ def test_bad_requests(model):
 
 
 def test_budget_refuses_a_request_that_can_never_fit(model):
+    """The smallest budget an engine takes (what its first token commits) refuses a request
+    that needs more; a smaller one is refused when the engine is made, naming the bytes."""
     from ort_kvlayout.serve.engine import RequestTooLarge
 
+    with engine(model, max_batch=2) as probe:
+        first = probe.cache.entry_commit_bytes(1 + probe._limits.slack)
     with (
-        engine(model, max_batch=2, kv_budget_bytes=4096) as eng,
+        engine(model, max_batch=2, kv_budget_bytes=first) as eng,
         pytest.raises(RequestTooLarge, match="KV budget"),
     ):
-        eng.submit(PROMPTS[0], params(40))
+        eng.submit(PROMPTS[0], params(first // eng.stats()["kv_bytes_per_token"]))
+    with pytest.raises(ValueError, match=f"first token commits {first} KV bytes"):
+        engine(model, max_batch=2, kv_budget_bytes=first - 1)
 
 
 def test_close_cancels_or_drains(model):

@@ -223,6 +223,38 @@ def test_patch_empty_output_argument(tmp_path, fake_library):
     assert run.returncode == 2 and "empty path" in run.stderr
 
 
+@pytest.mark.parametrize("tool", ["patch", "metadata"])
+def test_model_dir_that_is_a_file(tmp_path, fake_library, tool):
+    """A file given as MODEL_DIR is named as a file, not as a directory "not found"."""
+    file = tmp_path / "model.onnx"
+    file.write_text("x")
+    if tool == "patch":
+        run = _patch(file, tmp_path / "out", fake_library)
+    else:
+        run = cli("metadata", str(file))
+    err = assert_one_line_error(run, f"{file} is a file, not a model directory")
+    assert "not found" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lib", "model.onnx"]
+
+
+def test_metadata_output_folder_missing(tmp_path):
+    """--output in a folder that does not exist: the error names that folder, not the tool's
+    hidden temporary file, and nothing is created."""
+    src = make_model_dir(tmp_path / "model")
+    before = snapshot(src)
+    out = tmp_path / "nodir" / "x.yaml"
+    err = assert_one_line_error(
+        cli("metadata", str(src), "--output", str(out)), f"{tmp_path / 'nodir'} does not exist"
+    )
+    assert ".tmp" not in err
+    assert not (tmp_path / "nodir").exists() and snapshot(src) == before
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    run = cli("metadata", str(src), "--output", str(blocker / "x.yaml"))
+    assert ".tmp" not in assert_one_line_error(run, f"{blocker} is not a directory")
+    assert blocker.read_text() == "x"
+
+
 @pytest.mark.parametrize("target", ["genai_config.json", "model.onnx", "model.onnx.data"])
 def test_metadata_never_writes_over_its_inputs(tmp_path, target):
     src = make_model_dir(tmp_path / "model", Variant(external_data=True))

@@ -19,19 +19,29 @@ PACKING = {
 }
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
-          "g": 1 << 30, "gib": 1 << 30, "kb": 1000, "mb": 10**6, "gb": 10**9}  # fmt: skip
+          "g": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40, "kb": 1000, "mb": 10**6,
+          "gb": 10**9, "tb": 10**12}  # fmt: skip
+_WHOLE_BYTES = "bytes are a whole number such as 2GiB or 1e9"
 
 
 def parse_bytes(text: str) -> int:
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:[eE]\d+)?)\s*([a-zA-Z]*)\s*", text)
+    """Bytes: a whole number (1000, 1e9) or a number with a unit (512MiB, 1.5GiB, 2TB: rounded
+    down to whole bytes). A plain number with a fractional part (1.5) is refused."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:[eE][+]?\d+)?)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected bytes such as 512MiB, 2GiB, 1e9")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected bytes such as 512MiB, 2GiB, 1TiB, 1e9"
+        )
+    value, unit = float(match.group(1)), _UNITS[match.group(2).lower()]
+    if unit == 1 and not value.is_integer():
+        raise argparse.ArgumentTypeError(f"{text!r}: {_WHOLE_BYTES}")
+    return int(value * unit)
 
 
 def parse_budget(text: str) -> tuple[int | None, float | None]:
-    """--kv-budget: (bytes, None) for 512MiB, 2GiB, 1e9; (None, fraction) for a number in
-    (0, 1] or a percentage (0.9, 90%): that share of the memory free at start."""
+    """--kv-budget: (bytes, None) for 512MiB, 2GiB, 1e9, 1000; (None, fraction) for a number in
+    (0, 1] or a percentage (0.9, 90%): that share of the memory free at start. A plain number
+    above 1 with a fractional part (1.5) is neither: refused, never read as 1 byte."""
     t = text.strip()
     try:
         value = float(t[:-1]) / 100 if t.endswith("%") else float(t)
@@ -41,6 +51,10 @@ def parse_budget(text: str) -> tuple[int | None, float | None]:
         if not 0 < value <= 1:
             raise argparse.ArgumentTypeError(f"{text!r}: a fraction of free memory is in (0, 1]")
         return None, value
+    if not value.is_integer():  # 1.5, inf: neither a fraction nor whole bytes
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a fraction of free memory is in (0, 1]; {_WHOLE_BYTES}"
+        )
     return parse_bytes(text), None
 
 

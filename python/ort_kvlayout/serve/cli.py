@@ -8,8 +8,10 @@
 MODEL_DIR defaults to the SmolLM2-135M seq-major model that `python scripts/main_job.py` builds
 and patches into $ORT_KVLAYOUT_CACHE (default ~/.cache/ort_kvlayout)/models. Exit status: 0
 after a clean shutdown (SIGINT / SIGTERM: the server stops accepting, lets running requests
-finish for --drain-timeout seconds, cancels the rest); 2 an error before serving, printed as
-one line `error: ...` on stderr.
+finish for --drain-timeout seconds, then ends the rest with finish_reason "abort": a stream
+gets its last chunk and `data: [DONE]`, a plain request its response); 2 an error before
+serving (the port too: the banner is printed once the port is held), printed as one line
+`error: ...` on stderr.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from pathlib import Path
 from .arguments import PACKING, packing_fields, parse_buckets, parse_budget, parse_bytes
 from .auth import API_KEY_ENV, exposed_without_key
 from .engine_config import CPU_PREFILL_CHUNK, CUDA_PREFILL_CHUNK
+from .listen import ListenError, bind_sockets, url
+from .shutdown import DRAIN_GRACE_S, EngineCloser, draining_server_class
 
 __all__ = ["build_parser", "main", "parse_buckets", "parse_budget", "parse_bytes"]
 
@@ -41,6 +45,26 @@ def default_model_dir() -> Path:
     return base / "models" / DEFAULT_MODEL
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1e9:  # also nan, inf
+        raise argparse.ArgumentTypeError(f"{text!r}: expected seconds >= 0, such as 30 or 2.5")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r}: a TCP port is a number in [0, 65535]")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ort-kvlayout", description="ort-kvlayout serving commands"
@@ -50,14 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model_dir", nargs="?", help=f"model directory (default: {default_model_dir()})")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (any but loopback without a key: a warning)")  # fmt: skip
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000, help="TCP port (0: any free one)")
     p.add_argument("--model-id", help="the served model id (default: the directory's name)")
     p.add_argument("--provider", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--max-batch", type=int, default=8, help="requests running at once (slots)")
     p.add_argument("--capacity", type=int, help="tokens per slot (default: the model's context)")
     p.add_argument("--kv-budget", type=parse_budget, default=(None, None),
-                   help="KV memory the engine may commit: bytes (2GiB, 1e9) or a fraction of the "
-                        "memory free at start (0.9, 90%%); default: 0.9 on CUDA, every slot "
+                   help="KV memory the engine may commit: whole bytes (2GiB, 1TiB, 1e9) or a fraction "
+                        "of the memory free at start (0.9, 90%%); default: 0.9 on CUDA, every slot "
                         "whole on the CPU")  # fmt: skip
     p.add_argument("--cache", choices=["growable", "preallocated"], default="growable",
                    help="preallocated: every slot committed whole (the budget buys whole slots)")  # fmt: skip
@@ -76,8 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "2, 4, multiples of 8, max-batch; with CUDA graphs)")  # fmt: skip
     p.add_argument("--max-waiting", type=int, default=256,
                    help="queued requests before new ones get 503")  # fmt: skip
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds running requests may finish after SIGINT/SIGTERM")  # fmt: skip
+    p.add_argument("--drain-timeout", type=_seconds, default=30.0,
+                   help="seconds running requests may finish after SIGINT/SIGTERM; then the rest "
+                        "end with finish_reason 'abort'")  # fmt: skip
     p.add_argument("--api-key",
                    help="every /v1/* route requires 'Authorization: Bearer KEY' (default: "
                         f"${API_KEY_ENV}, which keeps the key out of `ps`; unset: no key)")  # fmt: skip
@@ -182,6 +207,11 @@ def serve(args: argparse.Namespace) -> int:
         api_key = resolve_api_key(args)
     except ValueError as exc:
         return _fail(exc)
+    if not model_dir.exists():
+        return _fail(f"MODEL_DIR {model_dir} does not exist")
+    if not model_dir.is_dir():
+        kind = "a file" if model_dir.is_file() else "not a directory"
+        return _fail(f"MODEL_DIR {model_dir} is {kind}, not a model directory")
     if not (model_dir / "genai_config.json").is_file():
         return _fail(f"{model_dir}: no genai_config.json (not an onnxruntime-genai model folder)")
     budget_bytes, budget_fraction = args.kv_budget
@@ -201,6 +231,11 @@ def serve(args: argparse.Namespace) -> int:
         from .server import build_app, load_chat_template
     except ImportError as exc:
         return _fail(f"the server needs the serve extra (pip install 'ort-kvlayout[serve]'): {exc}")
+    try:  # before the model loads: a port in use is refused at once (bound again once loaded)
+        for sock in bind_sockets(args.host, args.port):
+            sock.close()
+    except ListenError as exc:
+        return _fail(exc)
     try:
         config = EngineConfig(
             max_batch=args.max_batch, capacity=args.capacity, kv_budget_bytes=budget_bytes,
@@ -221,21 +256,29 @@ def serve(args: argparse.Namespace) -> int:
         return _fail(exc)
     except Exception as exc:  # noqa: BLE001 -- onnxruntime's own exception types
         return _fail(f"{type(exc).__name__}: {exc}")
+    close = EngineCloser(engine)
+    try:  # held from here on: the banner below is printed once the port is ours
+        sockets = bind_sockets(args.host, args.port)
+    except ListenError as exc:
+        close()
+        return _fail(exc)
     model_id = args.model_id or model_dir.name
     app = build_app(
-        engine, model_id, tokenizer, template, on_shutdown=lambda: engine.close(drain=False),
+        engine, model_id, tokenizer, template, on_shutdown=close,
         api_key=api_key, metrics_key=args.metrics_auth,
     )  # fmt: skip
-    server = uvicorn.Server(
+    server = draining_server_class()(
         uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.log_level,
-            timeout_graceful_shutdown=args.drain_timeout, lifespan="on",
-        )
+            timeout_graceful_shutdown=args.drain_timeout + DRAIN_GRACE_S, lifespan="on",
+        ),
+        drain_timeout=args.drain_timeout,
+        on_drain_timeout=close,
     )  # fmt: skip
     print(
-        f"serving {model_id} on http://{args.host}:{args.port}/v1 ({engine.max_batch} slots, "
-        f"KV budget {engine.budget} bytes, context {engine.capacity}, CUDA graphs "
-        f"{'on' if engine.config.graphs else 'off'})",
+        f"serving {model_id} on {url(args.host, sockets[0].getsockname()[1])}/v1 "
+        f"({engine.max_batch} slots, KV budget {engine.budget} bytes, context "
+        f"{engine.capacity}, CUDA graphs {'on' if engine.config.graphs else 'off'})",
         file=sys.stderr,
         flush=True,
     )
@@ -246,9 +289,12 @@ def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     try:
-        server.run()
+        server.run(sockets=sockets)
     finally:
-        engine.close(drain=False)
+        server.cancel_drain_timer()
+        close()
+        for sock in sockets:
+            sock.close()
     return 0
 
 

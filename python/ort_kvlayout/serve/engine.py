@@ -300,6 +300,14 @@ class Engine:
             self.buckets, packed=self.packed, prefill_wait=config.prefill_wait,
         )  # fmt: skip
         self._held = 0  # steps the waiting requests were held (scheduler.hold_admissions)
+        first = self.cache.entry_commit_bytes(min(1 + self._limits.slack, self.capacity))
+        if self.budget < first:  # every request would be refused (413): say so at start
+            self.cache.close()
+            raise ValueError(
+                f"a KV budget of {self.budget} bytes cannot hold one token of this model: its "
+                f"first token commits {first} KV bytes ({self._bytes_per_token} bytes a token, "
+                "committed in whole granules)"
+            )
 
     # ---------------------------------------------------------------------------------------
     # Any thread

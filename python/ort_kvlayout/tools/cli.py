@@ -78,6 +78,15 @@ def _path(text: str) -> Path:
     return Path(text)
 
 
+def _not_a_model_dir(path: Path) -> str | None:
+    """Why `path` cannot be a model directory when it exists but is no directory (a file),
+    else None (a missing path is the tools' own "not found")."""
+    if path.exists() and not path.is_dir():
+        kind = "a file" if path.is_file() else "not a directory"
+        return f"{path} is {kind}, not a model directory"
+    return None
+
+
 def _tokens(text: str) -> int:
     try:
         value = int(text)
@@ -153,6 +162,10 @@ def _patch(args: argparse.Namespace) -> int:
     from .verify import verify_patch
 
     log = (lambda _m: None) if args.quiet else print
+    problem = _not_a_model_dir(args.model_dir)
+    if problem is not None:
+        _err(problem)
+        return EXIT_ERROR
     try:
         result = patch_model_dir(
             args.model_dir,
@@ -227,6 +240,9 @@ def _metadata(args: argparse.Namespace) -> int:
     from .metadata import build_metadata, dump_metadata, input_files, write_metadata
 
     try:
+        problem = _not_a_model_dir(args.model_dir)
+        if problem is not None:
+            raise MetadataError(problem)
         if not args.model_dir.is_dir():
             raise MetadataError(f"model directory {args.model_dir} not found")
         data = build_metadata(args.model_dir)
@@ -241,6 +257,10 @@ def _metadata(args: argparse.Namespace) -> int:
             raise MetadataError(f"output {out} is one of the tool's inputs; choose another path")
         if out.is_dir():
             raise MetadataError(f"output {out} is a directory")
+        folder = out.parent
+        if not folder.is_dir():  # else the error would name the hidden temporary file
+            why = "is not a directory" if folder.exists() else "does not exist"
+            raise MetadataError(f"output {out}: its folder {folder} {why}")
         path = write_metadata(data, out, args.force)
     except (MetadataError, FileExistsError) as exc:
         _err(str(exc))
