@@ -267,3 +267,13 @@ def test_sigterm_past_drain_timeout_aborts_running_requests(model):
     answer = json.loads(text)
     assert answer["choices"][0]["finish_reason"] == "abort"
     assert 0 < answer["usage"]["completion_tokens"] < 200
+
+
+def test_python_dash_m_runs_the_command(tmp_path):
+    """`python -m ort_kvlayout` is `ort-kvlayout` (no scripts directory on PATH needed)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "ort_kvlayout", "serve", str(tmp_path / "missing")],
+        check=False, capture_output=True, text=True, timeout=90, env=_env(),
+    )  # fmt: skip
+    line = assert_one_line_error(run)
+    assert line == f"error: MODEL_DIR {tmp_path / 'missing'} does not exist"
