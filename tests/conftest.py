@@ -18,7 +18,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "hel
 
 from gqa_case import op_available
 
-_NEEDS_OP = ("test_gqa_cpu", "test_gqa_errors", "test_gqa_properties", "test_gqa_nonfinite")
+_NEEDS_OP = (
+    "test_gqa_cpu",
+    "test_gqa_direct",
+    "test_gqa_errors",
+    "test_gqa_properties",
+    "test_gqa_nonfinite",
+)
 
 
 @pytest.fixture

@@ -106,9 +106,11 @@ py::tuple GqaCpu(const py::dict& inputs, const py::dict& attrs_dict, bool shared
     infos[i].dtype = DTypeOf(a);
     infos[i].shape.assign(a.shape(), a.shape() + a.ndim());
   }
+  // An absent input is null: a default py::array is an empty array, not a null handle, and its
+  // data pointer would pass for an input (position_ids, attention_bias, norm weights...).
   auto raw = [&](kvl::GqaInput which) -> const void* {
-    const py::array& a = arrays[static_cast<int>(which)];
-    return a ? a.data() : nullptr;
+    const int i = static_cast<int>(which);
+    return infos[i].exists ? arrays[i].data() : nullptr;
   };
   const auto& total_info = infos[static_cast<int>(kvl::GqaInput::kTotalSequenceLength)];
   const int32_t total = total_info.exists && total_info.dtype == kvl::DType::kInt32 &&
