@@ -260,6 +260,32 @@ def test_budget_refuses_a_request_that_can_never_fit(model):
         engine(model, max_batch=2, kv_budget_bytes=first - 1)
 
 
+def test_misuse_is_a_clear_error_not_a_hang_or_a_different_prompt(model):
+    """A float token id is refused (int() would run another prompt), generate() on an engine
+    never started raises (nothing would run it), and a closed engine refuses with EngineClosed
+    (not the closed cache's error); EngineConfig's integers are integers."""
+    from ort_kvlayout.serve.engine import Engine, EngineClosed, EngineConfig
+
+    with engine(model, max_batch=1) as eng:
+        with pytest.raises(ValueError, match=r"token ids must be integers, got 1.9"):
+            eng.submit([1.9, 2], params(2))
+        with pytest.raises(ValueError, match="must be integers, got True"):
+            eng.submit([True, 2], params(2))
+        assert eng.generate(list(np.array(PROMPTS[0], np.int64)), params(2))  # numpy ints: fine
+    with pytest.raises(EngineClosed):
+        eng.submit(PROMPTS[0], params(2))
+    with pytest.raises(EngineClosed):
+        eng.generate(PROMPTS[0], params(2))
+    with Engine(model, EngineConfig(max_batch=1), start=False) as idle:
+        with pytest.raises(RuntimeError, match="not started"):
+            idle.generate(PROMPTS[0], params(2))
+        idle.start()
+        assert len(idle.generate(PROMPTS[0], params(2))) == 2
+    for bad in ({"max_batch": 2.5}, {"capacity": "64"}, {"prefill_chunk": True}, {"granule": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            EngineConfig(**bad)
+
+
 def test_close_cancels_or_drains(model):
     eng = engine(model, max_batch=1)
     a = eng.submit(PROMPTS[0], params(200))

@@ -68,6 +68,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from numbers import Integral
 
 import numpy as np
 import onnx
@@ -357,6 +358,11 @@ class Engine:
         thread instead. Raises ValueError / RequestTooLarge (bad request), EngineOverloaded
         (queue full) or EngineClosed."""
         params = params or RequestParams()
+        if self._closing:  # before the checks: a closed engine's cache answers nothing
+            raise EngineClosed("the engine is shutting down")
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, Integral)]
+        if bad:  # int() would truncate 1.9 to 1: a silently different prompt
+            raise ValueError(f"prompt token ids must be integers, got {bad[0]!r}")
         prompt = [int(t) for t in prompt]
         self.check_request(prompt, params)
         try:
@@ -399,6 +405,8 @@ class Engine:
     def generate(self, prompt: list[int], params: RequestParams | None = None) -> list[int]:
         """Submits and waits (a convenience for scripts and tests; blocks even when called
         from an event loop's thread)."""
+        if self._thread is None and not self._closing:  # nothing would ever run it
+            raise RuntimeError("the engine is not started: call start() (Engine(start=False))")
         done: queue.SimpleQueue = queue.SimpleQueue()
         handle = self.submit(prompt, params, on_event=done.put)
         while not done.get().finished:

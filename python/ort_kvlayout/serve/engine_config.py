@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Integral
 
 __all__ = ["CPU_PREFILL_CHUNK", "CUDA_PREFILL_CHUNK", "EngineConfig"]
 
@@ -96,10 +97,17 @@ class EngineConfig:
         return self.graphs if self.decode_buckets is None else bool(self.decode_buckets)
 
     def __post_init__(self) -> None:
+        for name in ("max_batch", "capacity", "kv_budget_bytes", "prefill_chunk", "max_waiting",
+                     "device_id", "granule", "prefill_wait"):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, Integral)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.granule is not None and self.granule < 1:  # 0 would mean the default silently
+            raise ValueError(f"granule must be >= 1 bytes (None: the device's), got {self.granule}")
         if self.prefill_wait < 0:
             raise ValueError(f"prefill_wait must be >= 0 steps, got {self.prefill_wait}")
         if self.max_waiting < 0:
