@@ -27,6 +27,24 @@ def test_register_returns_domain_and_loads_library():
     assert path.is_absolute() and path.is_file() and path.name == "libort_kvlayout.so"
 
 
+def test_register_is_idempotent_and_checks_its_argument(tmp_path):
+    """register() twice leaves the options as once (ORT refused a second registration only at
+    session creation: "Domain already set in registry"); another copy of the library on the
+    same options is refused by name; anything but SessionOptions is a TypeError."""
+    from ort_kvlayout.op.library import register_library
+
+    so = ort.SessionOptions()
+    ort_kvlayout.register(so)
+    ort_kvlayout.register(so)
+    copy = tmp_path / "libort_kvlayout.so"
+    shutil.copy(ort_kvlayout.library_path(), copy)
+    with pytest.raises(ValueError, match="already registered the op library"):
+        register_library(so, copy)
+    for bad in (None, {}, ort.RunOptions()):
+        with pytest.raises(TypeError, match="expected onnxruntime.SessionOptions"):
+            ort_kvlayout.register(bad)
+
+
 def test_cudnn_status_says_what_serves_prefill():
     """Once ORT has loaded the library: a CUDA build reports how cuDNN serves prefill (its
     version, or why not: built without the headers, libcudnn not loadable, disabled) with its

@@ -242,6 +242,19 @@ def test_window_sized_caches_are_refused(tmp_path):
         Runtime(src, custom_ops_library=None)
 
 
+def test_options_given_register_once(dirs, ref):
+    """ort_kvlayout.register(so) and then a Runtime given `so` (README and RUNTIME.md both show
+    it) make one session that runs; the library is not registered twice."""
+    import onnxruntime as ort
+    import ort_kvlayout
+
+    so = ort.SessionOptions()
+    ort_kvlayout.register(so)
+    with runtime(dirs["seq"], session_options=so) as rt:
+        out = rt.generate(PROMPT, 4, eos_token_ids=[])
+    assert list(out.tokens[0]) == ref["long"][:4]
+
+
 # ---------------------------------------------------------------------------------------------
 # The command line, with a word-level tokenizer.json written for the synthetic vocabulary
 

@@ -44,10 +44,50 @@ def library_path() -> str:
     )
 
 
+# The SessionOptions config entry that records the library registered with them: ONNX Runtime
+# refuses a second registration of the domain at session creation ("Domain already set in
+# registry"), far from the call that made it.
+_REGISTERED = "ort_kvlayout.custom_ops_library"
+
+
 def register(session_options: Any) -> str:
-    """Registers the custom-op library with an onnxruntime.SessionOptions; returns DOMAIN."""
-    session_options.register_custom_ops_library(library_path())
+    """Registers the custom-op library with an onnxruntime.SessionOptions; returns DOMAIN.
+    Idempotent: options that already hold it (register() again, then a Runtime or an Engine
+    given the same options) are left as they are."""
+    register_library(session_options, library_path())
     return DOMAIN
+
+
+def registered_library(session_options: Any) -> str | None:
+    """The library file register() / register_library() registered with these options, or
+    None."""
+    try:
+        return session_options.get_session_config_entry(_REGISTERED)
+    except RuntimeError:  # no such entry: nothing registered through this module
+        return None
+
+
+def register_library(session_options: Any, path: str | os.PathLike) -> None:
+    """Registers the library file `path` once per SessionOptions. TypeError for anything but
+    onnxruntime.SessionOptions; ValueError when they already hold another copy of the library
+    (one library per domain and session: the two would clash)."""
+    import onnxruntime
+
+    if not isinstance(session_options, onnxruntime.SessionOptions):
+        raise TypeError(
+            f"expected onnxruntime.SessionOptions, got {type(session_options).__name__}"
+        )
+    path = str(Path(path).resolve())
+    held = registered_library(session_options)
+    if held == path:
+        return
+    if held is not None:
+        raise ValueError(
+            f"these SessionOptions already registered the op library {held}; registering "
+            f"{path} too would clash (one {DOMAIN} library per session): use new SessionOptions"
+        )
+    session_options.register_custom_ops_library(path)
+    session_options.add_session_config_entry(_REGISTERED, path)
 
 
 def build_info() -> dict[str, Any]:

@@ -56,6 +56,7 @@ import onnx
 import onnxruntime as ort
 
 from ..op.length_errors import check_length_error
+from ..op.library import register_library, registered_library
 from .fixed_binding import FixedBinding
 from .kv_cache import (
     BUCKET_TOKENS,
@@ -179,8 +180,11 @@ class Runtime:
             # the rate onnxruntime-genai reached there).
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.library = _library_for(self.spec, custom_ops_library)
-        if self.library:
-            so.register_custom_ops_library(self.library)
+        held = registered_library(so)
+        if self.library and held and custom_ops_library == "auto":
+            self.library = held  # the options carry the op already (ort_kvlayout.register)
+        elif self.library:
+            register_library(so, self.library)
         providers: list = []
         if provider == "cuda":
             options = {"device_id": str(device_id)}

@@ -38,6 +38,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from ..op.library import register_library
+
 GENAI_CONFIG = "genai_config.json"
 # genai_config.json's scale-cache templates (PER_TOKEN) and their defaults.
 SCALE_KEYS = {
@@ -174,7 +176,7 @@ class Generator:
         )
         self.library: str | None = str(library) if library else None
         if self.library:
-            so.register_custom_ops_library(self.library)
+            register_library(so, self.library)
         self.provider = provider
         self.device = "cuda" if provider == "cuda" else "cpu"
         providers = ["CUDAExecutionProvider"] if provider == "cuda" else []
