@@ -291,6 +291,29 @@ def test_cli_refuses_bad_sampling_flags(tokenized_dir, capsys):
 
     assert main([str(tokenized_dir), "--prompt", "w1", "--top-k", "5"]) == 2
     assert "need --temperature" in capsys.readouterr().err
+    assert main([str(tokenized_dir), "--prompt", "w1", "--temperature", "1", "--seed", "-1"]) == 2
+    assert capsys.readouterr().err == "error: --seed must be an integer >= 0, got -1\n"
+
+
+def test_cli_names_a_missing_model_dir(tmp_path, capsys):
+    """A missing MODEL_DIR is named as such, not as a missing tokenizer.json."""
+    from ort_kvlayout.runtime.cli import main
+
+    missing = tmp_path / "nowhere"
+    assert main([str(missing), "--prompt", "w1"]) == 2
+    assert capsys.readouterr().err == f"error: MODEL_DIR {missing} does not exist\n"
+    (tmp_path / "file").write_text("x")
+    assert main([str(tmp_path / "file"), "--prompt", "w1"]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_prompt_that_is_not_unicode(tokenized_dir, capsys):
+    """A prompt the shell could not decode (a lone surrogate: Python's surrogateescape of stray
+    bytes) is refused by name, not by the tokenizer's TypeError."""
+    from ort_kvlayout.runtime.cli import main
+
+    assert main([str(tokenized_dir), "--prompt", "w1 \udcff"]) == 2
+    assert "--prompt 1 is not valid Unicode text (at character 3)" in capsys.readouterr().err
 
 
 def test_growable_cuda_cache_is_refused_for_an_unpatched_model(dirs):

@@ -65,6 +65,8 @@ def sampling_from(args: argparse.Namespace) -> SamplingParams:
         return SamplingParams()
     if args.temperature <= 0:
         raise ValueError("--temperature must be > 0 (use --greedy for argmax)")
+    if args.seed is not None and args.seed < 0:
+        raise ValueError(f"--seed must be an integer >= 0, got {args.seed}")
     return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
 
 
@@ -154,7 +156,19 @@ def run(args: argparse.Namespace, streamed: list[bool]) -> int:
     from .generation import Runtime
 
     sampling = sampling_from(args)
+    model_dir = Path(args.model_dir)
+    if not model_dir.is_dir():
+        what = "does not exist" if not model_dir.exists() else "is not a directory"
+        raise ValueError(f"MODEL_DIR {model_dir} {what}")
     tokenizer = load_tokenizer(args.model_dir, args.tokenizer)
+    for i, text in enumerate(args.prompt):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # bytes the shell's encoding could not decode
+            raise ValueError(
+                f"--prompt {i + 1} is not valid Unicode text (at character {exc.start}): "
+                "check the terminal's encoding"
+            ) from None
     prompts = [tokenizer.encode(text) for text in args.prompt]
     runtime = Runtime(
         args.model_dir,

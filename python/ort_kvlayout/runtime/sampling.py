@@ -29,6 +29,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and self.seed < 0:  # numpy's generator takes none below 0
+            raise ValueError(f"seed must be an integer >= 0, got {self.seed}")
 
     @property
     def greedy(self) -> bool:
