@@ -668,6 +668,14 @@ Status CheckSharedCapacity(const GqaShape& s, bool shared_kv) {
 }
 
 Status CheckSharing(const GqaBuffers& buf) {
+  // Crossed buffers (present_key over past_value, or one buffer for both presents) run without
+  // a fault and append each cache's rows into the other's: wrong numbers, silently.
+  if ((buf.present_key != nullptr && buf.present_key == buf.past_value) ||
+      (buf.present_value != nullptr && buf.present_value == buf.past_key) ||
+      (buf.present_key != nullptr && buf.present_key == buf.present_value)) {
+    return GqaError("present_key and present_value must be two buffers, each shared with its ",
+                    "own past (past_key, past_value) or with none: they are crossed");
+  }
   if (buf.past_key != nullptr &&
       (buf.past_key == buf.present_key) != (buf.past_value == buf.present_value)) {
     return GqaError("past_key/present_key and past_value/present_value must either both share ",

@@ -146,6 +146,40 @@ def test_shared_seqlens_out_of_range_raises(layout, seqlen):
     _raise(f, A, layout, match=r"seqlens_k", shared=True)
 
 
+@pytest.mark.parametrize("binding", ["mixed", "crossed", "one_present"])
+@pytest.mark.parametrize("layout", [0, 1])
+def test_presents_bound_across_caches_are_refused(binding, layout):
+    """IO binding may put the presents anywhere: one shared with its past and the other not,
+    each over the other's past (crossed: it ran and mixed the caches), or both presents on one
+    buffer. Each is refused by name before any row is written."""
+    import onnxruntime as ort
+
+    c = GqaCase(batch=2, kind="decode", past_len=5, num_heads=4, kv_num_heads=2, head_size=16,
+                shared=True, extra_capacity=3, kv_layout=layout)  # fmt: skip
+    feeds = {k: np.array(v, copy=True) for k, v in c.feeds().items() if v is not None}
+    sess = make_session(build_model(c.feeds(), c.attrs(), KV_DOMAIN, layout), KV_DOMAIN)
+    io = sess.io_binding()
+    values = {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in feeds.items()}
+    for name, value in values.items():
+        io.bind_ortvalue_input(name, value)
+    io.bind_output("output")
+    key, value = {
+        "mixed": (values["past_key"], None),
+        "crossed": (values["past_value"], values["past_key"]),
+        "one_present": (values["past_key"], values["past_key"]),
+    }[binding]
+    io.bind_ortvalue_output("present_key", key)
+    if value is None:
+        io.bind_output("present_value")
+    else:
+        io.bind_ortvalue_output("present_value", value)
+    before = {k: v.copy() for k, v in feeds.items()}
+    with pytest.raises(Exception, match=r"present_key|past_key/present_key"):
+        sess.run_with_iobinding(io)
+    for name in ("past_key", "past_value"):  # nothing was written
+        assert np.array_equal(values[name].numpy(), before[name])
+
+
 def test_shared_huge_seqlens_does_not_crash_process():
     """In a child process, so a crash shows as a signal instead of killing the test run."""
     code = textwrap.dedent(
