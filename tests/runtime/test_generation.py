@@ -177,6 +177,8 @@ def test_generating_past_the_reserved_context_is_a_clear_error(dirs, mode):
     with runtime(dirs["seq"], mode, capacity=64) as rt:
         with pytest.raises(KvCapacityError, match=r"needs 68 cache rows; the KV cache reserves 64"):
             rt.generate(PROMPT, 60)
+        with pytest.raises(KvCapacityError, match=r"^prompt 1 of 9 tokens \+ 60 new tokens"):
+            rt.generate([PROMPT[:2], PROMPT], 60)  # a batch: the entry is named
         assert rt.generate(PROMPT, 56, eos_token_ids=[]).steps == 56  # exactly fits: row 63
     with runtime(dirs["seq"], mode) as rt, pytest.raises(KvCapacityError, match="context 256"):
         rt.generate(PROMPT, 300)

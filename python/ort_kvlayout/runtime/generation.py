@@ -321,11 +321,13 @@ class Runtime:
         lengths = [len(p) for p in prompts]
         width = max(lengths)
         # The last step writes row len+max_new-2 (the last token is chosen, never fed back).
-        needed = max(lengths) + max_new_tokens - 1
+        needed = width + max_new_tokens - 1
         limit = min(self.capacity, self.spec.kv.context_length)
         if needed > limit:
+            b = lengths.index(width)
+            which = f"prompt {b}" if len(prompts) > 1 else "the prompt"  # the entry, in a batch
             raise KvCapacityError(
-                f"prompt of {max(lengths)} tokens + {max_new_tokens} new tokens needs {needed} "
+                f"{which} of {width} tokens + {max_new_tokens} new tokens needs {needed} "
                 f"cache rows; the KV cache reserves {limit} (capacity {self.capacity}, model "
                 f"context {self.spec.kv.context_length})"
             )
