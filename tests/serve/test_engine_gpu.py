@@ -162,10 +162,15 @@ def wide_model(tmp_path_factory):
 def _run_recorded(model_dir, config, prompts, lengths, session_options=None):
     """Runs the requests (all queued before the first step) and returns their tokens, for each
     token the batch of the call that produced it (0: a prefill call, which gives a request's
-    first token), and the engine's idle counters."""
+    first token), and the engine's idle counters. Overlap off: the events' callbacks then run on
+    the engine thread right after their step's calls, where the counters are that step's (with
+    overlap the publisher runs them during the next step's calls, and a call could go unseen)."""
+    import dataclasses
     import threading
 
     from ort_kvlayout.serve.engine import Engine, RequestParams
+
+    config = dataclasses.replace(config, overlap=False)  # tokens are the same either way
 
     rows_after: dict[int, int] = {0: 0}  # decode call -> decode rows run up to and with it
     calls: list[list[int]] = [[] for _ in prompts]
