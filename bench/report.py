@@ -54,6 +54,9 @@ CUDA_QUANT_COLD = "cuda-quant-h100-cold.json"
 # The same cases in the same sitting with the quantized decode on fp16's plan (--quant-plan fp16):
 # what the quantized decode's own plan changes.
 CUDA_QUANT_COLD_PLANS = "cuda-quant-h100-cold-fp16.json"
+# The cold quantized decode at forced split counts (ORT_KVLAYOUT_DECODE_SPLITS, in each JSON's
+# knobs; 0: the plan's count), one file per count, in one block of docs/QUANTIZATION.md.
+CUDA_QUANT_SPLITS = "cuda-quant-h100-cold-splits*.json"
 CPU_QUANT = ("cpu-quant-int8-xeon.json",)
 # The CUDA goals (issue 54, cold L2): in every row ours quantized at most ours fp16's time and at
 # least as fast as ORT's quantized GQA (where ORT has the scheme); at B >= 8 and L >= 16k ours
@@ -534,6 +537,46 @@ CUDA_QUANT_COLD_PLANS_INTRO = [
 ]
 
 
+def cuda_quant_splits(files: list[tuple[str, dict]]) -> list[str]:
+    """bench_cuda.py --kv-quant runs at forced split counts: per case, ours fp16 and quantized
+    (kv_layout 0) at each count, and their ratio; the commands and commits named."""
+    if not files:
+        return []
+
+    def splits(data: dict) -> int:
+        return int(data.get("knobs", {}).get("ORT_KVLAYOUT_DECODE_SPLITS", "0") or 0)
+
+    files = sorted(files, key=lambda f: splits(f[1]))
+    first = files[0][1]
+    commits = sorted({f"`{d.get('git', 'unknown')}`" for _, d in files})
+    lines = [
+        "Key splits per (batch, kv head) forced through ORT_KVLAYOUT_DECODE_SPLITS on fp16 and the "
+        "quantized cache alike (0: the plan's "
+        f"count), cold as above. Measured {first.get('date', 'unknown')} on "
+        f"{first.get('device', 'unknown')}, commit {', '.join(commits)}. Commands (JSON: "
+        + ", ".join(f"`bench/results/{n}`" for n, _ in files)
+        + "):",
+        "",
+        "```",
+        *(d.get("command", "") for _, d in files),
+        "```",
+        "",
+        "| case | N/Nkv/H | scheme | splits | ours fp16 | ours quant | quant / fp16 |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    for _, data in files:
+        for r in data["rows"]:
+            if "kernel_ms" not in r.get("kv0", {}) or "kernel_ms" not in r.get("q0", {}):
+                continue
+            fp16, quant = r["kv0"]["kernel_ms"] * 1e3, r["q0"]["kernel_ms"] * 1e3
+            count = splits(data) or "plan"
+            lines.append(
+                f"| B={r['batch']} L={r['length'] // 1024}k | {r['heads']} | {r['kv_quant']} | "
+                f"{count} | {fp16:.1f} | {quant:.1f} | {quant / fp16:.2f} |"
+            )
+    return lines
+
+
 def cuda_quant(data: dict, name: str) -> list[str]:
     """bench_cuda.py --kv-quant: kernel times of ORT fp16 and quantized, ours fp16 and quantized,
     the two ratios against their targets, and how far ours is from ORT's quantized output."""
@@ -752,6 +795,9 @@ def blocks(results: Path = RESULTS) -> dict[str, dict[str, str]]:
     quant[Path(CUDA_QUANT_COLD_PLANS).stem] = _introduced(
         CUDA_QUANT_COLD_PLANS_INTRO,
         cuda_quant(json.loads(plans.read_text()), CUDA_QUANT_COLD_PLANS) if plans.exists() else [],
+    )
+    quant["cuda-quant-h100-cold-splits"] = cuda_quant_splits(
+        [(f.name, json.loads(f.read_text())) for f in results.glob(CUDA_QUANT_SPLITS)]
     )
     for n in CPU_QUANT:
         quant[Path(n).stem] = cpu_quant(json.loads((results / n).read_text()), n)

@@ -41,6 +41,7 @@ def test_every_committed_result_has_a_table():
     )
     assert all(fnmatch.fnmatch(n, report.STACKS) or fnmatch.fnmatch(n, report.SERVING)
                or fnmatch.fnmatch(n, report.PERPLEXITY) or fnmatch.fnmatch(n, report.STEP_PROFILES)
+               or fnmatch.fnmatch(n, report.CUDA_QUANT_SPLITS)
                for n in rest), rest  # fmt: skip
 
 
@@ -234,7 +235,10 @@ def test_each_perplexity_table_names_its_text_method_commit_and_command():
             *report.CPU_QUANT,
         )
     }
-    assert set(blocks) == ppl | speed
+    assert set(blocks) == ppl | speed | {"cuda-quant-h100-cold-splits"}
+    splits = blocks["cuda-quant-h100-cold-splits"]
+    assert "ORT_KVLAYOUT_DECODE_SPLITS=64 python bench/bench_cuda.py" in splits
+    assert "| B=1 L=16k | 32/8/128 | int8-per-channel | plan |" in splits
     for name in ppl:
         block = blocks[name]
         data = json.loads((report.RESULTS / f"{name}.json").read_text())
