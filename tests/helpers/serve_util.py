@@ -3,6 +3,7 @@ a chat template, a real `ort-kvlayout serve` process on it, and the library chec
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -106,3 +107,25 @@ class ServerProcess:
             self.proc.kill()
             out, err = self.proc.communicate()
         return self.proc.returncode, out, err
+
+
+async def asgi_request(app, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
+    """One request through an ASGI app, without a server: (status, the response's bytes). The
+    client sends `body` and then stays (it never disconnects)."""
+    sent, bodies = [], [body]
+
+    async def receive():
+        if bodies:
+            return {"type": "http.request", "body": bodies.pop(), "more_body": False}
+        await asyncio.sleep(3600)  # a client that stays
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {
+        "type": "http", "method": method, "path": path, "headers": [], "query_string": b"",
+        "http_version": "1.1", "scheme": "http", "server": ("127.0.0.1", 80), "root_path": "",
+    }  # fmt: skip
+    await app(scope, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    return start["status"], b"".join(m.get("body", b"") for m in sent)

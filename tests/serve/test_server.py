@@ -22,7 +22,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-from serve_util import TEMPLATE, ServerProcess, library_or_skip, make_served_model
+from serve_util import TEMPLATE, ServerProcess, asgi_request, library_or_skip, make_served_model
 
 PROMPTS = [
     "Hello world.",
@@ -365,23 +365,8 @@ class RefusingEngine:
 
 async def asgi(app, method: str, path: str, body: bytes = b"") -> tuple[int, dict]:
     """One request through the ASGI app: (status, JSON body)."""
-    sent, bodies = [], [body]
-
-    async def receive():
-        if bodies:
-            return {"type": "http.request", "body": bodies.pop(), "more_body": False}
-        await asyncio.sleep(3600)  # a client that stays
-
-    async def send(message):
-        sent.append(message)
-
-    scope = {
-        "type": "http", "method": method, "path": path, "headers": [], "query_string": b"",
-        "http_version": "1.1", "scheme": "http", "server": ("127.0.0.1", 80), "root_path": "",
-    }  # fmt: skip
-    await app(scope, receive, send)
-    start = next(m for m in sent if m["type"] == "http.response.start")
-    return start["status"], json.loads(b"".join(m.get("body", b"") for m in sent))
+    status, raw = await asgi_request(app, method, path, body)
+    return status, json.loads(raw)
 
 
 def test_health_answers_while_a_large_body_is_parsed():
@@ -412,12 +397,13 @@ def test_health_answers_while_a_large_body_is_parsed():
 def test_engine_refusals_name_the_field():
     from ort_kvlayout.serve.server import build_app
 
-    for error, param in [
-        (ValueError("token ids [999] outside the vocabulary [0, 64)"), "prompt"),
-        (ValueError("stop strings need a tokenizer (the model directory has none)"), "stop"),
-    ]:
-        app = build_app(RefusingEngine(error), "m")
-        body = json.dumps({"prompt": [999], "max_tokens": 2}).encode()
+    for error, extra, param in [
+        (ValueError("token ids [999] outside the vocabulary [0, 64)"), {}, "prompt"),
+        (ValueError("stop strings need a tokenizer (the model directory has none)"),
+         {"stop": ["x"]}, "stop"),
+    ]:  # fmt: skip
+        app = build_app(RefusingEngine(error), "m")  # no tokenizer
+        body = json.dumps({"prompt": [999], "max_tokens": 2, **extra}).encode()
         status, got = asyncio.run(asgi(app, "POST", "/v1/completions", body))
         assert status == 400 and got["error"]["param"] == param
 

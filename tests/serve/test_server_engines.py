@@ -14,6 +14,7 @@ pytest.importorskip("starlette")
 
 from ort_kvlayout.serve.engine import EngineClosed, EngineOverloaded, Event
 from ort_kvlayout.serve.server import build_app
+from serve_util import asgi_request
 
 
 class LostHandle:
@@ -121,24 +122,8 @@ def test_a_list_of_events_is_one_write():
 
 
 def call(app, method: str, path: str, body: dict | None = None) -> tuple[int, bytes]:
-    sent = []
-    bodies = [json.dumps(body).encode() if body is not None else b""]
-
-    async def receive():  # the body, then a client that stays
-        if bodies:
-            return {"type": "http.request", "body": bodies.pop(), "more_body": False}
-        await asyncio.sleep(3600)
-
-    async def send(message):
-        sent.append(message)
-
-    scope = {
-        "type": "http", "method": method, "path": path, "headers": [], "query_string": b"",
-        "http_version": "1.1", "scheme": "http", "server": ("127.0.0.1", 80), "root_path": "",
-    }  # fmt: skip
-    asyncio.run(app(scope, receive, send))
-    start = next(m for m in sent if m["type"] == "http.response.start")
-    return start["status"], b"".join(m.get("body", b"") for m in sent if "body" in m)
+    raw = json.dumps(body).encode() if body is not None else b""
+    return asyncio.run(asgi_request(app, method, path, raw))
 
 
 def frames(raw: bytes) -> list:

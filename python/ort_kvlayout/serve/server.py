@@ -106,12 +106,6 @@ def _vocab_size(engine) -> int | None:
     return size if isinstance(size, int) else None
 
 
-def _refused_param(message: str) -> str:
-    """The field an engine's ValueError (its check_request) is about: stop strings without a
-    tokenizer, otherwise the prompt (empty, or ids outside the vocabulary)."""
-    return "stop" if "stop string" in message else "prompt"
-
-
 def build_app(
     engine: Engine,
     model_id: str,
@@ -163,8 +157,10 @@ def build_app(
             raise ApiError(503, f"the server is overloaded: {exc}", "server_error") from exc
         except EngineClosed as exc:
             raise ApiError(503, str(exc), "server_error") from exc
-        except ValueError as exc:  # the engine's check_request
-            raise ApiError(400, str(exc), param=_refused_param(str(exc))) from exc
+        except ValueError as exc:  # the engine's check_request: stop strings need a tokenizer,
+            # else it is the prompt (empty, or ids outside the vocabulary)
+            param = "stop" if req.params.stop and tokenizer is None else "prompt"
+            raise ApiError(400, str(exc), param=param) from exc
         except Exception as exc:  # a remote engine (serve/cluster) may fail in any way
             raise ApiError(500, f"the request failed: {exc}", "server_error") from exc
 
