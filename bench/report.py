@@ -546,13 +546,18 @@ def cuda_quant_splits(files: list[tuple[str, dict]]) -> list[str]:
     def splits(data: dict) -> int:
         return int(data.get("knobs", {}).get("ORT_KVLAYOUT_DECODE_SPLITS", "0") or 0)
 
-    files = sorted(files, key=lambda f: splits(f[1]))
+    def wide(data: dict) -> str:  # the eight-warp quantized instance: "0" off, "" the plan's
+        return str(data.get("knobs", {}).get("ORT_KVLAYOUT_DECODE_WIDE", ""))
+
+    files = sorted(files, key=lambda f: (wide(f[1]), splits(f[1])))
     first = files[0][1]
     commits = sorted({f"`{d.get('git', 'unknown')}`" for _, d in files})
     lines = [
         "Key splits per (batch, kv head) forced through ORT_KVLAYOUT_DECODE_SPLITS on fp16 and the "
         "quantized cache alike (0: the plan's "
-        f"count), cold as above. Measured {first.get('date', 'unknown')} on "
+        "count), and the quantized one-token instance's eight warps turned off through "
+        "ORT_KVLAYOUT_DECODE_WIDE=0 where the wide column says 0 (four warps a CTA), cold as above."
+        f" Measured {first.get('date', 'unknown')} on "
         f"{first.get('device', 'unknown')}, commit {', '.join(commits)}. Commands (JSON: "
         + ", ".join(f"`bench/results/{n}`" for n, _ in files)
         + "):",
@@ -561,8 +566,8 @@ def cuda_quant_splits(files: list[tuple[str, dict]]) -> list[str]:
         *(d.get("command", "") for _, d in files),
         "```",
         "",
-        "| case | N/Nkv/H | scheme | splits | ours fp16 | ours quant | quant / fp16 |",
-        "|---|---|---|---:|---:|---:|---:|",
+        "| case | N/Nkv/H | scheme | wide | splits | ours fp16 | ours quant | quant / fp16 |",
+        "|---|---|---|---|---:|---:|---:|---:|",
     ]
     for _, data in files:
         for r in data["rows"]:
@@ -572,7 +577,8 @@ def cuda_quant_splits(files: list[tuple[str, dict]]) -> list[str]:
             count = splits(data) or "plan"
             lines.append(
                 f"| B={r['batch']} L={r['length'] // 1024}k | {r['heads']} | {r['kv_quant']} | "
-                f"{count} | {fp16:.1f} | {quant:.1f} | {quant / fp16:.2f} |"
+                f"{wide(data) or 'plan'} | {count} | {fp16:.1f} | {quant:.1f} | "
+                f"{quant / fp16:.2f} |"
             )
     return lines
 

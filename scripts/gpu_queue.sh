@@ -50,6 +50,7 @@ STAGES=(
   "suite|240|setup|bash scripts/run_gpu_tests.sh"
   "sanitizer|150|setup|SANITIZER=memcheck SUITE=0 SAN_EXTRA_K=query_seqlens bash scripts/run_gpu_tests.sh"
   "ncu-int8|150|setup|SKIP=0 COUNT=64 BENCH_ARGS='--kv-quant int8-per-channel' KERNELS=DecodeTc bash tools/perf/ncu_decode.sh 32/8/128 1x16384"
+  "quant-wide|90|setup|for w in 0 1; do for s in 0 24 33; do ORT_KVLAYOUT_DECODE_WIDE=\$w ORT_KVLAYOUT_DECODE_SPLITS=\$s python3 bench/bench_cuda.py --flush-l2 --breakdown --prefill= --kv-quant int8-per-channel --heads 32/8/128 --decode 1x16384,1x32768 --json \$OUT/cuda-quant-\$GPU-cold-splits\$s-wide\$w.json || exit 1; done; done"
   "quant-splits|120|setup|for s in 0 4 8 16 32 64; do ORT_KVLAYOUT_DECODE_SPLITS=\$s python3 bench/bench_cuda.py --flush-l2 --breakdown --prefill= --kv-quant int8-per-channel --heads 32/8/128 --decode 1x16384,8x16384 --json \$OUT/cuda-quant-\$GPU-cold-splits\$s.json || exit 1; done"
   "cluster-1gpu|300|setup|bash .device/ray0/install-device-ray && python3 bench/bench_serving.py --model-shape smollm2-135m --build-dir /opt/models --provider cuda --systems server,cluster --replicas 1,2 --gpus-per-replica 0.5 --kv-budget 8589934592 --max-batch 32 --dataset chat --num-requests 256 --deadline 120 --repeat 2 --json \$OUT/serving-\$GPU-smollm2-cluster.json"
   "models-8b|500|setup|rm -rf /opt/models/llama-3.2-1b*; SHAPE=llama-3.1-8b DROP_HF=1 NO_PAGED=1 bash scripts/gpu_serving.sh models"
