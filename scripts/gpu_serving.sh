@@ -16,7 +16,8 @@
 # setup needs the wheel chunks in .device/wheels0..5 (shared/tools/stage-device-wheels) and the
 # ORT and cuDNN-frontend headers in .device/hdr/{ort,cudnn_frontend/include}. Results go to $OUT (or
 # /tmp/gpu_serving); bench JSON to bench/results/ there too. SHAPE (default llama-3.2-1b),
-# BUDGET (KV bytes, default 40 GiB), CAPACITY (33792), MAX_BATCH (64), PACKING (the engine's
+# KV_BUDGET (KV bytes, default 40 GiB; not BUDGET: gpu_queue.sh's seconds reach its stages),
+# CAPACITY (33792), MAX_BATCH (64), PACKING (the engine's
 # --packing list, default auto), OVERLAP (--overlap list, default auto), COMMIT_AHEAD
 # (--commit-ahead list, default auto), PREFILL_WAIT (--prefill-wait list, default auto), CHUNK (prefill tokens a
 # step: the engine's default (auto) for chat, 4096 for the long mix;
@@ -27,14 +28,14 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu_serving}"
 mkdir -p "$OUT"
 SHAPE="${SHAPE:-llama-3.2-1b}"
-BUDGET="${BUDGET:-42949672960}"
+KV_BUDGET="${KV_BUDGET:-42949672960}"
 CAPACITY="${CAPACITY:-33792}"
 MAX_BATCH="${MAX_BATCH:-64}"
 MODELS="${MODELS:-/opt/models}"
 export PYTHONPATH="/opt/kvl:/opt/devwheels${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 BASE="$MODELS/$SHAPE-random-fp16-cuda"
-COMMON=(--model-shape "$SHAPE" --build-dir "$MODELS" --provider cuda --kv-budget "$BUDGET"
+COMMON=(--model-shape "$SHAPE" --build-dir "$MODELS" --provider cuda --kv-budget "$KV_BUDGET"
         --capacity "$CAPACITY" --max-batch "$MAX_BATCH" --stall-timeout 60
         --deadline "${DEADLINE:-420}" --packing "${PACKING:-auto}" --overlap "${OVERLAP:-auto}"
         --commit-ahead "${COMMIT_AHEAD:-auto}" --prefill-wait "${PREFILL_WAIT:-auto}")
@@ -66,7 +67,7 @@ case "${1:-}" in
     ;;
   profile)
     python3 tools/perf/step_profile.py "$BASE-seq-major" --provider cuda --batch "$MAX_BATCH" \
-      --prompt 256 --output 128 --capacity "$CAPACITY" --kv-budget "$BUDGET" \
+      --prompt 256 --output 128 --capacity "$CAPACITY" --kv-budget "$KV_BUDGET" \
       --modes "${MODES:-device,host}" ${PROFILE_ARGS:-} --json "$OUT/step-profile.json"
     ;;
   chat)
