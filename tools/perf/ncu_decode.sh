@@ -21,6 +21,14 @@
 #   L2=1 CACHE=none bash tools/perf/ncu_decode.sh 28/4/128 1x16384   # what a warm L2 serves
 # ncu locks the SM clock near its base (1.33 GHz on the H200): compare kernels within one run,
 # not with bench_cuda.py's times. Needs ncu, a GPU and the packages bench_cuda.py needs.
+#
+# SOURCE=1 adds the source counters (every SASS instruction's executions and warp samples) and
+# prints, per profiled kernel, how much of its code the launch executed and where its warps
+# waited for instructions, per line of decode_kernel.cuh (its phases) where nvdisasm and
+# cuobjdump are found (tools/perf/sass_regions.py; the library must be a -lineinfo build, as
+# the package's is). KERNELS entries are then substrings of mangled names, one instance each:
+#   SOURCE=1 SKIP=2 BENCH_ARGS='--kv-quant int8-per-channel' \
+#     KERNELS="DecodeFormE2ELi8EaEE DecodeFormE2ELi4ES2_EE" bash tools/perf/ncu_decode.sh 32/8/128 1x16384
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 heads="${1:?heads N/Nkv/H}" case="${2:?decode BxL}"
@@ -28,6 +36,11 @@ OUT_DIR="${OUT_DIR:-/tmp/ort_kvlayout_ncu}"
 mkdir -p "$OUT_DIR"
 SECTIONS=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy
           --section WarpStateStats --section LaunchStats --section SchedulerStats)
+NAME_BASE=()
+if [ "${SOURCE:-0}" = 1 ]; then
+  SECTIONS+=(--section SourceCounters --warp-sampling-interval 0)
+  NAME_BASE=(--kernel-name-base mangled)
+fi
 if [ "${L2:-0}" = 1 ]; then
   SECTIONS=(--clock-control none --metrics "gpu__time_duration.sum,dram__bytes_read.sum,\
 dram__bytes_read.sum.per_second,l1tex__m_xbar2l1tex_read_bytes.sum,\
@@ -41,10 +54,28 @@ for kernel in ${KERNELS:-DecodeTc flash}; do
   # timed run. Under ncu each layout launches our kernel 9 times (3 warm-ups, 2 untimed runs, 2
   # runs in the profiler, which sees no CUPTI records, then 2 wall-time runs), kv0 first: SKIP=13
   # is kv1's fifth.
-  ncu "${SECTIONS[@]}" --cache-control "${CACHE:-all}" -k "regex:$kernel" \
-    --launch-skip "${SKIP:-4}" --launch-count "${COUNT:-1}" \
+  rep="${report%.txt}" save=()
+  [ "${SOURCE:-0}" = 1 ] && save=(-f -o "$rep")
+  ncu "${SECTIONS[@]}" "${NAME_BASE[@]}" --cache-control "${CACHE:-all}" -k "regex:$kernel" \
+    --launch-skip "${SKIP:-4}" --launch-count "${COUNT:-1}" "${save[@]}" \
     python3 bench/bench_cuda.py --runs 2 --heads "$heads" --decode "$case" --prefill= \
     ${LIBRARY:+--library "$LIBRARY"} ${BENCH_ARGS:-} >"$report" 2>&1 || true
+  if [ "${SOURCE:-0}" = 1 ] && [ -f "$rep.ncu-rep" ]; then
+    ncu -i "$rep.ncu-rep" >>"$report" 2>&1 || true
+    ncu -i "$rep.ncu-rep" --page source --csv --print-source sass >"$rep.sass.csv" 2>&1 || true
+    lines=()
+    lib="${LIBRARY:-$(python3 -c 'import ort_kvlayout as k, pathlib; print(next(pathlib.Path(k.__file__).parent.glob("libort_kvlayout*.so")))' 2>/dev/null || true)}"
+    if [ -n "$lib" ] && command -v cuobjdump >/dev/null && command -v nvdisasm >/dev/null; then
+      elf="$OUT_DIR/elf" && rm -rf "$elf" && mkdir -p "$elf"
+      (cd "$elf" && cuobjdump -xelf all "$lib" >/dev/null 2>&1) || true
+      cubin="$(grep -l "$kernel" "$elf"/*.cubin 2>/dev/null | head -1 || true)"
+      if [ -n "$cubin" ] && nvdisasm -c -gi "$cubin" >"$rep.sass" 2>/dev/null; then
+        lines=(--lines "$rep.sass" --kernel "$kernel")
+      fi
+    fi
+    echo "== $heads $case $kernel: executed code ($rep.sass.csv)"
+    python3 tools/perf/sass_regions.py "$rep.sass.csv" "${lines[@]}" --top 12 || true
+  fi
   echo "== $heads $case kernel ~ $kernel ($report)"
   grep -E "^  [a-z_].*\(|^    [a-z0-9_]+__[a-z0-9_.]+ |Duration|DRAM Throughput|L2 Hit Rate|Registers Per|Grid Size|Block Size|Dynamic Shared|Issued Warp|Achieved Active Warps|Theoretical Occupancy" \
     "$report" | awk '!seen[$0]++' | cut -c1-120 || echo "   no profile (see $report)"
