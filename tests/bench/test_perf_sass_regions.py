@@ -3,6 +3,7 @@ line of one profiled kernel."""
 
 from __future__ import annotations
 
+import pytest
 from bench_util import load_perf
 
 sass_regions = load_perf("sass_regions")
@@ -62,6 +63,25 @@ def test_lines_take_the_kernel_bodys_line_of_an_inlined_chain(tmp_path):
     _header, data = sass_regions.read_sass(_csv(tmp_path, ROWS))
     out = sass_regions.by_line(data, table, top=5)
     assert out[3:] == ["| 10 | 2 | 10 | 8 |", "| 20 | 1 | 30 | 20 |", "| 30 | 1 | 60 | 0 |"]
+
+
+def test_the_listing_alone_counts_every_instruction_per_body_line(tmp_path, capsys):
+    listing = tmp_path / "k.sass"
+    listing.write_text("\n".join(LISTING))
+    args = ["--lines", str(listing), "--kernel", "DecodeTcKernelI6__halfLi128ELb1E", "--file",
+            "decode.cu"]  # fmt: skip
+    assert sass_regions.main(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "4 SASS instructions (0.1 KB) with line info"
+    assert out[4:] == ["| 10 | 2 | 0.0 |", "| 20 | 1 | 0.0 |", "| 30 | 1 | 0.0 |"]
+    assert sass_regions.main(["--lines", str(listing), "--kernel", "Absent"]) == 1
+    assert "no line info for a kernel named like 'Absent'" in capsys.readouterr().err
+
+
+def test_neither_csv_nor_listing_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        sass_regions.main([])
+    assert "--lines LISTING for the static count" in capsys.readouterr().err
 
 
 def test_a_csv_without_sass_rows_is_refused(tmp_path, capsys):

@@ -20,6 +20,15 @@ The listing must be of the profiled build and name the kernel with `--kernel` (a
 mangled name), as it holds every kernel of the file.
 
 Samples are warp time: a phase that few warps run weighs little even where it is long.
+
+Without the CSV, `--lines` alone counts every instruction of the kernel per line of its body, run
+or not: the code each phase holds, with no GPU (nvcc's `-cubin -lineinfo` of one instantiation
+file and `nvdisasm -c -gi`; both tools are also on PyPI as nvidia-cuda-nvdisasm):
+
+    nvcc -std=c++17 --use_fast_math -lineinfo -arch=sm_90a -cubin -Icsrc -I$ORT_INCLUDE_DIR \
+        -DKVL_WITH_CUDA=1 -o int8.cubin csrc/cuda/decode_half_int8.cu
+    nvdisasm -c -gi int8.cubin > int8.sass
+    python tools/perf/sass_regions.py --lines int8.sass --kernel DecodeFormE2ELi8EaEE
 """
 
 from __future__ import annotations
@@ -138,9 +147,30 @@ def by_line(data: list[dict], table: dict[int, int], top: int) -> list[str]:
     return out
 
 
+def static_lines(table: dict[int, int]) -> list[str]:
+    """The kernel's instructions per line of its body, from the listing alone (no profile): what
+    each phase costs in code, every instruction of it, run or not."""
+    counts = Counter(table.values())
+    total = sum(counts.values())
+    out = [
+        f"{total} SASS instructions ({total * BYTES_PER_INSTRUCTION / 1024:.1f} KB) with line info",
+        "",
+        "| line | instructions | KB |",
+        "|---:|---:|---:|",
+    ]
+    for line in sorted(counts):
+        n = counts[line]
+        out.append(f"| {line} | {n} | {n * BYTES_PER_INSTRUCTION / 1024:.1f} |")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("csv", type=Path, help="ncu --page source --csv --print-source sass (or .gz)")
+    p.add_argument(
+        "csv", type=Path, nargs="?",
+        help="ncu --page source --csv --print-source sass (or .gz); without it, --lines alone "
+        "gives the kernel's instructions per line of its body (static: a listing needs no GPU)",
+    )  # fmt: skip
     p.add_argument("--split", default="", help="region boundaries, offsets: 0xe990,0x14250")
     p.add_argument("--lines", type=Path, help="nvdisasm -c -gi listing of the profiled build")
     p.add_argument("--kernel", default="DecodeTcKernelI6__halfLi128ELb1E", help="with --lines")
@@ -149,6 +179,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--top", type=int, default=30)
     args = p.parse_args(argv)
+    if args.csv is None:
+        if not args.lines:
+            p.error("give the profile's CSV, or --lines LISTING for the static count")
+        table = line_table(args.lines.read_text(), args.kernel, args.file)
+        if not table:
+            print(f"{args.lines}: no line info for a kernel named like {args.kernel!r}",
+                  file=sys.stderr)  # fmt: skip
+            return 1
+        print("\n".join(static_lines(table)))
+        return 0
     try:
         header, data = read_sass(args.csv)
     except (OSError, ValueError) as e:
