@@ -26,9 +26,11 @@
 # prints, per profiled kernel, how much of its code the launch executed and where its warps
 # waited for instructions, per line of decode_kernel.cuh (its phases) where nvdisasm and
 # cuobjdump are found (tools/perf/sass_regions.py; the library must be a -lineinfo build, as
-# the package's is). KERNELS entries are then substrings of mangled names, one instance each:
+# the package's is). KERNELS entries are then substrings of mangled names, one instance each
+# (the head tile too: a file's cubin holds the instances of both tiles):
 #   SOURCE=1 SKIP=2 BENCH_ARGS='--kv-quant int8-per-channel' \
-#     KERNELS="DecodeFormE2ELi8EaEE DecodeFormE2ELi4ES2_EE" bash tools/perf/ncu_decode.sh 32/8/128 1x16384
+#     KERNELS="Li128ELNS0_10DecodeFormE2ELi8EaEE Li128ELNS0_10DecodeFormE2ELi4ES2_EE" \
+#     bash tools/perf/ncu_decode.sh 32/8/128 1x16384
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 heads="${1:?heads N/Nkv/H}" case="${2:?decode BxL}"
@@ -66,12 +68,13 @@ for kernel in ${KERNELS:-DecodeTc flash}; do
     lines=()
     lib="${LIBRARY:-$(python3 -c 'import ort_kvlayout as k, pathlib; print(next(pathlib.Path(k.__file__).parent.glob("libort_kvlayout*.so")))' 2>/dev/null || true)}"
     if [ -n "$lib" ] && command -v cuobjdump >/dev/null && command -v nvdisasm >/dev/null; then
-      elf="$OUT_DIR/elf" && rm -rf "$elf" && mkdir -p "$elf"
+      elf="$(mktemp -d)"  # every cubin of the library: not beside the reports
       (cd "$elf" && cuobjdump -xelf all "$lib" >/dev/null 2>&1) || true
       cubin="$(grep -l "$kernel" "$elf"/*.cubin 2>/dev/null | head -1 || true)"
       if [ -n "$cubin" ] && nvdisasm -c -gi "$cubin" >"$rep.sass" 2>/dev/null; then
         lines=(--lines "$rep.sass" --kernel "$kernel")
       fi
+      rm -rf "$elf"
     fi
     echo "== $heads $case $kernel: executed code ($rep.sass.csv)"
     python3 tools/perf/sass_regions.py "$rep.sass.csv" "${lines[@]}" --top 12 || true
