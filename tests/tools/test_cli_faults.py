@@ -144,6 +144,26 @@ def test_missing_and_truncated_external_data(tmp_path, fake_library):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_negative_external_data_offset_is_refused_before_writing(tmp_path, fake_library):
+    import onnx
+
+    src = make_model_dir(tmp_path / "model", Variant(external_data=True, data_bytes=1 << 16))
+    model = onnx.load(src / "model.onnx", load_external_data=False)
+    tensor = next(
+        t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL
+    )
+    for entry in tensor.external_data:
+        if entry.key == "offset":
+            entry.value = "-5"
+            break
+    else:
+        tensor.external_data.add(key="offset", value="-5")
+    onnx.save(model, src / "model.onnx")
+    run = _patch(src, tmp_path / "out", fake_library)
+    assert_one_line_error(run, "model.onnx", "offset -5", "must be >= 0")
+    assert not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # Values from genai_config.json: types, ranges (values no model can have), agreement with graph
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import yaml
@@ -153,6 +154,28 @@ def test_write_refuses_overwrite(tmp_path):
         write_metadata(data, path)
     write_metadata(data, path, force=True)
     assert load_metadata(path) == data
+
+
+def test_write_never_goes_through_a_file_at_a_temporary_name(tmp_path):
+    src = make_model_dir(tmp_path / "m")
+    data = build_metadata(src)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("victim")
+    (tmp_path / ".meta.yaml.tmp").symlink_to(victim)  # the name an earlier version used
+    path = write_metadata(data, tmp_path / "meta.yaml")
+    assert victim.read_text() == "victim" and not path.is_symlink()
+    assert load_metadata(path) == data
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".meta.yaml.tmp", "m", "meta.yaml",
+                                                          "victim.txt"]  # fmt: skip
+
+
+def test_write_refuses_a_target_that_is_not_a_regular_file(tmp_path):
+    src = make_model_dir(tmp_path / "m")
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(MetadataError, match="not a regular file"):
+        write_metadata(build_metadata(src), fifo, force=True)
+    assert fifo.is_fifo()
 
 
 def test_cli(tmp_path, capsys):

@@ -127,6 +127,57 @@ def test_default_output_and_existing_output(tmp_path, fake_library):
     assert leftovers(tmp_path) == []
 
 
+def test_force_replaces_only_a_model_folder_and_never_the_working_directory(
+    tmp_path, fake_library, monkeypatch
+):
+    src = make_model_dir(tmp_path / "model")
+    data = tmp_path / "data"
+    (data / "work").mkdir(parents=True)
+    (data / "work" / "important.txt").write_text("precious")
+    with pytest.raises(PatchError, match="holds no genai_config.json: --force replaces only"):
+        patch_model_dir(src, data, force=True, library=fake_library)
+    assert (data / "work" / "important.txt").read_text() == "precious"
+    out = patch_model_dir(src, tmp_path / "out", library=fake_library).out_dir
+    monkeypatch.chdir(out)
+    with pytest.raises(PatchError, match="contains the working directory"):
+        patch_model_dir(src, out, force=True, library=fake_library)
+    assert (out / "model.onnx").exists() and leftovers(tmp_path) == []
+
+
+def test_a_dangling_link_as_output_is_refused(tmp_path, fake_library):
+    src = make_model_dir(tmp_path / "model")
+    link = tmp_path / "dangling"
+    link.symlink_to(tmp_path / "elsewhere" / "x")
+    with pytest.raises(PatchError, match="dangling symbolic link"):
+        patch_model_dir(src, link, library=fake_library)
+    assert not (tmp_path / "elsewhere").exists()
+
+
+def test_an_output_name_as_long_as_a_name_can_be(tmp_path, fake_library):
+    src = make_model_dir(tmp_path / "model")
+    out = patch_model_dir(src, tmp_path / ("b" * 250), library=fake_library).out_dir
+    assert (out / "model.onnx").exists() and leftovers(tmp_path) == []
+
+
+def test_a_library_that_is_not_a_shared_library_is_refused(tmp_path):
+    src = make_model_dir(tmp_path / "model")
+    junk = tmp_path / "notalib.so"
+    junk.write_text("junk\n")
+    with pytest.raises(PatchError, match="not a shared library"):
+        patch_model_dir(src, tmp_path / "out", library=junk)
+    with pytest.raises(PatchError, match="is a directory"):
+        patch_model_dir(src, tmp_path / "out", library=tmp_path)
+    assert not (tmp_path / "out").exists()
+
+
+def test_no_metadata_drops_the_sources_metadata_file(tmp_path, fake_library):
+    src = make_model_dir(tmp_path / "model")
+    (src / "inference_metadata.yaml").write_text("kv_layout: head_major_bnsh  # the source's\n")
+    out = patch_model_dir(src, tmp_path / "out", library=fake_library, metadata=False).out_dir
+    assert not (out / "inference_metadata.yaml").exists()
+    assert (src / "inference_metadata.yaml").exists()
+
+
 def test_refuses_output_inside_model_dir(tmp_path, fake_library):
     src = make_model_dir(tmp_path / "model")
     for out in (src, src / "patched", tmp_path):
@@ -264,9 +315,11 @@ def test_failure_mid_patch_leaves_nothing(tmp_path, fake_library, monkeypatch, s
     assert leftovers(tmp_path) == []
     assert snapshot(src) == before
 
-    # Under --force an existing output survives a failed patch untouched.
+    # Under --force an existing output (an earlier patch: a model folder) survives a failed
+    # patch untouched.
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep").write_text("previous result")
+    (tmp_path / "out" / "genai_config.json").write_text("{}")
     with pytest.raises(OSError, match="injected"):
         patch_model_dir(src, tmp_path / "out", force=True, library=fake_library)
     assert (tmp_path / "out" / "keep").read_text() == "previous result"
@@ -325,6 +378,18 @@ def test_cli_verify(tmp_path, capsys):
     assert patch_main([str(src), "-o", str(tmp_path / "out"), "--verify", "--tokens", "8"]) == 0
     out = capsys.readouterr().out
     assert "tokens agree" in out and "max |logit diff|" in out
+    # the synthetic folder has no tokenizer: the report says the prompt was not used
+    assert "has no tokenizer.json: 8 fixed token ids, not the prompt" in out
+
+
+def test_cli_verify_fails_on_a_tokenizer_that_does_not_load(tmp_path, capsys):
+    real_library()
+    pytest.importorskip("tokenizers")  # a backend that refuses the file (none: fixed ids)
+    src = make_model_dir(tmp_path / "model")
+    (src / "tokenizer.json").write_text("{bad")
+    code = patch_main([str(src), "-o", str(tmp_path / "out"), "--verify", "--tokens", "4"])
+    err = capsys.readouterr().err
+    assert code == 3 and "--verify could not run" in err and (tmp_path / "out").is_dir()
 
 
 def test_cli_verify_reports_disagreement(tmp_path, capsys, monkeypatch):

@@ -174,9 +174,14 @@ def check_external_data(model: onnx.ModelProto, model_path: str | os.PathLike) -
             except OSError:
                 raise GraphError(f"{where}: external data file {location} not found") from None
         try:
-            end = int(info.get("offset", 0)) + int(info.get("length", 0))
+            offset, length = int(info.get("offset", 0)), int(info.get("length", 0))
         except ValueError:
             raise GraphError(f"{where}: external data offset/length are not integers") from None
+        if offset < 0 or length < 0:
+            raise GraphError(
+                f"{where}: external data offset {offset} and length {length} must be >= 0"
+            )
+        end = offset + length
         if end > sizes[location]:
             raise GraphError(
                 f"{where}: external data {location} has {sizes[location]} bytes, the tensor "

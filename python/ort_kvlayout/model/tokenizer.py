@@ -59,6 +59,10 @@ class HfTokenizer:
         return self._tok.decode([int(t) for t in ids], skip_special_tokens=True)
 
 
+class TokenizerBackendMissing(RuntimeError):
+    """No tokenizer backend is installed (as opposed to one that refused the tokenizer)."""
+
+
 def load_tokenizer(model_dir: str | os.PathLike, backend: str | None = None) -> Tokenizer:
     """The directory's tokenizer through the first backend that loads it (see the docstring)."""
     model_dir = Path(model_dir)
@@ -77,6 +81,11 @@ def load_tokenizer(model_dir: str | os.PathLike, backend: str | None = None) -> 
         except Exception as exc:  # noqa: BLE001 -- a backend refusing this tokenizer: try the next
             errors.append(f"{name}: {type(exc).__name__}: {exc}")
     details = "; ".join(" ".join(e.split()) for e in errors)  # one line, whatever the backends say
+    if all(": not installed (" in e for e in errors):
+        raise TokenizerBackendMissing(
+            f"no tokenizer backend is installed to read {model_dir / 'tokenizer.json'} "
+            f"(pip install ort-kvlayout[runtime]): {details}"
+        )
     raise RuntimeError(
         f"no tokenizer backend could load {model_dir / 'tokenizer.json'} "
         f"(pip install ort-kvlayout[runtime]): {details}"

@@ -196,6 +196,8 @@ def _patch(args: argparse.Namespace) -> int:
             f"--verify could not run ({type(exc).__name__}: {first}); {result.out_dir} was written"
         )
         return EXIT_VERIFY_FAILED
+    if check.prompt_note:
+        print(f"verify: {check.prompt_note}")
     print(
         f"verify: {len(check.original_tokens)} greedy tokens, max |logit diff| "
         f"{check.max_logit_diff:.3g} over {check.compared_steps} step(s), tokens "

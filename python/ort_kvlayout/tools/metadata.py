@@ -38,6 +38,7 @@ kv_quant_scheme), which come from the model's GroupQueryAttention nodes (all mus
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
@@ -332,17 +333,29 @@ def write_metadata(data: dict[str, Any], path: str | os.PathLike, force: bool = 
     path = Path(path)
     if path.exists() and not force:
         raise FileExistsError(f"{path} exists; pass --force to overwrite it")
+    if path.exists() and not path.is_file():  # a FIFO or a device would be replaced, not written
+        raise MetadataError(f"{path} exists and is not a regular file; name a file")
     text = dump_metadata(data)
     if yaml.safe_load(text) != data:  # the file must load back to the same data
         raise MetadataError("inference metadata does not round-trip through YAML")
-    tmp = path.with_name(f".{path.name}.tmp")
+    # a temporary file of its own (O_EXCL: never through a link or over a file already there)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name[:32]}.", suffix=".tmp", dir=path.parent)
+    tmp = Path(name)
     try:
-        tmp.write_text(text)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600; an ordinary file
         os.replace(tmp, path)
     except BaseException:  # an error or an interrupt leaves no partial file
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def input_files(model_dir: str | os.PathLike) -> set[Path]:

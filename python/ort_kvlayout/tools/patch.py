@@ -259,8 +259,17 @@ def _resolve_library(library: str | os.PathLike | None | bool) -> Path | None:
                 f"{exc}\n(pass library=PATH / --library PATH to use another build of it)"
             ) from exc
     path = Path(library)
+    if path.is_dir():
+        raise PatchError(f"custom-op library {path} is a directory, not the library's file")
     if not path.is_file():
         raise PatchError(f"custom-op library {path} not found")
+    try:
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise PatchError(f"custom-op library {path}: {exc.strerror or exc}") from exc
+    if magic != b"\x7fELF":
+        raise PatchError(f"custom-op library {path} is not a shared library (no ELF header)")
     return path
 
 
@@ -316,7 +325,10 @@ def patch_model_dir(
     src = Path(model_dir).resolve()
     if not src.is_dir():
         raise PatchError(f"model directory {src} not found")
-    dst = (Path(out_dir) if out_dir is not None else default_out_dir(src, layout)).resolve()
+    given = Path(out_dir) if out_dir is not None else default_out_dir(src, layout)
+    if given.is_symlink() and not given.exists():
+        raise PatchError(f"output {given} is a dangling symbolic link; name a directory")
+    dst = given.resolve()
     if dst == src or _is_within(dst, src) or _is_within(src, dst):
         raise PatchError(
             f"output {dst} must not be, contain or lie inside the model directory {src}"
@@ -325,6 +337,16 @@ def patch_model_dir(
         raise PatchError(f"output {dst} exists; pass --force to replace it")
     if dst.exists() and not dst.is_dir():
         raise PatchError(f"output {dst} exists and is not a directory")
+    if dst.exists():  # --force replaces it: only a model folder, never the working directory
+        if not (dst / GENAI_CONFIG).is_file():
+            raise PatchError(
+                f"output {dst} exists and holds no {GENAI_CONFIG}: --force replaces only a "
+                "model folder (an earlier output); name a new directory"
+            )
+        if Path.cwd().resolve() == dst or _is_within(Path.cwd().resolve(), dst):
+            raise PatchError(
+                f"output {dst} contains the working directory; --force would remove it"
+            )
     lib = _resolve_library(library)
     quant = _kv_quant_plan(src, kv_quant) if kv_quant is not None else None
 
@@ -394,7 +416,8 @@ def patch_model_dir(
     tmp: Path | None = None
     try:
         dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
+        # a short prefix: the output's name may be as long as a name can be
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name[:32]}.", suffix=".partial", dir=dst.parent))
         umask = os.umask(0)
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the output is an ordinary directory
@@ -415,8 +438,9 @@ def patch_model_dir(
         if new_config_text is not None:
             (tmp / GENAI_CONFIG).unlink()  # never write through a link into the source
             (tmp / GENAI_CONFIG).write_text(new_config_text)
+        # the source's file describes the source model: replaced, or dropped (--no-metadata)
+        (tmp / METADATA_FILE).unlink(missing_ok=True)  # may be a link into the source
         if metadata_data is not None:
-            (tmp / METADATA_FILE).unlink(missing_ok=True)  # may be a link into the source
             write_metadata(metadata_data, tmp / METADATA_FILE, force=True)
             result.metadata = dst / METADATA_FILE
         _commit(tmp, dst, force)
@@ -480,7 +504,7 @@ def _commit(tmp: Path, dst: Path, force: bool) -> None:
         return
     if not force:
         raise PatchError(f"output {dst} exists; pass --force to replace it")
-    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".old", dir=dst.parent))
+    old = Path(tempfile.mkdtemp(prefix=f".{dst.name[:32]}.", suffix=".old", dir=dst.parent))
     os.rename(dst, old / "x")
     try:
         os.rename(tmp, dst)

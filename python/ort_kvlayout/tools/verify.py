@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ..model.config import GENAI_CONFIG
-from ..model.tokenizer import load_tokenizer
+from ..model.tokenizer import TokenizerBackendMissing, load_tokenizer
 from .reference_loop import Generator
 
 
@@ -31,6 +31,7 @@ class VerifyResult:
     max_logit_diff: float  # over the steps both runs reached with the same prefix
     compared_steps: int
     unquantized_tokens: list[int] | None = None  # --kv-quant: the original, not emulated
+    prompt_note: str | None = None  # why the prompt was not used (fixed ids instead)
 
     @property
     def tokens_agree(self) -> bool:
@@ -45,16 +46,25 @@ class VerifyResult:
         return n, max(len(a), len(b))
 
 
-def verify_prompt_ids(model_dir: Path, prompt: str) -> list[int]:
-    """The prompt through the directory's tokenizer.json, or fixed ids without `tokenizers`."""
+def verify_prompt_ids(model_dir: Path, prompt: str) -> tuple[list[int], str | None]:
+    """The prompt through the directory's tokenizer.json, and None; or, where the directory has
+    no tokenizer.json or no tokenizer backend is installed, fixed ids and why the prompt was not
+    used. A tokenizer.json that the installed backends refuse raises (RuntimeError), as does a
+    prompt that encodes to no token (ValueError)."""
     if (model_dir / "tokenizer.json").is_file():
         try:
-            return load_tokenizer(model_dir).encode(prompt)
-        except RuntimeError:  # no tokenizer backend installed (the runtime extra)
-            pass
+            ids = load_tokenizer(model_dir).encode(prompt)
+        except TokenizerBackendMissing:  # the runtime extra is not installed
+            note = "no tokenizer backend is installed (pip install ort-kvlayout[runtime])"
+        else:
+            if not ids:
+                raise ValueError(f"the prompt {prompt!r} encodes to no token")
+            return ids, None
+    else:
+        note = f"{model_dir} has no tokenizer.json"
     config = json.loads((model_dir / GENAI_CONFIG).read_text())
     vocab = int(config["model"]["vocab_size"])
-    return [(1000 + 37 * i) % vocab for i in range(8)]
+    return [(1000 + 37 * i) % vocab for i in range(8)], f"{note}: 8 fixed token ids, not the prompt"
 
 
 def verify_patch(
@@ -72,7 +82,7 @@ def verify_patch(
     converted to this PER_TOKEN scheme; the original runs with it emulated (and plain).
     """
     original_dir, patched_dir = Path(original_dir), Path(patched_dir)
-    ids = verify_prompt_ids(original_dir, prompt)
+    ids, note = verify_prompt_ids(original_dir, prompt)
     plain = None
     original = Generator(
         original_dir, provider, custom_ops_library="auto", emulate_kv_quant=kv_quant
@@ -89,4 +99,4 @@ def verify_patch(
         steps += 1
         if ta != tb:
             break
-    return VerifyResult(a.tokens, b.tokens, diff, steps, plain)
+    return VerifyResult(a.tokens, b.tokens, diff, steps, plain, note)
