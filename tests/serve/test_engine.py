@@ -615,6 +615,82 @@ def test_a_tokenizer_that_raises_ends_only_its_own_request(model, alone):
     assert stats["detokenize_errors"] == 1 and stats["step_errors"] == 0
 
 
+def test_a_tokenizer_that_raises_with_stop_strings_ends_only_its_own_request(model, alone):
+    """Requests with stop strings decode their text on the engine thread, at each token and
+    at their end: a decode that raises there ends that request with an error; the thread and
+    the other requests go on."""
+
+    poison = PROMPTS[2][-1]
+    assert poison not in PROMPTS[1] + alone[1] + PROMPTS[3] + alone[3]
+
+    class Tokenizer:
+        def encode(self, text):
+            return [int(t) for t in text.split()]
+
+        def decode(self, ids, **_kwargs):
+            if poison in ids:
+                raise RuntimeError("boom")
+            return "".join(f" {i}" for i in ids)
+
+    from ort_kvlayout.serve.engine import Engine, EngineConfig
+
+    with Engine(model, EngineConfig(max_batch=2), tokenizer=Tokenizer()) as eng:
+        bad = eng.submit(PROMPTS[2], params(LENGTHS[2], stop=("x",)))
+        good = eng.submit(PROMPTS[1], params(LENGTHS[1], stop=("x",)))
+        bad_events = list(bad)
+        assert good.result() == alone[1]
+        later = eng.submit(PROMPTS[3], params(LENGTHS[3]))
+        assert later.result() == alone[3]
+        stats = eng.stats()
+    assert bad.finish_reason == "error" and "decoding the text failed" in bad_events[-1].error
+    assert "boom" in bad_events[-1].error and bad.tokens == alone[2][: len(bad.tokens)]
+    assert stats["step_errors"] == 0 and stats["detokenize_errors"] == 1
+
+
+def test_a_callback_that_raises_still_ends_its_handle(model):
+    with engine(model, max_batch=2) as eng:
+        bad = eng.submit(PROMPTS[0], params(40), on_event=lambda e: 1 / 0)
+        assert bad.result() == bad.tokens and bad.finish_reason == "cancelled"
+
+
+def test_result_of_a_callback_handle_waits_for_its_end(model, alone):
+    events = []
+    with engine(model) as eng:
+        handle = eng.submit(PROMPTS[1], params(LENGTHS[1]), on_event=events.append)
+        assert handle.result() == alone[1] and handle.finish_reason == "length"
+        with pytest.raises(TypeError, match="read through its callback"):
+            next(iter(handle))
+    assert [e.token_id for e in events if e.token_id is not None] == alone[1]
+
+
+def test_generate_from_a_callback_is_refused_not_a_deadlock(model, alone):
+    refused: list[BaseException] = []
+
+    def on_event(event):
+        if event.finished:
+            try:
+                eng.generate(PROMPTS[3], params(LENGTHS[3]))
+            except RuntimeError as exc:
+                refused.append(exc)
+
+    with engine(model) as eng:
+        eng.submit(PROMPTS[1], params(LENGTHS[1]), on_event=on_event).result()
+        assert eng.generate(PROMPTS[3], params(LENGTHS[3])) == alone[3]  # the loop goes on
+    assert refused and "on_event callback" in str(refused[0])
+
+
+def test_close_ends_requests_submitted_to_an_engine_never_started(model):
+    from ort_kvlayout.serve.engine import Engine, EngineConfig
+
+    eng = Engine(model, EngineConfig(), start=False)
+    handle = eng.submit(PROMPTS[1], params(5))
+    seen = []
+    other = eng.submit(PROMPTS[3], params(5), on_event=seen.append)
+    eng.close()
+    assert handle.result() == [] and handle.finish_reason == "cancelled"
+    assert other.finish_reason == "cancelled" and seen[-1].finished
+
+
 def test_generate_blocks_inside_an_event_loop(model, alone):
     async def main(eng):
         return eng.generate(PROMPTS[3], params(LENGTHS[3]))

@@ -143,6 +143,11 @@ class _Request:
         return self.slot >= 0 and len(self.seq) - self.cached == 1
 
 
+def _decode_failure(exc: BaseException) -> str:
+    """The error a request ends with when its tokenizer raised decoding its text."""
+    return f"decoding the text failed: {type(exc).__name__}: {exc}"
+
+
 class Engine:
     """See the module docstring. `tokenizer` (encode/decode, optional) gives events text and
     enables stop strings."""
@@ -211,6 +216,8 @@ class Engine:
         self._closing = False
         self._drain = False
         self._thread: threading.Thread | None = None
+        self._started = False  # start() was called (close() of an engine never started ends
+        # its submitted requests itself)
         self._snapshot: dict = self._make_snapshot()
         if start:
             self.start()
@@ -319,6 +326,7 @@ class Engine:
                 target=self._publish_loop, name="ort-kvlayout-publisher", daemon=True
             )
             self._publisher.start()
+        self._started = True
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="ort-kvlayout-engine")
             self._thread.daemon = True
@@ -374,6 +382,7 @@ class Engine:
         if on_event is not None:
             # tokens and finish_reason kept on the handle for callback users too
             handle._push = lambda event: on_event(handle._take(event))  # type: ignore[method-assign]
+            handle._callback = True
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else self.eos
         )
@@ -407,6 +416,11 @@ class Engine:
         from an event loop's thread)."""
         if self._thread is None and not self._closing:  # nothing would ever run it
             raise RuntimeError("the engine is not started: call start() (Engine(start=False))")
+        if threading.current_thread() in (self._thread, self._publisher):
+            raise RuntimeError(
+                "generate() waits for the engine's thread and cannot be called from an "
+                "on_event callback (which runs there); submit() from it instead"
+            )
         done: queue.SimpleQueue = queue.SimpleQueue()
         handle = self.submit(prompt, params, on_event=done.put)
         while not done.get().finished:
@@ -436,6 +450,14 @@ class Engine:
             if self._thread.is_alive():
                 return  # still draining: the caller chose a timeout
             self._thread = None
+        elif not self._started:  # the loop never ran: the requests submitted to it end here
+            with self._cond:
+                inbox, self._inbox = self._inbox, []
+            for kind, item in inbox:
+                if kind == "submit":
+                    self._finish(item, "cancelled")  # type: ignore[arg-type]
+            outbox, self._outbox = self._outbox, []
+            self._flush(outbox)
         if self._publisher is not None:  # every event handed over before close returns
             self._handoff.put(None)
             self._publisher.join(timeout)
@@ -559,11 +581,17 @@ class Engine:
         self._release_slot(r)
         if r in self._waiting:
             self._waiting.remove(r)
-        self._counters[f"finished_{reason}"] += 1
         if flush and r.text is not None:
             text = _LATER if r.generated else ""
             if text is _LATER and r.text.stops:
-                text = r.text.delta(r.seq, final=True)[0]
+                try:
+                    text = r.text.delta(r.seq, final=True)[0]
+                except Exception as exc:  # noqa: BLE001 -- the tokenizer's code, r's problem only
+                    self._counters["detokenize_errors"] += 1
+                    text = None
+                    if error is None:
+                        reason, error = "error", _decode_failure(exc)
+        self._counters[f"finished_{reason}"] += 1
         self._deliver(r, token, text, reason, error)
 
     def _deliver(
@@ -586,8 +614,9 @@ class Engine:
         loops: dict[asyncio.AbstractEventLoop, list] = {}  # async readers: one call per loop
         for r, token, text, reason, error, generated, upto in outbox:
             if r.id in self._failed:
-                if reason is not None:
+                if reason is not None:  # its end, recorded without calling the callback again
                     self._failed.discard(r.id)
+                    r.handle._take(Event(r.id, token, None, reason, r.prompt_len, generated, error))
                 continue
             if text is _LATER:
                 text = self._decode_text(r, reason is not None, upto)
@@ -626,7 +655,7 @@ class Engine:
             self._counters["detokenize_errors"] += 1
             if not final:
                 with self._cond:
-                    message = f"decoding the text failed: {type(exc).__name__}: {exc}"
+                    message = _decode_failure(exc)
                     self._inbox.append(("fail", (r.id, message)))
                     self._cond.notify()
             return None
@@ -920,7 +949,12 @@ class Engine:
         if r.text is not None:
             text = _LATER  # decoded when handed over, off the step's critical path
             if r.text.stops:  # now: a stop string ends the request before its next step
-                text, hit = r.text.delta(r.seq, final=reason is not None)
+                try:
+                    text, hit = r.text.delta(r.seq, final=reason is not None)
+                except Exception as exc:  # noqa: BLE001 -- the tokenizer's code, r's problem only
+                    self._counters["detokenize_errors"] += 1
+                    self._finish(r, "error", token=token, error=_decode_failure(exc), flush=False)
+                    return
                 if hit and reason is None:
                     reason = "stop"  # the text ends before the stop string
         if reason is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -92,6 +93,8 @@ class RequestHandle:
         self._async: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
+        self._callback = False  # submitted with on_event: its events go to the callback
+        self._done = threading.Event()  # set by the last event
 
     def _push(self, event: Event) -> None:  # the engine thread
         if self._async is not None and self._loop is not None:
@@ -110,11 +113,17 @@ class RequestHandle:
             self.tokens.append(event.token_id)
         if event.finished:
             self.finish_reason = event.finish_reason
+            self._done.set()
         return event
 
     def __iter__(self):
         if self._async is not None:
             raise TypeError("a request submitted from an event loop is read with `async for`")
+        if self._callback:
+            raise TypeError(
+                "a request submitted with on_event is read through its callback; result() "
+                "waits for its end"
+            )
         while self.finish_reason is None:
             yield self._take(self._sync.get())
 
@@ -126,6 +135,9 @@ class RequestHandle:
 
     def result(self) -> list[int]:
         """Blocks until the request ends; its generated tokens."""
+        if self._callback:  # the events went to the callback; the handle keeps the tokens
+            self._done.wait()
+            return self.tokens
         for _ in self:
             pass
         return self.tokens
