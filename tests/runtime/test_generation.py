@@ -8,6 +8,7 @@ independent of the runtime and its cache.
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -227,12 +228,35 @@ def test_sampler_top_p_keeps_the_smallest_set():
         SamplingParams(temperature=1.0, top_p=0.0)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"seed": "abc"}, "seed must be an integer, got 'abc'"),
+        ({"seed": 1.5}, "seed must be an integer, got 1.5"),
+        ({"top_k": 2.5}, "top_k must be an integer, got 2.5"),
+        ({"top_k": True}, "top_k must be an integer, got True"),
+        ({"temperature": "1"}, "temperature must be a number, got '1'"),
+        ({"temperature": None}, "temperature must be a number, got None"),
+        ({"top_p": [0.5]}, r"top_p must be a number, got \[0.5\]"),
+    ],
+)
+def test_sampling_params_of_the_wrong_type_are_named(kwargs, message):
+    with pytest.raises(TypeError, match=message):
+        SamplingParams(**kwargs)
+
+
 def test_bad_prompts_are_named(dirs):
     with runtime(dirs["seq"]) as rt:
         with pytest.raises(ValueError, match="at least one token"):
             rt.generate([PROMPT, []], 4)
         with pytest.raises(ValueError, match=rf"outside the vocabulary \[0, {VOCAB}\)"):
             rt.generate([1, VOCAB + 3], 4)
+        with pytest.raises(ValueError, match=r"prompt 0: token ids must be integers, got 5.0"):
+            rt.generate([5.0, 6.5], 4)
+        with pytest.raises(TypeError, match="max_new_tokens must be an integer, got 2.5"):
+            rt.generate(PROMPT, 2.5)
+    with pytest.raises(RuntimeError, match="the Runtime is closed"):
+        rt.generate(PROMPT, 4)
 
 
 def test_window_sized_caches_are_refused(tmp_path):
@@ -286,6 +310,22 @@ def test_cli_streams_the_greedy_text(tokenized_dir, ref, capsys):
     assert words == [f"w{t}" for t in expected]
     assert "KV (bucket, tokenizers tokenizer): committed" in captured.err
     assert "\033[K" not in captured.err  # stderr is no terminal here: no status redraws
+
+
+def test_cli_stops_quietly_when_its_reader_goes_away(tokenized_dir):
+    """`... | head -c 5`: the closed pipe ends the run with 141 and no traceback."""
+    import subprocess
+    import sys
+
+    prompt = " ".join(f"w{i}" for i in PROMPT)
+    cmd = [sys.executable, "-m", "ort_kvlayout.runtime", str(tokenized_dir), "--prompt", prompt,
+           "--max-new-tokens", "200", "--tokenizer", "tokenizers"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc.stdout.read(5)
+    proc.stdout.close()  # the reader leaves
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in err and "Error" not in err
 
 
 def test_cli_refuses_bad_sampling_flags(tokenized_dir, capsys):

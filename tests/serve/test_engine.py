@@ -234,6 +234,16 @@ def test_bad_requests(model):
             eng.submit([1], params(4, stop=("x",)))
         with pytest.raises(ValueError, match="max_tokens"):
             RequestParams(max_tokens=0)
+        for bad in (2.5, True, None):
+            with pytest.raises(TypeError, match=f"max_tokens must be an integer, got {bad}"):
+                RequestParams(max_tokens=bad)
+        with pytest.raises(TypeError, match="sampling must be a SamplingParams, got None"):
+            RequestParams(sampling=None)
+        with pytest.raises(TypeError, match="stop_token_ids must be a sequence of integers"):
+            RequestParams(stop_token_ids=7)
+        with pytest.raises(TypeError, match="stop must hold strings"):
+            RequestParams(stop=(1,))
+        assert RequestParams(stop="\n\n").stop == ("\n\n",)  # one string, not its letters
         handles = []
         with pytest.raises(EngineOverloaded):
             for _ in range(10):

@@ -47,3 +47,26 @@ def test_a_call_without_tokens_is_refused():
         pack_rows([([], 4), ([], 0)])
     with pytest.raises(ValueError, match="at least one row with tokens"):
         pack_rows([])
+
+
+def test_host_sampling_ends_only_the_rows_whose_logits_are_not_finite():
+    """The host sampler (a model served with its own graph): a row of NaN or inf logits gets
+    NONFINITE_LOGITS (its request ends with an error) and the other rows their tokens, greedy
+    or sampled, as with the device sampler; float16 rows too."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from ort_kvlayout.runtime.sampling import GREEDY, Sampler, SamplingParams
+    from ort_kvlayout.serve.executor import NONFINITE_LOGITS, Executor
+
+    host = SimpleNamespace(_greedy=Sampler(GREEDY))
+    for dtype in (np.float32, np.float16):
+        logits = np.zeros((5, 8), dtype)
+        logits[0, 3] = logits[3, 1] = 1
+        logits[1, 2] = np.nan  # greedy row
+        logits[4, 6] = np.inf  # sampled row
+        rows = [Sampler(GREEDY), Sampler(GREEDY), None, Sampler(SamplingParams(0.5, seed=1)),
+                Sampler(SamplingParams(0.5, seed=1))]  # fmt: skip
+        tokens = Executor._host_sample(host, logits, rows)
+        assert tokens[:3] == [3, NONFINITE_LOGITS, None] and tokens[4] == NONFINITE_LOGITS
+        assert 0 <= tokens[3] < 8

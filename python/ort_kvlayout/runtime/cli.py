@@ -11,6 +11,7 @@ an unreadable model directory or tokenizer, a cache or ORT failure); 130 interru
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from .sampling import SamplingParams
 
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a tool its reader left
 
 
 def mib(n: int) -> str:
@@ -143,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # the reader of stdout went away (`| head`): stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's last flush writes nowhere
+        return EXIT_BROKEN_PIPE
     except Exception as exc:  # noqa: BLE001 -- the CLI boundary: one line, never a traceback
         if streamed[0]:
             sys.stdout.write("\n")

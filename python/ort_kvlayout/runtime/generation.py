@@ -49,6 +49,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from numbers import Integral
 from pathlib import Path
 
 import numpy as np
@@ -219,6 +220,7 @@ class Runtime:
         # from several threads take turns (interleaved, they would write each other's rows).
         self._lock = threading.Lock()
         self._owner: int | None = None  # the thread inside generate()
+        self._closed = False
 
     # -----------------------------------------------------------------------------------------
     def check_length_record(self, where: str) -> None:
@@ -304,8 +306,16 @@ class Runtime:
         on_step: Callable[[list[int | None]], None] | None,
         keep_logits: bool,
     ) -> GenerationOutput:
-        if prompts and isinstance(prompts[0], (int, np.integer)):
-            prompts = [list(prompts)]  # type: ignore[list-item]
+        if self._closed:
+            raise RuntimeError("the Runtime is closed")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral):
+            raise TypeError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
+        if prompts and not isinstance(prompts[0], (list, tuple, np.ndarray)):
+            prompts = [list(prompts)]  # one prompt: a list of ids  # type: ignore[list-item]
+        for b, p in enumerate(prompts):
+            bad = [t for t in p if isinstance(t, bool) or not isinstance(t, Integral)]
+            if bad:  # int() would truncate 6.5 to 6: a silently different prompt
+                raise ValueError(f"prompt {b}: token ids must be integers, got {bad[0]!r}")
         prompts = [[int(t) for t in p] for p in prompts]  # type: ignore[union-attr]
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
@@ -473,6 +483,7 @@ class Runtime:
         if self._owner == threading.get_ident():
             raise RuntimeError("Runtime.close called from inside generate's on_step callback")
         with self._lock:
+            self._closed = True
             self._decode = None
             self._narrow = None
             if self.cache is not None:

@@ -9,6 +9,7 @@ Sampling is seeded per Sampler (numpy's PCG64): the same seed and logits give th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Integral, Real
 
 import numpy as np
 
@@ -23,6 +24,16 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p"):  # a real number (not a bool, a string, None)
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, Real):
+                raise TypeError(f"{name} must be a number, got {value!r}")
+        for name in ("top_k", "seed"):  # an integer (2.5 or "3" would be truncated or fail late)
+            value = getattr(self, name)
+            if value is None and name == "seed":
+                continue
+            if isinstance(value, bool) or not isinstance(value, Integral):
+                raise TypeError(f"{name} must be an integer, got {value!r}")
         if not (self.temperature >= 0 and np.isfinite(self.temperature)):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -82,6 +93,14 @@ def _check_finite(bad_rows: np.ndarray) -> None:
             f"logits of batch entries {bad.tolist()[:8]} contain NaN or infinite values "
             "(the model's output overflowed or is broken)"
         )
+
+
+def finite_rows(logits: np.ndarray) -> np.ndarray:
+    """Per row of (B, V) logits, whether every value is finite (float16 on its bits, as
+    _greedy_half reads them)."""
+    if logits.dtype == np.float16:
+        return (logits.view(np.int16) & 0x7FFF).max(axis=-1) < 0x7C00
+    return np.isfinite(logits).all(axis=-1)
 
 
 def _greedy_half(logits: np.ndarray) -> np.ndarray:

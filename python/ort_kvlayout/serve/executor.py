@@ -43,7 +43,7 @@ from ..model.serving_graph import ServedInputs
 from ..runtime.fixed_binding import FixedBinding
 from ..runtime.generation import CUDA_GRAPH_WARMUP_RUNS, Runtime
 from ..runtime.kv_cache import KvCache, bind_in_place
-from ..runtime.sampling import GREEDY, Sampler
+from ..runtime.sampling import GREEDY, Sampler, finite_rows
 from .packing import pack_rows
 
 __all__ = ["BAD_SAMPLING", "NONFINITE_LOGITS", "Executor", "StepProfile"]
@@ -288,15 +288,24 @@ class Executor:
 
     def _host_sample(self, logits: np.ndarray, rows: list[Sampler | None]) -> list[int | None]:
         """Tokens from host logits (B, V): greedy rows together (one argmax, the same tokens as
-        each request's own Sampler), the others by their Sampler."""
+        each request's own Sampler), the others by their Sampler. A row whose logits are not all
+        finite gets NONFINITE_LOGITS (its request ends with an error; the others go on, as with
+        the device sampler)."""
         tokens: list[int | None] = [None] * len(rows)
-        greedy = [i for i, r in enumerate(rows) if r is not None and r.params.greedy]
+        used = [i for i, r in enumerate(rows) if r is not None]
+        if not used:
+            return tokens
+        finite = dict(zip(used, finite_rows(logits[used]).tolist()))
+        greedy = [i for i in used if finite[i] and rows[i].params.greedy]  # type: ignore[union-attr]
         if greedy:
             for i, token in zip(greedy, self._greedy(logits[greedy])):
                 tokens[i] = int(token)
-        for i, r in enumerate(rows):
-            if r is not None and not r.params.greedy:
-                tokens[i] = int(r(logits[i][None])[0])
+        for i in used:
+            r = rows[i]
+            if not finite[i]:
+                tokens[i] = NONFINITE_LOGITS
+            elif not r.params.greedy:  # type: ignore[union-attr]
+                tokens[i] = int(r(logits[i][None])[0])  # type: ignore[misc]
         return tokens
 
 

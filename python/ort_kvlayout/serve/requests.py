@@ -8,6 +8,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from numbers import Integral
 
 from ..runtime.sampling import GREEDY, SamplingParams
 
@@ -47,10 +48,23 @@ class RequestParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, Integral):
+            raise TypeError(f"max_tokens must be an integer, got {self.max_tokens!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not isinstance(self.sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {self.sampling!r}")
+        if isinstance(self.stop, str):  # one string, as OpenAI's `stop` takes it: not its letters
+            object.__setattr__(self, "stop", (self.stop,))
+        if any(not isinstance(s, str) for s in self.stop):
+            raise TypeError(f"stop must hold strings, got {self.stop!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        ids = self.stop_token_ids
+        if isinstance(ids, Integral) or any(
+            isinstance(t, bool) or not isinstance(t, Integral) for t in ids
+        ):
+            raise TypeError(f"stop_token_ids must be a sequence of integers, got {ids!r}")
 
 
 @dataclass(frozen=True)
