@@ -270,6 +270,33 @@ def test_budget_refuses_a_request_that_can_never_fit(model):
         engine(model, max_batch=2, kv_budget_bytes=first - 1)
 
 
+def test_the_default_cpu_budget_is_at_most_the_machines_memory(model, monkeypatch):
+    """Without a budget the CPU engine may commit its reservation, but never more than the
+    machine has: a reservation past it (here: the machine made small) is capped, and a granule
+    whose first commit is beyond the cap is refused when the engine is made."""
+    from ort_kvlayout.serve import memory
+
+    with engine(model, max_batch=2) as eng:
+        reserved = eng.stats()["kv_reserved_bytes"]
+        assert eng.budget == reserved  # this machine holds the tiny model's reservation
+    small = reserved // 2
+    monkeypatch.setattr(memory, "device_memory", lambda *_args: (small, small))
+    with engine(model, max_batch=2) as eng:
+        assert eng.budget == small
+    with pytest.raises(ValueError, match="first token commits"):
+        engine(model, max_batch=2, granule=4 * small)
+
+
+def test_a_granule_beyond_the_machines_memory_is_refused():
+    import os
+
+    from ort_kvlayout.runtime.kv_memory import HostReservation
+
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with pytest.raises(ValueError, match="more than this machine's memory"):
+        HostReservation(4096, granule=(memory // 4096 + 1) * 4096)
+
+
 def test_misuse_is_a_clear_error_not_a_hang_or_a_different_prompt(model):
     """A float token id is refused (int() would run another prompt), generate() on an engine
     never started raises (nothing would run it), and a closed engine refuses with EngineClosed

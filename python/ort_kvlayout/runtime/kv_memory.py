@@ -170,6 +170,13 @@ def _os_error(call: str) -> KvMemoryError:
     return KvMemoryError(f"{call} failed: {errno.errorcode.get(code, code)} ({os.strerror(code)})")
 
 
+def _host_total_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+
+
 class HostReservation:
     """`size` bytes of address space; granules (multiples of the page size) committed on demand."""
 
@@ -180,6 +187,11 @@ class HostReservation:
             raise ValueError(f"granule must be a positive multiple of the page size {_PAGE}")
         if size <= 0:
             raise ValueError(f"reservation size must be positive, got {size}")
+        memory = _host_total_bytes()
+        if memory is not None and granule > memory:  # its first commit would exhaust the host
+            raise ValueError(
+                f"granule of {granule} bytes is more than this machine's memory ({memory} bytes)"
+            )
         self.granule = granule
         self.size = _round_up(size, granule)
         addr = _lib().mmap(

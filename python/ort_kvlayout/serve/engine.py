@@ -259,10 +259,7 @@ class Engine:
         whole slots) and the decode buckets."""
         self.capacity = self.runtime.capacity
         cuda = config.provider == "cuda"
-        if config.kv_budget_bytes is None and config.kv_budget_fraction is None and not cuda:
-            free = total = None  # the CPU default needs no query: the whole reservation
-        else:
-            free, total = memory.device_memory(config.provider, config.device_id)
+        free, total = memory.device_memory(config.provider, config.device_id)
         budget = memory.resolve_kv_budget(
             config.kv_budget_bytes, config.kv_budget_fraction, free, total,
             f"cuda:{config.device_id}" if cuda else "cpu",
@@ -293,8 +290,8 @@ class Engine:
         # Bytes per entry of n rows: the same for every slot, asked several times a step.
         self._commit_bytes = functools.lru_cache(maxsize=1 << 16)(self.cache.entry_commit_bytes)
         reserved = self.cache.stats.reserved_bytes
-        if budget is None:
-            self.budget = reserved
+        if budget is None:  # the CPU default: the reservation, at most the machine's memory
+            self.budget = reserved if total is None else min(reserved, total)
         elif config.kv_budget_bytes is None:  # a share of free memory: no more than it can use
             self.budget = min(budget, reserved)
         else:
