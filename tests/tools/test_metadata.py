@@ -145,6 +145,32 @@ def test_kv_names_not_in_graph(tmp_path):
         build_metadata(src)
 
 
+def test_a_layer_with_one_of_its_two_caches_is_refused(tmp_path):
+    src = make_model_dir(tmp_path / "m")
+    config = json.loads((src / "genai_config.json").read_text())
+    config["model"]["decoder"]["inputs"]["past_key_names"] = "foo.%d.key"  # a typo: keys lost
+    (src / "genai_config.json").write_text(json.dumps(config))
+    with pytest.raises(MetadataError, match="layer 0's past key/value name 'foo.0.key'"):
+        build_metadata(src)
+
+
+@pytest.mark.parametrize(
+    ("where", "key", "message"),
+    [
+        ("inputs", "input_ids", "token input 'nope' is not an input of the graph"),
+        ("inputs", "attention_mask", "attention mask input 'nope' is not an input of the graph"),
+        ("outputs", "logits", "logits output 'nope' is not an output of the graph"),
+    ],
+)
+def test_io_names_must_be_ports_of_the_graph(tmp_path, where, key, message):
+    src = make_model_dir(tmp_path / "m")
+    config = json.loads((src / "genai_config.json").read_text())
+    config["model"]["decoder"][where][key] = "nope"
+    (src / "genai_config.json").write_text(json.dumps(config))
+    with pytest.raises(MetadataError, match=message):
+        build_metadata(src)
+
+
 def test_write_refuses_overwrite(tmp_path):
     src = make_model_dir(tmp_path / "m")
     data = build_metadata(src)

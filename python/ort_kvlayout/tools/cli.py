@@ -278,6 +278,11 @@ def _metadata(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":  # python -m ort_kvlayout.tools.cli patch|metadata ...
     commands = {"patch": patch_main, "metadata": metadata_main}
+    usage = f"usage: python -m ort_kvlayout.tools.cli {{{'|'.join(commands)}}} ..."
+    if len(sys.argv) == 2 and sys.argv[1] in ("-h", "--help"):
+        print(usage)
+        sys.exit(0)
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
-        sys.exit(f"usage: python -m ort_kvlayout.tools.cli {{{'|'.join(commands)}}} ...")
+        print(usage, file=sys.stderr)
+        sys.exit(EXIT_ERROR)  # a usage error, as argparse exits
     sys.exit(commands[sys.argv[1]](sys.argv[2:]))

@@ -89,6 +89,13 @@ def _keep_graph_ports(names: list[str], ports: Collection[str], what: str) -> li
         raise MetadataError(
             f"{GENAI_CONFIG}: none of the {what} names ({names[0]}, ...) is a port of the graph"
         )
+    for layer, (key, value) in enumerate(zip(names[0::2], names[1::2])):  # k0, v0, k1, v1, ...
+        if (key in ports) != (value in ports):  # a layer keeps both caches or neither
+            have, lack = (key, value) if key in ports else (value, key)
+            raise MetadataError(
+                f"{GENAI_CONFIG}: layer {layer}'s {what} name {lack!r} is not a port of the "
+                f"graph, while {have!r} is (a mistyped template, or a graph missing a cache)"
+            )
     return kept
 
 
@@ -260,6 +267,13 @@ def build_metadata(model_dir: str | os.PathLike, read: GraphReader | None = None
     if config_value(config, "model.decoder.inputs.position_ids", None) is not None:
         io["position_ids_input"] = config_str(config, "model.decoder.inputs.position_ids")
     io["logits_output"] = config_str(config, "model.decoder.outputs.logits")
+    for key, name in io.items():  # the names genai feeds and reads: ports of the graph
+        ports = graph_outputs if key == "logits_output" else graph_inputs
+        if name not in ports:
+            kind = "output" if key == "logits_output" else "input"
+            raise MetadataError(
+                f"{GENAI_CONFIG}: {key.replace('_', ' ')} {name!r} is not an {kind} of the graph"
+            )
     templates = {
         key: config_str(config, f"model.decoder.{key}")
         for key in (
