@@ -382,6 +382,18 @@ def test_cli_verify(tmp_path, capsys):
     assert "has no tokenizer.json: 8 fixed token ids, not the prompt" in out
 
 
+def test_cli_verify_settings_that_cannot_run_are_refused_before_writing(tmp_path, capsys):
+    src = make_model_dir(tmp_path / "model")
+    context = json.loads((src / "genai_config.json").read_text())["model"]["context_length"]
+    out = tmp_path / "out"
+    for args, message in (
+        (["--prompt", " "], "--prompt is empty"),
+        (["--tokens", str(context)], f"does not fit the model's context of {context} tokens"),
+    ):
+        assert patch_main([str(src), "-o", str(out), "--verify", *args]) == 2
+        assert message in capsys.readouterr().err and not out.exists()
+
+
 def test_cli_verify_fails_on_a_tokenizer_that_does_not_load(tmp_path, capsys):
     real_library()
     pytest.importorskip("tokenizers")  # a backend that refuses the file (none: fixed ids)

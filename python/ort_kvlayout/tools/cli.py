@@ -152,6 +152,25 @@ def patch_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _verify_settings(args: argparse.Namespace) -> str | None:
+    """What makes --verify impossible whatever the patch gives, found before anything is written
+    (None: nothing): an empty prompt, or more tokens than the model's context holds."""
+    from ..model.config import config_int, load_genai_config
+
+    if not args.prompt.strip():
+        return "--prompt is empty: --verify needs a prompt to generate from"
+    try:
+        context = config_int(load_genai_config(args.model_dir), "model.context_length", lo=1)
+    except Exception:  # noqa: BLE001 -- the patch itself names a bad genai_config.json
+        return None
+    if args.tokens >= context:
+        return (
+            f"--tokens {args.tokens} does not fit the model's context of {context} tokens "
+            "with a prompt: --verify could not run"
+        )
+    return None
+
+
 def patch_main(argv: list[str] | None = None) -> int:
     args = patch_parser().parse_args(argv)
     return _run_guarded(lambda: _patch(args))
@@ -163,6 +182,8 @@ def _patch(args: argparse.Namespace) -> int:
 
     log = (lambda _m: None) if args.quiet else print
     problem = _not_a_model_dir(args.model_dir)
+    if problem is None and args.verify:
+        problem = _verify_settings(args)
     if problem is not None:
         _err(problem)
         return EXIT_ERROR
