@@ -281,6 +281,18 @@ def test_options_given_register_once(dirs, ref):
     assert list(out.tokens[0]) == ref["long"][:4]
 
 
+def test_options_registered_by_hand_too_are_named_as_a_clash(dirs):
+    """register_custom_ops_library() by hand, and then the Runtime's own registration: ORT's
+    "Domain already set in registry" is explained, naming the two calls."""
+    import onnxruntime as ort
+    import ort_kvlayout
+
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(ort_kvlayout.library_path())
+    with pytest.raises(ValueError, match="register the ai.kvlayout op library twice"):
+        runtime(dirs["seq"], session_options=so)
+
+
 # ---------------------------------------------------------------------------------------------
 # The command line, with a word-level tokenizer.json written for the synthetic vocabulary
 

@@ -205,7 +205,16 @@ class Runtime:
                 "session.model_external_initializers_file_folder_path",
                 str(self.spec.onnx_path.parent.resolve()),
             )
-        self.session = ort.InferenceSession(source, so, providers=providers)
+        try:
+            self.session = ort.InferenceSession(source, so, providers=providers)
+        except Exception as exc:
+            if "Domain already set in registry" in str(exc):  # ORT's words for a clash
+                raise ValueError(
+                    "the session options register the ai.kvlayout op library twice: once through "
+                    "ort_kvlayout.register() (or a Runtime / Engine) and once through "
+                    "register_custom_ops_library(); call only ort_kvlayout.register()"
+                ) from exc
+            raise
         if provider == "cuda" and "CUDAExecutionProvider" not in self.session.get_providers():
             raise RuntimeError("CUDAExecutionProvider is not available in this onnxruntime")
         outputs = {o.name: o.type for o in self.session.get_outputs()}
