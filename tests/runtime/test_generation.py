@@ -394,6 +394,7 @@ def test_cli_reports_a_corrupt_model_in_one_line(tokenized_dir, tmp_path, capsys
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ")
     assert "model.onnx: not a readable ONNX model" in err and "Traceback" not in err
+    assert "genai_config.json" not in err  # the file at fault, not the config that names it
 
     config = json.loads((broken / "genai_config.json").read_text())
     del config["model"]["decoder"]["num_key_value_heads"]

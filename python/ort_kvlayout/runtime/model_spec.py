@@ -183,6 +183,8 @@ class ModelSpec:
         config = load_genai_config(model_dir)
         try:
             return cls._from_config(model_dir, config)
+        except MetadataError:  # names its own file and rule (model.onnx, metadata, ids)
+            raise
         except (KeyError, TypeError, ValueError) as exc:  # a missing key, or a wrong type
             raise MetadataError(
                 f"{model_dir / 'genai_config.json'}: incomplete or malformed "
