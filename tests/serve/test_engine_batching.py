@@ -113,6 +113,10 @@ def test_budget_as_a_fraction_of_free_memory():
         resolve_kv_budget(None, 1.5, 10, 10, "cpu")
     with pytest.raises(ValueError, match="not both"):
         resolve_kv_budget(5, 0.5, 10, 10, "cpu")
+    with pytest.raises(ValueError, match="fraction of 1e-12 of the 10737418240 bytes free on cpu"):
+        resolve_kv_budget(None, 1e-12, 10 * GIB, 80 * GIB, "cpu")
+    with pytest.raises(ValueError, match=r"cpu has no free memory for a KV cache \(0 bytes"):
+        resolve_kv_budget(None, 0.5, 0, 80 * GIB, "cpu")
 
 
 def test_default_budget():

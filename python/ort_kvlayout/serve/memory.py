@@ -108,7 +108,12 @@ def resolve_kv_budget(
             )
         budget = int(fraction * free)
         if budget < 1:
-            raise ValueError(f"{device} has no free memory for a KV cache ({free} bytes free)")
+            raise ValueError(
+                f"{device} has no free memory for a KV cache ({free} bytes free)"
+                if free < 1
+                else f"a KV budget fraction of {fraction} of the {free} bytes free on {device} "
+                "is less than one byte"
+            )
         return budget
     assert budget_bytes is not None
     if budget_bytes < 1:
