@@ -394,6 +394,14 @@ def test_cli_verify_settings_that_cannot_run_are_refused_before_writing(tmp_path
         assert message in capsys.readouterr().err and not out.exists()
 
 
+def test_cli_verify_options_without_verify_are_refused(tmp_path, capsys):
+    src = make_model_dir(tmp_path / "model")
+    for args in (["--prompt", "Hello"], ["--tokens", "4"]):
+        assert patch_main([str(src), "-o", str(tmp_path / "out"), *args]) == 2
+        assert "are --verify's" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_cli_verify_fails_on_a_tokenizer_that_does_not_load(tmp_path, capsys):
     real_library()
     pytest.importorskip("tokenizers")  # a backend that refuses the file (none: fixed ids)
