@@ -326,6 +326,27 @@ def test_failure_mid_patch_leaves_nothing(tmp_path, fake_library, monkeypatch, s
     assert leftovers(tmp_path) == []
 
 
+def test_a_full_disk_is_named_by_the_outputs_file(tmp_path, fake_library, monkeypatch, capsys):
+    """A copy that fails without naming its file (ENOSPC from copy_file_range) is reported by
+    the output's path of the file, not the temporary directory's (which is gone)."""
+    import errno
+
+    src = make_model_dir(tmp_path / "model", Variant(external_data=True, data_bytes=1 << 16))
+    real = patch_mod._kernel_copy
+
+    def full(src_file, dst_file):
+        if src_file.name == "model.onnx.data":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(src_file, dst_file)
+
+    monkeypatch.setattr(patch_mod, "_kernel_copy", full)
+    out = tmp_path / "out"
+    assert patch_main([str(src), "-o", str(out), "--library", str(fake_library)]) == 2
+    err = capsys.readouterr().err
+    assert f"{out / 'model.onnx.data'}: No space left on device" in err and ".partial" not in err
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
 def test_output_permissions_are_ordinary(tmp_path, fake_library):
     src = make_model_dir(tmp_path / "model")
     out = patch_model_dir(src, tmp_path / "out", library=fake_library).out_dir

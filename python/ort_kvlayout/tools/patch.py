@@ -175,8 +175,13 @@ def _copy_file(src: Path, dst: Path, link: bool) -> None:
             return
         except OSError:
             pass  # another filesystem, or links not allowed: copy
-    _kernel_copy(src, dst)
-    shutil.copystat(src, dst)
+    try:
+        _kernel_copy(src, dst)
+        shutil.copystat(src, dst)
+    except OSError as exc:  # a full disk says nothing of the file it was writing
+        if not exc.filename:
+            exc.filename = str(dst)
+        raise
 
 
 def _kernel_copy(src: Path, dst: Path) -> None:
@@ -444,9 +449,13 @@ def patch_model_dir(
             write_metadata(metadata_data, tmp / METADATA_FILE, force=True)
             result.metadata = dst / METADATA_FILE
         _commit(tmp, dst, force)
-    except BaseException:
+    except BaseException as exc:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+            # the output's name for a file of the temporary directory (which is gone)
+            name = getattr(exc, "filename", None) if isinstance(exc, OSError) else None
+            if name and Path(name).is_relative_to(tmp):
+                exc.filename = str(dst / Path(name).relative_to(tmp))  # type: ignore[union-attr]
         for parent in created:  # deepest first; only if still empty
             try:
                 parent.rmdir()
