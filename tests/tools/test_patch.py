@@ -144,6 +144,13 @@ def test_force_replaces_only_a_model_folder_and_never_the_working_directory(
     assert (out / "model.onnx").exists() and leftovers(tmp_path) == []
 
 
+def test_an_output_under_a_file_is_named_as_such(tmp_path, fake_library):
+    src = make_model_dir(tmp_path / "model")
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(PatchError, match="afile is not a directory"):
+        patch_model_dir(src, tmp_path / "afile" / "sub" / "out", library=fake_library)
+
+
 def test_a_dangling_link_as_output_is_refused(tmp_path, fake_library):
     src = make_model_dir(tmp_path / "model")
     link = tmp_path / "dangling"

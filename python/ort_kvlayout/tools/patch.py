@@ -418,6 +418,9 @@ def patch_model_dir(
             raise PatchError(f"{exc} (pass --no-metadata to patch without it)") from exc
 
     created = _missing_parents(dst)
+    first = created[-1].parent if created else dst.parent  # the deepest existing ancestor
+    if not first.is_dir():
+        raise PatchError(f"output {dst}: {first} is not a directory")
     tmp: Path | None = None
     try:
         dst.parent.mkdir(parents=True, exist_ok=True)
