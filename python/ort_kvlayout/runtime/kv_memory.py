@@ -170,10 +170,11 @@ def _os_error(call: str) -> KvMemoryError:
     return KvMemoryError(f"{call} failed: {errno.errorcode.get(code, code)} ({os.strerror(code)})")
 
 
-def _host_total_bytes() -> int | None:
+def host_total_bytes() -> int | None:
+    """The machine's physical memory (sysconf), or None where it cannot be read."""
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
+    except (ValueError, OSError, AttributeError):  # no such name, or no sysconf at all
         return None
 
 
@@ -187,7 +188,7 @@ class HostReservation:
             raise ValueError(f"granule must be a positive multiple of the page size {_PAGE}")
         if size <= 0:
             raise ValueError(f"reservation size must be positive, got {size}")
-        memory = _host_total_bytes()
+        memory = host_total_bytes()
         if memory is not None and granule > memory:  # its first commit would exhaust the host
             raise ValueError(
                 f"granule of {granule} bytes is more than this machine's memory ({memory} bytes)"

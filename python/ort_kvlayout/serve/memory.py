@@ -12,7 +12,8 @@ free bytes, and bytes given outright refused when they exceed what the device ha
 from __future__ import annotations
 
 import ctypes
-import os
+
+from ..runtime.kv_memory import host_total_bytes
 
 __all__ = ["DEFAULT_CUDA_FRACTION", "device_memory", "resolve_kv_budget"]
 
@@ -62,12 +63,7 @@ def _host_memory() -> tuple[int | None, int | None]:
     except (OSError, ValueError, IndexError):
         pass
     total = values.get("MemTotal")
-    if total is None:
-        try:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):
-            total = None
-    return values.get("MemAvailable"), total
+    return values.get("MemAvailable"), total if total is not None else host_total_bytes()
 
 
 def device_memory(provider: str, device_id: int = 0) -> tuple[int | None, int | None]:

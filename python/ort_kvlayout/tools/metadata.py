@@ -358,7 +358,7 @@ def write_metadata(data: dict[str, Any], path: str | os.PathLike, force: bool = 
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600; an ordinary file
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes it 0600; an ordinary file
         os.replace(tmp, path)
     except BaseException:  # an error or an interrupt leaves no partial file
         tmp.unlink(missing_ok=True)
@@ -366,7 +366,8 @@ def write_metadata(data: dict[str, Any], path: str | os.PathLike, force: bool = 
     return path
 
 
-def _umask() -> int:
+def current_umask() -> int:
+    """The process's umask (read by setting it and setting it back)."""
     mask = os.umask(0)
     os.umask(mask)
     return mask

@@ -55,7 +55,7 @@ from ..model.graph import (
 from ..op.layout import LAYOUT_NAMES, SEQ_MAJOR, layout_id
 from ..op.library import DOMAIN, LIBRARY_NAME, library_path
 from .kvquant import KvQuantError, check_scheme, convert_model, scale_names_for
-from .metadata import build_metadata, write_metadata
+from .metadata import build_metadata, current_umask, write_metadata
 from .node_checks import check_model
 
 OPSET_VERSION = 1
@@ -348,7 +348,7 @@ def patch_model_dir(
                 f"output {dst} exists and holds no {GENAI_CONFIG}: --force replaces only a "
                 "model folder (an earlier output); name a new directory"
             )
-        if Path.cwd().resolve() == dst or _is_within(Path.cwd().resolve(), dst):
+        if _is_within(Path.cwd().resolve(), dst):  # dst itself included
             raise PatchError(
                 f"output {dst} contains the working directory; --force would remove it"
             )
@@ -426,9 +426,7 @@ def patch_model_dir(
         dst.parent.mkdir(parents=True, exist_ok=True)
         # a short prefix: the output's name may be as long as a name can be
         tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name[:32]}.", suffix=".partial", dir=dst.parent))
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the output is an ordinary directory
+        tmp.chmod(0o777 & ~current_umask())  # mkdtemp makes it 0700: an ordinary directory
         for path in sorted(src.rglob("*")):
             rel = path.relative_to(src).as_posix()
             target = tmp / rel
