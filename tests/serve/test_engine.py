@@ -947,3 +947,131 @@ def test_quantized_caches_through_both_graphs_equal_generate_alone(tmp_path, qua
                 handles = [eng.submit(p, params(12)) for p in prompts]
                 assert [h.result() for h in handles] == want, (on_device, buckets)
                 assert eng.stats()["sample_on_device"] is on_device
+
+
+PIPELINE = {"decode_buckets": (1, 2), "pipeline": True}  # padded decode, uncaptured on the CPU
+
+
+class _Tokens:
+    """A tokenizer of space-separated ids: text for the events, and stop strings."""
+
+    def encode(self, text):
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids, **_kwargs):
+        return "".join(f" {i}" for i in ids)
+
+
+@pytest.mark.parametrize("chunk", [4, 256])
+@pytest.mark.parametrize("packed", [False, True], ids=["served", "packed"])
+def test_pipelined_decode_equals_generate_alone(model, alone, chunk, packed):
+    """EngineConfig.pipeline: each decode step is launched on the runner thread once the last
+    one's tokens are read, the next one planned meanwhile. Joins, leaves (each ending the
+    pipeline), slot reuse and chunked prefill between them: every request its tokens alone, no
+    byte left committed."""
+    with engine(model, max_batch=4, prefill_chunk=chunk, packed=packed, **PIPELINE) as eng:
+        handles = [eng.submit(p, params(n)) for p, n in zip(PROMPTS, LENGTHS)]
+        got = [h.result() for h in handles]
+        stats = idle_stats(eng)
+    assert got == alone
+    assert stats["pipeline"] is True
+    assert stats["pipelined_steps"] > len(PROMPTS)  # most decode steps ran pipelined
+    assert stats["finished_length"] == len(PROMPTS) and stats["tokens"] == sum(LENGTHS)
+    assert stats["step_errors"] == 0
+    assert stats["steps"] > stats["pipelined_steps"]  # prefill steps and a row's end did not
+    assert stats["kv_bytes_moved"] == 0 and stats["kv_committed_bytes"] == 0
+    assert all(h.finish_reason == "length" for h in handles)
+
+
+def test_pipelined_decode_plans_the_next_step_while_a_call_runs(model, alone):
+    """The order that makes the host work leave the critical path: step n+1 is staged after
+    step n is launched and before its tokens are read, and its Run is on the runner thread."""
+    events = []
+    with engine(model, max_batch=2, **PIPELINE) as eng:
+        ex = eng.executor
+        stage, launch, finish = ex.stage_bucket, ex.launch_bucket, ex.finish_bucket
+
+        def staged(*args, **kwargs):
+            events.append("stage")
+            return stage(*args, **kwargs)
+
+        def launched(*args, **kwargs):
+            flight = launch(*args, **kwargs)
+            events.append("launch-bg" if flight.future is not None else "launch")
+            return flight
+
+        def finished(flight):
+            events.append("finish")
+            return finish(flight)
+
+        ex.stage_bucket, ex.launch_bucket, ex.finish_bucket = staged, launched, finished
+        assert eng.generate(PROMPTS[0], params(LENGTHS[0])) == alone[0]
+    pattern = ["launch-bg", "stage", "finish", "launch-bg"]
+    assert any(events[i : i + 4] == pattern for i in range(len(events)))
+    assert events.count("launch-bg") >= LENGTHS[0] - 3  # all but the first and the last
+
+
+@pytest.mark.parametrize("on", [False, True], ids=["off", "pipelined"])
+def test_pipelined_decode_keeps_seeded_sampling(model, on):
+    """A sampling row draws its uniform number when its call is launched, never when it is
+    staged: a seed gives the same tokens pipelined or not, whatever shares the calls."""
+    sampling = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=3)
+    with engine(model, max_batch=4, decode_buckets=(1, 2)) as eng:
+        solo = eng.generate(PROMPTS[0], params(20, sampling=sampling))
+    with engine(model, max_batch=4, decode_buckets=(1, 2), pipeline=on) as eng:
+        handles = [eng.submit(PROMPTS[0], params(20, sampling=sampling)) for _ in range(2)]
+        handles.append(eng.submit(PROMPTS[1], params(9)))  # ends first: the pipeline restarts
+        got = [h.result() for h in handles]
+        stats = eng.stats()
+    assert got[:2] == [solo] * 2
+    assert (stats["pipelined_steps"] > 0) is on
+
+
+def test_pipelined_decode_ends_requests_exactly(model, alone):
+    """A stop id, max_tokens and a stop string end a request at its token, with no token past
+    it (the next step is launched only when no row may end), and the others go on."""
+    from ort_kvlayout.serve.engine import Engine, EngineConfig
+
+    stop = alone[0][5]
+    text = " " + " ".join(str(t) for t in alone[2][:7])  # the text of its first 7 tokens
+    with Engine(model, EngineConfig(max_batch=4, **PIPELINE), tokenizer=_Tokens()) as eng:
+        a = eng.submit(PROMPTS[0], params(40, stop_token_ids=(stop,)))
+        b = eng.submit(PROMPTS[1], params(LENGTHS[1]))
+        c = eng.submit(PROMPTS[2], params(LENGTHS[2], stop=(text[-6:],)))
+        d = eng.submit(PROMPTS[4], params(LENGTHS[4]))
+        got = [h.result() for h in (a, b, c, d)]
+        stats = idle_stats(eng)
+    assert got[0] == alone[0][: alone[0].index(stop) + 1] and a.finish_reason == "stop"
+    assert got[1] == alone[1] and b.finish_reason == "length"
+    assert c.finish_reason == "stop" and alone[2][: len(got[2])] == got[2]
+    assert text[-6:] in "".join(f" {t}" for t in got[2]) and len(got[2]) <= 7
+    assert got[3] == alone[4]
+    assert stats["pipelined_steps"] > 0 and stats["kv_committed_bytes"] == 0
+    assert stats["finished_stop"] == stats["finished_length"] == 2 and stats["step_errors"] == 0
+    assert stats["tokens"] == sum(len(g) for g in got)  # not one token past an end
+
+
+def test_pipelined_decode_stops_for_a_cancel_and_a_new_request(model, alone):
+    """A cancel or a submit reaches the loop within a step: the pipeline ends with no call in
+    flight, the cancelled request's slot goes back, the new one starts."""
+    with engine(model, max_batch=2, **PIPELINE) as eng:
+        long = eng.submit(PROMPTS[4], params(240))
+        first = next(iter(long))  # it decodes
+        assert first.token_id == alone[4][0]
+        late = eng.submit(PROMPTS[3], params(LENGTHS[3]))
+        assert late.result() == alone[3]  # it joined a running pipeline
+        eng.cancel(long.id)
+        assert long.result()[: len(alone[4])] == alone[4][: len(long.tokens)]
+        stats = idle_stats(eng)
+    assert long.finish_reason == "cancelled"
+    assert stats["kv_committed_bytes"] == 0 and stats["running"] == 0
+
+
+def test_pipeline_needs_the_served_graph_and_padded_decode(model):
+    from ort_kvlayout.serve.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="pipeline=True needs the served graph"):
+        EngineConfig(pipeline=True, decode_buckets=(1,), sample_on_device=False)
+    with pytest.raises(ValueError, match="pipeline=True needs padded decode"):
+        EngineConfig(pipeline=True)  # the CPU decodes eager ranges by default
+    assert EngineConfig().pipelined is False

@@ -163,6 +163,11 @@ class Engine:
         self.config = config = config or EngineConfig()
         spec = ModelSpec.from_dir(model_dir)
         served, self.served_refusal, self.packed_refusal = self._served_graph(spec, config)
+        if config.pipelined and served is None:
+            raise ValueError(
+                f"pipeline=True needs the served graph, which this model cannot run: "
+                f"{self.served_refusal}"
+            )
         # The served graph runs this package's own library: SampleTokens is ours whatever runs
         # the attention, and the copy a patched folder holds (for onnxruntime-genai) may predate
         # it. One library per session: the same domain twice would clash.
@@ -758,6 +763,9 @@ class Engine:
             (self._slots[s], take) for s, take in prefill_chunks(view, self._limits.prefill_chunk)
         ]
         profile.add("schedule", t)
+        if self.config.pipelined and padded and span is not None and not chunks:
+            self._decode_pipeline(span[1])
+            return
         calls = []
         packed = self.executor.packed
         if packed and chunks and self.config.mixed and span is not None:
@@ -783,6 +791,95 @@ class Engine:
                 profile.add("kv", t)
         for (_, commit), tokens in zip(calls, results):
             commit(tokens)
+
+    # --- pipelined decode ----------------------------------------------------------------------
+    def _decode_pipeline(self, bucket: int) -> None:
+        """This step's decode call of slots [0, bucket), then the steps after it of the same
+        bucket (EngineConfig.pipeline; the module docstring). Each next step is planned while a
+        step's Run is in flight on the executor's runner thread, and launched once the step's
+        tokens are read, before they are emitted. Returns, with no call in flight and the last
+        step's tokens emitted, when the next step may differ: a row ends (its slot and pages go
+        back between calls), a request or a cancel arrives, close(), or the budget asks for a
+        preemption or another bucket; the loop then plans it as usual."""
+        ex, pad = self.executor, self.spec.pad_token_id
+        requests = [r if r is not None and r.decoding else None for r in self._slots[:bucket]]
+        slots = [(r.seq[r.cached], r.cached) if r is not None else None for r in requests]
+        ids, totals = decode_rows(slots, pad)
+        samplers = [r.sampler if r is not None else None for r in requests]
+        flight = ex.launch_bucket(ex.stage_bucket(bucket, totals, samplers), ids, background=True)
+        while True:
+            self._publish()  # the last step's stats and events go out while this call runs
+            staged = None
+            try:
+                staged = self._plan_next_decode(bucket, requests)
+            finally:  # the call in flight is joined before anything else happens
+                tokens = ex.finish_bucket(flight)
+            self._counters["decode_calls"] += 1
+            self._counters["decode_rows"] += bucket
+            self._counters["decode_padded_rows"] += sum(r is None for r in requests)
+            t = time.perf_counter_ns()
+            # Rows whose token may end their request are emitted now, with no call in flight:
+            # an ended request's slot and pages go back at once (_release_slot).
+            early, ended = set(), False
+            for i, (r, token) in enumerate(zip(requests, tokens)):
+                if r is not None and self._may_end(r, token):
+                    early.add(i)
+                    r.cached += 1
+                    self._emit(r, token)
+                    ended = ended or r.slot < 0
+            flight = None
+            if staged is not None and not ended and not self._inbox and not self._closing:
+                ids = [token if r is not None else pad for r, token in zip(requests, tokens)]
+                flight = ex.launch_bucket(staged, ids, background=True)
+                self._counters["steps"] += 1
+                self._counters["pipelined_steps"] += 1
+                ex.profile.steps += 1
+            for i, (r, token) in enumerate(zip(requests, tokens)):
+                if r is not None and i not in early:
+                    r.cached += 1
+                    self._emit(r, token)  # no end: _may_end said so
+            ex.profile.add("emit", t)
+            if flight is None:
+                return
+            if any(r is not None and r.slot < 0 for r in requests):  # _may_end missed a way
+                ex.finish_bucket(flight)
+                raise RuntimeError("pipelined decode: a request ended while its row was in flight")
+
+    def _plan_next_decode(
+        self, bucket: int, requests: list[_Request | None]
+    ):  # -> executor._StagedBucket | None
+        """The pipeline's next step, planned as if every row of the call in flight gets a token
+        that does not end its request: the budget's fit, the KV rows it writes committed, its
+        lengths and sampling parameters staged (no uniform number drawn). None where that step
+        is not the same decode call (a request waits for a free slot, one prefills, the fit
+        preempts or changes the bucket, a commit fails) or where the inbox or close() asks the
+        loop to look first. What it commits stays valid whatever the tokens: rows one past a
+        request's end are released with its slot."""
+        if self._inbox or self._closing or (self._waiting and None in self._slots):
+            return None
+        t = time.perf_counter_ns()
+        view: list[Running | None] = []
+        for s, r in enumerate(self._slots):
+            if r is None:
+                view.append(None)
+            elif s >= bucket or requests[s] is not r:
+                return None  # a running request outside the call: not this pipeline's step
+            else:
+                view.append(Running(r.arrival, r.cached + 1, len(r.seq) + 1))
+        fit = fit_budget(view, self.cache.tokens, self._limits, self._need_bytes)
+        profile = self.executor.profile
+        t = profile.add("schedule", t)
+        if fit.victims or not fit.padded or decode_span(view, True, self._limits) != (0, bucket):
+            return None
+        try:
+            self.cache.ensure([fit.rows.get(s, n) for s, n in enumerate(self.cache.tokens)])
+        except KvMemoryError:
+            return None  # the loop's own step meets it (and makes room)
+        finally:
+            profile.add("kv", t)
+        totals = [r.cached + 2 if r is not None else 1 for r in requests]
+        samplers = [r.sampler if r is not None else None for r in requests]
+        return self.executor.stage_bucket(bucket, totals, samplers)
 
     def _rows_ahead(
         self, view: list[Running | None], chunks: list[tuple[_Request, int]]
@@ -923,6 +1020,18 @@ class Engine:
 
         return run, commit
 
+    @staticmethod
+    def _may_end(r: _Request, token: int) -> bool:
+        """Whether _emit(r, token) may finish r: every way it can (an error token, a stop id,
+        max_tokens, a stop string or a tokenizer that raises on r's text). The pipeline launches
+        the next step only when this is False for every row."""
+        return (
+            token < 0
+            or token in r.stop_ids
+            or r.generated + 1 >= r.params.max_tokens
+            or (r.text is not None and bool(r.text.stops))
+        )
+
     def _emit(self, r: _Request, token: int) -> None:
         """Streams r's next token, or finishes r (a negative token: the sampler refused the row,
         see executor.py)."""
@@ -987,10 +1096,11 @@ class Engine:
             "sample_on_device": self.executor.served is not None,
             "packed": self.executor.packed,
             "mixed": self.executor.packed and self.config.mixed,
+            "pipeline": self.config.pipelined,
             "step_profile": self.executor.profile.summary(),
         }
         for key in (
-            "steps", "decode_calls", "decode_rows", "decode_padded_rows", "decode_eager_fallbacks",
+            "steps", "pipelined_steps", "decode_calls", "decode_rows", "decode_padded_rows", "decode_eager_fallbacks",
             "prefill_calls", "prefill_chunks", "prefill_tokens", "mixed_calls", "tokens",
             "admitted", "admission_holds", "rejected", "kv_ahead_commits", "kv_ahead_failures", "step_errors", "callback_errors", "detokenize_errors", "publish_errors", "finished_stop",
             "finished_length", "finished_cancelled", "finished_error",

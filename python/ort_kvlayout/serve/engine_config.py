@@ -46,7 +46,11 @@ class EngineConfig:
     them committed (off by default: its effect on a GPU step is not measured yet); prefill_wait:
     steps a waiting request may be held while the running ones decode, so that prompts arriving
     one by one start together in one prefill call (scheduler.hold_admissions: until they fill
-    a chunk or an eighth of the slots; 0, the default: admitted at once)."""
+    a chunk or an eighth of the slots; 0, the default: admitted at once); pipeline: decode
+    steps of one bucket run back to back, the next one planned (budget, KV commits, lengths and
+    sampling parameters) while a step's Run is in flight on a runner thread and launched once
+    the step's tokens are read, before they are emitted (engine.py, "Pipelined decode"; needs
+    the served graph and padded decode; None: off, True: an error where they are not used)."""
 
     max_batch: int = 8
     capacity: int | None = None
@@ -66,11 +70,17 @@ class EngineConfig:
     overlap: bool | None = None
     commit_ahead: bool = False
     prefill_wait: int = 0
+    pipeline: bool | None = None
 
     @property
     def overlapped(self) -> bool:
         """Whether the host work of a step overlaps its model calls."""
         return self.provider == "cuda" if self.overlap is None else bool(self.overlap)
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether consecutive decode steps of one bucket are pipelined."""
+        return bool(self.pipeline)
 
     @property
     def chunk(self) -> int:
@@ -132,6 +142,16 @@ class EngineConfig:
             raise ValueError(f"{what} needs the served graph (sample_on_device not False)")
         if self.mixed and self.packed is False:
             raise ValueError("mixed=True needs packed calls (packed not False)")
+        if self.pipeline and self.sample_on_device is False:
+            raise ValueError(
+                "pipeline=True needs the served graph (sample_on_device not False): a step is "
+                "launched once its last step's token ids are read, without host logits"
+            )
+        if self.pipeline and not self.padded_decode:
+            raise ValueError(
+                "pipeline=True needs padded decode calls (CUDA graphs, or decode_buckets on the "
+                "CPU): the next step is staged into its bucket's fixed binding"
+            )
         if self.graphs and self.decode_buckets is not None and not self.decode_buckets:
             raise ValueError("CUDA graphs need decode buckets (a fixed batch per graph)")
         if self.decode_buckets is not None:

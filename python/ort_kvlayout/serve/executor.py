@@ -33,7 +33,9 @@ an error.
 from __future__ import annotations
 
 import collections
+import functools
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,6 +92,18 @@ class StepProfile:
 
 
 @dataclass
+class _SamplingPlan:
+    """A call's sampling parameters, staged (_Sampling.stage); the rows in `drawing` take their
+    uniform number when the plan is applied."""
+
+    rows: list
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    drawing: list
+
+
+@dataclass
 class _Sampling:
     """Per-row SampleTokens inputs of one call (host arrays)."""
 
@@ -107,24 +121,38 @@ class _Sampling:
 
     def fill(self, rows: list[Sampler | None]) -> bool:
         """Sets every row (greedy for None); True when a value changed."""
+        return self.apply(self.stage(rows))
+
+    def stage(self, rows: list[Sampler | None]) -> _SamplingPlan | None:
+        """The parameters of `rows` (None: the same samplers as the last fill, none drawing:
+        nothing changes), computed without touching this object or drawing a number, so that a
+        step can be staged while the last one runs (Executor.stage_bucket)."""
         if rows == self.last:  # the same samplers (params are frozen), none drawing: no change
-            return False
-        t, k, p, u = self.temperature.copy(), self.top_k.copy(), self.top_p.copy(), self.uniform
-        u_changed = False
+            return None
+        t, k, p = self.temperature.copy(), self.top_k.copy(), self.top_p.copy()
+        drawing = []
         for i, sampler in enumerate(rows):
             params = sampler.params if sampler is not None else GREEDY
             t[i] = params.temperature
             k[i] = min(params.top_k, _TOP_K_MAX)
             p[i] = params.top_p
             if sampler is not None and not params.greedy:
-                u[i] = min(np.float32(sampler.rng.random()), _BELOW_ONE)
-                u_changed = True
-        changed = u_changed or not (
-            np.array_equal(t, self.temperature) and np.array_equal(k, self.top_k)
-            and np.array_equal(p, self.top_p)
+                drawing.append((i, sampler))
+        return _SamplingPlan(list(rows), t, k, p, drawing)
+
+    def apply(self, plan: _SamplingPlan | None) -> bool:
+        """Takes a staged plan, drawing each sampling row's uniform number now (one per call
+        that samples the row, whenever the call was staged); True when a value changed."""
+        if plan is None:
+            return False
+        for i, sampler in plan.drawing:
+            self.uniform[i] = min(np.float32(sampler.rng.random()), _BELOW_ONE)
+        changed = bool(plan.drawing) or not (
+            np.array_equal(plan.temperature, self.temperature)
+            and np.array_equal(plan.top_k, self.top_k) and np.array_equal(plan.top_p, self.top_p)
         )  # fmt: skip
-        self.temperature, self.top_k, self.top_p = t, k, p
-        self.last = None if u_changed else list(rows)
+        self.temperature, self.top_k, self.top_p = plan.temperature, plan.top_k, plan.top_p
+        self.last = None if plan.drawing else plan.rows
         return changed
 
     def feeds(self, names: ServedInputs) -> dict[str, np.ndarray]:
@@ -156,12 +184,16 @@ class Executor:
         self._buckets: dict[int, _BucketCall] = {}
         self.bucket_calls: collections.Counter = collections.Counter()
         self._greedy = Sampler(GREEDY)
+        self._runner: ThreadPoolExecutor | None = None  # runs launch_bucket(background=True)
 
     @property
     def buckets_used(self) -> int:
         return len(self._buckets)
 
     def close(self) -> None:
+        if self._runner is not None:
+            self._runner.shutdown(wait=True)
+            self._runner = None
         self._bindings.clear()
         self._buckets.clear()
 
@@ -260,22 +292,60 @@ class Executor:
         """The decode call of slots [0, bucket) through its fixed binding; with CUDA graphs,
         graph id `bucket`: ORT runs it CUDA_GRAPH_WARMUP_RUNS times, captures it on the next
         run and replays it from then on (the cache's counters follow that rule)."""
+        return self.finish_bucket(self.launch_bucket(self.stage_bucket(bucket, totals, rows), ids))
+
+    def stage_bucket(
+        self, bucket: int, totals: list[int], rows: list[Sampler | None]
+    ) -> _StagedBucket:
+        """A bucket call's inputs but its ids, computed on the host without touching anything a
+        call in flight reads: the engine stages the next decode step while this one runs."""
         t = time.perf_counter_ns()
         call = self._buckets.get(bucket)
         if call is None:
             call = self._buckets[bucket] = _BucketCall(self, bucket)
-        call.set_inputs(ids, totals, rows)
+        staged = call.stage(totals, rows)
+        self.profile.add("inputs", t)
+        return staged
+
+    def launch_bucket(
+        self, staged: _StagedBucket, ids: list[int], background: bool = False
+    ) -> _Flight:
+        """Applies a staged call's inputs with its ids (each sampling row draws its uniform
+        number now) and runs it: here, or with `background` on the runner thread (ORT's Run
+        releases the GIL), so that the engine thread stages the next step meanwhile. One call
+        is in flight at a time: finish_bucket joins it before anything else touches the
+        bindings or the cache's rows."""
+        t = time.perf_counter_ns()
+        call = staged.call
+        call.apply(staged, ids)
         t = self.profile.add("inputs", t)
+        bucket = call.bucket
         runs = self.bucket_calls[bucket]
-        graph_id = bucket if self.graphs else None
-        self.runtime.session.run_with_iobinding(call.binding, self.runtime.run_options(graph_id))
-        t = self.profile.add("run", t)
         self.bucket_calls[bucket] = runs + 1
+        options = self.runtime.run_options(bucket if self.graphs else None)
+        run = functools.partial(self.runtime.session.run_with_iobinding, call.binding, options)
+        # A graph's warm-up and capture runs stay on this thread, with nothing beside them: a
+        # capture records the stream, and a driver call from another thread may spoil it.
+        if background and (not self.graphs or runs > CUDA_GRAPH_WARMUP_RUNS):
+            if self._runner is None:
+                self._runner = ThreadPoolExecutor(1, thread_name_prefix="ort-kvlayout-run")
+            return _Flight(staged, runs, self._runner.submit(run), t)
+        run()
+        return _Flight(staged, runs, None, t)
+
+    def finish_bucket(self, flight: _Flight) -> list[int | None]:
+        """Waits for a launched bucket call and returns its tokens (None where not used)."""
+        t = flight.started  # a call run here: from its launch; in the background: the wait
+        if flight.future is not None:
+            t = time.perf_counter_ns()
+            flight.future.result()
+        t = self.profile.add("run", t)
         if self.graphs:
-            if runs == CUDA_GRAPH_WARMUP_RUNS:
+            if flight.runs == CUDA_GRAPH_WARMUP_RUNS:
                 self.cache.stats.graph_captures += 1
-            elif runs > CUDA_GRAPH_WARMUP_RUNS:
+            elif flight.runs > CUDA_GRAPH_WARMUP_RUNS:
                 self.cache.stats.replays += 1
+        call, rows = flight.staged.call, flight.staged.rows
         out = call.output()  # on the host: the step's kernels are done
         self.runtime.check_length_record("engine decode step")
         t = self.profile.add("readback", t)
@@ -363,8 +433,19 @@ class _BucketCall:
         self.binding = self._fixed.binding
         self._dirty = set(inputs)  # every input is uploaded before the first call
 
-    def set_inputs(self, ids: list[int], totals: list[int], rows: list[Sampler | None]) -> None:
-        spec, host = self.spec, self._fixed.host
+    def stage(self, totals: list[int], rows: list[Sampler | None]) -> _StagedBucket:
+        """The call's lengths and sampling parameters for `totals` and `rows`, computed without
+        touching the bound arrays (a call may be running from them)."""
+        lengths = sampling = None
+        if self.served is not None:
+            lengths = np.asarray(totals, np.int32) - 1
+            sampling = self._sampling.stage(rows)
+        return _StagedBucket(self, list(totals), list(rows), lengths, sampling)
+
+    def apply(self, staged: _StagedBucket, ids: list[int]) -> None:
+        """Writes a staged call's inputs and its ids to the bound arrays and uploads them (the
+        same device addresses: updated in place). Only between calls."""
+        spec, host, totals = self.spec, self._fixed.host, staged.totals
         if self.packed:
             host[spec.input_ids][0, :] = ids
         else:
@@ -374,11 +455,10 @@ class _BucketCall:
             host[spec.position_ids][:, 0] = np.asarray(totals, np.int64) - 1
             self._dirty.add(spec.position_ids)
         if self.served is not None:
-            lengths = np.asarray(totals, np.int32) - 1
-            if not np.array_equal(lengths, host[self.served.seqlens]):
-                host[self.served.seqlens][:] = lengths
+            if not np.array_equal(staged.lengths, host[self.served.seqlens]):
+                host[self.served.seqlens][:] = staged.lengths
                 self._dirty.add(self.served.seqlens)
-            if self._sampling.fill(rows):
+            if self._sampling.apply(staged.sampling):
                 feeds = self._sampling.feeds(self.served)
                 for name, array in feeds.items():
                     host[name][:] = array
@@ -392,10 +472,35 @@ class _BucketCall:
                     self.mask[i, t:held] = 0
                 self._lengths[i] = t
             self._dirty.add(spec.attention_mask)
-        self._fixed.upload(self._dirty)  # the same device addresses: updated in place
+        self._fixed.upload(self._dirty)
         self._dirty.clear()
 
     def output(self) -> np.ndarray:
         """Token ids (bucket, 1), or the logits (bucket, 1, vocab) of the model's own graph; on
         the CPU the bound buffer itself, valid until the next call."""
         return self._fixed.read(self._read)
+
+
+@dataclass
+class _StagedBucket:
+    """A bucket call staged (Executor.stage_bucket): what _BucketCall.apply writes, ids aside
+    (`lengths` None: the model's own graph, which takes a mask; `sampling` None: the samplers
+    of the last call applied, none drawing)."""
+
+    call: _BucketCall
+    totals: list[int]
+    rows: list
+    lengths: np.ndarray | None
+    sampling: _SamplingPlan | None
+
+
+@dataclass
+class _Flight:
+    """A launched bucket call: its Run's future (None: it ran on the engine thread), the runs
+    its graph had before it (captures and replays are counted from them) and when its Run
+    started."""
+
+    staged: _StagedBucket
+    runs: int
+    future: Future | None
+    started: int
