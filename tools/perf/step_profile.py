@@ -283,7 +283,9 @@ def draw(rng, bounds: tuple[int, int], n: int) -> list[int]:
     return rng.integers(bounds[0], bounds[1] + 1, n).tolist()
 
 
-def run_mode(args, mode: str, overlap: bool | None, ahead: bool = False) -> dict:
+def run_mode(
+    args, mode: str, overlap: bool | None, ahead: bool = False, pipeline: bool = False
+) -> dict:
     from ort_kvlayout.runtime.kv_memory import driver_times
     from ort_kvlayout.serve.engine import Engine, EngineConfig, RequestParams
 
@@ -291,7 +293,7 @@ def run_mode(args, mode: str, overlap: bool | None, ahead: bool = False) -> dict
         max_batch=args.max_batch or args.batch, provider=args.provider,
         prefill_chunk=args.prefill_chunk, capacity=args.capacity, kv_budget_bytes=args.kv_budget,
         max_waiting=max(args.requests or 0, args.batch) + 1, cuda_graph=False if args.no_cuda_graph else None,
-        overlap=overlap, commit_ahead=ahead, prefill_wait=args.prefill_wait,
+        overlap=overlap, commit_ahead=ahead, prefill_wait=args.prefill_wait, pipeline=pipeline,
         decode_buckets=args.decode_buckets, **MODES[mode],
     )  # fmt: skip
     rng = np.random.default_rng(args.seed)
@@ -326,6 +328,7 @@ def run_mode(args, mode: str, overlap: bool | None, ahead: bool = False) -> dict
         "mode": mode,
         "overlap": config.overlapped,
         "commit_ahead": ahead,
+        "pipeline": pipeline,
         "prefill_wait": args.prefill_wait,
         "sample_on_device": after["sample_on_device"],
         "steps": steps,
@@ -403,6 +406,11 @@ def main(argv: list[str] | None = None) -> int:
         "during a step's calls)",
     )  # fmt: skip
     p.add_argument(
+        "--pipeline", default="off",
+        help="on, off or on,off: EngineConfig.pipeline (decode steps launched back to back, "
+        "the next one planned during a step's Run)",
+    )  # fmt: skip
+    p.add_argument(
         "--cprofile",
         type=int,
         default=0,
@@ -429,12 +437,15 @@ def main(argv: list[str] | None = None) -> int:
     aheads = [s.strip() for s in args.commit_ahead.split(",")]
     if any(s not in ("on", "off") for s in aheads):
         p.error(f"--commit-ahead {args.commit_ahead!r}: expected on, off or on,off")
+    pipes = [s.strip() for s in args.pipeline.split(",")]
+    if any(s not in ("on", "off") for s in pipes):
+        p.error(f"--pipeline {args.pipeline!r}: expected on, off or on,off")
     results = []
     for mode in args.modes.split(","):
         if mode not in MODES:
             p.error(f"mode {mode!r}: expected one of {', '.join(MODES)}")
-        for setting, ahead in itertools.product(settings, aheads):
-            results.append(run_mode(args, mode, overlaps[setting], ahead == "on"))
+        for setting, ahead, pipe in itertools.product(settings, aheads, pipes):
+            results.append(run_mode(args, mode, overlaps[setting], ahead == "on", pipe == "on"))
             table_text = results[-1].pop("cprofile", None)
             print(json.dumps(results[-1]), file=sys.stderr)
             if table_text:
