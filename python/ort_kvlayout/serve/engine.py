@@ -795,55 +795,61 @@ class Engine:
     # --- pipelined decode ----------------------------------------------------------------------
     def _decode_pipeline(self, bucket: int) -> None:
         """This step's decode call of slots [0, bucket), then the steps after it of the same
-        bucket (EngineConfig.pipeline; the module docstring). Each next step is planned while a
-        step's Run is in flight on the executor's runner thread, and launched once the step's
-        tokens are read, before they are emitted. Returns, with no call in flight and the last
-        step's tokens emitted, when the next step may differ: a row ends (its slot and pages go
-        back between calls), a request or a cancel arrives, close(), or the budget asks for a
+        bucket (EngineConfig.pipeline; the module docstring). While a call runs on this thread
+        (ORT's Run releases the GIL), the executor's helper thread emits the last step's
+        tokens, publishes and plans the next step; once the call's tokens are read, the next
+        one is launched at once. Returns, with no call running and the last step's tokens
+        emitted, when the next step may differ: a row may end (its slot and pages go back
+        between calls), a request or a cancel arrives, close(), or the budget asks for a
         preemption or another bucket; the loop then plans it as usual."""
         ex, pad = self.executor, self.spec.pad_token_id
         requests = [r if r is not None and r.decoding else None for r in self._slots[:bucket]]
         slots = [(r.seq[r.cached], r.cached) if r is not None else None for r in requests]
         ids, totals = decode_rows(slots, pad)
         samplers = [r.sampler if r is not None else None for r in requests]
-        flight = ex.launch_bucket(ex.stage_bucket(bucket, totals, samplers), ids, background=True)
+        staged = ex.stage_bucket(bucket, totals, samplers)
+        later: list[tuple[_Request, int]] = []  # the last step's rows, emitted during this call
+
+        def during():
+            t = time.perf_counter_ns()
+            for r, token in later:
+                self._emit(r, token)  # no end: _may_end said so
+            ex.profile.add("emit", t)
+            self._publish()  # the last step's stats and events
+            return self._plan_next_decode(bucket, requests)
+
         while True:
-            self._publish()  # the last step's stats and events go out while this call runs
-            staged = None
-            try:
-                staged = self._plan_next_decode(bucket, requests)
-            finally:  # the call in flight is joined before anything else happens
-                tokens = ex.finish_bucket(flight)
+            flight = ex.launch_bucket(staged, ids, during=during)
+            if any(r.slot < 0 for r, _ in later):  # _may_end missed a way to end
+                raise RuntimeError("pipelined decode: a request ended while its row ran")
+            tokens = ex.finish_bucket(flight)
             self._counters["decode_calls"] += 1
             self._counters["decode_rows"] += bucket
             self._counters["decode_padded_rows"] += sum(r is None for r in requests)
             t = time.perf_counter_ns()
-            # Rows whose token may end their request are emitted now, with no call in flight:
-            # an ended request's slot and pages go back at once (_release_slot).
-            early, ended = set(), False
-            for i, (r, token) in enumerate(zip(requests, tokens)):
-                if r is not None and self._may_end(r, token):
-                    early.add(i)
-                    r.cached += 1
+            # Rows whose token may end their request are emitted now, between calls: an ended
+            # request's slot and pages go back at once (_release_slot).
+            later, ended = [], False
+            for r, token in zip(requests, tokens):
+                if r is None:
+                    continue
+                r.cached += 1
+                if self._may_end(r, token):
                     self._emit(r, token)
                     ended = ended or r.slot < 0
-            flight = None
-            if staged is not None and not ended and not self._inbox and not self._closing:
-                ids = [token if r is not None else pad for r, token in zip(requests, tokens)]
-                flight = ex.launch_bucket(staged, ids, background=True)
-                self._counters["steps"] += 1
-                self._counters["pipelined_steps"] += 1
-                ex.profile.steps += 1
-            for i, (r, token) in enumerate(zip(requests, tokens)):
-                if r is not None and i not in early:
-                    r.cached += 1
-                    self._emit(r, token)  # no end: _may_end said so
-            ex.profile.add("emit", t)
-            if flight is None:
+                else:
+                    later.append((r, token))
+            staged = flight.during
+            if staged is None or ended or self._inbox or self._closing:
+                for r, token in later:
+                    self._emit(r, token)
+                ex.profile.add("emit", t)
                 return
-            if any(r is not None and r.slot < 0 for r in requests):  # _may_end missed a way
-                ex.finish_bucket(flight)
-                raise RuntimeError("pipelined decode: a request ended while its row was in flight")
+            ex.profile.add("emit", t)
+            ids = [token if r is not None else pad for r, token in zip(requests, tokens)]
+            self._counters["steps"] += 1
+            self._counters["pipelined_steps"] += 1
+            ex.profile.steps += 1
 
     def _plan_next_decode(
         self, bucket: int, requests: list[_Request | None]

@@ -33,10 +33,11 @@ an error.
 from __future__ import annotations
 
 import collections
-import functools
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -184,16 +185,16 @@ class Executor:
         self._buckets: dict[int, _BucketCall] = {}
         self.bucket_calls: collections.Counter = collections.Counter()
         self._greedy = Sampler(GREEDY)
-        self._runner: ThreadPoolExecutor | None = None  # runs launch_bucket(background=True)
+        self._helper: ThreadPoolExecutor | None = None  # runs launch_bucket's `during`
 
     @property
     def buckets_used(self) -> int:
         return len(self._buckets)
 
     def close(self) -> None:
-        if self._runner is not None:
-            self._runner.shutdown(wait=True)
-            self._runner = None
+        if self._helper is not None:
+            self._helper.shutdown(wait=True)
+            self._helper = None
         self._bindings.clear()
         self._buckets.clear()
 
@@ -308,13 +309,15 @@ class Executor:
         return staged
 
     def launch_bucket(
-        self, staged: _StagedBucket, ids: list[int], background: bool = False
+        self, staged: _StagedBucket, ids: list[int], during: Callable[[], Any] | None = None
     ) -> _Flight:
         """Applies a staged call's inputs with its ids (each sampling row draws its uniform
-        number now) and runs it: here, or with `background` on the runner thread (ORT's Run
-        releases the GIL), so that the engine thread stages the next step meanwhile. One call
-        is in flight at a time: finish_bucket joins it before anything else touches the
-        bindings or the cache's rows."""
+        number now) and runs it on this thread. `during` runs on the helper thread while the
+        call runs (ORT's Run releases the GIL, so the two overlap; the engine plans its next
+        step there), and is joined before this returns: its result is the flight's `during`,
+        an exception it raised is raised here once the call is done. Around a graph's warm-up
+        and capture runs it runs after the call instead: a capture records the stream, and a
+        driver call from another thread may spoil it."""
         t = time.perf_counter_ns()
         call = staged.call
         call.apply(staged, ids)
@@ -323,23 +326,27 @@ class Executor:
         runs = self.bucket_calls[bucket]
         self.bucket_calls[bucket] = runs + 1
         options = self.runtime.run_options(bucket if self.graphs else None)
-        run = functools.partial(self.runtime.session.run_with_iobinding, call.binding, options)
-        # A graph's warm-up and capture runs stay on this thread, with nothing beside them: a
-        # capture records the stream, and a driver call from another thread may spoil it.
-        if background and (not self.graphs or runs > CUDA_GRAPH_WARMUP_RUNS):
-            if self._runner is None:
-                self._runner = ThreadPoolExecutor(1, thread_name_prefix="ort-kvlayout-run")
-            return _Flight(staged, runs, self._runner.submit(run), t)
-        run()
-        return _Flight(staged, runs, None, t)
+        beside = during is not None and (not self.graphs or runs > CUDA_GRAPH_WARMUP_RUNS)
+        job = None
+        if beside:
+            if self._helper is None:
+                self._helper = ThreadPoolExecutor(1, thread_name_prefix="ort-kvlayout-plan")
+            job = self._helper.submit(during)
+        try:
+            self.runtime.session.run_with_iobinding(call.binding, options)
+        finally:
+            t = self.profile.add("run", t)
+            if job is not None:  # joined whatever happened: one thread owns the engine again
+                done = job.exception()
+                self.profile.add("wait", t)
+        if job is not None and done is not None:
+            raise done
+        result = job.result() if job is not None else during() if during is not None else None
+        return _Flight(staged, runs, result)
 
     def finish_bucket(self, flight: _Flight) -> list[int | None]:
-        """Waits for a launched bucket call and returns its tokens (None where not used)."""
-        t = flight.started  # a call run here: from its launch; in the background: the wait
-        if flight.future is not None:
-            t = time.perf_counter_ns()
-            flight.future.result()
-        t = self.profile.add("run", t)
+        """The tokens of a launched bucket call (None where not used)."""
+        t = time.perf_counter_ns()
         if self.graphs:
             if flight.runs == CUDA_GRAPH_WARMUP_RUNS:
                 self.cache.stats.graph_captures += 1
@@ -496,11 +503,9 @@ class _StagedBucket:
 
 @dataclass
 class _Flight:
-    """A launched bucket call: its Run's future (None: it ran on the engine thread), the runs
-    its graph had before it (captures and replays are counted from them) and when its Run
-    started."""
+    """A bucket call that ran (launch_bucket): what it was, the runs its graph had before it
+    (captures and replays are counted from them) and what its `during` returned."""
 
     staged: _StagedBucket
     runs: int
-    future: Future | None
-    started: int
+    during: Any
