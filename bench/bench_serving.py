@@ -52,9 +52,10 @@ Methods and metric names follow vLLM's `bench serve` and SGLang's bench_serving:
   seq-major patch of `--genai-model` with that quantized cache (tools/kvquant.py; `none` is
   `--model`'s own cache), built beside the other models; at the same `--kv-budget`, the results
   show what each scheme holds (KV bytes, preemptions, `max_concurrency`).
-* `--packing auto,off,on,mixed`, `--overlap auto,on,off`, `--commit-ahead auto,on,off` and
-  `--prefill-wait auto,0,16`: the engine systems once per value (EngineConfig packed/mixed, and
-  the engine system's overlap, commit_ahead and prefill_wait; `auto` leaves the engine's
+* `--packing auto,off,on,mixed`, `--overlap auto,on,off`, `--commit-ahead auto,on,off`,
+  `--pipeline auto,on,off` and `--prefill-wait auto,0,16`: the engine systems once per value
+  (EngineConfig packed/mixed, and the engine system's overlap, commit_ahead, pipeline and
+  prefill_wait; `auto` leaves the engine's
   default), each row labelled with it when a list gives several.
 * `--host-sampling`: the engine system with EngineConfig(sample_on_device=False) (the system
   `engine-host` is that engine beside the default one in the same run); the engine
@@ -332,6 +333,7 @@ class EngineVariant:
     overlap: str = "auto"
     commit_ahead: str = "auto"
     prefill_wait: str = "auto"
+    pipeline: str = "auto"
 
 
 def engine_config(args, n: int):
@@ -349,6 +351,8 @@ def engine_config(args, n: int):
         kwargs["overlap"] = args.variant.overlap == "on"
     if args.variant.commit_ahead != "auto":  # older engines have no such field
         kwargs["commit_ahead"] = args.variant.commit_ahead == "on"
+    if args.variant.pipeline != "auto":  # likewise
+        kwargs["pipeline"] = args.variant.pipeline == "on"
     if args.variant.prefill_wait != "auto":  # likewise
         kwargs["prefill_wait"] = int(args.variant.prefill_wait)
     try:
@@ -1106,6 +1110,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--commit-ahead", default="auto",
                    help="the engine system's commit_ahead(s) (EngineConfig.commit_ahead): auto, "
                         "on, off; e.g. on,off")  # fmt: skip
+    p.add_argument("--pipeline", default="auto",
+                   help="the engine system's pipeline(s) (EngineConfig.pipeline: decode steps "
+                        "planned during the last one's Run): auto, on, off; e.g. off,on")  # fmt: skip
     p.add_argument("--prefill-wait", default="auto",
                    help="the engine system's prefill_wait(s) (EngineConfig.prefill_wait: steps a "
                         "waiting prompt may be held for company): auto or steps; e.g. 0,16")  # fmt: skip
@@ -1136,6 +1143,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     for flag, allowed in (("overlap", ("auto", "on", "off")),
                           ("commit_ahead", ("auto", "on", "off")),
+                          ("pipeline", ("auto", "on", "off")),
                           ("packing", ("auto", "off", "on", "mixed"))):  # fmt: skip
         bad = [v for v in getattr(args, flag).split(",") if v not in allowed]
         if bad:
@@ -1193,15 +1201,19 @@ def main(argv: list[str] | None = None) -> int:
             overlaps = args.overlap.split(",") if name == "engine" else ["auto"]
             aheads = args.commit_ahead.split(",") if name == "engine" else ["auto"]
             waits = args.prefill_wait.split(",") if name == "engine" else ["auto"]
-            for scheme, cache, chunk, count, packing, overlap, ahead, wait in itertools.product(
-                schemes, args.cache.split(","), args.prefill_chunk.split(","), counts,
-                args.packing.split(","), overlaps, aheads, waits,
+            pipes = args.pipeline.split(",") if name == "engine" else ["auto"]
+            for scheme, cache, chunk, count, packing, overlap, ahead, wait, pipe in (
+                itertools.product(
+                    schemes, args.cache.split(","), args.prefill_chunk.split(","), counts,
+                    args.packing.split(","), overlaps, aheads, waits, pipes,
+                )
             ):  # fmt: skip
                 notes = [f"chunk {chunk}"] if "," in args.prefill_chunk else []
                 notes += [f"packing {packing}"] if "," in args.packing else []
                 notes += [f"overlap {overlap}"] if len(overlaps) > 1 else []
                 notes += [f"commit ahead {ahead}"] if len(aheads) > 1 else []
                 notes += [f"prefill wait {wait}"] if len(waits) > 1 else []
+                notes += [f"pipeline {pipe}"] if len(pipes) > 1 else []
                 notes += [cache] if "," in args.cache else []
                 notes += [f"{scheme} KV"] if args.kv_quant and scheme != "none" else []
                 base = "engine" if name == "engine-host" else name
@@ -1211,7 +1223,7 @@ def main(argv: list[str] | None = None) -> int:
                 chunk = None if chunk == "auto" else int(chunk)
                 variant = EngineVariant(chunk, cache, sampling, quant_models[scheme],
                                         int(count) if count else None, packing,
-                                        overlap, ahead, wait)  # fmt: skip
+                                        overlap, ahead, wait, pipe)  # fmt: skip
                 systems.append((label, fn, variant))
         elif name in ("genai", "genai-paged"):
             paged = name == "genai-paged"
