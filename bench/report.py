@@ -403,6 +403,7 @@ def step_profile(data: dict, name: str) -> list[str]:
     lines += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     overlaps = {r.get("overlap") for r in results}
     aheads = {bool(r.get("commit_ahead")) for r in results}
+    pipes = {bool(r.get("pipeline")) for r in results}
     waits = {r.get("prefill_wait", 0) for r in results}
 
     def graph_of(r: dict) -> str:
@@ -411,6 +412,8 @@ def step_profile(data: dict, name: str) -> list[str]:
             graph += ", overlap " + ("on" if r.get("overlap") else "off")
         if len(aheads) > 1:
             graph += ", commit ahead " + ("on" if r.get("commit_ahead") else "off")
+        if len(pipes) > 1 or pipes == {True}:
+            graph += ", pipeline " + ("on" if r.get("pipeline") else "off")
         if len(waits) > 1 or waits != {0}:
             graph += f", prefill wait {r.get('prefill_wait', 0)}"
         return graph

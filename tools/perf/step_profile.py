@@ -147,7 +147,7 @@ class StepKinds:
         if start and self._all_decoding():
             self.profiler.start()
             self.profiling = True
-        calls = e._counters["prefill_calls"]
+        calls, steps = e._counters["prefill_calls"], e._counters["steps"]
         phases = dict(e.executor.profile.ns)
         t = time.perf_counter_ns()
         try:
@@ -155,12 +155,14 @@ class StepKinds:
         finally:
             wall = time.perf_counter_ns() - t
             kind = "prefill" if e._counters["prefill_calls"] > calls else "decode"
-            self.steps[kind] += 1
+            # one call of _step runs one step, or (EngineConfig.pipeline) a run of decode steps
+            n = max(e._counters["steps"] - steps, 1)
+            self.steps[kind] += n
             self.wall_ns[kind] += wall
             now = e.executor.profile.ns
             self.phase_ns[kind].update({p: now[p] - phases.get(p, 0) for p in now})
             if self.profiling:
-                self.profiled_steps += 1
+                self.profiled_steps += n
                 if not any(r is not None for r in e._slots) and not e._waiting:
                     self.profiler.stop()
                     self.profiler = None  # once
@@ -370,12 +372,13 @@ def table(results: list[dict]) -> str:
     from step_table import cells, rows_by_kind  # bench/step_table.py
 
     phases = list(results[0]["phase_ms_per_step"])
-    head = ["mode", "overlap", "commit ahead", "prefill wait", "steps", "wall ms/step", *phases,
+    head = ["mode", "overlap", "commit ahead", "pipeline", "prefill wait", "steps",
+            "wall ms/step", *phases,
             "GPU ms/step", "host share", "tok/s"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         settings = ["on" if r.get("overlap") else "off", "on" if r.get("commit_ahead") else "off",
-                    str(r.get("prefill_wait", 0))]  # fmt: skip
+                    "on" if r.get("pipeline") else "off", str(r.get("prefill_wait", 0))]  # fmt: skip
         for label, row in rows_by_kind(r, r["mode"]):
             lines.append("| " + " | ".join([label, *settings, *cells(r, row, phases)]) + " |")
     return "\n".join(lines)
