@@ -118,6 +118,38 @@ def test_engine_on_cuda_equals_runtime_alone(model, chunk, graphs, graph):
         assert stats["graph_captures"] == stats["graph_replays"] == 0
 
 
+@pytest.mark.parametrize("graph", ["packed", "served"])
+@pytest.mark.parametrize("chunk", [8, 256])
+def test_pipelined_engine_on_cuda_equals_runtime_alone(model, chunk, graph):
+    """EngineConfig.pipeline with CUDA graphs: each decode step is planned on the helper thread
+    while the last one's graph replays, and launched once its tokens are read. The same tokens,
+    no capture spoiled (one per bucket), every granule back."""
+    from ort_kvlayout.serve.engine import Engine, EngineConfig, RequestParams
+
+    alone = _alone(model)
+    granule = 2 << 20 if DEVICE == "cpu" else None
+    config = EngineConfig(
+        max_batch=3, prefill_chunk=chunk, provider=DEVICE, granule=granule, pipeline=True,
+        **ENGINE_GRAPHS[graph], **_graph_config(True),
+    )  # fmt: skip
+    with Engine(model, config, start=False) as engine:
+        handles = [
+            engine.submit(p, RequestParams(max_tokens=n, ignore_eos=True))
+            for p, n in zip(PROMPTS, LENGTHS)
+        ]
+        engine.start()
+        got = [h.result() for h in handles]
+        stats = _idle_stats(engine)
+    for g, (tokens, logits) in zip(got, alone):
+        _same_or_tie(g, tokens, logits)
+    assert stats["pipelined_steps"] > max(LENGTHS) // 2
+    assert stats["kv_bytes_moved"] == 0 and stats["kv_committed_bytes"] == 0
+    assert stats["step_errors"] == 0 and stats["finished_length"] == len(PROMPTS)
+    if DEVICE == "cuda":
+        _check_graph_counters(stats)
+        assert stats["graph_replays"] > 0
+
+
 def _check_graph_counters(stats: dict, logged: int | None = None) -> None:
     """ORT runs a graph id CUDA_GRAPH_WARMUP_RUNS times, captures it on the next run and
     replays it from then on: one capture per bucket that ran past its warm-up, never a second
