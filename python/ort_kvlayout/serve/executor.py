@@ -66,7 +66,10 @@ class StepProfile:
     the publisher thread during the next step's `run`, off the step's critical path, and `wait`
     is the engine thread waiting for the publisher to finish the last step's hand-over. With
     EngineConfig.commit_ahead, `kv_ahead` is the worker's commits of the next step's rows
-    during the calls (off the critical path) and `kv` includes waiting for it to finish."""
+    during the calls (off the critical path) and `kv` includes waiting for it to finish. With
+    EngineConfig.pipeline, a pipelined decode step's schedule, kv, emit and publish, and the
+    staging part of its inputs, run on the helper thread during the last step's `run` (so the
+    phases add up to more than the wall time), and `wait` includes joining the helper."""
 
     PHASES = (
         "schedule", "kv", "inputs", "run", "readback", "sample", "emit", "publish", "wait",
