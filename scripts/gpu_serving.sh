@@ -19,7 +19,8 @@
 # KV_BUDGET (KV bytes, default 40 GiB; not BUDGET: gpu_queue.sh's seconds reach its stages),
 # CAPACITY (33792), MAX_BATCH (64), PACKING (the engine's
 # --packing list, default auto), OVERLAP (--overlap list, default auto), COMMIT_AHEAD
-# (--commit-ahead list, default auto), PREFILL_WAIT (--prefill-wait list, default auto), CHUNK (prefill tokens a
+# (--commit-ahead list, default auto), PREFILL_WAIT (--prefill-wait list, default auto), PIPELINE
+# (--pipeline list, default auto), CHUNK (prefill tokens a
 # step: the engine's default (auto) for chat, 4096 for the long mix;
 # a list runs each), RATE (the long mix's requests a second, 2; inf: all at once) and DEADLINE
 # (seconds a system may run, 420) are the run's settings.
@@ -38,7 +39,8 @@ BASE="$MODELS/$SHAPE-random-fp16-cuda"
 COMMON=(--model-shape "$SHAPE" --build-dir "$MODELS" --provider cuda --kv-budget "$KV_BUDGET"
         --capacity "$CAPACITY" --max-batch "$MAX_BATCH" --stall-timeout 60
         --deadline "${DEADLINE:-420}" --packing "${PACKING:-auto}" --overlap "${OVERLAP:-auto}"
-        --commit-ahead "${COMMIT_AHEAD:-auto}" --prefill-wait "${PREFILL_WAIT:-auto}")
+        --commit-ahead "${COMMIT_AHEAD:-auto}" --prefill-wait "${PREFILL_WAIT:-auto}"
+        --pipeline "${PIPELINE:-auto}")
 
 case "${1:-}" in
   setup|build)  # build: the wheels and the package alone (models: the next stage)
