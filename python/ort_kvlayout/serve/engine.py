@@ -829,10 +829,10 @@ class Engine:
             return self._plan_next_decode(bucket, requests)
 
         while True:
-            flight = ex.launch_bucket(staged, ids, during=during)
+            done = ex.run_staged(staged, ids, during=during)
             if any(r.slot < 0 for r, _ in later):  # _may_end missed a way to end
                 raise RuntimeError("pipelined decode: a request ended while its row ran")
-            tokens = ex.finish_bucket(flight)
+            tokens = ex.read_tokens(done)
             self._counters["decode_calls"] += 1
             self._counters["decode_rows"] += bucket
             self._counters["decode_padded_rows"] += sum(r is None for r in requests)
@@ -849,7 +849,7 @@ class Engine:
                     ended = ended or r.slot < 0
                 else:
                     later.append((r, token))
-            staged = flight.during
+            staged = done.during
             if staged is None or ended or self._inbox or self._closing:
                 for r, token in later:
                     self._emit(r, token)

@@ -48,7 +48,7 @@ class EngineConfig:
     one by one start together in one prefill call (scheduler.hold_admissions: until they fill
     a chunk or an eighth of the slots; 0, the default: admitted at once); pipeline: decode
     steps of one bucket run back to back, the next one planned (budget, KV commits, lengths and
-    sampling parameters) while a step's Run is in flight on a runner thread and launched once
+    sampling parameters) on a helper thread while a step's Run is in flight, and launched once
     the step's tokens are read, before they are emitted (engine.py, "Pipelined decode"; needs
     the served graph and padded decode; None: off, True: an error where they are not used)."""
 

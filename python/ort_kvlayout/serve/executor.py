@@ -188,7 +188,7 @@ class Executor:
         self._buckets: dict[int, _BucketCall] = {}
         self.bucket_calls: collections.Counter = collections.Counter()
         self._greedy = Sampler(GREEDY)
-        self._helper: ThreadPoolExecutor | None = None  # runs launch_bucket's `during`
+        self._helper: ThreadPoolExecutor | None = None  # runs run_staged's `during`
 
     @property
     def buckets_used(self) -> int:
@@ -296,7 +296,7 @@ class Executor:
         """The decode call of slots [0, bucket) through its fixed binding; with CUDA graphs,
         graph id `bucket`: ORT runs it CUDA_GRAPH_WARMUP_RUNS times, captures it on the next
         run and replays it from then on (the cache's counters follow that rule)."""
-        return self.finish_bucket(self.launch_bucket(self.stage_bucket(bucket, totals, rows), ids))
+        return self.read_tokens(self.run_staged(self.stage_bucket(bucket, totals, rows), ids))
 
     def stage_bucket(
         self, bucket: int, totals: list[int], rows: list[Sampler | None]
@@ -311,14 +311,14 @@ class Executor:
         self.profile.add("inputs", t)
         return staged
 
-    def launch_bucket(
+    def run_staged(
         self, staged: _StagedBucket, ids: list[int], during: Callable[[], Any] | None = None
-    ) -> _Flight:
+    ) -> _BucketRun:
         """Applies a staged call's inputs with its ids (each sampling row draws its uniform
         number now) and runs it on this thread. `during` runs on the helper thread while the
         call runs (ORT's Run releases the GIL, so the two overlap; the engine plans its next
-        step there), and is joined before this returns: its result is the flight's `during`,
-        an exception it raised is raised here once the call is done. Around a graph's warm-up
+        step there), and is joined before this returns: the result carries what it returned,
+        and an exception it raised is raised here once the call is done. Around a graph's warm-up
         and capture runs it runs after the call instead: a capture records the stream, and a
         driver call from another thread may spoil it."""
         t = time.perf_counter_ns()
@@ -340,22 +340,22 @@ class Executor:
         finally:
             t = self.profile.add("run", t)
             if job is not None:  # joined whatever happened: one thread owns the engine again
-                done = job.exception()
+                failure = job.exception()
                 self.profile.add("wait", t)
-        if job is not None and done is not None:
-            raise done
+        if job is not None and failure is not None:
+            raise failure
         result = job.result() if job is not None else during() if during is not None else None
-        return _Flight(staged, runs, result)
+        return _BucketRun(staged, runs, result)
 
-    def finish_bucket(self, flight: _Flight) -> list[int | None]:
-        """The tokens of a launched bucket call (None where not used)."""
+    def read_tokens(self, done: _BucketRun) -> list[int | None]:
+        """The tokens of a bucket call that ran (None where not used)."""
         t = time.perf_counter_ns()
         if self.graphs:
-            if flight.runs == CUDA_GRAPH_WARMUP_RUNS:
+            if done.runs == CUDA_GRAPH_WARMUP_RUNS:
                 self.cache.stats.graph_captures += 1
-            elif flight.runs > CUDA_GRAPH_WARMUP_RUNS:
+            elif done.runs > CUDA_GRAPH_WARMUP_RUNS:
                 self.cache.stats.replays += 1
-        call, rows = flight.staged.call, flight.staged.rows
+        call, rows = done.staged.call, done.staged.rows
         out = call.output()  # on the host: the step's kernels are done
         self.runtime.check_length_record("engine decode step")
         t = self.profile.add("readback", t)
@@ -505,8 +505,8 @@ class _StagedBucket:
 
 
 @dataclass
-class _Flight:
-    """A bucket call that ran (launch_bucket): what it was, the runs its graph had before it
+class _BucketRun:
+    """A bucket call that ran (run_staged): what it was, the runs its graph had before it
     (captures and replays are counted from them) and what its `during` returned."""
 
     staged: _StagedBucket
