@@ -965,8 +965,8 @@ class _Tokens:
 @pytest.mark.parametrize("chunk", [4, 256])
 @pytest.mark.parametrize("packed", [False, True], ids=["served", "packed"])
 def test_pipelined_decode_equals_generate_alone(model, alone, chunk, packed):
-    """EngineConfig.pipeline: each decode step is launched on the runner thread once the last
-    one's tokens are read, the next one planned meanwhile. Joins, leaves (each ending the
+    """EngineConfig.pipeline: each decode step is launched once the last one's tokens are read,
+    having been planned on the helper thread during the last one's Run. Joins, leaves (each ending the
     pipeline), slot reuse and chunked prefill between them: every request its tokens alone, no
     byte left committed."""
     with engine(model, max_batch=4, prefill_chunk=chunk, packed=packed, **PIPELINE) as eng:
