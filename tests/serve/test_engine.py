@@ -1080,3 +1080,31 @@ def test_pipeline_needs_the_served_graph_and_padded_decode(model):
     with pytest.raises(ValueError, match="pipeline=True needs padded decode"):
         EngineConfig(pipeline=True)  # the CPU decodes eager ranges by default
     assert EngineConfig().pipelined is False
+
+
+def test_pipelined_decode_runs_while_a_request_waits_for_budget(model, alone):
+    """A request that waits for KV budget (a slot free, the budget full) does not stop the
+    pipeline: the loop would not admit it either. It starts once a request ends, and every
+    request gets its tokens alone within the budget."""
+    from ort_kvlayout.serve.engine import Engine, EngineConfig
+
+    with engine(model, max_batch=1) as probe:
+        need = probe.cache.entry_commit_bytes(len(PROMPTS[0]) + LENGTHS[0])
+    config = EngineConfig(max_batch=4, kv_budget_bytes=2 * need, **PIPELINE)
+    planned = []  # (a request waits, a slot is free, the next step was planned)
+    with Engine(model, config, start=False) as eng:
+        plan = eng._plan_next_decode
+
+        def recorded(*args):
+            staged = plan(*args)
+            planned.append((bool(eng._waiting), None in eng._slots, staged is not None))
+            return staged
+
+        eng._plan_next_decode = recorded
+        handles = [eng.submit(PROMPTS[0], params(LENGTHS[0])) for _ in range(6)]
+        eng.start()
+        got = [h.result() for h in handles]
+        stats = eng.stats()
+    assert got == [alone[0]] * 6
+    assert (True, True, True) in planned  # pipelined while a request waited for budget
+    assert stats["kv_peak_committed_bytes"] <= config.kv_budget_bytes

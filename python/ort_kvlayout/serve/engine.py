@@ -54,10 +54,10 @@ thread emits the last step's tokens, publishes, and plans the next step as if no
 ends (the budget's fit, the KV rows it writes committed, its lengths and sampling parameters
 staged); once the call's tokens are read, the next call is launched with them before anything
 else. A row whose token may end its request (a stop id, max_tokens, stop strings, an error) is
-emitted first and ends the pipeline, as do a request waiting for a free slot, the inbox and
-close(): the loop then plans the next step as usual, so no token passes a request's end and no
-slot is released under a running call. A sampling row draws its uniform number when its call is
-launched, so a seed gives the same tokens pipelined or not.
+emitted first; a row that ends ends the pipeline, as do a waiting request that a free slot and
+the budget would admit, the inbox and close(): the loop then plans the next step as usual, so no
+token passes a request's end and no slot is released under a running call. A sampling row draws
+its uniform number when its call is launched, so a seed gives the same tokens pipelined or not.
 
 A mixed or multi-request call needs the packed graph: the model's own graph is right-padded,
 and its dense layers would compute every row of the (batch, longest chunk) shape, multiplying a
@@ -867,11 +867,12 @@ class Engine:
         """The pipeline's next step, planned as if every row of the call in flight gets a token
         that does not end its request: the budget's fit, the KV rows it writes committed, its
         lengths and sampling parameters staged (no uniform number drawn). None where that step
-        is not the same decode call (a request waits for a free slot, one prefills, the fit
-        preempts or changes the bucket, a commit fails) or where the inbox or close() asks the
-        loop to look first. What it commits stays valid whatever the tokens: rows one past a
+        is not the same decode call (a waiting request would take a free slot, one prefills,
+        the fit preempts or changes the bucket, a commit fails) or where the inbox or close()
+        asks the loop to look first. A request that waits for budget, not for a slot, leaves
+        the pipeline running (scheduler.admissions decides, at every step). What it commits stays valid whatever the tokens: rows one past a
         request's end are released with its slot."""
-        if self._inbox or self._closing or (self._waiting and None in self._slots):
+        if self._inbox or self._closing:
             return None
         t = time.perf_counter_ns()
         view: list[Running | None] = []
@@ -882,6 +883,14 @@ class Engine:
                 return None  # a running request outside the call: not this pipeline's step
             else:
                 view.append(Running(r.arrival, r.cached + 1, len(r.seq) + 1))
+        if self._waiting and None in view:
+            # The loop would admit the oldest waiting request (or, with prefill_wait, count a
+            # held step), unless the budget keeps it out: then the step is the same decode.
+            head = [(self._waiting[0].arrival, len(self._waiting[0].seq))]
+            if self._limits.prefill_wait or admissions(
+                view, head, self.cache.tokens, self._limits, self._need_bytes
+            ):
+                return None
         fit = fit_budget(view, self.cache.tokens, self._limits, self._need_bytes)
         profile = self.executor.profile
         t = profile.add("schedule", t)
