@@ -809,9 +809,9 @@ class Engine:
         (ORT's Run releases the GIL), the executor's helper thread emits the last step's
         tokens, publishes and plans the next step; once the call's tokens are read, the next
         one is launched at once. Returns, with no call running and the last step's tokens
-        emitted, when the next step may differ: a row may end (its slot and pages go back
-        between calls), a request or a cancel arrives, close(), or the budget asks for a
-        preemption or another bucket; the loop then plans it as usual."""
+        emitted, when the next step may differ: a row ended (its slot and pages went back
+        between calls), a request that can start or a cancel arrived, close(), or the budget
+        asks for a preemption or another bucket; the loop then plans it as usual."""
         ex, pad = self.executor, self.spec.pad_token_id
         requests = [r if r is not None and r.decoding else None for r in self._slots[:bucket]]
         slots = [(r.seq[r.cached], r.cached) if r is not None else None for r in requests]
@@ -870,8 +870,8 @@ class Engine:
         is not the same decode call (a waiting request would take a free slot, one prefills,
         the fit preempts or changes the bucket, a commit fails) or where the inbox or close()
         asks the loop to look first. A request that waits for budget, not for a slot, leaves
-        the pipeline running (scheduler.admissions decides, at every step). What it commits stays valid whatever the tokens: rows one past a
-        request's end are released with its slot."""
+        the pipeline running (scheduler.admissions decides, at every step). What it commits
+        stays valid whatever the tokens: rows one past a request's end go back with its slot."""
         if self._inbox or self._closing:
             return None
         t = time.perf_counter_ns()
@@ -1048,8 +1048,9 @@ class Engine:
     @staticmethod
     def _may_end(r: _Request, token: int) -> bool:
         """Whether _emit(r, token) may finish r: every way it can (an error token, a stop id,
-        max_tokens, a stop string or a tokenizer that raises on r's text). The pipeline launches
-        the next step only when this is False for every row."""
+        max_tokens, a stop string or a tokenizer that raises on r's text). The pipeline emits
+        such rows before it launches the next step, and launches it only if none of them ended;
+        the other rows are emitted during the next step's call."""
         return (
             token < 0
             or token in r.stop_ids
@@ -1125,10 +1126,12 @@ class Engine:
             "step_profile": self.executor.profile.summary(),
         }
         for key in (
-            "steps", "pipelined_steps", "decode_calls", "decode_rows", "decode_padded_rows", "decode_eager_fallbacks",
-            "prefill_calls", "prefill_chunks", "prefill_tokens", "mixed_calls", "tokens",
-            "admitted", "admission_holds", "rejected", "kv_ahead_commits", "kv_ahead_failures", "step_errors", "callback_errors", "detokenize_errors", "publish_errors", "finished_stop",
-            "finished_length", "finished_cancelled", "finished_error",
+            "steps", "pipelined_steps", "decode_calls", "decode_rows", "decode_padded_rows",
+            "decode_eager_fallbacks", "prefill_calls", "prefill_chunks", "prefill_tokens",
+            "mixed_calls", "tokens", "admitted", "admission_holds", "rejected",
+            "kv_ahead_commits", "kv_ahead_failures", "step_errors", "callback_errors",
+            "detokenize_errors", "publish_errors", "finished_stop", "finished_length",
+            "finished_cancelled", "finished_error",
         ):  # fmt: skip
             snap[key] = self._counters[key]
         return snap

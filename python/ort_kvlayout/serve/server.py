@@ -342,6 +342,8 @@ _METRICS = [
     ("tokens", "generation_tokens_total", "counter", "Tokens generated"),
     ("prefill_tokens", "prefill_tokens_total", "counter", "Prompt tokens prefilled"),
     ("steps", "engine_steps_total", "counter", "Engine steps"),
+    ("pipelined_steps", "engine_pipelined_steps_total", "counter",
+     "Decode steps planned during the last step's call (EngineConfig.pipeline)"),
     ("kv_committed_bytes", "kv_committed_bytes", "gauge", "KV bytes committed now"),
     ("kv_peak_committed_bytes", "kv_committed_bytes_peak", "gauge", "Most KV bytes committed"),
     ("kv_reserved_bytes", "kv_reserved_bytes", "gauge", "KV address space reserved"),
