@@ -70,12 +70,15 @@ def test_the_step_profile_table_shows_each_graph_and_the_gpu_share():
         block = "\n".join(report.step_profile(data, path.name))
         both_ways = len({r.get("overlap") for r in data["results"]}) > 1
         aheads = len({bool(r.get("commit_ahead")) for r in data["results"]}) > 1
+        pipes = {bool(r.get("pipeline")) for r in data["results"]}
         for r in data["results"]:  # a row per mode, named as step_profile.py's --modes
             label = report._STEP_GRAPHS[r["mode"]]
             if both_ways:  # a run of --overlap on,off says which
                 label += ", overlap " + ("on" if r["overlap"] else "off")
             if aheads:  # and one of --commit-ahead on,off
                 label += ", commit ahead " + ("on" if r["commit_ahead"] else "off")
+            if len(pipes) > 1 or pipes == {True}:  # and one of --pipeline (on: always said)
+                label += ", pipeline " + ("on" if r["pipeline"] else "off")
             assert f"| {label} |" in block
         assert "GPU ms/step" in block and "host share" in block
 
