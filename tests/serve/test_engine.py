@@ -966,9 +966,9 @@ class _Tokens:
 @pytest.mark.parametrize("packed", [False, True], ids=["served", "packed"])
 def test_pipelined_decode_equals_generate_alone(model, alone, chunk, packed):
     """EngineConfig.pipeline: each decode step is launched once the last one's tokens are read,
-    having been planned on the helper thread during the last one's Run. Joins, leaves (each ending the
-    pipeline), slot reuse and chunked prefill between them: every request its tokens alone, no
-    byte left committed."""
+    having been planned on the helper thread during the last one's Run. Joins, leaves (each
+    ending the pipeline), slot reuse and chunked prefill between them: every request its tokens
+    alone, no byte left committed."""
     with engine(model, max_batch=4, prefill_chunk=chunk, packed=packed, **PIPELINE) as eng:
         handles = [eng.submit(p, params(n)) for p, n in zip(PROMPTS, LENGTHS)]
         got = [h.result() for h in handles]
@@ -986,7 +986,7 @@ def test_pipelined_decode_equals_generate_alone(model, alone, chunk, packed):
 def test_pipelined_decode_plans_the_next_step_while_a_call_runs(model, alone):
     """The order that takes the host work off the critical path: step n+1 is staged on the
     helper thread while step n's Run is in flight (a Run made slow here, so that the order is
-    certain), and each Run follows the last one's token read at once."""
+    certain)."""
     events = []
     with engine(model, max_batch=2, **PIPELINE) as eng:
         ex, session = eng.executor, eng.runtime.session
