@@ -1108,3 +1108,22 @@ def test_pipelined_decode_runs_while_a_request_waits_for_budget(model, alone):
     assert got == [alone[0]] * 6
     assert (True, True, True) in planned  # pipelined while a request waited for budget
     assert stats["kv_peak_committed_bytes"] <= config.kv_budget_bytes
+
+
+def test_pipelined_decode_under_preemption(model, alone):
+    """A budget that makes the running requests preempt each other: the planned step's fit asks
+    for a victim, so the pipeline hands the step to the loop, which preempts and recomputes as
+    without it; every request still gets its tokens alone and the budget holds."""
+    from ort_kvlayout.serve.engine import Engine, EngineConfig
+
+    with engine(model, max_batch=1) as probe:
+        need = max(probe.cache.entry_commit_bytes(len(p) + n) for p, n in zip(PROMPTS, LENGTHS))
+    config = EngineConfig(max_batch=4, kv_budget_bytes=need + need // 2, prefill_chunk=8,
+                          **PIPELINE)  # fmt: skip
+    with Engine(model, config) as eng:
+        handles = [eng.submit(p, params(n)) for p, n in zip(PROMPTS, LENGTHS)]
+        got = [h.result() for h in handles]
+        stats = eng.stats()
+    assert got == alone
+    assert stats["preemptions"] > 0 and stats["pipelined_steps"] > 0
+    assert stats["kv_peak_committed_bytes"] <= config.kv_budget_bytes
