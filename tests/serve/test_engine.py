@@ -29,6 +29,7 @@ PROMPTS = [
     [9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9],
 ]
 LENGTHS = [40, 25, 33, 12, 50, 20]
+PIPELINE = {"decode_buckets": (1, 2), "pipeline": True}  # padded decode, uncaptured on the CPU
 
 
 @pytest.fixture(scope="module")
@@ -323,14 +324,15 @@ def test_misuse_is_a_clear_error_not_a_hang_or_a_different_prompt(model):
             EngineConfig(**bad)
 
 
-def test_close_cancels_or_drains(model):
-    eng = engine(model, max_batch=1)
+@pytest.mark.parametrize("pipeline", [{}, PIPELINE], ids=["", "pipelined"])
+def test_close_cancels_or_drains(model, pipeline):
+    eng = engine(model, max_batch=1, **pipeline)
     a = eng.submit(PROMPTS[0], params(200))
     b = eng.submit(PROMPTS[1], params(5))
     eng.close()
     a.result(), b.result()
     assert a.finish_reason == "cancelled" and b.finish_reason == "cancelled"
-    eng = engine(model, max_batch=1)
+    eng = engine(model, max_batch=1, **pipeline)
     a = eng.submit(PROMPTS[1], params(5))
     eng.close(drain=True)
     a.result()
@@ -947,9 +949,6 @@ def test_quantized_caches_through_both_graphs_equal_generate_alone(tmp_path, qua
                 handles = [eng.submit(p, params(12)) for p in prompts]
                 assert [h.result() for h in handles] == want, (on_device, buckets)
                 assert eng.stats()["sample_on_device"] is on_device
-
-
-PIPELINE = {"decode_buckets": (1, 2), "pipeline": True}  # padded decode, uncaptured on the CPU
 
 
 class _Tokens:
