@@ -30,18 +30,19 @@ PROFILE=(python3 tools/perf/step_profile.py "$M1" --provider cuda --batch 64 --c
 COLD=(--flush-l2 --breakdown --prefill= --heads 32/8/128,28/4/128,9/3/64,4/1/256
       --decode 1x1024,1x4096,1x16384,1x32768,8x4096,8x16384)
 
-# name, estimated seconds, the stage it needs done, command (in priority order: issue 53, then
-# 54, then 56 (its stage needs the chunks of scripts/stage_device_ray.sh carried: .device/ray0..),
-# then the 8B shape, which removes the 1B models to fit the disk)
+# name, estimated seconds, the stage it needs done, command (in priority order: the serving
+# engine's runs (the pipeline first), then the quantized decode, then the cluster (its stage
+# needs the chunks of scripts/stage_device_ray.sh carried: .device/ray0..), then the 8B shape,
+# which removes the 1B models to fit the disk)
 STAGES=(
   "setup|180||bash scripts/gpu_serving.sh build"
   "models-1b|100|setup|bash scripts/gpu_serving.sh models"
-  "chat-wait|100|models-1b|PREFILL_WAIT=0,16 SYSTEMS=engine DEADLINE=60 bash scripts/gpu_serving.sh chat"
-  "tests-quick|90|setup|python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_kv_cache_gpu.py tests/serve/test_engine_gpu.py"
-  "quant-cold|100|setup|python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/op/test_gqa_cuda_quant.py && python3 bench/bench_cuda.py --flush-l2 --breakdown --prefill= --kv-quant int8-per-channel,int4-per-channel,int8-per-token --heads 32/8/128,9/3/64 --decode 1x16384,1x32768,8x16384,1x65536 --json \$OUT/cuda-quant-\$GPU-cold.json"
   "tests-pipeline|40|setup|python3 -m pytest -q -m gpu -p no:cacheprovider tests/serve/test_engine_gpu.py -k pipelined"
   "profile-pipeline|200|models-1b|${PROFILE[*]} --requests 256 --prompt 64:512 --output 64:512 --pipeline off,on --json \$OUT/step-profile-\$GPU-1b-chat-pipeline.json"
   "chat-pipeline|200|models-1b|PIPELINE=off,on SYSTEMS=engine DEADLINE=60 bash scripts/gpu_serving.sh chat"
+  "chat-wait|100|models-1b|PREFILL_WAIT=0,16 SYSTEMS=engine DEADLINE=60 bash scripts/gpu_serving.sh chat"
+  "tests-quick|90|setup|python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_kv_cache_gpu.py tests/serve/test_engine_gpu.py"
+  "quant-cold|100|setup|python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/op/test_gqa_cuda_quant.py && python3 bench/bench_cuda.py --flush-l2 --breakdown --prefill= --kv-quant int8-per-channel,int4-per-channel,int8-per-token --heads 32/8/128,9/3/64 --decode 1x16384,1x32768,8x16384,1x65536 --json \$OUT/cuda-quant-\$GPU-cold.json"
   "profile-chat|90|models-1b|${PROFILE[*]} --requests 256 --prompt 64:512 --output 64:512 --cprofile 40 --json \$OUT/step-profile-\$GPU-1b-chat.json"
   "profile-chat-wait|90|models-1b|${PROFILE[*]} --requests 256 --prompt 64:512 --output 64:512 --prefill-wait 16 --json \$OUT/step-profile-\$GPU-1b-chat-wait.json"
   "profile-cold|150|models-1b|${PROFILE[*]} --prompt 256 --output 128 --commit-ahead on,off --cprofile 40 --json \$OUT/step-profile-\$GPU-1b.json"
