@@ -396,10 +396,20 @@ _STEP_GRAPHS = {  # step_profile.py's modes
 def step_profile(data: dict, name: str) -> list[str]:
     """tools/perf/step_profile.py's JSON: host ms per phase of a step against the GPU's."""
     what = "the engine's host phases per step (perf_counter) and the GPU's kernel time (CUPTI)"
-    lines = [*serving_meta(data, name, what)]
     results = data["results"]
+    emulated = {r["device_ms"] for r in results if r.get("device_ms")}
+    device = "GPU ms/step"
+    if emulated:
+        what = (
+            f"the engine's host phases per step (perf_counter), each Run holding an emulated "
+            f"device {', '.join(f'{ms:g}' for ms in sorted(emulated))} ms more (a sleep with "
+            "the GIL released, as ORT's Run releases it while a GPU works); 'Run busy' is the "
+            "Runs' whole time a step, and host share the rest of the step"
+        )
+        device = "Run busy ms/step"
+    lines = [*serving_meta(data, name, what)]
     phases = list(results[0]["phase_ms_per_step"])
-    head = ["graph", "steps", "wall ms/step", *phases, "GPU ms/step", "host share", "out tok/s"]
+    head = ["graph", "steps", "wall ms/step", *phases, device, "host share", "out tok/s"]
     lines += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     overlaps = {r.get("overlap") for r in results}
     aheads = {bool(r.get("commit_ahead")) for r in results}

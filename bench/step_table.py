@@ -25,9 +25,10 @@ def rows_by_kind(result: dict, label: str) -> list[tuple[str, dict]]:
 
 
 def cells(result: dict, row: dict, phases: list[str]) -> list[str]:
-    """A row's numbers: steps, wall ms/step, each phase's ms/step, GPU ms/step, host share,
-    and output tok/s (the mode's own row only)."""
-    gpu = row.get("gpu_ms_per_step")
+    """A row's numbers: steps, wall ms/step, each phase's ms/step, GPU ms/step (or, with an
+    emulated device, the Runs' busy ms/step), host share, and output tok/s (the mode's own row
+    only)."""
+    gpu = row.get("gpu_ms_per_step", row.get("run_busy_ms_per_step"))
     return [
         str(row["steps"]),
         f"{row['wall_ms_per_step']:.2f}",

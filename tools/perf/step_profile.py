@@ -117,6 +117,28 @@ def burst(engine, prompts, params, submitted=None) -> float:
     return time.perf_counter() - start
 
 
+class EmulatedDevice:
+    """The session with a device behind it (--device-ms): each run_with_iobinding also sleeps
+    `ms`, with the GIL released as ORT's Run releases it while a GPU works, and the calls' whole
+    time counts as busy. On the CPU it separates the host's critical path (the time between
+    Runs, when the device would wait) from the device's time, whatever the host's speed."""
+
+    def __init__(self, session, ms: float):
+        self._session, self._s = session, ms / 1000.0
+        self.busy_ns = 0
+
+    def __getattr__(self, name):
+        return getattr(self._session, name)
+
+    def run_with_iobinding(self, *args, **kwargs):
+        t = time.perf_counter_ns()
+        try:
+            return self._session.run_with_iobinding(*args, **kwargs)
+        finally:
+            time.sleep(self._s)
+            self.busy_ns += time.perf_counter_ns() - t
+
+
 class StepKinds:
     """Wraps engine._step: each step's wall time and phases (the engine's StepProfile), summed
     by kind: "prefill" when the step ran a prefill call, else "decode". With `profiler`, starts
@@ -299,7 +321,16 @@ def run_mode(
         decode_buckets=args.decode_buckets, **MODES[mode],
     )  # fmt: skip
     rng = np.random.default_rng(args.seed)
-    with Engine(args.model, config) as engine:
+    options = None
+    if args.threads:  # ORT's intra-op threads (the rest of the cores: the engine's threads)
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = args.threads
+    with Engine(args.model, config, session_options=options) as engine:
+        device = None
+        if args.device_ms:  # every Run also holds the device this long (GIL released)
+            device = engine.runtime.session = EmulatedDevice(engine.runtime.session, args.device_ms)
         vocab = engine.spec.vocab_size
         engine.generate(
             rng.integers(16, vocab, 8).tolist(), RequestParams(max_tokens=4, ignore_eos=True)
@@ -313,7 +344,9 @@ def run_mode(
         ]
         kinds = StepKinds(engine)
         driver_before = driver_times()
+        busy_before = device.busy_ns if device is not None else 0
         wall = wrapped_burst(engine, prompts, params, kinds)
+        busy = (device.busy_ns - busy_before) / 1e6 if device is not None else None
         after = engine.stats()
         driver = driver_delta(driver_before, driver_times())
         gpu, cprofile_table, kernels = profiled_burst(engine, prompts, params, args)
@@ -332,6 +365,7 @@ def run_mode(
         "commit_ahead": ahead,
         "pipeline": pipeline,
         "prefill_wait": args.prefill_wait,
+        "ort_threads": args.threads or None,
         "sample_on_device": after["sample_on_device"],
         "steps": steps,
         "wall_s": wall,
@@ -349,6 +383,10 @@ def run_mode(
             name: {**t, "us_per_call": t["ns"] / 1e3 / t["calls"], "ms_per_step": t["ns"] / 1e6 / max(steps, 1)}
             for name, t in driver.items()
         }  # fmt: skip
+    if busy is not None:  # the emulated device's busy time: what a GPU's time would be
+        out["device_ms"] = args.device_ms
+        out["run_busy_ms_per_step"] = busy / max(steps, 1)
+        out["host_share"] = 1 - out["run_busy_ms_per_step"] / out["wall_ms_per_step"]
     if gpu is not None:
         out["gpu_ms_per_step"] = gpu
         out["host_share"] = 1 - gpu / out["wall_ms_per_step"]
@@ -429,6 +467,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--prefill-wait", type=int, default=0, metavar="STEPS",
         help="EngineConfig.prefill_wait: steps a waiting prompt may be held for company",
+    )  # fmt: skip
+    p.add_argument(
+        "--device-ms", type=float, default=0.0, metavar="MS",
+        help="each Run also holds an emulated device MS ms (a sleep, GIL released): on the "
+        "CPU, the host share of a step with a device of that speed",
+    )  # fmt: skip
+    p.add_argument(
+        "--threads", type=int, default=0, metavar="N",
+        help="ORT's intra-op threads (default: ORT's, every core): fewer leave cores to the "
+        "engine's own threads, as a GPU's host has",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
