@@ -161,3 +161,28 @@ def test_top_kernels_are_per_step_and_rendered():
     assert "GPU kernels per step, packed (overlap on), decode-only steps:" in lines
     assert "| gemm | 1000.0 | 16.0 |" in lines
     assert step_profile.kernel_table([{"mode": "packed"}]) == []
+
+
+def test_an_emulated_device_gives_run_busy_and_the_pipeline_counts_steps(tmp_path):
+    """--device-ms: each Run also holds an emulated device (a sleep), whose busy time gives the
+    host share; --pipeline on,off: a pipelined run of decode steps counts as its steps in
+    by_kind (the kinds add up to the run's steps either way); the table names the column."""
+    library_or_skip()
+    model = make_served_model(tmp_path / "model")
+    out = tmp_path / "step-profile-cpu.json"
+    args = [str(model), "--batch", "3", "--prompt", "6", "--output", "8", "--capacity", "64",
+            "--modes", "packed", "--decode-buckets", "1,2,3", "--device-ms", "2", "--threads",
+            "1", "--pipeline", "off,on", "--json", str(out)]  # fmt: skip
+    assert step_profile.main(args) == 0
+    data = json.loads(out.read_text())
+    off, on = data["results"]
+    assert (off["pipeline"], on["pipeline"]) == (False, True) and on["ort_threads"] == 1
+    for r in (off, on):
+        assert r["device_ms"] == 2 and r["run_busy_ms_per_step"] >= 2.0
+        assert 0 <= r["host_share"] < 1
+        kinds = r["by_kind"]
+        assert sum(k["steps"] for k in kinds.values()) == r["steps"]
+    assert on["steps"] == off["steps"]  # the same steps, pipelined or not
+    block = "\n".join(report.step_profile(data, out.name))
+    assert "Run busy ms/step" in block and "emulated device 2 ms" in block
+    assert "| served, packed, pipeline on |" in block
