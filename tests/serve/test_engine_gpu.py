@@ -69,6 +69,24 @@ def _idle_stats(engine, timeout: float = 30.0) -> dict:
         time.sleep(0.01)
 
 
+def _burst_equals_alone(model, config, alone) -> dict:
+    """Every prompt queued before the loop's first step, then the loop started: each request's
+    tokens against Runtime alone (_same_or_tie); the engine's counters once it went idle."""
+    from ort_kvlayout.serve.engine import Engine, RequestParams
+
+    with Engine(model, config, start=False) as engine:
+        handles = [
+            engine.submit(p, RequestParams(max_tokens=n, ignore_eos=True))
+            for p, n in zip(PROMPTS, LENGTHS)
+        ]
+        engine.start()
+        got = [h.result() for h in handles]
+        stats = _idle_stats(engine)
+    for g, (tokens, logits) in zip(got, alone):
+        _same_or_tie(g, tokens, logits)
+    return stats
+
+
 @pytest.mark.parametrize("graph", list(ENGINE_GRAPHS))
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("chunk", [8, 256])
@@ -77,7 +95,7 @@ def test_engine_on_cuda_equals_runtime_alone(model, chunk, graphs, graph):
     captured decode graph), packed (a step's chunks in one call; mixed: its decode rows too) or
     not, and the model's own (logits copied back, sampled on the host)."""
     from ort_kvlayout.runtime.kv_memory import allocator_stats
-    from ort_kvlayout.serve.engine import Engine, EngineConfig, RequestParams
+    from ort_kvlayout.serve.engine import EngineConfig
 
     alone = _alone(model)
     before = allocator_stats()[DEVICE]["committed_bytes"]
@@ -92,16 +110,7 @@ def test_engine_on_cuda_equals_runtime_alone(model, chunk, graphs, graph):
     # unless the budget refuses them. The three slots (64 KiB per buffer each) share one 2 MiB
     # VMM granule per buffer, the whole reservation (the default budget): counted once per slot,
     # the requests ran one at a time. The fourth request reuses the slot of the first to end.
-    with Engine(model, config, start=False) as engine:
-        handles = [
-            engine.submit(p, RequestParams(max_tokens=n, ignore_eos=True))
-            for p, n in zip(PROMPTS, LENGTHS)
-        ]
-        engine.start()
-        got = [h.result() for h in handles]
-        stats = _idle_stats(engine)
-    for g, (tokens, logits) in zip(got, alone):
-        _same_or_tie(g, tokens, logits)
+    stats = _burst_equals_alone(model, config, alone)
     assert stats["sample_on_device"] is (graph != "own-graph")
     assert stats["packed"] is graph.startswith("packed")
     assert stats["kv_bytes_moved"] == 0
@@ -124,7 +133,7 @@ def test_pipelined_engine_on_cuda_equals_runtime_alone(model, chunk, graph):
     """EngineConfig.pipeline with CUDA graphs: each decode step is planned on the helper thread
     while the last one's graph replays, and launched once its tokens are read. The same tokens,
     no capture spoiled (one per bucket), every granule back."""
-    from ort_kvlayout.serve.engine import Engine, EngineConfig, RequestParams
+    from ort_kvlayout.serve.engine import EngineConfig
 
     alone = _alone(model)
     granule = 2 << 20 if DEVICE == "cpu" else None
@@ -132,16 +141,7 @@ def test_pipelined_engine_on_cuda_equals_runtime_alone(model, chunk, graph):
         max_batch=3, prefill_chunk=chunk, provider=DEVICE, granule=granule, pipeline=True,
         **ENGINE_GRAPHS[graph], **_graph_config(True),
     )  # fmt: skip
-    with Engine(model, config, start=False) as engine:
-        handles = [
-            engine.submit(p, RequestParams(max_tokens=n, ignore_eos=True))
-            for p, n in zip(PROMPTS, LENGTHS)
-        ]
-        engine.start()
-        got = [h.result() for h in handles]
-        stats = _idle_stats(engine)
-    for g, (tokens, logits) in zip(got, alone):
-        _same_or_tie(g, tokens, logits)
+    stats = _burst_equals_alone(model, config, alone)
     assert stats["pipelined_steps"] > max(LENGTHS) // 2
     assert stats["kv_bytes_moved"] == 0 and stats["kv_committed_bytes"] == 0
     assert stats["step_errors"] == 0 and stats["finished_length"] == len(PROMPTS)
