@@ -902,7 +902,11 @@ class Engine:
             return None  # the loop's own step meets it (and makes room)
         finally:
             profile.add("kv", t)
-        totals = [r.cached + 2 if r is not None else 1 for r in requests]
+        # each row one row further: its token (unknown yet) fed at row cached + 1
+        _, totals = decode_rows(
+            [(None, r.cached + 1) if r is not None else None for r in requests],
+            self.spec.pad_token_id,
+        )
         samplers = [r.sampler if r is not None else None for r in requests]
         return self.executor.stage_bucket(bucket, totals, samplers)
 
