@@ -1078,7 +1078,14 @@ def test_pipeline_needs_the_served_graph_and_padded_decode(model):
         EngineConfig(pipeline=True, decode_buckets=(1,), sample_on_device=False)
     with pytest.raises(ValueError, match="pipeline=True needs padded decode"):
         EngineConfig(pipeline=True)  # the CPU decodes eager ranges by default
-    assert EngineConfig().pipelined is False
+    # None: on with CUDA where the served graph runs and decode calls are padded (graphs)
+    assert EngineConfig().pipelined(served=True) is False  # the CPU's default
+    assert EngineConfig(provider="cuda").pipelined(served=True) is True
+    assert EngineConfig(provider="cuda").pipelined(served=False) is False
+    assert EngineConfig(provider="cuda", pipeline=False).pipelined(served=True) is False
+    eager = EngineConfig(provider="cuda", cuda_graph=False, decode_buckets=())
+    assert eager.pipelined(served=True) is False
+    assert EngineConfig(decode_buckets=(1, 2), pipeline=True).pipelined(served=True) is True
 
 
 def test_pipelined_decode_runs_while_a_request_waits_for_budget(model, alone):

@@ -49,7 +49,7 @@ publisher decodes the events' text and hands them over. A stop string is still c
 token comes (a request with stop strings has its text decoded at once), so no request runs a
 step past its end.
 
-Pipelined decode (`pipeline`): while a decode call of a bucket runs, the executor's helper
+Pipelined decode (`pipeline`, the CUDA default where the served graph runs): while a decode call of a bucket runs, the executor's helper
 thread emits the last step's tokens, publishes, and plans the next step as if no row of the call
 ends (the budget's fit, the KV rows it writes committed, its lengths and sampling parameters
 staged); once the call's tokens are read, the next call is launched with them before anything
@@ -173,7 +173,7 @@ class Engine:
         self.config = config = config or EngineConfig()
         spec = ModelSpec.from_dir(model_dir)
         served, self.served_refusal, self.packed_refusal = self._served_graph(spec, config)
-        if config.pipelined and served is None:
+        if config.pipeline and served is None:
             raise ValueError(
                 f"pipeline=True needs the served graph, which this model cannot run: "
                 f"{self.served_refusal}"
@@ -197,6 +197,7 @@ class Engine:
         self.spec = self.runtime.spec
         self.tokenizer = tokenizer
         self.packed = served is not None and served.packed
+        self.pipelined = config.pipelined(served is not None)
         try:
             self._allocate(config)
         except BaseException:
@@ -773,7 +774,7 @@ class Engine:
             (self._slots[s], take) for s, take in prefill_chunks(view, self._limits.prefill_chunk)
         ]
         profile.add("schedule", t)
-        if self.config.pipelined and padded and span is not None and not chunks:
+        if self.pipelined and padded and span is not None and not chunks:
             self._decode_pipeline(span[1])
             return
         calls = []
@@ -1126,7 +1127,7 @@ class Engine:
             "sample_on_device": self.executor.served is not None,
             "packed": self.executor.packed,
             "mixed": self.executor.packed and self.config.mixed,
-            "pipeline": self.config.pipelined,
+            "pipeline": self.pipelined,
             "step_profile": self.executor.profile.summary(),
         }
         for key in (
