@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -153,8 +154,18 @@ def string_function(name: str, path: str | os.PathLike | None = None):
     return fn
 
 
+_buffers = threading.local()  # a thread's reply buffers by size: the engine asks every step
+
+
 def call_string_function(fn, size: int = 4096) -> tuple[int, str]:
-    """(returned length, text) of a ``string_function``."""
-    buf = ctypes.create_string_buffer(size)
+    """(returned length, text) of a ``string_function`` (text "" when it wrote nothing)."""
+    kept = getattr(_buffers, "by_size", None)
+    if kept is None:
+        kept = _buffers.by_size = {}
+    buf = kept.get(size)
+    if buf is None:
+        buf = kept[size] = ctypes.create_string_buffer(size)
     n = fn(buf, size)
+    if n == 0:
+        return 0, ""
     return n, buf.value.decode("utf-8", errors="replace")

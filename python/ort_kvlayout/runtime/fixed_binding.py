@@ -15,6 +15,12 @@ OrtValues made once from the host arrays and updated in place; on the CPU the ho
 themselves, bound by pointer (nothing to copy). `host_inputs` stay in CPU memory on either
 device (an input the op reads on the host, such as GQA's total_sequence_length).
 
+On CUDA the small inputs (ids, positions, lengths, sampling parameters: ARENA_LIMIT bytes or
+less each) share one device buffer, each bound at its own offset, so that an upload of any of
+them is one host-to-device copy a step instead of one per input (each ORT update_inplace is a
+synchronous copy and tens of microseconds on the decode's critical path). Larger inputs (the
+model's own graph's mask) keep a buffer of their own.
+
 The runtime's decode step (runtime/generation.py) and the serving engine's per-bucket decode
 calls (serve/executor.py) are both made of one.
 """
@@ -28,7 +34,21 @@ import onnxruntime as ort
 
 from .kv_cache import KvBuffer, bind_in_place
 
-__all__ = ["FixedBinding"]
+__all__ = ["ARENA_LIMIT", "FixedBinding", "arena_layout"]
+
+ARENA_LIMIT = 64 * 1024  # bytes: an input this size or smaller is uploaded through the arena
+_ALIGN = 256  # bytes: each input's offset in the arena (cudaMalloc's own alignment)
+
+
+def arena_layout(arrays: dict[str, np.ndarray], limit: int = ARENA_LIMIT) -> tuple[dict, int]:
+    """({name: byte offset}, arena bytes) for the arrays of `limit` bytes or less, each at an
+    offset aligned to _ALIGN, in the order given."""
+    offsets, end = {}, 0
+    for name, array in arrays.items():
+        if array.nbytes <= limit:
+            offsets[name] = end
+            end += -(-max(array.nbytes, 1) // _ALIGN) * _ALIGN
+    return offsets, end
 
 
 class FixedBinding:
@@ -56,18 +76,40 @@ class FixedBinding:
         for name, array in self._pinned.items():
             self._bind_host(self.binding.bind_input, name, array)
         self._device: dict[str, ort.OrtValue] = {}
+        self._offsets: dict[str, int] = {}  # CUDA: each small input's place in the arena
         if device == "cpu":
             for name, array in self.host.items():
                 self._bind_host(self.binding.bind_input, name, array)
             for name, array in self._outputs.items():
                 self._bind_host(self.binding.bind_output, name, array)
             return
+        offsets, size = arena_layout(self.host)
+        self._offsets = offsets
+        self._arena_host = np.zeros(size, np.uint8)
+        for name in offsets:
+            self._arena_view(name)[...] = self.host[name]
+        self._arena = None
+        if size:
+            self._arena = ort.OrtValue.ortvalue_from_numpy(self._arena_host, "cuda", device_id)
+            base = self._arena.data_ptr()
+            for name, at in offsets.items():
+                array = self.host[name]
+                self.binding.bind_input(
+                    name, "cuda", device_id, array.dtype, list(array.shape), base + at
+                )
         for name, array in (*self.host.items(), *self._outputs.items()):
-            self._device[name] = ort.OrtValue.ortvalue_from_numpy(array, "cuda", device_id)
+            if name not in offsets:
+                self._device[name] = ort.OrtValue.ortvalue_from_numpy(array, "cuda", device_id)
         for name in self.host:
-            self.binding.bind_ortvalue_input(name, self._device[name])
+            if name not in offsets:
+                self.binding.bind_ortvalue_input(name, self._device[name])
         for name in self._outputs:
             self.binding.bind_ortvalue_output(name, self._device[name])
+
+    def _arena_view(self, name: str) -> np.ndarray:
+        """The bytes of input `name` in the host copy of the arena, as its dtype and shape."""
+        array, at = self.host[name], self._offsets[name]
+        return self._arena_host[at : at + array.nbytes].view(array.dtype).reshape(array.shape)
 
     @staticmethod
     def _bind_host(bind, name: str, array: np.ndarray) -> None:
@@ -78,9 +120,17 @@ class FixedBinding:
     def upload(self, names: Iterable[str]) -> None:
         """Copies the named host inputs to their device addresses (CUDA; on the CPU the bound
         arrays are the inputs, nothing to do)."""
-        if self._device:
-            for name in names:
+        if self.device == "cpu":
+            return
+        arena = False
+        for name in names:
+            if name in self._offsets:
+                self._arena_view(name)[...] = self.host[name]
+                arena = True
+            else:
                 self._device[name].update_inplace(self.host[name])
+        if arena:  # one copy for every small input (the others' bytes as last uploaded)
+            self._arena.update_inplace(self._arena_host)
 
     def read(self, name: str) -> np.ndarray:
         """An output on the host: on the CPU the bound array itself (valid until the next run),
