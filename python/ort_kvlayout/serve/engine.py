@@ -49,15 +49,16 @@ publisher decodes the events' text and hands them over. A stop string is still c
 token comes (a request with stop strings has its text decoded at once), so no request runs a
 step past its end.
 
-Pipelined decode (`pipeline`, the CUDA default where the served graph runs): while a decode call of a bucket runs, the executor's helper
-thread emits the last step's tokens, publishes, and plans the next step as if no row of the call
-ends (the budget's fit, the KV rows it writes committed, its lengths and sampling parameters
-staged); once the call's tokens are read, the next call is launched with them before anything
-else. A row whose token may end its request (a stop id, max_tokens, stop strings, an error) is
-emitted first; a row that ends ends the pipeline, as do a waiting request that a free slot and
-the budget would admit, the inbox and close(): the loop then plans the next step as usual, so no
-token passes a request's end and no slot is released under a running call. A sampling row draws
-its uniform number when its call is launched, so a seed gives the same tokens pipelined or not.
+Pipelined decode (`pipeline`, the CUDA default where the served graph runs): while a decode call
+of a bucket runs, the executor's helper thread emits the last step's tokens, publishes, and
+plans the next step as if no row of the call ends (the budget's fit, the KV rows it writes
+committed, its lengths and sampling parameters staged); once the call's tokens are read, the
+next call is launched with them before anything else. A row whose token may end its request (a
+stop id, max_tokens, stop strings, an error) is emitted first; a row that ends ends the
+pipeline, as do a waiting request that a free slot and the budget would admit, the inbox and
+close(): the loop then plans the next step as usual, so no token passes a request's end and no
+slot is released under a running call. A sampling row draws its uniform number when its call is
+launched, so a seed gives the same tokens pipelined or not.
 
 A mixed or multi-request call needs the packed graph: the model's own graph is right-padded,
 and its dense layers would compute every row of the (batch, longest chunk) shape, multiplying a
