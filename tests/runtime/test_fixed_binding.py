@@ -1,8 +1,9 @@
 """The arena layout of FixedBinding's small CUDA inputs (the binding itself runs in the GPU
 tests: tests/runtime/test_kv_cache_gpu.py, tests/serve/test_engine_gpu.py)."""
 
-import numpy as np
+import itertools
 
+import numpy as np
 from ort_kvlayout.runtime.fixed_binding import ARENA_LIMIT, arena_layout
 
 
@@ -18,7 +19,7 @@ def test_small_inputs_share_an_aligned_arena_without_overlap():
     assert list(offsets) == ["input_ids", "seqlens", "one", "uniform"]
     assert all(at % 256 == 0 for at in offsets.values())
     spans = sorted((at, at + arrays[n].nbytes) for n, at in offsets.items())
-    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
+    assert all(end <= nxt for (_, end), (nxt, _) in itertools.pairwise(spans))
     assert spans[-1][1] <= size and size % 256 == 0
 
 

@@ -1133,3 +1133,58 @@ def test_pipelined_decode_under_preemption(model, alone):
     assert got == alone
     assert stats["preemptions"] > 0 and stats["pipelined_steps"] > 0
     assert stats["kv_peak_committed_bytes"] <= config.kv_budget_bytes
+
+
+class _CpuAsCuda:
+    """An IOBinding that takes the CUDA binding calls of FixedBinding and makes them on the
+    CPU, so that its CUDA path (the small inputs in one arena, bound by pointer at their
+    offsets, uploaded in one copy) runs a real ORT session here."""
+
+    def __init__(self, real):
+        self._real, self._iobinding = real, real._iobinding
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def bind_input(self, name, device, device_id, *args):
+        self._real.bind_input(name, "cpu", 0, *args)
+
+
+def test_fixed_binding_arena_path_gives_every_request_its_tokens(model, alone, monkeypatch):
+    """FixedBinding's CUDA path on a CPU session: every decode bucket's ids, lengths, packing
+    and sampling inputs bound at their arena offsets and uploaded by one copy of the arena a
+    call (the "device" arena a separate copy, so a missing upload would feed stale values).
+    Every request gets its tokens alone, pipelined and not."""
+    import onnxruntime as ort
+    from ort_kvlayout.serve.engine import Engine, EngineConfig
+
+    made = ort.OrtValue.ortvalue_from_numpy
+
+    def on_the_cpu(array, device="cpu", device_id=0):
+        return made(np.array(array, copy=True), "cpu", 0)  # "device" memory of its own
+
+    uploads = []
+    update = ort.OrtValue.update_inplace
+    monkeypatch.setattr(ort.OrtValue, "ortvalue_from_numpy", staticmethod(on_the_cpu))
+    monkeypatch.setattr(
+        ort.OrtValue, "update_inplace", lambda self, a: uploads.append(a.nbytes) or update(self, a)
+    )
+    for pipeline in (False, True):
+        uploads.clear()
+        config = EngineConfig(max_batch=4, decode_buckets=(1, 2, 4), pipeline=pipeline)
+        with Engine(model, config, start=False) as eng:
+            session = eng.runtime.session
+            real = session.io_binding
+            monkeypatch.setattr(session, "io_binding", lambda real=real: _CpuAsCuda(real()))
+            eng.executor.device = "cuda"  # the bucket calls are made at their first step
+            handles = [eng.submit(p, params(n)) for p, n in zip(PROMPTS, LENGTHS)]
+            eng.start()
+            got = [h.result() for h in handles]
+            stats = eng.stats()
+            calls = list(eng.executor._buckets.values())
+        assert got == alone
+        assert calls and all(c._fixed._offsets for c in calls)
+        arenas = {c._fixed._arena_host.nbytes for c in calls}
+        assert set(uploads) <= arenas  # every upload was an arena's, one a call
+        assert len(uploads) == stats["decode_calls"]
+        assert stats["pipeline"] is pipeline
