@@ -1183,7 +1183,7 @@ def test_fixed_binding_arena_path_gives_every_request_its_tokens(model, alone, m
             stats = eng.stats()
             calls = list(eng.executor._buckets.values())
         assert got == alone
-        assert calls and all(c._fixed._offsets for c in calls)
+        assert calls and all(c._fixed._in_arena for c in calls)
         arenas = {c._fixed._arena_host.nbytes for c in calls}
         assert set(uploads) <= arenas  # every upload was an arena's, one a call
         assert len(uploads) == stats["decode_calls"]

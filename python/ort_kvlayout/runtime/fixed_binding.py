@@ -76,7 +76,7 @@ class FixedBinding:
         for name, array in self._pinned.items():
             self._bind_host(self.binding.bind_input, name, array)
         self._device: dict[str, ort.OrtValue] = {}
-        self._offsets: dict[str, int] = {}  # CUDA: each small input's place in the arena
+        self._in_arena: dict[str, np.ndarray] = {}  # CUDA: each small input's bytes in the arena
         if device == "cpu":
             for name, array in self.host.items():
                 self._bind_host(self.binding.bind_input, name, array)
@@ -84,10 +84,12 @@ class FixedBinding:
                 self._bind_host(self.binding.bind_output, name, array)
             return
         offsets, size = arena_layout(self.host)
-        self._offsets = offsets
         self._arena_host = np.zeros(size, np.uint8)
-        for name in offsets:
-            self._arena_view(name)[...] = self.host[name]
+        for name, at in offsets.items():
+            array = self.host[name]
+            view = self._arena_host[at : at + array.nbytes].view(array.dtype).reshape(array.shape)
+            view[...] = array
+            self._in_arena[name] = view
         self._arena = None
         if size:
             self._arena = ort.OrtValue.ortvalue_from_numpy(self._arena_host, "cuda", device_id)
@@ -97,19 +99,13 @@ class FixedBinding:
                 self.binding.bind_input(
                     name, "cuda", device_id, array.dtype, list(array.shape), base + at
                 )
-        for name, array in (*self.host.items(), *self._outputs.items()):
-            if name not in offsets:
+        for name, array in self.host.items():
+            if name not in offsets:  # a buffer of its own
                 self._device[name] = ort.OrtValue.ortvalue_from_numpy(array, "cuda", device_id)
-        for name in self.host:
-            if name not in offsets:
                 self.binding.bind_ortvalue_input(name, self._device[name])
-        for name in self._outputs:
+        for name, array in self._outputs.items():
+            self._device[name] = ort.OrtValue.ortvalue_from_numpy(array, "cuda", device_id)
             self.binding.bind_ortvalue_output(name, self._device[name])
-
-    def _arena_view(self, name: str) -> np.ndarray:
-        """The bytes of input `name` in the host copy of the arena, as its dtype and shape."""
-        array, at = self.host[name], self._offsets[name]
-        return self._arena_host[at : at + array.nbytes].view(array.dtype).reshape(array.shape)
 
     @staticmethod
     def _bind_host(bind, name: str, array: np.ndarray) -> None:
@@ -124,8 +120,9 @@ class FixedBinding:
             return
         arena = False
         for name in names:
-            if name in self._offsets:
-                self._arena_view(name)[...] = self.host[name]
+            view = self._in_arena.get(name)
+            if view is not None:
+                view[...] = self.host[name]
                 arena = True
             else:
                 self._device[name].update_inplace(self.host[name])
