@@ -418,6 +418,8 @@ def step_profile(data: dict, name: str) -> list[str]:
 
     def graph_of(r: dict) -> str:
         graph = _STEP_GRAPHS.get(r.get("mode", "device" if r["sample_on_device"] else "host"))
+        if r.get("label"):  # an A/B of commits in one file: which run this is
+            graph += f" ({r['label']})"
         if len(overlaps) > 1:  # runs both ways: say which
             graph += ", overlap " + ("on" if r.get("overlap") else "off")
         if len(aheads) > 1:

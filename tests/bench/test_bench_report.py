@@ -73,6 +73,8 @@ def test_the_step_profile_table_shows_each_graph_and_the_gpu_share():
         pipes = {bool(r.get("pipeline")) for r in data["results"]}
         for r in data["results"]:  # a row per mode, named as step_profile.py's --modes
             label = report._STEP_GRAPHS[r["mode"]]
+            if r.get("label"):  # an A/B of commits in one file names the run
+                label += f" ({r['label']})"
             if both_ways:  # a run of --overlap on,off says which
                 label += ", overlap " + ("on" if r["overlap"] else "off")
             if aheads:  # and one of --commit-ahead on,off
