@@ -1,6 +1,7 @@
 """EngineReplica.generate without Ray: the first event alone, later ones gathered for
 stream_interval seconds, the last one sent when it comes, and a caller that stops reading
-cancels the request. A stand-in engine emits events from its own thread, as the engine does."""
+cancels the request. A stand-in engine emits events from its own thread onto the replica's
+loop, as the engine does; the handle is the engine's own RequestHandle."""
 
 from __future__ import annotations
 
@@ -10,36 +11,33 @@ import time
 
 from ort_kvlayout.serve.cluster.replica import EngineReplica
 from ort_kvlayout.serve.engine import Event, RequestParams
-
-
-class FakeHandle:
-    def __init__(self):
-        self.finish_reason = None
-        self.cancelled = threading.Event()
-
-    def cancel(self):
-        self.cancelled.set()
+from ort_kvlayout.serve.requests import RequestHandle, put_all
 
 
 class FakeEngine:
-    """submit() starts a thread that emits n events `gap` seconds apart, the last finished."""
+    """submit() (from the replica's loop) returns a real RequestHandle and starts a thread that
+    emits n events `gap` seconds apart, the last finished, each handed over onto the loop as the
+    engine hands a step's events over (requests.put_all)."""
 
     def __init__(self, n: int, gap: float):
         self.n, self.gap = n, gap
-        self.handle = FakeHandle()
+        self.cancelled = threading.Event()
+        self.handle = None
 
     def close(self, drain=False):  # the replica's __del__
         pass
 
-    def submit(self, prompt, params, on_event):
+    def submit(self, prompt, params):
+        loop = asyncio.get_running_loop()
+        self.handle = RequestHandle(lambda rid: self.cancelled.set(), 1, loop)
+
         def run():
             for i in range(self.n):
-                if self.handle.cancelled.is_set():
+                if self.cancelled.is_set():
                     return
                 last = i == self.n - 1
-                if last:
-                    self.handle.finish_reason = "length"
-                on_event(Event(1, 10 + i, None, "length" if last else None, len(prompt), i + 1))
+                event = Event(1, 10 + i, None, "length" if last else None, len(prompt), i + 1)
+                loop.call_soon_threadsafe(put_all, [(self.handle, event)])
                 time.sleep(self.gap)
 
         threading.Thread(target=run, daemon=True).start()
@@ -87,4 +85,39 @@ def test_a_caller_that_stops_reading_cancels_the_request():
     engine = FakeEngine(1000, 0.002)
     batches = collect(replica(engine, interval=0.0), stop_after=2)
     assert len(batches) == 2
-    assert engine.handle.cancelled.wait(5)
+    assert engine.cancelled.wait(5)
+
+
+def test_the_batched_reader_takes_what_arrived_and_stops_at_the_end():
+    async def main():
+        loop = asyncio.get_running_loop()
+        handle = RequestHandle(lambda rid: None, 7, loop)
+        assert handle.take_ready() == []
+        assert not await handle.wait_end(0.01)  # nothing arrived: the timeout
+        events = [Event(7, t, None, None, 3, t) for t in (1, 2)]
+        events.append(Event(7, 3, None, "stop", 3, 3))
+        put_all([(handle, e) for e in events])
+        assert await handle.wait_end(5.0)  # the last arrived, unread
+        assert (await handle.next_event()).token_id == 1
+        assert [e.token_id for e in handle.take_ready()] == [2, 3]
+        assert handle.tokens == [1, 2, 3] and handle.finish_reason == "stop"
+        put_all([(handle, Event(7, 9, None, None, 3, 4))])  # nothing is read past the end
+        assert handle.take_ready() == []
+        try:
+            await handle.next_event()
+        except StopAsyncIteration:
+            return
+        raise AssertionError("next_event read past the request's last event")
+
+    asyncio.run(main())
+
+
+def test_a_handle_submitted_without_a_loop_refuses_the_batched_reader():
+    handle = RequestHandle(lambda rid: None, 1, None)
+    for read in (handle.take_ready, lambda: asyncio.run(handle.wait_end(0))):
+        try:
+            read()
+        except TypeError as exc:
+            assert "event loop" in str(exc)
+        else:
+            raise AssertionError("a blocking handle was read as an async one")

@@ -639,7 +639,7 @@ class Engine:
             event = Event(r.id, token, text, reason, r.prompt_len, generated, error)
             handle = r.handle
             if handle._async is not None and handle._loop is not None:
-                loops.setdefault(handle._loop, []).append((handle._async, event))
+                loops.setdefault(handle._loop, []).append((handle, event))
                 continue
             try:
                 handle._push(event)

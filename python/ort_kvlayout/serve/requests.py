@@ -86,10 +86,10 @@ class Event:
         return self.finish_reason is not None
 
 
-def put_all(items: list[tuple[asyncio.Queue, Event]]) -> None:
+def put_all(items: list[tuple[RequestHandle, Event]]) -> None:
     """On a reader's event loop: one step's events for its handles (one wake-up a step)."""
-    for q, event in items:
-        q.put_nowait(event)
+    for handle, event in items:
+        handle._arrive(event)
 
 
 class RequestHandle:
@@ -105,6 +105,8 @@ class RequestHandle:
         self._loop = loop
         self._sync: queue.SimpleQueue = queue.SimpleQueue()
         self._async: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
+        # set on the loop once the last event is queued (wait_end)
+        self._ended: asyncio.Event | None = asyncio.Event() if loop is not None else None
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
         self._callback = False  # submitted with on_event: its events go to the callback
@@ -113,11 +115,16 @@ class RequestHandle:
     def _push(self, event: Event) -> None:  # the engine thread
         if self._async is not None and self._loop is not None:
             try:
-                self._loop.call_soon_threadsafe(self._async.put_nowait, event)
+                self._loop.call_soon_threadsafe(self._arrive, event)
             except RuntimeError:  # the loop is closed: nobody listens any more
                 pass
         else:
             self._sync.put(event)
+
+    def _arrive(self, event: Event) -> None:  # the reader's loop
+        self._async.put_nowait(event)
+        if event.finished:
+            self._ended.set()
 
     def cancel(self) -> None:
         self._cancel(self.id)
@@ -142,10 +149,42 @@ class RequestHandle:
             yield self._take(self._sync.get())
 
     async def __aiter__(self):
-        if self._async is None:
-            raise TypeError("submit from a running event loop to read with `async for`")
+        self._check_async()
         while self.finish_reason is None:
             yield self._take(await self._async.get())
+
+    # A reader that forwards events in batches (a Ray Serve replica sends a list per message):
+    # next_event, then wait_end for the rest of an interval, then take_ready.
+    async def next_event(self) -> Event:
+        """The next event (waiting for it); after the last one, raises StopAsyncIteration."""
+        self._check_async()
+        if self.finish_reason is not None:
+            raise StopAsyncIteration
+        return self._take(await self._async.get())
+
+    async def wait_end(self, timeout: float) -> bool:
+        """Waits up to `timeout` seconds for the last event to arrive (not read); True if it
+        did."""
+        self._check_async()
+        if self._ended.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self._ended.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    def take_ready(self) -> list[Event]:
+        """The events that arrived and were not read yet, read now (without waiting)."""
+        self._check_async()
+        events = []
+        while self.finish_reason is None and not self._async.empty():
+            events.append(self._take(self._async.get_nowait()))
+        return events
+
+    def _check_async(self) -> None:
+        if self._async is None:
+            raise TypeError("submit from a running event loop to read with `async for`")
 
     def result(self) -> list[int]:
         """Blocks until the request ends; its generated tokens."""

@@ -21,12 +21,11 @@ graceful shutdown, bounded by `graceful_shutdown_timeout_s`): the engine closes 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import socket
 from pathlib import Path
 
-from ..engine import Engine, EngineConfig, Event, RequestParams
+from ..engine import Engine, EngineConfig, RequestParams
 
 __all__ = ["EngineReplica", "engine_session_options"]
 
@@ -88,32 +87,18 @@ class EngineReplica:
 
     async def generate(self, prompt: list[int], params: RequestParams):
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
-        finished = asyncio.Event()
-
-        def arrive(event: Event) -> None:  # the replica's loop
-            events.put_nowait(event)
-            if event.finished:
-                finished.set()
-
-        def on_event(event: Event) -> None:  # the engine thread
-            try:
-                loop.call_soon_threadsafe(arrive, event)
-            except RuntimeError:  # the loop closed: nobody reads any more
-                pass
-
-        handle = self.engine.submit(prompt, params, on_event=on_event)
+        # submitted from this loop: the engine hands a step's events for all of this replica's
+        # requests over in one call onto the loop, not one cross-thread wake-up per token
+        handle = self.engine.submit(prompt, params)
         try:
             sent = None  # when the last list went
             while True:
-                batch = [await events.get()]
-                if sent is not None and not finished.is_set():
+                batch = [await handle.next_event()]
+                if sent is not None and not batch[-1].finished:
                     linger = sent + self.stream_interval - loop.time()
                     if linger > 0:  # gather until the interval is up or the request ends
-                        with contextlib.suppress(asyncio.TimeoutError):
-                            await asyncio.wait_for(finished.wait(), linger)
-                while not events.empty():
-                    batch.append(events.get_nowait())
+                        await handle.wait_end(linger)
+                batch += handle.take_ready()
                 yield batch
                 sent = loop.time()
                 if batch[-1].finished:
