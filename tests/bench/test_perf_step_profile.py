@@ -186,3 +186,27 @@ def test_an_emulated_device_gives_run_busy_and_the_pipeline_counts_steps(tmp_pat
     block = "\n".join(report.step_profile(data, out.name))
     assert "Run busy ms/step" in block and "emulated device 2 ms" in block
     assert "| served, packed, pipeline on |" in block
+
+
+def test_switch_intervals_run_a_pass_each_named_and_restored(tmp_path):
+    import sys
+
+    library_or_skip()
+    model = make_served_model(tmp_path / "model")
+    out = tmp_path / "step-profile-cpu.json"
+    before = sys.getswitchinterval()
+    args = [str(model), "--batch", "2", "--prompt", "4", "--output", "3", "--capacity", "64",
+            "--modes", "packed", "--switch-interval", "5,0.5", "--json", str(out)]  # fmt: skip
+    assert step_profile.main(args) == 0
+    assert sys.getswitchinterval() == before  # the process's own setting back
+    data = json.loads(out.read_text())
+    assert [r["switch_interval_ms"] for r in data["results"]] == [5.0, 0.5]
+    block = "\n".join(report.step_profile(data, out.name))
+    assert "(GIL switch interval 0.5 ms)" in block and "(GIL switch interval 5 ms)" in block
+    for bad in ("0", "x", "-1"):
+        try:
+            step_profile.main([str(model), "--switch-interval", bad])
+        except SystemExit as exc:
+            assert exc.code == 2
+        else:
+            raise AssertionError(f"--switch-interval {bad} was accepted")

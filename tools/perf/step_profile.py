@@ -417,7 +417,8 @@ def table(results: list[dict]) -> str:
     for r in results:
         settings = ["on" if r.get("overlap") else "off", "on" if r.get("commit_ahead") else "off",
                     "on" if r.get("pipeline") else "off", str(r.get("prefill_wait", 0))]  # fmt: skip
-        for label, row in rows_by_kind(r, r["mode"]):
+        name = r["mode"] + (f" ({r['label']})" if r.get("label") else "")
+        for label, row in rows_by_kind(r, name):
             lines.append("| " + " | ".join([label, *settings, *cells(r, row, phases)]) + " |")
     return "\n".join(lines)
 
@@ -478,9 +479,23 @@ def main(argv: list[str] | None = None) -> int:
         help="ORT's intra-op threads (default: ORT's, every core): fewer leave cores to the "
         "engine's own threads, as a GPU's host has",
     )  # fmt: skip
+    p.add_argument(
+        "--switch-interval", default="", metavar="MS[,MS]",
+        help="the interpreter's GIL switch interval (sys.setswitchinterval) for each pass, in "
+        "ms (default: Python's, 5 ms): how long a thread returning from Run may wait for the "
+        "GIL while another thread runs Python",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    try:
+        switches = (
+            [float(s) for s in args.switch_interval.split(",")] if args.switch_interval else [None]
+        )
+    except ValueError:
+        p.error(f"--switch-interval {args.switch_interval!r}: expected ms values, e.g. 5,0.5")
+    if any(s is not None and s <= 0 for s in switches):
+        p.error(f"--switch-interval {args.switch_interval!r}: each value must be > 0 ms")
     overlaps = {"": None, "on": True, "off": False}
     settings = [s.strip() for s in args.overlap.split(",")] if args.overlap else [""]
     if any(s not in overlaps for s in settings):
@@ -495,8 +510,17 @@ def main(argv: list[str] | None = None) -> int:
     for mode in args.modes.split(","):
         if mode not in MODES:
             p.error(f"mode {mode!r}: expected one of {', '.join(MODES)}")
-        for setting, ahead, pipe in itertools.product(settings, aheads, pipes):
-            results.append(run_mode(args, mode, overlaps[setting], ahead == "on", pipe == "on"))
+        for setting, ahead, pipe, switch in itertools.product(settings, aheads, pipes, switches):
+            default = sys.getswitchinterval()
+            if switch is not None:
+                sys.setswitchinterval(switch / 1000)
+            try:
+                results.append(run_mode(args, mode, overlaps[setting], ahead == "on", pipe == "on"))
+            finally:
+                sys.setswitchinterval(default)
+            if switch is not None:
+                results[-1]["switch_interval_ms"] = switch
+                results[-1]["label"] = f"GIL switch interval {switch:g} ms"
             table_text = results[-1].pop("cprofile", None)
             print(json.dumps(results[-1]), file=sys.stderr)
             if table_text:
