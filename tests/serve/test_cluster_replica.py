@@ -10,6 +10,7 @@ import threading
 import time
 
 from ort_kvlayout.serve.cluster.replica import EngineReplica
+from ort_kvlayout.serve.cluster.wire import pack_events, unpack_events
 from ort_kvlayout.serve.engine import Event, RequestParams
 from ort_kvlayout.serve.requests import RequestHandle, put_all
 
@@ -54,8 +55,8 @@ def collect(r: EngineReplica, stop_after: int | None = None) -> list[list[Event]
     async def main():
         batches = []
         gen = r.generate([1, 2, 3], RequestParams(max_tokens=10))
-        async for batch in gen:
-            batches.append(batch)
+        async for message in gen:
+            batches.append(unpack_events(message))
             if stop_after is not None and len(batches) == stop_after:
                 await gen.aclose()  # the caller went away
                 break
@@ -121,3 +122,22 @@ def test_a_handle_submitted_without_a_loop_refuses_the_batched_reader():
             assert "event loop" in str(exc)
         else:
             raise AssertionError("a blocking handle was read as an async one")
+
+
+def test_a_message_carries_its_events_exactly_and_refuses_mixed_ones():
+    events = [Event(4, 10 + i, f"t{i}", None, 7, i + 1) for i in range(3)]
+    events.append(Event(4, None, "", "error", 7, 3, "the tokenizer failed"))
+    assert unpack_events(pack_events(events)) == events
+    one = [Event(4, 9, None, "length", 7, 1)]
+    assert unpack_events(pack_events(one)) == one
+    bad = [
+        [],
+        [Event(4, 1, None), Event(5, 2, None)],  # two requests
+        [Event(4, 1, None, "stop", 7, 1), Event(4, 2, None, None, 7, 2)],  # past the end
+    ]
+    for events in bad:
+        try:
+            pack_events(events)
+        except ValueError:
+            continue
+        raise AssertionError(f"packed {events}")

@@ -25,6 +25,7 @@ from ray.serve.exceptions import (
 
 from ..requests import EngineClosed, EngineOverloaded, Event, RequestParams
 from .registry import router_for
+from .wire import unpack_events
 
 __all__ = ["ClusterEngine", "RemoteHandle", "ReplicaLost"]
 
@@ -64,7 +65,7 @@ class RemoteHandle:
         while self.finish_reason is None:
             if not self._pending:
                 try:
-                    self._pending.extend(await self._stream.__anext__())
+                    self._pending.extend(unpack_events(await self._stream.__anext__()))
                 except StopAsyncIteration:
                     raise ReplicaLost("the replica ended the request's stream early") from None
                 except RequestCancelledError:
@@ -108,7 +109,7 @@ class ClusterEngine:
             if isinstance(exc.cause, Exception):
                 raise exc.cause from None
             raise
-        return RemoteHandle(stream, first)
+        return RemoteHandle(stream, unpack_events(first))
 
     def replica_stats(self) -> dict[str, dict]:
         """Each running replica's last reported stats, by replica id."""

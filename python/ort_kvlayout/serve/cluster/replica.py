@@ -1,6 +1,7 @@
 """One engine per Ray Serve replica: `EngineReplica`, the deployment the router balances.
 
-    generate(prompt_ids, RequestParams) -> async generator of lists of engine Events
+    generate(prompt_ids, RequestParams) -> async generator of messages, each a list of the
+        request's engine Events in columns (wire.py)
 
 The first list comes once the request is admitted and produced its first event, so whatever
 the engine refuses (RequestTooLarge, EngineOverloaded, EngineClosed, ValueError) is raised by
@@ -26,6 +27,7 @@ import socket
 from pathlib import Path
 
 from ..engine import Engine, EngineConfig, RequestParams
+from .wire import pack_events
 
 __all__ = ["EngineReplica", "engine_session_options"]
 
@@ -99,7 +101,7 @@ class EngineReplica:
                     if linger > 0:  # gather until the interval is up or the request ends
                         await handle.wait_end(linger)
                 batch += handle.take_ready()
-                yield batch
+                yield pack_events(batch)
                 sent = loop.time()
                 if batch[-1].finished:
                     return
