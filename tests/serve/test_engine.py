@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -1136,9 +1137,12 @@ def test_pipelined_decode_under_preemption(model, alone):
 
 
 class _CpuAsCuda:
-    """An IOBinding that takes the CUDA binding calls of FixedBinding and makes them on the
-    CPU, so that its CUDA path (the small inputs in one arena, bound by pointer at their
-    offsets, uploaded in one copy) runs a real ORT session here."""
+    """An IOBinding that takes the CUDA binding calls of FixedBinding and CallUpload and makes
+    them on the CPU, so that their CUDA paths (inputs in one buffer, bound by pointer at their
+    offsets, uploaded in one copy) run a real ORT session here. Names bound from host arrays
+    (bind_cpu_input) are recorded in `host_bound`."""
+
+    host_bound: ClassVar[set] = set()
 
     def __init__(self, real):
         self._real, self._iobinding = real, real._iobinding
@@ -1149,12 +1153,18 @@ class _CpuAsCuda:
     def bind_input(self, name, device, device_id, *args):
         self._real.bind_input(name, "cpu", 0, *args)
 
+    def bind_cpu_input(self, name, array):
+        _CpuAsCuda.host_bound.add(name)
+        self._real.bind_cpu_input(name, array)
+
 
 def test_fixed_binding_arena_path_gives_every_request_its_tokens(model, alone, monkeypatch):
-    """FixedBinding's CUDA path on a CPU session: every decode bucket's ids, lengths, packing
-    and sampling inputs bound at their arena offsets and uploaded by one copy of the arena a
-    call (the "device" arena a separate copy, so a missing upload would feed stale values).
-    Every request gets its tokens alone, pipelined and not."""
+    """FixedBinding's and CallUpload's CUDA paths on a CPU session: every decode bucket's ids,
+    lengths, packing and sampling inputs bound at their arena offsets and uploaded by one copy
+    of the arena a call, every eager (prefill) call's inputs likewise through CallUpload, only
+    the host input (total_sequence_length) bound from a host array (the "device" buffers
+    separate copies, so a missing upload would feed stale values). Every request gets its
+    tokens alone, pipelined and not."""
     import onnxruntime as ort
     from ort_kvlayout.serve.engine import Engine, EngineConfig
 
@@ -1171,6 +1181,7 @@ def test_fixed_binding_arena_path_gives_every_request_its_tokens(model, alone, m
     )
     for pipeline in (False, True):
         uploads.clear()
+        _CpuAsCuda.host_bound = set()
         config = EngineConfig(max_batch=4, decode_buckets=(1, 2, 4), pipeline=pipeline)
         with Engine(model, config, start=False) as eng:
             session = eng.runtime.session
@@ -1182,9 +1193,14 @@ def test_fixed_binding_arena_path_gives_every_request_its_tokens(model, alone, m
             got = [h.result() for h in handles]
             stats = eng.stats()
             calls = list(eng.executor._buckets.values())
+            eager = eng.executor._upload
+            served = eng.executor.served
         assert got == alone
         assert calls and all(c._fixed._in_arena for c in calls)
         arenas = {c._fixed._arena_host.nbytes for c in calls}
-        assert set(uploads) <= arenas  # every upload was an arena's, one a call
-        assert len(uploads) == stats["decode_calls"]
+        sizes = {host.nbytes for host, _ in eager._buffers.values()}
+        assert set(uploads) <= arenas | sizes  # every upload a whole buffer's, one a call
+        assert stats["prefill_calls"] > 0 and eager.uploads == stats["prefill_calls"]
+        assert len(uploads) == stats["decode_calls"] + stats["prefill_calls"]
+        assert _CpuAsCuda.host_bound == {served.total}
         assert stats["pipeline"] is pipeline

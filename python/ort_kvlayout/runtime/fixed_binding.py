@@ -23,10 +23,17 @@ model's own graph's mask) keep a buffer of their own.
 
 The runtime's decode step (runtime/generation.py) and the serving engine's per-bucket decode
 calls (serve/executor.py) are both made of one.
+
+An eager call, whose inputs change shape from call to call, takes its device inputs through a
+CallUpload instead: bind_cpu_input copies each input to the device when it is bound (ORT's
+IOBinding::BindInput, a synchronous copy an input), where CallUpload lays them out in one host
+buffer, copies it once into a device buffer kept for calls of that size class, and binds each
+input by pointer at its offset.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 
 import numpy as np
@@ -34,7 +41,7 @@ import onnxruntime as ort
 
 from .kv_cache import KvBuffer, bind_in_place
 
-__all__ = ["ARENA_LIMIT", "FixedBinding", "arena_layout"]
+__all__ = ["ARENA_LIMIT", "CallUpload", "FixedBinding", "arena_layout"]
 
 ARENA_LIMIT = 64 * 1024  # bytes: an input this size or smaller is uploaded through the arena
 _ALIGN = 256  # bytes: each input's offset in the arena (cudaMalloc's own alignment)
@@ -135,3 +142,36 @@ class FixedBinding:
         if self.device == "cpu":
             return self._outputs[name]
         return self._device[name].numpy()
+
+
+class CallUpload:
+    """See the module docstring: an eager call's device inputs in one copy (CUDA). Its device
+    buffers are sized in powers of two and kept, so that no call allocates; a call's inputs stay
+    valid until the next bind() of the same size class (the caller's Run has ended by then)."""
+
+    def __init__(self, device_id: int):
+        self.device_id = device_id
+        self._buffers: dict[int, tuple[np.ndarray, ort.OrtValue]] = {}
+        self.uploads = 0  # copies made (one a bind)
+
+    def bind(self, binding: ort.IOBinding, arrays: dict[str, np.ndarray]) -> None:
+        """Uploads `arrays` in one copy and binds each as the input of its name."""
+        offsets, size = arena_layout(arrays, limit=sys.maxsize)
+        size_class = 1 << (max(size, _ALIGN) - 1).bit_length()
+        held = self._buffers.get(size_class)
+        if held is None:
+            host = np.zeros(size_class, np.uint8)
+            held = host, ort.OrtValue.ortvalue_from_numpy(host, "cuda", self.device_id)
+            self._buffers[size_class] = held
+        host, device = held
+        for name, at in offsets.items():
+            array = np.ascontiguousarray(arrays[name])
+            host[at : at + array.nbytes] = array.reshape(-1).view(np.uint8)
+        device.update_inplace(host)
+        self.uploads += 1
+        base = device.data_ptr()
+        for name, at in offsets.items():
+            array = arrays[name]
+            binding.bind_input(
+                name, "cuda", self.device_id, array.dtype, list(array.shape), base + at
+            )

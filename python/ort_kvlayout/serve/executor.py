@@ -43,7 +43,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..model.serving_graph import ServedInputs
-from ..runtime.fixed_binding import FixedBinding
+from ..runtime.fixed_binding import CallUpload, FixedBinding
 from ..runtime.generation import CUDA_GRAPH_WARMUP_RUNS, Runtime
 from ..runtime.kv_cache import KvCache, bind_in_place
 from ..runtime.sampling import GREEDY, Sampler, finite_rows
@@ -189,6 +189,7 @@ class Executor:
         self.bucket_calls: collections.Counter = collections.Counter()
         self._greedy = Sampler(GREEDY)
         self._helper: ThreadPoolExecutor | None = None  # runs run_staged's `during`
+        self._upload: CallUpload | None = None  # CUDA: an eager call's inputs in one copy
 
     @property
     def buckets_used(self) -> int:
@@ -222,23 +223,26 @@ class Executor:
             raise RuntimeError("the packed graph runs run_packed")
         t = time.perf_counter_ns()
         spec, binding = self.spec, self._binding(first, ids.shape[0])
-        binding.bind_cpu_input(spec.input_ids, ids)
+        feeds = {spec.input_ids: ids}
         if spec.position_ids:
             positions = (
                 np.asarray(totals, np.int64)[:, None] - ids.shape[1] + np.arange(ids.shape[1])
             )
-            binding.bind_cpu_input(spec.position_ids, np.maximum(positions, 0))
+            feeds[spec.position_ids] = np.maximum(positions, 0)
         if self.served is not None:
             names = self.served
-            binding.bind_cpu_input(names.seqlens, np.asarray(totals, np.int32) - 1)
-            binding.bind_cpu_input(names.total, np.array(max(totals), np.int32))
-            binding.bind_cpu_input(names.logits_positions, np.asarray(last, np.int64))
-            self._bind_sampling(binding, rows)
+            feeds[names.seqlens] = np.asarray(totals, np.int32) - 1
+            feeds[names.logits_positions] = np.asarray(last, np.int64)
+            feeds.update(self._sampling_feeds(rows))
+            self._bind_inputs(binding, feeds)
+            binding.bind_cpu_input(names.total, np.array(max(totals), np.int32))  # on the host
+            self._bind_served_outputs(binding)
         else:
             mask = np.zeros((ids.shape[0], max(totals)), spec.mask_dtype)
             for i, n in enumerate(totals):
                 mask[i, :n] = 1
-            binding.bind_cpu_input(spec.attention_mask, mask)
+            feeds[spec.attention_mask] = mask
+            self._bind_inputs(binding, feeds)
             binding.bind_output(spec.logits, "cpu")
         return self._run_eager(binding, rows, last, t)
 
@@ -251,22 +255,36 @@ class Executor:
         t = time.perf_counter_ns()
         call = pack_rows(rows)
         names, binding = self.served, self._binding(first, len(rows))
-        binding.bind_cpu_input(self.spec.input_ids, call.ids)
-        binding.bind_cpu_input(names.unpack_index, call.unpack)
-        binding.bind_cpu_input(names.pack_index, call.pack)
-        binding.bind_cpu_input(names.query_seqlens, call.query_seqlens)
-        binding.bind_cpu_input(names.seqlens, call.seqlens_k)
-        binding.bind_cpu_input(names.total, np.array(call.total, np.int32))
-        binding.bind_cpu_input(names.logits_positions, call.last)
-        self._bind_sampling(binding, samplers)
+        feeds = {
+            self.spec.input_ids: call.ids, names.unpack_index: call.unpack,
+            names.pack_index: call.pack, names.query_seqlens: call.query_seqlens,
+            names.seqlens: call.seqlens_k, names.logits_positions: call.last,
+            **self._sampling_feeds(samplers),
+        }  # fmt: skip
+        self._bind_inputs(binding, feeds)
+        binding.bind_cpu_input(names.total, np.array(call.total, np.int32))  # on the host
+        self._bind_served_outputs(binding)
         return self._run_eager(binding, samplers, None, t)
 
-    def _bind_sampling(self, binding: ort.IOBinding, rows: list[Sampler | None]) -> None:
-        """The served graph's sampling inputs and outputs (the logits stay on the device)."""
+    def _bind_inputs(self, binding: ort.IOBinding, feeds: dict[str, np.ndarray]) -> None:
+        """An eager call's device inputs: on CUDA in one copy (CallUpload), on the CPU bound
+        as they are."""
+        if self.device == "cuda":
+            if self._upload is None:
+                self._upload = CallUpload(self.device_id)
+            self._upload.bind(binding, feeds)
+            return
+        for name, array in feeds.items():
+            binding.bind_cpu_input(name, array)
+
+    def _sampling_feeds(self, rows: list[Sampler | None]) -> dict[str, np.ndarray]:
+        """The served graph's sampling inputs of `rows`."""
         sampling = _Sampling.zeros(len(rows))
         sampling.fill(rows)
-        for name, array in sampling.feeds(self.served).items():
-            binding.bind_cpu_input(name, array)
+        return sampling.feeds(self.served)
+
+    def _bind_served_outputs(self, binding: ort.IOBinding) -> None:
+        """The served graph's outputs: the logits stay on the device, the tokens come back."""
         binding.bind_output(self.spec.logits, self.device, self.device_id)
         binding.bind_output(self.served.token_ids, "cpu")
 
