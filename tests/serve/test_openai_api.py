@@ -4,6 +4,7 @@ booleans among token ids, fields that would change the output, lax chat messages
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -213,3 +214,21 @@ def test_a_long_text_of_few_tokens_is_encoded_whole():
     long = ("x" * 40 + " ") * (CONTEXT - 8)  # 41 characters a token, over 16 * CONTEXT in all
     assert len(completion({"prompt": long, "max_tokens": 1}, tok).prompt) == CONTEXT - 8
     assert tok.calls[-1] == len(long) and len(tok.calls) > 1
+
+
+def test_token_frames_equal_the_chunk_encoded_whole():
+    from ort_kvlayout.serve.engine import RequestParams
+    from ort_kvlayout.serve.openai_api import ParsedRequest, TokenFrames, chunk, sse
+
+    texts = ["", " hello", 'a "quote"', "back\\slash", "line\nbreak", "é", "\u2028", "🙂", "\ue000"]
+    models = ["tiny", 'mo"del', "\ue000text\ue000"]  # the last holds the marker: the slow path
+    for chat, usage, model in itertools.product((False, True), (False, True), models):
+        req = ParsedRequest([1], RequestParams(), True, usage, chat, model)
+        frames = TokenFrames(req, "cmpl-7", 1765000000)
+        for text, token in itertools.product(texts, (None, 0, 42, -7_340_033)):
+            body = chunk(req, "cmpl-7", 1765000000, text, None)
+            if token is not None:
+                body["choices"][0]["token_ids"] = [token]
+            assert frames.frame(text, token) == sse(body), (chat, usage, model, text, token)
+        templated = {k: v is not None for k, v in frames._parts.items()}
+        assert templated == {False: model != models[-1], True: model != models[-1]}

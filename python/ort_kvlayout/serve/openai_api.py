@@ -461,3 +461,46 @@ def usage_chunk(req: ParsedRequest, rid: str, created: int, u: dict) -> dict:
 def sse(body: dict | str) -> bytes:
     data = body if isinstance(body, str) else json.dumps(body, separators=(",", ":"))
     return f"data: {data}\n\n".encode()
+
+
+_TEXT_MARK = "\ue000text\ue000"  # a private-use string: encoded as \ue000 escapes, unique
+_ID_MARK = -7_340_033  # never a token id
+
+
+class TokenFrames:
+    """The SSE frame of a streamed token: `frame(text, token_id)` is byte for byte
+    sse(chunk(req, rid, created, text, None)), with `token_ids: [token_id]` in its choice when
+    token_id is not None, but only the text (and id) are encoded per token: the rest of the
+    chunk is encoded once a request, from a chunk holding markers (a dict's json.dumps cost
+    about 5 us a token, on the engine's process's GIL)."""
+
+    def __init__(self, req: ParsedRequest, rid: str, created: int):
+        self._req, self._rid, self._created = req, rid, created
+        self._parts: dict[bool, tuple[bytes, ...] | None] = {}
+
+    def _template(self, with_id: bool) -> tuple[bytes, ...] | None:
+        body = chunk(self._req, self._rid, self._created, _TEXT_MARK, None)
+        if with_id:
+            body["choices"][0]["token_ids"] = [_ID_MARK]
+        encoded = sse(body)
+        text = json.dumps(_TEXT_MARK).encode()
+        number = str(_ID_MARK).encode()
+        if encoded.count(text) != 1 or encoded.count(number) != int(with_id):
+            return None  # a marker elsewhere (in the model's name): the dict every time
+        head, tail = encoded.split(text)
+        return (head, *tail.split(number)) if with_id else (head, tail)
+
+    def frame(self, text: str, token_id: int | None = None) -> bytes:
+        with_id = token_id is not None
+        if with_id not in self._parts:
+            self._parts[with_id] = self._template(with_id)
+        parts = self._parts[with_id]
+        if parts is None:
+            body = chunk(self._req, self._rid, self._created, text, None)
+            if with_id:
+                body["choices"][0]["token_ids"] = [token_id]
+            return sse(body)
+        encoded = json.dumps(text).encode()
+        if with_id:
+            return b"".join((parts[0], encoded, parts[1], str(int(token_id)).encode(), parts[2]))
+        return b"".join((parts[0], encoded, parts[1]))

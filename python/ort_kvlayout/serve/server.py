@@ -34,6 +34,7 @@ from .engine import Engine, EngineClosed, EngineOverloaded, RequestTooLarge
 from .openai_api import (
     ApiError,
     ParsedRequest,
+    TokenFrames,
     chunk,
     load_body,
     new_id,
@@ -211,6 +212,7 @@ def build_app(
     async def _stream(req: ParsedRequest, rid: str, handle):
         now = int(time.time())
         ids = tokenizer is None or req.return_token_ids
+        tokens = TokenFrames(req, rid, now)
 
         def abort(error: ApiError) -> list[bytes]:
             # finish_reason "abort" (vLLM's), then the error: a client reading either knows.
@@ -223,10 +225,7 @@ def build_app(
             out = []
             text = event.text if event.text is not None else ""
             if text or event.token_id is not None:
-                body = chunk(req, rid, now, text, None)
-                if ids and event.token_id is not None:
-                    body["choices"][0]["token_ids"] = [event.token_id]
-                out.append(sse(body))
+                out.append(tokens.frame(text, event.token_id if ids else None))
             if event.finished:
                 out.append(sse(chunk(req, rid, now, None if req.chat else "", event.finish_reason)))
             return out
