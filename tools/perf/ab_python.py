@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -37,10 +38,11 @@ def library_dir() -> Path:
 
 def clone(commit: str, out: Path, libs: Path) -> Path:
     """OUT/src-COMMIT: this checkout at `commit`, with the built libraries linked in."""
-    src = out / f"src-{commit}"
-    if not src.exists():
-        subprocess.run(["git", "clone", "-q", str(ROOT), str(src)], check=True)
-        subprocess.run(["git", "-C", str(src), "checkout", "-q", commit], check=True)
+    src = out / f"src-{commit.replace('/', '_')}"
+    if src.exists():  # a name such as HEAD may have moved since: cloned anew
+        shutil.rmtree(src)
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(src)], check=True)
+    subprocess.run(["git", "-C", str(src), "checkout", "-q", commit], check=True)
     package = src / "python" / "ort_kvlayout"
     built = sorted(libs.glob("*.so"))
     if not built:
