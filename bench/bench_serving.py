@@ -1241,9 +1241,11 @@ def main(argv: list[str] | None = None) -> int:
             runs[label].append(fn(args, items))
     results = {}
     for label, rs in runs.items():
+        in_order = [r["output_throughput"] for r in rs]  # round by round, as the systems took turns
         rs = sorted(rs, key=lambda r: r["output_throughput"])
         results[label] = dict(rs[len(rs) // 2])
         results[label]["runs_output_throughput"] = [r["output_throughput"] for r in rs]
+        results[label]["runs_in_order"] = in_order
     for peer in ("genai", "genai-paged"):
         if "engine" in results and peer in results:
             theirs = results[peer]["output_throughput"]  # 0: a peer that stalled before a token

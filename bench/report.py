@@ -339,13 +339,15 @@ def _runs(data: dict) -> str:
         return "runs per system not recorded in the JSON"
     if repeat == 1:
         return "one run per system"
+    ordered = all("runs_in_order" in r for r in data["results"].values())
+    key = "runs_in_order" if ordered else "runs_output_throughput"
     each = "; ".join(
-        f"{s} {', '.join(f'{t:.1f}' for t in r['runs_output_throughput'])}"
-        for s, r in data["results"].items()
+        f"{s} {', '.join(f'{t:.1f}' for t in r[key])}" for s, r in data["results"].items()
     )
+    order = "in the order they ran" if ordered else "lowest first"
     return (
         f"{repeat} runs per system in turn, a row shows the run of median output tok/s "
-        f"(output tok/s of each run: {each})"
+        f"(output tok/s of each run, {order}: {each})"
     )
 
 

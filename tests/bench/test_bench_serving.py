@@ -111,6 +111,29 @@ def test_end_to_end_on_a_tiny_random_llama(tmp_path, capsys):
     assert record["results"]["engine"]["output_throughput_vs_genai"] > 0
 
 
+def test_repeated_runs_keep_their_order_beside_the_median(tmp_path):
+    """--repeat: the row is the run of median output tok/s; every run's rate is kept lowest
+    first and in the order the runs took turns, which the report shows."""
+    pytest.importorskip("onnxruntime_genai")
+    pytest.importorskip("transformers")
+    from serve_util import library_or_skip
+
+    library_or_skip()
+    out = tmp_path / "result.json"
+    argv = ["--model-shape", "tiny-llama", "--build-dir", str(tmp_path / "models"),
+            "--input-len", "8", "--output-len", "4", "--num-requests", "3", "--max-batch", "2",
+            "--systems", "engine", "--repeat", "3", "--json", str(out)]  # fmt: skip
+    assert bench.main(argv) == 0
+    record = json.loads(out.read_text())
+    r = record["results"]["engine"]
+    assert len(r["runs_in_order"]) == 3
+    assert sorted(r["runs_in_order"]) == r["runs_output_throughput"]
+    assert r["output_throughput"] == r["runs_output_throughput"][1]
+    report = load_bench("report")
+    each = ", ".join(f"{t:.1f}" for t in r["runs_in_order"])
+    assert f"in the order they ran: engine {each})" in report._runs(record)
+
+
 def test_kv_quant_runs_the_engine_once_per_cache_scheme(tmp_path):
     """--kv-quant: the engine on the model's own cache and on its int8 PER_TOKEN patch, built
     beside the others; the same budget holds more requests with the smaller cache."""
