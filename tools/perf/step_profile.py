@@ -18,8 +18,10 @@ sampled on the host); `--overlap` runs each mode
 with the engine's overlap on and off (EngineConfig.overlap; default: the engine's choice), and
 `--commit-ahead` with EngineConfig.commit_ahead on, off or both; `--prefill-wait N` sets
 EngineConfig.prefill_wait, and `--decode-buckets 1,2,4,8,16,32,64` pads the CPU's decode calls
-to buckets as the CUDA path does (uncaptured), to profile that path's host work here. A
-warm-up request runs first in each mode (CUDA graphs captured, cuDNN plans built).
+to buckets as the CUDA path does (uncaptured), to profile that path's host work here;
+`--switch-interval 5,0.5` runs each mode once per GIL switch interval (ms; Python's default is
+5), each row labelled with it. A warm-up request runs first in each mode (CUDA graphs captured,
+cuDNN plans built).
 
 Per mode it prints the engine's step profile (StepProfile in serve/executor.py: schedule, kv,
 inputs, run, readback, sample, emit, publish; ms per step, from perf_counter) and the wall time per
