@@ -432,12 +432,14 @@ class Runtime:
         binding.bind_cpu_input(self.spec.attention_mask, mask)
         if self.spec.position_ids:
             binding.bind_cpu_input(self.spec.position_ids, np.ascontiguousarray(positions))
-        # Bound after the KV buffers, so get_outputs()[-1]; and bound anew at every step of a
-        # reused binding: ORT then allocates a fresh output (a reused one would be written under
-        # an array an earlier step still views), and the name keeps its place.
-        binding.bind_output(self.spec.logits, "cpu")
+        # A fresh host array at every step of a reused binding (a reused one would be written
+        # under an array an earlier step still views), bound by pointer and read as it is:
+        # get_outputs() would wrap every bound output, the cache's 2 x layers among them.
+        logits = np.empty((*ids.shape, self.spec.vocab_size), self.logits_dtype)
+        binding.bind_output(self.spec.logits, "cpu", 0, logits.dtype, list(logits.shape),
+                            logits.ctypes.data)  # fmt: skip
         self.session.run_with_iobinding(binding, self.run_options(None))
-        return binding.get_outputs()[-1].numpy()
+        return logits
 
     def _run_narrow(self, cache: KvCache, ids, mask, positions) -> np.ndarray:
         """A decode step with the narrowest mask. Its binding lives as long as the cache's
