@@ -243,8 +243,9 @@ class Executor:
                 mask[i, :n] = 1
             feeds[spec.attention_mask] = mask
             self._bind_inputs(binding, feeds)
-            binding.bind_output(spec.logits, "cpu")
-            out = None
+            out = np.empty((*ids.shape, spec.vocab_size), self.runtime.logits_dtype)
+            binding.bind_output(spec.logits, "cpu", 0, out.dtype, list(out.shape),
+                                out.ctypes.data)  # fmt: skip
         return self._run_eager(binding, rows, last, t, out)
 
     def run_packed(
@@ -286,8 +287,7 @@ class Executor:
 
     def _bind_served_outputs(self, binding: ort.IOBinding, rows: int) -> np.ndarray:
         """The served graph's outputs: the logits stay on the device, the tokens come back into
-        the host array returned, bound by pointer (read without get_outputs(), which wraps
-        every bound output, the cache's 2 x layers included, at each call)."""
+        the host array returned, bound by pointer (_run_eager)."""
         binding.bind_output(self.spec.logits, self.device, self.device_id)
         tokens = np.zeros((rows, 1), np.int64)
         binding.bind_output(self.served.token_ids, "cpu", 0, tokens.dtype, list(tokens.shape),
@@ -296,17 +296,16 @@ class Executor:
 
     def _run_eager(
         self, binding: ort.IOBinding, rows: list[Sampler | None], last: list[int] | None, t: int,
-        out: np.ndarray | None = None,
+        out: np.ndarray,
     ) -> list[int | None]:  # fmt: skip
         """Runs a bound eager call and returns its tokens (`last`: the host-sampled position of
-        each row in the model's own graph; `out`: the served graph's token output, bound by
-        pointer, else the last output bound is read)."""
+        each row in the model's own graph; `out`: the host array its tokens, or the model's own
+        graph's logits, are bound to by pointer: read as it is, without get_outputs(), which
+        wraps every bound output, the cache's 2 x layers included, at each call)."""
         t = self.profile.add("inputs", t)
         # gpu_graph_id -1 with CUDA graphs on: never captured (ORT's default id 0 would be)
         self.runtime.session.run_with_iobinding(binding, self.runtime.run_options(None))
         t = self.profile.add("run", t)
-        if out is None:
-            out = binding.get_outputs()[-1].numpy()
         self.runtime.check_length_record("engine step")
         t = self.profile.add("readback", t)
         if self.served is not None:
