@@ -39,7 +39,7 @@ STAGES=(
   "models-1b|100|setup|bash scripts/gpu_serving.sh models"
   "tests-pipeline|40|setup|python3 -m pytest -q -m gpu -p no:cacheprovider tests/serve/test_engine_gpu.py -k pipelined"
   "profile-pipeline|200|models-1b|${PROFILE[*]} --requests 256 --prompt 64:512 --output 64:512 --pipeline off,on --json \$OUT/step-profile-\$GPU-1b-chat-pipeline.json"
-  "ab-upload|300|models-1b|python3 tools/perf/ab_python.py --out \$OUT/ab --rounds 2 --json \$OUT/step-profile-\$GPU-1b-chat-upload.json 254f532 8beed9c -- ${PROFILE[*]:2} --requests 256 --prompt 64:512 --output 64:512 --pipeline on"
+  "ab-upload|420|models-1b|python3 tools/perf/ab_python.py --out \$OUT/ab --rounds 2 --json \$OUT/step-profile-\$GPU-1b-chat-upload.json 254f532 8beed9c 2d6836e -- ${PROFILE[*]:2} --requests 256 --prompt 64:512 --output 64:512 --pipeline on"
   "profile-switch|200|models-1b|${PROFILE[*]} --requests 256 --prompt 64:512 --output 64:512 --pipeline on --switch-interval 5,0.5 --json \$OUT/step-profile-\$GPU-1b-chat-switch.json"
   "chat-pipeline|200|models-1b|PIPELINE=off,on SYSTEMS=engine DEADLINE=60 bash scripts/gpu_serving.sh chat"
   "chat-wait|100|models-1b|PREFILL_WAIT=0,16 SYSTEMS=engine DEADLINE=60 bash scripts/gpu_serving.sh chat"
