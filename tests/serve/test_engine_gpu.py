@@ -127,6 +127,35 @@ def test_engine_on_cuda_equals_runtime_alone(model, chunk, graphs, graph):
         assert stats["graph_captures"] == stats["graph_replays"] == 0
 
 
+@pytest.mark.parametrize("graph", ["packed", "served", "own-graph"])
+def test_eager_calls_upload_once_and_read_by_pointer_on_cuda(model, graph):
+    """Every call eager (no graphs, no buckets): each one's device inputs go up in one copy
+    (CallUpload), its tokens or logits come back into a host array bound by pointer, and every
+    request gets Runtime's tokens alone."""
+    if DEVICE != "cuda":
+        pytest.skip("CallUpload is the CUDA path; on the CPU host arrays are bound as they are")
+    from ort_kvlayout.serve.engine import Engine, EngineConfig, RequestParams
+
+    alone = _alone(model)
+    config = EngineConfig(
+        max_batch=3, provider="cuda", cuda_graph=False, decode_buckets=(), **ENGINE_GRAPHS[graph]
+    )
+    with Engine(model, config, start=False) as engine:
+        handles = [
+            engine.submit(p, RequestParams(max_tokens=n, ignore_eos=True))
+            for p, n in zip(PROMPTS, LENGTHS)
+        ]
+        engine.start()
+        got = [h.result() for h in handles]
+        stats = _idle_stats(engine)
+        uploads = engine.executor._upload.uploads
+    for g, (tokens, logits) in zip(got, alone):
+        _same_or_tie(g, tokens, logits)
+    calls = stats["prefill_calls"] + stats["decode_calls"]
+    assert stats["prefill_calls"] > 0 and stats["graph_replays"] == 0
+    assert uploads == calls  # one copy a call, every call eager
+
+
 @pytest.mark.parametrize("graph", ["packed", "served"])
 @pytest.mark.parametrize("chunk", [8, 256])
 def test_pipelined_engine_on_cuda_equals_runtime_alone(model, chunk, graph):
