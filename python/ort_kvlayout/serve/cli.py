@@ -271,6 +271,9 @@ def serve(args: argparse.Namespace) -> int:
         uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.log_level,
             timeout_graceful_shutdown=args.drain_timeout + DRAIN_GRACE_S, lifespan="on",
+            # asyncio's loop, not uvloop (installed with ray[serve]): uvloop writes each SSE
+            # chunk to its socket holding the GIL, which the engine thread needs (docs/DECISIONS.md)
+            loop="asyncio",
         ),
         drain_timeout=args.drain_timeout,
         on_drain_timeout=close,
