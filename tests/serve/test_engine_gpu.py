@@ -69,9 +69,10 @@ def _idle_stats(engine, timeout: float = 30.0) -> dict:
         time.sleep(0.01)
 
 
-def _burst_equals_alone(model, config, alone) -> dict:
+def _burst_equals_alone(model, config, alone, on_idle=None) -> dict:
     """Every prompt queued before the loop's first step, then the loop started: each request's
-    tokens against Runtime alone (_same_or_tie); the engine's counters once it went idle."""
+    tokens against Runtime alone (_same_or_tie); the engine's counters once it went idle.
+    on_idle(engine), if given, is called then, before the engine closes."""
     from ort_kvlayout.serve.engine import Engine, RequestParams
 
     with Engine(model, config, start=False) as engine:
@@ -82,6 +83,8 @@ def _burst_equals_alone(model, config, alone) -> dict:
         engine.start()
         got = [h.result() for h in handles]
         stats = _idle_stats(engine)
+        if on_idle is not None:
+            on_idle(engine)
     for g, (tokens, logits) in zip(got, alone):
         _same_or_tie(g, tokens, logits)
     return stats
@@ -134,23 +137,16 @@ def test_eager_calls_upload_once_and_read_by_pointer_on_cuda(model, graph):
     request gets Runtime's tokens alone."""
     if DEVICE != "cuda":
         pytest.skip("CallUpload is the CUDA path; on the CPU host arrays are bound as they are")
-    from ort_kvlayout.serve.engine import Engine, EngineConfig, RequestParams
+    from ort_kvlayout.serve.engine import EngineConfig
 
-    alone = _alone(model)
     config = EngineConfig(
         max_batch=3, provider="cuda", cuda_graph=False, decode_buckets=(), **ENGINE_GRAPHS[graph]
     )
-    with Engine(model, config, start=False) as engine:
-        handles = [
-            engine.submit(p, RequestParams(max_tokens=n, ignore_eos=True))
-            for p, n in zip(PROMPTS, LENGTHS)
-        ]
-        engine.start()
-        got = [h.result() for h in handles]
-        stats = _idle_stats(engine)
-        uploads = engine.executor._upload.uploads
-    for g, (tokens, logits) in zip(got, alone):
-        _same_or_tie(g, tokens, logits)
+    seen = {}
+    stats = _burst_equals_alone(
+        model, config, _alone(model), lambda e: seen.update(uploads=e.executor._upload.uploads)
+    )
+    uploads = seen["uploads"]
     calls = stats["prefill_calls"] + stats["decode_calls"]
     assert stats["prefill_calls"] > 0 and stats["graph_replays"] == 0
     assert uploads == calls  # one copy a call, every call eager

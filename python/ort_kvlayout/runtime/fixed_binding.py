@@ -41,10 +41,18 @@ import onnxruntime as ort
 
 from .kv_cache import KvBuffer, bind_in_place
 
-__all__ = ["ARENA_LIMIT", "CallUpload", "FixedBinding", "arena_layout"]
+__all__ = ["ARENA_LIMIT", "CallUpload", "FixedBinding", "arena_layout", "bind_host_array"]
 
 ARENA_LIMIT = 64 * 1024  # bytes: an input this size or smaller is uploaded through the arena
 _ALIGN = 256  # bytes: each input's offset in the arena (cudaMalloc's own alignment)
+
+
+def bind_host_array(bind, name: str, array: np.ndarray) -> None:
+    """Binds a host array by pointer (`bind`: an IOBinding's bind_input or bind_output): ORT
+    reads or writes the array itself, which must outlive the call."""
+    if not array.flags.c_contiguous:
+        raise ValueError(f"{name}: binding by pointer needs a C-contiguous array")
+    bind(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
 
 
 def arena_layout(arrays: dict[str, np.ndarray], limit: int = ARENA_LIMIT) -> tuple[dict, int]:
@@ -81,14 +89,14 @@ class FixedBinding:
         self.binding = session.io_binding()
         bind_in_place(self.binding, kv_buffers)
         for name, array in self._pinned.items():
-            self._bind_host(self.binding.bind_input, name, array)
+            bind_host_array(self.binding.bind_input, name, array)
         self._device: dict[str, ort.OrtValue] = {}
         self._in_arena: dict[str, np.ndarray] = {}  # CUDA: each small input's bytes in the arena
         if device == "cpu":
             for name, array in self.host.items():
-                self._bind_host(self.binding.bind_input, name, array)
+                bind_host_array(self.binding.bind_input, name, array)
             for name, array in self._outputs.items():
-                self._bind_host(self.binding.bind_output, name, array)
+                bind_host_array(self.binding.bind_output, name, array)
             return
         offsets, size = arena_layout(self.host)
         self._arena_host = np.zeros(size, np.uint8)
@@ -113,12 +121,6 @@ class FixedBinding:
         for name, array in self._outputs.items():
             self._device[name] = ort.OrtValue.ortvalue_from_numpy(array, "cuda", device_id)
             self.binding.bind_ortvalue_output(name, self._device[name])
-
-    @staticmethod
-    def _bind_host(bind, name: str, array: np.ndarray) -> None:
-        if not array.flags.c_contiguous:
-            raise ValueError(f"{name}: a fixed binding needs a C-contiguous array")
-        bind(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
 
     def upload(self, names: Iterable[str]) -> None:
         """Copies the named host inputs to their device addresses (CUDA; on the CPU the bound

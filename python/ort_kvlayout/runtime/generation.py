@@ -58,7 +58,7 @@ import onnxruntime as ort
 
 from ..op.length_errors import check_length_error
 from ..op.library import register_library, registered_library
-from .fixed_binding import FixedBinding
+from .fixed_binding import FixedBinding, bind_host_array
 from .kv_cache import (
     BUCKET_TOKENS,
     CACHE_MODES,
@@ -436,8 +436,7 @@ class Runtime:
         # under an array an earlier step still views), bound by pointer and read as it is:
         # get_outputs() would wrap every bound output, the cache's 2 x layers among them.
         logits = np.empty((*ids.shape, self.spec.vocab_size), self.logits_dtype)
-        binding.bind_output(self.spec.logits, "cpu", 0, logits.dtype, list(logits.shape),
-                            logits.ctypes.data)  # fmt: skip
+        bind_host_array(binding.bind_output, self.spec.logits, logits)
         self.session.run_with_iobinding(binding, self.run_options(None))
         return logits
 

@@ -43,7 +43,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..model.serving_graph import ServedInputs
-from ..runtime.fixed_binding import CallUpload, FixedBinding
+from ..runtime.fixed_binding import CallUpload, FixedBinding, bind_host_array
 from ..runtime.generation import CUDA_GRAPH_WARMUP_RUNS, Runtime
 from ..runtime.kv_cache import KvCache, bind_in_place
 from ..runtime.sampling import GREEDY, Sampler, finite_rows
@@ -244,8 +244,7 @@ class Executor:
             feeds[spec.attention_mask] = mask
             self._bind_inputs(binding, feeds)
             out = np.empty((*ids.shape, spec.vocab_size), self.runtime.logits_dtype)
-            binding.bind_output(spec.logits, "cpu", 0, out.dtype, list(out.shape),
-                                out.ctypes.data)  # fmt: skip
+            bind_host_array(binding.bind_output, spec.logits, out)
         return self._run_eager(binding, rows, last, t, out)
 
     def run_packed(
@@ -290,8 +289,7 @@ class Executor:
         the host array returned, bound by pointer (_run_eager)."""
         binding.bind_output(self.spec.logits, self.device, self.device_id)
         tokens = np.zeros((rows, 1), np.int64)
-        binding.bind_output(self.served.token_ids, "cpu", 0, tokens.dtype, list(tokens.shape),
-                            tokens.ctypes.data)  # fmt: skip
+        bind_host_array(binding.bind_output, self.served.token_ids, tokens)
         return tokens
 
     def _run_eager(
