@@ -26,7 +26,14 @@ from pathlib import Path
 
 import bench_serving  # a sibling: its Markdown table is the one a serving run prints
 import perplexity  # a sibling: its Markdown table is the one a perplexity run prints
-from step_table import KIND_NOTE, cells, rows_by_kind  # a sibling: step_profile.py's rows too
+from step_table import (
+    CALL_NOTE,
+    KIND_NOTE,
+    KIND_NOTE_DECODE_PASS,
+    call_lines,
+    cells,
+    rows_by_kind,
+)  # a sibling: step_profile.py's rows too
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -443,8 +450,15 @@ def step_profile(data: dict, name: str) -> list[str]:
                 for name, t in r["driver"].items()
             )
             lines += ["", f"The KV cache's CUDA driver calls, {graph}: {calls}."]
+    for r in results:
+        table = call_lines(r, graph_of(r))
+        if table:
+            lines += ["", *table]
     if any("by_kind" in r for r in results):
-        lines += ["", KIND_NOTE]
+        split = all("calls" in r for r in results)  # the tool's per-step split
+        lines += ["", KIND_NOTE if split else KIND_NOTE_DECODE_PASS]
+    if any(r.get("calls") for r in results):
+        lines += ["", CALL_NOTE]
     return lines
 
 

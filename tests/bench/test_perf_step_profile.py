@@ -210,3 +210,101 @@ def test_switch_intervals_run_a_pass_each_named_and_restored(tmp_path):
             assert exc.code == 2
         else:
             raise AssertionError(f"--switch-interval {bad} was accepted")
+
+
+class _Range:
+    def __init__(self, start, end):
+        self.start, self.end = start, end
+
+
+class _Device:
+    def __init__(self, name):
+        self.name = name
+
+
+class _TimedEvent:
+    def __init__(self, name, start, end, device="CPU"):
+        self.name, self.time_range, self.device_type = name, _Range(start, end), _Device(device)
+
+
+class _RangeProfile:
+    """A profiler's events: host ranges (CPU) and kernels (CUDA), in us."""
+
+    def __init__(self, events):
+        self._events = events
+
+    def events(self):
+        return self._events
+
+
+def test_kernels_are_split_by_the_range_they_start_in():
+    """gpu_split: each kernel's time goes to the range of the prefix that it starts in (ms, with
+    the ranges counted); a kernel outside them (or in another prefix's range) to "other"."""
+    prof = _RangeProfile([
+        _TimedEvent("kvl_call:bucket", 0, 100), _TimedEvent("gemm", 10, 60, "CUDA"),
+        _TimedEvent("attn", 60, 90, "CUDA"),
+        _TimedEvent("kvl_call:packed", 200, 500), _TimedEvent("gemm", 210, 400, "CUDA"),
+        _TimedEvent("kvl_call:bucket", 600, 700), _TimedEvent("gemm", 610, 650, "CUDA"),
+        _TimedEvent("other_range", 800, 900), _TimedEvent("memset", 810, 820, "CUDA"),
+        _TimedEvent("late", 520, 530, "CUDA"),
+    ])  # fmt: skip
+    split = step_profile.gpu_split(prof, "kvl_call:")
+    assert split == {"bucket": (0.12, 2), "packed": (0.19, 1), "other": (0.02, 0)}
+
+
+def test_calls_and_steps_get_ranges_and_each_call_kind_its_host_time(tmp_path, monkeypatch):
+    """CallTimes times each executor call by kind and, with ranges, opens a profiler range per
+    call; StepRanges one per step, its kind noted in order; both restore what they wrap."""
+    library_or_skip()
+    from ort_kvlayout.serve.engine import Engine, EngineConfig, RequestParams
+
+    opened = []
+
+    class _Recorded:
+        def __init__(self, name):
+            self.name = name
+
+        def __enter__(self):
+            opened.append(self.name)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(step_profile, "record_range", _Recorded)
+    model = make_served_model(tmp_path / "model")
+    config = EngineConfig(max_batch=3, capacity=64, sample_on_device=True, packed=True,
+                          decode_buckets=(1, 2, 4))  # fmt: skip
+    with Engine(model, config) as engine:
+        calls = step_profile.CallTimes(engine.executor, ranges=True)
+        ranges = step_profile.StepRanges(engine)
+        engine._step = ranges
+        params = RequestParams(max_tokens=4, ignore_eos=True)
+        step_profile.burst(engine, [[5, 6, 7], [8, 9], [10, 11, 12, 13]], [params] * 3)
+        engine._step = ranges.step
+        calls.close()
+        assert "run_packed" not in vars(engine.executor)  # the class's method again
+        stats = engine.stats()
+    summary = calls.summary()
+    assert summary["packed"]["calls"] >= 1 and summary["bucket"]["calls"] >= 3
+    assert all(row["wall_ms_per_call"] > 0 for row in summary.values())
+    assert opened.count("kvl_call:packed") == summary["packed"]["calls"]
+    assert opened.count("kvl_call:bucket") == summary["bucket"]["calls"]
+    steps = [name for name in opened if name.startswith("kvl_step:")]
+    assert steps == [f"kvl_step:{i}" for i in range(len(ranges.kinds))]
+    assert ranges.kinds[0] == "prefill" and ranges.kinds[-1] == "decode"
+    assert sum(ranges.steps.values()) == stats["steps"]
+
+
+def test_the_calls_render_as_a_table_with_their_host_time_beyond_the_gpu():
+    """A result's `calls` render under the step table (host ms, GPU ms, the difference); without
+    GPU times the GPU columns are dashes."""
+    result = {"mode": "packed", "overlap": True, "sample_on_device": True, "steps": 4,
+              "wall_ms_per_step": 2.0, "phase_ms_per_step": {"run": 1.5}, "output_tok_s": 10.0,
+              "calls": {"bucket": {"calls": 3, "wall_ms_per_call": 1.9, "gpu_ms_per_call": 1.8,
+                                   "host_ms_per_call": 0.1},
+                        "packed": {"calls": 1, "wall_ms_per_call": 6.0}}}  # fmt: skip
+    data = {"date": "d", "device": "cpu", "commit": "c", "command": "python x", "results": [result]}
+    block = "\n".join(report.step_profile(data, "step-profile-x.json"))
+    assert "| bucket | 3 | 1.90 | 1.80 | 0.10 |" in block
+    assert "| packed | 1 | 6.00 | - | - |" in block
+    assert "A call's host ms" in block

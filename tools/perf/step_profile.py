@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import cProfile
 import io
 import itertools
@@ -57,6 +58,7 @@ import shlex
 import sys
 import threading
 import time
+import typing
 from pathlib import Path
 
 import numpy as np
@@ -66,8 +68,9 @@ if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
 
-def gpu_profiler():
-    """torch.profiler over CUDA kernels, or None without torch/CUDA."""
+def gpu_profiler(ranges: bool = False):
+    """torch.profiler over CUDA kernels (with `ranges`, the host's record_function ranges too:
+    CallTimes' and StepRanges'), or None without torch/CUDA."""
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile
@@ -75,7 +78,88 @@ def gpu_profiler():
         return None
     if not torch.cuda.is_available():
         return None
-    return profile(activities=[ProfilerActivity.CUDA])
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if ranges else [])
+    return profile(activities=activities)
+
+
+def record_range(name: str):
+    """A torch.profiler range on this thread (a no-op context without torch)."""
+    try:
+        from torch.profiler import record_function
+    except ImportError:
+        return contextlib.nullcontext()
+    return record_function(name)
+
+
+class CallTimes:
+    """Wraps the executor's model calls: each call's host time by kind, from entering the
+    executor's method to its tokens (ORT's Run returns when the call's kernels are done):
+    `bucket` a padded decode call (a CUDA graph's replay where graphs are on), `packed` a
+    packed prefill call and `eager` a call of the model's rows as they are (both uncaptured:
+    ORT launches each kernel). With `ranges`, each call is also a profiler range named
+    RANGE + kind, whose kernels gpu_split() finds."""
+
+    KINDS: typing.ClassVar[dict[str, str]] = {
+        "run_staged": "bucket",
+        "run_packed": "packed",
+        "run": "eager",
+    }
+    RANGE = "kvl_call:"
+
+    def __init__(self, executor, ranges: bool = False):
+        self.executor, self.ranges = executor, ranges
+        self.calls: collections.Counter = collections.Counter()
+        self.ns: collections.Counter = collections.Counter()
+        for method, kind in self.KINDS.items():
+            setattr(executor, method, self._timed(getattr(executor, method), kind))
+
+    def _timed(self, call, kind: str):
+        def timed(*args, **kwargs):
+            t = time.perf_counter_ns()
+            try:
+                if not self.ranges:
+                    return call(*args, **kwargs)
+                with record_range(self.RANGE + kind):
+                    return call(*args, **kwargs)
+            finally:
+                self.ns[kind] += time.perf_counter_ns() - t
+                self.calls[kind] += 1
+
+        return timed
+
+    def close(self) -> None:
+        for method in self.KINDS:  # the class's methods again
+            self.executor.__dict__.pop(method, None)
+
+    def summary(self) -> dict:
+        return {
+            kind: {"calls": n, "wall_ms_per_call": self.ns[kind] / 1e6 / n}
+            for kind, n in self.calls.items()
+        }
+
+
+def gpu_split(prof, prefix: str) -> dict[str, tuple[float, int]]:
+    """Kernel time by the profiler range (named `prefix` + key) in which each kernel started:
+    {key: (kernel ms, ranges)}; kernels outside every such range under "other". The ranges are
+    the engine thread's and do not nest (one call, or one step, at a time), and a call's Run
+    returns once its kernels are done, so a kernel starts inside the range that launched it."""
+    import bisect
+
+    ranges, kernels = [], []
+    for event in prof.events():
+        if event.name.startswith(prefix):
+            ranges.append((event.time_range.start, event.time_range.end, event.name[len(prefix) :]))
+        elif getattr(event.device_type, "name", "") == "CUDA":
+            kernels.append((event.time_range.start, event.time_range.end))
+    ranges.sort()
+    starts = [r[0] for r in ranges]
+    us: collections.Counter = collections.Counter()
+    for start, end in kernels:
+        i = bisect.bisect_right(starts, start) - 1
+        key = ranges[i][2] if i >= 0 and start <= ranges[i][1] else "other"
+        us[key] += end - start
+    counts = collections.Counter(r[2] for r in ranges)
+    return {key: (us[key] / 1000, counts.get(key, 0)) for key in {*us, *counts}}
 
 
 def kernel_ms(prof) -> float:
@@ -232,41 +316,86 @@ def decode_gpu(engine, prompts, params, args) -> tuple[float, int, list[dict]] |
     return kernel_ms(prof) / steps, steps, top_kernels(prof, steps)
 
 
-def profiled_burst(engine, prompts, params, args) -> tuple[float | None, str | None, list]:
-    """The burst again under CUPTI (GPU ms per step) and, with --cprofile, cProfile on the
-    engine thread's steps; (GPU ms per step or None, cProfile's table or None, the top kernels
-    per step, empty without CUPTI)."""
-    prof = gpu_profiler() if args.provider == "cuda" else None
+class StepRanges:
+    """Wraps engine._step in a profiler range a call (named RANGE + its index), noting each
+    one's kind as StepKinds does, so that gpu_split() gives the kernel time of each kind."""
+
+    RANGE = "kvl_step:"
+
+    def __init__(self, engine):
+        self.engine, self.step = engine, engine._step
+        self.kinds: list[str] = []
+        self.steps: collections.Counter = collections.Counter()
+
+    def __call__(self) -> None:
+        e = self.engine
+        calls, steps = e._counters["prefill_calls"], e._counters["steps"]
+        try:
+            with record_range(f"{self.RANGE}{len(self.kinds)}"):
+                self.step()
+        finally:
+            kind = "prefill" if e._counters["prefill_calls"] > calls else "decode"
+            self.kinds.append(kind)
+            self.steps[kind] += max(e._counters["steps"] - steps, 1)
+
+    def gpu_ms_per_step(self, prof) -> dict[str, float]:
+        """Kernel ms per step of each kind."""
+        ms: collections.Counter = collections.Counter()
+        for key, (kernel_ms, _) in gpu_split(prof, self.RANGE).items():
+            if key != "other":
+                ms[self.kinds[int(key)]] += kernel_ms
+        return {kind: ms[kind] / n for kind, n in self.steps.items()}
+
+
+def profiled_burst(engine, prompts, params, args) -> dict:
+    """The burst again under CUPTI and, with --cprofile, cProfile on the engine thread's steps:
+    {"gpu": GPU ms per step (None without CUPTI), "cprofile": cProfile's table (or None),
+    "kernels": the top kernels per step, "by_kind": GPU ms per step of each step kind, "calls":
+    each call kind's GPU ms per call and the calls seen}."""
+    prof = gpu_profiler(ranges=True) if args.provider == "cuda" else None
     cprof = cProfile.Profile() if args.cprofile else None
+    out = {"gpu": None, "cprofile": None, "kernels": [], "by_kind": {}, "calls": {}}
     if prof is None and cprof is None:
-        return None, None, []
+        return out
     step = engine._step
+    ranges = StepRanges(engine) if prof is not None else None
+    timed = ranges if ranges is not None else step
 
     def profiled_step():
         cprof.enable()
         try:
-            step()
+            timed()
         finally:
             cprof.disable()
 
-    if cprof is not None:
-        engine._step = profiled_step
+    engine._step = profiled_step if cprof is not None else timed
+    calls = CallTimes(engine.executor, ranges=True) if prof is not None else None
     steps = engine.stats()["steps"]
     if prof is not None:
         prof.__enter__()
-    burst(engine, prompts, params)
-    if prof is not None:
-        prof.__exit__(None, None, None)
-    engine._step = step
+    try:
+        burst(engine, prompts, params)
+    finally:
+        if prof is not None:
+            prof.__exit__(None, None, None)
+        engine._step = step
+        if calls is not None:
+            calls.close()
     steps = max(engine.stats()["steps"] - steps, 1)
-    table = None
     if cprof is not None:
-        out = io.StringIO()
-        pstats.Stats(cprof, stream=out).sort_stats("tottime").print_stats(args.cprofile)
-        table = out.getvalue()
+        text = io.StringIO()
+        pstats.Stats(cprof, stream=text).sort_stats("tottime").print_stats(args.cprofile)
+        out["cprofile"] = text.getvalue()
     if prof is None:
-        return None, table, []
-    return kernel_ms(prof) / steps, table, top_kernels(prof, steps)
+        return out
+    out["gpu"] = kernel_ms(prof) / steps
+    out["kernels"] = top_kernels(prof, steps)
+    out["by_kind"] = ranges.gpu_ms_per_step(prof)
+    out["calls"] = {
+        kind: {"calls": n, "gpu_ms_per_call": ms / max(n, 1)}
+        for kind, (ms, n) in gpu_split(prof, CallTimes.RANGE).items()
+    }
+    return out
 
 
 # --modes: the graph a step runs, as EngineConfig arguments
@@ -347,11 +476,16 @@ def run_mode(
         kinds = StepKinds(engine)
         driver_before = driver_times()
         busy_before = device.busy_ns if device is not None else 0
-        wall = wrapped_burst(engine, prompts, params, kinds)
+        calls = CallTimes(engine.executor)
+        try:
+            wall = wrapped_burst(engine, prompts, params, kinds)
+        finally:
+            calls.close()
         busy = (device.busy_ns - busy_before) / 1e6 if device is not None else None
         after = engine.stats()
         driver = driver_delta(driver_before, driver_times())
-        gpu, cprofile_table, kernels = profiled_burst(engine, prompts, params, args)
+        profiled = profiled_burst(engine, prompts, params, args)
+        gpu, cprofile_table, kernels = profiled["gpu"], profiled["cprofile"], profiled["kernels"]
         # with more requests than slots, steps that decode alone come between prefill steps:
         # the decode-only pass (which profiles from the first all-decoding step on) would time
         # only the tail, so the kinds get no GPU split then
@@ -394,15 +528,21 @@ def run_mode(
         out["host_share"] = 1 - gpu / out["wall_ms_per_step"]
         out["gpu_kernels"] = kernels
     out["by_kind"] = by_kind = kinds.summary()
-    if decode is not None and "decode" in by_kind:
+    # each kind's GPU time: the kernels each step of the profiled pass launched
+    for kind, row in by_kind.items():
+        if kind in profiled["by_kind"]:
+            row["gpu_ms_per_step"] = profiled["by_kind"][kind]
+            row["host_share"] = 1 - row["gpu_ms_per_step"] / row["wall_ms_per_step"]
+    if decode is not None and "decode" in by_kind:  # the decode-only pass's own kernels
         row = by_kind["decode"]
-        row["gpu_ms_per_step"], row["gpu_steps"], row["gpu_kernels"] = decode
-        row["host_share"] = 1 - decode[0] / row["wall_ms_per_step"]
-        if gpu is not None and "prefill" in by_kind:  # the rest of the kernel time
-            rest = gpu * steps - decode[0] * row["steps"]
-            prefill = by_kind["prefill"]
-            prefill["gpu_ms_per_step"] = max(rest, 0.0) / prefill["steps"]
-            prefill["host_share"] = 1 - prefill["gpu_ms_per_step"] / prefill["wall_ms_per_step"]
+        row["decode_only_gpu_ms_per_step"], row["gpu_steps"], row["gpu_kernels"] = decode
+    # each call kind's host time (this pass) against its GPU time (the profiled pass)
+    out["calls"] = by_call = calls.summary()
+    for kind, row in by_call.items():
+        gpu_row = profiled["calls"].get(kind)
+        if gpu_row is not None:
+            row["gpu_ms_per_call"] = gpu_row["gpu_ms_per_call"]
+            row["host_ms_per_call"] = row["wall_ms_per_call"] - row["gpu_ms_per_call"]
     if cprofile_table is not None:
         out["cprofile"] = cprofile_table
     return out
@@ -529,6 +669,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(table_text, file=sys.stderr)
                 results[-1]["cprofile"] = table_text
     print(table(results))
+    for r in results:
+        from step_table import call_lines  # bench/step_table.py
+
+        lines = call_lines(r, r["mode"] + (f" ({r['label']})" if r.get("label") else ""))
+        if lines:
+            print("\n" + "\n".join(lines))
     kernel_lines = kernel_table(results)
     if kernel_lines:
         print("\n".join(kernel_lines))
