@@ -1204,3 +1204,47 @@ def test_fixed_binding_arena_path_gives_every_request_its_tokens(model, alone, m
         assert len(uploads) == stats["decode_calls"] + stats["prefill_calls"]
         assert _CpuAsCuda.host_bound == {served.total}
         assert stats["pipeline"] is pipeline
+
+
+@pytest.mark.parametrize("multiple", [1, 7, 64])
+def test_packed_calls_padded_to_a_multiple_give_every_request_its_tokens(
+    model, alone, multiple, monkeypatch
+):
+    """EngineConfig.packed_multiple: every packed call's tokens padded up to a multiple (7: most
+    calls padded; 64: every call mostly padding), and each request still gets its tokens alone:
+    no row sees a padding token."""
+    from ort_kvlayout.serve import executor
+
+    counts = []
+
+    def packed(rows, *args):
+        call = executor_pack(rows, *args)
+        counts.append((sum(len(t) for t, _ in rows), call.tokens))
+        return call
+
+    executor_pack = executor.pack_rows
+    monkeypatch.setattr(executor, "pack_rows", packed)
+    with engine(model, max_batch=4, prefill_chunk=4, packed=True, packed_multiple=multiple) as eng:
+        handles = [eng.submit(p, params(n)) for p, n in zip(PROMPTS, LENGTHS)]
+        got = [h.result() for h in handles]
+        stats = idle_stats(eng)
+    assert got == alone
+    assert counts and all(t % multiple == 0 and real <= t < real + multiple for real, t in counts)
+    if multiple > 1:
+        assert any(t > real for real, t in counts)  # padding ran
+    assert stats["step_errors"] == 0
+
+
+def test_packed_multiple_defaults_by_provider_and_is_checked():
+    """None: CUDA_PACKED_MULTIPLE on CUDA, 1 (no padding) on the CPU; below 1 or not an integer
+    is refused, naming the knob."""
+    from ort_kvlayout.serve.engine import EngineConfig
+    from ort_kvlayout.serve.engine_config import CUDA_PACKED_MULTIPLE
+
+    assert EngineConfig().packed_tokens_multiple == 1
+    assert EngineConfig(provider="cuda").packed_tokens_multiple == CUDA_PACKED_MULTIPLE
+    assert EngineConfig(provider="cuda", packed_multiple=1).packed_tokens_multiple == 1
+    with pytest.raises(ValueError, match="packed_multiple must be >= 1, got 0"):
+        EngineConfig(packed_multiple=0)
+    with pytest.raises(ValueError, match="packed_multiple must be an integer"):
+        EngineConfig(packed_multiple=2.5)

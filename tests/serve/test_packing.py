@@ -70,3 +70,25 @@ def test_host_sampling_ends_only_the_rows_whose_logits_are_not_finite():
         tokens = Executor._host_sample(host, logits, rows)
         assert tokens[:3] == [3, NONFINITE_LOGITS, None] and tokens[4] == NONFINITE_LOGITS
         assert 0 <= tokens[3] < 8
+
+
+@given(rows_strategy, st.integers(1, 16))
+def test_padding_to_a_multiple_leaves_every_row_its_own_tokens(rows, multiple):
+    """multiple: T padded up to a multiple of it with `pad` ids after the real tokens, packed
+    from position 0; the rows' unpacking, lengths and sampled positions are the unpadded
+    call's, so no row (attention, the cache) sees a padding token."""
+    plain, call = pack_rows(rows), pack_rows(rows, multiple=multiple, pad=7)
+    real = plain.tokens
+    assert call.tokens % multiple == 0 and real <= call.tokens < real + multiple
+    assert np.array_equal(call.ids[0, :real], plain.ids[0])
+    assert (call.ids[0, real:] == 7).all() and (call.pack[0, real:] == 0).all()
+    assert np.array_equal(call.pack[0, :real], plain.pack[0])
+    assert call.unpack.max() < real  # unpacking reads real tokens only
+    for name in ("unpack", "query_seqlens", "seqlens_k", "last"):
+        assert np.array_equal(getattr(call, name), getattr(plain, name))
+    assert call.total == plain.total
+
+
+def test_a_multiple_below_one_is_refused():
+    with pytest.raises(ValueError, match="multiple must be >= 1, got 0"):
+        pack_rows([([1], 0)], multiple=0)

@@ -221,6 +221,7 @@ class Engine:
         self.executor = Executor(
             self.runtime, self.cache, config.graphs,
             served.inputs if served is not None else None, self.packed,
+            packed_multiple=config.packed_tokens_multiple,
         )  # fmt: skip
         # commit_ahead: one worker, joined before the step that ran it goes on
         self._ahead = (

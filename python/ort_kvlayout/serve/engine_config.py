@@ -5,13 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from numbers import Integral
 
-__all__ = ["CPU_PREFILL_CHUNK", "CUDA_PREFILL_CHUNK", "EngineConfig"]
+__all__ = ["CPU_PREFILL_CHUNK", "CUDA_PACKED_MULTIPLE", "CUDA_PREFILL_CHUNK", "EngineConfig"]
 
 # Prompt tokens prefilled a step by default. CUDA: 1,024 gave 1.06-1.13x the output tok/s of
 # 256 in the chat burst on an H100 (Llama-3.2-1B shape, docs/SERVING.md), ITL p99 12 against
 # 10 ms; 2,048 gave no more.
 CPU_PREFILL_CHUNK = 256
 CUDA_PREFILL_CHUNK = 1024
+# A packed call's tokens padded up to a multiple of this on CUDA (EngineConfig.packed_multiple):
+# calls then repeat a few token counts, and each new count costs an eager Run the GEMMs' and
+# ORT's per-shape host work again.
+CUDA_PACKED_MULTIPLE = 64
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,10 @@ class EngineConfig:
     the served graph and padded decode; None: on with provider "cuda" where the served graph
     runs and decode calls are padded (the chat burst on an H100: 15,550 to 16,987 output tok/s,
     docs/SERVING.md), off on the CPU, where the helper thread competes with ORT's for the cores;
-    True: an error where they are not used)."""
+    True: an error where they are not used); packed_multiple: a packed call's tokens padded up
+    to a multiple of this with padding tokens that no row attends to (serve/packing.py; None:
+    CUDA_PACKED_MULTIPLE with provider "cuda", 1 on the CPU, where a padding token costs its
+    compute and a new count nothing more)."""
 
     max_batch: int = 8
     capacity: int | None = None
@@ -74,6 +81,7 @@ class EngineConfig:
     commit_ahead: bool = False
     prefill_wait: int = 0
     pipeline: bool | None = None
+    packed_multiple: int | None = None
 
     @property
     def overlapped(self) -> bool:
@@ -95,6 +103,13 @@ class EngineConfig:
         return CUDA_PREFILL_CHUNK if self.provider == "cuda" else CPU_PREFILL_CHUNK
 
     @property
+    def packed_tokens_multiple(self) -> int:
+        """What a packed call's token count is padded up to a multiple of."""
+        if self.packed_multiple is not None:
+            return self.packed_multiple
+        return CUDA_PACKED_MULTIPLE if self.provider == "cuda" else 1
+
+    @property
     def packing(self) -> bool | None:
         """Packed calls: True (or an error), None (where the graph allows them) or False."""
         if self.packed is not None:
@@ -113,7 +128,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "capacity", "kv_budget_bytes", "prefill_chunk", "max_waiting",
-                     "device_id", "granule", "prefill_wait"):  # fmt: skip
+                     "device_id", "granule", "prefill_wait", "packed_multiple"):  # fmt: skip
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, Integral)):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -123,6 +138,8 @@ class EngineConfig:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.granule is not None and self.granule < 1:  # 0 would mean the default silently
             raise ValueError(f"granule must be >= 1 bytes (None: the device's), got {self.granule}")
+        if self.packed_multiple is not None and self.packed_multiple < 1:
+            raise ValueError(f"packed_multiple must be >= 1, got {self.packed_multiple}")
         if self.prefill_wait < 0:
             raise ValueError(f"prefill_wait must be >= 0 steps, got {self.prefill_wait}")
         if self.max_waiting < 0:

@@ -174,10 +174,11 @@ class Executor:
 
     def __init__(
         self, runtime: Runtime, cache: KvCache, graphs: bool, served: ServedInputs | None,
-        packed: bool = False,
+        packed: bool = False, packed_multiple: int = 1,
     ):  # fmt: skip
         if packed and served is None:
             raise ValueError("packed calls need the served graph")
+        self.packed_multiple = packed_multiple  # a packed call's tokens: padded to a multiple
         self.runtime, self.cache, self.graphs = runtime, cache, graphs
         self.spec = runtime.spec
         self.served, self.packed = served, packed
@@ -254,7 +255,7 @@ class Executor:
         slot holds before the call (no tokens: the slot idles, its cache untouched), sampled at
         its last token by its Sampler (None: not used). A token per row (None where not used)."""
         t = time.perf_counter_ns()
-        call = pack_rows(rows)
+        call = pack_rows(rows, self.packed_multiple, self.spec.pad_token_id)
         names, binding = self.served, self._binding(first, len(rows))
         feeds = {
             self.spec.input_ids: call.ids, names.unpack_index: call.unpack,

@@ -11,6 +11,11 @@
 
 A row is (its new tokens, the rows its slot holds before the call). The call runs slots
 [first, first + B) in order; a slot that runs nothing this call is ([], anything).
+
+`multiple` pads T up to a multiple of it (EngineConfig.packed_multiple): the padding tokens
+(id `pad`) follow the real ones, each packed from position 0 of the unpacked rows, and no row
+unpacks them, so attention and the cache never see them and every real token's output is its
+own (the dense layers act on each token alone).
 """
 
 from __future__ import annotations
@@ -38,8 +43,12 @@ class PackedCall:
         return self.ids.shape[1]
 
 
-def pack_rows(rows: Sequence[tuple[Sequence[int], int]]) -> PackedCall:
+def pack_rows(
+    rows: Sequence[tuple[Sequence[int], int]], multiple: int = 1, pad: int = 0
+) -> PackedCall:
     """The packed inputs of `rows` (see the module docstring); at least one row has tokens."""
+    if multiple < 1:
+        raise ValueError(f"multiple must be >= 1, got {multiple}")
     counts = np.array([len(tokens) for tokens, _ in rows], np.int64)
     if not rows or counts.sum() == 0:
         raise ValueError("a packed call needs at least one row with tokens")
@@ -52,6 +61,10 @@ def pack_rows(rows: Sequence[tuple[Sequence[int], int]]) -> PackedCall:
     unpack = np.where(live, offsets[:, None] + s[None, :], 0)
     pack = (np.arange(len(rows))[:, None] * width + s[None, :])[live]
     ends = cached + counts
+    padding = -len(ids) % multiple
+    if padding:
+        ids = np.concatenate((ids, np.full(padding, pad, np.int64)))
+        pack = np.concatenate((pack, np.zeros(padding, pack.dtype)))
     return PackedCall(
         ids=ids[None, :],
         unpack=unpack.astype(np.int64),
