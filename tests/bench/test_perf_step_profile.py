@@ -308,3 +308,31 @@ def test_the_calls_render_as_a_table_with_their_host_time_beyond_the_gpu():
     assert "| bucket | 3 | 1.90 | 1.80 | 0.10 |" in block
     assert "| packed | 1 | 6.00 | - | - |" in block
     assert "A call's host ms" in block
+
+
+def test_the_step_ranges_start_the_profiler_on_the_engine_thread_and_stop_it_when_idle(tmp_path):
+    """StepRanges with a profiler (faked): started in the first step, on the engine thread (torch
+    records the ranges of the thread that started it), and stopped there after the step that
+    leaves the engine idle once the whole burst was submitted."""
+    library_or_skip()
+    import threading
+
+    from ort_kvlayout.serve.engine import Engine, EngineConfig, RequestParams
+
+    class Threaded(_FakeProfiler):
+        def start(self):
+            super().start()
+            self.thread = threading.current_thread()
+
+    model = make_served_model(tmp_path / "model")
+    with Engine(model, EngineConfig(max_batch=2, capacity=64, sample_on_device=True)) as engine:
+        fake = Threaded()
+        ranges = step_profile.StepRanges(engine, fake)
+        engine._step = ranges
+        params = RequestParams(max_tokens=3, ignore_eos=True)
+        step_profile.burst(engine, [[5, 6], [7, 8, 9], [10]], [params] * 3,
+                           submitted=lambda: setattr(ranges, "armed", True))  # fmt: skip
+        assert ranges.stopped.wait(10)
+        engine._step = ranges.step
+    assert fake.calls == ["start", "stop"]
+    assert fake.thread is not threading.main_thread()

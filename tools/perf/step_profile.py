@@ -318,17 +318,26 @@ def decode_gpu(engine, prompts, params, args) -> tuple[float, int, list[dict]] |
 
 class StepRanges:
     """Wraps engine._step in a profiler range a call (named RANGE + its index), noting each
-    one's kind as StepKinds does, so that gpu_split() gives the kernel time of each kind."""
+    one's kind as StepKinds does, so that gpu_split() gives the kernel time of each kind. With
+    `profiler`, starts it in the first step and stops it after the step that leaves the engine
+    idle, both on the engine thread: torch's profiler records the ranges of the thread that
+    started it (CUPTI sees every thread's kernels)."""
 
     RANGE = "kvl_step:"
 
-    def __init__(self, engine):
-        self.engine, self.step = engine, engine._step
+    def __init__(self, engine, profiler=None):
+        self.engine, self.step, self.profiler = engine, engine._step, profiler
         self.kinds: list[str] = []
         self.steps: collections.Counter = collections.Counter()
+        self.stopped = threading.Event()
+        self.armed = False  # set once every request of the burst was submitted
+        if profiler is None:
+            self.stopped.set()
 
     def __call__(self) -> None:
         e = self.engine
+        if self.profiler is not None and not self.kinds:
+            self.profiler.start()
         calls, steps = e._counters["prefill_calls"], e._counters["steps"]
         try:
             with record_range(f"{self.RANGE}{len(self.kinds)}"):
@@ -337,6 +346,10 @@ class StepRanges:
             kind = "prefill" if e._counters["prefill_calls"] > calls else "decode"
             self.kinds.append(kind)
             self.steps[kind] += max(e._counters["steps"] - steps, 1)
+            idle = not any(r is not None for r in e._slots) and not e._waiting
+            if self.profiler is not None and self.armed and idle and not self.stopped.is_set():
+                self.profiler.stop()
+                self.stopped.set()
 
     def gpu_ms_per_step(self, prof) -> dict[str, float]:
         """Kernel ms per step of each kind."""
@@ -358,7 +371,7 @@ def profiled_burst(engine, prompts, params, args) -> dict:
     if prof is None and cprof is None:
         return out
     step = engine._step
-    ranges = StepRanges(engine) if prof is not None else None
+    ranges = StepRanges(engine, prof) if prof is not None else None
     timed = ranges if ranges is not None else step
 
     def profiled_step():
@@ -371,13 +384,13 @@ def profiled_burst(engine, prompts, params, args) -> dict:
     engine._step = profiled_step if cprof is not None else timed
     calls = CallTimes(engine.executor, ranges=True) if prof is not None else None
     steps = engine.stats()["steps"]
-    if prof is not None:
-        prof.__enter__()
     try:
-        burst(engine, prompts, params)
+        armed = (lambda: setattr(ranges, "armed", True)) if ranges is not None else None
+        burst(engine, prompts, params, submitted=armed)
+        # the step that finished the last request returns after its events were delivered
+        if ranges is not None and not ranges.stopped.wait(30):
+            raise RuntimeError("step_profile: the engine did not go idle after the burst")
     finally:
-        if prof is not None:
-            prof.__exit__(None, None, None)
         engine._step = step
         if calls is not None:
             calls.close()
@@ -394,6 +407,7 @@ def profiled_burst(engine, prompts, params, args) -> dict:
     out["calls"] = {
         kind: {"calls": n, "gpu_ms_per_call": ms / max(n, 1)}
         for kind, (ms, n) in gpu_split(prof, CallTimes.RANGE).items()
+        if kind != "other"
     }
     return out
 
