@@ -1217,9 +1217,11 @@ def test_packed_calls_padded_to_a_multiple_give_every_request_its_tokens(
 
     counts = []
 
-    def packed(rows, *args):
-        call = executor_pack(rows, *args)
-        counts.append((sum(len(t) for t, _ in rows), call.tokens))
+    def packed(rows, asked, pad):
+        call = executor_pack(rows, asked, pad)
+        prefills = any(len(t) > 1 for t, _ in rows)
+        counts.append((sum(len(t) for t, _ in rows), call.tokens, prefills))
+        assert asked == (multiple if prefills else 1)  # decode rows alone: not padded
         return call
 
     executor_pack = executor.pack_rows
@@ -1229,9 +1231,13 @@ def test_packed_calls_padded_to_a_multiple_give_every_request_its_tokens(
         got = [h.result() for h in handles]
         stats = idle_stats(eng)
     assert got == alone
-    assert counts and all(t % multiple == 0 and real <= t < real + multiple for real, t in counts)
+    prefilling = [(real, t) for real, t, prefills in counts if prefills]
+    assert prefilling and all(
+        t % multiple == 0 and real <= t < real + multiple for real, t in prefilling
+    )
+    assert all(t == real for real, t, prefills in counts if not prefills)
     if multiple > 1:
-        assert any(t > real for real, t in counts)  # padding ran
+        assert any(t > real for real, t in prefilling)  # padding ran
     assert stats["step_errors"] == 0
 
 

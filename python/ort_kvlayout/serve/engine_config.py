@@ -57,8 +57,9 @@ class EngineConfig:
     the served graph and padded decode; None: on with provider "cuda" where the served graph
     runs and decode calls are padded (the chat burst on an H100: 15,550 to 16,987 output tok/s,
     docs/SERVING.md), off on the CPU, where the helper thread competes with ORT's for the cores;
-    True: an error where they are not used); packed_multiple: a packed call's tokens padded up
-    to a multiple of this with padding tokens that no row attends to (serve/packing.py; None:
+    True: an error where they are not used); packed_multiple: a packed call that prefills has
+    its tokens padded up to a multiple of this with tokens no row attends to (serve/packing.py;
+    a call of decode rows alone is not padded; None:
     CUDA_PACKED_MULTIPLE with provider "cuda", 1 on the CPU, where a padding token costs its
     compute and a new count nothing more)."""
 

@@ -255,7 +255,10 @@ class Executor:
         slot holds before the call (no tokens: the slot idles, its cache untouched), sampled at
         its last token by its Sampler (None: not used). A token per row (None where not used)."""
         t = time.perf_counter_ns()
-        call = pack_rows(rows, self.packed_multiple, self.spec.pad_token_id)
+        # Padded only where a row prefills: a decode call's token count is its rows, already
+        # one of few values, and it keeps the GEMM shapes of the same rows' bucket calls.
+        chunked = any(len(tokens) > 1 for tokens, _ in rows)
+        call = pack_rows(rows, self.packed_multiple if chunked else 1, self.spec.pad_token_id)
         names, binding = self.served, self._binding(first, len(rows))
         feeds = {
             self.spec.input_ids: call.ids, names.unpack_index: call.unpack,
