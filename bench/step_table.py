@@ -27,8 +27,9 @@ CALL_NOTE = (
     "its tokens: ORT's Run returns once the call's kernels are done) less the GPU time of the "
     "kernels it launched (CUPTI, a profiler range a call, in a second pass of the same "
     "requests): the time the GPU waits for the host within the call. Kinds: bucket, a padded "
-    "decode call (a CUDA graph's replay where graphs are on); packed, a packed prefill call; "
-    "eager, a call of rows as they are (both uncaptured: ORT launches each kernel)."
+    "decode call (a CUDA graph's replay where graphs are on); graphed, a prefill step's call of "
+    "fixed shapes (graph_chunk; a graph's replay too); packed, a packed prefill call; eager, a "
+    "call of rows as they are (both uncaptured: ORT launches each kernel)."
 )
 
 

@@ -336,3 +336,21 @@ def test_the_step_ranges_start_the_profiler_on_the_engine_thread_and_stop_it_whe
         engine._step = ranges.step
     assert fake.calls == ["start", "stop"]
     assert fake.thread is not threading.main_thread()
+
+
+def test_graph_chunks_run_a_pass_each_labelled_and_their_calls_are_timed(tmp_path):
+    """--graph-chunk 0,4: a pass with eager packed prefill calls and one whose prefill steps run
+    as calls of fixed shapes (EngineConfig.graph_chunk), each labelled; the second's prefill
+    calls are timed as `graphed`."""
+    library_or_skip()
+    model = make_served_model(tmp_path / "model")
+    out = tmp_path / "step-profile-cpu.json"
+    args = [str(model), "--batch", "3", "--prompt", "6", "--output", "4", "--capacity", "64",
+            "--modes", "packed", "--decode-buckets", "1,2,4", "--graph-chunk", "0,4",
+            "--json", str(out)]  # fmt: skip
+    assert step_profile.main(args) == 0
+    eager, graphed = json.loads(out.read_text())["results"]
+    assert (eager["label"], graphed["label"]) == ("eager prefill", "graph chunk 4")
+    assert (eager["graph_chunk"], graphed["graph_chunk"]) == (0, 4)
+    assert "packed" in eager["calls"] and "graphed" not in eager["calls"]
+    assert graphed["calls"]["graphed"]["calls"] >= 2 and "packed" not in graphed["calls"]

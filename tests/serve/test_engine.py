@@ -1254,3 +1254,44 @@ def test_packed_multiple_defaults_by_provider_and_is_checked():
         EngineConfig(packed_multiple=0)
     with pytest.raises(ValueError, match="packed_multiple must be an integer"):
         EngineConfig(packed_multiple=2.5)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 256])
+@pytest.mark.parametrize("pipeline", [False, True], ids=["steps", "pipelined"])
+def test_graphed_prefill_steps_give_every_request_its_tokens(model, alone, chunk, pipeline):
+    """EngineConfig.graph_chunk: a step that prefills runs as one call of slots [0, bucket) at
+    the fixed shapes of (bucket, tokens), its decode rows beside each prompt's chunk of at most
+    graph_chunk tokens (here uncaptured: the CPU runs the same calls). Every request gets its
+    tokens alone, whatever the chunk (1: a prompt a token a step; 256: whole prompts, the step's
+    budget shared), and the shapes repeat: far fewer than the calls."""
+    config = {"decode_buckets": (1, 2, 4), "pipeline": pipeline}
+    with engine(
+        model, max_batch=4, packed=True, graph_chunk=chunk, prefill_chunk=8, **config
+    ) as eng:
+        handles = [eng.submit(p, params(n)) for p, n in zip(PROMPTS, LENGTHS)]
+        got = [h.result() for h in handles]
+        stats = idle_stats(eng)
+    assert got == alone
+    assert stats["graph_chunk"] == chunk
+    assert stats["graphed_calls"] == stats["prefill_calls"] >= len(PROMPTS)
+    assert stats["mixed_calls"] >= 1  # decode rows rode in a graphed call
+    # shapes: a bucket and a count of chunk blocks (the step's budget over graph_chunk) each
+    blocks = -(-8 // chunk)
+    assert 1 <= stats["graphed_shapes_used"] <= len((1, 2, 4)) * blocks
+    assert stats["graphed_shapes_used"] < stats["graphed_calls"]
+    assert stats["step_errors"] == 0 and stats["kv_committed_bytes"] == 0
+    assert all(h.finish_reason == "length" for h in handles)
+
+
+def test_graph_chunk_is_checked():
+    """graph_chunk needs packed calls of the served graph and padded decode calls; below 0 is
+    refused, naming the knob."""
+    from ort_kvlayout.serve.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="graph_chunk must be >= 0 tokens"):
+        EngineConfig(graph_chunk=-1)
+    with pytest.raises(ValueError, match="graph_chunk needs packed calls"):
+        EngineConfig(graph_chunk=4, packed=False, decode_buckets=(1, 2))
+    with pytest.raises(ValueError, match="graph_chunk needs padded decode calls"):
+        EngineConfig(graph_chunk=4)
+    assert EngineConfig(graph_chunk=4, decode_buckets=(1, 2)).graph_chunk == 4

@@ -175,6 +175,35 @@ def test_pipelined_engine_on_cuda_equals_runtime_alone(model, chunk, graph):
         assert stats["graph_replays"] > 0
 
 
+@pytest.mark.parametrize("graph_chunk", [8, 64])
+def test_graphed_prefill_on_cuda_equals_runtime_alone(model, graph_chunk):
+    """EngineConfig.graph_chunk with CUDA graphs: a step that prefills replays the graph of its
+    (bucket, tokens) shape, its decode rows beside each prompt's chunk. The same tokens as
+    Runtime alone (or a near-tie), one capture a shape that ran past its warm-up and a replay
+    every later call, decode buckets' and graphed shapes' alike, every granule back."""
+    from ort_kvlayout.runtime.generation import CUDA_GRAPH_WARMUP_RUNS as WARM
+    from ort_kvlayout.serve.engine import EngineConfig
+
+    granule = 2 << 20 if DEVICE == "cpu" else None
+    config = EngineConfig(
+        max_batch=3, prefill_chunk=64, graph_chunk=graph_chunk, provider=DEVICE, granule=granule,
+        **ENGINE_GRAPHS["packed"], **_graph_config(True),
+    )  # fmt: skip
+    seen = {}
+    stats = _burst_equals_alone(
+        model, config, _alone(model),
+        lambda e: seen.update(graphed=dict(e.executor.graphed_calls)),
+    )  # fmt: skip
+    assert stats["graphed_calls"] == stats["prefill_calls"] > 0
+    assert stats["kv_bytes_moved"] == 0 and stats["kv_committed_bytes"] == 0
+    assert stats["step_errors"] == 0 and stats["finished_length"] == len(PROMPTS)
+    if DEVICE == "cuda":
+        runs = [*stats["decode_bucket_calls"].values(), *seen["graphed"].values()]
+        assert stats["graph_captures"] == sum(n > WARM for n in runs)
+        assert stats["graph_replays"] == sum(n - WARM - 1 for n in runs if n > WARM)
+        assert stats["graph_recaptures"] == 0
+
+
 def _check_graph_counters(stats: dict, logged: int | None = None) -> None:
     """ORT runs a graph id CUDA_GRAPH_WARMUP_RUNS times, captures it on the next run and
     replays it from then on: one capture per bucket that ran past its warm-up, never a second

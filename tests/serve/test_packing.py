@@ -92,3 +92,29 @@ def test_padding_to_a_multiple_leaves_every_row_its_own_tokens(rows, multiple):
 def test_a_multiple_below_one_is_refused():
     with pytest.raises(ValueError, match="multiple must be >= 1, got 0"):
         pack_rows([([1], 0)], multiple=0)
+
+
+@given(rows_strategy, st.integers(0, 4), st.integers(0, 9))
+def test_a_fixed_width_and_token_count_keep_every_row_its_tokens(rows, wider, more):
+    """width (S at least the longest row) and tokens (T at least the real tokens): the shapes a
+    captured call keeps; each row still unpacks its own tokens in place and the padding tokens
+    are unpacked by no row."""
+    longest = max(len(t) for t, _ in rows)
+    real = sum(len(t) for t, _ in rows)
+    call = pack_rows(rows, pad=3, width=longest + wider, tokens=real + more)
+    assert call.unpack.shape == (len(rows), longest + wider) and call.tokens == real + more
+    padded = call.ids[0][call.unpack]
+    for b, (tokens, _) in enumerate(rows):
+        assert list(padded[b, : len(tokens)]) == list(tokens)
+        assert call.query_seqlens[b] == len(tokens)
+    live = np.arange(longest + wider)[None, :] < call.query_seqlens[:, None]
+    assert call.unpack[live].max() < real  # no row unpacks a padding token
+    assert np.array_equal(padded.reshape(-1)[call.pack[0, :real]], call.ids[0, :real])
+    assert (call.ids[0, real:] == 3).all()
+
+
+def test_a_width_or_token_count_below_the_rows_is_refused():
+    with pytest.raises(ValueError, match="width 1 is below the longest row's 2 tokens"):
+        pack_rows([([1, 2], 0)], width=1)
+    with pytest.raises(ValueError, match="tokens 2 is below the rows' 3 tokens"):
+        pack_rows([([1, 2], 0), ([3], 0)], tokens=2)

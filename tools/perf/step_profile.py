@@ -94,7 +94,8 @@ def record_range(name: str):
 class CallTimes:
     """Wraps the executor's model calls: each call's host time by kind, from entering the
     executor's method to its tokens (ORT's Run returns when the call's kernels are done):
-    `bucket` a padded decode call (a CUDA graph's replay where graphs are on), `packed` a
+    `bucket` a padded decode call (a CUDA graph's replay where graphs are on), `graphed` a
+    prefill step's call of fixed shapes (EngineConfig.graph_chunk; a graph too), `packed` a
     packed prefill call and `eager` a call of the model's rows as they are (both uncaptured:
     ORT launches each kernel). With `ranges`, each call is also a profiler range named
     RANGE + kind, whose kernels gpu_split() finds."""
@@ -102,6 +103,7 @@ class CallTimes:
     KINDS: typing.ClassVar[dict[str, str]] = {
         "run_staged": "bucket",
         "run_packed": "packed",
+        "run_graphed": "graphed",
         "run": "eager",
     }
     RANGE = "kvl_call:"
@@ -453,8 +455,9 @@ def draw(rng, bounds: tuple[int, int], n: int) -> list[int]:
 
 
 def run_mode(
-    args, mode: str, overlap: bool | None, ahead: bool = False, pipeline: bool = False
-) -> dict:
+    args, mode: str, overlap: bool | None, ahead: bool = False, pipeline: bool = False,
+    graph_chunk: int = 0,
+) -> dict:  # fmt: skip
     from ort_kvlayout.runtime.kv_memory import driver_times
     from ort_kvlayout.serve.engine import Engine, EngineConfig, RequestParams
 
@@ -463,7 +466,7 @@ def run_mode(
         prefill_chunk=args.prefill_chunk, capacity=args.capacity, kv_budget_bytes=args.kv_budget,
         max_waiting=max(args.requests or 0, args.batch) + 1, cuda_graph=False if args.no_cuda_graph else None,
         overlap=overlap, commit_ahead=ahead, prefill_wait=args.prefill_wait, pipeline=pipeline,
-        decode_buckets=args.decode_buckets, **MODES[mode],
+        decode_buckets=args.decode_buckets, graph_chunk=graph_chunk, **MODES[mode],
     )  # fmt: skip
     rng = np.random.default_rng(args.seed)
     options = None
@@ -641,6 +644,12 @@ def main(argv: list[str] | None = None) -> int:
         "ms (default: Python's, 5 ms): how long a thread returning from Run may wait for the "
         "GIL while another thread runs Python",
     )  # fmt: skip
+    p.add_argument(
+        "--graph-chunk", default="0", metavar="N[,N]",
+        help="EngineConfig.graph_chunk for each pass: a step that prefills runs as one call of "
+        "fixed shapes (a CUDA graph each), each prompt's chunk at most N tokens (0: eager "
+        "packed prefill calls, the default); e.g. 0,64 compares both",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
@@ -662,21 +671,38 @@ def main(argv: list[str] | None = None) -> int:
     pipes = [s.strip() for s in args.pipeline.split(",")]
     if any(s not in ("on", "off") for s in pipes):
         p.error(f"--pipeline {args.pipeline!r}: expected on, off or on,off")
+    try:
+        graph_chunks = [int(c) for c in args.graph_chunk.split(",")]
+    except ValueError:
+        p.error(f"--graph-chunk {args.graph_chunk!r}: expected token counts, e.g. 0,64")
+    if any(c < 0 for c in graph_chunks):
+        p.error(f"--graph-chunk {args.graph_chunk!r}: each value must be >= 0 (0: eager prefill)")
     results = []
     for mode in args.modes.split(","):
         if mode not in MODES:
             p.error(f"mode {mode!r}: expected one of {', '.join(MODES)}")
-        for setting, ahead, pipe, switch in itertools.product(settings, aheads, pipes, switches):
+        passes = itertools.product(settings, aheads, pipes, switches, graph_chunks)
+        for setting, ahead, pipe, switch, graph_chunk in passes:
             default = sys.getswitchinterval()
             if switch is not None:
                 sys.setswitchinterval(switch / 1000)
             try:
-                results.append(run_mode(args, mode, overlaps[setting], ahead == "on", pipe == "on"))
+                results.append(
+                    run_mode(
+                        args, mode, overlaps[setting], ahead == "on", pipe == "on", graph_chunk
+                    )
+                )
             finally:
                 sys.setswitchinterval(default)
+            labels = []
             if switch is not None:
                 results[-1]["switch_interval_ms"] = switch
-                results[-1]["label"] = f"GIL switch interval {switch:g} ms"
+                labels.append(f"GIL switch interval {switch:g} ms")
+            if len(graph_chunks) > 1 or graph_chunk:
+                results[-1]["graph_chunk"] = graph_chunk
+                labels.append(f"graph chunk {graph_chunk}" if graph_chunk else "eager prefill")
+            if labels:
+                results[-1]["label"] = ", ".join(labels)
             table_text = results[-1].pop("cprofile", None)
             print(json.dumps(results[-1]), file=sys.stderr)
             if table_text:

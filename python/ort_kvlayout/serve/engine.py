@@ -92,7 +92,7 @@ from ..runtime.kv_cache import KvCache, KvMemoryError
 from ..runtime.model_spec import ModelSpec
 from ..runtime.sampling import Sampler
 from . import memory
-from .batching import decode_rows, resolve_buckets
+from .batching import bucket_for, decode_rows, resolve_buckets
 from .detokenizer import IncrementalText
 from .engine_config import EngineConfig
 from .executor import NONFINITE_LOGITS, Executor
@@ -198,6 +198,11 @@ class Engine:
         self.spec = self.runtime.spec
         self.tokenizer = tokenizer
         self.packed = served is not None and served.packed
+        if config.graph_chunk and not self.packed:
+            raise ValueError(
+                f"graph_chunk={config.graph_chunk} needs packed calls, which this model cannot "
+                f"run: {self.packed_refusal}"
+            )
         self.pipelined = config.pipelined(served is not None)
         try:
             self._allocate(config)
@@ -321,6 +326,7 @@ class Engine:
         self._limits = Limits(
             self.budget, self.capacity, config.chunk, self.runtime.prefill_read_slack(),
             self.buckets, packed=self.packed, prefill_wait=config.prefill_wait,
+            request_chunk=config.graph_chunk,
         )  # fmt: skip
         self._held = 0  # steps the waiting requests were held (scheduler.hold_admissions)
         first = self.cache.entry_commit_bytes(min(1 + self._limits.slack, self.capacity))
@@ -773,7 +779,10 @@ class Engine:
         profile.steps += 1
         span = decode_span(view, padded, self._limits)
         chunks = [
-            (self._slots[s], take) for s, take in prefill_chunks(view, self._limits.prefill_chunk)
+            (self._slots[s], take)
+            for s, take in prefill_chunks(
+                view, self._limits.prefill_chunk, self._limits.request_chunk
+            )
         ]
         profile.add("schedule", t)
         if self.pipelined and padded and span is not None and not chunks:
@@ -781,7 +790,9 @@ class Engine:
             return
         calls = []
         packed = self.executor.packed
-        if packed and chunks and self.config.mixed and span is not None:
+        if chunks and self.config.graph_chunk:  # one call of fixed shapes: a graph
+            calls.append(self._packed_call(chunks, range(*span) if span else range(0), True))
+        elif packed and chunks and self.config.mixed and span is not None:
             calls.append(self._packed_call(chunks, range(*span)))
         else:
             if span is not None:
@@ -1002,15 +1013,20 @@ class Engine:
 
         return run, commit
 
-    def _packed_call(self, chunks: list[tuple[_Request, int]], decode: range = range(0)):
-        """One packed call, as _decode_call's: the prefill chunks (request, tokens) and, mixed,
-        the decoding requests of the slots `decode`, over the slots from the lowest to the
-        highest they use (the slots between idle)."""
+    def _packed_call(
+        self, chunks: list[tuple[_Request, int]], decode: range = range(0), graphed: bool = False
+    ):
+        """One packed call, as _decode_call's: the prefill chunks (request, tokens) and, mixed
+        or graphed, the decoding requests of the slots `decode`, over the slots from the lowest
+        to the highest they use (the slots between idle); graphed (EngineConfig.graph_chunk),
+        over the slots [0, bucket) at the shapes of its bucket and token count."""
         prefill = {r.slot: (r, r.cached, take) for r, take in chunks}
         decoding = {s: self._slots[s] for s in decode if self._slots[s] is not None}
         decoding = {s: r for s, r in decoding.items() if r.decoding}
         used = sorted(prefill.keys() | decoding.keys())
         lo, hi = used[0], used[-1] + 1
+        if graphed:
+            lo, hi = 0, bucket_for(hi, self.buckets)
         rows: list[tuple[list[int], int]] = []
         samplers: list[Sampler | None] = []
         for s in range(lo, hi):
@@ -1026,11 +1042,18 @@ class Engine:
             else:
                 rows.append(((), 0))
                 samplers.append(None)
-        run = functools.partial(self.executor.run_packed, lo, rows, samplers)
+        if graphed:
+            width = self.config.graph_chunk
+            taken = sum(take for _, take in chunks)
+            tokens = hi + width * -(-taken // width)  # room for the decode rows and the chunks
+            run = functools.partial(self.executor.run_graphed, hi, rows, samplers, width, tokens)
+        else:
+            run = functools.partial(self.executor.run_packed, lo, rows, samplers)
 
         def commit(tokens: list[int | None]) -> None:
             counters = self._counters
             counters["prefill_calls"] += 1
+            counters["graphed_calls"] += graphed
             counters["prefill_chunks"] += len(prefill)
             if decoding:
                 counters["mixed_calls"] += 1
@@ -1129,13 +1152,15 @@ class Engine:
             "sample_on_device": self.executor.served is not None,
             "packed": self.executor.packed,
             "mixed": self.executor.packed and self.config.mixed,
+            "graph_chunk": self.config.graph_chunk,
+            "graphed_shapes_used": self.executor.graphed_shapes_used,
             "pipeline": self.pipelined,
             "step_profile": self.executor.profile.summary(),
         }
         for key in (
             "steps", "pipelined_steps", "decode_calls", "decode_rows", "decode_padded_rows",
             "decode_eager_fallbacks", "prefill_calls", "prefill_chunks", "prefill_tokens",
-            "mixed_calls", "tokens", "admitted", "admission_holds", "rejected",
+            "mixed_calls", "graphed_calls", "tokens", "admitted", "admission_holds", "rejected",
             "kv_ahead_commits", "kv_ahead_failures", "step_errors", "callback_errors",
             "detokenize_errors", "publish_errors", "finished_stop", "finished_length",
             "finished_cancelled", "finished_error",

@@ -61,7 +61,13 @@ class EngineConfig:
     its tokens padded up to a multiple of this with tokens no row attends to (serve/packing.py;
     a call of decode rows alone is not padded; None:
     CUDA_PACKED_MULTIPLE with provider "cuda", 1 on the CPU, where a padding token costs its
-    compute and a new count nothing more)."""
+    compute and a new count nothing more); graph_chunk: above 0, a step that prefills runs as
+    one packed call of slots [0, bucket) (the bucket holding every slot it runs) carrying the
+    step's decode rows and each prefilling request's chunk of at most graph_chunk tokens, its
+    shapes fixed by (bucket, token count padded up to bucket + a multiple of graph_chunk): a CUDA
+    graph each where graphs are on (on the CPU uncaptured, the same calls), where an eager
+    packed call is launched kernel by kernel; prefill_chunk stays the step's token budget. It
+    needs packed calls and padded decode calls (0, the default: eager packed calls)."""
 
     max_batch: int = 8
     capacity: int | None = None
@@ -83,6 +89,7 @@ class EngineConfig:
     prefill_wait: int = 0
     pipeline: bool | None = None
     packed_multiple: int | None = None
+    graph_chunk: int = 0
 
     @property
     def overlapped(self) -> bool:
@@ -129,7 +136,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "capacity", "kv_budget_bytes", "prefill_chunk", "max_waiting",
-                     "device_id", "granule", "prefill_wait", "packed_multiple"):  # fmt: skip
+                     "device_id", "granule", "prefill_wait", "packed_multiple",
+                     "graph_chunk"):  # fmt: skip
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, Integral)):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -141,6 +149,18 @@ class EngineConfig:
             raise ValueError(f"granule must be >= 1 bytes (None: the device's), got {self.granule}")
         if self.packed_multiple is not None and self.packed_multiple < 1:
             raise ValueError(f"packed_multiple must be >= 1, got {self.packed_multiple}")
+        if self.graph_chunk < 0:
+            raise ValueError(f"graph_chunk must be >= 0 tokens (0: off), got {self.graph_chunk}")
+        if self.graph_chunk and (self.packed is False or self.sample_on_device is False):
+            raise ValueError(
+                "graph_chunk needs packed calls of the served graph (packed and "
+                "sample_on_device not False)"
+            )
+        if self.graph_chunk and not self.padded_decode:
+            raise ValueError(
+                "graph_chunk needs padded decode calls (CUDA graphs, or decode_buckets on the "
+                "CPU): its calls run slots [0, bucket)"
+            )
         if self.prefill_wait < 0:
             raise ValueError(f"prefill_wait must be >= 0 steps, got {self.prefill_wait}")
         if self.max_waiting < 0:

@@ -4,6 +4,7 @@
     tokens = executor.run(first_slot, ids, totals, last, rows)    # an eager call: (B, S) ids
     tokens = executor.run_bucket(bucket, ids, totals, rows)      # a padded decode call (graphs)
     tokens = executor.run_packed(first_slot, [(new_ids, cached), ...], rows)  # packed graph
+    tokens = executor.run_graphed(bucket, rows_of_slots, rows, width, tokens)  # fixed shapes
 
 It owns the session's bindings, the fixed per-bucket decode bindings (one CUDA graph each) and
 how tokens are chosen. Two graphs, the served one packed or not:
@@ -19,6 +20,9 @@ how tokens are chosen. Two graphs, the served one packed or not:
   tokens packed as (1, T) and only attention sees rows (serve/packing.py), so one call prefills
   the chunks of several requests, and may carry decode rows, at the cost of its real tokens.
   `run_packed` makes such a call; a bucket's decode call is the packed form of one token a row.
+  `run_graphed` makes one over slots [0, bucket) at fixed shapes (rows of at most `width` new
+  tokens, `tokens` tokens in all; EngineConfig.graph_chunk): one CUDA graph a shape, so that a
+  step that prefills replays a graph as a decode step does.
 
 `rows` says what each row samples with: None for a row whose token is not used (padding, a
 prefill chunk that does not end its prompt), else the request's Sampler (its params and seeded
@@ -52,6 +56,9 @@ from .packing import pack_rows
 __all__ = ["BAD_SAMPLING", "NONFINITE_LOGITS", "Executor", "StepProfile"]
 
 NONFINITE_LOGITS, BAD_SAMPLING = -1, -2
+# The CUDA graph ids of run_graphed's shapes: past every decode bucket's (a bucket's id is its
+# size, at most max_batch).
+GRAPHED_IDS = 1 << 20
 _TOP_K_MAX = np.iinfo(np.int32).max
 _BELOW_ONE = np.nextafter(np.float32(1), np.float32(0))
 
@@ -190,11 +197,18 @@ class Executor:
         self.bucket_calls: collections.Counter = collections.Counter()
         self._greedy = Sampler(GREEDY)
         self._helper: ThreadPoolExecutor | None = None  # runs run_staged's `during`
+        self._graphed: dict[tuple[int, int], _GraphedCall] = {}  # (bucket, tokens) -> call
+        self.graphed_calls: collections.Counter = collections.Counter()  # (bucket, tokens)
         self._upload: CallUpload | None = None  # CUDA: an eager call's inputs in one copy
 
     @property
     def buckets_used(self) -> int:
         return len(self._buckets)
+
+    @property
+    def graphed_shapes_used(self) -> int:
+        """The (bucket, tokens) shapes run_graphed has made a call of (a graph each)."""
+        return len(self._graphed)
 
     def close(self) -> None:
         if self._helper is not None:
@@ -202,6 +216,7 @@ class Executor:
             self._helper = None
         self._bindings.clear()
         self._buckets.clear()
+        self._graphed.clear()
 
     # --- eager calls ---------------------------------------------------------------------------
     def _binding(self, first: int, count: int) -> ort.IOBinding:
@@ -270,6 +285,41 @@ class Executor:
         binding.bind_cpu_input(names.total, np.array(call.total, np.int32))  # on the host
         out = self._bind_served_outputs(binding, len(rows))
         return self._run_eager(binding, samplers, None, t, out)
+
+    def run_graphed(
+        self, bucket: int, rows: list[tuple[list[int], int]], samplers: list[Sampler | None],
+        width: int, tokens: int,
+    ) -> list[int | None]:  # fmt: skip
+        """A packed call of slots [0, bucket) at fixed shapes (EngineConfig.graph_chunk): rows
+        of at most `width` new tokens, padded to `tokens` tokens, through the fixed binding of
+        its (bucket, tokens) shape, a CUDA graph of its own with graphs on (ORT runs it
+        CUDA_GRAPH_WARMUP_RUNS times, captures the next run and replays it from then on). A
+        token per row (None where not used)."""
+        t = time.perf_counter_ns()
+        call = pack_rows(rows, pad=self.spec.pad_token_id, width=width, tokens=tokens)
+        key = (bucket, tokens)
+        graphed = self._graphed.get(key)
+        if graphed is None:
+            graph_id = GRAPHED_IDS + len(self._graphed)
+            graphed = self._graphed[key] = _GraphedCall(self, bucket, width, tokens, graph_id)
+        graphed.apply(call, samplers)
+        t = self.profile.add("inputs", t)
+        runs = self.graphed_calls[key]
+        self.graphed_calls[key] = runs + 1
+        options = self.runtime.run_options(graphed.graph_id if self.graphs else None)
+        self.runtime.session.run_with_iobinding(graphed.binding, options)
+        t = self.profile.add("run", t)
+        if self.graphs:
+            if runs == CUDA_GRAPH_WARMUP_RUNS:
+                self.cache.stats.graph_captures += 1
+            elif runs > CUDA_GRAPH_WARMUP_RUNS:
+                self.cache.stats.replays += 1
+        out = graphed.output()
+        self.runtime.check_length_record("engine graphed step")
+        t = self.profile.add("readback", t)
+        tokens_out = _used(out[:, 0].tolist(), samplers)
+        self.profile.add("sample", t)
+        return tokens_out
 
     def _bind_inputs(self, binding: ort.IOBinding, feeds: dict[str, np.ndarray]) -> None:
         """An eager call's device inputs: on CUDA in one copy (CallUpload), on the CPU bound
@@ -517,6 +567,61 @@ class _BucketCall:
         """Token ids (bucket, 1), or the logits (bucket, 1, vocab) of the model's own graph; on
         the CPU the bound buffer itself, valid until the next call."""
         return self._fixed.read(self._read)
+
+
+class _GraphedCall:
+    """A packed call of slots [0, bucket) whose shapes stay put (Executor.run_graphed): the KV
+    buffers bound at slot 0 with batch `bucket`, the ids and packing of `tokens` tokens in rows
+    of `width` ((1, tokens) ids and pack index, (bucket, width) unpack index), lengths, logits
+    positions and sampling inputs of `bucket` rows, total_sequence_length = the capacity in CPU
+    memory, the token ids out (the logits stay on the device): one address and one shape each
+    for the engine's life, as a CUDA graph needs. Every input is rewritten and uploaded at each
+    call (FixedBinding: the small ones in one copy)."""
+
+    def __init__(self, executor: Executor, bucket: int, width: int, tokens: int, graph_id: int):
+        rt, spec, served = executor.runtime, executor.spec, executor.served
+        self.graph_id, self.served = graph_id, served
+        self._sampling = _Sampling.zeros(bucket)
+        self._ids, self._pack = spec.input_ids, served.pack_index
+        inputs = {
+            spec.input_ids: np.zeros((1, tokens), np.int64),
+            served.unpack_index: np.zeros((bucket, width), np.int64),
+            served.pack_index: np.zeros((1, tokens), np.int64),
+            served.query_seqlens: np.zeros(bucket, np.int32),
+            served.seqlens: np.zeros(bucket, np.int32),
+            served.logits_positions: np.zeros(bucket, np.int64),
+            **{name: array.copy() for name, array in self._sampling.feeds(served).items()},
+        }
+        outputs = {
+            spec.logits: np.zeros((bucket, 1, spec.vocab_size), rt.logits_dtype),
+            served.token_ids: np.zeros((bucket, 1), np.int64),
+        }
+        host_inputs = {served.total: np.array(executor.cache.capacity, np.int32)}
+        self._fixed = FixedBinding(
+            rt.session, executor.device, executor.device_id,
+            executor.cache.entry_buffers(0, bucket), inputs, outputs, host_inputs,
+        )  # fmt: skip
+        self.binding = self._fixed.binding
+
+    def apply(self, call, samplers: list[Sampler | None]) -> None:
+        """Writes a packed call's inputs (pack_rows at this call's width and tokens) and the
+        rows' sampling parameters (each sampling row draws its uniform number now) to the bound
+        arrays and uploads them. Only between calls."""
+        names, host = self.served, self._fixed.host
+        host[self._ids][...] = call.ids
+        host[names.unpack_index][...] = call.unpack
+        host[self._pack][...] = call.pack
+        host[names.query_seqlens][...] = call.query_seqlens
+        host[names.seqlens][...] = call.seqlens_k
+        host[names.logits_positions][...] = call.last
+        self._sampling.fill(samplers)
+        for name, array in self._sampling.feeds(names).items():
+            host[name][...] = array
+        self._fixed.upload(host)
+
+    def output(self) -> np.ndarray:
+        """Token ids (bucket, 1); on the CPU the bound buffer itself, valid until the next call."""
+        return self._fixed.read(self.served.token_ids)
 
 
 @dataclass

@@ -12,10 +12,11 @@
 A row is (its new tokens, the rows its slot holds before the call). The call runs slots
 [first, first + B) in order; a slot that runs nothing this call is ([], anything).
 
-`multiple` pads T up to a multiple of it (EngineConfig.packed_multiple): the padding tokens
-(id `pad`) follow the real ones, each packed from position 0 of the unpacked rows, and no row
-unpacks them, so attention and the cache never see them and every real token's output is its
-own (the dense layers act on each token alone).
+`multiple` pads T up to a multiple of it (EngineConfig.packed_multiple), `tokens` to exactly
+that many: the padding tokens (id `pad`) follow the real ones, each packed from position 0 of
+the unpacked rows, and no row unpacks them, so attention and the cache never see them and every
+real token's output is its own (the dense layers act on each token alone). `width` sets S (at
+least the longest row): a captured call's shapes stay put whatever its rows hold.
 """
 
 from __future__ import annotations
@@ -44,24 +45,33 @@ class PackedCall:
 
 
 def pack_rows(
-    rows: Sequence[tuple[Sequence[int], int]], multiple: int = 1, pad: int = 0
+    rows: Sequence[tuple[Sequence[int], int]],
+    multiple: int = 1,
+    pad: int = 0,
+    width: int | None = None,
+    tokens: int | None = None,
 ) -> PackedCall:
     """The packed inputs of `rows` (see the module docstring); at least one row has tokens."""
     if multiple < 1:
         raise ValueError(f"multiple must be >= 1, got {multiple}")
-    counts = np.array([len(tokens) for tokens, _ in rows], np.int64)
+    counts = np.array([len(new) for new, _ in rows], np.int64)
     if not rows or counts.sum() == 0:
         raise ValueError("a packed call needs at least one row with tokens")
     cached = np.array([c for _, c in rows], np.int64)
-    width = int(counts.max())
+    longest = int(counts.max())
+    if width is not None and width < longest:
+        raise ValueError(f"width {width} is below the longest row's {longest} tokens")
+    if tokens is not None and tokens < int(counts.sum()):
+        raise ValueError(f"tokens {tokens} is below the rows' {int(counts.sum())} tokens")
+    width = longest if width is None else width
     offsets = np.concatenate(([0], np.cumsum(counts)[:-1]))
-    ids = np.fromiter((t for tokens, _ in rows for t in tokens), np.int64, int(counts.sum()))
+    ids = np.fromiter((t for new, _ in rows for t in new), np.int64, int(counts.sum()))
     s = np.arange(width)
     live = s[None, :] < counts[:, None]  # (B, S): row b's token s exists
     unpack = np.where(live, offsets[:, None] + s[None, :], 0)
     pack = (np.arange(len(rows))[:, None] * width + s[None, :])[live]
     ends = cached + counts
-    padding = -len(ids) % multiple
+    padding = -len(ids) % multiple if tokens is None else tokens - len(ids)
     if padding:
         ids = np.concatenate((ids, np.full(padding, pad, np.int64)))
         pack = np.concatenate((pack, np.zeros(padding, pack.dtype)))

@@ -4,7 +4,7 @@
     hold = hold_admissions(view, waiting, limits, waited)           # admit nobody this step?
     slots = admissions(view, waiting, held, limits, commit_bytes)   # where the waiting go
     fit = fit_budget(view, held, limits, commit_bytes)              # rows, padding, victims
-    chunks = prefill_chunks(view, limits.prefill_chunk)             # (slot, tokens), oldest first
+    chunks = prefill_chunks(view, limits.prefill_chunk, limits.request_chunk)  # (slot, tokens)
 
 No session, cache or request object: the engine (engine.py) passes a view of its slots, the rows
 each slot holds now (`held`, the cache's tokens) and the cache's byte count of a set of rows
@@ -73,7 +73,8 @@ class Limits:
     prefills; slack: rows a prefill may read past its chunk; buckets: padded decode sizes (());
     packed: a step's prefill chunks run as one call over the slots between them; prefill_wait:
     steps a waiting request may be held so that several prompts share a prefill call (0: none,
-    hold_admissions)."""
+    hold_admissions); request_chunk: prompt tokens one request prefills a step at most (0: the
+    step's prefill_chunk; EngineConfig.graph_chunk)."""
 
     budget: int
     capacity: int
@@ -82,6 +83,14 @@ class Limits:
     buckets: tuple[int, ...] = ()
     packed: bool = False
     prefill_wait: int = 0
+    request_chunk: int = 0
+
+
+def _take(left: int, budget: int, request_chunk: int) -> int:
+    """Prompt tokens a request with `left` to prefill gets of the step's `budget` left, at most
+    `request_chunk` (0: no bound of its own)."""
+    take = min(left, budget)
+    return min(take, request_chunk) if request_chunk else take
 
 
 @dataclass
@@ -114,14 +123,17 @@ def _prefilling(slots: Sequence[Running | None]) -> list[tuple[int, Running]]:
     return out
 
 
-def prefill_chunks(slots: Sequence[Running | None], chunk: int) -> list[tuple[int, int]]:
+def prefill_chunks(
+    slots: Sequence[Running | None], chunk: int, request_chunk: int = 0
+) -> list[tuple[int, int]]:
     """(slot, tokens) of this step's prefill calls: the prefilling requests, oldest first, until
-    `chunk` tokens were given out (a request past the budget gets nothing this step)."""
+    `chunk` tokens were given out (a request past the budget gets nothing this step), each at
+    most `request_chunk` (0: no bound but the step's)."""
     out = []
     for s, r in _prefilling(slots):
         if chunk <= 0:
             break
-        take = min(r.length - r.cached, chunk)
+        take = _take(r.length - r.cached, chunk, request_chunk)
         chunk -= take
         out.append((s, take))
     return out
@@ -140,7 +152,7 @@ def next_prefill_rows(
         r = after[s]
         after[s] = r._replace(cached=r.cached + take)
     rows: dict[int, int] = {}
-    for s, take in prefill_chunks(after, limits.prefill_chunk):
+    for s, take in prefill_chunks(after, limits.prefill_chunk, limits.request_chunk):
         if take:
             rows[s] = min(after[s].cached + take + limits.slack, limits.capacity)
     return rows
@@ -152,7 +164,7 @@ def step_rows(slots: Sequence[Running | None], limits: Limits, padded: bool) -> 
     prefilled: list[int] = []
     budget = limits.prefill_chunk
     for s, r in _prefilling(slots):
-        take = min(r.length - r.cached, budget)
+        take = _take(r.length - r.cached, budget, limits.request_chunk)
         budget -= take
         rows[s] = min(r.cached + max(take, 1) + (limits.slack if take else 0), limits.capacity)
         if take:
