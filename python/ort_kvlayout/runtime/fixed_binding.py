@@ -68,7 +68,8 @@ def arena_layout(arrays: dict[str, np.ndarray], limit: int = ARENA_LIMIT) -> tup
 
 class FixedBinding:
     """See the module docstring. The arrays passed in are kept (not copied): `host[name]` is
-    the array to edit before upload()."""
+    the array to edit before upload(). An output given as an OrtValue (CUDA) is bound as it
+    is, so that bindings that never run at once may share one (on the CPU: the same array)."""
 
     def __init__(
         self,
@@ -119,7 +120,10 @@ class FixedBinding:
                 self._device[name] = ort.OrtValue.ortvalue_from_numpy(array, "cuda", device_id)
                 self.binding.bind_ortvalue_input(name, self._device[name])
         for name, array in self._outputs.items():
-            self._device[name] = ort.OrtValue.ortvalue_from_numpy(array, "cuda", device_id)
+            if isinstance(array, ort.OrtValue):  # a device output shared with other bindings
+                self._device[name] = array
+            else:
+                self._device[name] = ort.OrtValue.ortvalue_from_numpy(array, "cuda", device_id)
             self.binding.bind_ortvalue_output(name, self._device[name])
 
     def upload(self, names: Iterable[str]) -> None:

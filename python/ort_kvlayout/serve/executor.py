@@ -198,12 +198,25 @@ class Executor:
         self._greedy = Sampler(GREEDY)
         self._helper: ThreadPoolExecutor | None = None  # runs run_staged's `during`
         self._graphed: dict[tuple[int, int], _GraphedCall] = {}  # (bucket, tokens) -> call
+        self._logits: dict[int, Any] = {}  # bucket -> the served graph's logits (never read)
         self.graphed_calls: collections.Counter = collections.Counter()  # (bucket, tokens)
         self._upload: CallUpload | None = None  # CUDA: an eager call's inputs in one copy
 
     @property
     def buckets_used(self) -> int:
         return len(self._buckets)
+
+    def served_logits(self, bucket: int):
+        """The logits output of the served graph's calls of `bucket` rows (bucket and graphed
+        calls alike): on the device, never read, so one buffer a bucket serves them all (they
+        run one at a time); an OrtValue on CUDA, a host array on the CPU."""
+        held = self._logits.get(bucket)
+        if held is None:
+            array = np.zeros((bucket, 1, self.spec.vocab_size), self.runtime.logits_dtype)
+            if self.device == "cuda":
+                array = ort.OrtValue.ortvalue_from_numpy(array, "cuda", self.device_id)
+            held = self._logits[bucket] = array
+        return held
 
     @property
     def graphed_shapes_used(self) -> int:
@@ -217,6 +230,7 @@ class Executor:
         self._bindings.clear()
         self._buckets.clear()
         self._graphed.clear()
+        self._logits.clear()
 
     # --- eager calls ---------------------------------------------------------------------------
     def _binding(self, first: int, count: int) -> ort.IOBinding:
@@ -497,8 +511,11 @@ class _BucketCall:
             inputs[served.query_seqlens] = np.ones(bucket, np.int32)
         if spec.position_ids:
             inputs[spec.position_ids] = np.zeros((bucket, 1), np.int64)
-        outputs = {spec.logits: np.zeros((bucket, 1, spec.vocab_size), rt.logits_dtype)}
         host_inputs = {}
+        if served is not None:  # the logits stay on the device, never read: shared
+            outputs = {spec.logits: executor.served_logits(bucket)}
+        else:
+            outputs = {spec.logits: np.zeros((bucket, 1, spec.vocab_size), rt.logits_dtype)}
         if served is not None:
             self._sampling = _Sampling.zeros(bucket)
             inputs[served.seqlens] = np.zeros(bucket, np.int32)
@@ -593,7 +610,7 @@ class _GraphedCall:
             **{name: array.copy() for name, array in self._sampling.feeds(served).items()},
         }
         outputs = {
-            spec.logits: np.zeros((bucket, 1, spec.vocab_size), rt.logits_dtype),
+            spec.logits: executor.served_logits(bucket),  # on the device, never read
             served.token_ids: np.zeros((bucket, 1), np.int64),
         }
         host_inputs = {served.total: np.array(executor.cache.capacity, np.int32)}
