@@ -354,3 +354,19 @@ def test_graph_chunks_run_a_pass_each_labelled_and_their_calls_are_timed(tmp_pat
     assert (eager["graph_chunk"], graphed["graph_chunk"]) == (0, 4)
     assert "packed" in eager["calls"] and "graphed" not in eager["calls"]
     assert graphed["calls"]["graphed"]["calls"] >= 2 and "packed" not in graphed["calls"]
+
+
+def test_device_ids_run_a_pass_each_labelled(tmp_path):
+    """--device-ids off,on: the pipelined decode with ids from the host, then from the last
+    call's tokens on the device (EngineConfig.device_ids), each pass labelled."""
+    library_or_skip()
+    model = make_served_model(tmp_path / "model")
+    out = tmp_path / "step-profile-cpu.json"
+    args = [str(model), "--batch", "3", "--prompt", "6", "--output", "6", "--capacity", "64",
+            "--modes", "packed", "--decode-buckets", "1,2,4", "--pipeline", "on",
+            "--device-ids", "off,on", "--json", str(out)]  # fmt: skip
+    assert step_profile.main(args) == 0
+    host, fed = json.loads(out.read_text())["results"]
+    assert (host["label"], fed["label"]) == ("ids from the host", "ids on the device")
+    assert (host["device_ids"], fed["device_ids"]) == (False, True)
+    assert fed["steps"] > 0 and fed["calls"]["bucket"]["calls"] >= 4

@@ -1192,7 +1192,7 @@ def test_fixed_binding_arena_path_gives_every_request_its_tokens(model, alone, m
             eng.start()
             got = [h.result() for h in handles]
             stats = eng.stats()
-            calls = list(eng.executor._buckets.values())
+            calls = [c for pair in eng.executor._buckets.values() for c in pair]
             eager = eng.executor._upload
             served = eng.executor.served
         assert got == alone
@@ -1297,3 +1297,42 @@ def test_graph_chunk_is_checked():
     with pytest.raises(ValueError, match="graph_chunk needs padded decode calls"):
         EngineConfig(graph_chunk=4)
     assert EngineConfig(graph_chunk=4, decode_buckets=(1, 2)).graph_chunk == 4
+
+
+@pytest.mark.parametrize("chunk", [4, 256])
+@pytest.mark.parametrize("packed", [False, True], ids=["served", "packed"])
+@pytest.mark.parametrize("stops", [False, True], ids=["lengths", "stop-ids"])
+def test_device_fed_pipeline_equals_generate_alone(model, alone, chunk, packed, stops):
+    """EngineConfig.device_ids: each pipelined decode call after the first takes its ids from
+    the last call's token ids where they are (a bucket's two bindings feed each other), and
+    the host reads them during the next call. Joins, leaves (a request's last token ends the
+    pipeline after the call in flight, whose token for it is dropped), slot reuse and chunked
+    prefill: every request its tokens alone, no byte left committed. With stop ids (a token
+    each request makes midway), requests end on a token read during the next call."""
+    want, kwargs = alone, [{} for _ in PROMPTS]
+    if stops:
+        stop = [a[len(a) // 2] for a in alone]
+        want = [a[: a.index(t) + 1] for a, t in zip(alone, stop)]
+        kwargs = [{"stop_token_ids": (t,)} for t in stop]
+    with engine(
+        model, max_batch=4, prefill_chunk=chunk, packed=packed, device_ids=True, **PIPELINE
+    ) as eng:
+        handles = [eng.submit(p, params(n, **kw)) for p, n, kw in zip(PROMPTS, LENGTHS, kwargs)]
+        got = [h.result() for h in handles]
+        stats = idle_stats(eng)
+    assert got == want
+    assert stats["device_ids"] is True and stats["pipeline"] is True
+    assert stats["pipelined_steps"] > len(PROMPTS)
+    reason = "finished_stop" if stops else "finished_length"
+    assert stats[reason] == len(PROMPTS) and stats["tokens"] == sum(map(len, want))
+    assert stats["step_errors"] == 0
+    assert stats["kv_bytes_moved"] == 0 and stats["kv_committed_bytes"] == 0
+
+
+def test_device_ids_need_the_pipeline(model):
+    from ort_kvlayout.serve.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="device_ids=True needs the pipeline"):
+        EngineConfig(device_ids=True, pipeline=False)
+    with pytest.raises(ValueError, match="device_ids=True needs the pipelined decode"):
+        engine(model, max_batch=2, device_ids=True)

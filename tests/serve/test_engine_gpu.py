@@ -204,6 +204,35 @@ def test_graphed_prefill_on_cuda_equals_runtime_alone(model, graph_chunk):
         assert stats["graph_recaptures"] == 0
 
 
+@pytest.mark.parametrize("graph", ["packed", "served"])
+def test_device_fed_pipeline_on_cuda_equals_runtime_alone(model, graph):
+    """EngineConfig.device_ids with CUDA graphs: a bucket's two bindings, each a graph of its
+    own, feed each other's ids on the device, and the helper reads each call's tokens during
+    the next (a copy beside the graph's replay). The same tokens as Runtime alone (or a
+    near-tie), one capture per binding that ran past its warm-up, every granule back."""
+    from ort_kvlayout.runtime.generation import CUDA_GRAPH_WARMUP_RUNS as WARM
+    from ort_kvlayout.serve.engine import EngineConfig
+
+    granule = 2 << 20 if DEVICE == "cpu" else None
+    config = EngineConfig(
+        max_batch=3, prefill_chunk=8, provider=DEVICE, granule=granule, pipeline=True,
+        device_ids=True, **ENGINE_GRAPHS[graph], **_graph_config(True),
+    )  # fmt: skip
+    seen = {}
+    stats = _burst_equals_alone(
+        model, config, _alone(model),
+        lambda e: seen.update(runs=dict(e.executor._graph_runs)),
+    )  # fmt: skip
+    assert stats["device_ids"] is True and stats["pipelined_steps"] > max(LENGTHS) // 2
+    assert stats["kv_bytes_moved"] == 0 and stats["kv_committed_bytes"] == 0
+    assert stats["step_errors"] == 0 and stats["finished_length"] == len(PROMPTS)
+    if DEVICE == "cuda":
+        runs = list(seen["runs"].values())
+        assert stats["graph_captures"] == sum(n > WARM for n in runs)
+        assert stats["graph_replays"] == sum(n - WARM - 1 for n in runs if n > WARM) > 0
+        assert stats["graph_recaptures"] == 0
+
+
 def _check_graph_counters(stats: dict, logged: int | None = None) -> None:
     """ORT runs a graph id CUDA_GRAPH_WARMUP_RUNS times, captures it on the next run and
     replays it from then on: one capture per bucket that ran past its warm-up, never a second

@@ -456,7 +456,7 @@ def draw(rng, bounds: tuple[int, int], n: int) -> list[int]:
 
 def run_mode(
     args, mode: str, overlap: bool | None, ahead: bool = False, pipeline: bool = False,
-    graph_chunk: int = 0,
+    graph_chunk: int = 0, device_ids: bool = False,
 ) -> dict:  # fmt: skip
     from ort_kvlayout.runtime.kv_memory import driver_times
     from ort_kvlayout.serve.engine import Engine, EngineConfig, RequestParams
@@ -466,7 +466,8 @@ def run_mode(
         prefill_chunk=args.prefill_chunk, capacity=args.capacity, kv_budget_bytes=args.kv_budget,
         max_waiting=max(args.requests or 0, args.batch) + 1, cuda_graph=False if args.no_cuda_graph else None,
         overlap=overlap, commit_ahead=ahead, prefill_wait=args.prefill_wait, pipeline=pipeline,
-        decode_buckets=args.decode_buckets, graph_chunk=graph_chunk, **MODES[mode],
+        decode_buckets=args.decode_buckets, graph_chunk=graph_chunk, device_ids=device_ids,
+        **MODES[mode],
     )  # fmt: skip
     rng = np.random.default_rng(args.seed)
     options = None
@@ -650,6 +651,11 @@ def main(argv: list[str] | None = None) -> int:
         "fixed shapes (a CUDA graph each), each prompt's chunk at most N tokens (0: eager "
         "packed prefill calls, the default); e.g. 0,64 compares both",
     )  # fmt: skip
+    p.add_argument(
+        "--device-ids", default="off",
+        help="on, off or on,off: EngineConfig.device_ids (pipelined decode calls fed their ids "
+        "from the last call's tokens on the device)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
@@ -677,19 +683,28 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--graph-chunk {args.graph_chunk!r}: expected token counts, e.g. 0,64")
     if any(c < 0 for c in graph_chunks):
         p.error(f"--graph-chunk {args.graph_chunk!r}: each value must be >= 0 (0: eager prefill)")
+    feeds = [s.strip() for s in args.device_ids.split(",")]
+    if any(s not in ("on", "off") for s in feeds):
+        p.error(f"--device-ids {args.device_ids!r}: expected on, off or on,off")
     results = []
     for mode in args.modes.split(","):
         if mode not in MODES:
             p.error(f"mode {mode!r}: expected one of {', '.join(MODES)}")
-        passes = itertools.product(settings, aheads, pipes, switches, graph_chunks)
-        for setting, ahead, pipe, switch, graph_chunk in passes:
+        passes = itertools.product(settings, aheads, pipes, switches, graph_chunks, feeds)
+        for setting, ahead, pipe, switch, graph_chunk, fed in passes:
             default = sys.getswitchinterval()
             if switch is not None:
                 sys.setswitchinterval(switch / 1000)
             try:
                 results.append(
                     run_mode(
-                        args, mode, overlaps[setting], ahead == "on", pipe == "on", graph_chunk
+                        args,
+                        mode,
+                        overlaps[setting],
+                        ahead == "on",
+                        pipe == "on",
+                        graph_chunk,
+                        fed == "on",
                     )
                 )
             finally:
@@ -701,6 +716,9 @@ def main(argv: list[str] | None = None) -> int:
             if len(graph_chunks) > 1 or graph_chunk:
                 results[-1]["graph_chunk"] = graph_chunk
                 labels.append(f"graph chunk {graph_chunk}" if graph_chunk else "eager prefill")
+            if len(feeds) > 1 or fed == "on":
+                results[-1]["device_ids"] = fed == "on"
+                labels.append("ids on the device" if fed == "on" else "ids from the host")
             if labels:
                 results[-1]["label"] = ", ".join(labels)
             table_text = results[-1].pop("cprofile", None)

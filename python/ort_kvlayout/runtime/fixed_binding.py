@@ -69,7 +69,11 @@ def arena_layout(arrays: dict[str, np.ndarray], limit: int = ARENA_LIMIT) -> tup
 class FixedBinding:
     """See the module docstring. The arrays passed in are kept (not copied): `host[name]` is
     the array to edit before upload(). An output given as an OrtValue (CUDA) is bound as it
-    is, so that bindings that never run at once may share one (on the CPU: the same array)."""
+    is, so that bindings that never run at once may share one (on the CPU: the same array).
+    `device_inputs` (CUDA) binds an input at an OrtValue's address with the shape given (its
+    bytes, read as that shape): another binding's output, so that one call's output is the
+    next one's input without leaving the device (on the CPU: a view of that output's array,
+    given in `inputs`); upload() never copies it."""
 
     def __init__(
         self,
@@ -80,6 +84,7 @@ class FixedBinding:
         inputs: dict[str, np.ndarray],
         outputs: dict[str, np.ndarray],
         host_inputs: dict[str, np.ndarray] | None = None,
+        device_inputs: dict[str, tuple[ort.OrtValue, tuple[int, ...]]] | None = None,
     ):
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device {device!r}: expected 'cpu' or 'cuda'")
@@ -92,6 +97,7 @@ class FixedBinding:
         for name, array in self._pinned.items():
             bind_host_array(self.binding.bind_input, name, array)
         self._device: dict[str, ort.OrtValue] = {}
+        self._aliased: dict[str, ort.OrtValue] = {}  # CUDA: device_inputs, never uploaded
         self._in_arena: dict[str, np.ndarray] = {}  # CUDA: each small input's bytes in the arena
         if device == "cpu":
             for name, array in self.host.items():
@@ -119,6 +125,11 @@ class FixedBinding:
             if name not in offsets:  # a buffer of its own
                 self._device[name] = ort.OrtValue.ortvalue_from_numpy(array, "cuda", device_id)
                 self.binding.bind_ortvalue_input(name, self._device[name])
+        for name, (value, shape) in (device_inputs or {}).items():
+            self._aliased[name] = value
+            self.binding.bind_input(
+                name, "cuda", device_id, value.element_type(), list(shape), value.data_ptr()
+            )
         for name, array in self._outputs.items():
             if isinstance(array, ort.OrtValue):  # a device output shared with other bindings
                 self._device[name] = array

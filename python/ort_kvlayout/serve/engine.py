@@ -204,6 +204,11 @@ class Engine:
                 f"run: {self.packed_refusal}"
             )
         self.pipelined = config.pipelined(served is not None)
+        if config.device_ids and not self.pipelined:
+            raise ValueError(
+                "device_ids=True needs the pipelined decode (the served graph and padded decode "
+                "calls; pipeline on, the CUDA default)"
+            )
         try:
             self._allocate(config)
         except BaseException:
@@ -226,7 +231,7 @@ class Engine:
         self.executor = Executor(
             self.runtime, self.cache, config.graphs,
             served.inputs if served is not None else None, self.packed,
-            packed_multiple=config.packed_tokens_multiple,
+            packed_multiple=config.packed_tokens_multiple, device_ids=config.device_ids,
         )  # fmt: skip
         # commit_ahead: one worker, joined before the step that ran it goes on
         self._ahead = (
@@ -786,7 +791,10 @@ class Engine:
         ]
         profile.add("schedule", t)
         if self.pipelined and padded and span is not None and not chunks:
-            self._decode_pipeline(span[1])
+            if self.executor.device_ids:
+                self._decode_pipeline_fed(span[1])
+            else:
+                self._decode_pipeline(span[1])
             return
         calls = []
         packed = self.executor.packed
@@ -874,6 +882,74 @@ class Engine:
             self._counters["steps"] += 1
             self._counters["pipelined_steps"] += 1
             ex.profile.steps += 1
+
+    def _decode_pipeline_fed(self, bucket: int) -> None:
+        """_decode_pipeline with device-fed ids (EngineConfig.device_ids): each call after the
+        first takes its ids from the last call's token ids on the device, so it is launched as
+        soon as the last one returns, before the host has read them; the helper thread reads
+        them during the next call, emits the rows whose token cannot end their request,
+        publishes and plans the call after. A row whose token may end its request is emitted
+        between calls, and the pipeline then stops after the call in flight (whose row for
+        that request computed a token that is dropped if it ended: its KV row, one past, goes
+        back with the slot). Returns with no call running and every read token emitted."""
+        ex, pad = self.executor, self.spec.pad_token_id
+        requests = [r if r is not None and r.decoding else None for r in self._slots[:bucket]]
+        slots = [(r.seq[r.cached], r.cached) if r is not None else None for r in requests]
+        ids, totals = decode_rows(slots, pad)
+        samplers = [r.sampler if r is not None else None for r in requests]
+        staged = ex.stage_bucket(bucket, totals, samplers)
+        unread = None  # the last call, its tokens not read yet
+
+        def during():  # while a call runs: the last call's tokens, the stats, the next call
+            held = self._take_tokens(unread, requests) if unread is not None else []
+            self._publish()  # the stats and events so far
+            if held:  # a row may end: the loop looks between calls, after this one
+                return None, held
+            return self._plan_next_decode(bucket, requests), held
+
+        call_ids: list[int] | None = ids  # the first call's from the host, then on the device
+        while True:
+            done = ex.run_staged(staged, call_ids, during=during)
+            call_ids = None
+            staged, held = done.during
+            self._counters["decode_calls"] += 1
+            self._counters["decode_rows"] += bucket
+            self._counters["decode_padded_rows"] += sum(r is None for r in requests)
+            t = time.perf_counter_ns()
+            for r, token in held:  # between calls: an ended request's slot goes back now
+                self._emit(r, token)
+            ex.profile.add("emit", t)
+            unread = done
+            ended = any(r is not None and r.slot < 0 for r in requests)
+            if staged is None or ended or self._inbox or self._closing:
+                held = self._take_tokens(done, requests)  # the call's own tokens, ended rows out
+                t = time.perf_counter_ns()
+                for r, token in held:
+                    self._emit(r, token)
+                ex.profile.add("emit", t)
+                return
+            self._counters["steps"] += 1
+            self._counters["pipelined_steps"] += 1
+            ex.profile.steps += 1
+
+    def _take_tokens(self, done, requests: list[_Request | None]) -> list[tuple[_Request, int]]:
+        """A pipelined call's tokens read and applied: each running row's request advances a
+        row, the rows whose token cannot end their request are emitted, and those that may are
+        returned (the caller emits them between calls). A request that ended since the call was
+        launched (slot < 0) drops its token."""
+        tokens = self.executor.read_tokens(done)
+        t = time.perf_counter_ns()
+        held = []
+        for r, token in zip(requests, tokens):
+            if r is None or r.slot < 0:
+                continue
+            r.cached += 1
+            if self._may_end(r, token):
+                held.append((r, token))
+            else:
+                self._emit(r, token)
+        self.executor.profile.add("emit", t)
+        return held
 
     def _plan_next_decode(
         self, bucket: int, requests: list[_Request | None]
@@ -1155,6 +1231,7 @@ class Engine:
             "graph_chunk": self.config.graph_chunk,
             "graphed_shapes_used": self.executor.graphed_shapes_used,
             "pipeline": self.pipelined,
+            "device_ids": self.executor.device_ids,
             "step_profile": self.executor.profile.summary(),
         }
         for key in (

@@ -67,7 +67,11 @@ class EngineConfig:
     shapes fixed by (bucket, token count padded up to bucket + a multiple of graph_chunk): a CUDA
     graph each where graphs are on (on the CPU uncaptured, the same calls), where an eager
     packed call is launched kernel by kernel; prefill_chunk stays the step's token budget. It
-    needs packed calls and padded decode calls (0, the default: eager packed calls)."""
+    needs packed calls and padded decode calls (0, the default: eager packed calls);
+    device_ids: with the pipeline, each decode call after the first takes its ids from the last
+    call's token ids without leaving the device (a bucket's calls in two bindings, each the
+    other's ids), so that it is launched as soon as the last one returns and the host reads
+    the tokens during it (engine.py, _decode_pipeline_fed; off by default)."""
 
     max_batch: int = 8
     capacity: int | None = None
@@ -90,6 +94,7 @@ class EngineConfig:
     pipeline: bool | None = None
     packed_multiple: int | None = None
     graph_chunk: int = 0
+    device_ids: bool = False
 
     @property
     def overlapped(self) -> bool:
@@ -161,6 +166,8 @@ class EngineConfig:
                 "graph_chunk needs padded decode calls (CUDA graphs, or decode_buckets on the "
                 "CPU): its calls run slots [0, bucket)"
             )
+        if self.device_ids and self.pipeline is False:
+            raise ValueError("device_ids=True needs the pipeline (pipeline not False)")
         if self.prefill_wait < 0:
             raise ValueError(f"prefill_wait must be >= 0 steps, got {self.prefill_wait}")
         if self.max_waiting < 0:

@@ -59,6 +59,8 @@ NONFINITE_LOGITS, BAD_SAMPLING = -1, -2
 # The CUDA graph ids of run_graphed's shapes: past every decode bucket's (a bucket's id is its
 # size, at most max_batch).
 GRAPHED_IDS = 1 << 20
+# The CUDA graph id of a bucket's second binding (device-fed ids): its size past this.
+PARITY_IDS = 1 << 19
 _TOP_K_MAX = np.iinfo(np.int32).max
 _BELOW_ONE = np.nextafter(np.float32(1), np.float32(0))
 
@@ -181,11 +183,17 @@ class Executor:
 
     def __init__(
         self, runtime: Runtime, cache: KvCache, graphs: bool, served: ServedInputs | None,
-        packed: bool = False, packed_multiple: int = 1,
+        packed: bool = False, packed_multiple: int = 1, device_ids: bool = False,
     ):  # fmt: skip
         if packed and served is None:
             raise ValueError("packed calls need the served graph")
         self.packed_multiple = packed_multiple  # a packed call's tokens: padded to a multiple
+        if device_ids and served is None:
+            raise ValueError("device-fed ids need the served graph (its token ids output)")
+        # a bucket's calls in two bindings that feed each other's ids (run_staged with ids None)
+        self.device_ids = device_ids
+        self._last_run: tuple[int, int] | None = None  # (bucket, parity) of the last bucket call
+        self._graph_runs: collections.Counter = collections.Counter()  # (bucket, parity) -> runs
         self.runtime, self.cache, self.graphs = runtime, cache, graphs
         self.spec = runtime.spec
         self.served, self.packed = served, packed
@@ -193,7 +201,7 @@ class Executor:
         self.device_id = runtime.device_id
         self.profile = StepProfile()
         self._bindings: dict[tuple[int, int], ort.IOBinding] = {}
-        self._buckets: dict[int, _BucketCall] = {}
+        self._buckets: dict[int, tuple[_BucketCall, ...]] = {}  # one call, or two (device_ids)
         self.bucket_calls: collections.Counter = collections.Counter()
         self._greedy = Sampler(GREEDY)
         self._helper: ThreadPoolExecutor | None = None  # runs run_staged's `during`
@@ -396,18 +404,27 @@ class Executor:
         """A bucket call's inputs but its ids, computed on the host without touching anything a
         call in flight reads: the engine stages the next decode step while this one runs."""
         t = time.perf_counter_ns()
-        call = self._buckets.get(bucket)
-        if call is None:
-            call = self._buckets[bucket] = _BucketCall(self, bucket)
-        staged = call.stage(totals, rows)
+        calls = self._buckets.get(bucket)
+        if calls is None:
+            calls = self._buckets[bucket] = _BucketCall.made(self, bucket)
+        # device-fed ids: the parity that follows the last call of this bucket, whose token ids
+        # are its ids
+        last = self._last_run
+        parity = 1 - last[1] if last is not None and last[0] == bucket and len(calls) > 1 else 0
+        staged = calls[parity].stage(totals, rows)
         self.profile.add("inputs", t)
         return staged
 
     def run_staged(
-        self, staged: _StagedBucket, ids: list[int], during: Callable[[], Any] | None = None
-    ) -> _BucketRun:
+        self, staged: _StagedBucket, ids: list[int] | None,
+        during: Callable[[], Any] | None = None,
+    ) -> _BucketRun:  # fmt: skip
         """Applies a staged call's inputs with its ids (each sampling row draws its uniform
-        number now) and runs it on this thread. `during` runs on the helper thread while the
+        number now) and runs it on this thread. With device_ids, ids None feeds the call the
+        token ids of the last call, the same bucket's other binding, without leaving the device
+        (each row's token in its row: padding rows take whatever theirs sampled, a valid id or a
+        negative error code, which the embedding's Gather reads from the end). `during` runs
+        on the helper thread while the
         call runs (ORT's Run releases the GIL, so the two overlap; the engine plans its next
         step there), and is joined before this returns: the result carries what it returned,
         and an exception it raised is raised here once the call is done. Around a graph's warm-up
@@ -415,12 +432,19 @@ class Executor:
         driver call from another thread may spoil it."""
         t = time.perf_counter_ns()
         call = staged.call
+        bucket, parity = call.bucket, call.parity
+        if ids is None and self._last_run != (bucket, 1 - parity):
+            raise RuntimeError(
+                f"device-fed ids: bucket {bucket}'s call {parity} follows {self._last_run}, not "
+                "the same bucket's other call"
+            )
         call.apply(staged, ids)
         t = self.profile.add("inputs", t)
-        bucket = call.bucket
-        runs = self.bucket_calls[bucket]
-        self.bucket_calls[bucket] = runs + 1
-        options = self.runtime.run_options(bucket if self.graphs else None)
+        self.bucket_calls[bucket] += 1
+        runs = self._graph_runs[bucket, parity]
+        self._graph_runs[bucket, parity] = runs + 1
+        self._last_run = (bucket, parity)
+        options = self.runtime.run_options(call.graph_id if self.graphs else None)
         beside = during is not None and (not self.graphs or runs > CUDA_GRAPH_WARMUP_RUNS)
         job = None
         if beside:
@@ -496,14 +520,40 @@ class _BucketCall:
     model's own graph: ids and a mask as wide as the cache (only the rows whose length changed
     are rewritten); out come the logits."""
 
-    def __init__(self, executor: Executor, bucket: int):
+    @classmethod
+    def made(cls, executor: Executor, bucket: int) -> tuple[_BucketCall, ...]:
+        """The bucket's call, or with device_ids its two calls, each reading its ids from the
+        other's token ids (a buffer each, bound as one's output and the other's input)."""
+        if not executor.device_ids:
+            return (cls(executor, bucket),)
+        tokens = [np.zeros((bucket, 1), np.int64) for _ in range(2)]
+        if executor.device == "cuda":
+            tokens = [
+                ort.OrtValue.ortvalue_from_numpy(t, "cuda", executor.device_id) for t in tokens
+            ]
+        return tuple(cls(executor, bucket, p, tokens[p], tokens[1 - p]) for p in range(2))
+
+    def __init__(
+        self, executor: Executor, bucket: int, parity: int = 0, tokens_out=None, ids_from=None
+    ):
         rt, spec, served = executor.runtime, executor.spec, executor.served
         self.bucket, self.served, self.spec = bucket, served, spec
+        self.parity = parity
+        # the CUDA graph id: the bucket's size, or past every size for the second binding
+        self.graph_id = bucket + parity * PARITY_IDS
         self.packed = executor.packed
         capacity = executor.cache.capacity
         self._lengths = np.zeros(bucket, np.int64)  # rows of each mask row / length now
         ids_shape = (1, bucket) if self.packed else (bucket, 1)
-        inputs: dict[str, np.ndarray] = {spec.input_ids: np.zeros(ids_shape, np.int64)}
+        self._ids_from = ids_from  # the other call's token ids, this one's ids (device_ids)
+        device_inputs = {}
+        if ids_from is None:
+            inputs: dict[str, np.ndarray] = {spec.input_ids: np.zeros(ids_shape, np.int64)}
+        elif isinstance(ids_from, np.ndarray):  # the CPU: a view of the other's bound array
+            inputs = {spec.input_ids: ids_from.reshape(ids_shape)}
+        else:
+            inputs = {}
+            device_inputs[spec.input_ids] = (ids_from, ids_shape)
         if self.packed:  # one token a row, in row order: the packing is the identity
             rows = np.arange(bucket, dtype=np.int64)
             inputs[served.unpack_index] = rows[:, None].copy()
@@ -525,7 +575,8 @@ class _BucketCall:
             inputs.update(self._sampling.feeds(served))
             # in CPU memory (the op's input 6); the logits stay on the device
             host_inputs[served.total] = np.array(capacity, np.int32)
-            outputs[served.token_ids] = np.zeros((bucket, 1), np.int64)
+            out = np.zeros((bucket, 1), np.int64) if tokens_out is None else tokens_out
+            outputs[served.token_ids] = out
             self._read = served.token_ids
         else:
             self.mask = np.zeros((bucket, capacity), spec.mask_dtype)
@@ -534,9 +585,12 @@ class _BucketCall:
         self._fixed = FixedBinding(
             rt.session, executor.device, executor.device_id,
             executor.cache.entry_buffers(0, bucket), inputs, outputs, host_inputs,
+            device_inputs,
         )  # fmt: skip
         self.binding = self._fixed.binding
         self._dirty = set(inputs)  # every input is uploaded before the first call
+        if ids_from is not None:
+            self._dirty.discard(spec.input_ids)  # the other call's output: never uploaded
 
     def stage(self, totals: list[int], rows: list[Sampler | None]) -> _StagedBucket:
         """The call's lengths and sampling parameters for `totals` and `rows`, computed without
@@ -547,15 +601,20 @@ class _BucketCall:
             sampling = self._sampling.stage(rows)
         return _StagedBucket(self, list(totals), list(rows), lengths, sampling)
 
-    def apply(self, staged: _StagedBucket, ids: list[int]) -> None:
+    def apply(self, staged: _StagedBucket, ids: list[int] | None) -> None:
         """Writes a staged call's inputs and its ids to the bound arrays and uploads them (the
         same device addresses: updated in place). Only between calls."""
         spec, host, totals = self.spec, self._fixed.host, staged.totals
-        if self.packed:
+        if ids is None:  # device_ids: the other call's token ids, as they are
+            pass
+        elif isinstance(self._ids_from, ort.OrtValue):  # CUDA: into the other's output buffer
+            self._ids_from.update_inplace(np.asarray(ids, np.int64).reshape(-1, 1))
+        elif self.packed:
             host[spec.input_ids][0, :] = ids
         else:
             host[spec.input_ids][:, 0] = ids
-        self._dirty.add(spec.input_ids)
+        if ids is not None and self._ids_from is None:
+            self._dirty.add(spec.input_ids)
         if spec.position_ids:
             host[spec.position_ids][:, 0] = np.asarray(totals, np.int64) - 1
             self._dirty.add(spec.position_ids)
