@@ -152,3 +152,17 @@ def test_the_budget_pads_then_runs_eagerly_then_preempts_the_newest():
     # A request alone runs whatever the budget says.
     fit = fit_budget([decoding(1, 100)], [100], tighter, commit_bytes)
     assert fit.victims == [] and fit.rows == {0: 101}
+
+
+def test_a_request_chunk_bounds_each_request_and_the_budget_goes_on_to_the_next():
+    """request_chunk (EngineConfig.graph_chunk): each prefilling request gets at most that many
+    tokens a step, the step's budget passing on to the next oldest; step_rows and
+    next_prefill_rows follow the same rule."""
+    slots = [prefilling(3, 0, 50), decoding(1, 10), prefilling(2, 4, 14), prefilling(4, 0, 6)]
+    assert prefill_chunks(slots, 20, request_chunk=8) == [(2, 8), (0, 8), (3, 4)]
+    assert prefill_chunks(slots, 12, request_chunk=8) == [(2, 8), (0, 4)]
+    assert prefill_chunks(slots, 100, request_chunk=0) == [(2, 10), (0, 50), (3, 6)]
+    limits = Limits(budget=10**9, capacity=64, prefill_chunk=20, request_chunk=8)
+    assert step_rows(slots, limits, padded=False) == {0: 8, 1: 11, 2: 12, 3: 4}
+    now = prefill_chunks(slots, 20, 8)
+    assert next_prefill_rows(slots, now, limits) == {0: 16, 2: 14, 3: 6}
