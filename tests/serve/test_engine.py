@@ -1336,3 +1336,25 @@ def test_device_ids_need_the_pipeline(model):
         EngineConfig(device_ids=True, pipeline=False)
     with pytest.raises(ValueError, match="device_ids=True needs the pipelined decode"):
         engine(model, max_batch=2, device_ids=True)
+
+
+@pytest.mark.parametrize("chunk", [4, 256])
+@pytest.mark.parametrize("fed", [False, True], ids=["host-ids", "device-ids"])
+def test_prefill_prepared_during_the_last_call_gives_every_request_its_tokens(
+    model, alone, chunk, fed
+):
+    """More requests than slots, pipelined: when a request ends and a waiting one can start, the
+    helper prepares that step's prefill call during the last decode call (its admission, KV
+    rows and packed call bound); the step runs it when its chunks are those. Every request its
+    tokens alone, prepared calls among the prefill calls, no byte left committed."""
+    with engine(
+        model, max_batch=2, prefill_chunk=chunk, packed=True, device_ids=fed, **PIPELINE
+    ) as eng:
+        handles = [eng.submit(p, params(n)) for p, n in zip(PROMPTS, LENGTHS)]
+        got = [h.result() for h in handles]
+        stats = idle_stats(eng)
+    assert got == alone
+    # device-fed, an admission is planned before the last call's tokens are read: made again
+    assert (0 if fed else 1) <= stats["prefill_calls_ahead"] <= stats["prefill_calls"]
+    assert stats["step_errors"] == 0 and stats["finished_length"] == len(PROMPTS)
+    assert stats["kv_bytes_moved"] == 0 and stats["kv_committed_bytes"] == 0

@@ -154,6 +154,23 @@ class _Request:
         return self.slot >= 0 and len(self.seq) - self.cached == 1
 
 
+@dataclass
+class _AheadCall:
+    """The next step's packed prefill call, prepared during the last call (_prepare_admission):
+    its chunks as (slot, request id, rows cached, tokens), the bound call, and the slots its
+    admissions took."""
+
+    key: list[tuple[int, int, int, int]]
+    prepared: object
+    slots: list[int]
+    ending: frozenset  # the ids of the requests whose last token the last call made
+
+
+def _ends_by_length(r: _Request | None) -> bool:
+    """Whether r's next token (the one in flight) is its last by max_tokens."""
+    return r is not None and r.generated + 1 >= r.params.max_tokens
+
+
 def _decode_failure(exc: BaseException) -> str:
     """The error a request ends with when its tokenizer raised decoding its text."""
     return f"decoding the text failed: {type(exc).__name__}: {exc}"
@@ -240,6 +257,8 @@ class Engine:
             else None
         )
         self._counters = collections.Counter()
+        # the next step's prefill call, prepared by the pipeline's helper during the last call
+        self._ahead_call: _AheadCall | None = None
         self._peak_running = 0
         self._closing = False
         self._drain = False
@@ -479,6 +498,8 @@ class Engine:
         elif not self._started:  # the loop never ran: the requests submitted to it end here
             with self._cond:
                 inbox, self._inbox = self._inbox, []
+            if inbox:  # a request or a cancel: the prepared admission may not be the next one
+                self._drop_ahead_call()
             for kind, item in inbox:
                 if kind == "submit":
                     self._finish(item, "cancelled")  # type: ignore[arg-type]
@@ -513,6 +534,8 @@ class Engine:
                     self._cond.wait()
                 inbox, self._inbox = self._inbox, []
                 closing, drain = self._closing, self._drain
+            if inbox:  # a request or a cancel: the prepared admission may not be the next one
+                self._drop_ahead_call()
             for kind, item in inbox:
                 if kind == "submit":
                     self._waiting.append(item)  # type: ignore[arg-type]
@@ -761,6 +784,7 @@ class Engine:
     # --- a step ------------------------------------------------------------------------------
     def _step(self) -> None:
         profile = self.executor.profile
+        ahead, self._ahead_call = self._ahead_call, None
         t = time.perf_counter_ns()
         self._admit()
         rows, padded, view = self._preempt_to_fit()
@@ -800,6 +824,16 @@ class Engine:
         packed = self.executor.packed
         if chunks and self.config.graph_chunk:  # one call of fixed shapes: a graph
             calls.append(self._packed_call(chunks, range(*span) if span else range(0), True))
+        elif (
+            ahead is not None
+            and packed
+            and not self.config.mixed
+            and ahead.key == [(r.slot, r.id, r.cached, take) for r, take in chunks]
+        ):  # the prefill call the pipeline prepared for these chunks
+            self._counters["prefill_calls_ahead"] += 1
+            if span is not None:
+                calls.append(self._decode_call(*span, padded=padded))
+            calls.append(self._packed_call(chunks, prepared=ahead.prepared))
         elif packed and chunks and self.config.mixed and span is not None:
             calls.append(self._packed_call(chunks, range(*span)))
         else:
@@ -848,7 +882,10 @@ class Engine:
                 self._emit(r, token)  # no end: _may_end said so
             ex.profile.add("emit", t)
             self._publish()  # the last step's stats and events
-            return self._plan_next_decode(bucket, requests)
+            plan = self._plan_next_decode(bucket, requests)
+            if plan is None:
+                self._ahead_call = self._prepare_admission(bucket, requests)
+            return plan
 
         while True:
             done = ex.run_staged(staged, ids, during=during)
@@ -873,6 +910,10 @@ class Engine:
                     later.append((r, token))
             staged = done.during
             if staged is None or ended or self._inbox or self._closing:
+                done_ids = {r.id for r in requests if r is not None and r.slot < 0}
+                ahead = self._ahead_call
+                if ahead is None or self._inbox or self._closing or done_ids != ahead.ending:
+                    self._drop_ahead_call()  # its admission may not be the next step's
                 for r, token in later:
                     self._emit(r, token)
                 ex.profile.add("emit", t)
@@ -905,7 +946,10 @@ class Engine:
             self._publish()  # the stats and events so far
             if held:  # a row may end: the loop looks between calls, after this one
                 return None, held
-            return self._plan_next_decode(bucket, requests), held
+            plan = self._plan_next_decode(bucket, requests)
+            if plan is None:
+                self._ahead_call = self._prepare_admission(bucket, requests)
+            return plan, held
 
         call_ids: list[int] | None = ids  # the first call's from the host, then on the device
         while True:
@@ -922,6 +966,7 @@ class Engine:
             unread = done
             ended = any(r is not None and r.slot < 0 for r in requests)
             if staged is None or ended or self._inbox or self._closing:
+                self._drop_ahead_call()  # planned with this call's tokens unread: made again
                 held = self._take_tokens(done, requests)  # the call's own tokens, ended rows out
                 t = time.perf_counter_ns()
                 for r, token in held:
@@ -951,6 +996,81 @@ class Engine:
         self.executor.profile.add("emit", t)
         return held
 
+    def _prepare_admission(self, bucket: int, requests: list[_Request | None]) -> _AheadCall | None:
+        """On the helper, while a pipelined call runs and the next step is not the same decode
+        call because waiting requests would be admitted: that step as the loop will plan it if
+        no row of the call ends and nothing arrives (the same pure functions on the same
+        view), its KV rows committed and its packed prefill call bound (Executor.prepare_packed),
+        so that _step only checks that its chunks are these and runs it. None where it cannot be
+        foreseen or bound now: admissions held (prefill_wait), a preemption, mixed or graphed
+        steps, a sampling row that would draw a number (the draw belongs to the call's launch),
+        a running request outside the call."""
+        ex = self.executor
+        if (
+            self._inbox or self._closing or not self._waiting or not ex.packed
+            or self.config.mixed or self.config.graph_chunk or self._limits.prefill_wait
+        ):  # fmt: skip
+            return None
+        t = time.perf_counter_ns()
+        view: list[Running | None] = []
+        ending = []  # requests whose token in flight is their last (max_tokens): slots freed
+        for s, r in enumerate(self._slots):
+            if r is None:
+                view.append(None)
+            elif s >= bucket or requests[s] is not r:
+                return None
+            elif _ends_by_length(r):
+                view.append(None)
+                ending.append(r.id)
+            else:  # after this call: a row more
+                view.append(Running(r.arrival, r.cached + 1, len(r.seq) + 1))
+        waiting = [(r.arrival, len(r.seq)) for r in self._waiting]
+        slots = admissions(view, waiting, self.cache.tokens, self._limits, self._need_bytes)
+        if not slots:
+            return None
+        admitted = dict(zip(slots, self._waiting))
+        for s, r in admitted.items():
+            view[s] = Running(r.arrival, 0, len(r.seq))
+        fit = fit_budget(view, self.cache.tokens, self._limits, self._need_bytes)
+        chunks = prefill_chunks(view, self._limits.prefill_chunk, self._limits.request_chunk)
+        if fit.victims or not chunks or any(s not in admitted for s, _ in chunks):
+            return None
+        try:
+            self.cache.ensure([fit.rows.get(s, n) for s, n in enumerate(self.cache.tokens)])
+        except KvMemoryError:
+            return None  # the step's own ensure meets it
+        finally:
+            t = ex.profile.add("kv", t)
+        lo, hi = chunks[0][0], chunks[0][0]
+        for s, _ in chunks:
+            lo, hi = min(lo, s), max(hi, s)
+        takes = dict(chunks)
+        rows, samplers = [], []
+        for s in range(lo, hi + 1):
+            r = admitted.get(s) if s in takes else None
+            if r is None:
+                rows.append(((), 0))
+                samplers.append(None)
+                continue
+            rows.append((r.seq[: takes[s]], 0))
+            sampler = r.sampler if takes[s] == len(r.seq) else None
+            if sampler is not None and not sampler.params.greedy:
+                return None  # its uniform number is drawn when its call is launched
+            samplers.append(sampler)
+        key = [(s, admitted[s].id, 0, take) for s, take in chunks]  # _step's order
+        prepared = ex.prepare_packed(lo, rows, samplers)
+        return _AheadCall(key, prepared, list(admitted), frozenset(ending))
+
+    def _drop_ahead_call(self) -> None:
+        """A prepared call that will not run: the rows it committed in slots still free go back
+        now, before the next step's admissions count them."""
+        ahead, self._ahead_call = self._ahead_call, None
+        if ahead is None or self.cache.closed:
+            return
+        for s in ahead.slots:
+            if self._slots[s] is None and self.cache.tokens[s]:
+                self.cache.release(s)
+
     def _plan_next_decode(
         self, bucket: int, requests: list[_Request | None]
     ):  # -> executor._StagedBucket | None
@@ -962,8 +1082,8 @@ class Engine:
         asks the loop to look first. A request that waits for budget, not for a slot, leaves
         the pipeline running (scheduler.admissions decides, at every step). What it commits
         stays valid whatever the tokens: rows one past a request's end go back with its slot."""
-        if self._inbox or self._closing:
-            return None
+        if self._inbox or self._closing or any(_ends_by_length(r) for r in requests):
+            return None  # a row's token in flight is its last: the next step differs
         t = time.perf_counter_ns()
         view: list[Running | None] = []
         for s, r in enumerate(self._slots):
@@ -1090,8 +1210,9 @@ class Engine:
         return run, commit
 
     def _packed_call(
-        self, chunks: list[tuple[_Request, int]], decode: range = range(0), graphed: bool = False
-    ):
+        self, chunks: list[tuple[_Request, int]], decode: range = range(0), graphed: bool = False,
+        prepared=None,
+    ):  # fmt: skip
         """One packed call, as _decode_call's: the prefill chunks (request, tokens) and, mixed
         or graphed, the decoding requests of the slots `decode`, over the slots from the lowest
         to the highest they use (the slots between idle); graphed (EngineConfig.graph_chunk),
@@ -1123,6 +1244,8 @@ class Engine:
             taken = sum(take for _, take in chunks)
             tokens = hi + width * -(-taken // width)  # room for the decode rows and the chunks
             run = functools.partial(self.executor.run_graphed, hi, rows, samplers, width, tokens)
+        elif prepared is not None:  # bound during the last call (_prepare_admission)
+            run = functools.partial(self.executor.run_prepared, prepared)
         else:
             run = functools.partial(self.executor.run_packed, lo, rows, samplers)
 
@@ -1237,7 +1360,8 @@ class Engine:
         for key in (
             "steps", "pipelined_steps", "decode_calls", "decode_rows", "decode_padded_rows",
             "decode_eager_fallbacks", "prefill_calls", "prefill_chunks", "prefill_tokens",
-            "mixed_calls", "graphed_calls", "tokens", "admitted", "admission_holds", "rejected",
+            "mixed_calls", "graphed_calls", "prefill_calls_ahead", "tokens", "admitted",
+            "admission_holds", "rejected",
             "kv_ahead_commits", "kv_ahead_failures", "step_errors", "callback_errors",
             "detokenize_errors", "publish_errors", "finished_stop", "finished_length",
             "finished_cancelled", "finished_error",

@@ -291,6 +291,21 @@ class Executor:
         """One packed call over slots [first, first + B): each row's new tokens and the rows its
         slot holds before the call (no tokens: the slot idles, its cache untouched), sampled at
         its last token by its Sampler (None: not used). A token per row (None where not used)."""
+        return self.run_prepared(self.prepare_packed(first, rows, samplers))
+
+    def run_prepared(self, prepared: _PreparedCall) -> list[int | None]:
+        """Runs a packed call that prepare_packed bound (no eager call in between: their device
+        inputs share CallUpload's buffers)."""
+        return self._run_eager(
+            prepared.binding, prepared.samplers, None, time.perf_counter_ns(), prepared.out
+        )
+
+    def prepare_packed(
+        self, first: int, rows: list[tuple[list[int], int]], samplers: list[Sampler | None]
+    ) -> _PreparedCall:
+        """run_packed's call bound, not run: its inputs packed and uploaded, its outputs bound
+        (each sampling row draws its uniform number now: the engine prepares a call ahead of
+        its step only where no row draws)."""
         t = time.perf_counter_ns()
         # Padded only where a row prefills: a decode call's token count is its rows, already
         # one of few values, and it keeps the GEMM shapes of the same rows' bucket calls.
@@ -306,7 +321,8 @@ class Executor:
         self._bind_inputs(binding, feeds)
         binding.bind_cpu_input(names.total, np.array(call.total, np.int32))  # on the host
         out = self._bind_served_outputs(binding, len(rows))
-        return self._run_eager(binding, samplers, None, t, out)
+        self.profile.add("inputs", t)
+        return _PreparedCall(binding, list(samplers), out)
 
     def run_graphed(
         self, bucket: int, rows: list[tuple[list[int], int]], samplers: list[Sampler | None],
@@ -698,6 +714,16 @@ class _GraphedCall:
     def output(self) -> np.ndarray:
         """Token ids (bucket, 1); on the CPU the bound buffer itself, valid until the next call."""
         return self._fixed.read(self.served.token_ids)
+
+
+@dataclass
+class _PreparedCall:
+    """A packed call bound and ready to run (Executor.prepare_packed): its binding, who samples
+    each row and the host array its tokens come back into."""
+
+    binding: ort.IOBinding
+    samplers: list
+    out: np.ndarray
 
 
 @dataclass
