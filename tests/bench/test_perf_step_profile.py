@@ -370,3 +370,17 @@ def test_device_ids_run_a_pass_each_labelled(tmp_path):
     assert (host["label"], fed["label"]) == ("ids from the host", "ids on the device")
     assert (host["device_ids"], fed["device_ids"]) == (False, True)
     assert fed["steps"] > 0 and fed["calls"]["bucket"]["calls"] >= 4
+
+
+def test_each_packed_call_is_timed_once_prepared_ahead_or_not(tmp_path):
+    """Pipelined with more requests than slots, some prefill calls are prepared during the last
+    decode call and run later (run_prepared): each packed call, prepared or not, is one call."""
+    library_or_skip()
+    model = make_served_model(tmp_path / "model")
+    out = tmp_path / "step-profile-cpu.json"
+    args = [str(model), "--batch", "2", "--requests", "6", "--prompt", "4:8", "--output", "3:6",
+            "--capacity", "64", "--modes", "packed", "--decode-buckets", "1,2", "--pipeline",
+            "on", "--json", str(out)]  # fmt: skip
+    assert step_profile.main(args) == 0
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["calls"]["packed"]["calls"] == r["prefill_calls"] >= 3

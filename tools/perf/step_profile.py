@@ -103,6 +103,7 @@ class CallTimes:
     KINDS: typing.ClassVar[dict[str, str]] = {
         "run_staged": "bucket",
         "run_packed": "packed",
+        "run_prepared": "packed",  # a packed call prepared during the last decode call
         "run_graphed": "graphed",
         "run": "eager",
     }

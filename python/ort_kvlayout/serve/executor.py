@@ -291,11 +291,14 @@ class Executor:
         """One packed call over slots [first, first + B): each row's new tokens and the rows its
         slot holds before the call (no tokens: the slot idles, its cache untouched), sampled at
         its last token by its Sampler (None: not used). A token per row (None where not used)."""
-        return self.run_prepared(self.prepare_packed(first, rows, samplers))
+        return self._run_bound(self.prepare_packed(first, rows, samplers))
 
     def run_prepared(self, prepared: _PreparedCall) -> list[int | None]:
         """Runs a packed call that prepare_packed bound (no eager call in between: their device
         inputs share CallUpload's buffers)."""
+        return self._run_bound(prepared)
+
+    def _run_bound(self, prepared: _PreparedCall) -> list[int | None]:
         return self._run_eager(
             prepared.binding, prepared.samplers, None, time.perf_counter_ns(), prepared.out
         )
