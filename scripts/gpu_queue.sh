@@ -52,6 +52,7 @@ STAGES=(
   "cold-decode|90|setup|python3 bench/bench_cuda.py ${COLD[*]} --json \$OUT/cuda-\$GPU-cold.json"
   "chat|200|models-1b|SYSTEMS=engine,genai-paged DEADLINE=60 bash scripts/gpu_serving.sh chat"
   "long-ahead|300|models-1b|RATE=inf COMMIT_AHEAD=off,on SYSTEMS=engine DEADLINE=120 bash scripts/gpu_serving.sh long"
+  "ab-prepared|280|models-1b|python3 tools/perf/ab_python.py --out \$OUT/ab --rounds 2 --json \$OUT/step-profile-\$GPU-1b-chat-prepared.json 4ef8bfc d263aec -- ${PROFILE[*]:2} --requests 256 --prompt 64:512 --output 64:512 --pipeline on"
   "profile-graphed|260|models-1b|python3 -m pytest -q -m gpu -p no:cacheprovider tests/serve/test_engine_gpu.py -k graphed && ${PROFILE[*]} --requests 256 --prompt 64:512 --output 64:512 --pipeline on --graph-chunk 0,64,128 --json \$OUT/step-profile-\$GPU-1b-chat-graphed.json"
   "profile-fed|200|models-1b|python3 -m pytest -q -m gpu -p no:cacheprovider tests/serve/test_engine_gpu.py -k device_fed && ${PROFILE[*]} --requests 256 --prompt 64:512 --output 64:512 --pipeline on --device-ids off,on --json \$OUT/step-profile-\$GPU-1b-chat-fed.json"
   "long-1b|330|models-1b|RATE=inf CHUNK=1024,4096 SYSTEMS=engine,genai-paged DEADLINE=120 bash scripts/gpu_serving.sh long"
