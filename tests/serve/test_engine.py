@@ -1358,3 +1358,23 @@ def test_prefill_prepared_during_the_last_call_gives_every_request_its_tokens(
     assert (0 if fed else 1) <= stats["prefill_calls_ahead"] <= stats["prefill_calls"]
     assert stats["step_errors"] == 0 and stats["finished_length"] == len(PROMPTS)
     assert stats["kv_bytes_moved"] == 0 and stats["kv_committed_bytes"] == 0
+
+
+def test_a_failed_preparation_costs_only_itself(model, alone):
+    """_prepare_admission raising, after committing the rows it planned: counted in
+    prefill_ahead_errors, and the step plans and binds its call itself; every request its
+    tokens, no step error, every byte back."""
+    with engine(model, max_batch=2, prefill_chunk=256, packed=True, **PIPELINE) as eng:
+        prepare = eng._prepare_admission
+
+        def broken(*args):
+            if prepare(*args) is not None:  # its rows committed, its call bound
+                raise RuntimeError("binding refused")
+
+        eng._prepare_admission = broken
+        handles = [eng.submit(p, params(n)) for p, n in zip(PROMPTS, LENGTHS)]
+        got = [h.result() for h in handles]
+        stats = idle_stats(eng)
+    assert got == alone
+    assert stats["prefill_ahead_errors"] >= 1 and stats["prefill_calls_ahead"] == 0
+    assert stats["step_errors"] == 0 and stats["kv_committed_bytes"] == 0

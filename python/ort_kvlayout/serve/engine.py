@@ -884,7 +884,7 @@ class Engine:
             self._publish()  # the last step's stats and events
             plan = self._plan_next_decode(bucket, requests)
             if plan is None:
-                self._ahead_call = self._prepare_admission(bucket, requests)
+                self._ahead_call = self._prepare_admission_safely(bucket, requests)
             return plan
 
         while True:
@@ -948,7 +948,7 @@ class Engine:
                 return None, held
             plan = self._plan_next_decode(bucket, requests)
             if plan is None:
-                self._ahead_call = self._prepare_admission(bucket, requests)
+                self._ahead_call = self._prepare_admission_safely(bucket, requests)
             return plan, held
 
         call_ids: list[int] | None = ids  # the first call's from the host, then on the device
@@ -1060,6 +1060,19 @@ class Engine:
         key = [(s, admitted[s].id, 0, take) for s, take in chunks]  # _step's order
         prepared = ex.prepare_packed(lo, rows, samplers)
         return _AheadCall(key, prepared, list(admitted), frozenset(ending))
+
+    def _prepare_admission_safely(
+        self, bucket: int, requests: list[_Request | None]
+    ) -> _AheadCall | None:
+        """_prepare_admission, whose failure costs only the preparation: the step plans and
+        binds its call itself (the same functions meet the same error there, where it ends the
+        step's requests as any step's error does). Counted in `prefill_ahead_errors`."""
+        try:
+            return self._prepare_admission(bucket, requests)
+        except Exception:  # noqa: BLE001 -- an optimization must not fail the call it runs beside
+            self._counters["prefill_ahead_errors"] += 1
+            _log.debug("ort-kvlayout engine: preparing the next prefill call failed", exc_info=True)
+            return None
 
     def _drop_ahead_call(self) -> None:
         """A prepared call that will not run: the rows it committed in slots still free go back
@@ -1360,7 +1373,8 @@ class Engine:
         for key in (
             "steps", "pipelined_steps", "decode_calls", "decode_rows", "decode_padded_rows",
             "decode_eager_fallbacks", "prefill_calls", "prefill_chunks", "prefill_tokens",
-            "mixed_calls", "graphed_calls", "prefill_calls_ahead", "tokens", "admitted",
+            "mixed_calls", "graphed_calls", "prefill_calls_ahead", "prefill_ahead_errors",
+            "tokens", "admitted",
             "admission_holds", "rejected",
             "kv_ahead_commits", "kv_ahead_failures", "step_errors", "callback_errors",
             "detokenize_errors", "publish_errors", "finished_stop", "finished_length",
