@@ -349,7 +349,7 @@ _METRICS = [
     ("kv_budget_bytes", "kv_budget_bytes", "gauge", "KV bytes the engine may commit"),
     ("kv_bytes_moved", "kv_bytes_moved_total", "counter", "KV bytes copied by growth"),
     ("graph_captures", "graph_captures_total", "counter", "CUDA graphs captured (one per bucket)"),
-    ("graph_replays", "graph_replays_total", "counter", "Decode calls replayed from a CUDA graph"),
+    ("graph_replays", "graph_replays_total", "counter", "Calls replayed from a CUDA graph"),
     ("decode_calls", "decode_calls_total", "counter", "Decode calls"),
     ("decode_padded_rows", "decode_padded_rows_total", "counter",
      "Rows of decode calls that decode nothing (bucket padding and scratch rows)"),
