@@ -672,21 +672,15 @@ def main(argv: list[str] | None = None) -> int:
     settings = [s.strip() for s in args.overlap.split(",")] if args.overlap else [""]
     if any(s not in overlaps for s in settings):
         p.error(f"--overlap {args.overlap!r}: expected on, off or on,off")
-    aheads = [s.strip() for s in args.commit_ahead.split(",")]
-    if any(s not in ("on", "off") for s in aheads):
-        p.error(f"--commit-ahead {args.commit_ahead!r}: expected on, off or on,off")
-    pipes = [s.strip() for s in args.pipeline.split(",")]
-    if any(s not in ("on", "off") for s in pipes):
-        p.error(f"--pipeline {args.pipeline!r}: expected on, off or on,off")
+    aheads = on_off(p, "--commit-ahead", args.commit_ahead)
+    pipes = on_off(p, "--pipeline", args.pipeline)
     try:
         graph_chunks = [int(c) for c in args.graph_chunk.split(",")]
     except ValueError:
         p.error(f"--graph-chunk {args.graph_chunk!r}: expected token counts, e.g. 0,64")
     if any(c < 0 for c in graph_chunks):
         p.error(f"--graph-chunk {args.graph_chunk!r}: each value must be >= 0 (0: eager prefill)")
-    feeds = [s.strip() for s in args.device_ids.split(",")]
-    if any(s not in ("on", "off") for s in feeds):
-        p.error(f"--device-ids {args.device_ids!r}: expected on, off or on,off")
+    feeds = on_off(p, "--device-ids", args.device_ids)
     results = []
     for mode in args.modes.split(","):
         if mode not in MODES:
@@ -702,10 +696,10 @@ def main(argv: list[str] | None = None) -> int:
                         args,
                         mode,
                         overlaps[setting],
-                        ahead == "on",
-                        pipe == "on",
+                        ahead,
+                        pipe,
                         graph_chunk,
-                        fed == "on",
+                        fed,
                     )
                 )
             finally:
@@ -717,9 +711,9 @@ def main(argv: list[str] | None = None) -> int:
             if len(graph_chunks) > 1 or graph_chunk:
                 results[-1]["graph_chunk"] = graph_chunk
                 labels.append(f"graph chunk {graph_chunk}" if graph_chunk else "eager prefill")
-            if len(feeds) > 1 or fed == "on":
-                results[-1]["device_ids"] = fed == "on"
-                labels.append("ids on the device" if fed == "on" else "ids from the host")
+            if len(feeds) > 1 or fed:
+                results[-1]["device_ids"] = fed
+                labels.append("ids on the device" if fed else "ids from the host")
             if labels:
                 results[-1]["label"] = ", ".join(labels)
             table_text = results[-1].pop("cprofile", None)
@@ -740,6 +734,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(record(args, argv, results), indent=1) + "\n")
     return 0
+
+
+def on_off(p: argparse.ArgumentParser, flag: str, text: str) -> list[bool]:
+    """A flag's "on", "off" or "on,off": each pass's setting, in order."""
+    settings = [s.strip() for s in text.split(",")]
+    if any(s not in ("on", "off") for s in settings):
+        p.error(f"{flag} {text!r}: expected on, off or on,off")
+    return [s == "on" for s in settings]
 
 
 def kernel_table(results: list[dict]) -> list[str]:

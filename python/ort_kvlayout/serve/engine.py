@@ -166,6 +166,12 @@ class _AheadCall:
     ending: frozenset  # the ids of the requests whose last token the last call made
 
 
+def _chunk_row(r: _Request, start: int, take: int) -> tuple[tuple[list[int], int], object]:
+    """A packed call's row for r's prompt tokens [start, start + take) and who samples it: r's
+    Sampler where the whole sequence is in (its last row gives the next token), else None."""
+    return (r.seq[start : start + take], start), r.sampler if start + take == len(r.seq) else None
+
+
 def _ends_by_length(r: _Request | None) -> bool:
     """Whether r's next token (the one in flight) is its last by max_tokens."""
     return r is not None and r.generated + 1 >= r.params.max_tokens
@@ -869,32 +875,20 @@ class Engine:
         between calls), a request that can start or a cancel arrived, close(), or the budget
         asks for a preemption or another bucket; the loop then plans it as usual."""
         ex, pad = self.executor, self.spec.pad_token_id
-        requests = [r if r is not None and r.decoding else None for r in self._slots[:bucket]]
-        slots = [(r.seq[r.cached], r.cached) if r is not None else None for r in requests]
-        ids, totals = decode_rows(slots, pad)
-        samplers = [r.sampler if r is not None else None for r in requests]
-        staged = ex.stage_bucket(bucket, totals, samplers)
+        requests, ids, staged = self._pipeline_start(bucket)
         later: list[tuple[_Request, int]] = []  # the last step's rows, emitted during this call
 
         def during():
-            t = time.perf_counter_ns()
-            for r, token in later:
-                self._emit(r, token)  # no end: _may_end said so
-            ex.profile.add("emit", t)
+            self._emit_rows(later)  # no end: _may_end said so
             self._publish()  # the last step's stats and events
-            plan = self._plan_next_decode(bucket, requests)
-            if plan is None:
-                self._ahead_call = self._prepare_admission_safely(bucket, requests)
-            return plan
+            return self._next_pipelined(bucket, requests)
 
         while True:
             done = ex.run_staged(staged, ids, during=during)
             if any(r.slot < 0 for r, _ in later):  # _may_end missed a way to end
                 raise RuntimeError("pipelined decode: a request ended while its row ran")
             tokens = ex.read_tokens(done)
-            self._counters["decode_calls"] += 1
-            self._counters["decode_rows"] += bucket
-            self._counters["decode_padded_rows"] += sum(r is None for r in requests)
+            self._count_decode_call(bucket, sum(r is None for r in requests))
             t = time.perf_counter_ns()
             # Rows whose token may end their request are emitted now, between calls: an ended
             # request's slot and pages go back at once (_release_slot).
@@ -920,9 +914,7 @@ class Engine:
                 return
             ex.profile.add("emit", t)
             ids = [token if r is not None else pad for r, token in zip(requests, tokens)]
-            self._counters["steps"] += 1
-            self._counters["pipelined_steps"] += 1
-            ex.profile.steps += 1
+            self._count_pipelined_step()
 
     def _decode_pipeline_fed(self, bucket: int) -> None:
         """_decode_pipeline with device-fed ids (EngineConfig.device_ids): each call after the
@@ -933,12 +925,8 @@ class Engine:
         between calls, and the pipeline then stops after the call in flight (whose row for
         that request computed a token that is dropped if it ended: its KV row, one past, goes
         back with the slot). Returns with no call running and every read token emitted."""
-        ex, pad = self.executor, self.spec.pad_token_id
-        requests = [r if r is not None and r.decoding else None for r in self._slots[:bucket]]
-        slots = [(r.seq[r.cached], r.cached) if r is not None else None for r in requests]
-        ids, totals = decode_rows(slots, pad)
-        samplers = [r.sampler if r is not None else None for r in requests]
-        staged = ex.stage_bucket(bucket, totals, samplers)
+        ex = self.executor
+        requests, ids, staged = self._pipeline_start(bucket)
         unread = None  # the last call, its tokens not read yet
 
         def during():  # while a call runs: the last call's tokens, the stats, the next call
@@ -946,36 +934,57 @@ class Engine:
             self._publish()  # the stats and events so far
             if held:  # a row may end: the loop looks between calls, after this one
                 return None, held
-            plan = self._plan_next_decode(bucket, requests)
-            if plan is None:
-                self._ahead_call = self._prepare_admission_safely(bucket, requests)
-            return plan, held
+            return self._next_pipelined(bucket, requests), held
 
         call_ids: list[int] | None = ids  # the first call's from the host, then on the device
         while True:
             done = ex.run_staged(staged, call_ids, during=during)
             call_ids = None
             staged, held = done.during
-            self._counters["decode_calls"] += 1
-            self._counters["decode_rows"] += bucket
-            self._counters["decode_padded_rows"] += sum(r is None for r in requests)
-            t = time.perf_counter_ns()
-            for r, token in held:  # between calls: an ended request's slot goes back now
-                self._emit(r, token)
-            ex.profile.add("emit", t)
+            self._count_decode_call(bucket, sum(r is None for r in requests))
+            self._emit_rows(held)  # between calls: an ended request's slot goes back now
             unread = done
             ended = any(r is not None and r.slot < 0 for r in requests)
             if staged is None or ended or self._inbox or self._closing:
                 self._drop_ahead_call()  # planned with this call's tokens unread: made again
-                held = self._take_tokens(done, requests)  # the call's own tokens, ended rows out
-                t = time.perf_counter_ns()
-                for r, token in held:
-                    self._emit(r, token)
-                ex.profile.add("emit", t)
+                # the call's own tokens, ended rows out
+                self._emit_rows(self._take_tokens(done, requests))
                 return
-            self._counters["steps"] += 1
-            self._counters["pipelined_steps"] += 1
-            ex.profile.steps += 1
+            self._count_pipelined_step()
+
+    def _pipeline_start(self, bucket: int):  # -> (requests, ids, executor._StagedBucket)
+        """A pipeline's first call over slots [0, bucket): the decoding request of each row
+        (None for the others), the ids it feeds and its inputs staged."""
+        requests = [r if r is not None and r.decoding else None for r in self._slots[:bucket]]
+        slots = [(r.seq[r.cached], r.cached) if r is not None else None for r in requests]
+        ids, totals = decode_rows(slots, self.spec.pad_token_id)
+        samplers = [r.sampler if r is not None else None for r in requests]
+        return requests, ids, self.executor.stage_bucket(bucket, totals, samplers)
+
+    def _next_pipelined(self, bucket: int, requests: list[_Request | None]):
+        """On the helper: the pipeline's next call staged (_plan_next_decode), or None, and then
+        the next step's prefill call prepared where it admits (_prepare_admission)."""
+        plan = self._plan_next_decode(bucket, requests)
+        if plan is None:
+            self._ahead_call = self._prepare_admission_safely(bucket, requests)
+        return plan
+
+    def _count_decode_call(self, rows: int, padded: int) -> None:
+        self._counters["decode_calls"] += 1
+        self._counters["decode_rows"] += rows
+        self._counters["decode_padded_rows"] += padded
+
+    def _count_pipelined_step(self) -> None:
+        """A step launched by the pipeline, not the loop."""
+        self._counters["steps"] += 1
+        self._counters["pipelined_steps"] += 1
+        self.executor.profile.steps += 1
+
+    def _emit_rows(self, rows: list[tuple[_Request, int]]) -> None:
+        t = time.perf_counter_ns()
+        for r, token in rows:
+            self._emit(r, token)
+        self.executor.profile.add("emit", t)
 
     def _take_tokens(self, done, requests: list[_Request | None]) -> list[tuple[_Request, int]]:
         """A pipelined call's tokens read and applied: each running row's request advances a
@@ -1052,8 +1061,8 @@ class Engine:
                 rows.append(((), 0))
                 samplers.append(None)
                 continue
-            rows.append((r.seq[: takes[s]], 0))
-            sampler = r.sampler if takes[s] == len(r.seq) else None
+            row, sampler = _chunk_row(r, 0, takes[s])
+            rows.append(row)
             if sampler is not None and not sampler.params.greedy:
                 return None  # its uniform number is drawn when its call is launched
             samplers.append(sampler)
@@ -1187,11 +1196,9 @@ class Engine:
             )
 
         def commit(tokens: list[int | None]) -> None:
-            self._counters["decode_calls"] += 1
-            self._counters["decode_rows"] += hi - lo
             t = time.perf_counter_ns()
             running = [(r, token) for r, token in zip(requests, tokens) if token is not None]
-            self._counters["decode_padded_rows"] += hi - lo - len(running)
+            self._count_decode_call(hi - lo, hi - lo - len(running))
             for r, token in running:
                 r.cached += 1
                 self._emit(r, token)
@@ -1241,10 +1248,9 @@ class Engine:
         samplers: list[Sampler | None] = []
         for s in range(lo, hi):
             if s in prefill:
-                r, start, take = prefill[s]
-                rows.append((r.seq[start : start + take], start))
-                # the whole sequence in: its last row gives the next token
-                samplers.append(r.sampler if start + take == len(r.seq) else None)
+                row, sampler = _chunk_row(*prefill[s])
+                rows.append(row)
+                samplers.append(sampler)
             elif s in decoding:
                 r = decoding[s]
                 rows.append(([r.seq[r.cached]], r.cached))

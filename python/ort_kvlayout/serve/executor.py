@@ -350,11 +350,7 @@ class Executor:
         options = self.runtime.run_options(graphed.graph_id if self.graphs else None)
         self.runtime.session.run_with_iobinding(graphed.binding, options)
         t = self.profile.add("run", t)
-        if self.graphs:
-            if runs == CUDA_GRAPH_WARMUP_RUNS:
-                self.cache.stats.graph_captures += 1
-            elif runs > CUDA_GRAPH_WARMUP_RUNS:
-                self.cache.stats.replays += 1
+        self._count_graph_run(runs)
         out = graphed.output()
         self.runtime.check_length_record("engine graphed step")
         t = self.profile.add("readback", t)
@@ -485,11 +481,7 @@ class Executor:
     def read_tokens(self, done: _BucketRun) -> list[int | None]:
         """The tokens of a bucket call that ran (None where not used)."""
         t = time.perf_counter_ns()
-        if self.graphs:
-            if done.runs == CUDA_GRAPH_WARMUP_RUNS:
-                self.cache.stats.graph_captures += 1
-            elif done.runs > CUDA_GRAPH_WARMUP_RUNS:
-                self.cache.stats.replays += 1
+        self._count_graph_run(done.runs)
         call, rows = done.staged.call, done.staged.rows
         out = call.output()  # on the host: the step's kernels are done
         self.runtime.check_length_record("engine decode step")
@@ -500,6 +492,16 @@ class Executor:
             tokens = self._host_sample(out[:, -1], rows)
         self.profile.add("sample", t)
         return tokens
+
+    def _count_graph_run(self, runs: int) -> None:
+        """The cache's graph counters for a call of a graph id that had run `runs` times before
+        (graphs on): ORT captures on the run after its warm-up and replays from then on."""
+        if not self.graphs:
+            return
+        if runs == CUDA_GRAPH_WARMUP_RUNS:
+            self.cache.stats.graph_captures += 1
+        elif runs > CUDA_GRAPH_WARMUP_RUNS:
+            self.cache.stats.replays += 1
 
     def _host_sample(self, logits: np.ndarray, rows: list[Sampler | None]) -> list[int | None]:
         """Tokens from host logits (B, V): greedy rows together (one argmax, the same tokens as
