@@ -334,6 +334,7 @@ class EngineVariant:
     commit_ahead: str = "auto"
     prefill_wait: str = "auto"
     pipeline: str = "auto"
+    ingress: str = "auto"  # the cluster system: serve's --ingress (auto: its default)
 
 
 def engine_config(args, n: int):
@@ -505,6 +506,8 @@ def run_server(args, items: list[Item]) -> dict:
         cmd += ["--replicas", str(args.variant.replicas)]
         if args.gpus_per_replica:  # replicas sharing a GPU (with --kv-budget in bytes)
             cmd += ["--gpus-per-replica", str(args.gpus_per_replica)]
+        if args.variant.ingress != "auto":
+            cmd += ["--ingress", args.variant.ingress]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         _await_server(proc, port, items[0].prompt[:8])
@@ -1078,6 +1081,8 @@ def main(argv: list[str] | None = None) -> int:
                         "server's --replicas through Ray Serve)")  # fmt: skip
     p.add_argument("--replicas", default="1",
                    help="system cluster: engine replicas, one system per count (e.g. 1,2)")  # fmt: skip
+    p.add_argument("--ingress", default="auto",
+                   help="system cluster: serve's --ingress, one system each (e.g. haproxy,proxy)")  # fmt: skip
     p.add_argument("--gpus-per-replica", type=float,
                    help="system cluster on CUDA: GPUs per replica (0.5: two share one)")  # fmt: skip
     p.add_argument("--capacity", type=int, help="engine tokens per slot (default: the context)")
@@ -1202,10 +1207,11 @@ def main(argv: list[str] | None = None) -> int:
             aheads = args.commit_ahead.split(",") if name == "engine" else ["auto"]
             waits = args.prefill_wait.split(",") if name == "engine" else ["auto"]
             pipes = args.pipeline.split(",") if name == "engine" else ["auto"]
-            for scheme, cache, chunk, count, packing, overlap, ahead, wait, pipe in (
+            ingresses = args.ingress.split(",") if name == "cluster" else ["auto"]
+            for scheme, cache, chunk, count, packing, overlap, ahead, wait, pipe, ingress in (
                 itertools.product(
                     schemes, args.cache.split(","), args.prefill_chunk.split(","), counts,
-                    args.packing.split(","), overlaps, aheads, waits, pipes,
+                    args.packing.split(","), overlaps, aheads, waits, pipes, ingresses,
                 )
             ):  # fmt: skip
                 notes = [f"chunk {chunk}"] if "," in args.prefill_chunk else []
@@ -1219,11 +1225,12 @@ def main(argv: list[str] | None = None) -> int:
                 base = "engine" if name == "engine-host" else name
                 notes += ["host sampling"] if name == "engine-host" else []
                 notes += [f"{count} replica{'s' * (count != '1')}"] if count else []
+                notes += [f"{ingress} ingress"] if len(ingresses) > 1 else []
                 label = f"{base} ({', '.join(notes)})" if notes else base
                 chunk = None if chunk == "auto" else int(chunk)
                 variant = EngineVariant(chunk, cache, sampling, quant_models[scheme],
                                         int(count) if count else None, packing,
-                                        overlap, ahead, wait, pipe)  # fmt: skip
+                                        overlap, ahead, wait, pipe, ingress)  # fmt: skip
                 systems.append((label, fn, variant))
         elif name in ("genai", "genai-paged"):
             paged = name == "genai-paged"

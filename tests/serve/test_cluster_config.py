@@ -24,7 +24,8 @@ from ort_kvlayout.serve.cluster.app import (
     ingress_options,
     replica_options,
 )
-from serve_util import free_port, library_or_skip, make_served_model
+from ort_kvlayout.serve.cluster.ingress_mode import ingress_environment
+from serve_util import ServerProcess, free_port, library_or_skip, make_served_model
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "docs" / "serve-cluster.yaml"
@@ -129,6 +130,49 @@ def test_cli_refuses_bad_cluster_options_before_starting(model):
     )  # fmt: skip
     assert r.returncode == 2, r.stderr
     assert "--replicas is a fixed count" in r.stderr or "cluster extra" in r.stderr
+
+
+def test_ingress_environment():
+    env = ingress_environment("haproxy")
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+    ports = {int(env["RAY_SERVE_HAPROXY_STATS_PORT"]), int(env["RAY_SERVE_HAPROXY_METRICS_PORT"])}
+    assert len(ports) == 2 and all(p > 0 for p in ports)  # free ones, not Ray's fixed defaults
+    assert ingress_environment("proxy") == {
+        "RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0",
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="--ingress 'nginx': one of haproxy, proxy"):
+        ingress_environment("nginx")
+
+
+def test_cli_refuses_an_ingress_for_a_joined_cluster(model):
+    r = subprocess.run(
+        [sys.executable, "-m", "ort_kvlayout.serve.cli", "serve", str(model), "--address",
+         "auto", "--ingress", "proxy"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert "--ingress proxy with --address" in r.stderr
+    assert "RAY_SERVE_ENABLE_HA_PROXY" in r.stderr
+
+
+def test_cli_proxy_ingress_serves(model):
+    """--ingress proxy: Ray's Python proxy actor, no HAProxy; the same API."""
+    pytest.importorskip("ray.serve")
+    psutil = pytest.importorskip("psutil")
+    proc = ServerProcess(model, "--replicas", "1", "--ingress", "proxy", "--model-id", "tiny")
+    try:
+        proc.wait_ready(timeout=180)
+        assert not any(p.info["name"] == "haproxy" for p in psutil.process_iter(["name"]))
+        body = json.dumps({"model": "tiny", "prompt": "abc", "max_tokens": 3}).encode()
+        req = urllib.request.Request(proc.url + "/v1/completions", body,
+                                     {"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=60) as r:
+            answer = json.loads(r.read())
+        assert answer["usage"]["completion_tokens"] == 3
+    finally:
+        code, _, err = proc.stop(timeout=120)
+    assert code == 0, err
+    assert "HAProxy" not in err  # the all-interfaces warning is HAProxy's alone
 
 
 def test_cli_checks_the_model_before_ray_starts(model, tmp_path):

