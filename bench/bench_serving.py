@@ -482,7 +482,8 @@ def _run_engine(engine, items: list[Item], deadline: float, stall_timeout: float
 
 
 def run_server(args, items: list[Item]) -> dict:
-    """The same workload through `ort-kvlayout serve` (started here on a free port) over HTTP:
+    """The same workload through `ort-kvlayout serve` (started here on a free port) over HTTP,
+    after an untimed burst of --max-batch requests a replica (_warm_burst):
     streamed /v1/completions with the prompt as token ids, ignore_eos, greedy; a token's time is
     when its SSE frame arrives (return_token_ids counts the tokens of each frame). Once the run
     stops, the clients' connections are shut down (the server is terminated anyway)."""
@@ -511,13 +512,18 @@ def run_server(args, items: list[Item]) -> dict:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         _await_server(proc, port, items[0].prompt[:8])
+        _warm_burst(port, items, args.max_batch * (args.variant.replicas or 1))
+        before = process_cpu(proc.pid)
         run = Run(items, args.deadline, args.stall_timeout)
         _run_clients(run, port)
+        cpu = process_cpu(proc.pid, since=before)
         metrics = _server_metrics(port)
     finally:
         proc.terminate()
         proc.wait(60)
     result = run.result()
+    if cpu is not None:
+        result["cpu_s"] = cpu
     result.update(
         peak_committed_kv_bytes=_int(metrics.get("kv_committed_bytes_peak")),
         max_concurrency=_int(metrics.get("requests_running_peak")),
@@ -525,6 +531,60 @@ def run_server(args, items: list[Item]) -> dict:
         kv_bytes_moved=_int(metrics.get("kv_bytes_moved_total")),
     )
     return result
+
+
+# A served system's processes by what they are: the first name found in a process's command
+# line (Ray titles its workers, e.g. "ray::ServeReplica:ort-kvlayout:EngineReplica").
+PROCESS_GROUPS = (
+    ("EngineReplica", "engine replica"), ("OpenAIIngress", "ingress"), ("ProxyActor", "proxy"),
+    ("ServeController", "controller"), ("haproxy", "haproxy"), ("ort_kvlayout.serve.cli", "serve cli"),
+)  # fmt: skip
+
+
+def process_cpu(pid: int, since: dict | None = None) -> dict[str, float] | None:
+    """CPU seconds (user + system) of process `pid` and its descendants (a local Ray cluster's
+    own processes among them), summed by PROCESS_GROUPS ("ray" for the rest); with `since`,
+    those spent after that earlier call ("_by_pid" keeps what the difference needs). None
+    without psutil."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return None
+    by_pid = {}
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            line = " ".join(p.cmdline()) or p.name()
+        except psutil.Error:  # ended meanwhile
+            continue
+        group = next((g for key, g in PROCESS_GROUPS if key in line), "ray")
+        by_pid[p.pid] = (group, t.user + t.system)
+    earlier = (since or {}).get("_by_pid", {})
+    out: dict = {}
+    for ident, (group, seconds) in by_pid.items():
+        spent = seconds - earlier.get(ident, (group, 0.0))[1]
+        out[group] = out.get(group, 0.0) + spent
+    out = {g: round(v, 3) for g, v in sorted(out.items())}
+    return out if since is not None else {**out, "_by_pid": by_pid}
+
+
+def cpu_note(results: dict) -> list[str]:
+    """A line per served system that recorded its processes' CPU: ms per output token, by
+    process."""
+    lines = []
+    for name, r in results.items():
+        cpu, tokens = r.get("cpu_s"), r.get("output_tokens")
+        if not cpu or not tokens:
+            continue
+        total = sum(cpu.values())
+        parts = ", ".join(f"{g} {1000 * v / tokens:.3f}" for g, v in cpu.items() if v >= 0.0005)
+        lines.append(f"- {name}: {1000 * total / tokens:.3f} CPU ms a token ({parts})")
+    return lines
 
 
 def _int(value: float | None) -> int | None:
@@ -569,6 +629,22 @@ def _await_server(proc: subprocess.Popen, port: int, prompt: list[int]) -> None:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the server did not start: {proc.stderr.read()}") from None
             time.sleep(0.2)
+
+
+def _warm_burst(port: int, items: list[Item], n: int) -> None:
+    """n requests at once, 8 tokens each, untimed: every slot of every replica, and Ray's
+    path, have served before the run (a cluster's first seconds are its start-up's)."""
+    threads = [
+        threading.Thread(
+            target=_post, args=(port, _completion(Item(items[i % len(items)].prompt, 8, 0.0)))
+        )
+        for i in range(n)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    time.sleep(1.0)
 
 
 def _run_clients(run: Run, port: int) -> None:
@@ -867,6 +943,9 @@ def table(results: dict) -> str:
         )
     if stalled:
         rows += ["", STALL_FOOTNOTE]
+    if cpu := cpu_note(results):
+        rows += ["", "CPU of the served system's processes, from its first request to its last:",
+                 "", *cpu]  # fmt: skip
     return "\n".join(rows)
 
 

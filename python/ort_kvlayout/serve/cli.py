@@ -343,14 +343,6 @@ def serve_cluster(args: argparse.Namespace, model_dir: Path, api_key: str | None
         if args.replicas is not None and opts.autoscaling:
             raise ValueError("--replicas is a fixed count: give it or --min/--max-replicas")
         warn_if_exposed(args.host, api_key)
-        if args.address is None and args.ingress != "proxy" and api_key is None:
-            print(
-                "warning: through HAProxy, Ray binds the ingress replica's own HTTP port on all "
-                "interfaces: without an API key anyone who reaches this machine can use the "
-                f"model (set ${API_KEY_ENV} or --api-key, or --ingress proxy)",
-                file=sys.stderr,
-                flush=True,
-            )
         return run(opts, args.host, args.port, args.address, api_key, args.log_level)
     except ValueError as exc:
         return _fail(exc)

@@ -16,10 +16,11 @@ raylet, controller and replicas inherit this process's environment: so they are 
 `import ray` here, and only where this command starts the cluster. A cluster joined with
 --address runs as its own environment says (set the variables where `ray start` runs).
 
-HAProxy's stats page and Prometheus exporter take two ports of their own (Ray's defaults are
-fixed, 8404 and 9101, so a second cluster on the machine could not start): free ones are chosen
-here. In this mode Ray binds the ingress replica's own HTTP port on all interfaces, so that
-HAProxy on another node reaches it: without --api-key, /v1/* answers anyone who reaches it.
+HAProxy's stats page and Prometheus exporter take two ports of their own, on all interfaces
+(Ray's defaults are fixed, 8404 and 9101, so a second cluster on the machine could not start):
+free ones are chosen here. The ingress replica's own HTTP port (30000 and up) binds --host, as
+the proxy did. A stopping ingress replica waits INGRESS_DEREGISTER_S, not Ray's 30 s, before it
+drains its requests: HAProxy, the only load balancer in front of it, has let go by then.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import socket
 __all__ = ["INGRESS_MODES", "apply_ingress", "ingress_environment"]
 
 INGRESS_MODES = ("haproxy", "proxy")
+INGRESS_DEREGISTER_S = 2.0
 
 
 def _free_port() -> int:
@@ -46,6 +48,10 @@ def ingress_environment(mode: str) -> dict[str, str]:
             "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
             "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port()),
             "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port()),
+            # A stopping ingress replica stays open this long before its own drain, for an
+            # outside load balancer to let go of it (Ray's default 30 s made every Ctrl-C
+            # take 35 s); here HAProxy is the only one, and reloads within 0.1 s.
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(INGRESS_DEREGISTER_S),
         }
     if mode == "proxy":
         return {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}
