@@ -328,7 +328,10 @@ def test_killed_replica_aborts_its_streams_only_and_comes_back(cluster):
     # Seconds of work on each replica (slots busy, most of its queue full), so that the stats
     # (0.5 s old at most) still show it running when it is killed.
     n = 2 * (SLOTS + WAITING) - 10
-    results, _, threads = run_streams(cluster.port, n, 250)
+    started = threading.Semaphore(0)
+    results, _, threads = run_streams(cluster.port, n, 250, started)
+    for _ in range(2 * SLOTS):  # both replicas' running streams have tokens out: some abort
+        assert started.acquire(timeout=60)
 
     def busiest() -> str | None:  # once both report a queue: the one with the most
         waiting = per_replica(cluster, "requests_waiting")
