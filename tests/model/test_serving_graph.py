@@ -179,7 +179,11 @@ def _packed(model_dir):
 )
 def test_packed_rows_equal_each_row_run_alone(model_dir, rows):
     """Oracle: the model's own graph, each row alone at batch 1 (a first prompt, a chunk or a
-    decode step): the logits of its last token and its present cache."""
+    decode step): the logits of its last token and its present cache's rows [0, past + new)
+    (past them a present holds what its buffer held). Equal up to float32 rounding, not bit for
+    bit: the CPU attention's task grid (query blocks, key splits, micro-kernel rows) follows the
+    call's shape, and on an AVX2 machine a row's sums then round differently in another batch
+    (a few millionths of the logits' scale), where AVX-512's happened to agree."""
     from ort_kvlayout.serve.packing import pack_rows
 
     served = _packed(model_dir)
@@ -203,9 +207,15 @@ def test_packed_rows_equal_each_row_run_alone(model_dir, rows):
         mask = np.ones((1, cached + count), np.int64)
         ids = np.array([tokens[b]], np.int64)
         want = own.run(None, {"input_ids": ids, "attention_mask": mask, **alone})
-        np.testing.assert_array_equal(got[0][b, 0], want[0][0, -1], err_msg=f"row {b}")
-        for g, w in zip(got[1:], want[1:]):  # the present caches
-            np.testing.assert_array_equal(g[b], w[0], err_msg=f"row {b}")
+        _assert_float32_close(got[0][b, 0], want[0][0, -1], f"row {b}")
+        for g, w in zip(got[1:], want[1:]):  # the present caches' rows of this entry
+            _assert_float32_close(g[b][:, : cached + count], w[0][:, : cached + count], f"row {b}")
+
+
+def _assert_float32_close(got, want, what: str) -> None:
+    """Equal up to float32 rounding of sums of a few dozen terms, on the values' own scale."""
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()),
+                               err_msg=what)  # fmt: skip
 
 
 def test_the_packed_graph_has_its_inputs_and_query_seqlens(model_dir):
