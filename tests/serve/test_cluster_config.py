@@ -24,7 +24,7 @@ from ort_kvlayout.serve.cluster.app import (
     ingress_options,
     replica_options,
 )
-from ort_kvlayout.serve.cluster.ingress_mode import ingress_environment
+from ort_kvlayout.serve.cluster.ingress_mode import ingress_environment, resolve_ingress
 from serve_util import ServerProcess, free_port, library_or_skip, make_served_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -143,6 +143,28 @@ def test_ingress_environment():
     }  # fmt: skip
     with pytest.raises(ValueError, match="--ingress 'nginx': one of haproxy, proxy"):
         ingress_environment("nginx")
+
+
+def test_the_default_ingress_follows_the_haproxy_binary(monkeypatch, tmp_path):
+    import ort_kvlayout.serve.cluster.ingress_mode as im
+
+    monkeypatch.setattr(im, "haproxy_binary_found", lambda: True)
+    assert resolve_ingress(None) == ("haproxy", None)
+    assert resolve_ingress("proxy") == ("proxy", None)
+    monkeypatch.setattr(im, "haproxy_binary_found", lambda: False)
+    mode, note = resolve_ingress(None)
+    assert mode == "proxy" and "no HAProxy binary" in note
+    with pytest.raises(ValueError, match="--ingress haproxy needs an HAProxy binary"):
+        resolve_ingress("haproxy")
+    monkeypatch.undo()
+    # RAY_SERVE_HAPROXY_BINARY_PATH decides when set, as it does for Ray
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(tmp_path / "absent"))
+    assert not im.haproxy_binary_found()
+    exe = tmp_path / "haproxy"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(exe))
+    assert im.haproxy_binary_found()
 
 
 def test_cli_refuses_an_ingress_for_a_joined_cluster(model):

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from .arguments import PACKING, packing_fields, parse_buckets, parse_budget, parse_bytes
 from .auth import API_KEY_ENV, exposed_without_key
-from .cluster.ingress_mode import INGRESS_MODES, apply_ingress
+from .cluster.ingress_mode import INGRESS_MODES, apply_ingress, resolve_ingress
 from .engine_config import CPU_PREFILL_CHUNK, CUDA_PREFILL_CHUNK
 from .listen import ListenError, bind_sockets, url
 from .shutdown import DRAIN_GRACE_S, EngineCloser, draining_server_class
@@ -132,8 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "first (Ray's cost is per message); 0: every step's alone")  # fmt: skip
     c.add_argument("--ingress", choices=INGRESS_MODES,
                    help="how HTTP reaches the replicas of a cluster started here: haproxy "
-                        "(default: Ray Serve's HAProxy and direct ingress) or proxy (Ray's "
-                        "Python proxy actor); a cluster joined with --address keeps its own")  # fmt: skip
+                        "(Ray Serve's HAProxy and direct ingress; the default where an HAProxy "
+                        "binary is found) or proxy (Ray's Python proxy actor); a cluster joined "
+                        "with --address keeps its own")  # fmt: skip
     c.add_argument("--gpus-per-replica", type=float, default=1.0,
                    help="CUDA: GPUs per replica (1: one per GPU; 0.5: two share one, with "
                         "--kv-budget in bytes)")  # fmt: skip
@@ -314,7 +315,13 @@ def serve_cluster(args: argparse.Namespace, model_dir: Path, api_key: str | None
             "where it started (RAY_SERVE_ENABLE_HA_PROXY in the environment of `ray start`)"
         )
     if args.address is None:  # Ray reads it as it starts: before ray is imported
-        apply_ingress(args.ingress or "haproxy")
+        try:
+            mode, note = resolve_ingress(args.ingress)
+        except ValueError as exc:
+            return _fail(exc)
+        if note is not None:
+            print(f"note: {note}", file=sys.stderr, flush=True)
+        apply_ingress(mode)
     try:
         from .cluster.app import ClusterOptions
         from .cluster.run import serve_cluster as run

