@@ -484,3 +484,33 @@ def test_the_server_clients_stop_at_a_stall():
     finally:
         StubCompletions.release.set()
         server.shutdown()
+
+
+def test_process_cpu_counts_a_tree_by_group_and_the_table_renders_it():
+    """process_cpu: this process's CPU (a command line of no known group: "ray", the rest of a
+    Ray cluster), and what a later call adds; cpu_note: ms a token by group under the table."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("psutil")
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        before = bench.process_cpu(os.getpid())
+        assert set(before) == {"ray", "_by_pid"} and child.pid in before["_by_pid"]
+        deadline = time.process_time() + 0.2
+        while time.process_time() < deadline:  # spend 0.2 s of CPU here
+            pass
+        spent = bench.process_cpu(os.getpid(), since=before)
+        assert set(spent) == {"ray"} and spent["ray"] >= 0.15
+    finally:
+        child.kill()
+        child.wait()
+    assert bench.process_cpu(2**22 + 12345) is None  # no such process
+    result = bench.summarize(stub_items([4, 4]), [bench.Record(), bench.Record()], 1.0)
+    result.update(output_tokens=1000, cpu_s={"engine replica": 0.5, "ingress": 0.25})
+    table = bench.table({"cluster (1 replica)": result})
+    assert "CPU of the served system's processes" in table
+    assert (
+        "- cluster (1 replica): 0.750 CPU ms a token (engine replica 0.500, ingress 0.250)" in table
+    )

@@ -40,10 +40,16 @@ INGRESS_MODES = ("haproxy", "proxy")
 INGRESS_DEREGISTER_S = 2.0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """n distinct free ports (all held until each is chosen, so none is handed out twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def haproxy_binary_found() -> bool:
@@ -79,11 +85,12 @@ def resolve_ingress(asked: str | None) -> tuple[str, str | None]:
 def ingress_environment(mode: str) -> dict[str, str]:
     """The variables that give a Ray cluster started from this process the `mode` ingress."""
     if mode == "haproxy":
+        stats, metrics = _free_ports(2)
         return {
             "RAY_SERVE_ENABLE_HA_PROXY": "1",
             "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-            "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port()),
-            "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port()),
+            "RAY_SERVE_HAPROXY_STATS_PORT": str(stats),
+            "RAY_SERVE_HAPROXY_METRICS_PORT": str(metrics),
             # A stopping ingress replica stays open this long before its own drain, for an
             # outside load balancer to let go of it (Ray's default 30 s made every Ctrl-C
             # take 35 s); here HAProxy is the only one, and reloads within 0.1 s.
