@@ -168,8 +168,10 @@ def test_load_key_orders_replicas():
 
 def test_key_health_models_and_labelled_metrics(cluster, client):
     psutil = pytest.importorskip("psutil")
-    # the default ingress: Ray's HAProxy in front of the ingress replica (ingress_mode.py)
-    assert any(p.info["name"] == "haproxy" for p in psutil.process_iter(["name"]))
+    # the default ingress: Ray's HAProxy in front of the ingress replica (ingress_mode.py), a
+    # process of this cluster's tree
+    tree = psutil.Process(cluster.proc.pid).children(recursive=True)
+    assert any(p.name() == "haproxy" for p in tree)
     assert get(cluster.url + "/health") == (200, '{"status":"ok"}')
     for path in ("/v1/models", "/v1/models/tiny"):
         assert get(cluster.url + path)[0] == 401

@@ -185,7 +185,8 @@ def test_cli_proxy_ingress_serves(model):
     proc = ServerProcess(model, "--replicas", "1", "--ingress", "proxy", "--model-id", "tiny")
     try:
         proc.wait_ready(timeout=180)
-        assert not any(p.info["name"] == "haproxy" for p in psutil.process_iter(["name"]))
+        tree = psutil.Process(proc.proc.pid).children(recursive=True)
+        assert tree and not any(p.name() == "haproxy" for p in tree)
         body = json.dumps({"model": "tiny", "prompt": "abc", "max_tokens": 3}).encode()
         req = urllib.request.Request(proc.url + "/v1/completions", body,
                                      {"Content-Type": "application/json"})  # fmt: skip
