@@ -21,6 +21,8 @@ pytestmark = [
 PROMPTS = [[1, 5, 7, 9, 11, 13, 17, 19, 23], [4, 8, 15, 16], [30 + i % 30 for i in range(70)], [6]]
 LENGTHS = [40, 25, 33, 12]
 TIE = 2e-2  # a top-2 logit gap below this (fp16) may flip with the batch's composition
+# Emulated on the CPU, the host cache commits CUDA's granule (2 MiB) instead of a page.
+GRANULE = 2 << 20 if DEVICE == "cpu" else None
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +71,12 @@ def _idle_stats(engine, timeout: float = 30.0) -> dict:
         time.sleep(0.01)
 
 
+def _assert_ended_whole(stats: dict) -> None:
+    """Every request ran to its length, no step failed, no KV byte moved, every granule back."""
+    assert stats["kv_bytes_moved"] == 0 and stats["kv_committed_bytes"] == 0
+    assert stats["step_errors"] == 0 and stats["finished_length"] == len(PROMPTS)
+
+
 def _burst_equals_alone(model, config, alone, on_idle=None) -> dict:
     """Every prompt queued before the loop's first step, then the loop started: each request's
     tokens against Runtime alone (_same_or_tie); the engine's counters once it went idle.
@@ -102,10 +110,8 @@ def test_engine_on_cuda_equals_runtime_alone(model, chunk, graphs, graph):
 
     alone = _alone(model)
     before = allocator_stats()[DEVICE]["committed_bytes"]
-    # Emulated on the CPU, the host cache commits CUDA's granule (2 MiB) instead of a page.
-    granule = 2 << 20 if DEVICE == "cpu" else None
     config = EngineConfig(
-        max_batch=3, prefill_chunk=chunk, provider=DEVICE, granule=granule,
+        max_batch=3, prefill_chunk=chunk, provider=DEVICE, granule=GRANULE,
         **ENGINE_GRAPHS[graph], **_graph_config(graphs),
     )  # fmt: skip
     # Every request is queued before the loop's first step, so the first step admits three
@@ -161,15 +167,13 @@ def test_pipelined_engine_on_cuda_equals_runtime_alone(model, chunk, graph):
     from ort_kvlayout.serve.engine import EngineConfig
 
     alone = _alone(model)
-    granule = 2 << 20 if DEVICE == "cpu" else None
     config = EngineConfig(
-        max_batch=3, prefill_chunk=chunk, provider=DEVICE, granule=granule, pipeline=True,
+        max_batch=3, prefill_chunk=chunk, provider=DEVICE, granule=GRANULE, pipeline=True,
         **ENGINE_GRAPHS[graph], **_graph_config(True),
     )  # fmt: skip
     stats = _burst_equals_alone(model, config, alone)
     assert stats["pipelined_steps"] > max(LENGTHS) // 2
-    assert stats["kv_bytes_moved"] == 0 and stats["kv_committed_bytes"] == 0
-    assert stats["step_errors"] == 0 and stats["finished_length"] == len(PROMPTS)
+    _assert_ended_whole(stats)
     if DEVICE == "cuda":
         _check_graph_counters(stats)
         assert stats["graph_replays"] > 0
@@ -183,9 +187,8 @@ def test_graphed_prefill_on_cuda_equals_runtime_alone(model, graph_chunk):
     every later call, decode buckets' and graphed shapes' alike, every granule back."""
     from ort_kvlayout.serve.engine import EngineConfig
 
-    granule = 2 << 20 if DEVICE == "cpu" else None
     config = EngineConfig(
-        max_batch=3, prefill_chunk=64, graph_chunk=graph_chunk, provider=DEVICE, granule=granule,
+        max_batch=3, prefill_chunk=64, graph_chunk=graph_chunk, provider=DEVICE, granule=GRANULE,
         **ENGINE_GRAPHS["packed"], **_graph_config(True),
     )  # fmt: skip
     seen = {}
@@ -194,8 +197,7 @@ def test_graphed_prefill_on_cuda_equals_runtime_alone(model, graph_chunk):
         lambda e: seen.update(graphed=dict(e.executor.graphed_calls)),
     )  # fmt: skip
     assert stats["graphed_calls"] == stats["prefill_calls"] > 0
-    assert stats["kv_bytes_moved"] == 0 and stats["kv_committed_bytes"] == 0
-    assert stats["step_errors"] == 0 and stats["finished_length"] == len(PROMPTS)
+    _assert_ended_whole(stats)
     if DEVICE == "cuda":
         _check_graph_runs(
             stats, [*stats["decode_bucket_calls"].values(), *seen["graphed"].values()]
@@ -210,9 +212,8 @@ def test_device_fed_pipeline_on_cuda_equals_runtime_alone(model, graph):
     near-tie), one capture per binding that ran past its warm-up, every granule back."""
     from ort_kvlayout.serve.engine import EngineConfig
 
-    granule = 2 << 20 if DEVICE == "cpu" else None
     config = EngineConfig(
-        max_batch=3, prefill_chunk=8, provider=DEVICE, granule=granule, pipeline=True,
+        max_batch=3, prefill_chunk=8, provider=DEVICE, granule=GRANULE, pipeline=True,
         device_ids=True, **ENGINE_GRAPHS[graph], **_graph_config(True),
     )  # fmt: skip
     seen = {}
@@ -221,8 +222,7 @@ def test_device_fed_pipeline_on_cuda_equals_runtime_alone(model, graph):
         lambda e: seen.update(runs=dict(e.executor._graph_runs)),
     )  # fmt: skip
     assert stats["device_ids"] is True and stats["pipelined_steps"] > max(LENGTHS) // 2
-    assert stats["kv_bytes_moved"] == 0 and stats["kv_committed_bytes"] == 0
-    assert stats["step_errors"] == 0 and stats["finished_length"] == len(PROMPTS)
+    _assert_ended_whole(stats)
     if DEVICE == "cuda":
         _check_graph_runs(stats, list(seen["runs"].values()))
         assert stats["graph_replays"] > 0
