@@ -228,6 +228,40 @@ def test_device_fed_pipeline_on_cuda_equals_runtime_alone(model, graph):
         assert stats["graph_replays"] > 0
 
 
+@pytest.mark.parametrize("quant", ["int8-per-channel", "int8-per-token", "fp8-per-token"])
+def test_quantized_caches_on_cuda_equal_runtime_alone(tmp_path, quant):
+    """Quantized caches served on CUDA with graphs and the pipeline: a builder-style int8 per-
+    channel cache (static scales, initializers of the graph) and PER_TOKEN int8 and fp8 caches
+    (a float32 scale cache beside each KV cache, committed and bound with it). The same tokens
+    as Runtime alone on the same model (or a near-tie), the budget's bytes a token those of the
+    codes and the scales, every granule back."""
+    from ort_kvlayout.serve.engine import Engine, EngineConfig
+    from ort_kvlayout.tools.patch import patch_model_dir
+
+    base = {"layers": 2, "float16": True, "head_size": 64, "seed": 3}
+    if quant == "int8-per-channel":
+        variant, kv_quant = Variant(**base, kv_bits=8, kv_scheme="PER_CHANNEL"), None
+    else:
+        variant, kv_quant = Variant(**base), quant
+    src = make_model_dir(tmp_path / "original", variant)
+    model = patch_model_dir(src, tmp_path / "seq", layout="seq-major", kv_quant=kv_quant).out_dir
+    config = EngineConfig(
+        max_batch=3, prefill_chunk=8, provider=DEVICE, granule=GRANULE, pipeline=True,
+        **ENGINE_GRAPHS["packed"], **_graph_config(True),
+    )  # fmt: skip
+    stats = _burst_equals_alone(model, config, _alone(model))
+    _assert_ended_whole(stats)
+    with Engine(model, config, start=False) as engine:
+        kv = engine.spec.kv
+    assert kv.bits == 8 and kv.quant == quant.split("-", 1)[1].replace("-", "_")
+    codes = kv.kv_heads * kv.head_dim * kv.buffers  # one byte a value
+    scales = 4 * kv.kv_heads * kv.buffers if kv.quant == "per_token" else 0
+    assert stats["kv_bytes_per_token"] == codes + scales
+    if DEVICE == "cuda":
+        _check_graph_counters(stats)
+        assert stats["graph_replays"] > 0
+
+
 def _check_graph_counters(stats: dict, logged: int | None = None) -> None:
     """ORT runs a graph id CUDA_GRAPH_WARMUP_RUNS times, captures it on the next run and
     replays it from then on: one capture per bucket that ran past its warm-up, never a second
