@@ -56,6 +56,7 @@ STAGES=(
   "profile-graphed|260|models-1b|python3 -m pytest -q -m gpu -p no:cacheprovider tests/serve/test_engine_gpu.py -k graphed && ${PROFILE[*]} --requests 256 --prompt 64:512 --output 64:512 --pipeline on --graph-chunk 0,64,128 --json \$OUT/step-profile-\$GPU-1b-chat-graphed.json"
   "profile-fed|200|models-1b|python3 -m pytest -q -m gpu -p no:cacheprovider tests/serve/test_engine_gpu.py -k device_fed && ${PROFILE[*]} --requests 256 --prompt 64:512 --output 64:512 --pipeline on --device-ids off,on --json \$OUT/step-profile-\$GPU-1b-chat-fed.json"
   "long-1b|330|models-1b|RATE=inf CHUNK=1024,4096 SYSTEMS=engine,genai-paged DEADLINE=120 bash scripts/gpu_serving.sh long"
+  "quant-1b|300|models-1b|KV_QUANT=none,int8-per-token RATE=inf DEADLINE=120 bash scripts/gpu_serving.sh quant"
   "suite|240|setup|bash scripts/run_gpu_tests.sh"
   "sanitizer|150|setup|SANITIZER=memcheck SUITE=0 SAN_EXTRA_K=query_seqlens bash scripts/run_gpu_tests.sh"
   "ncu-int8|150|setup|SKIP=0 COUNT=64 BENCH_ARGS='--kv-quant int8-per-channel' KERNELS=DecodeTc bash tools/perf/ncu_decode.sh 32/8/128 1x16384"
