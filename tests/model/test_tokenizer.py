@@ -3,6 +3,7 @@ that lets other threads run while it encodes (a server's event loop, the engine 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -64,3 +65,45 @@ def test_other_threads_run_while_a_long_text_is_encoded(model_dir):
     # a counter starved by the GIL ticks once or twice (at the switch interval's expiry at
     # best); one that runs ticks every half millisecond or so
     assert ticks[0] >= max(5, int(elapsed / 0.0005 / 20)), (ticks[0], elapsed)
+
+
+def test_the_extensions_backend_loads_without_the_package_converters(model_dir, tmp_path):
+    """onnxruntime-extensions' tokenizer in a fresh process that has onnx and onnxruntime: the
+    same ids as `tokenizers`, without the package __init__'s converters (transformers, and the
+    pure-Python protobuf it sets in os.environ for every later child process); a later import of
+    the package works as it always does."""
+    pytest.importorskip("onnxruntime_extensions")
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    shutil.copy(model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "GPT2Tokenizer"})
+    )
+    script = f"""
+import os, sys
+import onnx, onnxruntime
+from ort_kvlayout.model.tokenizer import load_tokenizer
+tok = load_tokenizer({str(tmp_path)!r})
+assert tok.backend == "onnxruntime-extensions", tok.backend
+text = "The capital of France is Paris."
+ids = tok.encode(text)
+assert ids == load_tokenizer({str(tmp_path)!r}, "tokenizers").encode(text), ids
+assert tok.decode(ids) == text
+assert "transformers" not in sys.modules and "torch" not in sys.modules
+assert "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION" not in os.environ
+assert "onnxruntime_extensions" not in sys.modules
+import onnxruntime_extensions
+import onnxruntime_extensions.pp_api
+assert [int(t) for t in onnxruntime_extensions.pp_api.Tokenizer({str(tmp_path)!r}).tokenize(text)] == ids
+assert os.path.isfile(onnxruntime_extensions.get_library_path())
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=120,
+        env=env,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

@@ -26,13 +26,41 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
 
+def _pp_api():
+    """onnxruntime_extensions.pp_api, without running the package's __init__ where nothing has
+    run it yet. With onnx and onnxruntime installed, that __init__ imports the package's model
+    converters, which import transformers (and torch, where installed: 1.8 s and 220 MB more in
+    every process that loads a tokenizer: a server, each engine replica and the ingress) and set
+    PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python in os.environ, which every process started
+    afterwards inherits. pp_api needs the package's compiled module alone. The package's module,
+    made from its spec without running it, stands in sys.modules while pp_api loads and is
+    removed again: a later `import onnxruntime_extensions` runs the real __init__, which finds
+    the compiled module loaded (it is initialized once)."""
+    import importlib
+    import importlib.util
+    import sys
+
+    name = "onnxruntime_extensions"
+    if name in sys.modules:
+        return importlib.import_module(f"{name}.pp_api")
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        raise ImportError(f"No module named {name!r}", name=name)
+    sys.modules[name] = importlib.util.module_from_spec(spec)
+    try:
+        return importlib.import_module(f"{name}.pp_api")
+    finally:
+        # Left for a later import: the compiled module (initialized once), not the stand-in nor
+        # a pp_api that the real package would not hold as its attribute.
+        del sys.modules[name]
+        sys.modules.pop(f"{name}.pp_api", None)
+
+
 class ExtensionsTokenizer:
     backend = "onnxruntime-extensions"
 
     def __init__(self, model_dir: Path):
-        from onnxruntime_extensions import pp_api
-
-        self._tok = pp_api.Tokenizer(str(model_dir))
+        self._tok = _pp_api().Tokenizer(str(model_dir))
 
     def encode(self, text: str) -> list[int]:
         return [int(t) for t in self._tok.tokenize(text)]
