@@ -13,6 +13,7 @@ from ort_kvlayout.serve.scheduler import (
     keep_scratch,
     need_bytes,
     next_prefill_rows,
+    plan_step,
     prefill_chunks,
     step_rows,
 )
@@ -166,3 +167,40 @@ def test_a_request_chunk_bounds_each_request_and_the_budget_goes_on_to_the_next(
     assert step_rows(slots, limits, padded=False) == {0: 8, 1: 11, 2: 12, 3: 4}
     now = prefill_chunks(slots, 20, 8)
     assert next_prefill_rows(slots, now, limits) == {0: 16, 2: 14, 3: 6}
+
+
+def test_a_step_plan_admits_then_fits_then_runs_what_is_left():
+    """plan_step: the waiting take the lowest free slots (nothing cached), the budget's fit on
+    that view, its victims' slots emptied, and the decode span and chunks of what runs; the same
+    as the rules one by one."""
+    limits = Limits(budget=10**9, capacity=256, prefill_chunk=32, buckets=(2, 4))
+    slots = [decoding(1, 30), None, prefilling(2, 4, 20), None]
+    held = [31, 0, 20, 0]
+    waiting = [(5, 12), (6, 40)]
+    plan = plan_step(slots, waiting, held, limits, commit_bytes)
+    assert not plan.held and plan.admitted == [1, 3]
+    assert plan.view == [slots[0], Running(5, 0, 12), slots[2], Running(6, 0, 40)]
+    assert plan.fit == fit_budget(plan.view, held, limits, commit_bytes) and plan.fit.padded
+    assert plan.span == decode_span(plan.view, True, limits) == (0, 2)
+    assert plan.chunks == prefill_chunks(plan.view, 32) == [(2, 16), (1, 12), (3, 4)]
+    # Without room for both running requests, the newest goes and its slot runs nothing.
+    tight = Limits(budget=40 * ROW, capacity=256, prefill_chunk=8)
+    plan = plan_step([decoding(1, 31), decoding(2, 15)], [], [32, 16], tight, commit_bytes)
+    assert plan.admitted == [] and plan.fit.victims == [1]
+    assert plan.view == [decoding(1, 31), None] and plan.span == (0, 1) and plan.chunks == []
+
+
+def test_a_step_plan_holds_admissions_as_hold_admissions_says():
+    limits = Limits(budget=10**9, capacity=256, prefill_chunk=64, prefill_wait=3)
+    slots = [decoding(i, 10) for i in range(15)] + [None]
+    one = [(20, 30)]
+    held = [11] * 15 + [0]
+    plan = plan_step(slots, one, held, limits, commit_bytes, waited=0)
+    assert plan.held and plan.admitted == [] and plan.view == slots
+    assert plan.chunks == [] and plan.span == (0, 15)
+    plan = plan_step(slots, one, held, limits, commit_bytes, waited=3)  # the wait is up
+    assert not plan.held and plan.admitted == [15] and plan.chunks == [(15, 30)]
+    # No free slot or nobody waiting: nothing held, nobody admitted.
+    full = slots[:15] + [decoding(15, 10)]
+    assert plan_step(full, one, held, limits, commit_bytes).admitted == []
+    assert not plan_step(slots, [], held, limits, commit_bytes).held

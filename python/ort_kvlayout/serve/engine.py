@@ -108,13 +108,10 @@ from .requests import (
 from .scheduler import (
     Limits,
     Running,
-    admissions,
-    decode_span,
-    fit_budget,
-    hold_admissions,
+    StepPlan,
     keep_scratch,
     next_prefill_rows,
-    prefill_chunks,
+    plan_step,
 )
 
 __all__ = [
@@ -733,36 +730,36 @@ class Engine:
                 return committed
         return self.cache.commit_bytes(tokens)
 
-    def _admit(self) -> None:
-        if not self._waiting or None not in self._slots:
-            self._held = 0
-            return
-        waiting = [(r.arrival, len(r.seq)) for r in self._waiting]
-        view = self._view()
-        if hold_admissions(view, waiting, self._limits, self._held):
+    def _waiting_view(self, first: int | None = None) -> list[tuple[int, int]]:
+        """The waiting requests as the scheduler sees them ((arrival, length), oldest first),
+        the first `first` of them (None: all)."""
+        return [(r.arrival, len(r.seq)) for r in itertools.islice(self._waiting, first)]
+
+    def _plan(self) -> StepPlan:
+        """This step's plan (scheduler.plan_step) of the slots as they are."""
+        waiting = self._waiting_view() if None in self._slots else []
+        return plan_step(
+            self._view(), waiting, self.cache.tokens, self._limits, self._need_bytes, self._held
+        )
+
+    def _apply(self, plan: StepPlan) -> None:
+        """The plan's admissions and preemptions made: a held step counted, the admitted
+        requests in their slots (the oldest waiting, in order), the victims back in the queue."""
+        if plan.held:
             self._held += 1
             self._counters["admission_holds"] += 1
-            return
-        self._held = 0
-        for slot in admissions(view, waiting, self.cache.tokens, self._limits, self._need_bytes):
+        else:
+            self._held = 0
+        for slot in plan.admitted:
             r = self._waiting.popleft()
             r.slot = slot
             r.cached = 0
             self._slots[slot] = r
             self._counters["admitted"] += 1
-
-    def _preempt_to_fit(self) -> tuple[dict[int, int], bool, list[Running | None]]:
-        """This step's rows per slot, whether its decode call is padded to a bucket
-        (scheduler.fit_budget decides; the victims are preempted here), and the slots as the
-        scheduler sees them afterwards."""
-        view = self._view()
-        fit = fit_budget(view, self.cache.tokens, self._limits, self._need_bytes)
-        for slot in fit.victims:
+        for slot in plan.fit.victims:
             self._preempt(self._slots[slot])
-            view[slot] = None
-        if fit.eager_fallback:
+        if plan.fit.eager_fallback:
             self._counters["decode_eager_fallbacks"] += 1
-        return fit.rows, fit.padded, view
 
     def _preempt(self, victim: _Request) -> None:
         self._release_slot(victim)
@@ -792,8 +789,9 @@ class Engine:
         profile = self.executor.profile
         ahead, self._ahead_call = self._ahead_call, None
         t = time.perf_counter_ns()
-        self._admit()
-        rows, padded, view = self._preempt_to_fit()
+        plan = self._plan()
+        self._apply(plan)
+        rows, padded, view = plan.fit.rows, plan.fit.padded, plan.view
         t = profile.add("schedule", t)
         self._release_scratch(rows)
         try:
@@ -812,13 +810,8 @@ class Engine:
             return
         self._counters["steps"] += 1
         profile.steps += 1
-        span = decode_span(view, padded, self._limits)
-        chunks = [
-            (self._slots[s], take)
-            for s, take in prefill_chunks(
-                view, self._limits.prefill_chunk, self._limits.request_chunk
-            )
-        ]
+        span = plan.span
+        chunks = [(self._slots[s], take) for s, take in plan.chunks]
         profile.add("schedule", t)
         if self.pipelined and padded and span is not None and not chunks:
             if self.executor.device_ids:
@@ -1033,16 +1026,13 @@ class Engine:
                 ending.append(r.id)
             else:  # after this call: a row more
                 view.append(Running(r.arrival, r.cached + 1, len(r.seq) + 1))
-        waiting = [(r.arrival, len(r.seq)) for r in self._waiting]
-        slots = admissions(view, waiting, self.cache.tokens, self._limits, self._need_bytes)
-        if not slots:
-            return None
-        admitted = dict(zip(slots, self._waiting))
-        for s, r in admitted.items():
-            view[s] = Running(r.arrival, 0, len(r.seq))
-        fit = fit_budget(view, self.cache.tokens, self._limits, self._need_bytes)
-        chunks = prefill_chunks(view, self._limits.prefill_chunk, self._limits.request_chunk)
-        if fit.victims or not chunks or any(s not in admitted for s, _ in chunks):
+        # the step's own plan of the view this call leaves (admissions are not held here)
+        plan = plan_step(
+            view, self._waiting_view(), self.cache.tokens, self._limits, self._need_bytes
+        )
+        admitted = dict(zip(plan.admitted, self._waiting))
+        fit, chunks = plan.fit, plan.chunks
+        if not admitted or fit.victims or not chunks or any(s not in admitted for s, _ in chunks):
             return None
         try:
             self.cache.ensure([fit.rows.get(s, n) for s, n in enumerate(self.cache.tokens)])
@@ -1115,18 +1105,18 @@ class Engine:
                 return None  # a running request outside the call: not this pipeline's step
             else:
                 view.append(Running(r.arrival, r.cached + 1, len(r.seq) + 1))
-        if self._waiting and None in view:
-            # The loop would admit the oldest waiting request (or, with prefill_wait, count a
-            # held step), unless the budget keeps it out: then the step is the same decode.
-            head = [(self._waiting[0].arrival, len(self._waiting[0].seq))]
-            if self._limits.prefill_wait or admissions(
-                view, head, self.cache.tokens, self._limits, self._need_bytes
-            ):
-                return None
-        fit = fit_budget(view, self.cache.tokens, self._limits, self._need_bytes)
+        if self._waiting and None in view and self._limits.prefill_wait:
+            return None  # the loop holds the waiting (a held step it counts) or admits them
+        # The step's own plan of the view this call leaves. The oldest waiting request alone
+        # decides whether the loop would admit (admissions are in order): unless the budget
+        # keeps it out, the step is not the same decode.
+        plan = plan_step(
+            view, self._waiting_view(1), self.cache.tokens, self._limits, self._need_bytes
+        )
+        fit = plan.fit
         profile = self.executor.profile
         t = profile.add("schedule", t)
-        if fit.victims or not fit.padded or decode_span(view, True, self._limits) != (0, bucket):
+        if plan.admitted or fit.victims or not fit.padded or plan.span != (0, bucket):
             return None
         try:
             self.cache.ensure([fit.rows.get(s, n) for s, n in enumerate(self.cache.tokens)])

@@ -1,6 +1,11 @@
 """The engine's decisions for one step, as pure functions of what the slots hold.
 
     view = [Running(arrival, cached, length) or None for each slot]
+    plan = plan_step(view, waiting, held, limits, commit_bytes, waited)  # the whole step:
+    plan.held, plan.admitted, plan.fit, plan.view, plan.span, plan.chunks
+
+composed of the rules one by one:
+
     hold = hold_admissions(view, waiting, limits, waited)           # admit nobody this step?
     slots = admissions(view, waiting, held, limits, commit_bytes)   # where the waiting go
     fit = fit_budget(view, held, limits, commit_bytes)              # rows, padding, victims
@@ -8,7 +13,9 @@
 
 No session, cache or request object: the engine (engine.py) passes a view of its slots, the rows
 each slot holds now (`held`, the cache's tokens) and the cache's byte count of a set of rows
-(`commit_bytes`), and applies what comes back; tests/serve/test_scheduler.py checks the rules with
+(`commit_bytes`), and applies what comes back: its step applies the plan of the slots as they
+are, and its pipeline plans the step after a call in flight with the same function on the view
+that call leaves; tests/serve/test_scheduler.py checks the rules with
 numbers alone. The rules (docs/SERVING.md, "One step"):
 
 * rows: a prefilling request writes up to its next chunk (plus the rows a CUDA prefill may read
@@ -39,6 +46,7 @@ __all__ = [
     "Fit",
     "Limits",
     "Running",
+    "StepPlan",
     "admissions",
     "decode_span",
     "fit_budget",
@@ -46,6 +54,7 @@ __all__ = [
     "keep_scratch",
     "need_bytes",
     "next_prefill_rows",
+    "plan_step",
     "prefill_chunks",
     "step_rows",
 ]
@@ -295,3 +304,46 @@ def fit_budget(
         view[victim] = None
         held[victim] = min(held[victim], 1)  # the engine releases it keeping row 0
         victims.append(victim)
+
+
+@dataclass
+class StepPlan:
+    """One step's decisions (plan_step): whether admissions are held, the slots the first
+    waiting requests take (in their order), the budget's fit (rows, padding, the slots whose
+    requests are preempted), and on the slots as they are then (`view`), the decode call's
+    span and the prefill chunks ((slot, tokens))."""
+
+    held: bool
+    admitted: list[int]
+    fit: Fit
+    view: list[Running | None]
+    span: tuple[int, int] | None
+    chunks: list[tuple[int, int]]
+
+
+def plan_step(
+    slots: Sequence[Running | None],
+    waiting: Sequence[tuple[int, int]],
+    held: Sequence[int],
+    limits: Limits,
+    commit_bytes: CommitBytes,
+    waited: int = 0,
+) -> StepPlan:
+    """The step of these slots and waiting requests ((arrival, length), oldest first): admissions
+    held (hold_admissions, `waited` steps so far) or given (admissions), the admitted requests
+    placed with nothing cached, the budget's fit (fit_budget) and its victims' slots emptied,
+    then the decode span and the prefill chunks of what runs."""
+    view = list(slots)
+    hold, admitted = False, []
+    if waiting and None in view:
+        hold = hold_admissions(view, waiting, limits, waited)
+        if not hold:
+            admitted = admissions(view, waiting, held, limits, commit_bytes)
+            for slot, (arrival, length) in zip(admitted, waiting):
+                view[slot] = Running(arrival, 0, length)
+    fit = fit_budget(view, held, limits, commit_bytes)
+    for slot in fit.victims:
+        view[slot] = None
+    span = decode_span(view, fit.padded, limits)
+    chunks = prefill_chunks(view, limits.prefill_chunk, limits.request_chunk)
+    return StepPlan(hold, admitted, fit, view, span, chunks)
