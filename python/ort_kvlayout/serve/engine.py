@@ -736,8 +736,9 @@ class Engine:
         return [(r.arrival, len(r.seq)) for r in itertools.islice(self._waiting, first)]
 
     def _plan(self) -> StepPlan:
-        """This step's plan (scheduler.plan_step) of the slots as they are."""
-        waiting = self._waiting_view() if None in self._slots else []
+        """This step's plan (scheduler.plan_step) of the slots as they are. Only as many waiting
+        requests as there are free slots can be admitted (or hold the others' company)."""
+        waiting = self._waiting_view(self._slots.count(None))
         return plan_step(
             self._view(), waiting, self.cache.tokens, self._limits, self._need_bytes, self._held
         )
@@ -1028,8 +1029,9 @@ class Engine:
                 view.append(Running(r.arrival, r.cached + 1, len(r.seq) + 1))
         # the step's own plan of the view this call leaves (admissions are not held here)
         plan = plan_step(
-            view, self._waiting_view(), self.cache.tokens, self._limits, self._need_bytes
-        )
+            view, self._waiting_view(view.count(None)), self.cache.tokens, self._limits,
+            self._need_bytes,
+        )  # fmt: skip
         admitted = dict(zip(plan.admitted, self._waiting))
         fit, chunks = plan.fit, plan.chunks
         if not admitted or fit.victims or not chunks or any(s not in admitted for s, _ in chunks):
