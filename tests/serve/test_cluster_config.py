@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,7 @@ def test_fixed_replicas_on_the_cpu():
     ingress = ingress_options(opts)
     assert ingress["ray_actor_options"] == {"num_cpus": 0}
     assert ingress["max_ongoing_requests"] >= 2 * (4 + 10 + 1)
+    assert ingress["num_replicas"] == 1  # on the CPU the replicas share the cores with it
     # More replicas than cores: one thread each, a share of the cores each.
     assert replica_options(ClusterOptions("m", replicas=4), cores=2)["ray_actor_options"] == {
         "num_cpus": 0.5
@@ -72,6 +74,18 @@ def test_autoscaling_options_and_defaults():
     assert o["autoscaling_config"]["target_ongoing_requests"] == 3
 
 
+def test_ingress_replicas_follow_the_gpus_unless_given():
+    """On CUDA an ingress replica per engine replica (the most, when autoscaled), so that one
+    Python process does not carry every GPU's tokens; on the CPU one; or as given."""
+    assert ingress_options(ClusterOptions("m", provider="cuda", replicas=4))["num_replicas"] == 4
+    scaled = ClusterOptions("m", provider="cuda", min_replicas=1, max_replicas=3)
+    assert ingress_options(scaled)["num_replicas"] == 3
+    assert ingress_options(ClusterOptions("m", replicas=4))["num_replicas"] == 1
+    given = ClusterOptions("m", provider="cuda", replicas=4, ingress_replicas=2)
+    assert ingress_options(given)["num_replicas"] == 2
+    assert ClusterOptions.from_args({"model_dir": "m", "ingress_replicas": 2}).ingress_count == 2
+
+
 def test_one_replica_per_gpu_or_a_share_with_a_byte_budget():
     o = replica_options(ClusterOptions("m", provider="cuda", replicas=2))
     assert o["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 1.0}
@@ -90,6 +104,7 @@ def test_one_replica_per_gpu_or_a_share_with_a_byte_budget():
         ({"min_replicas": 3, "max_replicas": 2}, "1 <= min_replicas <= max_replicas"),
         ({"min_replicas": 0}, "1 <= min_replicas"),
         ({"threads": 0}, "threads must be >= 1"),
+        ({"ingress_replicas": 0}, "ingress_replicas must be >= 1"),
         ({"target_ongoing_requests": 0}, "target_ongoing_requests must be > 0"),
         ({"kv_budget": "lots"}, "kv_budget 'lots': expected bytes"),
         ({"decode_buckets": "1,0"}, "decode_buckets '1,0'"),
@@ -193,6 +208,34 @@ def test_cli_proxy_ingress_serves(model):
         with urllib.request.urlopen(req, timeout=60) as r:
             answer = json.loads(r.read())
         assert answer["usage"]["completion_tokens"] == 3
+    finally:
+        code, _, err = proc.stop(timeout=120)
+    assert code == 0, err
+
+
+def test_cli_two_ingress_replicas_serve(model):
+    """--ingress-replicas 2: two HTTP ingress processes in front of one engine replica, HAProxy
+    (or Ray's proxy) spreading the connections; every request answered, /metrics whole."""
+    pytest.importorskip("ray.serve")
+    psutil = pytest.importorskip("psutil")
+    proc = ServerProcess(model, "--replicas", "1", "--ingress-replicas", "2", "--model-id", "tiny")
+    try:
+        proc.wait_ready(timeout=180)
+        tree = psutil.Process(proc.proc.pid).children(recursive=True)
+        ingresses = [p for p in tree if "OpenAIIngress" in " ".join(p.cmdline())]
+        assert len(ingresses) == 2, [p.cmdline() for p in tree]
+
+        def complete(i: int) -> int:
+            body = json.dumps({"model": "tiny", "prompt": f"abc {i}", "max_tokens": 3}).encode()
+            req = urllib.request.Request(proc.url + "/v1/completions", body,
+                                         {"Content-Type": "application/json"})  # fmt: skip
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return json.loads(r.read())["usage"]["completion_tokens"]
+
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(complete, range(16))) == [3] * 16
+        with urllib.request.urlopen(proc.url + "/metrics", timeout=30) as r:
+            assert 'replica="' in r.read().decode()
     finally:
         code, _, err = proc.stop(timeout=120)
     assert code == 0, err

@@ -135,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(Ray Serve's HAProxy and direct ingress; the default where an HAProxy "
                         "binary is found) or proxy (Ray's Python proxy actor); a cluster joined "
                         "with --address keeps its own")  # fmt: skip
+    c.add_argument("--ingress-replicas", type=int,
+                   help="HTTP ingress replicas (default: 1 on the CPU; on CUDA the engine "
+                        "replicas' count, so that one Python process does not carry every "
+                        "GPU's tokens)")  # fmt: skip
     c.add_argument("--gpus-per-replica", type=float, default=1.0,
                    help="CUDA: GPUs per replica (1: one per GPU; 0.5: two share one, with "
                         "--kv-budget in bytes)")  # fmt: skip
@@ -142,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _CLUSTER_FLAGS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests",
-                  "address", "threads", "ingress")  # fmt: skip
+                  "address", "threads", "ingress", "ingress_replicas")  # fmt: skip
 
 
 def resolve_api_key(args: argparse.Namespace) -> str | None:
@@ -343,7 +347,8 @@ def serve_cluster(args: argparse.Namespace, model_dir: Path, api_key: str | None
             max_waiting=args.max_waiting, replicas=args.replicas or 1,
             min_replicas=args.min_replicas, max_replicas=args.max_replicas,
             target_ongoing_requests=args.target_ongoing_requests, threads=args.threads,
-            gpus_per_replica=args.gpus_per_replica, drain_timeout=args.drain_timeout,
+            gpus_per_replica=args.gpus_per_replica, ingress_replicas=args.ingress_replicas,
+            drain_timeout=args.drain_timeout,
             stream_interval=args.stream_interval,
             metrics_auth=args.metrics_auth,
         )  # fmt: skip

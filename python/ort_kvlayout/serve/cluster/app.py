@@ -15,7 +15,11 @@ Deployments:
   plus its queue plus one, so that the engine, not Ray, answers the request past its queue
   (503, as the single server does).
 * `OpenAIIngress` (ingress.py): server.py's app over the replicas; the API key reaches it as a
-  SHA-256 digest (`ORT_KVLAYOUT_API_KEY` where the application is built).
+  SHA-256 digest (`ORT_KVLAYOUT_API_KEY` where the application is built). `ingress_replicas`
+  of it: by default one on the CPU, where every process shares the replicas' cores, and on CUDA
+  as many as the most engine replicas, so that no single Python process carries the tokens of
+  every GPU (Ray Serve LLM autoscales its ingress on ongoing requests). HAProxy, or Ray's
+  proxy, spreads the connections over them; each routes to any engine replica.
 
 Ray's defaults stand where not said: autoscaling's `upscale_delay_s` 30 s and
 `downscale_delay_s` 600 s, health checks every 10 s, a dead replica restarted by the controller.
@@ -48,7 +52,8 @@ class ClusterOptions:
     drain_timeout: seconds a stopping replica's requests may run. stats_period: seconds
     between a replica's stats reports (routing, /metrics). stream_interval: seconds a replica
     gathers a stream's tokens into one message after its first (replica.py says why; 0: each
-    step's alone)."""
+    step's alone). ingress_replicas: HTTP ingress replicas (None: 1 on the CPU, on CUDA the
+    most engine replicas; the module docstring says why)."""
 
     model_dir: str
     model_id: str | None = None
@@ -68,6 +73,7 @@ class ClusterOptions:
     target_ongoing_requests: float | None = None
     threads: int | None = None
     gpus_per_replica: float = 1.0
+    ingress_replicas: int | None = None
     drain_timeout: float = 30.0
     stats_period: float = 0.5
     stream_interval: float = 0.05
@@ -92,6 +98,8 @@ class ClusterOptions:
             raise ValueError(f"autoscaling needs 1 <= min_replicas <= max_replicas, got {lo}, {hi}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.ingress_replicas is not None and self.ingress_replicas < 1:
+            raise ValueError(f"ingress_replicas must be >= 1, got {self.ingress_replicas}")
         if self.target_ongoing_requests is not None and self.target_ongoing_requests <= 0:
             raise ValueError(
                 f"target_ongoing_requests must be > 0, got {self.target_ongoing_requests}"
@@ -118,6 +126,13 @@ class ClusterOptions:
             return self.replicas, self.replicas
         lo = self.min_replicas if self.min_replicas is not None else 1
         return lo, self.max_replicas if self.max_replicas is not None else lo
+
+    @property
+    def ingress_count(self) -> int:
+        """HTTP ingress replicas (ingress_replicas, or its default)."""
+        if self.ingress_replicas is not None:
+            return self.ingress_replicas
+        return 1 if self.provider == "cpu" else self.replica_range[1]
 
     @property
     def budget(self) -> tuple[int | None, float | None]:
@@ -192,10 +207,12 @@ def replica_options(opts: ClusterOptions, cores: int | None = None) -> dict:
 
 
 def ingress_options(opts: ClusterOptions) -> dict:
-    """OpenAIIngress's options: it waits on the replicas (no CPU reserved), and takes every
-    request they can hold (Ray's default of 5 ongoing would cap the whole cluster)."""
+    """OpenAIIngress's options: `ingress_count` replicas, each waiting on the engine replicas
+    (no CPU reserved) and taking every request they can hold (Ray's default of 5 ongoing would
+    cap the whole cluster; HAProxy need not spread the connections evenly)."""
     hi = opts.replica_range[1]
     return {
+        "num_replicas": opts.ingress_count,
         "max_ongoing_requests": max(100, hi * (opts.max_batch + opts.max_waiting + 1)),
         "ray_actor_options": {"num_cpus": 0},
         "graceful_shutdown_timeout_s": opts.drain_timeout,
