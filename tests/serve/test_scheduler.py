@@ -3,6 +3,9 @@ session or cache. A cache here commits whole granules of GRANULE rows per slot, 
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+from ort_kvlayout.serve.batching import resolve_buckets
 from ort_kvlayout.serve.scheduler import (
     Limits,
     Running,
@@ -204,3 +207,62 @@ def test_a_step_plan_holds_admissions_as_hold_admissions_says():
     full = slots[:15] + [decoding(15, 10)]
     assert plan_step(full, one, held, limits, commit_bytes).admitted == []
     assert not plan_step(slots, [], held, limits, commit_bytes).held
+
+
+@st.composite
+def step_inputs(draw):
+    """Slots (free, or running with rows cached and a sequence of at most the capacity), the
+    rows each holds, waiting requests (newer than every running one) and limits."""
+    capacity = 64
+    n = draw(st.integers(1, 8))
+    slots, held = [], []
+    for arrival in range(n):
+        if draw(st.booleans()):
+            slots.append(None)
+            held.append(draw(st.sampled_from([0, 1])))  # a freed slot may keep its row 0
+            continue
+        length = draw(st.integers(1, capacity))
+        cached = draw(st.integers(0, length - 1))
+        slots.append(Running(arrival, cached, length))
+        held.append(cached)
+    waiting = [(n + i, draw(st.integers(1, capacity))) for i in range(draw(st.integers(0, 4)))]
+    limits = Limits(
+        budget=draw(st.integers(16, 600)) * ROW, capacity=capacity,
+        prefill_chunk=draw(st.integers(1, 64)), slack=draw(st.integers(0, 4)),
+        buckets=resolve_buckets(draw(st.sampled_from([(), (1, 2, 4)])), n),
+        packed=draw(st.booleans()),
+        prefill_wait=draw(st.sampled_from([0, 2])),
+    )  # fmt: skip
+    return slots, held, waiting, limits, draw(st.integers(0, 3))
+
+
+@given(step_inputs())
+def test_every_step_plan_keeps_the_rules(inputs):
+    """Whatever the slots and the queue: the oldest waiting take the lowest free slots (or all
+    wait, held), the victims are the newest running requests, what runs fits the budget unless
+    one request runs alone, and the decode span and chunks are those of what runs."""
+    slots, held, waiting, limits, waited = inputs
+    plan = plan_step(slots, waiting, held, limits, commit_bytes, waited)
+    free = [s for s, r in enumerate(slots) if r is None]
+    assert plan.admitted == free[: len(plan.admitted)] and len(plan.admitted) <= len(waiting)
+    assert not (plan.held and plan.admitted)
+    admitted = dict(zip(plan.admitted, waiting))
+    for s, r in enumerate(plan.view):
+        if s in plan.fit.victims:
+            assert r is None
+        elif s in admitted:
+            assert r == Running(admitted[s][0], 0, admitted[s][1])
+        else:
+            assert r == slots[s]
+    before = [r for r in [*slots, *(Running(a, 0, n) for a, n in waiting)] if r is not None]
+    kept = [r for r in plan.view if r is not None]
+    gone = [r for r in before if r not in kept and r.arrival < len(slots) + len(plan.admitted)]
+    assert all(g.arrival > k.arrival for g in gone for k in kept)  # the newest go first
+    after = [min(h, 1) if s in plan.fit.victims else h for s, h in enumerate(held)]
+    if len(kept) > 1:
+        assert need_bytes(plan.fit.rows, after, commit_bytes) <= limits.budget
+    assert plan.span == decode_span(plan.view, plan.fit.padded, limits)
+    assert plan.chunks == prefill_chunks(plan.view, limits.prefill_chunk)
+    for s, take in plan.chunks:
+        r = plan.view[s]
+        assert r.length - r.cached != 1 and 1 <= take <= r.length - r.cached
