@@ -509,9 +509,11 @@ def run_server(args, items: list[Item]) -> dict:
             cmd += ["--gpus-per-replica", str(args.gpus_per_replica)]
         if args.variant.ingress != "auto":
             cmd += ["--ingress", args.variant.ingress]
+    launched = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         _await_server(proc, port, items[0].prompt[:8])
+        ready = time.monotonic() - launched
         _warm_burst(port, items, args.max_batch * (args.variant.replicas or 1))
         before = process_cpu(proc.pid)
         run = Run(items, args.deadline, args.stall_timeout)
@@ -522,6 +524,7 @@ def run_server(args, items: list[Item]) -> dict:
         proc.terminate()
         proc.wait(60)
     result = run.result()
+    result["ready_s"] = round(ready, 2)
     if cpu is not None:
         result["cpu_s"] = cpu
     result.update(
@@ -571,6 +574,19 @@ def process_cpu(pid: int, since: dict | None = None) -> dict[str, float] | None:
         out[group] = out.get(group, 0.0) + spent
     out = {g: round(v, 3) for g, v in sorted(out.items())}
     return out if since is not None else {**out, "_by_pid": by_pid}
+
+
+def ready_note(results: dict) -> str | None:
+    """How long each served system took from its launch to its first answered request (the
+    median of its runs), or None where none was served."""
+    parts = []
+    for name, r in results.items():
+        runs = r.get("runs_ready_s") or ([r["ready_s"]] if "ready_s" in r else [])
+        if runs:
+            parts.append(f"{name} {sorted(runs)[len(runs) // 2]:.1f} s")
+    if not parts:
+        return None
+    return "Launch to the first answered request (median of the runs): " + ", ".join(parts) + "."
 
 
 def cpu_note(results: dict) -> list[str]:
@@ -946,6 +962,8 @@ def table(results: dict) -> str:
     if cpu := cpu_note(results):
         rows += ["", "CPU of the served system's processes, from its first request to its last:",
                  "", *cpu]  # fmt: skip
+    if ready := ready_note(results):
+        rows += ["", ready]
     return "\n".join(rows)
 
 
@@ -1332,6 +1350,8 @@ def main(argv: list[str] | None = None) -> int:
         results[label] = dict(rs[len(rs) // 2])
         results[label]["runs_output_throughput"] = [r["output_throughput"] for r in rs]
         results[label]["runs_in_order"] = in_order
+        if any("ready_s" in r for r in rs):
+            results[label]["runs_ready_s"] = [r.get("ready_s") for r in runs[label]]
     for peer in ("genai", "genai-paged"):
         if "engine" in results and peer in results:
             theirs = results[peer]["output_throughput"]  # 0: a peer that stalled before a token

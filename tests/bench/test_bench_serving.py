@@ -88,7 +88,8 @@ def test_shapes():
 
 def test_end_to_end_on_a_tiny_random_llama(tmp_path, capsys):
     """The whole path on the CPU: the builder makes the model from random weights, the
-    patcher its seq-major copy, and the workload runs through the engine and og.Engine."""
+    patcher its seq-major copy, and the workload runs through the engine, the server (its
+    launch timed) and og.Engine."""
     pytest.importorskip("onnxruntime_genai")
     pytest.importorskip("transformers")
     from serve_util import library_or_skip
@@ -97,7 +98,7 @@ def test_end_to_end_on_a_tiny_random_llama(tmp_path, capsys):
     out = tmp_path / "result.json"
     argv = ["--model-shape", "tiny-llama", "--build-dir", str(tmp_path / "models"),
             "--dataset", "long", "--input-range", "16,48", "--output-range", "3,6",
-            "--num-requests", "5", "--max-batch", "2", "--systems", "engine,genai",
+            "--num-requests", "5", "--max-batch", "2", "--systems", "engine,server,genai",
             "--json", str(out)]  # fmt: skip
     assert bench.main([*argv, "--dry-run"]) == 0
     assert "workload long: 5 requests" in capsys.readouterr().out
@@ -105,10 +106,15 @@ def test_end_to_end_on_a_tiny_random_llama(tmp_path, capsys):
     record = json.loads(out.read_text())
     assert record["model_shape"] == "tiny-llama" and record["weights"].startswith("random")
     assert record["workload"]["input_range"] == [16, 48]
-    for system in ("engine", "genai"):
+    for system in ("engine", "server", "genai"):
         r = record["results"][system]
         assert r["completed"] == 5 and 15 <= r["output_tokens"] <= 30
     assert record["results"]["engine"]["output_throughput_vs_genai"] > 0
+    server = record["results"]["server"]
+    assert 0 < server["ready_s"] < 300 and server["runs_ready_s"] == [server["ready_s"]]
+    assert "ready_s" not in record["results"]["engine"]  # in-process: nothing launched
+    ready = f"Launch to the first answered request (median of the runs): server {server['ready_s']:.1f} s."
+    assert ready in capsys.readouterr().out
 
 
 def test_repeated_runs_keep_their_order_beside_the_median(tmp_path):
