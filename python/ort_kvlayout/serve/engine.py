@@ -96,6 +96,7 @@ from .batching import bucket_for, decode_rows, resolve_buckets
 from .detokenizer import IncrementalText
 from .engine_config import EngineConfig
 from .executor import NONFINITE_LOGITS, Executor
+from .publisher import LATER, Publisher, decode_failure
 from .requests import (
     EngineClosed,
     EngineOverloaded,
@@ -103,7 +104,6 @@ from .requests import (
     RequestHandle,
     RequestParams,
     RequestTooLarge,
-    put_all,
 )
 from .scheduler import (
     Limits,
@@ -126,7 +126,6 @@ __all__ = [
 ]
 
 
-_LATER = object()  # an event's text, decoded when the event is handed over (_flush)
 _log = logging.getLogger(__name__)
 
 
@@ -172,11 +171,6 @@ def _chunk_row(r: _Request, start: int, take: int) -> tuple[tuple[list[int], int
 def _ends_by_length(r: _Request | None) -> bool:
     """Whether r's next token (the one in flight) is its last by max_tokens."""
     return r is not None and r.generated + 1 >= r.params.max_tokens
-
-
-def _decode_failure(exc: BaseException) -> str:
-    """The error a request ends with when its tokenizer raised decoding its text."""
-    return f"decoding the text failed: {type(exc).__name__}: {exc}"
 
 
 class Engine:
@@ -239,15 +233,6 @@ class Engine:
         self._inbox: list[tuple[str, object]] = []
         self._cond = threading.Condition()
         self._ids = itertools.count(1)
-        self._outbox: list[tuple] = []  # events of this step (_deliver)
-        self._failed: set[int] = set()  # requests whose callback raised: cancelled, events dropped
-        self._broken: set[int] = set()  # requests whose text failed to decode: ended, no text
-        # overlap: (snapshot, events) of each step, published by a thread of their own, at most
-        # one step behind (the engine waits for the last hand-over before the next: a publisher
-        # starved of the CPU must not let events, and a raising callback's cancel, lag for long)
-        self._handoff: queue.SimpleQueue | None = queue.SimpleQueue() if config.overlapped else None
-        self._handoff_free = threading.Semaphore(1)
-        self._publisher: threading.Thread | None = None
         self.executor = Executor(
             self.runtime, self.cache, config.graphs,
             served.inputs if served is not None else None, self.packed,
@@ -260,6 +245,11 @@ class Engine:
             else None
         )
         self._counters = collections.Counter()
+        # each step's stats, then its events, to the readers (publisher.py); with overlap on a
+        # thread of its own, at most one step behind
+        self.publisher = Publisher(
+            config.overlapped, self.executor.profile, self._counters, self._post, self._show
+        )
         # the next step's prefill call, prepared by the pipeline's helper during the last call
         self._ahead_call: _AheadCall | None = None
         self._peak_running = 0
@@ -369,11 +359,7 @@ class Engine:
     # Any thread
 
     def start(self) -> None:
-        if self._handoff is not None and self._publisher is None:
-            self._publisher = threading.Thread(
-                target=self._publish_loop, name="ort-kvlayout-publisher", daemon=True
-            )
-            self._publisher.start()
+        self.publisher.start()
         self._started = True
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="ort-kvlayout-engine")
@@ -464,7 +450,7 @@ class Engine:
         from an event loop's thread)."""
         if self._thread is None and not self._closing:  # nothing would ever run it
             raise RuntimeError("the engine is not started: call start() (Engine(start=False))")
-        if threading.current_thread() in (self._thread, self._publisher):
+        if threading.current_thread() in (self._thread, self.publisher.thread):
             raise RuntimeError(
                 "generate() waits for the engine's thread and cannot be called from an "
                 "on_event callback (which runs there); submit() from it instead"
@@ -506,12 +492,8 @@ class Engine:
             for kind, item in inbox:
                 if kind == "submit":
                     self._finish(item, "cancelled")  # type: ignore[arg-type]
-            outbox, self._outbox = self._outbox, []
-            self._flush(outbox)
-        if self._publisher is not None:  # every event handed over before close returns
-            self._handoff.put(None)
-            self._publisher.join(timeout)
-            self._publisher = None
+            self.publisher.flush()
+        self.publisher.close(timeout)  # every event handed over before close returns
         if self._ahead is not None:
             self._ahead.shutdown(wait=True)
         self.executor.close()
@@ -566,37 +548,25 @@ class Engine:
                 message = f"{type(exc).__name__}: {exc}"
                 for r in self._running():
                     self._finish(r, "error", error=message)
-            if self._handoff is None or not self._has_work():
+            if not self.publisher.overlapped or not self._has_work():
                 self._publish()  # else before the next step's calls
 
     def _publish(self) -> None:
-        """The stats as of now, then the queued events (so a reader that sees its last event
+        """The stats as of now, then the step's events (so a reader that sees its last event
         also sees stats() without its request): here, or with overlap on the publisher."""
-        snapshot = self._make_snapshot()
-        outbox, self._outbox = self._outbox, []
-        if self._handoff is not None:
-            t = time.perf_counter_ns()
-            self._handoff_free.acquire()  # the last hand-over is done
-            self.executor.profile.add("wait", t)
-            self._handoff.put((snapshot, outbox))
-            return
+        self.publisher.publish(self._make_snapshot())
+
+    def _show(self, snapshot: dict) -> None:
+        """The stats that stats() returns from now on (the publisher's, before its events)."""
         with self._cond:
             self._snapshot = snapshot
-        self._flush(outbox)
 
-    def _publish_loop(self) -> None:
-        """The publisher thread (overlap): each step's stats, then its events, in step order."""
-        while (item := self._handoff.get()) is not None:
-            snapshot, outbox = item
-            with self._cond:
-                self._snapshot = snapshot
-            try:
-                self._flush(outbox)
-            except Exception:  # noqa: BLE001 -- a bug; the publisher must outlive it
-                self._counters["publish_errors"] += 1
-                _log.exception("ort-kvlayout engine: handing events over failed")
-            finally:
-                self._handoff_free.release()
+    def _post(self, kind: str, item: object) -> None:
+        """A message to the loop's inbox from another thread (the publisher's cancels and
+        failures of one request)."""
+        with self._cond:
+            self._inbox.append((kind, item))
+            self._cond.notify()
 
     def _has_work(self) -> bool:
         return bool(self._waiting) or any(r is not None for r in self._slots)
@@ -634,83 +604,17 @@ class Engine:
         if r in self._waiting:
             self._waiting.remove(r)
         if flush and r.text is not None:
-            text = _LATER if r.generated else ""
-            if text is _LATER and r.text.stops:
+            text = LATER if r.generated else ""
+            if text is LATER and r.text.stops:
                 try:
                     text = r.text.delta(r.seq, final=True)[0]
                 except Exception as exc:  # noqa: BLE001 -- the tokenizer's code, r's problem only
                     self._counters["detokenize_errors"] += 1
                     text = None
                     if error is None:
-                        reason, error = "error", _decode_failure(exc)
+                        reason, error = "error", decode_failure(exc)
         self._counters[f"finished_{reason}"] += 1
-        self._deliver(r, token, text, reason, error)
-
-    def _deliver(
-        self, r: _Request, token: int | None, text, reason: str | None = None,
-        error: str | None = None,
-    ) -> None:  # fmt: skip
-        """Queues an event for r's reader (text _LATER: decoded when handed over, as of r's
-        tokens now): the loop hands them over after the step's counters are published
-        (_publish)."""
-        self._outbox.append((r, token, text, reason, error, r.generated, len(r.seq)))
-
-    def _flush(self, outbox: list[tuple]) -> None:
-        """Decodes the events' text and hands them over, in order; a callback that raises is
-        that request's problem only: it is cancelled at the next step (its later events
-        dropped), the other requests go on. On the engine thread, or on the publisher (which
-        alone then touches the text of requests without stop strings, and _failed)."""
-        if not outbox:
-            return
-        t = time.perf_counter_ns()
-        loops: dict[asyncio.AbstractEventLoop, list] = {}  # async readers: one call per loop
-        for r, token, text, reason, error, generated, upto in outbox:
-            if r.id in self._failed:
-                if reason is not None:  # its end, recorded without calling the callback again
-                    self._failed.discard(r.id)
-                    r.handle._take(Event(r.id, token, None, reason, r.prompt_len, generated, error))
-                continue
-            if text is _LATER:
-                text = self._decode_text(r, reason is not None, upto)
-            if reason is not None:
-                self._broken.discard(r.id)
-            event = Event(r.id, token, text, reason, r.prompt_len, generated, error)
-            handle = r.handle
-            if handle._async is not None and handle._loop is not None:
-                loops.setdefault(handle._loop, []).append((handle, event))
-                continue
-            try:
-                handle._push(event)
-            except Exception:  # noqa: BLE001 -- the caller's code, not the engine's
-                self._counters["callback_errors"] += 1
-                if reason is None:
-                    self._failed.add(r.id)
-                    with self._cond:  # the calls may be running: the slot is freed between steps
-                        self._inbox.append(("cancel", r.id))
-                        self._cond.notify()
-        for loop, items in loops.items():
-            try:
-                loop.call_soon_threadsafe(put_all, items)
-            except RuntimeError:  # the loop is closed: nobody listens any more
-                pass
-        self.executor.profile.add("publish", t)  # decoding, the readers' queues and callbacks
-
-    def _decode_text(self, r: _Request, final: bool, upto: int) -> str | None:
-        """r's new text as of token upto - 1; a tokenizer that raises ends r with an error (its
-        events from then on carry no text), not the thread that hands events over."""
-        if r.id in self._broken:
-            return None
-        try:
-            return r.text.delta(r.seq, final=final, upto=upto)[0]
-        except Exception as exc:  # noqa: BLE001 -- the tokenizer's code, one request's problem
-            self._broken.add(r.id)
-            self._counters["detokenize_errors"] += 1
-            if not final:
-                with self._cond:
-                    message = _decode_failure(exc)
-                    self._inbox.append(("fail", (r.id, message)))
-                    self._cond.notify()
-            return None
+        self.publisher.deliver(r, token, text, reason, error)
 
     # --- memory ------------------------------------------------------------------------------
     def _view(self) -> list[Running | None]:
@@ -844,7 +748,7 @@ class Engine:
             else:
                 calls += [self._prefill_call(r, take) for r, take in chunks]
         ahead = self._rows_ahead(view, chunks) if self._ahead is not None else None
-        if self._handoff is not None:
+        if self.publisher.overlapped:
             self._publish()  # the last step's events go out while these calls run
         if ahead is not None:  # after the snapshot (_publish reads the cache's counters)
             ahead = self._ahead.submit(self._ensure_ahead, ahead)
@@ -1319,20 +1223,20 @@ class Engine:
             reason = "length"
         text = None
         if r.text is not None:
-            text = _LATER  # decoded when handed over, off the step's critical path
+            text = LATER  # decoded when handed over, off the step's critical path
             if r.text.stops:  # now: a stop string ends the request before its next step
                 try:
                     text, hit = r.text.delta(r.seq, final=reason is not None)
                 except Exception as exc:  # noqa: BLE001 -- the tokenizer's code, r's problem only
                     self._counters["detokenize_errors"] += 1
-                    self._finish(r, "error", token=token, error=_decode_failure(exc), flush=False)
+                    self._finish(r, "error", token=token, error=decode_failure(exc), flush=False)
                     return
                 if hit and reason is None:
                     reason = "stop"  # the text ends before the stop string
         if reason is not None:
             self._finish(r, reason, token=token, text=text, flush=False)
         else:
-            self._deliver(r, token, text)
+            self.publisher.deliver(r, token, text)
 
     def _make_snapshot(self) -> dict:
         st = self.cache.stats if not self.cache.closed else None
