@@ -31,7 +31,7 @@ from .requests import Event, put_all
 __all__ = ["LATER", "Publisher", "decode_failure"]
 
 LATER = object()  # an event's text, decoded when the event is handed over
-_log = logging.getLogger("ort_kvlayout.serve.engine")
+_log = logging.getLogger(__name__)
 
 
 def decode_failure(exc: BaseException) -> str:
