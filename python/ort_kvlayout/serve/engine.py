@@ -10,7 +10,8 @@ One thread (the engine loop) owns the ORT session and the cache; `submit` and `c
 called from any thread and only post to its inbox. The model calls run through the executor
 (executor.py) on the served graph (model/serving_graph.py: lengths in, logits only at the
 sampled rows, tokens chosen on the device; only ids read back) unless `sample_on_device` is
-False or the graph does not allow it. Each step:
+False or the graph does not allow it. Each step, planned by scheduler.plan_step (a pure
+function of the slots and the queue) and applied by the loop:
 
 1. Admission. Waiting requests (oldest first) take the lowest free slot while the step's KV need
    plus their whole sequence fits the budget (`kv_budget_bytes`).
@@ -44,7 +45,7 @@ the granule under its row 0, kept until the next step for its next request or sc
 waiting request reuses the slot in place (0 bytes moved). Events reach their readers after the
 step's counters are published. With `overlap` (the CUDA default) that work leaves the step's
 critical path: the engine thread plans a step, passes the previous step's stats and events to a
-publisher thread, and runs the step's calls, during which (ORT's Run releases the GIL) the
+publisher thread (publisher.py), and runs the step's calls, during which (ORT's Run releases the GIL) the
 publisher decodes the events' text and hands them over. A stop string is still checked as its
 token comes (a request with stop strings has its text decoded at once), so no request runs a
 step past its end.
