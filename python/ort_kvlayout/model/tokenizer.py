@@ -35,7 +35,9 @@ def _pp_api():
     afterwards inherits. pp_api needs the package's compiled module alone. The package's module,
     made from its spec without running it, stands in sys.modules while pp_api loads and is
     removed again: a later `import onnxruntime_extensions` runs the real __init__, which finds
-    the compiled module loaded (it is initialized once)."""
+    the compiled module loaded (it is initialized once). Another thread importing the package
+    for the first time in the same milliseconds would get the stand-in: tokenizers load as a
+    process starts, before its threads serve."""
     import importlib
     import importlib.util
     import sys
