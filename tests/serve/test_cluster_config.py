@@ -193,6 +193,15 @@ def test_cli_refuses_an_ingress_for_a_joined_cluster(model):
     assert "RAY_SERVE_ENABLE_HA_PROXY" in r.stderr
 
 
+def completion_tokens(url: str, prompt: str, max_tokens: int = 3) -> int:
+    """A non-streamed /v1/completions of model "tiny" through `url`: its completion tokens."""
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens}).encode()
+    req = urllib.request.Request(url + "/v1/completions", body,
+                                 {"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())["usage"]["completion_tokens"]
+
+
 def test_cli_proxy_ingress_serves(model):
     """--ingress proxy: Ray's Python proxy actor, no HAProxy; the same API."""
     pytest.importorskip("ray.serve")
@@ -202,12 +211,7 @@ def test_cli_proxy_ingress_serves(model):
         proc.wait_ready(timeout=180)
         tree = psutil.Process(proc.proc.pid).children(recursive=True)
         assert tree and not any(p.name() == "haproxy" for p in tree)
-        body = json.dumps({"model": "tiny", "prompt": "abc", "max_tokens": 3}).encode()
-        req = urllib.request.Request(proc.url + "/v1/completions", body,
-                                     {"Content-Type": "application/json"})  # fmt: skip
-        with urllib.request.urlopen(req, timeout=60) as r:
-            answer = json.loads(r.read())
-        assert answer["usage"]["completion_tokens"] == 3
+        assert completion_tokens(proc.url, "abc") == 3
     finally:
         code, _, err = proc.stop(timeout=120)
     assert code == 0, err
@@ -224,16 +228,9 @@ def test_cli_two_ingress_replicas_serve(model):
         tree = psutil.Process(proc.proc.pid).children(recursive=True)
         ingresses = [p for p in tree if "OpenAIIngress" in " ".join(p.cmdline())]
         assert len(ingresses) == 2, [p.cmdline() for p in tree]
-
-        def complete(i: int) -> int:
-            body = json.dumps({"model": "tiny", "prompt": f"abc {i}", "max_tokens": 3}).encode()
-            req = urllib.request.Request(proc.url + "/v1/completions", body,
-                                         {"Content-Type": "application/json"})  # fmt: skip
-            with urllib.request.urlopen(req, timeout=60) as r:
-                return json.loads(r.read())["usage"]["completion_tokens"]
-
         with ThreadPoolExecutor(8) as pool:
-            assert list(pool.map(complete, range(16))) == [3] * 16
+            prompts = [f"abc {i}" for i in range(16)]
+            assert list(pool.map(lambda p: completion_tokens(proc.url, p), prompts)) == [3] * 16
         with urllib.request.urlopen(proc.url + "/metrics", timeout=30) as r:
             assert 'replica="' in r.read().decode()
     finally:

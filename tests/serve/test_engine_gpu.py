@@ -235,7 +235,7 @@ def test_quantized_caches_on_cuda_equal_runtime_alone(tmp_path, quant):
     (a float32 scale cache beside each KV cache, committed and bound with it). The same tokens
     as Runtime alone on the same model (or a near-tie), the budget's bytes a token those of the
     codes and the scales, every granule back."""
-    from ort_kvlayout.serve.engine import Engine, EngineConfig
+    from ort_kvlayout.serve.engine import EngineConfig
     from ort_kvlayout.tools.patch import patch_model_dir
 
     base = {"layers": 2, "float16": True, "head_size": 64, "seed": 3}
@@ -249,10 +249,10 @@ def test_quantized_caches_on_cuda_equal_runtime_alone(tmp_path, quant):
         max_batch=3, prefill_chunk=8, provider=DEVICE, granule=GRANULE, pipeline=True,
         **ENGINE_GRAPHS["packed"], **_graph_config(True),
     )  # fmt: skip
-    stats = _burst_equals_alone(model, config, _alone(model))
+    seen = {}
+    stats = _burst_equals_alone(model, config, _alone(model), lambda e: seen.update(kv=e.spec.kv))
     _assert_ended_whole(stats)
-    with Engine(model, config, start=False) as engine:
-        kv = engine.spec.kv
+    kv = seen["kv"]
     assert kv.bits == 8 and kv.quant == quant.split("-", 1)[1].replace("-", "_")
     codes = kv.kv_heads * kv.head_dim * kv.buffers  # one byte a value
     scales = 4 * kv.kv_heads * kv.buffers if kv.quant == "per_token" else 0
